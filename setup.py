@@ -1,0 +1,47 @@
+"""bertfast packaging.
+
+kernels/ is installed as ``bertfast.kernels`` (never a top-level ``kernels``: Hugging Face
+publishes a package of that name). The CUDA extension ``bertfast._C`` is built from csrc/
+when nvcc is present; see ``BERTFAST_BUILD_CUDA`` in ``cuda_build.py``.
+"""
+import os
+import sys
+
+from setuptools import setup
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_build import cuda_extension_kwargs  # noqa: E402
+
+setup(
+    name="bertfast",
+    version="0.1.0",
+    description="Fused Triton and CUDA C++ kernels under a drop-in Hugging Face BERT API",
+    long_description=open("README.md").read() if os.path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=["bertfast", "bertfast.ops", "bertfast.kernels", "bertfast.data", "bertfast.bench"],
+    package_dir={"bertfast": "bertfast", "bertfast.kernels": "kernels"},
+    package_data={"bertfast.data": ["*.txt"]},
+    install_requires=[
+        "torch>=2.4",
+        "numpy",
+        "safetensors>=0.4",
+        "tqdm",
+    ],
+    extras_require={
+        "triton": ["triton>=3.0"],
+        "hf": ["transformers>=4.40"],
+        "train": ["tokenizers>=0.15", "matplotlib"],
+        "bench": ["matplotlib", "pytest-benchmark"],
+        "test": [
+            "pytest",
+            "pytest-benchmark",
+            "transformers>=4.40",
+            "tokenizers>=0.15",
+            "matplotlib",
+            "triton>=3.0",
+        ],
+    },
+    entry_points={"console_scripts": ["bertfast=bertfast.cli:main"]},
+    **cuda_extension_kwargs(),
+)
