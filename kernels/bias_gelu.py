@@ -1,0 +1,195 @@
+"""Fused bias + GELU after the FFN up-projection, forward and backward.
+
+Math, elementwise on z = x + bias (bias broadcast over rows), in fp32 after upcasting loads:
+
+  exact (approximate='none', BERT's):
+    y     = z * Phi(z),                 Phi(z) = (1 + erf(z / sqrt(2))) / 2
+    dy/dz = Phi(z) + z * phi(z),        phi(z) = exp(-z^2 / 2) / sqrt(2 pi)
+  tanh (approximate='tanh'):
+    k     = sqrt(2 / pi) * (z + 0.044715 z^3)
+    y     = z * (1 + tanh(k)) / 2 = z * s,      s = sigmoid(2k)
+    dy/dz = s + z * 2 s (1 - s) * sqrt(2 / pi) * (1 + 3 * 0.044715 z^2)
+
+  backward: dx = dy * dy/dz;  dbias = sum_rows dx.
+  dbias: each program owns a block of rows and a block of columns and writes its fp32 column
+  sums to one row of a [G, F] buffer; one reduction over G follows. No atomics.
+
+Limits: any F, any number of rows; x and dy 2-D with unit column stride (rows may be strided,
+stride(0) >= F), anything else is a ValueError. Outputs are contiguous, in x's dtype; dbias
+takes bias's dtype.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import FLOAT_DTYPES, check_tensor, interpreting
+from .layer_norm import check_rows, n_bucket, row_stride, _sm_count
+
+_MAX_ROWS_PER_TILE = 16
+
+
+# --------------------------------------------------------------------------- kernels
+@triton.jit
+def _gelu_and_grad(z, APPROX_TANH: tl.constexpr, NEED_GRAD: tl.constexpr):
+    """(GELU(z), dGELU/dz) for fp32 z; the gradient is 0 unless NEED_GRAD.
+
+    Constants: sqrt(2/pi) = 0.7978845608028654, 3 * 0.044715 = 0.134145,
+    1/sqrt(2) = 0.7071067811865476, 1/sqrt(2 pi) = 0.3989422804014327.
+    """
+    if APPROX_TANH:
+        k = 0.7978845608028654 * (z + 0.044715 * z * z * z)
+        # s = sigmoid(2k) and 1 - s = e * s with e = exp(-2k), clamped so e stays finite;
+        # using e * s rather than 1 - s avoids cancellation where s is close to 1.
+        e = tl.exp(tl.minimum(-2.0 * k, 80.0))
+        s = 1.0 / (1.0 + e)
+        y = z * s
+        grad = 0.0
+        if NEED_GRAD:
+            grad = s + z * 2.0 * s * (e * s) * 0.7978845608028654 * (1.0 + 0.134145 * z * z)
+    else:
+        cdf = 0.5 * (1.0 + tl.erf(z * 0.7071067811865476))
+        y = z * cdf
+        grad = 0.0
+        if NEED_GRAD:
+            grad = cdf + z * tl.exp(-0.5 * z * z) * 0.3989422804014327
+    return y, grad
+
+
+@triton.jit
+def _bias_gelu_fwd_kernel(
+    X,     # [N, F] input, row stride stride_x, column stride 1
+    BIAS,  # [F]
+    Y,     # [N, F] output, contiguous
+    N, F, stride_x,
+    n_bucket,  # autotune key only
+    APPROX_TANH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    col_ok = cols < F
+    mask = (rows < N)[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    z = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    z += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    y, _ = _gelu_and_grad(z, APPROX_TANH, False)
+    tl.store(Y + rows64 * F + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bias_gelu_bwd_kernel(
+    DY,     # [N, F] upstream gradient, row stride stride_dy
+    X,      # [N, F] forward input, row stride stride_x
+    BIAS,   # [F]
+    DX,     # [N, F] gradient of x, contiguous
+    DBIAS_PART,  # [G, F] fp32 column sums of dx, one row per row-group (program_id(0))
+    N, F, stride_dy, stride_x, rows_per_program,
+    n_bucket,  # autotune key only
+    APPROX_TANH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
+):
+    group = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    col_ok = cols < F
+    b = tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)
+    row_start = group * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, N)
+    acc = tl.zeros([BLOCK_N, BLOCK_F], dtype=tl.float32)
+    for n0 in range(row_start, row_end, BLOCK_N):
+        rows = n0 + tl.arange(0, BLOCK_N)
+        mask = (rows < row_end)[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)[:, None]
+        z = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32) + b[None, :]
+        dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        _, grad = _gelu_and_grad(z, APPROX_TANH, True)
+        dx = dy * grad  # 0 where masked, since dy is
+        tl.store(DX + rows64 * F + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        acc += dx
+    tl.store(DBIAS_PART + group * F + cols, tl.sum(acc, axis=0), mask=col_ok)
+
+
+# --------------------------------------------------------------------------- launch configs
+def _tile_configs(max_rows: int):
+    return [triton.Config({"BLOCK_N": n, "BLOCK_F": f}, num_warps=w)
+            for n in (1, 2, 4, 8, 16) if n <= max_rows
+            for f in (256, 512, 1024, 2048)
+            for w in (4, 8)]
+
+
+def _prune_tiles(configs, named_args, **kwargs):
+    """Tiles of 1K..8K elements, 4..32 per thread, and no wider than F needs."""
+    f_cap = max(256, triton.next_power_of_2(named_args["F"]))
+    kept = [c for c in configs
+            if c.kwargs["BLOCK_F"] <= f_cap
+            and 1024 <= c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_F"] <= 8192
+            and 4 <= c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_F"] // (32 * c.num_warps) <= 32]
+    return kept or configs[:1]
+
+
+_fwd_tuned = triton.autotune(configs=_tile_configs(16), key=["F", "n_bucket"],
+                             prune_configs_by={"early_config_prune": _prune_tiles})(_bias_gelu_fwd_kernel)
+_bwd_tuned = triton.autotune(configs=_tile_configs(_MAX_ROWS_PER_TILE), key=["F", "n_bucket"],
+                             prune_configs_by={"early_config_prune": _prune_tiles})(_bias_gelu_bwd_kernel)
+
+
+def _interp_block_f(f: int) -> int:
+    return min(1024, max(16, triton.next_power_of_2(f)))
+
+
+def _row_groups(n: int, device: torch.device):
+    """(G, rows_per_program) for the backward's dbias partials (about two programs per SM over all column blocks)."""
+    target = 3 if device.type != "cuda" else 2 * _sm_count(device.index if device.index is not None
+                                                              else torch.cuda.current_device())
+    rpp = triton.cdiv(triton.cdiv(n, target), _MAX_ROWS_PER_TILE) * _MAX_ROWS_PER_TILE
+    return triton.cdiv(n, rpp), rpp
+
+
+def _check(x: torch.Tensor, bias: torch.Tensor, approximate: str):
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2)
+    n, f = x.shape
+    check_rows("x", x, n, f)
+    check_tensor("bias", bias, dtypes=FLOAT_DTYPES, shape=(f,), device=x.device)
+    if not bias.is_contiguous():
+        raise ValueError(f"bias: expected a contiguous vector, got strides {bias.stride()}")
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"approximate: expected 'none' or 'tanh', got {approximate!r}")
+    return n, f
+
+
+# --------------------------------------------------------------------------- launchers
+def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """y = GELU(x + bias): x [N, F], bias [F] -> y [N, F] in x's dtype."""
+    n, f = _check(x, bias, approximate)
+    y = torch.empty((n, f), dtype=x.dtype, device=x.device)
+    if n == 0 or f == 0:
+        return y
+    args = (x, bias, y, n, f, row_stride(x, f), n_bucket(n))
+    tanh = approximate == "tanh"
+    if interpreting():
+        block_f = _interp_block_f(f)
+        block_n = max(1, min(16, 4096 // block_f))
+        grid = (triton.cdiv(n, block_n), triton.cdiv(f, block_f))
+        _bias_gelu_fwd_kernel[grid](*args, APPROX_TANH=tanh, BLOCK_N=block_n, BLOCK_F=block_f, num_warps=4)
+    else:
+        _fwd_tuned[lambda m: (triton.cdiv(n, m["BLOCK_N"]), triton.cdiv(f, m["BLOCK_F"]))](*args, APPROX_TANH=tanh)
+    return y
+
+
+def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, approximate: str = "none"):
+    """(dx [N, F] in x's dtype, dbias [F] in bias's dtype, summed in fp32) for y = GELU(x + bias)."""
+    n, f = _check(x, bias, approximate)
+    check_rows("dy", dy, n, f, dtypes=(x.dtype,), device=x.device)
+    dx = torch.empty((n, f), dtype=x.dtype, device=x.device)
+    if n == 0 or f == 0:
+        return dx, torch.zeros((f,), dtype=bias.dtype, device=x.device)
+    groups, rpp = _row_groups(n, x.device)
+    part = torch.empty((groups, f), dtype=torch.float32, device=x.device)
+    args = (dy, x, bias, dx, part, n, f, row_stride(dy, f), row_stride(x, f), rpp, n_bucket(n))
+    tanh = approximate == "tanh"
+    if interpreting():
+        block_f = _interp_block_f(f)
+        grid = (groups, triton.cdiv(f, block_f))
+        _bias_gelu_bwd_kernel[grid](*args, APPROX_TANH=tanh, BLOCK_N=4, BLOCK_F=block_f, num_warps=4)
+    else:
+        _bwd_tuned[lambda m: (groups, triton.cdiv(f, m["BLOCK_F"]))](*args, APPROX_TANH=tanh)
+    return dx, part.sum(dim=0).to(bias.dtype)

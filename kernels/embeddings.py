@@ -1,0 +1,293 @@
+"""Fused BERT embeddings on unpadded tokens: gather + sum + LayerNorm + dropout, forward and backward.
+
+Math, per token t (one row of H elements), fp32 after upcasting every load:
+
+  forward
+    h    = word[input_ids[t]] + pos[position_ids[t]] + token_type[token_type_ids[t]]
+    mean = sum(h) / H,   rstd = 1 / sqrt(sum((h - mean)^2) / H + eps)
+    zhat = (h - mean) * rstd
+    y    = (zhat * ln_weight + ln_bias) * keep / (1 - p)     keep as in kernels/layer_norm.py
+  backward (h recomputed from the tables, bit-identical to the forward; keep regenerated)
+    dz         = dy * keep / (1 - p)
+    dln_weight = sum_t dz * zhat,   dln_bias = sum_t dz        (per-program fp32 partials, then a sum)
+    g          = dz * ln_weight
+    dh         = rstd * (g - zhat * sum(g * zhat) / H - sum(g) / H)
+    dword[input_ids[t]] += dh,  dpos[position_ids[t]] += dh    (fp32 atomics into fp32 buffers)
+    dtoken_type[token_type_ids[t]] += dh                       (per-program fp32 partials when the
+                                                               table has <= 4 rows, else atomics)
+  The fp32 buffers are cast to each table's dtype at the end (no copy for fp32 tables).
+  Token-type rows are few (2 in BERT), so every token would hit the same addresses: partials
+  in registers avoid that contention; word and position rows are spread out enough for atomics.
+
+Limits: H <= 8192; ids 1-D int32/int64 of one length T, in range (the caller validates);
+tables 2-D with unit column stride. The dropout counter is (token row, column) as in
+kernels/layer_norm.py, so the keep-mask of token t does not depend on the launch.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import FLOAT_DTYPES, check_tensor, interpreting
+from .layer_norm import (_dropout_keep, block_h_for, check_dropout, check_hidden, check_rows,
+                         interpreter_rows, n_bucket, prune_row_configs, row_groups,
+                         row_tile_configs, row_stride, _MAX_ROWS_PER_TILE)
+
+_MAX_TYPES_IN_REGISTERS = 4
+_ID_DTYPES = (torch.int32, torch.int64)
+
+
+# --------------------------------------------------------------------------- kernels
+@triton.jit
+def _gather_sum(WORD, POS, TT, ids, pids, tids, cols, mask, stride_word, stride_pos, stride_tt):
+    """word[ids] + pos[pids] + tt[tids] as fp32 [BLOCK_M, BLOCK_H]; ids are int64 [BLOCK_M]."""
+    h = tl.load(WORD + ids[:, None] * stride_word + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    h += tl.load(POS + pids[:, None] * stride_pos + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    h += tl.load(TT + tids[:, None] * stride_tt + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return h
+
+
+@triton.jit
+def _embeddings_fwd_kernel(
+    IDS,    # [T] int32/int64 word ids
+    PIDS,   # [T] int32/int64 position ids
+    TIDS,   # [T] int32/int64 token-type ids
+    WORD,   # [V, H] word table, row stride stride_word
+    POS,    # [P, H] position table, row stride stride_pos
+    TT,     # [TT, H] token-type table, row stride stride_tt
+    W,      # [H] LayerNorm weight
+    B,      # [H] LayerNorm bias
+    Y,      # [T, H] output, contiguous, out_dtype
+    MEAN,   # [T] fp32
+    RSTD,   # [T] fp32
+    KEEP,   # [T, H] bool keep-mask (written only when STORE_KEEP)
+    SEED,   # [1] int64 dropout seed (read only when HAS_DROPOUT)
+    N, H, stride_word, stride_pos, stride_tt, eps, p,
+    n_bucket,  # autotune key only
+    HAS_DROPOUT: tl.constexpr, STORE_KEEP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_H)
+    row_ok = rows < N
+    col_ok = cols < H
+    mask = row_ok[:, None] & col_ok[None, :]
+    ids = tl.load(IDS + rows, mask=row_ok, other=0).to(tl.int64)
+    pids = tl.load(PIDS + rows, mask=row_ok, other=0).to(tl.int64)
+    tids = tl.load(TIDS + rows, mask=row_ok, other=0).to(tl.int64)
+    h = _gather_sum(WORD, POS, TT, ids, pids, tids, cols, mask, stride_word, stride_pos, stride_tt)
+
+    mean = tl.sum(h, axis=1) / H                                    # [BLOCK_M]
+    hc = tl.where(mask, h - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(hc * hc, axis=1) / H + eps)              # [BLOCK_M]
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
+    y = hc * rstd[:, None] * w[None, :] + b[None, :]
+    out_offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
+    if HAS_DROPOUT:
+        keep = _dropout_keep(tl.load(SEED), rows, H, p, BLOCK_M, BLOCK_H)
+        y = tl.where(keep, y * (1.0 / (1.0 - p)), 0.0)
+        if STORE_KEEP:
+            tl.store(KEEP + out_offs, keep, mask=mask)
+    tl.store(Y + out_offs, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(MEAN + rows, mean, mask=row_ok)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _embeddings_bwd_kernel(
+    DY,       # [T, H] upstream gradient, row stride stride_dy
+    IDS,      # [T] word ids
+    PIDS,     # [T] position ids
+    TIDS,     # [T] token-type ids
+    WORD,     # [V, H] word table (to recompute h)
+    POS,      # [P, H] position table
+    TT,       # [TT, H] token-type table
+    W,        # [H] LayerNorm weight
+    MEAN,     # [T] fp32 from the forward
+    RSTD,     # [T] fp32 from the forward
+    DWORD,    # [V, H] fp32, zeroed; receives atomics
+    DPOS,     # [P, H] fp32, zeroed; receives atomics
+    DTT,      # TT_IN_REGS: [G, NUM_TYPES, H] fp32 per-program partials; else [TT, H] fp32, zeroed, atomics
+    DW_PART,  # [G, H] fp32 partial sums of dz * zhat
+    DB_PART,  # [G, H] fp32 partial sums of dz
+    SEED,     # [1] int64 dropout seed (read only when HAS_DROPOUT)
+    N, H, NUM_TYPES, stride_dy, stride_word, stride_pos, stride_tt, rows_per_program, p,
+    n_bucket,  # autotune key only
+    HAS_DROPOUT: tl.constexpr, TT_IN_REGS: tl.constexpr, TT_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_H)
+    col_ok = cols < H
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, N)
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
+    acc_dw = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    acc_db = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    types = tl.arange(0, TT_BLOCK)
+    acc_tt = tl.zeros([TT_BLOCK, BLOCK_H], dtype=tl.float32)
+    for m0 in range(row_start, row_end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_end
+        mask = row_ok[:, None] & col_ok[None, :]
+        ids = tl.load(IDS + rows, mask=row_ok, other=0).to(tl.int64)
+        pids = tl.load(PIDS + rows, mask=row_ok, other=0).to(tl.int64)
+        tids = tl.load(TIDS + rows, mask=row_ok, other=0).to(tl.int64)
+        h = _gather_sum(WORD, POS, TT, ids, pids, tids, cols, mask, stride_word, stride_pos, stride_tt)
+        mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        zhat = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
+        dz = tl.load(DY + rows.to(tl.int64)[:, None] * stride_dy + cols[None, :],
+                     mask=mask, other=0.0).to(tl.float32)
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed, rows, H, p, BLOCK_M, BLOCK_H)
+            dz = tl.where(keep, dz * (1.0 / (1.0 - p)), 0.0)
+        acc_dw += dz * zhat
+        acc_db += dz
+        g = dz * w[None, :]
+        c1 = tl.sum(g * zhat, axis=1) / H
+        c2 = tl.sum(g, axis=1) / H
+        dh = rstd[:, None] * (g - zhat * c1[:, None] - c2[:, None])   # 0 on masked rows
+        tl.atomic_add(DWORD + ids[:, None] * H + cols[None, :], dh, mask=mask, sem="relaxed")
+        tl.atomic_add(DPOS + pids[:, None] * H + cols[None, :], dh, mask=mask, sem="relaxed")
+        if TT_IN_REGS:
+            for t in tl.static_range(TT_BLOCK):
+                s = tl.sum(tl.where((tids == t)[:, None], dh, 0.0), axis=0)   # [BLOCK_H]
+                acc_tt += tl.where((types == t)[:, None], s[None, :], 0.0)
+        else:
+            tl.atomic_add(DTT + tids[:, None] * H + cols[None, :], dh, mask=mask, sem="relaxed")
+    tl.store(DW_PART + pid * H + cols, tl.sum(acc_dw, axis=0), mask=col_ok)
+    tl.store(DB_PART + pid * H + cols, tl.sum(acc_db, axis=0), mask=col_ok)
+    if TT_IN_REGS:
+        tt_offs = (pid * NUM_TYPES + types)[:, None] * H + cols[None, :]
+        tl.store(DTT + tt_offs, acc_tt, mask=(types < NUM_TYPES)[:, None] & col_ok[None, :])
+
+
+_fwd_tuned = triton.autotune(configs=row_tile_configs(), key=["H", "n_bucket"],
+                             prune_configs_by={"early_config_prune": prune_row_configs})(_embeddings_fwd_kernel)
+# The backward accumulates into zeroed buffers: the autotuner re-zeroes them around each trial.
+_bwd_tuned = triton.autotune(configs=row_tile_configs(_MAX_ROWS_PER_TILE), key=["H", "n_bucket"],
+                             prune_configs_by={"early_config_prune": prune_row_configs},
+                             reset_to_zero=["DWORD", "DPOS", "DTT"])(_embeddings_bwd_kernel)
+
+
+# --------------------------------------------------------------------------- validation
+def _check_inputs(input_ids, position_ids, token_type_ids, word, pos, token_type, ln_weight, ln_bias):
+    check_tensor("input_ids", input_ids, dtypes=_ID_DTYPES, ndim=1)
+    t = input_ids.shape[0]
+    dev = input_ids.device
+    check_tensor("position_ids", position_ids, dtypes=_ID_DTYPES, shape=(t,), device=dev)
+    check_tensor("token_type_ids", token_type_ids, dtypes=_ID_DTYPES, shape=(t,), device=dev)
+    for name, ids in (("input_ids", input_ids), ("position_ids", position_ids),
+                      ("token_type_ids", token_type_ids)):
+        if t > 1 and ids.stride(0) != 1:
+            raise ValueError(f"{name}: expected a contiguous vector, got stride {ids.stride()}")
+    check_tensor("word", word, dtypes=FLOAT_DTYPES, ndim=2, device=dev)
+    h = word.shape[1]
+    check_hidden(h)
+    for name, table in (("word", word), ("pos", pos), ("token_type", token_type)):
+        check_tensor(name, table, dtypes=FLOAT_DTYPES, ndim=2, device=dev)
+        check_rows(name, table, table.shape[0], h, device=dev)
+    for name, vec in (("ln_weight", ln_weight), ("ln_bias", ln_bias)):
+        check_tensor(name, vec, dtypes=FLOAT_DTYPES, shape=(h,), device=dev)
+        if not vec.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous vector, got strides {vec.stride()}")
+    return t, h, dev
+
+
+# --------------------------------------------------------------------------- launchers
+def embeddings_fwd(input_ids: torch.Tensor, position_ids: torch.Tensor, token_type_ids: torch.Tensor,
+                   word: torch.Tensor, pos: torch.Tensor, token_type: torch.Tensor,
+                   ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float, dropout_p: float,
+                   seed: Optional[torch.Tensor], out_dtype: torch.dtype, return_dropout_mask: bool = False):
+    """y = Dropout(LN(word[ids] + pos[position_ids] + token_type[token_type_ids])).
+
+    Returns (y [T, H] out_dtype, mean [T] fp32, rstd [T] fp32), plus keep [T, H] bool when
+    return_dropout_mask.
+    """
+    t, h, dev = _check_inputs(input_ids, position_ids, token_type_ids, word, pos, token_type,
+                              ln_weight, ln_bias)
+    if out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"out_dtype: expected one of {[str(d) for d in FLOAT_DTYPES]}, got {out_dtype}")
+    check_dropout(dropout_p, seed, dev)
+    has_dropout = dropout_p > 0.0
+    store_keep = return_dropout_mask and has_dropout
+    y = torch.empty((t, h), dtype=out_dtype, device=dev)
+    mean = torch.empty((t,), dtype=torch.float32, device=dev)
+    rstd = torch.empty((t,), dtype=torch.float32, device=dev)
+    keep = None
+    if return_dropout_mask:
+        keep = (torch.empty((t, h), dtype=torch.bool, device=dev) if store_keep
+                else torch.ones((t, h), dtype=torch.bool, device=dev))
+    if t > 0:
+        block_h = block_h_for(h)
+        args = (input_ids, position_ids, token_type_ids, word, pos, token_type, ln_weight, ln_bias,
+                y, mean, rstd, keep if store_keep else y, seed if has_dropout else mean,
+                t, h, row_stride(word, h), row_stride(pos, h), row_stride(token_type, h),
+                float(eps), float(dropout_p), n_bucket(t))
+        flags = dict(HAS_DROPOUT=has_dropout, STORE_KEEP=store_keep, BLOCK_H=block_h)
+        if interpreting():
+            block_m = interpreter_rows(block_h, 16)
+            _embeddings_fwd_kernel[(triton.cdiv(t, block_m),)](*args, **flags, BLOCK_M=block_m, num_warps=4)
+        else:
+            _fwd_tuned[lambda meta: (triton.cdiv(t, meta["BLOCK_M"]),)](*args, **flags)
+    out = (y, mean, rstd)
+    return out + (keep,) if return_dropout_mask else out
+
+
+def embeddings_bwd(dy: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                   token_type_ids: torch.Tensor, word: torch.Tensor, pos: torch.Tensor,
+                   token_type: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor,
+                   mean: torch.Tensor, rstd: torch.Tensor, dropout_p: float, seed: Optional[torch.Tensor]):
+    """Gradients of embeddings_fwd.
+
+    Returns (dword [V, H], dpos [P, H], dtoken_type [TT, H], dln_weight [H], dln_bias [H]), each
+    in its parameter's dtype, accumulated in fp32 (repeated ids add up).
+    """
+    t, h, dev = _check_inputs(input_ids, position_ids, token_type_ids, word, pos, token_type,
+                              ln_weight, ln_bias)
+    check_rows("dy", dy, t, h, device=dev)
+    check_tensor("mean", mean, dtypes=(torch.float32,), shape=(t,), device=dev)
+    check_tensor("rstd", rstd, dtypes=(torch.float32,), shape=(t,), device=dev)
+    if t > 1 and (mean.stride(0) != 1 or rstd.stride(0) != 1):
+        raise ValueError(f"mean, rstd: expected contiguous vectors, got strides {mean.stride()}, {rstd.stride()}")
+    check_dropout(dropout_p, seed, dev)
+
+    num_types = token_type.shape[0]
+    tt_in_regs = num_types <= _MAX_TYPES_IN_REGISTERS
+    dword = torch.zeros(word.shape, dtype=torch.float32, device=dev)
+    dpos = torch.zeros(pos.shape, dtype=torch.float32, device=dev)
+    if t == 0:
+        zero = torch.zeros((h,), dtype=torch.float32, device=dev)
+        return (dword.to(word.dtype), dpos.to(pos.dtype), torch.zeros_like(token_type),
+                zero.to(ln_weight.dtype), zero.to(ln_bias.dtype))
+    groups, rpp = row_groups(t, dev)
+    part = torch.empty((2, groups, h), dtype=torch.float32, device=dev)
+    if tt_in_regs:
+        dtt = torch.empty((groups, num_types, h), dtype=torch.float32, device=dev)
+    else:
+        dtt = torch.zeros((num_types, h), dtype=torch.float32, device=dev)
+    has_dropout = dropout_p > 0.0
+    block_h = block_h_for(h)
+    args = (dy, input_ids, position_ids, token_type_ids, word, pos, token_type, ln_weight, mean, rstd,
+            dword, dpos, dtt, part[0], part[1], seed if has_dropout else mean,
+            t, h, num_types, row_stride(dy, h), row_stride(word, h), row_stride(pos, h),
+            row_stride(token_type, h), rpp, float(dropout_p), n_bucket(t))
+    flags = dict(HAS_DROPOUT=has_dropout, TT_IN_REGS=tt_in_regs,
+                 TT_BLOCK=triton.next_power_of_2(num_types) if tt_in_regs else 1, BLOCK_H=block_h)
+    if interpreting():
+        block_m = interpreter_rows(block_h, 4)
+        _embeddings_bwd_kernel[(groups,)](*args, **flags, BLOCK_M=block_m, num_warps=4)
+    else:
+        _bwd_tuned[(groups,)](*args, **flags)
+    if tt_in_regs:
+        dtt = dtt.sum(dim=0)  # [TT, H]
+    sums = part.sum(dim=1)    # [2, H]
+    return (dword.to(word.dtype), dpos.to(pos.dtype), dtt.to(token_type.dtype),
+            sums[0].to(ln_weight.dtype), sums[1].to(ln_bias.dtype))
