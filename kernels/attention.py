@@ -1,0 +1,828 @@
+"""Fused bidirectional self-attention for BERT (FlashAttention-2 style), forward and backward.
+
+Math, per sequence b and head h (i: query row, j: key column, both < len_b):
+
+    S_ij  = scale * q_i . k_j                      (-inf where key j is padding)
+    lse_i = log sum_j exp(S_ij)                    (natural log, fp32, saved for backward)
+    P_ij  = exp(S_ij - lse_i)
+    Z_ij  = keep_ij / (1 - p)                      (dropout on probabilities; Z = 1 when p = 0)
+    o_i   = sum_j P_ij Z_ij v_j
+
+  Forward streams over key blocks with the online softmax: running max m_i and running sum
+  l_i of exp(S - m); the accumulator is rescaled by exp(m_old - m_new) whenever the max grows,
+  so the [S, S] matrix never exists in memory. Exponentials are exp2 with log2(e) folded into
+  the scale (qk_scale = scale * log2 e); lse is stored in natural-log units.
+
+  Backward (dO = upstream gradient), recomputing P from q, k and lse block by block:
+
+    delta_i = sum_d dO_id O_id   (= sum_j P_ij Z_ij (dO_i . v_j), so dropout needs no change here)
+    dV_j    = sum_i P_ij Z_ij dO_i
+    dP_ij   = Z_ij (dO_i . v_j)
+    dS_ij   = P_ij (dP_ij - delta_i)
+    dQ_i    = scale * sum_j dS_ij k_j
+    dK_j    = scale * sum_i dS_ij q_i
+
+  Three kernels: a preprocessing kernel computes delta; one program per key block iterates
+  over the query blocks for dK, dV; one program per query block iterates over the key blocks
+  for dQ. Every output element is written by exactly one program (no atomics), so results are
+  deterministic for a fixed launch configuration.
+
+Dropout: keep_ij = (u >= p) where u in [0, 1) comes from Philox (tl.randint4x) keyed by
+(seed, b * A + h) -- the seed in the key's low word, the (batch, head) stream in its high
+word -- at counter i * 2**14 + j // 4; one Philox call yields the four uniforms of columns
+4c .. 4c+3. The mask is a pure function of (seed, b, h, i, j): forward, both backward kernels
+and the debug entry points regenerate the same mask whatever their block sizes, nothing is
+stored, and the seed is read from a device tensor so the kernels can live in a CUDA graph.
+The varlen and padded forms of one batch draw the same mask (sequence b of the varlen batch
+is batch row b of the padded one).
+
+Layouts: varlen q, k, v, out, dout [T, A, D] (sequence b is rows cu_seqlens[b]:cu_seqlens[b+1]);
+padded [B, S, A, D]. Row and head strides are honoured (packed qkv views work); the last dim
+must be contiguous. lse: [A, T] (varlen) or [B, A, S] (padded), fp32.
+
+Limits: head dim a power of two in 16..128; any sequence length (the dropout counter keeps
+rows independent up to 65536 positions); fp32, fp16, bf16 (bf16 only on GPU: the
+interpreter's bf16 dot is wrong, so under TRITON_INTERPRET=1 bf16 operands are upcast).
+A query row with no valid key (a fully padded sequence) gives out = 0, lse = +inf and zero
+gradients; sequences of length 0 contribute nothing. fp32 dots use IEEE precision (no TF32).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import FLOAT_DTYPES, check_tensor, interpreting
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+# Philox counter = row * _RNG_ROW_STRIDE + column // 4 (must match the @triton.jit helper).
+_RNG_ROW_STRIDE = 1 << 14
+
+
+# =========================================================================== jit helpers
+@triton.jit
+def _dropout_scale(seed_bh, offs_m, start_n, dropout_p, inv_keep,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32: 1 / (1 - p) where (row offs_m, column start_n + n) is kept, else 0."""
+    groups = start_n // 4 + tl.arange(0, BLOCK_N // 4)
+    counter = offs_m[:, None] * 16384 + groups[None, :]  # int32 [BM, BN/4]
+    r0, r1, r2, r3 = tl.randint4x(seed_bh, counter)
+    # Interleave the four streams along the columns: [BM, BN/4, 2, 2] -> [BM, BN].
+    r = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (BLOCK_M, BLOCK_N))
+    # Low 24 bits -> exact uniform in [0, 1).
+    u = (r.to(tl.int32, bitcast=True) & 0xFFFFFF).to(tl.float32) * (1.0 / 16777216.0)
+    return tl.where(u >= dropout_p, inv_keep, 0.0)
+
+
+@triton.jit
+def _seq_range(CU_SEQLENS, b, seqlen, IS_VARLEN: tl.constexpr):
+    """(first token row of sequence b, its length). Padded form: (0, S)."""
+    if IS_VARLEN:
+        start = tl.load(CU_SEQLENS + b)
+        length = tl.load(CU_SEQLENS + b + 1) - start
+        start = start.to(tl.int64)
+    else:
+        start = 0
+        length = seqlen
+    return start, length
+
+
+@triton.jit
+def _rng_key(SEED, b, h, num_heads, HAS_DROPOUT: tl.constexpr):
+    """Philox key: seed in the low 32 bits, the (batch, head) stream in the high 32 bits."""
+    if HAS_DROPOUT:
+        seed = tl.load(SEED).to(tl.int64)
+        key = seed + (b * num_heads + h).to(tl.int64) * 4294967296
+    else:
+        key = 0
+    return key
+
+
+# =========================================================================== forward
+@triton.jit
+def _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len, offs_m, offs_n,
+               stride_ks, stride_vs, stride_ms, qk_scale, seed_bh, dropout_p,
+               MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+               UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One key block of the online softmax; MASKED handles the tail block and key padding."""
+    if MASKED:
+        key_ok = (start_n + offs_n) < seq_len  # [BN]
+        k = tl.load(k_ptrs + start_n * stride_ks, mask=key_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs + start_n * stride_ks)
+    if UPCAST:
+        k = k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BM, BN] log2 units
+    if MASKED:
+        if HAS_KEY_MASK:
+            key_ok = key_ok & (tl.load(kmask_ptrs + (start_n + offs_n) * stride_ms,
+                                       mask=key_ok, other=0) != 0)
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:
+        # A row whose keys so far are all masked has m = -inf; exp2(-inf - -inf) would be NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if HAS_DROPOUT:
+        # l_i sums the undropped probabilities; only the product with V sees the 0/1 mask
+        # (the 1 / (1 - p) is applied once, at the end).
+        p = p * _dropout_scale(seed_bh, offs_m, start_n, dropout_p, 1.0, BLOCK_M, BLOCK_N)
+    if MASKED:
+        v = tl.load(v_ptrs + start_n * stride_vs, mask=key_ok[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptrs + start_n * stride_vs)
+    if UPCAST:
+        v = v.to(tl.float32)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q,           # [B, S, A, D] or [T, A, D] queries (row/head strides given)
+    K,           # keys, same layout
+    V,           # values, same layout
+    Out,         # output, same layout; written
+    LSE,         # fp32 [B, A, S] or [A, T]; written (natural log, +inf for rows with no key)
+    CU_SEQLENS,  # int32 [B + 1] sequence starts (varlen only)
+    KEY_MASK,    # [B, S] 1 = token, 0 = pad (padded form with a mask only)
+    SEED,        # int64 [1] dropout seed (dropout only)
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_lh,
+    stride_mb, stride_ms,
+    seqlen, num_heads, qk_scale, dropout_p, seqlen_bucket,
+    HEAD_DIM: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    seq_start, seq_len = _seq_range(CU_SEQLENS, b, seqlen, IS_VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= seq_len:
+        return
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < seq_len
+
+    q_ptrs = (Q + b64 * stride_qb + seq_start * stride_qs + h64 * stride_qh
+              + offs_m[:, None] * stride_qs + offs_d[None, :])
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # [BM, D]
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_ptrs = (K + b64 * stride_kb + seq_start * stride_ks + h64 * stride_kh
+              + offs_n[:, None] * stride_ks + offs_d[None, :])
+    v_ptrs = (V + b64 * stride_vb + seq_start * stride_vs + h64 * stride_vh
+              + offs_n[:, None] * stride_vs + offs_d[None, :])
+    kmask_ptrs = KEY_MASK + b64 * stride_mb
+
+    seed_bh = _rng_key(SEED, b, h, num_heads, HAS_DROPOUT)
+    inv_keep = 1.0 / (1.0 - dropout_p)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Full key blocks without masks, then the tail; with key padding every block is masked.
+    if HAS_KEY_MASK:
+        n_full = 0
+    else:
+        n_full = (seq_len // BLOCK_N) * BLOCK_N
+    for start_n in range(0, n_full, BLOCK_N):
+        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len,
+                                   offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale,
+                                   seed_bh, dropout_p, False, HAS_KEY_MASK, HAS_DROPOUT,
+                                   UPCAST, DOT_PREC, BLOCK_M, BLOCK_N)
+    for start_n in range(n_full, seq_len, BLOCK_N):
+        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len,
+                                   offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale,
+                                   seed_bh, dropout_p, True, HAS_KEY_MASK, HAS_DROPOUT,
+                                   UPCAST, DOT_PREC, BLOCK_M, BLOCK_N)
+
+    empty = l_i == 0.0  # no valid key: out 0, lse +inf (backward then sees P = 0)
+    l_safe = tl.where(empty, 1.0, l_i)
+    if HAS_DROPOUT:
+        acc = acc * (inv_keep / l_safe)[:, None]
+    else:
+        acc = acc * (1.0 / l_safe)[:, None]
+    lse = tl.where(empty, float("inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+
+    o_ptrs = (Out + b64 * stride_ob + seq_start * stride_os + h64 * stride_oh
+              + offs_m[:, None] * stride_os + offs_d[None, :])
+    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(LSE + b64 * stride_lb + h64 * stride_lh + seq_start + offs_m, lse, mask=row_ok)
+
+
+# =========================================================================== backward
+@triton.jit
+def _bwd_delta_kernel(
+    Out,         # forward output, [B, S, A, D] or [T, A, D]
+    DO,          # upstream gradient, same layout
+    DELTA,       # fp32, lse layout; written: rowsum(dO * O)
+    CU_SEQLENS,  # int32 [B + 1] (varlen only)
+    stride_ob, stride_os, stride_oh,
+    stride_db, stride_ds, stride_dh,
+    stride_lb, stride_lh,
+    seqlen,
+    HEAD_DIM: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    seq_start, seq_len = _seq_range(CU_SEQLENS, b, seqlen, IS_VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= seq_len:
+        return
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < seq_len
+    o = tl.load(Out + b64 * stride_ob + seq_start * stride_os + h64 * stride_oh
+                + offs_m[:, None] * stride_os + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b64 * stride_db + seq_start * stride_ds + h64 * stride_dh
+                 + offs_m[:, None] * stride_ds + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BM]
+    tl.store(DELTA + b64 * stride_lb + h64 * stride_lh + seq_start + offs_m, delta, mask=row_ok)
+
+
+@triton.jit
+def _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, start_n, seq_len,
+                  stride_qs, stride_dos, qk_scale, seed_bh, dropout_p, inv_keep,
+                  MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+                  DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dK, dV contributions of one query block, in the transposed [keys, queries] orientation.
+
+    Keys are not masked here: a padded or out-of-range key only pollutes its own dK/dV row,
+    which the caller zeroes or skips. Out-of-range queries load q = dO = 0, lse = delta = 0,
+    so they contribute exactly 0.
+    """
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    if MASKED:
+        row_ok = offs_m < seq_len
+        q = tl.load(q_ptrs + start_m * stride_qs, mask=row_ok[:, None], other=0.0)
+        do = tl.load(do_ptrs + start_m * stride_dos, mask=row_ok[:, None], other=0.0)
+        lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0)
+        delta = tl.load(delta_ptr + offs_m, mask=row_ok, other=0.0)
+    else:
+        q = tl.load(q_ptrs + start_m * stride_qs)
+        do = tl.load(do_ptrs + start_m * stride_dos)
+        lse = tl.load(lse_ptr + offs_m)
+        delta = tl.load(delta_ptr + offs_m)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)  # [BN, BM]
+    p_t = tl.exp2(s_t * qk_scale - (lse * 1.4426950408889634)[None, :])
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # [BN, BM]
+    if HAS_DROPOUT:
+        z_t = tl.trans(_dropout_scale(seed_bh, offs_m, start_n, dropout_p, inv_keep,
+                                      BLOCK_M, BLOCK_N))
+        pz_t = p_t * z_t
+        dp_t = dp_t * z_t
+    else:
+        pz_t = p_t
+    dv = tl.dot(pz_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q,           # [B, S, A, D] or [T, A, D] queries
+    K,           # keys, same layout
+    V,           # values, same layout
+    DO,          # upstream gradient of the output, same layout
+    LSE,         # fp32 [B, A, S] or [A, T] from the forward
+    DELTA,       # fp32, lse layout, rowsum(dO * O) from _bwd_delta_kernel
+    DK,          # written: dK, q layout (its own strides)
+    DV,          # written: dV, q layout (its own strides)
+    CU_SEQLENS,  # int32 [B + 1] (varlen only)
+    KEY_MASK,    # [B, S] 1 = token (padded form with a mask only)
+    SEED,        # int64 [1] (dropout only)
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    stride_lb, stride_lh,
+    stride_mb, stride_ms,
+    seqlen, num_heads, softmax_scale, qk_scale, dropout_p, seqlen_bucket,
+    HEAD_DIM: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program per (key block, head, sequence): dK, dV of BLOCK_N keys over all queries."""
+    pid_n = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    seq_start, seq_len = _seq_range(CU_SEQLENS, b, seqlen, IS_VARLEN)
+    start_n = pid_n * BLOCK_N
+    if start_n >= seq_len:
+        return
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_in = offs_n < seq_len
+
+    k = tl.load(K + b64 * stride_kb + seq_start * stride_ks + h64 * stride_kh
+                + offs_n[:, None] * stride_ks + offs_d[None, :], mask=key_in[:, None], other=0.0)
+    v = tl.load(V + b64 * stride_vb + seq_start * stride_vs + h64 * stride_vh
+                + offs_n[:, None] * stride_vs + offs_d[None, :], mask=key_in[:, None], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    q_ptrs = (Q + b64 * stride_qb + seq_start * stride_qs + h64 * stride_qh
+              + offs_m0[:, None] * stride_qs + offs_d[None, :])
+    do_ptrs = (DO + b64 * stride_dob + seq_start * stride_dos + h64 * stride_doh
+               + offs_m0[:, None] * stride_dos + offs_d[None, :])
+    lse_ptr = LSE + b64 * stride_lb + h64 * stride_lh + seq_start
+    delta_ptr = DELTA + b64 * stride_lb + h64 * stride_lh + seq_start
+
+    seed_bh = _rng_key(SEED, b, h, num_heads, HAS_DROPOUT)
+    inv_keep = 1.0 / (1.0 - dropout_p)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    m_full = (seq_len // BLOCK_M) * BLOCK_M
+    for start_m in range(0, m_full, BLOCK_M):
+        dk, dv = _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, start_n,
+                               seq_len, stride_qs, stride_dos, qk_scale, seed_bh, dropout_p,
+                               inv_keep, False, HAS_DROPOUT, UPCAST, DOT_PREC, BLOCK_M, BLOCK_N)
+    for start_m in range(m_full, seq_len, BLOCK_M):
+        dk, dv = _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, start_n,
+                               seq_len, stride_qs, stride_dos, qk_scale, seed_bh, dropout_p,
+                               inv_keep, True, HAS_DROPOUT, UPCAST, DOT_PREC, BLOCK_M, BLOCK_N)
+
+    key_ok = key_in
+    if HAS_KEY_MASK:
+        key_ok = key_ok & (tl.load(KEY_MASK + b64 * stride_mb + offs_n * stride_ms,
+                                   mask=key_in, other=0) != 0)
+    # Padding keys got garbage from the unmasked recomputation above: their gradient is 0.
+    dk = tl.where(key_ok[:, None], dk * softmax_scale, 0.0)
+    dv = tl.where(key_ok[:, None], dv, 0.0)
+    tl.store(DK + b64 * stride_dkb + seq_start * stride_dks + h64 * stride_dkh
+             + offs_n[:, None] * stride_dks + offs_d[None, :],
+             dk.to(DK.dtype.element_ty), mask=key_in[:, None])
+    tl.store(DV + b64 * stride_dvb + seq_start * stride_dvs + h64 * stride_dvh
+             + offs_n[:, None] * stride_dvs + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=key_in[:, None])
+
+
+@triton.jit
+def _bwd_q_block(dq, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len,
+                 offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale, seed_bh, dropout_p,
+                 inv_keep, MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+                 HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dQ contribution of one key block."""
+    if MASKED:
+        key_ok = (start_n + offs_n) < seq_len
+        k = tl.load(k_ptrs + start_n * stride_ks, mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_ptrs + start_n * stride_vs, mask=key_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs + start_n * stride_ks)
+        v = tl.load(v_ptrs + start_n * stride_vs)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BM, BN]
+    p = tl.exp2(s * qk_scale - lse2[:, None])
+    if MASKED:
+        if HAS_KEY_MASK:
+            key_ok = key_ok & (tl.load(kmask_ptrs + (start_n + offs_n) * stride_ms,
+                                       mask=key_ok, other=0) != 0)
+        p = tl.where(key_ok[None, :], p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # [BM, BN]
+    if HAS_DROPOUT:
+        dp = dp * _dropout_scale(seed_bh, offs_m, start_n, dropout_p, inv_keep, BLOCK_M, BLOCK_N)
+    ds = p * (dp - delta[:, None])
+    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q,           # [B, S, A, D] or [T, A, D] queries
+    K,           # keys, same layout
+    V,           # values, same layout
+    DO,          # upstream gradient of the output, same layout
+    LSE,         # fp32 [B, A, S] or [A, T] from the forward
+    DELTA,       # fp32, lse layout, rowsum(dO * O)
+    DQ,          # written: dQ, q layout (its own strides)
+    CU_SEQLENS,  # int32 [B + 1] (varlen only)
+    KEY_MASK,    # [B, S] 1 = token (padded form with a mask only)
+    SEED,        # int64 [1] (dropout only)
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    stride_lb, stride_lh,
+    stride_mb, stride_ms,
+    seqlen, num_heads, softmax_scale, qk_scale, dropout_p, seqlen_bucket,
+    HEAD_DIM: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program per (query block, head, sequence): dQ of BLOCK_M queries over all keys."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    seq_start, seq_len = _seq_range(CU_SEQLENS, b, seqlen, IS_VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= seq_len:
+        return
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < seq_len
+
+    q = tl.load(Q + b64 * stride_qb + seq_start * stride_qs + h64 * stride_qh
+                + offs_m[:, None] * stride_qs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b64 * stride_dob + seq_start * stride_dos + h64 * stride_doh
+                 + offs_m[:, None] * stride_dos + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse_off = b64 * stride_lb + h64 * stride_lh + seq_start + offs_m
+    lse2 = tl.load(LSE + lse_off, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + lse_off, mask=row_ok, other=0.0)
+    k_ptrs = (K + b64 * stride_kb + seq_start * stride_ks + h64 * stride_kh
+              + offs_n[:, None] * stride_ks + offs_d[None, :])
+    v_ptrs = (V + b64 * stride_vb + seq_start * stride_vs + h64 * stride_vh
+              + offs_n[:, None] * stride_vs + offs_d[None, :])
+    kmask_ptrs = KEY_MASK + b64 * stride_mb
+
+    seed_bh = _rng_key(SEED, b, h, num_heads, HAS_DROPOUT)
+    inv_keep = 1.0 / (1.0 - dropout_p)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if HAS_KEY_MASK:
+        n_full = 0
+    else:
+        n_full = (seq_len // BLOCK_N) * BLOCK_N
+    for start_n in range(0, n_full, BLOCK_N):
+        dq = _bwd_q_block(dq, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len,
+                          offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale, seed_bh,
+                          dropout_p, inv_keep, False, HAS_KEY_MASK, HAS_DROPOUT, UPCAST, DOT_PREC,
+                          BLOCK_M, BLOCK_N)
+    for start_n in range(n_full, seq_len, BLOCK_N):
+        dq = _bwd_q_block(dq, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len,
+                          offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale, seed_bh,
+                          dropout_p, inv_keep, True, HAS_KEY_MASK, HAS_DROPOUT, UPCAST, DOT_PREC,
+                          BLOCK_M, BLOCK_N)
+    dq = dq * softmax_scale
+    tl.store(DQ + b64 * stride_dqb + seq_start * stride_dqs + h64 * stride_dqh
+             + offs_m[:, None] * stride_dqs + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+# =========================================================================== dropout mask (debug)
+@triton.jit
+def _dropout_mask_kernel(
+    KEEP,  # uint8 [B, A, S, S]; written: 1 = kept
+    SEED,  # int64 [1]
+    num_heads, seqlen, dropout_p,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    seed_bh = _rng_key(SEED, b, h, num_heads, True)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    base = KEEP + (b.to(tl.int64) * num_heads + h) * seqlen * seqlen
+    row_ptrs = base + offs_m[:, None].to(tl.int64) * seqlen
+    for start_n in range(0, seqlen, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        z = _dropout_scale(seed_bh, offs_m, start_n, dropout_p, 1.0, BLOCK_M, BLOCK_N)
+        tl.store(row_ptrs + offs_n[None, :], (z > 0.0).to(tl.uint8),
+                 mask=(offs_m[:, None] < seqlen) & (offs_n[None, :] < seqlen))
+
+
+# =========================================================================== launch configurations
+def _configs(entries):
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in entries]
+
+
+# (BLOCK_M = queries, BLOCK_N = keys, num_warps, num_stages), H100/H200 candidates.
+_FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4),
+                         (64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 2), (64, 32, 4, 4)])
+_DKDV_CONFIGS = _configs([(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3),
+                          (64, 128, 4, 2), (128, 128, 8, 2), (16, 128, 4, 4), (64, 64, 8, 2)])
+_DQ_CONFIGS = _configs([(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 2),
+                        (64, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 2)])
+# Under the interpreter: one fixed, small configuration per kernel. The sizes differ between
+# kernels on purpose so the CPU tests show results do not depend on the block shape.
+_INTERP = {"fwd": {"BLOCK_M": 16, "BLOCK_N": 16}, "dkdv": {"BLOCK_M": 16, "BLOCK_N": 32},
+           "dq": {"BLOCK_M": 32, "BLOCK_N": 16}, "mask": {"BLOCK_M": 16, "BLOCK_N": 32}}
+_DELTA_BLOCK_M = 64
+
+
+def _prune(configs, named_args, **kwargs):
+    """Drop candidates that cannot pay off: tiles far longer than the sequences, or whose
+    K/V tiles spill at head dim 128."""
+    head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM", 64))
+    bucket = kwargs.get("seqlen_bucket", named_args.get("seqlen_bucket", 512))
+    kept = [c for c in configs
+            if max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) <= max(bucket, 64)
+            and not (head_dim >= 128 and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 128 * 64)]
+    return kept or configs[:1]
+
+
+_AUTOTUNE_KEY = ["seqlen_bucket", "HEAD_DIM", "IS_VARLEN", "HAS_KEY_MASK", "HAS_DROPOUT"]
+_attn_fwd_tuned = triton.autotune(_FWD_CONFIGS, key=_AUTOTUNE_KEY,
+                                  prune_configs_by={"early_config_prune": _prune})(_attn_fwd_kernel)
+_attn_bwd_dkdv_tuned = triton.autotune(_DKDV_CONFIGS, key=_AUTOTUNE_KEY,
+                                       prune_configs_by={"early_config_prune": _prune})(_attn_bwd_dkdv_kernel)
+_attn_bwd_dq_tuned = triton.autotune(_DQ_CONFIGS, key=_AUTOTUNE_KEY,
+                                     prune_configs_by={"early_config_prune": _prune})(_attn_bwd_dq_kernel)
+
+
+def _launch(tuned, plain, which, grid, args, consts):
+    """Autotuned launch on GPU; the fixed interpreter configuration under TRITON_INTERPRET=1."""
+    if interpreting():
+        blocks = _INTERP[which]
+        plain[grid(blocks)](*args, **consts, **blocks)
+    else:
+        tuned[grid](*args, **consts)
+
+
+# =========================================================================== validation
+def _check_qkv(names, tensors, ndim: int, layout: str) -> None:
+    for name, t in zip(names, tensors):
+        check_tensor(name, t, dtypes=FLOAT_DTYPES, ndim=ndim)
+    ref_name, ref = names[0], tensors[0]
+    for name, t in zip(names[1:], tensors[1:]):
+        if t.shape != ref.shape:
+            raise ValueError(f"{name}: expected shape {tuple(ref.shape)} ({layout}, like {ref_name}), "
+                             f"got {tuple(t.shape)}")
+        if t.dtype != ref.dtype:
+            raise ValueError(f"{name}: expected dtype {ref.dtype} (like {ref_name}), got {t.dtype}")
+        if t.device != ref.device:
+            raise ValueError(f"{name}: expected device {ref.device} (like {ref_name}), got {t.device}")
+    for name, t in zip(names, tensors):
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected a contiguous last (head) dim, got strides {t.stride()}")
+    head_dim = ref.shape[-1]
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"{ref_name}: expected head dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+
+
+def _check_dropout(dropout_p: float, seed: Optional[torch.Tensor], device: torch.device) -> float:
+    dropout_p = float(dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p: expected a value in [0, 1), got {dropout_p}")
+    if dropout_p > 0.0:
+        if seed is None:
+            raise ValueError("seed: expected an int64 tensor of shape [1] when dropout_p > 0, got None")
+        check_tensor("seed", seed, dtypes=(torch.int64,), device=device)
+        if seed.numel() != 1:
+            raise ValueError(f"seed: expected shape [1], got {tuple(seed.shape)}")
+    return dropout_p
+
+
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, max_seqlen, device: torch.device) -> Tuple[int, int]:
+    check_tensor("cu_seqlens", cu_seqlens, dtypes=(torch.int32,), ndim=1, device=device)
+    if cu_seqlens.numel() < 1:
+        raise ValueError("cu_seqlens: expected shape [B + 1] with B >= 0, got an empty tensor")
+    if cu_seqlens.stride(0) != 1:
+        raise ValueError(f"cu_seqlens: expected a contiguous tensor, got stride {cu_seqlens.stride()}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise ValueError(f"max_seqlen: expected a python int >= 0, got {max_seqlen!r}")
+    return cu_seqlens.numel() - 1, max_seqlen
+
+
+def _check_key_mask(key_padding_mask: Optional[torch.Tensor], batch: int, seqlen: int,
+                    device: torch.device) -> Optional[torch.Tensor]:
+    if key_padding_mask is None:
+        return None
+    check_tensor("key_padding_mask", key_padding_mask, shape=(batch, seqlen), device=device)
+    if key_padding_mask.dtype == torch.bool:
+        return key_padding_mask.view(torch.uint8)  # same bytes; the kernels test != 0
+    return key_padding_mask
+
+
+def _scale(softmax_scale) -> float:
+    softmax_scale = float(softmax_scale)
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale: expected a finite float, got {softmax_scale}")
+    return softmax_scale
+
+
+def _dot_flags(dtype: torch.dtype):
+    """(UPCAST, DOT_PREC): bf16 operands are upcast under the interpreter; fp32 dots stay IEEE."""
+    upcast = interpreting() and dtype == torch.bfloat16
+    prec = "ieee" if (dtype == torch.float32 or upcast) else "tf32"
+    return upcast, prec
+
+
+def _bsh(t: torch.Tensor, varlen: bool):
+    """(batch, row, head) element strides; varlen tensors have no batch dim."""
+    return (0, t.stride(0), t.stride(1)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
+
+
+def _lse_strides(lse: torch.Tensor, varlen: bool):
+    return (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+
+
+# =========================================================================== launchers
+def _forward(q, k, v, out, lse, cu_seqlens, key_mask, seed, batch, seqlen, varlen,
+             softmax_scale, dropout_p):
+    heads, head_dim = q.shape[-2], q.shape[-1]
+    upcast, prec = _dot_flags(q.dtype)
+    dummy = lse  # stands in for pointers a variant never reads
+    mask_strides = (key_mask.stride(0), key_mask.stride(1)) if key_mask is not None else (0, 0)
+    args = (q, k, v, out, lse,
+            cu_seqlens if varlen else dummy, key_mask if key_mask is not None else dummy,
+            seed if dropout_p > 0 else dummy,
+            *_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(out, varlen),
+            *_lse_strides(lse, varlen), *mask_strides,
+            seqlen, heads, softmax_scale * _LOG2E, dropout_p, triton.next_power_of_2(seqlen))
+    consts = dict(HEAD_DIM=head_dim, IS_VARLEN=varlen, HAS_KEY_MASK=key_mask is not None,
+                  HAS_DROPOUT=dropout_p > 0, UPCAST=upcast, DOT_PREC=prec)
+    grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_M"]), heads, batch)  # noqa: E731
+    _launch(_attn_fwd_tuned, _attn_fwd_kernel, "fwd", grid, args, consts)
+
+
+def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, seed, batch, seqlen,
+              varlen, softmax_scale, dropout_p):
+    heads, head_dim = q.shape[-2], q.shape[-1]
+    upcast, prec = _dot_flags(q.dtype)
+    lse = lse.contiguous()
+    delta = torch.empty_like(lse)  # same layout as lse
+    cu = cu_seqlens if varlen else lse
+    bucket = triton.next_power_of_2(seqlen)
+
+    delta_block = _INTERP["fwd"]["BLOCK_M"] if interpreting() else _DELTA_BLOCK_M
+    _bwd_delta_kernel[(triton.cdiv(seqlen, delta_block), heads, batch)](
+        out, dout, delta, cu, *_bsh(out, varlen), *_bsh(dout, varlen), *_lse_strides(lse, varlen),
+        seqlen, HEAD_DIM=head_dim, IS_VARLEN=varlen, BLOCK_M=delta_block)
+
+    mask_strides = (key_mask.stride(0), key_mask.stride(1)) if key_mask is not None else (0, 0)
+    kmask = key_mask if key_mask is not None else lse
+    seed_arg = seed if dropout_p > 0 else lse
+    tail = (*_lse_strides(lse, varlen), *mask_strides,
+            seqlen, heads, softmax_scale, softmax_scale * _LOG2E, dropout_p, bucket)
+    consts = dict(HEAD_DIM=head_dim, IS_VARLEN=varlen, HAS_KEY_MASK=key_mask is not None,
+                  HAS_DROPOUT=dropout_p > 0, UPCAST=upcast, DOT_PREC=prec)
+    qkv_strides = (*_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(dout, varlen))
+
+    args = (q, k, v, dout, lse, delta, dk, dv, cu, kmask, seed_arg,
+            *qkv_strides, *_bsh(dk, varlen), *_bsh(dv, varlen), *tail)
+    grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_N"]), heads, batch)  # noqa: E731
+    _launch(_attn_bwd_dkdv_tuned, _attn_bwd_dkdv_kernel, "dkdv", grid, args, consts)
+
+    args = (q, k, v, dout, lse, delta, dq, cu, kmask, seed_arg,
+            *qkv_strides, *_bsh(dq, varlen), *tail)
+    grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_M"]), heads, batch)  # noqa: E731
+    _launch(_attn_bwd_dq_tuned, _attn_bwd_dq_kernel, "dq", grid, args, consts)
+
+
+def _grad_out(dout: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    check_tensor("dout", dout, dtypes=(like.dtype,), shape=like.shape, device=like.device)
+    # Autograd may hand over expanded or transposed gradients: the kernels need stride(-1) == 1.
+    return dout if dout.stride(-1) == 1 else dout.contiguous()
+
+
+def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                         max_seqlen: int, softmax_scale: float, dropout_p: float,
+                         seed: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention on unpadded tokens. q, k, v [T, A, D] -> (out [T, A, D], lse [A, T] fp32).
+
+    Sequence b is rows cu_seqlens[b]:cu_seqlens[b+1]; max_seqlen must be >= every length.
+    """
+    _check_qkv(("q", "k", "v"), (q, k, v), 3, "[T, A, D]")
+    batch, max_seqlen = _check_cu_seqlens(cu_seqlens, max_seqlen, q.device)
+    softmax_scale = _scale(softmax_scale)
+    dropout_p = _check_dropout(dropout_p, seed, q.device)
+    tokens, heads, head_dim = q.shape
+    out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((heads, tokens), dtype=torch.float32, device=q.device)
+    if tokens == 0 or heads == 0 or batch == 0 or max_seqlen == 0:
+        return out.zero_(), lse.fill_(float("inf"))
+    _forward(q, k, v, out, lse, cu_seqlens, None, seed, batch, max_seqlen, True,
+             softmax_scale, dropout_p)
+    return out, lse
+
+
+def attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor,
+                         max_seqlen: int, softmax_scale: float, dropout_p: float,
+                         seed: Optional[torch.Tensor]) -> torch.Tensor:
+    """Gradients of attention_varlen_fwd -> dqkv [T, 3, A, D] (dq = dqkv[:, 0], dk, dv likewise)."""
+    _check_qkv(("q", "k", "v", "out"), (q, k, v, out), 3, "[T, A, D]")
+    dout = _grad_out(dout, q)
+    tokens, heads, head_dim = q.shape
+    check_tensor("lse", lse, dtypes=(torch.float32,), shape=(heads, tokens), device=q.device)
+    batch, max_seqlen = _check_cu_seqlens(cu_seqlens, max_seqlen, q.device)
+    softmax_scale = _scale(softmax_scale)
+    dropout_p = _check_dropout(dropout_p, seed, q.device)
+    dqkv = torch.empty((tokens, 3, heads, head_dim), dtype=q.dtype, device=q.device)
+    if tokens == 0 or heads == 0 or batch == 0 or max_seqlen == 0:
+        return dqkv.zero_()
+    _backward(dout, q, k, v, out, lse, dqkv[:, 0], dqkv[:, 1], dqkv[:, 2], cu_seqlens, None, seed,
+              batch, max_seqlen, True, softmax_scale, dropout_p)
+    return dqkv
+
+
+def attention_padded_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         key_padding_mask: Optional[torch.Tensor], softmax_scale: float,
+                         dropout_p: float, seed: Optional[torch.Tensor]
+                         ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention on padded tensors. q, k, v [B, S, A, D], key_padding_mask [B, S] (1 = token, any
+    pattern; None = no padding) -> (out [B, S, A, D], lse [B, A, S] fp32).
+
+    Query rows at pad positions still attend to the valid keys; a row with no valid key gives 0.
+    """
+    _check_qkv(("q", "k", "v"), (q, k, v), 4, "[B, S, A, D]")
+    batch, seqlen, heads, head_dim = q.shape
+    key_mask = _check_key_mask(key_padding_mask, batch, seqlen, q.device)
+    softmax_scale = _scale(softmax_scale)
+    dropout_p = _check_dropout(dropout_p, seed, q.device)
+    out = torch.empty((batch, seqlen, heads, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads, seqlen), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse.fill_(float("inf"))
+    _forward(q, k, v, out, lse, None, key_mask, seed, batch, seqlen, False, softmax_scale, dropout_p)
+    return out, lse
+
+
+def attention_padded_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         out: torch.Tensor, lse: torch.Tensor,
+                         key_padding_mask: Optional[torch.Tensor], softmax_scale: float,
+                         dropout_p: float, seed: Optional[torch.Tensor]
+                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of attention_padded_fwd -> (dq, dk, dv), each [B, S, A, D]; 0 at padding keys."""
+    _check_qkv(("q", "k", "v", "out"), (q, k, v, out), 4, "[B, S, A, D]")
+    dout = _grad_out(dout, q)
+    batch, seqlen, heads, head_dim = q.shape
+    check_tensor("lse", lse, dtypes=(torch.float32,), shape=(batch, heads, seqlen), device=q.device)
+    key_mask = _check_key_mask(key_padding_mask, batch, seqlen, q.device)
+    softmax_scale = _scale(softmax_scale)
+    dropout_p = _check_dropout(dropout_p, seed, q.device)
+    dq, dk, dv = (torch.empty((batch, seqlen, heads, head_dim), dtype=q.dtype, device=q.device)
+                  for _ in range(3))
+    if dq.numel() == 0:
+        return dq, dk, dv
+    _backward(dout, q, k, v, out, lse, dq, dk, dv, None, key_mask, seed, batch, seqlen, False,
+              softmax_scale, dropout_p)
+    return dq, dk, dv
+
+
+def _dropout_mask(batch: int, seqlen: int, num_heads: int, dropout_p: float,
+                  seed: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
+    for name, value in (("batch", batch), ("seqlen", seqlen), ("num_heads", num_heads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}: expected a python int >= 0, got {value!r}")
+    dropout_p = _check_dropout(dropout_p, seed, device)
+    if dropout_p == 0.0 or batch * num_heads * seqlen == 0:
+        return torch.ones((batch, num_heads, seqlen, seqlen), dtype=torch.bool, device=device)
+    keep = torch.empty((batch, num_heads, seqlen, seqlen), dtype=torch.uint8, device=device)
+    blocks = _INTERP["mask"] if interpreting() else {"BLOCK_M": 64, "BLOCK_N": 64}
+    _dropout_mask_kernel[(triton.cdiv(seqlen, blocks["BLOCK_M"]), num_heads, batch)](
+        keep, seed, num_heads, seqlen, dropout_p, **blocks)
+    return keep.view(torch.bool)
+
+
+def attention_varlen_dropout_mask(cu_seqlens: torch.Tensor, max_seqlen: int, num_heads: int,
+                                  dropout_p: float, seed: Optional[torch.Tensor]) -> torch.Tensor:
+    """The keep-mask the varlen kernels use: bool [B, A, max_seqlen, max_seqlen] (sequence b uses
+    its top-left [len_b, len_b] block), for reference.attention_varlen(dropout_mask=...)."""
+    batch, max_seqlen = _check_cu_seqlens(cu_seqlens, max_seqlen, cu_seqlens.device)
+    return _dropout_mask(batch, max_seqlen, num_heads, dropout_p, seed, cu_seqlens.device)
+
+
+def attention_padded_dropout_mask(batch: int, seqlen: int, num_heads: int, dropout_p: float,
+                                  seed: Optional[torch.Tensor]) -> torch.Tensor:
+    """The keep-mask the padded kernels use: bool [B, A, S, S], on the seed's device."""
+    device = seed.device if seed is not None else torch.device("cpu")
+    return _dropout_mask(batch, seqlen, num_heads, dropout_p, seed, device)
+
+
+__all__ = [
+    "attention_varlen_fwd", "attention_varlen_bwd", "attention_padded_fwd", "attention_padded_bwd",
+    "attention_varlen_dropout_mask", "attention_padded_dropout_mask", "SUPPORTED_HEAD_DIMS",
+]
