@@ -1,5 +1,15 @@
-"""bertfast: fused Triton and CUDA C++ kernels under a drop-in Hugging Face BERT API."""
+"""bertfast: fused Triton and CUDA C++ kernels under a drop-in Hugging Face BERT API.
+
+    from bertfast import BertModel            # instead of: from transformers import BertModel
+    model = BertModel.from_pretrained("path/to/local/bert")
+"""
 from bertfast.config import BertConfig
+from bertfast.modeling import (BertForMaskedLM, BertForMultipleChoice, BertForPreTraining,
+                               BertForQuestionAnswering, BertForSequenceClassification,
+                               BertForTokenClassification, BertModel, BertPreTrainedModel, reference_execution)
+from bertfast.dispatch import use_backend
 
 __version__ = "0.1.0"
-__all__ = ["BertConfig"]
+__all__ = ["BertConfig", "BertModel", "BertForPreTraining", "BertForMaskedLM", "BertForSequenceClassification",
+           "BertForTokenClassification", "BertForQuestionAnswering", "BertForMultipleChoice",
+           "BertPreTrainedModel", "reference_execution", "use_backend"]

@@ -1,0 +1,218 @@
+"""Backend selection for the fused ops (after xformers' dispatch).
+
+Each op has backends, tried in preference order (``PREFERENCE``). A backend is a module
+implementing the op's launcher contract (``<op>_fwd``/``<op>_bwd`` functions with the same
+signatures for every backend) plus two questions:
+
+* ``availability()``: can it run at all on this machine (imports, built extension)?
+* ``not_supported_reasons(forced, **inputs)``: can it run these inputs (device, dtype, sizes)?
+
+The first backend with no reasons runs. A forced backend (``BERTFAST_BACKEND=torch|triton|cuda``,
+``BERTFAST_BACKEND_<OP>=...``, or ``use_backend``) runs or raises; it never falls back. When
+nothing fits, one error lists every backend and why. When a backend that would have served a
+CUDA input is unavailable (a broken build, a failed import), the op falls back to the next one
+and says so: a warning once, and a record that ``bertfast info`` prints.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+
+import torch
+
+log = logging.getLogger("bertfast.dispatch")
+
+BACKEND_NAMES = ("torch", "triton", "cuda")
+# Until the benchmark harness measures otherwise, Triton is preferred on GPUs: it is the
+# backend verified on a GPU; the CUDA backend runs when forced.
+PREFERENCE = ("triton", "cuda", "torch")
+
+ReasonsFn = Callable[..., List[str]]
+
+
+@dataclass
+class Backend:
+    """One implementation of one op."""
+
+    op: str
+    name: str
+    module: str  # import path of the module holding the launcher functions
+    not_supported_reasons: ReasonsFn
+    availability_fn: Callable[[], Tuple[bool, str]] = field(default=lambda: (True, ""))
+    auto_select: bool = True  # False: runs only when forced
+    _impl: object = field(default=None, repr=False)
+    _available: Optional[Tuple[bool, str]] = field(default=None, repr=False)
+
+    def availability(self) -> Tuple[bool, str]:
+        if self._available is None:
+            ok, reason = self.availability_fn()
+            if ok:
+                try:
+                    self._impl = importlib.import_module(self.module)
+                except Exception as exc:  # a broken kernel module must be visible, not hidden
+                    ok, reason = False, f"import of {self.module} failed: {type(exc).__name__}: {exc}"
+            self._available = (ok, reason)
+        return self._available
+
+    @property
+    def impl(self):
+        ok, reason = self.availability()
+        if not ok:
+            raise RuntimeError(f"bertfast: backend {self.name!r} of op {self.op!r} is unavailable: {reason}")
+        return self._impl
+
+    def reasons(self, forced: bool, **inputs) -> List[str]:
+        ok, reason = self.availability()
+        if not ok:
+            return [reason]
+        return self.not_supported_reasons(forced=forced, **inputs)
+
+
+_REGISTRY: Dict[str, Dict[str, Backend]] = {}
+_OVERRIDES: List[Dict[str, str]] = []  # stack of use_backend() contexts
+FALLBACKS: Dict[Tuple[str, str], str] = {}  # (op, skipped backend) -> reason, for `bertfast info`
+
+
+def register_backend(backend: Backend) -> None:
+    """Add or replace a backend of an op (tests use this to inject a deliberately wrong one)."""
+    if backend.name not in BACKEND_NAMES:
+        raise ValueError(f"backend name must be one of {BACKEND_NAMES}, got {backend.name!r}")
+    _REGISTRY.setdefault(backend.op, {})[backend.name] = backend
+
+
+def backends(op: str) -> Dict[str, Backend]:
+    if op not in _REGISTRY:
+        raise ValueError(f"unknown op {op!r}; known ops: {sorted(_REGISTRY)}")
+    return _REGISTRY[op]
+
+
+def ops() -> List[str]:
+    return sorted(_REGISTRY)
+
+
+def get(op: str, name: str) -> Backend:
+    table = backends(op)
+    if name not in table:
+        raise ValueError(f"op {op!r} has no backend {name!r}; it has {sorted(table)}")
+    return table[name]
+
+
+def _env_override(op: str) -> Optional[str]:
+    value = os.environ.get(f"BERTFAST_BACKEND_{op.upper()}") or os.environ.get("BERTFAST_BACKEND")
+    if value and value not in BACKEND_NAMES:
+        raise ValueError(f"BERTFAST_BACKEND must be one of {BACKEND_NAMES}, got {value!r}")
+    return value or None
+
+
+def forced_backend(op: str) -> Optional[str]:
+    for overrides in reversed(_OVERRIDES):
+        if op in overrides:
+            return overrides[op]
+        if "*" in overrides:
+            return overrides["*"]
+    return _env_override(op)
+
+
+@contextlib.contextmanager
+def use_backend(choice: Union[str, Mapping[str, str]]) -> Iterator[None]:
+    """Force a backend for every op (``"triton"``) or per op (``{"attention_varlen": "torch"}``)."""
+    overrides = {"*": choice} if isinstance(choice, str) else dict(choice)
+    for name in overrides.values():
+        if name not in BACKEND_NAMES:
+            raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {name!r}")
+    _OVERRIDES.append(overrides)
+    try:
+        yield
+    finally:
+        _OVERRIDES.pop()
+
+
+class NoBackendError(ValueError):
+    pass
+
+
+def select(op: str, **inputs) -> str:
+    """Name of the backend that runs ``op`` on these inputs (tensors or fake tensors)."""
+    table = backends(op)
+    forced = forced_backend(op)
+    if forced is not None:
+        reasons = get(op, forced).reasons(True, **inputs)
+        if reasons:
+            raise NoBackendError(f"bertfast: backend {forced!r} was forced for op {op!r} but cannot run "
+                                 f"these inputs: {'; '.join(reasons)}")
+        return forced
+    why: Dict[str, List[str]] = {}
+    for name in PREFERENCE:
+        backend = table.get(name)
+        if backend is None:
+            continue
+        if not backend.auto_select:
+            why[name] = ["runs only when forced (BERTFAST_BACKEND)"]
+            continue
+        reasons = backend.reasons(False, **inputs)
+        if not reasons:
+            _note_fallbacks(op, name, why, inputs)
+            return name
+        why[name] = reasons
+    listing = "\n".join(f"  {name}: {'; '.join(r)}" for name, r in why.items())
+    raise NoBackendError(f"bertfast: no backend of op {op!r} can run these inputs:\n{listing}")
+
+
+def _note_fallbacks(op: str, chosen: str, skipped: Dict[str, List[str]], inputs) -> None:
+    """Warn once when a CUDA input skipped a backend because that backend is broken/unavailable."""
+    if not any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in inputs.values()):
+        return
+    for name in skipped:
+        ok, reason = table_availability(op, name)
+        if not ok and (op, name) not in FALLBACKS:
+            FALLBACKS[(op, name)] = reason
+            log.warning("bertfast: op %s falls back from %s to %s: %s", op, name, chosen, reason)
+
+
+def table_availability(op: str, name: str) -> Tuple[bool, str]:
+    return get(op, name).availability()
+
+
+# ---------------------------------------------------------------- shared support checks
+def triton_availability() -> Tuple[bool, str]:
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:
+        return False, f"triton is not importable ({type(exc).__name__}: {exc})"
+    return True, ""
+
+
+def cuda_ext_availability() -> Tuple[bool, str]:
+    try:
+        from bertfast import cuda_ops
+    except Exception as exc:
+        return False, f"bertfast.cuda_ops failed to import ({type(exc).__name__}: {exc})"
+    return cuda_ops.extension_status()
+
+
+def device_reasons(backend: str, forced: bool, tensors: Mapping[str, Optional[torch.Tensor]]) -> List[str]:
+    """Device rules: torch runs anywhere; cuda needs CUDA tensors; triton needs CUDA tensors,
+    or CPU tensors under TRITON_INTERPRET=1 when forced (the interpreter is for tests)."""
+    devices = {t.device.type for t in tensors.values() if isinstance(t, torch.Tensor)}
+    if backend == "torch":
+        return []
+    if devices == {"cuda"}:
+        return []
+    if backend == "triton" and devices <= {"cpu"}:
+        if os.environ.get("TRITON_INTERPRET", "0") != "1":
+            return ["CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter)"]
+        if not forced:
+            return ["CPU tensors run the Triton interpreter only when triton is forced"]
+        return []
+    return [f"needs CUDA tensors, got {sorted(devices)}"]
+
+
+
+def dtype_reasons(tensors: Mapping[str, Optional[torch.Tensor]],
+                  allowed=(torch.float32, torch.float16, torch.bfloat16)) -> List[str]:
+    return [f"{name} has dtype {t.dtype}, expected one of {[str(d) for d in allowed]}"
+            for name, t in tensors.items() if isinstance(t, torch.Tensor) and t.dtype not in allowed]

@@ -1,0 +1,59 @@
+"""bias_gelu: y = GELU(x + bias), after the FFN up-projection. x [N, F], bias [F]."""
+from __future__ import annotations
+
+import torch
+
+from bertfast import dispatch
+from bertfast.ops._common import register_backends
+
+OP = "bias_gelu"
+APPROXIMATIONS = ("none", "tanh")
+register_backends(OP, "bias_gelu", ["x", "bias"])
+
+
+@torch.library.custom_op("bertfast::bias_gelu", mutates_args=())
+def _bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str, backend: str) -> torch.Tensor:
+    return dispatch.get(OP, backend).impl.bias_gelu_fwd(x, bias, approximate)
+
+
+@_bias_gelu.register_fake
+def _(x, bias, approximate, backend):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("bertfast::bias_gelu_backward", mutates_args=())
+def _bias_gelu_backward(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, approximate: str,
+                        backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return dispatch.get(OP, backend).impl.bias_gelu_bwd(dy.contiguous(), x, bias, approximate)
+
+
+@_bias_gelu_backward.register_fake
+def _(dy, x, bias, approximate, backend):
+    return torch.empty_like(x), torch.empty_like(bias)
+
+
+def _setup(ctx, inputs, output):
+    x, bias, approximate, backend = inputs
+    ctx.save_for_backward(x, bias)
+    ctx.approximate, ctx.backend = approximate, backend
+
+
+def _backward(ctx, dy):
+    x, bias = ctx.saved_tensors
+    dx, dbias = _bias_gelu_backward(dy, x, bias, ctx.approximate, ctx.backend)
+    return dx, dbias, None, None
+
+
+_bias_gelu.register_autograd(_backward, setup_context=_setup)
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GELU(x + bias) over the last dimension; any leading shape. approximate: 'none' (erf) or 'tanh'."""
+    if approximate not in APPROXIMATIONS:
+        raise ValueError(f"approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
+    if bias.dim() != 1 or x.shape[-1] != bias.shape[0]:
+        raise ValueError(f"bias_gelu: expected bias of shape [{x.shape[-1]}] for x of shape {tuple(x.shape)}, "
+                         f"got {tuple(bias.shape)}")
+    rows = x.reshape(-1, x.shape[-1])
+    backend = dispatch.select(OP, x=rows, bias=bias)
+    return _bias_gelu(rows, bias, approximate, backend).view(x.shape)

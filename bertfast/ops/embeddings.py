@@ -1,0 +1,83 @@
+"""embeddings: y = Dropout(LN(word[ids] + position[pos_ids] + token_type[tt_ids])), on unpadded tokens.
+
+ids: [T] (int32 or int64, already range-checked by the model); tables [V, H], [P, H], [TT, H].
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from bertfast import dispatch
+from bertfast.ops._common import check_dropout, register_backends, seed_for
+
+OP = "embeddings"
+Tensor = torch.Tensor
+register_backends(OP, "embeddings", ["word", "pos", "token_type", "ln_weight", "ln_bias"])
+
+
+@torch.library.custom_op("bertfast::embeddings", mutates_args=())
+def _embeddings(input_ids: Tensor, position_ids: Tensor, token_type_ids: Tensor, word: Tensor, pos: Tensor,
+                token_type: Tensor, ln_weight: Tensor, ln_bias: Tensor, eps: float, dropout_p: float,
+                seed: Optional[Tensor], out_dtype: torch.dtype, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    return dispatch.get(OP, backend).impl.embeddings_fwd(input_ids, position_ids, token_type_ids, word, pos,
+                                                         token_type, ln_weight, ln_bias, eps, dropout_p, seed,
+                                                         out_dtype)
+
+
+@_embeddings.register_fake
+def _(input_ids, position_ids, token_type_ids, word, pos, token_type, ln_weight, ln_bias, eps, dropout_p, seed,
+      out_dtype, backend):
+    tokens = input_ids.shape[0]
+    stats = word.new_empty((tokens,), dtype=torch.float32)
+    return word.new_empty((tokens, word.shape[1]), dtype=out_dtype), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("bertfast::embeddings_backward", mutates_args=())
+def _embeddings_backward(dy: Tensor, input_ids: Tensor, position_ids: Tensor, token_type_ids: Tensor,
+                         word: Tensor, pos: Tensor, token_type: Tensor, ln_weight: Tensor, ln_bias: Tensor,
+                         mean: Tensor, rstd: Tensor, dropout_p: float, seed: Optional[Tensor], backend: str
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return dispatch.get(OP, backend).impl.embeddings_bwd(dy.contiguous(), input_ids, position_ids, token_type_ids,
+                                                         word, pos, token_type, ln_weight, ln_bias, mean, rstd,
+                                                         dropout_p, seed)
+
+
+@_embeddings_backward.register_fake
+def _(dy, input_ids, position_ids, token_type_ids, word, pos, token_type, ln_weight, ln_bias, mean, rstd,
+      dropout_p, seed, backend):
+    return tuple(torch.empty_like(t) for t in (word, pos, token_type, ln_weight, ln_bias))
+
+
+def _setup(ctx, inputs, output):
+    (input_ids, position_ids, token_type_ids, word, pos, token_type, ln_weight, ln_bias, eps, dropout_p, seed,
+     out_dtype, backend) = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(input_ids, position_ids, token_type_ids, word, pos, token_type, ln_weight, ln_bias,
+                          mean, rstd, seed)
+    ctx.dropout_p, ctx.backend = dropout_p, backend
+
+
+def _backward(ctx, dy, _dmean, _drstd):
+    *tensors, mean, rstd, seed = ctx.saved_tensors
+    grads = _embeddings_backward(dy, *tensors, mean, rstd, ctx.dropout_p, seed, ctx.backend)
+    return (None, None, None, *grads, None, None, None, None, None)
+
+
+_embeddings.register_autograd(_backward, setup_context=_setup)
+
+
+def embeddings(input_ids: Tensor, position_ids: Tensor, token_type_ids: Tensor, word: Tensor, pos: Tensor,
+               token_type: Tensor, ln_weight: Tensor, ln_bias: Tensor, eps: float, dropout_p: float = 0.0,
+               out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """Embedding sum + LayerNorm + dropout for token rows. ids [T] -> [T, H] in out_dtype (default word.dtype)."""
+    for name, ids in (("input_ids", input_ids), ("position_ids", position_ids), ("token_type_ids", token_type_ids)):
+        if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"embeddings: expected {name} as int32/int64 [tokens], got {ids.dtype} "
+                             f"{tuple(ids.shape)}")
+    dropout_p = check_dropout(dropout_p)
+    backend = dispatch.select(OP, input_ids=input_ids, word=word, pos=pos, token_type=token_type,
+                              ln_weight=ln_weight, ln_bias=ln_bias)
+    y, _, _ = _embeddings(input_ids, position_ids, token_type_ids, word, pos, token_type, ln_weight, ln_bias,
+                          float(eps), dropout_p, seed_for(dropout_p, word.device), out_dtype or word.dtype, backend)
+    return y
