@@ -1,0 +1,207 @@
+"""Binary pre-training shards: memory-mapped numpy arrays plus a JSON index.
+
+Layout of a prepared dataset directory::
+
+    index.json                 format, settings, vocabulary facts, the shards of each split
+    vocab.txt (+ tokenizer json files)
+    train-00000/ ...           one directory per shard, written to a temp name then renamed
+        input_ids.npy          [num_tokens] uint16 (vocab <= 65536) or uint32: every example's
+                               [CLS] A [SEP] B [SEP], back to back (already masked if static)
+        offsets.npy            [N + 1] int64: example i is input_ids[offsets[i]:offsets[i+1]]
+        a_len.npy              [N] uint16: tokens of type 0 ([CLS] A [SEP]); the rest are type 1
+        nsp.npy                [N] uint8: 0 = IsNext, 1 = NotNext
+        mlm_positions.npy      [N, P] uint16   (static masking only; P = max_predictions_per_seq,
+        mlm_labels.npy         [N, P] id dtype  rows padded after mlm_count[i] entries)
+        mlm_count.npy          [N] uint16
+        meta.json              num_examples, num_tokens, settings hash (a shard whose hash
+                               differs from the run's is rebuilt)
+
+A shard directory exists only once complete (atomic rename), so a rerun of ``prepare``
+skips every shard that is already there.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+FORMAT = "bertfast-pretraining-v1"
+INDEX_FILE = "index.json"
+
+
+def id_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.uint32)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _save_npy(directory: str, name: str, array: np.ndarray) -> None:
+    path = os.path.join(directory, name)
+    with open(path, "wb") as f:
+        np.save(f, array, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_json_atomic(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def shard_is_complete(directory: str, settings_hash: str) -> bool:
+    meta_path = os.path.join(directory, "meta.json")
+    if not os.path.isfile(meta_path):
+        return False
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return meta.get("settings_hash") == settings_hash
+
+
+def write_shard(directory: str, arrays: Dict[str, np.ndarray], meta: dict) -> None:
+    """Write the arrays and meta.json into a temp directory, fsync, then rename into place."""
+    parent = os.path.dirname(os.path.abspath(directory))
+    os.makedirs(parent, exist_ok=True)
+    tmp = directory + f".tmp-{os.getpid()}"
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    for name, array in arrays.items():
+        _save_npy(tmp, name + ".npy", array)
+    with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    if os.path.exists(directory):  # a stale shard from other settings
+        shutil.rmtree(directory)
+    os.rename(tmp, directory)
+    _fsync_dir(parent)
+
+
+@dataclass
+class Shard:
+    name: str
+    input_ids: np.ndarray
+    offsets: np.ndarray
+    a_len: np.ndarray
+    nsp: np.ndarray
+    mlm_positions: Optional[np.ndarray] = None
+    mlm_labels: Optional[np.ndarray] = None
+    mlm_count: Optional[np.ndarray] = None
+
+    @classmethod
+    def open(cls, directory: str) -> "Shard":
+        def load(name: str, required: bool = True):
+            path = os.path.join(directory, name + ".npy")
+            if not os.path.isfile(path):
+                if required:
+                    raise FileNotFoundError(f"shard {directory!r} lacks {name}.npy (incomplete or "
+                                            f"not a bertfast shard; rerun `bertfast prepare`)")
+                return None
+            return np.load(path, mmap_mode="r", allow_pickle=False)
+
+        return cls(os.path.basename(directory), load("input_ids"), load("offsets"), load("a_len"),
+                   load("nsp"), load("mlm_positions", False), load("mlm_labels", False),
+                   load("mlm_count", False))
+
+    def __len__(self) -> int:
+        return len(self.nsp)
+
+
+class PretrainingData:
+    """All shards of one split of a prepared directory, indexed 0..N-1 across shards."""
+
+    def __init__(self, directory: str, split: str = "train"):
+        index_path = os.path.join(directory, INDEX_FILE)
+        if not os.path.isfile(index_path):
+            raise FileNotFoundError(f"{directory!r} is not a prepared pre-training dataset "
+                                    f"(no {INDEX_FILE}); run `bertfast prepare` first")
+        with open(index_path, encoding="utf-8") as f:
+            self.index = json.load(f)
+        if self.index.get("format") != FORMAT:
+            raise ValueError(f"{index_path}: unknown format {self.index.get('format')!r}, expected {FORMAT!r}")
+        names: List[str] = self.index["splits"].get(split, [])
+        if not names:
+            raise ValueError(f"{directory!r} has no shards for split {split!r}")
+        self.directory = directory
+        self.split = split
+        self.shards = [Shard.open(os.path.join(directory, n)) for n in names]
+        counts = np.array([len(s) for s in self.shards], dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(counts)])
+        self.max_seq_len: int = int(self.index["max_seq_len"])
+        self.vocab_size: int = int(self.index["vocab_size"])
+        self.static_masking: bool = bool(self.index.get("static_masking", False))
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    @property
+    def special_ids(self) -> Dict[str, int]:
+        return self.index["special_ids"]
+
+    def locate(self, i: int):
+        if not 0 <= i < len(self):
+            raise IndexError(f"example {i} out of range [0, {len(self)})")
+        s = int(np.searchsorted(self.starts, i, side="right") - 1)
+        return self.shards[s], i - int(self.starts[s])
+
+    def example(self, i: int):
+        """(ids int64 [S], a_len, nsp label, (static positions, labels) or None)."""
+        shard, j = self.locate(i)
+        ids = np.asarray(shard.input_ids[shard.offsets[j]:shard.offsets[j + 1]], dtype=np.int64)
+        static = None
+        if shard.mlm_positions is not None:
+            n = int(shard.mlm_count[j])
+            static = (np.asarray(shard.mlm_positions[j, :n], dtype=np.int64),
+                      np.asarray(shard.mlm_labels[j, :n], dtype=np.int64))
+        return ids, int(shard.a_len[j]), int(shard.nsp[j]), static
+
+
+def pack_examples(examples: Sequence[tuple], vocab_size: int,
+                  max_predictions: Optional[int] = None) -> Dict[str, np.ndarray]:
+    """Arrays of one shard from examples (ids, a_len, nsp[, positions, labels])."""
+    dt = id_dtype(vocab_size)
+    lengths = np.array([len(e[0]) for e in examples], dtype=np.int64)
+    arrays = {
+        "input_ids": (np.concatenate([np.asarray(e[0]) for e in examples]).astype(dt)
+                      if examples else np.zeros(0, dt)),
+        "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        "a_len": np.array([e[1] for e in examples], dtype=np.uint16),
+        "nsp": np.array([e[2] for e in examples], dtype=np.uint8),
+    }
+    if max_predictions is not None:
+        n = len(examples)
+        pos = np.zeros((n, max_predictions), np.uint16)
+        lab = np.zeros((n, max_predictions), dt)
+        cnt = np.zeros(n, np.uint16)
+        for i, e in enumerate(examples):
+            k = len(e[3])
+            pos[i, :k] = e[3]
+            lab[i, :k] = e[4]
+            cnt[i] = k
+        arrays.update(mlm_positions=pos, mlm_labels=lab, mlm_count=cnt)
+    return arrays
