@@ -1,0 +1,15 @@
+"""bertfast.bench: the benchmark harness (`bertfast bench`, `python -m bertfast.bench`).
+
+device (what the machine is; copy bandwidth and peak matmul measured once per run), timing
+(CUDA events / perf_counter, median p20 p80), flops (the work each figure divides), gate
+(parity before timing), kernels_suite and model_suite, targets, report (JSON, markdown, PNG).
+"""
+from typing import List, Optional
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from bertfast.bench.cli import main as _main
+    return _main(argv)
+
+
+__all__ = ["main"]

@@ -1,0 +1,119 @@
+"""`bertfast bench` / `python -m bertfast.bench`: measure this machine, run the suites, write the results."""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import sys
+from typing import List, Optional
+
+import torch
+
+from bertfast.bench import device as devmod
+from bertfast.bench import report
+from bertfast.bench.common import DTYPES, SuiteContext
+from bertfast.bench.results import Run
+from bertfast.bench.targets import evaluate_targets
+from bertfast.bench.timing import TimingPolicy
+
+SUITES = ("kernels", "model", "all")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bertfast bench",
+        description="Benchmark bertfast's fused ops and training steps against PyTorch and transformers on "
+                    "this machine. Every path is checked against the reference before it is timed.")
+    p.add_argument("--suite", choices=SUITES, default="all")
+    p.add_argument("--quick", action="store_true", help="small case lists and short timing (tiny shapes on CPU)")
+    p.add_argument("--out", default=None,
+                   help="output directory (default: benchmarks/results/<gpu>/<date> for a full GPU run, "
+                        "bench-out/<device>/<date> otherwise)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="activation dtype (default bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--backends", default="triton,cuda,torch",
+                   help="comma-separated bertfast backends to benchmark (default: all)")
+    p.add_argument("--ops", default=None, help="comma-separated kernel-suite ops (default: all)")
+    p.add_argument("--models", default=None, help="comma-separated model-suite benchmarks (default: all)")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    p.add_argument("--no-transformers", action="store_true", help="skip the transformers rows")
+    return p
+
+
+def _csv(value: Optional[str]) -> Optional[tuple]:
+    return None if value is None else tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def default_out_dir(info: devmod.DeviceInfo, quick: bool, when: Optional[_dt.datetime] = None) -> str:
+    """Committed layout for full GPU runs: benchmarks/results/<gpu-name-slug>/<date>/."""
+    stamp = (when or _dt.datetime.now()).strftime("%Y-%m-%d")
+    root = "benchmarks/results" if info.is_cuda and not quick else "bench-out"
+    return os.path.join(root, info.slug, stamp)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    log = lambda text: print(text, flush=True)  # noqa: E731
+    device = None if args.device == "auto" else args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        print("bertfast bench: --device cuda but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    info = devmod.detect(device)
+    backends = _csv(args.backends) or ()
+    unknown = [b for b in backends if b not in ("triton", "cuda", "torch")]
+    if unknown:
+        print(f"bertfast bench: unknown backends {unknown}; expected triton, cuda, torch", file=sys.stderr)
+        return 2
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if info.is_cuda else torch.float32)
+
+    log(f"bertfast bench on {info.describe()}")
+    if not info.is_cuda:
+        log("No GPU: running on CPU. These are CPU timings (time.perf_counter) of the reference"
+            + (" and Triton-interpreter" if info.triton_interpret else "")
+            + " paths on tiny shapes; they test the harness, not performance."
+            + ("" if info.triton_interpret else " Set TRITON_INTERPRET=1 to include the Triton interpreter."))
+        if not args.quick:
+            log("(CPU run: using the --quick case lists)")
+    quick = args.quick or not info.is_cuda
+    log("measuring copy bandwidth and peak matmul rate ...")
+    devmod.calibrate(info, quick=quick)
+    log(f"  copy bandwidth {info.copy_bandwidth_gbps.median:.1f} GB/s; peak matmul "
+        f"{info.peak_matmul_tflops.median:.2f} TFLOP/s ({info.calibration['matmul_dtype']})")
+
+    ctx = SuiteContext(device=info, quick=quick, dtype=dtype, backends=backends, compile=not args.no_compile,
+                       with_transformers=not args.no_transformers,
+                       policy=TimingPolicy.quick() if quick else TimingPolicy(),
+                       ops=_csv(args.ops), models=_csv(args.models), log=log)
+    config = {"suite": args.suite, "quick": quick, "dtype": str(dtype).replace("torch.", ""),
+              "backends": list(backends), "compile": ctx.compile, "transformers": ctx.with_transformers,
+              "ops": list(ctx.ops) if ctx.ops else None, "models": list(ctx.models) if ctx.models else None,
+              "argv": list(argv) if argv is not None else sys.argv[1:],
+              "timing": "cuda_events" if info.is_cuda else "perf_counter (CPU)"}
+    run = Run(device=info, config=config)
+    if not info.is_cuda:
+        ctx.note("CPU run: timings are time.perf_counter on CPU of reference"
+                 + ("/Triton-interpreter" if info.triton_interpret else "") + " paths on tiny shapes; "
+                 "not GPU performance")
+
+    if args.suite in ("kernels", "all"):
+        from bertfast.bench import kernels_suite
+        run.rows += kernels_suite.run(ctx)
+    if args.suite in ("model", "all"):
+        from bertfast.bench import model_suite
+        run.rows += model_suite.run(ctx)
+    run.notes = list(ctx.notes)
+    run.targets = evaluate_targets(run)
+
+    out_dir = args.out or default_out_dir(info, quick)
+    paths = report.write(run, out_dir)
+    log("")
+    log(report.summary(run))
+    log("")
+    for kind, path in paths.items():
+        log(f"wrote {kind}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,119 @@
+"""What both suites share: realistic sequence lengths, the suite context, timing a callable into a row."""
+from __future__ import annotations
+
+import gc
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from bertfast.bench.device import DeviceInfo, compiler_status
+from bertfast.bench.timing import TimingPolicy
+
+# --------------------------------------------------------------------------- lengths
+LENGTH_MODES = ("none", "pretrain", "finetune")
+
+
+def generator_for(*key: object) -> torch.Generator:
+    """A CPU generator seeded from a description of the case: same case, same data, every run."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()) & 0x7FFFFFFF)
+
+
+def sequence_lengths(mode: str, batch: int, max_len: int, gen: torch.Generator) -> List[int]:
+    """Real lengths of a batch padded to ``max_len``.
+
+    none: every sequence full. pretrain: BERT's NSP pairs, mostly full: 90% at max_len, 10%
+    shorter (uniform in [max_len/4, max_len]), as create_pretraining_data's short_seq_prob=0.1.
+    finetune: mean length 50% of max_len, lengths in pairs (l, max_len - l) with l uniform in
+    [10%, 50%] of max_len, so the batch holds exactly batch * max_len / 2 real tokens (and the
+    same tokens fit batch / 2 full sequences without padding).
+    """
+    if mode == "none":
+        return [max_len] * batch
+    if mode == "pretrain":
+        short = torch.rand(batch, generator=gen) < 0.1
+        lo = max(1, max_len // 4)
+        other = torch.randint(lo, max_len + 1, (batch,), generator=gen)
+        return [int(o) if s else max_len for s, o in zip(short.tolist(), other.tolist())]
+    if mode == "finetune":
+        if batch % 2:
+            raise ValueError(f"finetune lengths come in pairs: batch must be even, got {batch}")
+        lo, hi = max(1, max_len // 10), max(1, max_len // 2)
+        firsts = torch.randint(lo, hi + 1, (batch // 2,), generator=gen).tolist()
+        out: List[int] = []
+        for first in firsts:
+            out += [int(first), max_len - int(first)]
+        return out
+    raise ValueError(f"length mode must be one of {LENGTH_MODES}, got {mode!r}")
+
+
+def cu_seqlens(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    out[1:] = torch.cumsum(torch.tensor(list(lengths), dtype=torch.int64), 0)
+    return out.to(device)
+
+
+def mask_from(lengths: Sequence[int], max_len: int, device: torch.device) -> torch.Tensor:
+    """bool [B, max_len], tokens first."""
+    return (torch.arange(max_len)[None, :] < torch.tensor(list(lengths))[:, None]).to(device)
+
+
+# --------------------------------------------------------------------------- context
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in DTYPES.items()}[dtype]
+
+
+@dataclass
+class SuiteContext:
+    device: DeviceInfo
+    quick: bool
+    dtype: torch.dtype
+    backends: Tuple[str, ...] = ("triton", "cuda", "torch")
+    compile: bool = True
+    with_transformers: bool = True
+    policy: TimingPolicy = field(default_factory=TimingPolicy)
+    ops: Optional[Tuple[str, ...]] = None  # kernel-suite filter (None: all)
+    models: Optional[Tuple[str, ...]] = None  # model-suite filter
+    log: Callable[[str], None] = print
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return self.device.torch_device
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+            self.log(f"note: {text}")
+
+
+def compile_skip_reason(ctx: SuiteContext) -> Optional[str]:
+    """Why torch.compile rows are skipped here, or None when they can run."""
+    if not ctx.compile:
+        return "torch.compile disabled (--no-compile)"
+    status = compiler_status()
+    if ctx.device.is_cuda and status["triton"] is None:
+        return "torch.compile cannot run here: inductor needs triton on GPU and it is not installed"
+    if not ctx.device.is_cuda and status["cxx"] is None:
+        return "torch.compile cannot run here: inductor needs a C++ compiler on CPU and none was found"
+    return None
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def short_error(exc: BaseException, limit: int = 400) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().replace("\n", " ")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def describe_lengths(lengths: Sequence[int], max_len: int) -> Dict[str, float]:
+    total = sum(lengths)
+    return {"real_tokens": int(total), "fill": round(total / (len(lengths) * max_len), 3)}

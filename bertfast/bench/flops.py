@@ -1,0 +1,150 @@
+"""Work counts: the FLOPs and bytes each benchmark figure divides by time.
+
+Conventions (stated in every report):
+
+* Attention, FlashAttention's convention, real tokens only:
+  forward = 4 * sum_b(len_b^2) * A * D  (QK^T and PV, 2 flops per multiply-add);
+  backward = 2.5 x forward (five [len, len] matmuls against two, recomputing P);
+  forward + backward = (1 + 2.5) x forward. Padding never counts, whatever an
+  implementation computes on it.
+* Row ops (bias_gelu, bias_dropout_residual_layernorm, embeddings): GB/s = the bytes the op
+  must move by the launcher contract (every input read once, every output written once,
+  1e9 bytes per GB) / time. The same count divides every implementation's time, so GB/s is
+  comparable across them; % of the copy bandwidth measured in the same run.
+* GEMM-bound ops (linear_cross_entropy / MLM head): 2 flops per multiply-add; backward = 2 x
+  forward (grad input and grad weight).
+* Model: training-step FLOPs = 3 x forward FLOPs (backward = 2 x forward; the model's FLOPs,
+  no recomputation counted), counted on real tokens only: per layer
+  2 * T * (4 H^2 + 2 H I) for the linear layers plus 4 * sum_b(len_b^2) * H for attention,
+  the pooler and NSP classifier per sequence, the MLM head (transform + decoder) at the
+  labelled positions only (the work the loss needs). Embedding gathers, LayerNorm, softmax
+  and the optimizer are not counted. MFU = model FLOPs / time / measured peak matmul rate.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+ATTENTION_BWD_FACTOR = 2.5
+DIRECTIONS = ("fwd", "bwd", "fwd+bwd")
+FP32_STAT_BYTES = 4  # mean / rstd / lse are fp32
+
+
+def _check_direction(direction: str) -> None:
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+
+
+def _sum_squares(lengths: Iterable[int]) -> int:
+    return sum(int(n) * int(n) for n in lengths)
+
+
+# --------------------------------------------------------------------------- attention
+def attention_flops(lengths: Sequence[int], num_heads: int, head_dim: int, direction: str = "fwd") -> float:
+    """FLOPs of bidirectional attention over sequences of the given real lengths."""
+    _check_direction(direction)
+    fwd = 4.0 * _sum_squares(lengths) * num_heads * head_dim
+    factor = {"fwd": 1.0, "bwd": ATTENTION_BWD_FACTOR, "fwd+bwd": 1.0 + ATTENTION_BWD_FACTOR}[direction]
+    return fwd * factor
+
+
+# --------------------------------------------------------------------------- row ops
+def bias_gelu_bytes(n: int, f: int, act_bytes: int, param_bytes: int, direction: str) -> int:
+    """fwd: read x [N,F], bias [F]; write y. bwd: read dy, x, bias; write dx, dbias."""
+    _check_direction(direction)
+    fwd = 2 * n * f * act_bytes + f * param_bytes
+    bwd = 3 * n * f * act_bytes + 2 * f * param_bytes
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[direction]
+
+
+def bias_dropout_residual_layernorm_bytes(n: int, h: int, act_bytes: int, param_bytes: int, direction: str,
+                                          has_bias: bool = True, has_residual: bool = True) -> int:
+    """fwd: read x, residual, bias, weight, ln_bias; write y, pre_norm, mean, rstd.
+    bwd: read dy, pre_norm, mean, rstd, weight; write dx, dresidual, dbias, dweight, dln_bias.
+    (The dropout mask is regenerated from the seed, never stored.)"""
+    _check_direction(direction)
+    rows = n * h * act_bytes
+    stats = 2 * n * FP32_STAT_BYTES
+    fwd = (rows + (rows if has_residual else 0) + (h * param_bytes if has_bias else 0) + 2 * h * param_bytes
+           + 2 * rows + stats)
+    bwd = (2 * rows + stats + h * param_bytes
+           + rows + (rows if has_residual else 0) + (h * param_bytes if has_bias else 0) + 2 * h * param_bytes)
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[direction]
+
+
+def embeddings_bytes(t: int, h: int, vocab: int, positions: int, types: int, id_bytes: int,
+                     table_bytes: int, out_bytes: int, direction: str) -> int:
+    """fwd: read 3 ids per token, the 3 gathered table rows, LN weight/bias; write y, mean, rstd.
+    bwd: read dy, ids, the 3 gathered rows (recompute), LN weight/bias, mean, rstd; write the dense
+    table gradients dword [V,H], dpos [P,H], dtype [TT,H] (zero-filled + scatter-added) and dLN."""
+    _check_direction(direction)
+    stats = 2 * t * FP32_STAT_BYTES
+    ids = 3 * t * id_bytes
+    gathered = 3 * t * h * table_bytes
+    ln = 2 * h * table_bytes
+    fwd = ids + gathered + ln + t * h * out_bytes + stats
+    bwd = t * h * out_bytes + ids + gathered + ln + stats + (vocab + positions + types) * h * table_bytes + ln
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[direction]
+
+
+# --------------------------------------------------------------------------- GEMM-bound
+def linear_cross_entropy_flops(m: int, h: int, vocab: int, direction: str) -> float:
+    """logits = x [M,H] @ W[V,H]^T: 2*M*V*H forward; grad x and grad W: 4*M*V*H backward."""
+    _check_direction(direction)
+    fwd = 2.0 * m * vocab * h
+    return {"fwd": fwd, "bwd": 2 * fwd, "fwd+bwd": 3 * fwd}[direction]
+
+
+def mlm_head_flops(m: int, h: int, vocab: int, direction: str) -> float:
+    """MLM head at M rows: transform dense [H,H] + decoder [V,H] (GELU/LN not counted)."""
+    _check_direction(direction)
+    fwd = 2.0 * m * h * (h + vocab)
+    return {"fwd": fwd, "bwd": 2 * fwd, "fwd+bwd": 3 * fwd}[direction]
+
+
+# --------------------------------------------------------------------------- model
+def encoder_forward_flops(hidden: int, layers: int, intermediate: int, lengths: Sequence[int]) -> float:
+    tokens = sum(int(n) for n in lengths)
+    linear = 2.0 * tokens * (4 * hidden * hidden + 2 * hidden * intermediate)
+    attn = 4.0 * _sum_squares(lengths) * hidden
+    return layers * (linear + attn)
+
+
+def bert_forward_flops(config, lengths: Sequence[int], head: str = "pretraining",
+                       n_predictions: Optional[int] = None, num_labels: int = 2) -> float:
+    """Forward FLOPs of a BERT model on real tokens.
+
+    head: 'none' (BertModel: encoder + pooler), 'pretraining' (+ MLM head at ``n_predictions``
+    labelled positions + NSP), 'classification' (+ [CLS] classifier with ``num_labels``).
+    """
+    h, b = config.hidden_size, len(lengths)
+    flops = encoder_forward_flops(h, config.num_hidden_layers, config.intermediate_size, lengths)
+    flops += 2.0 * b * h * h  # pooler on [CLS]
+    if head == "none":
+        return flops
+    if head == "pretraining":
+        if n_predictions is None:
+            raise ValueError("head='pretraining' needs n_predictions (the number of labelled MLM positions)")
+        return flops + mlm_head_flops(n_predictions, h, config.vocab_size, "fwd") + 2.0 * b * h * 2
+    if head == "classification":
+        return flops + 2.0 * b * h * num_labels
+    raise ValueError(f"head must be 'none', 'pretraining' or 'classification', got {head!r}")
+
+
+def training_step_flops(forward_flops: float) -> float:
+    """Forward + backward (= 2 x forward) model FLOPs."""
+    return 3.0 * forward_flops
+
+
+def mfu(model_flops: float, seconds: float, peak_flops_per_s: float) -> float:
+    """Model FLOPs utilisation as a fraction (0.5 = 50%)."""
+    if seconds <= 0 or peak_flops_per_s <= 0:
+        raise ValueError(f"seconds and peak must be > 0, got {seconds}, {peak_flops_per_s}")
+    return model_flops / seconds / peak_flops_per_s
+
+
+def gbps(nbytes: float, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12

@@ -1,0 +1,249 @@
+"""Write a run: results.json (everything), results.md (tables + targets), PNG speedup plots.
+
+Speedups are ratios of median times against the baseline of the same group, case and
+direction: torch eager for the kernel suite, transformers (sdpa, eager) for the model suite.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Dict, List, Optional, Tuple
+
+from bertfast.bench.results import HF_EAGER, OK, TORCH_EAGER, Row, Run
+
+BASELINE = {"kernels": TORCH_EAGER, "model": HF_EAGER}
+CPU_BANNER = ("**CPU run.** These are CPU timings (time.perf_counter) of reference and, with "
+              "TRITON_INTERPRET=1, Triton-interpreter paths on tiny shapes. They check that the harness "
+              "and the parity gate work; they say nothing about GPU performance.")
+
+
+# --------------------------------------------------------------------------- speedups
+def baseline_row(run: Run, row: Row) -> Optional[Row]:
+    name = BASELINE.get(row.suite)
+    for r in run.rows:
+        if (r.suite == row.suite and r.group == row.group and r.case == row.case
+                and r.direction == row.direction and r.impl == name and r.ok):
+            return r
+    return None
+
+
+def speedup(run: Run, row: Row) -> Optional[float]:
+    """Baseline median time / this row's median time (None when either is missing)."""
+    if not row.ok:
+        return None
+    base = baseline_row(run, row)
+    if base is None or base is row:
+        return None
+    return base.time_ms.median / row.time_ms.median
+
+
+# --------------------------------------------------------------------------- formatting
+def _fmt(x: Optional[float], digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return ""
+    if x == 0:
+        return "0"
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    return f"{x:.{digits}g}"
+
+
+def _stat(row: Row, name: str, scale: float = 1.0, digits: int = 3) -> str:
+    s = row.metrics.get(name)
+    return "" if s is None else _fmt(s.median * scale, digits)
+
+
+def _time(row: Row) -> str:
+    t = row.time_ms
+    if t is None:
+        return ""
+    return f"{_fmt(t.median, 4)} [{_fmt(t.p20, 3)}, {_fmt(t.p80, 3)}]"
+
+
+def _status(row: Row) -> str:
+    if row.ok:
+        return "ok"
+    reason = row.reason.replace("|", "/").replace("\n", " ")
+    if len(reason) > 160:
+        reason = reason[:157] + "..."
+    return f"**{row.status}**: {reason}" if row.status != "skipped" else f"skipped: {reason}"
+
+
+def _mem(row: Row) -> str:
+    if row.memory is None:
+        return ""
+    return f"{row.memory.peak_bytes / 2**20:,.0f} (+{row.memory.peak_delta_bytes / 2**20:,.0f})"
+
+
+def _table(header: List[str], lines: List[List[str]]) -> List[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    out += ["| " + " | ".join(cells) + " |" for cells in lines]
+    return out
+
+
+def markdown(run: Run) -> str:
+    d = run.device
+    md: List[str] = [f"# bertfast benchmark — {d.name}", ""]
+    if not d.is_cuda:
+        md += [CPU_BANNER, ""]
+    md += [f"- date: {run.date}", f"- device: {d.describe()}"]
+    if d.copy_bandwidth_gbps is not None:
+        md.append(f"- measured copy bandwidth: {_fmt(d.copy_bandwidth_gbps.median, 4)} GB/s "
+                  f"[p20 {_fmt(d.copy_bandwidth_gbps.p20, 4)}, p80 {_fmt(d.copy_bandwidth_gbps.p80, 4)}] "
+                  f"({d.calibration.get('copy', '')})")
+    if d.peak_matmul_tflops is not None:
+        md.append(f"- measured peak matmul: {_fmt(d.peak_matmul_tflops.median, 4)} TFLOP/s "
+                  f"[p20 {_fmt(d.peak_matmul_tflops.p20, 4)}, p80 {_fmt(d.peak_matmul_tflops.p80, 4)}] "
+                  f"({d.calibration.get('matmul', '')})")
+    md.append(f"- config: `{json.dumps(run.config, sort_keys=True)}`")
+    md += ["", "Times in ms: median [p20, p80]. Speedup: baseline median / median (kernels: vs torch eager; "
+               "model: vs transformers sdpa eager).", ""]
+
+    md += ["## Targets", ""]
+    md += _table(["target", "status", "value", "detail", "device"],
+                 [[t["target"], f"**{t['status']}**", _fmt(t["value"]), t["detail"].replace("|", "/"), t["device"]]
+                  for t in run.targets])
+    md.append("")
+
+    kernels = [r for r in run.rows if r.suite == "kernels"]
+    if kernels:
+        md += ["## Kernel suite", ""]
+        md += _table(["op", "case", "dir", "impl", "time ms", "GB/s", "% copy BW", "TFLOP/s", "speedup", "status"],
+                     [[r.group, r.case_key(), r.direction, r.impl, _time(r), _stat(r, "gbps"),
+                       _stat(r, "pct_copy_bw"), _stat(r, "tflops"), _fmt(speedup(run, r)), _status(r)]
+                      for r in kernels])
+        md.append("")
+    model = [r for r in run.rows if r.suite == "model"]
+    if model:
+        md += ["## Model suite", ""]
+        md += _table(["benchmark", "case", "impl", "time ms", "seq/s", "real tokens/s", "MFU %",
+                      "peak MiB (+delta)", "speedup", "status"],
+                     [[r.group, r.case_key(), r.impl, _time(r), _stat(r, "seq_per_s"), _stat(r, "tokens_per_s"),
+                       _stat(r, "mfu", 100.0), _mem(r), _fmt(speedup(run, r)), _status(r)]
+                      for r in model])
+        md.append("")
+    md += ["## Conventions", "", "```", (run.to_dict()["conventions"]), "```", ""]
+    if run.notes:
+        md += ["## Notes", ""] + [f"- {n}" for n in run.notes] + [""]
+    return "\n".join(md)
+
+
+def summary(run: Run) -> str:
+    """The table printed at the end of a run (plain text, one line per row), then the targets."""
+    header = ["suite", "benchmark", "case", "dir", "impl", "median ms", "figure", "speedup", "status"]
+    lines = []
+    for r in run.rows:
+        figure = ""
+        for name, unit, scale in (("pct_copy_bw", "% copy BW", 1.0), ("tflops", "TFLOP/s", 1.0),
+                                  ("mfu", "% MFU", 100.0), ("tokens_per_s", "tok/s", 1.0)):
+            if name in r.metrics:
+                figure = f"{_fmt(r.metrics[name].median * scale)} {unit}"
+                break
+        status = "ok" if r.ok else f"{r.status}: {r.reason}"
+        if len(status) > 90:
+            status = status[:87] + "..."
+        lines.append([r.suite, r.group, r.case_key(), r.direction, r.impl,
+                      _fmt(r.time_ms.median, 4) if r.time_ms else "", figure, _fmt(speedup(run, r)), status])
+    widths = [min(max([len(h)] + [len(l[i]) for l in lines]), 60) for i, h in enumerate(header)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    out += ["  ".join(c.ljust(w) for c, w in zip(l, widths)) for l in lines]
+    if not run.device.is_cuda:
+        out.insert(0, "CPU timings (perf_counter), tiny shapes: not GPU performance.")
+    out += ["", f"targets ({run.device.name}):"]
+    out += [f"  [{t['status']}] {t['target']}" + (f" - {t['detail']}" if t["detail"] else "") for t in run.targets]
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- plots
+def _speedup_series(run: Run, suite: str) -> Dict[str, List[Tuple[str, str, float]]]:
+    """group -> [(case label, impl, speedup)] for ok non-baseline rows with a baseline."""
+    series: Dict[str, List[Tuple[str, str, float]]] = {}
+    for r in run.rows:
+        if r.suite != suite or r.impl == BASELINE[suite]:
+            continue
+        s = speedup(run, r)
+        if s is not None:
+            series.setdefault(r.group, []).append((f"{r.case_key()} {r.direction}", r.impl, s))
+    return series
+
+
+def plot_speedups(run: Run, suite: str, path: str) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = _speedup_series(run, suite)
+    title = (f"{suite}: speedup vs {BASELINE[suite]} - {run.device.name}"
+             + ("" if run.device.is_cuda else " (CPU timings, tiny shapes)"))
+    if not series:
+        fig, ax = plt.subplots(figsize=(8, 2))
+        ax.text(0.5, 0.5, "no speedups measured in this run", ha="center", va="center")
+        ax.set_axis_off()
+        ax.set_title(title, fontsize=9)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+    impls = sorted({impl for rows in series.values() for _, impl, _ in rows})
+    colors = {impl: plt.get_cmap("tab10")(i % 10) for i, impl in enumerate(impls)}
+    heights = [max(1.2, 0.25 * len(rows) + 0.8) for rows in series.values()]
+    fig, axes = plt.subplots(len(series), 1, figsize=(10, sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    for ax, (group, rows) in zip(axes[:, 0], series.items()):
+        labels = [f"{case} | {impl}" for case, impl, _ in rows]
+        ys = list(range(len(rows)))
+        ax.barh(ys, [s for _, _, s in rows], color=[colors[impl] for _, impl, _ in rows])
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.set_yticks(ys)
+        ax.set_yticklabels(labels, fontsize=6)
+        ax.invert_yaxis()
+        ax.set_title(group, fontsize=8)
+        ax.tick_params(axis="x", labelsize=7)
+    axes[-1, 0].set_xlabel(f"speedup (x) vs {BASELINE[suite]}")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------- all outputs
+def write(run: Run, out_dir: str) -> Dict[str, str]:
+    """results.json, results.md, kernels_speedup.png, model_speedup.png in ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {
+        "json": os.path.join(out_dir, "results.json"),
+        "markdown": os.path.join(out_dir, "results.md"),
+        "kernels_png": os.path.join(out_dir, "kernels_speedup.png"),
+        "model_png": os.path.join(out_dir, "model_speedup.png"),
+    }
+    with open(paths["json"], "w", encoding="utf-8") as f:
+        json.dump(_finite(run.to_dict()), f, indent=1, allow_nan=False, default=_json_default)
+        f.write("\n")
+    with open(paths["markdown"], "w", encoding="utf-8") as f:
+        f.write(markdown(run))
+    plot_speedups(run, "kernels", paths["kernels_png"])
+    plot_speedups(run, "model", paths["model_png"])
+    return paths
+
+
+def _finite(obj):
+    """JSON has no inf/NaN: write them as null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _json_default(obj):
+    if hasattr(obj, "to_dict"):
+        return obj.to_dict()
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def load(path: str) -> Run:
+    with open(path, encoding="utf-8") as f:
+        return Run.from_dict(json.load(f))

@@ -1,0 +1,239 @@
+"""The performance targets, evaluated on a run: met / not met / not measured, per device.
+
+A target is "not measured" when the rows it needs are missing, skipped or errored, or when
+the run is on a CPU (the targets are GPU targets; CPU timings of reference/interpreter paths
+say nothing about them). A fast path that FAILED PARITY has no speed: its target is "not met".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from bertfast.bench.results import (BERTFAST, FAILED_PARITY, FULL_HEAD, GEMM_FLOOR, HF_COMPILED, HF_EAGER,
+                                    SDPA_FLASH, SDPA_MEM_EFFICIENT, Row, Run, is_fast_impl)
+
+MET, NOT_MET, NOT_MEASURED = "met", "not met", "not measured"
+ROW_OPS = ("bias_gelu", "bias_dropout_residual_layernorm", "embeddings")
+
+
+@dataclass
+class Outcome:
+    status: str
+    value: Optional[float] = None
+    detail: str = ""
+
+
+def _not_measured(detail: str) -> Outcome:
+    return Outcome(NOT_MEASURED, None, detail)
+
+
+def _time(row: Row) -> float:
+    assert row.time_ms is not None
+    return row.time_ms.median
+
+
+def _usable(rows: List[Row], what: str) -> Tuple[Optional[Row], Optional[Outcome]]:
+    """The first ok row, or the outcome explaining why there is none."""
+    for r in rows:
+        if r.ok:
+            return r, None
+    failed = [r for r in rows if r.status == FAILED_PARITY]
+    if failed:
+        return None, Outcome(NOT_MET, None, f"{what}: {failed[0].impl} FAILED PARITY ({failed[0].reason})")
+    if rows:
+        return None, _not_measured(f"{what}: {rows[0].impl} {rows[0].status} ({rows[0].reason})")
+    return None, _not_measured(f"{what}: not in this run")
+
+
+def _best_fast(rows: List[Row]) -> Tuple[Optional[Row], Optional[Outcome]]:
+    """Fastest ok row among the bertfast fast backends (triton/cuda)."""
+    fast = [r for r in rows if is_fast_impl(r.impl)]
+    ok = [r for r in fast if r.ok]
+    if ok:
+        return min(ok, key=_time), None
+    return _usable(fast, "bertfast fast backends")
+
+
+def _cases(run: Run, group: str, direction: Optional[str] = None, **case: Any) -> List[Dict[str, Any]]:
+    seen: List[Dict[str, Any]] = []
+    for r in run.find(group, direction=direction, **case):
+        if r.case not in seen:
+            seen.append(r.case)
+    return seen
+
+
+def _worst(pieces: List[Tuple[Outcome, str]], higher_is_better: bool, threshold: float) -> Outcome:
+    """Combine per-case outcomes: any not met -> not met; any not measured -> not measured."""
+    if not pieces:
+        return _not_measured("no matching cases in this run")
+    values = [o.value for o, _ in pieces if o.value is not None]
+    worst = (min(values) if higher_is_better else max(values)) if values else None
+    details = "; ".join(f"{label}: {o.detail}" for o, label in pieces)
+    for status in (NOT_MET, NOT_MEASURED):
+        if any(o.status == status for o, _ in pieces):
+            return Outcome(status, worst, details)
+    return Outcome(MET, worst, details)
+
+
+def _compare(value: float, threshold: float, higher_is_better: bool, text: str) -> Outcome:
+    good = value >= threshold if higher_is_better else value <= threshold
+    return Outcome(MET if good else NOT_MET, value, text)
+
+
+# --------------------------------------------------------------------------- model targets
+def _model_mfu(model: str) -> Callable[[Run], Outcome]:
+    def evaluate(run: Run) -> Outcome:
+        row, why = _usable(run.find("pretrain_step", BERTFAST, "step", model=model, seqlen=128), "bertfast step")
+        if why:
+            return why
+        mfu = row.metric("mfu")
+        return _compare(mfu, 0.5, True, f"MFU {mfu:.1%} (batch {row.case.get('batch')})")
+    return evaluate
+
+
+def _model_speedup(model: str, baseline: str, threshold: float) -> Callable[[Run], Outcome]:
+    def evaluate(run: Run) -> Outcome:
+        rows = run.find("pretrain_step", direction="step", model=model, seqlen=128)
+        fast, why = _usable([r for r in rows if r.impl == BERTFAST], "bertfast step")
+        if why:
+            return why
+        base, why = _usable([r for r in rows if r.impl == baseline], baseline)
+        if why:
+            return why
+        s = _time(base) / _time(fast)
+        return _compare(s, threshold, True, f"{_time(fast):.1f} ms vs {_time(base):.1f} ms = {s:.2f}x")
+    return evaluate
+
+
+def _finetune_padding(run: Run) -> Outcome:
+    pieces = []
+    for case in _cases(run, "finetune_step", lengths="padded"):
+        other = {k: v for k, v in case.items() if k not in ("lengths", "batch")}
+        padded, why = _usable(run.find("finetune_step", BERTFAST, lengths="padded", **other), "padded batch")
+        if not why:
+            unpadded, why = _usable(run.find("finetune_step", BERTFAST, lengths="no-padding", **other),
+                                    "unpadded batch")
+        label = f"{case.get('model')} seq {case.get('seqlen')}"
+        if why:
+            pieces.append((why, label))
+            continue
+        ratio = padded.metric("tokens_per_s") / unpadded.metric("tokens_per_s")
+        pieces.append((_compare(ratio, 0.8, True, f"padded/unpadded real tokens/s = {ratio:.2f}"), label))
+    return _worst(pieces, True, 0.8)
+
+
+# --------------------------------------------------------------------------- kernel targets
+def _row_ops_bandwidth(run: Run) -> Outcome:
+    pieces = []
+    for op in ROW_OPS:
+        for direction in ("fwd", "bwd"):
+            cases = _cases(run, op, direction)
+            if not cases:
+                continue
+            # The largest case (most bytes): launch overhead is not what this target is about.
+            largest = max(cases, key=lambda c: max((r.work.get("bytes", 0) for r in run.find(op, direction=direction)
+                                                    if r.case == c), default=0))
+            fast, why = _best_fast([r for r in run.find(op, direction=direction) if r.case == largest])
+            label = f"{op} {direction}"
+            if why:
+                pieces.append((why, label))
+                continue
+            pct = fast.metric("pct_copy_bw")
+            pieces.append((_compare(pct, 90.0, True, f"{pct:.0f}% ({fast.impl})"), label))
+    return _worst(pieces, True, 90.0)
+
+
+def _attention_vs(baseline: str, threshold: float, padded: bool) -> Callable[[Run], Outcome]:
+    def evaluate(run: Run) -> Outcome:
+        pieces = []
+        for case in _cases(run, "attention", "fwd+bwd"):
+            if (case.get("padding") != "none") != padded:
+                continue
+            rows = [r for r in run.find("attention", direction="fwd+bwd") if r.case == case]
+            label = f"B{case.get('batch')} S{case.get('seqlen')} D{case.get('head_dim')} {case.get('padding')}"
+            fast, why = _best_fast(rows)
+            if not why:
+                base, why = _usable([r for r in rows if r.impl == baseline], baseline)
+            if why:
+                pieces.append((why, label))
+                continue
+            s = _time(base) / _time(fast)
+            pieces.append((_compare(s, threshold, True, f"{s:.2f}x ({fast.impl})"), label))
+        return _worst(pieces, True, threshold)
+    return evaluate
+
+
+def _mlm_head(kind: str) -> Callable[[Run], Outcome]:
+    def evaluate(run: Run) -> Outcome:
+        pieces = []
+        for case in _cases(run, "mlm_head", "fwd+bwd"):
+            rows = [r for r in run.find("mlm_head", direction="fwd+bwd") if r.case == case]
+            label = f"{case.get('model')} M{case.get('tokens')}"
+            fast, why = _usable([r for r in rows if r.impl == BERTFAST], "bertfast MLM head")
+            if why:
+                pieces.append((why, label))
+                continue
+            if kind == "floor":
+                floor, why = _usable([r for r in rows if r.impl == GEMM_FLOOR], GEMM_FLOOR)
+                if why:
+                    pieces.append((why, label))
+                    continue
+                ratio = _time(fast) / _time(floor)
+                pieces.append((_compare(ratio, 1.25, False, f"{ratio:.2f}x its GEMM floor"), label))
+                continue
+            full, why = _usable([r for r in rows if r.impl == FULL_HEAD], FULL_HEAD)
+            if why:
+                pieces.append((why, label))
+                continue
+            t_ratio = _time(full) / _time(fast)
+            if fast.memory is None or full.memory is None or fast.memory.peak_delta_bytes <= 0:
+                pieces.append((_not_measured("peak memory not measured"), label))
+                continue
+            m_ratio = full.memory.peak_delta_bytes / fast.memory.peak_delta_bytes
+            worst = min(t_ratio, m_ratio)
+            pieces.append((_compare(worst, 5.0, True, f"time {t_ratio:.1f}x, peak memory {m_ratio:.1f}x"), label))
+        return _worst(pieces, kind != "floor", 1.25 if kind == "floor" else 5.0)
+    return evaluate
+
+
+# (id, the target as stated, how to evaluate it on a run)
+TARGETS: List[Tuple[str, str, Callable[[Run], Outcome]]] = [
+    ("mfu_large_128", "BERT-large seq-128 training step >= 50% MFU", _model_mfu("bert-large")),
+    ("mfu_base_128", "BERT-base seq-128 training step >= 50% MFU", _model_mfu("bert-base")),
+    ("hf_eager_large_128", "BERT-large seq-128 step >= 2.5x transformers eager (sdpa)",
+     _model_speedup("bert-large", HF_EAGER, 2.5)),
+    ("hf_eager_base_128", "BERT-base seq-128 step >= 2.5x transformers eager (sdpa)",
+     _model_speedup("bert-base", HF_EAGER, 2.5)),
+    ("hf_compiled_large_128", "BERT-large seq-128 step >= 1.5x transformers under torch.compile",
+     _model_speedup("bert-large", HF_COMPILED, 1.5)),
+    ("hf_compiled_base_128", "BERT-base seq-128 step >= 1.5x transformers under torch.compile",
+     _model_speedup("bert-base", HF_COMPILED, 1.5)),
+    ("finetune_padding", "fine-tuning: padded batch (mean length 50%) within 20% of the same real tokens "
+     "unpadded (real tokens/s)", _finetune_padding),
+    ("row_ops_bandwidth", "row ops (bias_gelu, bias_dropout_residual_layernorm, embeddings; fwd and bwd; "
+     "largest case) >= 90% of measured copy bandwidth", _row_ops_bandwidth),
+    ("attention_vs_flash", "attention fwd+bwd >= torch SDPA flash on equal-length real tokens",
+     _attention_vs(SDPA_FLASH, 1.0, padded=False)),
+    ("attention_vs_mem_efficient", "attention fwd+bwd >= 2x torch SDPA memory-efficient with a padding mask",
+     _attention_vs(SDPA_MEM_EFFICIENT, 2.0, padded=True)),
+    ("mlm_head_vs_full", "MLM head >= 5x the full-sequence head in time and in peak memory",
+     _mlm_head("full")),
+    ("mlm_head_floor", "MLM head within 1.25x of its GEMM floor", _mlm_head("floor")),
+]
+
+
+def evaluate_targets(run: Run) -> List[Dict[str, Any]]:
+    """One dict per target: id, target, status, value, detail, device."""
+    device = run.device.name
+    out = []
+    for tid, text, evaluate in TARGETS:
+        if not run.device.is_cuda:
+            outcome = _not_measured("CPU run: the targets are GPU targets; CPU timings do not measure them")
+        else:
+            try:
+                outcome = evaluate(run)
+            except Exception as exc:  # a broken evaluation must show, not abort the report
+                outcome = _not_measured(f"evaluation failed: {type(exc).__name__}: {exc}")
+        out.append({"id": tid, "target": text, "status": outcome.status, "value": outcome.value,
+                    "detail": outcome.detail, "device": device})
+    return out

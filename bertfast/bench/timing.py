@@ -1,0 +1,209 @@
+"""Timing: one function that times a callable on the device its tensors live on.
+
+GPU (after ``triton.testing.do_bench``): run once, estimate the time per call with a few
+CUDA-event-timed calls, warm up for ``warmup_ms``, then time each of ``rep_ms`` worth of calls
+with its own pair of CUDA events, zeroing a 256 MiB buffer between calls so that every call
+starts with a cold L2 cache. CPU: ``time.perf_counter`` around each call after warm-up calls;
+these are CPU timings of interpreter/reference paths on tiny shapes, not GPU figures.
+
+Every figure is a ``Stat``: median, p20 and p80 of the per-call samples (linear
+interpolation between order statistics, as numpy's default), plus the sample count.
+Throughputs derived from times (GB/s, TFLOP/s, sequences/s) are ``amount / time``, a
+decreasing map, so their p20 comes from the time's p80 and their p80 from the time's p20.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class Stat:
+    """A measured figure with its spread."""
+
+    median: float
+    p20: float
+    p80: float
+    n: int
+
+    def scaled(self, k: float) -> "Stat":
+        """The figure times a positive constant (unit changes)."""
+        if k <= 0:
+            raise ValueError(f"scale must be > 0, got {k}")
+        return Stat(self.median * k, self.p20 * k, self.p80 * k, self.n)
+
+    def rate(self, amount: float) -> "Stat":
+        """``amount / self`` for a Stat of times: quantiles swap (p20 of a rate = amount / p80 time)."""
+        def div(t: float) -> float:
+            return amount / t if t > 0 else math.inf
+        return Stat(div(self.median), div(self.p80), div(self.p20), self.n)
+
+    def to_dict(self) -> Dict[str, float]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, float]) -> "Stat":
+        return cls(float(d["median"]), float(d["p20"]), float(d["p80"]), int(d["n"]))
+
+
+def quantile(sorted_values: Sequence[float], q: float) -> float:
+    """q-quantile of already sorted values, linear interpolation (numpy's default)."""
+    if not sorted_values:
+        raise ValueError("quantile of an empty sample")
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"q must be in [0, 1], got {q}")
+    pos = q * (len(sorted_values) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    frac = pos - lo
+    return sorted_values[lo] * (1.0 - frac) + sorted_values[hi] * frac
+
+
+def summarize(samples: Sequence[float]) -> Stat:
+    values = sorted(float(s) for s in samples)
+    return Stat(quantile(values, 0.5), quantile(values, 0.2), quantile(values, 0.8), len(values))
+
+
+@dataclass
+class TimingPolicy:
+    """How long to warm up and how many samples to take.
+
+    GPU: by time budget (``warmup_ms``, ``rep_ms``), bounded by ``min_reps``/``max_reps``.
+    CPU: ``cpu_warmup`` calls then ``cpu_reps`` timed calls (each call may take seconds
+    under the Triton interpreter, so counts, not budgets).
+    """
+
+    warmup_ms: float = 25.0
+    rep_ms: float = 100.0
+    min_reps: int = 5
+    max_reps: int = 1000
+    cpu_warmup: int = 1
+    cpu_reps: int = 5
+    flush_l2: bool = True
+
+    @classmethod
+    def quick(cls) -> "TimingPolicy":
+        return cls(warmup_ms=10.0, rep_ms=40.0, min_reps=3, max_reps=200, cpu_warmup=1, cpu_reps=3)
+
+    @classmethod
+    def steps(cls, quick: bool) -> "TimingPolicy":
+        """For whole training steps (tens to hundreds of ms each): fixed small counts."""
+        if quick:
+            return cls(warmup_ms=0.0, rep_ms=0.0, min_reps=3, max_reps=3, cpu_warmup=1, cpu_reps=3,
+                       flush_l2=False)
+        return cls(warmup_ms=300.0, rep_ms=2000.0, min_reps=10, max_reps=50, cpu_warmup=2, cpu_reps=5,
+                   flush_l2=False)
+
+
+def method_for(device: torch.device) -> str:
+    return "cuda_events" if torch.device(device).type == "cuda" else "perf_counter"
+
+
+_FLUSH_BUFFERS: Dict[int, torch.Tensor] = {}
+
+
+def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    if index not in _FLUSH_BUFFERS:
+        # 256 MiB: larger than the L2 of any current GPU (H100 50 MB, H200 60 MB).
+        _FLUSH_BUFFERS[index] = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device=f"cuda:{index}")
+    return _FLUSH_BUFFERS[index]
+
+
+def time_fn(fn: Callable[[], object], device: torch.device, policy: Optional[TimingPolicy] = None,
+            setup: Optional[Callable[[], object]] = None) -> Stat:
+    """Per-call time of ``fn()`` in milliseconds (median, p20, p80).
+
+    ``setup``, when given, runs before every call outside the timed region (e.g. zeroing
+    gradients). On CUDA it is enqueued before the call's start event.
+    """
+    policy = policy or TimingPolicy()
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _time_cuda(fn, device, policy, setup)
+    return _time_cpu(fn, policy, setup)
+
+
+def _time_cpu(fn, policy: TimingPolicy, setup) -> Stat:
+    for _ in range(max(policy.cpu_warmup, 0)):
+        if setup is not None:
+            setup()
+        fn()
+    samples: List[float] = []
+    for _ in range(max(policy.cpu_reps, 1)):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return summarize(samples)
+
+
+def _time_cuda(fn, device: torch.device, policy: TimingPolicy, setup) -> Stat:
+    with torch.cuda.device(device):
+        flush = _l2_flush_buffer(device) if policy.flush_l2 else None
+
+        def one(start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+            if setup is not None:
+                setup()
+            if flush is not None:
+                flush.zero_()
+            start.record()
+            fn()
+            end.record()
+
+        # First call (compilation, autotuning, allocator growth), then a small estimate.
+        if setup is not None:
+            setup()
+        fn()
+        torch.cuda.synchronize(device)
+        n_est = 3
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(n_est)]
+        for s, e in events:
+            one(s, e)
+        torch.cuda.synchronize(device)
+        estimate = max(sum(s.elapsed_time(e) for s, e in events) / n_est, 1e-4)
+
+        n_warmup = int(policy.warmup_ms / estimate)
+        n_reps = min(max(int(policy.rep_ms / estimate), policy.min_reps), policy.max_reps)
+        for _ in range(n_warmup):
+            if setup is not None:
+                setup()
+            fn()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(n_reps)]
+        for s, e in events:
+            one(s, e)
+        torch.cuda.synchronize(device)
+        return summarize([s.elapsed_time(e) for s, e in events])
+
+
+@dataclass
+class Memory:
+    """Peak memory of one call: absolute peak and peak above what was allocated before it."""
+
+    peak_bytes: int
+    peak_delta_bytes: int
+
+    def to_dict(self) -> Dict[str, int]:
+        return asdict(self)
+
+
+def peak_memory(fn: Callable[[], object], device: torch.device) -> Optional[Memory]:
+    """Peak CUDA memory of one call of ``fn``; None on CPU (torch keeps no CPU allocator statistics)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    return Memory(int(peak), int(peak - before))
