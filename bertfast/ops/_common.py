@@ -65,3 +65,20 @@ def check_dropout(p: float) -> float:
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {p}")
     return p
+
+
+def distinct(outputs, inputs=()):
+    """Custom ops may not return tensors that share storage with an input or with each other.
+
+    Launchers may legitimately return views of one buffer (e.g. two reductions computed
+    together); clone only the outputs that would alias."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor) and t.numel()}
+    result = []
+    for t in outputs:
+        if isinstance(t, torch.Tensor) and t.numel():
+            key = t.untyped_storage().data_ptr()
+            if key in seen:
+                t = t.clone()
+            seen.add(t.untyped_storage().data_ptr())
+        result.append(t)
+    return tuple(result)

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from bertfast import dispatch
-from bertfast.ops._common import check_dropout, register_backends, seed_for
+from bertfast.ops._common import check_dropout, distinct, register_backends, seed_for
 
 Tensor = torch.Tensor
 HEAD_DIMS = (16, 32, 64, 128)
@@ -38,8 +38,9 @@ def _impl(op, backend):
 def _attention_varlen(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, softmax_scale: float, dropout_p: float,
                       seed: Optional[Tensor], backend: str) -> tuple[Tensor, Tensor]:
     q, k, v = qkv.unbind(1)
-    return _impl("attention_varlen", backend).attention_varlen_fwd(q, k, v, cu_seqlens, max_seqlen, softmax_scale,
-                                                                   dropout_p, seed)
+    outputs = _impl("attention_varlen", backend).attention_varlen_fwd(q, k, v, cu_seqlens, max_seqlen,
+                                                                      softmax_scale, dropout_p, seed)
+    return distinct(outputs, [qkv])
 
 
 @_attention_varlen.register_fake
@@ -53,8 +54,9 @@ def _attention_varlen_backward(dout: Tensor, qkv: Tensor, out: Tensor, lse: Tens
                                max_seqlen: int, softmax_scale: float, dropout_p: float, seed: Optional[Tensor],
                                backend: str) -> Tensor:
     q, k, v = qkv.unbind(1)
-    return _impl("attention_varlen", backend).attention_varlen_bwd(
+    dqkv = _impl("attention_varlen", backend).attention_varlen_bwd(
         dout.contiguous(), q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed)
+    return distinct([dqkv], [dout, qkv, out, lse])[0]
 
 
 @_attention_varlen_backward.register_fake
@@ -103,8 +105,9 @@ def attention_varlen(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p
 @torch.library.custom_op("bertfast::attention_padded", mutates_args=())
 def _attention_padded(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor, softmax_scale: float,
                       dropout_p: float, seed: Optional[Tensor], backend: str) -> tuple[Tensor, Tensor]:
-    return _impl("attention_padded", backend).attention_padded_fwd(q, k, v, key_padding_mask, softmax_scale,
-                                                                   dropout_p, seed)
+    outputs = _impl("attention_padded", backend).attention_padded_fwd(q, k, v, key_padding_mask, softmax_scale,
+                                                                      dropout_p, seed)
+    return distinct(outputs, [q, k, v])
 
 
 @_attention_padded.register_fake
@@ -117,8 +120,9 @@ def _(q, k, v, key_padding_mask, softmax_scale, dropout_p, seed, backend):
 def _attention_padded_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                                key_padding_mask: Tensor, softmax_scale: float, dropout_p: float,
                                seed: Optional[Tensor], backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    return _impl("attention_padded", backend).attention_padded_bwd(
+    grads = _impl("attention_padded", backend).attention_padded_bwd(
         dout.contiguous(), q, k, v, out, lse, key_padding_mask, softmax_scale, dropout_p, seed)
+    return distinct(grads, [dout, q, k, v, out, lse])
 
 
 @_attention_padded_backward.register_fake

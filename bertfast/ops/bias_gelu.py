@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from bertfast import dispatch
-from bertfast.ops._common import register_backends
+from bertfast.ops._common import distinct, register_backends
 
 OP = "bias_gelu"
 APPROXIMATIONS = ("none", "tanh")
@@ -13,7 +13,7 @@ register_backends(OP, "bias_gelu", ["x", "bias"])
 
 @torch.library.custom_op("bertfast::bias_gelu", mutates_args=())
 def _bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str, backend: str) -> torch.Tensor:
-    return dispatch.get(OP, backend).impl.bias_gelu_fwd(x, bias, approximate)
+    return distinct([dispatch.get(OP, backend).impl.bias_gelu_fwd(x, bias, approximate)], [x, bias])[0]
 
 
 @_bias_gelu.register_fake
@@ -24,7 +24,7 @@ def _(x, bias, approximate, backend):
 @torch.library.custom_op("bertfast::bias_gelu_backward", mutates_args=())
 def _bias_gelu_backward(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, approximate: str,
                         backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return dispatch.get(OP, backend).impl.bias_gelu_bwd(dy.contiguous(), x, bias, approximate)
+    return distinct(dispatch.get(OP, backend).impl.bias_gelu_bwd(dy.contiguous(), x, bias, approximate), [dy, x, bias])
 
 
 @_bias_gelu_backward.register_fake

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from bertfast import dispatch
-from bertfast.ops._common import check_dropout, register_backends, seed_for
+from bertfast.ops._common import check_dropout, distinct, register_backends, seed_for
 
 OP = "embeddings"
 Tensor = torch.Tensor
@@ -20,9 +20,10 @@ register_backends(OP, "embeddings", ["word", "pos", "token_type", "ln_weight", "
 def _embeddings(input_ids: Tensor, position_ids: Tensor, token_type_ids: Tensor, word: Tensor, pos: Tensor,
                 token_type: Tensor, ln_weight: Tensor, ln_bias: Tensor, eps: float, dropout_p: float,
                 seed: Optional[Tensor], out_dtype: torch.dtype, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    return dispatch.get(OP, backend).impl.embeddings_fwd(input_ids, position_ids, token_type_ids, word, pos,
-                                                         token_type, ln_weight, ln_bias, eps, dropout_p, seed,
-                                                         out_dtype)
+    outputs = dispatch.get(OP, backend).impl.embeddings_fwd(input_ids, position_ids, token_type_ids, word, pos,
+                                                            token_type, ln_weight, ln_bias, eps, dropout_p, seed,
+                                                            out_dtype)
+    return distinct(outputs, [word, pos, token_type, ln_weight, ln_bias])
 
 
 @_embeddings.register_fake
@@ -38,9 +39,10 @@ def _embeddings_backward(dy: Tensor, input_ids: Tensor, position_ids: Tensor, to
                          word: Tensor, pos: Tensor, token_type: Tensor, ln_weight: Tensor, ln_bias: Tensor,
                          mean: Tensor, rstd: Tensor, dropout_p: float, seed: Optional[Tensor], backend: str
                          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return dispatch.get(OP, backend).impl.embeddings_bwd(dy.contiguous(), input_ids, position_ids, token_type_ids,
-                                                         word, pos, token_type, ln_weight, ln_bias, mean, rstd,
-                                                         dropout_p, seed)
+    grads = dispatch.get(OP, backend).impl.embeddings_bwd(dy.contiguous(), input_ids, position_ids, token_type_ids,
+                                                          word, pos, token_type, ln_weight, ln_bias, mean, rstd,
+                                                          dropout_p, seed)
+    return distinct(grads, [dy, word, pos, token_type, ln_weight, ln_bias])
 
 
 @_embeddings_backward.register_fake

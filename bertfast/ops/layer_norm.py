@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from bertfast import dispatch
-from bertfast.ops._common import check_dropout, empty, or_none, register_backends, seed_for
+from bertfast.ops._common import check_dropout, distinct, empty, or_none, register_backends, seed_for
 
 OP = "bias_dropout_residual_layernorm"
 MAX_HIDDEN = 8192
@@ -31,7 +31,8 @@ def _bdrln(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], weight
            eps: float, dropout_p: float, seed: Optional[Tensor], backend: str
            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     impl = dispatch.get(OP, backend).impl
-    return impl.bias_dropout_residual_layernorm_fwd(x, bias, residual, weight, ln_bias, eps, dropout_p, seed)
+    outputs = impl.bias_dropout_residual_layernorm_fwd(x, bias, residual, weight, ln_bias, eps, dropout_p, seed)
+    return distinct(outputs, [x, bias, residual, weight, ln_bias])
 
 
 @_bdrln.register_fake
@@ -48,14 +49,18 @@ def _bdrln_backward(dy: Tensor, pre_norm: Tensor, mean: Tensor, rstd: Tensor, we
     impl = dispatch.get(OP, backend).impl
     dx, dbias, dres, dweight, dln_bias = impl.bias_dropout_residual_layernorm_bwd(
         dy.contiguous(), pre_norm, mean, rstd, weight, dropout_p, seed, has_bias, has_residual)
-    return (dx, empty(weight) if dbias is None else dbias, empty(dx) if dres is None else dres,
-            dweight, dln_bias)
+    # Without dropout d(residual) equals dx (a backend may even return one tensor for both);
+    # outputs must not alias, so a placeholder tells autograd to reuse dx.
+    if not has_residual or dropout_p == 0.0:
+        dres = empty(dx)
+    return distinct([dx, empty(weight) if dbias is None else dbias, dres, dweight, dln_bias], [dy, pre_norm, weight])
 
 
 @_bdrln_backward.register_fake
 def _(dy, pre_norm, mean, rstd, weight, dropout_p, seed, has_bias, has_residual, backend):
     return (torch.empty_like(dy), torch.empty_like(weight) if has_bias else empty(weight),
-            torch.empty_like(dy) if has_residual else empty(dy), torch.empty_like(weight), torch.empty_like(weight))
+            torch.empty_like(dy) if has_residual and dropout_p > 0.0 else empty(dy), torch.empty_like(weight),
+            torch.empty_like(weight))
 
 
 def _setup(ctx, inputs, output):
@@ -70,8 +75,8 @@ def _backward(ctx, dy, _d_pre_norm, _d_mean, _d_rstd):
     pre_norm, mean, rstd, weight, seed = ctx.saved_tensors
     dx, dbias, dres, dweight, dln_bias = _bdrln_backward(dy, pre_norm, mean, rstd, weight, ctx.dropout_p, seed,
                                                          ctx.has_bias, ctx.has_residual, ctx.backend)
-    return (dx, or_none(dbias) if ctx.has_bias else None, or_none(dres) if ctx.has_residual else None,
-            dweight, dln_bias, None, None, None, None)
+    dres = (dx if dres.numel() == 0 else dres) if ctx.has_residual else None
+    return dx, or_none(dbias) if ctx.has_bias else None, dres, dweight, dln_bias, None, None, None, None
 
 
 _bdrln.register_autograd(_backward, setup_context=_setup)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from bertfast import dispatch
-from bertfast.ops._common import empty, or_none, register_backends
+from bertfast.ops._common import distinct, empty, or_none, register_backends
 from bertfast.ops.bias_gelu import bias_gelu
 from bertfast.ops.layer_norm import layer_norm
 from bertfast.reference import IGNORE_INDEX
@@ -38,8 +38,8 @@ def _linear_cross_entropy(x: Tensor, weight: Tensor, bias: Optional[Tensor], lab
     impl = dispatch.get(OP, backend).impl
     loss_sum, n_correct, gx, gw, gb = impl.linear_cross_entropy_fwd(x, weight, bias, labels, chunk_rows,
                                                                    compute_grad, 1.0)
-    return (loss_sum, n_correct, empty(x) if gx is None else gx, empty(weight) if gw is None else gw,
-            empty(weight) if gb is None else gb)
+    return distinct([loss_sum, n_correct, empty(x) if gx is None else gx, empty(weight) if gw is None else gw,
+                     empty(weight) if gb is None else gb], [x, weight, bias, labels])
 
 
 @_linear_cross_entropy.register_fake

@@ -1,0 +1,38 @@
+"""The `bertfast` command: one subcommand per use of the package."""
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import List, Optional
+
+COMMANDS = {
+    "info": ("bertfast.info", "what runs on this machine (backends, devices) and why not"),
+    "parity": ("bertfast.parity", "fast model vs reference (and transformers) on a small random BERT"),
+    "prepare": ("bertfast.data.prepare", "tokenise a corpus into pre-training shards"),
+    "pretrain": ("bertfast.pretrain", "pre-train BERT (MLM + NSP), single GPU/CPU or torchrun"),
+    "finetune": ("bertfast.finetune", "fine-tune on classification, NER, SQuAD or multiple choice"),
+    "bench": ("bertfast.bench", "benchmark kernels and training steps against the usual alternatives"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    rows = "\n".join(f"  {name:{width}s}  {help_}" for name, (_, help_) in COMMANDS.items())
+    return f"usage: bertfast <command> [options]\n\ncommands:\n{rows}\n\n`bertfast <command> --help` for options."
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"bertfast: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

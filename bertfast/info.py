@@ -1,0 +1,95 @@
+"""`bertfast info` / `python -m bertfast.info`: what runs on this machine, and why not.
+
+Lists versions, devices, the Triton and CUDA-extension status, and for every op each
+backend with the reasons it can or cannot run a typical input on each device here, which
+backend dispatch would pick, and any fallbacks that happened in this process.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from typing import Dict, List, Optional
+
+import torch
+
+from bertfast import dispatch
+import bertfast.ops  # noqa: F401  (registers every op's backends)
+
+
+def _sample_inputs(op: str, device: torch.device, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+    """Tiny meta-free inputs that describe a typical call of each op (only metadata is read)."""
+    def t(*shape, dt=dtype):
+        return torch.empty(shape, dtype=dt, device=device)
+
+    ids = t(8, dt=torch.int64)
+    return {
+        "attention_varlen": dict(q=t(8, 3, 12, 64), cu_seqlens=t(3, dt=torch.int32)),
+        "attention_padded": dict(q=t(2, 4, 12, 64), k=t(2, 4, 12, 64), v=t(2, 4, 12, 64),
+                                 key_padding_mask=t(2, 4, dt=torch.bool)),
+        "bias_gelu": dict(x=t(8, 3072), bias=t(3072)),
+        "bias_dropout_residual_layernorm": dict(x=t(8, 768), bias=t(768), residual=t(8, 768), weight=t(768),
+                                                ln_bias=t(768)),
+        "embeddings": dict(input_ids=ids, word=t(100, 768), pos=t(512, 768), token_type=t(2, 768),
+                           ln_weight=t(768), ln_bias=t(768)),
+        "linear_cross_entropy": dict(x=t(8, 768), weight=t(100, 768), bias=t(100), labels=ids),
+    }[op]
+
+
+def report() -> str:
+    lines: List[str] = ["bertfast environment", "===================="]
+    lines.append(f"python {platform.python_version()}  torch {torch.__version__}  platform {platform.platform()}")
+    ok, why = dispatch.triton_availability()
+    if ok:
+        import triton
+        interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        lines.append(f"triton {triton.__version__}" + ("  (TRITON_INTERPRET=1: kernels run on the CPU interpreter)"
+                                                      if interp else ""))
+    else:
+        lines.append(f"triton: unavailable: {why}")
+    ok, why = dispatch.cuda_ext_availability()
+    lines.append(f"CUDA extension bertfast._C: {'built and importable' if ok else 'unavailable: ' + why}")
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        devices.insert(0, torch.device("cuda"))
+        props = torch.cuda.get_device_properties(0)
+        lines.append(f"GPU: {props.name} (sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB), "
+                     f"CUDA {torch.version.cuda}")
+    else:
+        lines.append("GPU: none (CUDA not available to torch)")
+    forced = os.environ.get("BERTFAST_BACKEND")
+    if forced:
+        lines.append(f"BERTFAST_BACKEND={forced} (forced for every op)")
+    lines.append("")
+    lines.append("Backends per op (device, dtype -> selected backend; then every backend and why not):")
+    for op in dispatch.ops():
+        lines.append(f"  {op}")
+        for device in devices:
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            inputs = _sample_inputs(op, device, dtype)
+            try:
+                chosen: Optional[str] = dispatch.select(op, **inputs)
+                lines.append(f"    {device.type}/{str(dtype).replace('torch.', '')}: -> {chosen}")
+            except dispatch.NoBackendError as exc:
+                lines.append(f"    {device.type}: no backend: {exc}")
+            for name, backend in dispatch.backends(op).items():
+                reasons = backend.reasons(False, **inputs)
+                state = "ok" if not reasons else "; ".join(reasons)
+                if not backend.auto_select:
+                    state += " (runs only when forced)"
+                lines.append(f"      {name:6s} {state}")
+    if dispatch.FALLBACKS:
+        lines.append("")
+        lines.append("Fallbacks in this process (a backend that should have run was unavailable):")
+        for (op, name), reason in sorted(dispatch.FALLBACKS.items()):
+            lines.append(f"  {op}: {name} skipped: {reason}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    sys.stdout.write(report() + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
