@@ -69,28 +69,30 @@ def _softmax_cross_entropy_kernel(
     label = tl.load(labels_ptr + row).to(tl.int32)
     # Out-of-range labels (the driver rejects them) count as ignored: no out-of-bounds read.
     labelled = (label >= 0) & (label < V)
-    # z_label before the row is overwritten by the gradient.
-    z_label = tl.load(row_ptr + tl.where(labelled, label, 0), mask=labelled, other=0.0).to(tl.float32)
+    # Exact 0 gradient on ignored rows, whatever grad_scale (inf when no row is labelled).
+    row_scale = tl.where(labelled, grad_scale, 0.0)
     cols = tl.arange(0, BLOCK_V)
 
     if BLOCK_V >= V:
         # The whole row fits one block: read once, keep exp(z - m) for the gradient.
         z = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         m, arg = tl.max(z, 0, return_indices=True, return_indices_tie_break_left=True)
+        # z_label from the tile itself (no separate load racing the in-place store below).
+        z_label = tl.sum(tl.where(cols == label, z, 0.0), 0)
         m_safe = tl.where(m == float("-inf"), 0.0, m)  # all -inf row: no inf - inf
         e = tl.exp(z - m_safe)
         s = tl.sum(e, 0)
         lse = m_safe + tl.log(s)
         if COMPUTE_GRAD:
             p = e / s
-            dz = tl.where(cols == label, p - 1.0, p) * grad_scale
-            dz = tl.where(labelled, dz, 0.0)  # exact 0 on ignored rows, whatever grad_scale
+            dz = tl.where(cols == label, p - 1.0, p) * row_scale
             tl.store(row_ptr + cols, dz.to(logits_ptr.dtype.element_ty), mask=cols < V)
     else:
         # Pass 1: online max / sum-exp and running argmax over vocabulary blocks.
         m = tl.full((), float("-inf"), tl.float32)
         s = tl.zeros((), tl.float32)
         arg = tl.zeros((), tl.int32)
+        z_label = tl.zeros((), tl.float32)
         for start in range(0, V, BLOCK_V):
             idx = start + cols
             z = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf"),
@@ -98,6 +100,7 @@ def _softmax_cross_entropy_kernel(
             bmax, barg = tl.max(z, 0, return_indices=True, return_indices_tie_break_left=True)
             # Strictly greater: an earlier block keeps a tie (lowest index wins).
             arg = tl.where(bmax > m, start + barg, arg)
+            z_label += tl.sum(tl.where(idx == label, z, 0.0), 0)
             m_new = tl.maximum(m, bmax)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(z - m_safe), 0)
@@ -111,8 +114,7 @@ def _softmax_cross_entropy_kernel(
                 z = tl.load(row_ptr + idx, mask=idx < V, other=0.0,
                             eviction_policy="evict_first").to(tl.float32)
                 p = tl.exp(z - lse)
-                dz = tl.where(idx == label, p - 1.0, p) * grad_scale
-                dz = tl.where(labelled, dz, 0.0)
+                dz = tl.where(idx == label, p - 1.0, p) * row_scale
                 tl.store(row_ptr + idx, dz.to(logits_ptr.dtype.element_ty), mask=idx < V)
 
     tl.store(loss_ptr + row, tl.where(labelled, lse - z_label, 0.0))
