@@ -494,21 +494,22 @@ def load_json_config(path: str) -> Dict[str, Any]:
     return values
 
 
-def apply_config_file(parser, argv: Sequence[str], config_key: str = "config"):
-    """Parse ``argv``; if it names a JSON config file, its values become defaults under the flags.
+def set_parser_defaults(parser, values: Dict[str, Any], source: str) -> None:
+    """Make ``values`` (option names with '-' or '_') the parser's defaults; unknown keys are errors."""
+    dests = {a.dest for a in parser._actions}
+    normalised = {}
+    for k, v in values.items():
+        dest = k.lstrip("-").replace("-", "_")
+        if dest not in dests:
+            raise ValueError(f"{source}: unknown option {k!r}")
+        normalised[dest] = v
+    parser.set_defaults(**normalised)
 
-    Keys are option names with '-' or '_' (``"phase1_steps": 900``); unknown keys are errors.
-    """
+
+def apply_config_file(parser, argv: Sequence[str], config_key: str = "config"):
+    """Parse ``argv``; if it names a JSON config file, its values become defaults under the flags."""
     args, _ = parser.parse_known_args(argv)
     path = getattr(args, config_key, None)
     if path:
-        values = load_json_config(path)
-        dests = {a.dest for a in parser._actions}
-        normalised = {}
-        for k, v in values.items():
-            dest = k.lstrip("-").replace("-", "_")
-            if dest not in dests:
-                raise ValueError(f"{path}: unknown option {k!r}")
-            normalised[dest] = v
-        parser.set_defaults(**normalised)
+        set_parser_defaults(parser, load_json_config(path), path)
     return parser.parse_args(argv)

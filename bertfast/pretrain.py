@@ -1,0 +1,788 @@
+"""``bertfast pretrain``: BERT pre-training (masked LM + next sentence prediction).
+
+The paper's recipe (DESIGN.md section 1): two phases, sequence length 128 for 90% of the
+steps then 512; Adam(W) with lr 1e-4, betas (0.9, 0.999), weight decay 0.01 except on biases
+and LayerNorm, 10k warm-up steps then linear decay; batch 256. Here:
+
+  * data: shards from ``bertfast prepare`` (``--data`` for phase 1, ``--data-phase2`` for
+    phase 2, each with its own max_seq_len), masked dynamically per epoch (or statically);
+  * global batch = micro batch x accumulation steps x ranks; DDP (no_sync while
+    accumulating) or FSDP2 (``--fsdp``: one shard group per encoder layer, the tied
+    embedding/decoder weight in the root group) under torchrun, NCCL on GPUs, gloo on CPU;
+  * AdamW (fused on CUDA) or LAMB (``--optimizer lamb``) for large batches; warm-up +
+    linear decay; gradient clipping; bf16 autocast on GPU (fp16 with loss scaling, or fp32;
+    fp32 on CPU);
+  * the fast unpadded model with the masked-only MLM head: ``BertForPreTraining(**batch)``;
+  * checkpoints every ``--save-every`` steps: the model in HF layout (plus the vocabulary,
+    so a checkpoint is a fine-tuning starting point), optimizer, scheduler, loss scaler,
+    step (= data position) and every rank's RNG states; written atomically (temp dir, fsync,
+    rename); the last ``--keep-last`` kept. ``--resume`` continues bit-for-bit;
+  * logging: a tqdm bar; loss, MLM/NSP accuracy, lr, grad norm, real tokens/s, sequences/s
+    and MFU in ``metrics.jsonl`` (and TensorBoard when installed, ``--tensorboard``), a
+    held-out evaluation every ``--eval-every`` steps, ``loss.png`` at the end;
+  * ``--parity-every N``: every N steps ``bertfast.parity.check_batch`` runs the step's first
+    micro-batch through the fast and reference paths (fp32, dropout off); past
+    ``--parity-threshold`` (relative, on loss and gradient norm) it warns, and with
+    ``--parity-strict`` the run stops and names the first divergent op.
+
+``bertfast pretrain`` with no arguments (or ``--demo``) runs a short demonstration: a small
+BERT on the embedded corpus (the standard library's docstrings, prepared on the fly into
+``runs/demo``), with throughput and parity checks printed; a few minutes on a 2-core CPU.
+Options can also come from a JSON file: ``--config run.json`` (keys are option names).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from bertfast import train_utils as tu
+from bertfast.config import BertConfig
+from bertfast.data.loader import BatchSpec, PretrainingBatches, Prefetcher, masking_config_for
+from bertfast.data.shards import PretrainingData
+from bertfast.data.tokenization import read_vocab
+
+TOKENIZER_FILES = ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
+
+# The demonstration run: a small BERT that trains in minutes on a laptop CPU.
+DEMO_MODEL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512,
+                  max_position_embeddings=512)
+DEMO = dict(preset="demo", output_dir=os.path.join("runs", "demo"), phase1_steps=270, phase2_steps=30, global_batch_size=32,
+            micro_batch_size=32, phase2_global_batch_size=8, phase2_micro_batch_size=8, lr=1e-3,
+            warmup_steps=30, log_every=10, eval_every=100, eval_batches=4, save_every=100, parity_every=100,
+            keep_last=2, demo_vocab_size=4096)
+
+
+class ParityError(RuntimeError):
+    """Raised under --parity-strict when the fast path diverges from the reference."""
+
+    def __init__(self, step: int, report: Dict[str, Any]):
+        self.step, self.report = step, report
+        op = report.get("first_divergent_op")
+        super().__init__(f"parity check failed at step {step}: loss fast {report.get('loss_fast'):.6g} vs "
+                         f"reference {report.get('loss_ref'):.6g} (abs diff {report.get('loss_abs_diff'):.3g}), "
+                         f"grad-norm rel diff {report.get('grad_norm_rel_diff'):.3g}; first divergent op: {op}")
+
+
+# ============================================================================ arguments
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bertfast pretrain", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", help="JSON file of options (keys = option names); flags override it")
+    p.add_argument("--demo", action="store_true", help="short demonstration run on the embedded corpus")
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", default="bert-base",
+                   help="tiny | small | bert-base | bert-large | demo (the --demo model: L=2 H=128 A=2)")
+    g.add_argument("--model-config", help="a config.json (or a directory holding one) instead of --preset")
+    g.add_argument("--init-checkpoint", help="start from the weights of this checkpoint directory")
+    g.add_argument("--set", dest="config_overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a BertConfig field, e.g. --set hidden_dropout_prob=0.0 (repeatable)")
+    g.add_argument("--vocab-multiple", type=int, default=8,
+                   help="round the vocabulary size up to this multiple (tensor-core friendly)")
+    g.add_argument("--execution", choices=("fast", "reference"), default="fast",
+                   help="train through the fast unpadded path or the plain reference encoder")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", help="phase-1 dataset directory (bertfast prepare, e.g. --max-seq-len 128)")
+    g.add_argument("--data-phase2", help="phase-2 dataset directory (e.g. --max-seq-len 512)")
+    g.add_argument("--eval-data", help="dataset whose 'eval' split is the held-out set (default: the phase's)")
+    g.add_argument("--static-shapes", action="store_true",
+                   help="pad every batch to max_seq_len and gather a fixed max_predictions_per_seq")
+    g.add_argument("--max-predictions-per-seq", type=int, default=None,
+                   help="cap on masked tokens per sequence (default: none; ceil(0.15*L) with --static-shapes)")
+    g.add_argument("--masked-lm-prob", type=float, default=None, help="default: the dataset's (0.15)")
+    g.add_argument("--pad-to-multiple-of", type=int, default=8)
+    g.add_argument("--prefetch", type=int, default=2, help="micro-batch sets built ahead in a thread (0: off)")
+    g = p.add_argument_group("schedule")
+    g.add_argument("--phase1-steps", type=int, default=None)
+    g.add_argument("--phase2-steps", type=int, default=None)
+    g.add_argument("--total-steps", type=int, default=None, help="with --phase2-fraction, instead of phase steps")
+    g.add_argument("--phase2-fraction", type=float, default=0.1)
+    g.add_argument("--global-batch-size", type=int, default=256)
+    g.add_argument("--micro-batch-size", type=int, default=32)
+    g.add_argument("--phase2-global-batch-size", type=int, default=None)
+    g.add_argument("--phase2-micro-batch-size", type=int, default=None)
+    g.add_argument("--optimizer", choices=("adamw", "lamb"), default="adamw")
+    g.add_argument("--lr", type=float, default=1e-4)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--beta1", type=float, default=0.9)
+    g.add_argument("--beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-6)
+    g.add_argument("--warmup-steps", type=int, default=None, help="default: 1%% of the steps (10k of 1M)")
+    g.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping")
+    g.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+                   help="auto: bf16 autocast on CUDA, fp32 on CPU")
+    g.add_argument("--seed", type=int, default=42)
+    g = p.add_argument_group("distributed")
+    g.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
+    g.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP, for large models")
+    g = p.add_argument_group("checkpoints and logging")
+    g.add_argument("--output-dir", default=os.path.join("runs", "pretrain"))
+    g.add_argument("--save-every", type=int, default=1000)
+    g.add_argument("--keep-last", type=int, default=3)
+    g.add_argument("--resume", nargs="?", const="auto", default=None,
+                   help="resume from a checkpoint directory, or 'auto' (the latest in OUTPUT_DIR/checkpoints)")
+    g.add_argument("--stop-at-step", type=int, default=None,
+                   help="save a checkpoint and stop after this step (the run can be resumed)")
+    g.add_argument("--log-every", type=int, default=10)
+    g.add_argument("--eval-every", type=int, default=500, help="0 disables")
+    g.add_argument("--eval-batches", type=int, default=20, help="micro-batches per evaluation (over all ranks)")
+    g.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard (if installed)")
+    g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--no-plot", action="store_true")
+    g = p.add_argument_group("parity")
+    g.add_argument("--parity-every", type=int, default=0, help="0 disables")
+    g.add_argument("--parity-threshold", type=float, default=1e-2,
+                   help="relative difference of loss or gradient norm that counts as divergence")
+    g.add_argument("--parity-strict", action="store_true", help="stop at the first divergence")
+    g.add_argument("--demo-vocab-size", type=int, default=4096, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Flags over the JSON ``--config`` file over the demo settings (with ``--demo``) over defaults."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        argv = ["--demo"]
+    parser = build_parser()
+    pre, _ = parser.parse_known_args(argv)
+    values = tu.load_json_config(pre.config) if pre.config else {}
+    if pre.demo or values.get("demo"):
+        parser.set_defaults(**DEMO)
+    if values:
+        tu.set_parser_defaults(parser, values, pre.config)
+    return parser.parse_args(argv)
+
+
+def _parse_overrides(items: Sequence[str]) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+# ============================================================================ set-up
+def prepare_demo_data(args: argparse.Namespace, info: tu.DistInfo, log) -> None:
+    """Prepare the two demo datasets (seq 128 and 512) from the embedded corpus (rank 0 only)."""
+    from bertfast.data.prepare import prepare_dataset
+
+    d1 = os.path.join(args.output_dir, "data-128")
+    d2 = os.path.join(args.output_dir, "data-512")
+    if info.is_main:
+        prepare_dataset([], d1, vocab_size=args.demo_vocab_size, max_seq_len=128, workers=None,
+                        progress=not args.no_progress, log=log)
+        prepare_dataset([], d2, vocab=d1, max_seq_len=512, workers=None, progress=not args.no_progress, log=log)
+    info.barrier()
+    args.data = args.data or d1
+    args.data_phase2 = args.data_phase2 or d2
+
+
+def resolve_steps(args: argparse.Namespace) -> None:
+    if args.phase1_steps is None and args.phase2_steps is None:
+        if args.total_steps is None:
+            raise ValueError("give --phase1-steps/--phase2-steps or --total-steps (with --phase2-fraction)")
+        if not 0.0 <= args.phase2_fraction < 1.0:
+            raise ValueError(f"--phase2-fraction must be in [0, 1), got {args.phase2_fraction}")
+        args.phase2_steps = int(round(args.total_steps * args.phase2_fraction))
+        args.phase1_steps = args.total_steps - args.phase2_steps
+    args.phase1_steps = args.phase1_steps or 0
+    args.phase2_steps = args.phase2_steps or 0
+    if args.phase1_steps < 0 or args.phase2_steps < 0 or args.phase1_steps + args.phase2_steps == 0:
+        raise ValueError(f"need a positive number of steps, got phase1={args.phase1_steps} "
+                         f"phase2={args.phase2_steps}")
+    if args.phase2_steps and not args.data_phase2:
+        raise ValueError("phase 2 needs --data-phase2 (a dataset prepared with --max-seq-len 512)")
+    if args.phase1_steps and not args.data:
+        raise ValueError("phase 1 needs --data (a dataset from `bertfast prepare`)")
+    args.phase2_global_batch_size = args.phase2_global_batch_size or args.global_batch_size
+    args.phase2_micro_batch_size = args.phase2_micro_batch_size or args.micro_batch_size
+    total = args.phase1_steps + args.phase2_steps
+    if args.warmup_steps is None:
+        args.warmup_steps = max(1, int(round(0.01 * total)))
+
+
+def build_config(args: argparse.Namespace, vocab_size: int, max_seq_len: int) -> BertConfig:
+    overrides = _parse_overrides(args.config_overrides)
+    if args.init_checkpoint:
+        config = BertConfig.from_pretrained(args.init_checkpoint, **overrides)
+    elif args.model_config:
+        config = BertConfig.from_pretrained(args.model_config, **overrides)
+    elif args.preset == "demo":
+        config = BertConfig.preset("small", **{**DEMO_MODEL, **overrides})
+    else:
+        config = BertConfig.preset(args.preset, **overrides)
+    if "vocab_size" not in overrides and not args.init_checkpoint:
+        k = max(1, args.vocab_multiple)
+        config = config.replace(vocab_size=-(-vocab_size // k) * k)
+    if config.vocab_size < vocab_size:
+        raise ValueError(f"the model's vocab_size ({config.vocab_size}) is smaller than the data's "
+                         f"vocabulary ({vocab_size})")
+    if config.max_position_embeddings < max_seq_len:
+        raise ValueError(f"the model's max_position_embeddings ({config.max_position_embeddings}) is smaller "
+                         f"than the data's max_seq_len ({max_seq_len})")
+    return config
+
+
+@dataclass
+class Phase:
+    index: int
+    start: int          # first global step of the phase
+    steps: int
+    data: PretrainingData
+    batches: PretrainingBatches
+    spec: BatchSpec
+    eval_batches: Optional[PretrainingBatches]
+    max_predictions: Optional[int]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.steps
+
+
+def build_phases(args, info: tu.DistInfo, vocab_tokens: Optional[List[str]]) -> List[Phase]:
+    phases: List[Phase] = []
+    start = 0
+    specs = [(args.data, args.phase1_steps, args.global_batch_size, args.micro_batch_size),
+             (args.data_phase2, args.phase2_steps, args.phase2_global_batch_size, args.phase2_micro_batch_size)]
+    for i, (directory, steps, gbs, mbs) in enumerate(specs, start=1):
+        if not steps:
+            continue
+        data = PretrainingData(directory, "train")
+        max_pred = args.max_predictions_per_seq
+        if max_pred is None and args.static_shapes:
+            max_pred = int(math.ceil(0.15 * data.max_seq_len))
+        masking = None if data.static_masking else masking_config_for(
+            data, vocab_tokens, mlm_prob=args.masked_lm_prob, max_predictions_per_seq=max_pred)
+        spec = BatchSpec(gbs, mbs, info.world_size, info.rank)
+        batches = PretrainingBatches(data, spec, seed=args.seed + 1000 * i, masking=masking,
+                                     pad_to_multiple_of=args.pad_to_multiple_of, static_shapes=args.static_shapes)
+        eval_batches = None
+        eval_dir = args.eval_data or directory
+        try:
+            eval_data = PretrainingData(eval_dir, "eval")
+        except (ValueError, FileNotFoundError):
+            eval_data = None
+        if eval_data is not None and len(eval_data):
+            emask = None if eval_data.static_masking else masking_config_for(
+                eval_data, vocab_tokens, mlm_prob=args.masked_lm_prob, max_predictions_per_seq=max_pred)
+            # The held-out set is the same for any number of ranks: micro-batch j of the
+            # (unshuffled) eval stream goes to rank j % world_size.
+            espec = BatchSpec(mbs, mbs, 1, 0)
+            eval_batches = PretrainingBatches(eval_data, espec, seed=args.seed + 7, masking=emask,
+                                              pad_to_multiple_of=args.pad_to_multiple_of,
+                                              static_shapes=args.static_shapes, shuffle=False)
+        phases.append(Phase(i, start, steps, data, batches, spec, eval_batches,
+                            max_pred if args.static_shapes else None))
+        start += steps
+    return phases
+
+
+def wrap_model(model: torch.nn.Module, args, info: tu.DistInfo) -> torch.nn.Module:
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+        # One shard group per encoder layer; embeddings, pooler and heads (with the tied
+        # word-embedding / decoder weight) stay in the root group, so the tie is one parameter.
+        for layer in model.bert.encoder.layer:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+    if info.distributed:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        kwargs = {"device_ids": [info.device.index]} if info.device.type == "cuda" else {}
+        return DDP(model, broadcast_buffers=False, **kwargs)
+    return model
+
+
+# ============================================================================ the run
+@dataclass
+class RunResult:
+    losses: Dict[int, float] = field(default_factory=dict)   # step (1-based) -> mean loss of that step
+    evals: List[Dict[str, Any]] = field(default_factory=list)
+    parity: List[Dict[str, Any]] = field(default_factory=list)
+    final_step: int = 0
+    stopped_early: bool = False
+    checkpoint: Optional[str] = None
+    output_dir: str = ""
+
+
+class Pretrainer:
+    def __init__(self, args: argparse.Namespace, info: tu.DistInfo):
+        self.args, self.info = args, info
+        self.device = info.device
+        self.precision = tu.resolve_precision(args.precision, self.device)
+        self.log_records = tu.MetricsLogger(os.path.join(args.output_dir, "metrics.jsonl"),
+                                            os.path.join(args.output_dir, "tensorboard") if args.tensorboard else None,
+                                            enabled=info.is_main)
+        self.ckpt_dir = os.path.join(args.output_dir, "checkpoints")
+        self._stop_signal = False
+
+    def say(self, msg: str) -> None:
+        if self.info.is_main:
+            from tqdm.auto import tqdm
+            tqdm.write(msg)
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self) -> None:
+        args, info = self.args, self.info
+        resume_from = None
+        if args.resume:
+            resume_from = tu.latest_checkpoint(self.ckpt_dir) if args.resume == "auto" else args.resume
+            if resume_from is None:
+                self.say(f"[pretrain] --resume auto: no checkpoint in {self.ckpt_dir}; starting fresh")
+            elif not os.path.isfile(os.path.join(resume_from, "training_state.pt")):
+                raise FileNotFoundError(f"{resume_from!r} is not a complete bertfast pre-training checkpoint")
+        self.resume_from = resume_from
+        if info.is_main:
+            os.makedirs(args.output_dir, exist_ok=True)
+            tu.remove_stale_temp(self.ckpt_dir)
+
+        first_data = args.data if args.phase1_steps else args.data_phase2
+        self.tokenizer_dir = first_data
+        vocab_file = os.path.join(first_data, "vocab.txt")
+        vocab_tokens = read_vocab(vocab_file) if os.path.isfile(vocab_file) else None
+        self.phases = build_phases(args, info, vocab_tokens)
+        max_len = max(ph.data.max_seq_len for ph in self.phases)
+        vocab_size = max(ph.data.vocab_size for ph in self.phases)
+
+        # The same initial weights on every rank (FSDP shards them without a broadcast) ...
+        tu.seed_everything(args.seed)
+        from bertfast.modeling import BertForPreTraining
+        if resume_from:
+            model = BertForPreTraining.from_pretrained(resume_from)
+        else:
+            config = build_config(args, vocab_size, max_len)
+            model = (BertForPreTraining.from_pretrained(args.init_checkpoint, config=config)
+                     if args.init_checkpoint else BertForPreTraining(config))
+        if args.execution == "reference":
+            model.bert.execution = "reference"
+        self.config = model.config
+        # ... and a different dropout stream on each rank.
+        tu.seed_everything(args.seed + 1_000_003 * info.rank)
+        self.raw_model = model.to(self.device)
+        self.model = wrap_model(self.raw_model, args, info)
+        self.forward_model = torch.compile(self.model) if args.compile else self.model
+        self.optimizer = tu.build_optimizer(self.model, args.optimizer, args.lr, args.weight_decay,
+                                            (args.beta1, args.beta2), args.adam_eps)
+        self.total_steps = sum(ph.steps for ph in self.phases)
+        self.scheduler = tu.warmup_linear_decay(self.optimizer, args.warmup_steps, self.total_steps)
+        self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
+        self.flops = tu.FlopCounter(self.config)
+        self.peak = tu.peak_bf16_flops(self.device)
+        self.step = 0
+        if resume_from:
+            self._load_training_state(resume_from)
+
+        n_params = self.raw_model.num_parameters()
+        accum = ", ".join(f"phase {ph.index}: seq {ph.data.max_seq_len}, {ph.steps} steps, global batch "
+                          f"{ph.spec.global_batch_size} = {ph.spec.micro_batch_size} x {ph.spec.accumulation_steps}"
+                          f" accum x {info.world_size} rank(s)" for ph in self.phases)
+        self.say(f"[pretrain] model: {n_params / 1e6:.2f}M parameters (L={self.config.num_hidden_layers} "
+                 f"H={self.config.hidden_size} A={self.config.num_attention_heads} V={self.config.vocab_size}), "
+                 f"{args.execution} path, device {self.device}, {self.precision}, optimizer {args.optimizer} "
+                 f"lr {args.lr:g} warm-up {args.warmup_steps}")
+        self.say(f"[pretrain] {accum}")
+        if resume_from:
+            self.say(f"[pretrain] resumed from {resume_from} at step {self.step}")
+
+    # ------------------------------------------------------------------ checkpoints
+    def _model_state_for_saving(self):
+        """(model on CPU to save_pretrained, optimizer state dict); FSDP gathers full states on rank 0."""
+        if not self.args.fsdp:
+            return self.raw_model, self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        msd = get_model_state_dict(self.model, options=opts)
+        osd = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
+        if not self.info.is_main:
+            return None, None
+        from bertfast.modeling import BertForPreTraining
+        with torch.device("meta"):
+            copy = BertForPreTraining(self.config)
+        copy = copy.to_empty(device="cpu")
+        copy.load_state_dict(msd, strict=False)
+        copy.tie_weights()
+        return copy, osd
+
+    def save_checkpoint(self) -> Optional[str]:
+        args, info = self.args, self.info
+        rng = tu.gather_objects(tu.capture_rng_state(self.device), info)
+        model_to_save, optim_state = self._model_state_for_saving()
+        path = None
+        if info.is_main:
+            phase = self._phase_of(max(self.step - 1, 0))
+            state = {"step": self.step, "optimizer": optim_state, "scheduler": self.scheduler.state_dict(),
+                     "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                     "rng": rng, "world_size": info.world_size,
+                     "data": {"phase": phase.index, "phase_step": self.step - phase.start,
+                              "samples_seen_in_phase": (self.step - phase.start) * phase.spec.global_batch_size},
+                     "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None), list))}}
+
+            def write(tmp: str) -> None:
+                model_to_save.save_pretrained(tmp)
+                for name in TOKENIZER_FILES:
+                    src = os.path.join(self.tokenizer_dir, name)
+                    if os.path.isfile(src):
+                        shutil.copyfile(src, os.path.join(tmp, name))
+                torch.save(state, os.path.join(tmp, "training_state.pt"))
+                with open(os.path.join(tmp, "trainer_state.json"), "w", encoding="utf-8") as f:
+                    json.dump({"step": self.step, "total_steps": self.total_steps, **state["data"],
+                               "world_size": info.world_size, "time": time.time()}, f, indent=2)
+
+            path = tu.atomic_checkpoint(self.ckpt_dir, self.step, write, keep_last=args.keep_last)
+        info.barrier()
+        return tu.broadcast_object(path, info)
+
+    def _load_training_state(self, path: str) -> None:
+        state = torch.load(os.path.join(path, "training_state.pt"), map_location="cpu", weights_only=False)
+        if self.args.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True))
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.step = int(state["step"])
+        rngs = state["rng"]
+        if state.get("world_size") != self.info.world_size:
+            self.say(f"[pretrain] warning: checkpoint written by {state.get('world_size')} rank(s), resuming on "
+                     f"{self.info.world_size}: data order is kept, dropout RNG streams are not")
+        tu.restore_rng_state(rngs[self.info.rank % len(rngs)], self.device)
+
+    # ------------------------------------------------------------------ helpers
+    def _phase_of(self, step: int) -> Phase:
+        for ph in self.phases:
+            if step < ph.end:
+                return ph
+        return self.phases[-1]
+
+    def _to_device(self, mb: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        nb = self.device.type == "cuda"
+        return {k: v.to(self.device, non_blocking=nb) for k, v in mb.items()}
+
+    def _forward(self, model, mb: Dict[str, torch.Tensor], max_pred: Optional[int]):
+        with tu.autocast_context(self.device, self.precision):
+            if max_pred is not None:
+                return model(**mb, max_predictions_per_seq=max_pred)
+            return model(**mb)
+
+    def _no_sync(self, last: bool):
+        if last or not self.info.distributed:
+            return contextlib.nullcontext()
+        if self.args.fsdp:
+            return _fsdp_no_sync(self.model)
+        return self.model.no_sync()
+
+    @staticmethod
+    def _batch_stats(mb: Dict[str, torch.Tensor]) -> torch.Tensor:
+        lengths = mb["attention_mask"].sum(1).double()
+        return torch.stack([lengths.sum(), (lengths ** 2).sum(), (mb["labels"] != -100).sum().double(),
+                            torch.tensor(float(lengths.numel()), dtype=torch.float64, device=lengths.device)])
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, phase: Phase) -> Optional[Dict[str, float]]:
+        if phase.eval_batches is None:
+            return None
+        was_training = self.raw_model.training
+        self.model.eval()
+        n_avail = max(1, int(len(phase.eval_batches.data) // phase.eval_batches.spec.global_batch_size))
+        sums = torch.zeros(6, dtype=torch.float64, device=self.device)
+        for j in range(self.info.rank, min(self.args.eval_batches, n_avail), self.info.world_size):
+            mb = self._to_device(phase.eval_batches.micro_batches(j)[0])
+            out = self._forward(self.forward_model, mb, phase.max_predictions)
+            nsp_ok = (out.seq_relationship_logits.argmax(-1) == mb["next_sentence_label"]).sum()
+            b = mb["input_ids"].shape[0]
+            sums += torch.stack([out.loss.detach().double() * b, out.mlm_loss.detach().double() * b,
+                                 out.mlm_num_correct.double(), out.mlm_num_predictions.double(),
+                                 nsp_ok.double(), torch.tensor(float(b), dtype=torch.float64, device=self.device)])
+        sums = tu.all_reduce_sum(sums, self.info).tolist()
+        self.model.train(was_training)
+        n = max(sums[5], 1.0)
+        return {"loss": sums[0] / n, "mlm_loss": sums[1] / n, "mlm_acc": sums[2] / max(sums[3], 1.0),
+                "nsp_acc": sums[4] / n, "sequences": int(sums[5])}
+
+    # ------------------------------------------------------------------ parity
+    def parity_check(self, mb: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+        from bertfast.parity import check_batch
+        report = check_batch(self.raw_model, mb).to_dict()
+        rel_loss = report["loss_abs_diff"] / max(abs(report["loss_ref"]), 1e-12)
+        report["loss_rel_diff"] = rel_loss
+        worst = max(rel_loss, report["grad_norm_rel_diff"])
+        if not math.isfinite(worst):
+            worst = float("inf")
+        worst_all = worst
+        if self.info.distributed:
+            t = torch.tensor([worst if math.isfinite(worst) else 1e30], dtype=torch.float64, device=self.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            worst_all = t.item()
+        report["diverged"] = bool(worst_all > self.args.parity_threshold)
+        report["max_rel_diff_all_ranks"] = worst_all
+        return report
+
+    # ------------------------------------------------------------------ training
+    def train(self) -> RunResult:
+        args, info = self.args, self.info
+        result = RunResult(output_dir=args.output_dir)
+        self._install_signal_handlers()
+        total = self.total_steps
+        stop_at = min(total, args.stop_at_step) if args.stop_at_step else total
+        bar = None
+        if info.is_main and not args.no_progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=total, initial=self.step, desc="pretrain", unit="step", dynamic_ncols=True)
+
+        def batches_for(step: int):
+            ph = self._phase_of(step)
+            return ph.batches.micro_batches(step - ph.start)
+
+        prefetch = (Prefetcher(batches_for, self.step, depth=args.prefetch, pin_memory=self.device.type == "cuda")
+                    if args.prefetch > 0 and self.step < stop_at else None)
+        window = torch.zeros(9, dtype=torch.float64, device=self.device)
+        window_t0 = time.perf_counter()
+        window_steps = 0
+        step_losses: List[torch.Tensor] = []
+        last_phase = None
+        self.model.train()
+        try:
+            while self.step < stop_at:
+                step = self.step
+                phase = self._phase_of(step)
+                if last_phase is not None and phase.index != last_phase:
+                    self.say(f"[pretrain] phase {phase.index}: sequence length {phase.data.max_seq_len}")
+                last_phase = phase.index
+                micro = prefetch.get(step) if prefetch is not None else batches_for(step)
+                micro = [self._to_device(mb) for mb in micro]
+                accum = len(micro)
+                stats = torch.zeros(9, dtype=torch.float64, device=self.device)
+                for j, mb in enumerate(micro):
+                    with self._no_sync(j == accum - 1):
+                        out = self._forward(self.forward_model, mb, phase.max_predictions)
+                        loss = out.loss / accum
+                        if self.scaler is not None:
+                            self.scaler.scale(loss).backward()
+                        else:
+                            loss.backward()
+                    nsp_ok = (out.seq_relationship_logits.detach().argmax(-1) == mb["next_sentence_label"]).sum()
+                    stats[0] += out.loss.detach().double() / accum
+                    stats[1] += out.mlm_loss.detach().double() / accum
+                    stats[2] += out.nsp_loss.detach().double() / accum
+                    stats[3] += out.mlm_num_correct.double()
+                    stats[4] += nsp_ok.double()
+                    stats[5:9] += self._batch_stats(mb)
+                if self.scaler is not None:
+                    self.scaler.unscale_(self.optimizer)
+                if args.max_grad_norm and args.max_grad_norm > 0:
+                    gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
+                else:
+                    gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float("inf"))
+                if hasattr(gnorm, "full_tensor"):
+                    gnorm = gnorm.full_tensor()
+                lr = self.scheduler.get_last_lr()[0]
+                if self.scaler is not None:
+                    self.scaler.step(self.optimizer)
+                    self.scaler.update()
+                else:
+                    self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.scheduler.step()
+                self.step += 1
+                window += stats
+                window_steps += 1
+                step_losses.append(stats[0].clone())
+                if bar is not None:
+                    bar.update(1)
+
+                if self.step % args.log_every == 0 or self.step == stop_at:
+                    red = tu.all_reduce_sum(window, info).tolist()
+                    per_step = (tu.all_reduce_sum(torch.stack(step_losses), info) / info.world_size).tolist()
+                    for k, value in enumerate(per_step):
+                        result.losses[self.step - len(per_step) + 1 + k] = value
+                    step_losses.clear()
+                    elapsed = time.perf_counter() - window_t0
+                    n_ranks = info.world_size
+                    per_step_loss = red[0] / (n_ranks * window_steps)
+                    record = {"type": "train", "step": self.step, "phase": phase.index,
+                              "seq_len": phase.data.max_seq_len, "loss": per_step_loss,
+                              "mlm_loss": red[1] / (n_ranks * window_steps),
+                              "nsp_loss": red[2] / (n_ranks * window_steps),
+                              "mlm_acc": red[3] / max(red[7], 1.0), "nsp_acc": red[4] / max(red[8], 1.0),
+                              "lr": lr, "grad_norm": float(gnorm),
+                              "tokens_per_s": red[5] / elapsed, "seq_per_s": red[8] / elapsed,
+                              "step_time_s": elapsed / window_steps}
+                    flops = self.flops(red[5], red[7], red[6])
+                    record["tflops_per_s"] = flops / elapsed / 1e12
+                    record["mfu"] = (flops / elapsed / (self.peak * n_ranks)) if self.peak else None
+                    self.log_records.log(record)
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{per_step_loss:.3f}", mlm=f"{record['mlm_acc']:.2f}",
+                                        nsp=f"{record['nsp_acc']:.2f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                        mfu="n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%")
+                    elif info.is_main:
+                        mfu = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
+                        print(f"step {self.step}/{total} loss {per_step_loss:.4f} mlm_acc {record['mlm_acc']:.3f} "
+                              f"nsp_acc {record['nsp_acc']:.3f} lr {lr:.3g} gnorm {float(gnorm):.3f} "
+                              f"tok/s {record['tokens_per_s']:.0f} seq/s {record['seq_per_s']:.1f} MFU {mfu}",
+                              flush=True)
+                    window.zero_()
+                    window_steps = 0
+                    window_t0 = time.perf_counter()
+
+                if args.parity_every and self.step % args.parity_every == 0:
+                    rep = self.parity_check(micro[0])
+                    rep["step"] = self.step
+                    rep["type"] = "parity"
+                    result.parity.append(rep)
+                    self.log_records.log(rep)
+                    status = "DIVERGED" if rep["diverged"] else "ok"
+                    self.say(f"[parity] step {self.step}: loss fast {rep['loss_fast']:.6f} ref {rep['loss_ref']:.6f}"
+                             f" (rel {rep['loss_rel_diff']:.2e}), grad-norm rel diff {rep['grad_norm_rel_diff']:.2e}, "
+                             f"logits max diff {rep['logits_max_abs_diff']:.2e} -> {status}"
+                             + (f"; first divergent op: {rep['first_divergent_op']}" if rep["diverged"] else ""))
+                    if rep["diverged"] and args.parity_strict:
+                        raise ParityError(self.step, rep)
+
+                if args.eval_every and (self.step % args.eval_every == 0 or self.step == total):
+                    ev = self.evaluate(phase)
+                    if ev is not None:
+                        ev.update(type="eval", step=self.step, phase=phase.index)
+                        result.evals.append(ev)
+                        self.log_records.log(ev)
+                        self.say(f"[eval] step {self.step}: loss {ev['loss']:.4f} mlm_acc {ev['mlm_acc']:.3f} "
+                                 f"nsp_acc {ev['nsp_acc']:.3f} ({ev['sequences']} held-out sequences)")
+
+                stop_now = self._stop_signal_all()
+                if (args.save_every and self.step % args.save_every == 0) or self.step in (stop_at, total) or stop_now:
+                    result.checkpoint = self.save_checkpoint()
+                if stop_now:
+                    self.say(f"[pretrain] stopped by signal after step {self.step}; resume with --resume")
+                    result.stopped_early = True
+                    break
+        finally:
+            if prefetch is not None:
+                prefetch.close()
+            if bar is not None:
+                bar.close()
+        result.final_step = self.step
+        if self.step < total:
+            result.stopped_early = True
+        return result
+
+    # ------------------------------------------------------------------ signals
+    def _install_signal_handlers(self) -> None:
+        import threading
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum, frame):  # save at the end of the current step, then stop
+            if self._stop_signal:
+                raise KeyboardInterrupt
+            self._stop_signal = True
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                signal.signal(sig, handler)
+            except (ValueError, OSError):
+                pass
+
+    def _stop_signal_all(self) -> bool:
+        if not self.info.distributed:
+            return self._stop_signal
+        t = torch.tensor([1.0 if self._stop_signal else 0.0], device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return bool(t.item() > 0)
+
+    def finish(self, result: RunResult) -> None:
+        self.log_records.close()
+        if self.info.is_main and not self.args.no_plot:
+            png = tu.plot_loss_curve(os.path.join(self.args.output_dir, "metrics.jsonl"),
+                                     os.path.join(self.args.output_dir, "loss.png"))
+            if png:
+                self.say(f"[pretrain] loss curve: {png}")
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+# ============================================================================ entry points
+def run(args: argparse.Namespace) -> RunResult:
+    """Pre-train with parsed arguments (see ``build_parser``); returns the losses and evaluations."""
+    info = tu.init_distributed(args.device)
+    try:
+        log = (lambda m: print(m, flush=True)) if info.is_main else (lambda m: None)
+        if args.demo:
+            prepare_demo_data(args, info, log)
+        resolve_steps(args)
+        trainer = Pretrainer(args, info)
+        trainer.setup()
+        t0 = time.time()
+        result = trainer.train()
+        trainer.finish(result)
+        if info.is_main:
+            records = tu.read_jsonl(os.path.join(args.output_dir, "metrics.jsonl"))
+            train = [r for r in records if r.get("type") == "train"]
+            if train:
+                last = train[-1]
+                tok_s = sum(r["tokens_per_s"] for r in train[-5:]) / len(train[-5:])
+                mfu = last.get("mfu")
+                print(f"[pretrain] done: step {result.final_step}/{trainer.total_steps} in "
+                      f"{tu.format_duration(time.time() - t0)}; last loss {last['loss']:.4f} (first logged "
+                      f"{train[0]['loss']:.4f}); {tok_s:.0f} real tokens/s; MFU "
+                      f"{'n/a (no GPU peak known)' if mfu is None else f'{100 * mfu:.1f}%'}", flush=True)
+            if result.parity:
+                worst = max(p["max_rel_diff_all_ranks"] for p in result.parity)
+                print(f"[pretrain] parity: {len(result.parity)} check(s), worst relative difference "
+                      f"{worst:.2e} (threshold {args.parity_threshold:g})", flush=True)
+            if result.checkpoint:
+                print(f"[pretrain] checkpoint: {result.checkpoint}", flush=True)
+        return result
+    finally:
+        info.shutdown()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        args = parse_args(argv)
+    except ValueError as e:
+        print(f"bertfast pretrain: error: {e}", file=sys.stderr)
+        return 2
+    if args.demo and (argv is None or not list(argv)):
+        print("[pretrain] no arguments: running the demonstration (same as `bertfast pretrain --demo`)")
+    try:
+        run(args)
+    except ParityError as e:
+        print(f"bertfast pretrain: {e}", file=sys.stderr)
+        print(json.dumps(e.report, indent=2, default=str), file=sys.stderr)
+        return 3
+    except (ValueError, FileNotFoundError) as e:
+        print(f"bertfast pretrain: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
