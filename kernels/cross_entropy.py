@@ -10,9 +10,11 @@ Math, for one row of logits z [V] with label y (y == -100: ignored row):
 
 dz is the gradient of grad_scale * sum_rows(loss); grad_scale = 1 / (number of labelled
 rows) gives the mean loss of torch's CrossEntropyLoss(ignore_index=-100). The gradient is
-computed eagerly, in the forward pass, and written over the logits: each row is read
-twice (the second read is meant to hit L2) and written once, and no second [M, V] buffer
-exists.
+computed eagerly, in the forward pass, and written over the logits, so no second [M, V]
+buffer exists. One program per row. When a block covers the row (BLOCK_V >= V, e.g. 32768
+for BERT's 30522) the row is read once into registers and written once; otherwise pass 1
+streams over vocabulary blocks (online max / sum-exp / argmax) and pass 2 re-reads each
+block (meant to hit L2) and writes the gradient. Block size and warps are autotuned on GPU.
 
 The driver, linear_cross_entropy_fwd, handles logits = x @ weight.T + bias chunk by chunk
 (chunk_rows rows at a time), so the logits of all M rows never exist at once:
@@ -30,7 +32,6 @@ reads out of bounds. A row whose logits are all -inf yields NaN loss, as torch d
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import torch
@@ -160,10 +161,9 @@ def _launch_softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, gr
     return loss, lse, correct.view(torch.bool)
 
 
-def _check_labels_tensor(labels: torch.Tensor, rows: int, device: torch.device) -> None:
+def _checked_labels(labels: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
     check_tensor("labels", labels, dtypes=LABEL_DTYPES, shape=(rows,), device=device)
-    if labels.numel() and labels.stride(0) != 1:
-        raise ValueError(f"labels: expected a contiguous [{rows}] tensor, got stride {labels.stride()}")
+    return labels.contiguous()
 
 
 def softmax_cross_entropy_(logits: torch.Tensor, labels: torch.Tensor, grad_scale: float,
@@ -182,7 +182,7 @@ def softmax_cross_entropy_(logits: torch.Tensor, labels: torch.Tensor, grad_scal
                          f"{tuple(logits.shape)}")
     if logits.stride(1) != 1:
         raise ValueError(f"logits: expected stride 1 along the vocabulary, got strides {logits.stride()}")
-    _check_labels_tensor(labels, logits.shape[0], logits.device)
+    labels = _checked_labels(labels, logits.shape[0], logits.device)
     return _launch_softmax_cross_entropy(logits, labels, grad_scale, compute_grad)
 
 
@@ -295,7 +295,7 @@ def linear_cross_entropy_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Option
                          f"got {tuple(weight.shape)}")
     if bias is not None:
         check_tensor("bias", bias, dtypes=FLOAT_DTYPES, shape=(V,), device=x.device)
-    _check_labels_tensor(labels, M, x.device)
+    labels = _checked_labels(labels, M, x.device)
     if chunk_rows is None:
         chunk_rows = default_chunk_rows(M, V, x.element_size())
     if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:

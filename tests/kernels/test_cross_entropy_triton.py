@@ -106,10 +106,11 @@ def test_softmax_cross_entropy_all_ignored():
 
 def test_softmax_cross_entropy_row_strided_and_int32_labels():
     # Rows of a wider buffer: stride(0) = V + 13; the extra columns must stay untouched.
+    # Labels: int32, a strided view.
     M, V = 11, 1031
     buf = torch.randn(M, V + 13, device=DEV)
     before = buf.clone()
-    labels = torch.randint(0, V, (M,), device=DEV, dtype=torch.int32)
+    labels = torch.randint(0, V, (M, 2), device=DEV, dtype=torch.int32)[:, 1]
     labels[3] = IGNORE
     ref_loss, ref_lse, ref_correct, ref_grad = _torch_ce(buf[:, :V], labels.long(), 0.5)
     loss, lse, correct = softmax_cross_entropy_(buf[:, :V], labels, 0.5, True)
@@ -224,8 +225,9 @@ def test_linear_cross_entropy_fp16(chunk_rows):
     loss_sum, n_correct, gx, gw, gb = linear_cross_entropy_fwd(x, w, b, labels, chunk_rows, True, gs)
     assert (gx.dtype, gw.dtype, gb.dtype) == (torch.float16,) * 3
     assert_close_lowp(loss_sum, ref32[0], ref16[0], name="loss_sum")
-    # Same fp16 logits as the fp16 reference (the CPU GEMM is deterministic): same argmax.
-    assert int(n_correct) == int(ref16[1])
+    # Same fp16 logits as the fp16 reference on CPU (same GEMM, bitwise): same argmax. On
+    # GPU cuBLAS may round a logit differently per chunk size: allow one near-tie flip.
+    assert abs(int(n_correct) - int(ref16[1])) <= (0 if DEV == "cpu" else 1)
     for name, got, want32, want16 in zip(("grad_x", "grad_weight", "grad_bias"), (gx, gw, gb),
                                          ref32[2:], ref16[2:]):
         assert_close_lowp(got.float(), want32, want16.float(), name=name)
