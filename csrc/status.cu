@@ -1,0 +1,47 @@
+// Launcher error messages, the shared reduction-block policy, and the host Philox (for tests).
+#include <cstdarg>
+#include <cstdio>
+
+#include "common.cuh"
+
+namespace bertfast {
+
+namespace {
+thread_local char g_message[1024] = "";
+}
+
+const char* last_error() { return g_message; }
+
+void clear_error() { g_message[0] = '\0'; }
+
+int fail(int status, const char* fmt, ...) {
+  va_list args;
+  va_start(args, fmt);
+  vsnprintf(g_message, sizeof(g_message), fmt, args);
+  va_end(args);
+  return status;
+}
+
+int fail_cuda(const char* where, cudaError_t err) {
+  snprintf(g_message, sizeof(g_message), "%s: CUDA error %d (%s): %s", where, (int)err,
+           cudaGetErrorName(err), cudaGetErrorString(err));
+  return (int)err;
+}
+
+int64_t reduction_blocks(int64_t n_rows) {
+  // Enough blocks to fill an H100 several times over, few enough that the fp32 partials
+  // (blocks x columns) stay small next to the [n_rows, columns] tensors they summarise.
+  const int64_t kMaxBlocks = 1024;
+  if (n_rows <= 0) return 1;
+  return n_rows < kMaxBlocks ? n_rows : kMaxBlocks;
+}
+
+void philox4x32_10_host(const uint32_t c[4], const uint32_t k[2], uint32_t out[4]) {
+  const U4 r = philox4x32_10(U4{c[0], c[1], c[2], c[3]}, k[0], k[1]);
+  out[0] = r.x;
+  out[1] = r.y;
+  out[2] = r.z;
+  out[3] = r.w;
+}
+
+}  // namespace bertfast
