@@ -22,21 +22,15 @@ from bertfast.reference import IGNORE_INDEX
 
 OP = "linear_cross_entropy"
 Tensor = torch.Tensor
-CHUNK_BYTES = 256 * 2**20  # logits of one row chunk stay under this
 register_backends(OP, "cross_entropy", ["x", "weight", "bias"])
-
-
-def default_chunk_rows(vocab_size: int, dtype: torch.dtype) -> int:
-    """Rows per chunk so one chunk of logits stays under CHUNK_BYTES; a multiple of 64."""
-    rows = CHUNK_BYTES // (vocab_size * torch.empty((), dtype=dtype).element_size())
-    return max(64, rows // 64 * 64)
 
 
 @torch.library.custom_op("bertfast::linear_cross_entropy", mutates_args=())
 def _linear_cross_entropy(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, chunk_rows: int,
                           compute_grad: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     impl = dispatch.get(OP, backend).impl
-    loss_sum, n_correct, gx, gw, gb = impl.linear_cross_entropy_fwd(x, weight, bias, labels, chunk_rows,
+    # chunk_rows 0: the launcher picks its default (logits of one chunk within a memory budget).
+    loss_sum, n_correct, gx, gw, gb = impl.linear_cross_entropy_fwd(x, weight, bias, labels, chunk_rows or None,
                                                                    compute_grad, 1.0)
     return distinct([loss_sum, n_correct, empty(x) if gx is None else gx, empty(weight) if gw is None else gw,
                      empty(weight) if gb is None else gb], [x, weight, bias, labels])
@@ -81,12 +75,11 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, bias: Optional[Tensor], labe
         raise ValueError(f"{OP}: expected labels of shape [{x.shape[0]}], got {tuple(labels.shape)}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"{OP}: expected bias of shape [{weight.shape[0]}], got {tuple(bias.shape)}")
-    chunk = chunk_rows or default_chunk_rows(weight.shape[0], x.dtype)
-    if chunk < 1:
+    if chunk_rows is not None and chunk_rows < 1:
         raise ValueError(f"{OP}: chunk_rows must be >= 1, got {chunk_rows}")
     compute_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     backend = dispatch.select(OP, x=x, weight=weight, bias=bias, labels=labels)
-    loss_sum, n_correct, _, _, _ = _linear_cross_entropy(x, weight, bias, labels.long(), chunk, compute_grad,
+    loss_sum, n_correct, _, _, _ = _linear_cross_entropy(x, weight, bias, labels.long(), chunk_rows or 0, compute_grad,
                                                          backend)
     return loss_sum, n_correct
 
