@@ -136,7 +136,30 @@ class NoBackendError(ValueError):
 
 
 def select(op: str, **inputs) -> str:
-    """Name of the backend that runs ``op`` on these inputs (tensors or fake tensors)."""
+    """Name of the backend that runs ``op`` on these inputs (only their metadata is read).
+
+    Under torch.compile the choice is made once at trace time from a description of the
+    inputs and baked into the graph as a constant (Dynamo never traces the dispatcher).
+    """
+    if torch.compiler.is_compiling():
+        spec = tuple((name, None if t is None else (t.device.type, t.device.index, str(t.dtype).split(".")[-1],
+                                                    tuple(int(d) for d in t.shape)))
+                     for name, t in inputs.items())
+        return _select_from_spec(op, spec)
+    return _select(op, **inputs)
+
+
+@torch.compiler.assume_constant_result
+def _select_from_spec(op: str, spec) -> str:
+    def stand_in(desc):  # a one-element tensor with the described metadata
+        device_type, index, dtype, shape = desc
+        return torch.empty_strided(shape, [0] * len(shape), dtype=getattr(torch, dtype),
+                                   device=torch.device(device_type, index))
+
+    return _select(op, **{name: None if desc is None else stand_in(desc) for name, desc in spec})
+
+
+def _select(op: str, **inputs) -> str:
     table = backends(op)
     forced = forced_backend(op)
     if forced is not None:

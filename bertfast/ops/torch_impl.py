@@ -57,7 +57,7 @@ def _probs(q: Tensor, k: Tensor, mask: Tensor, scale: float) -> Tuple[Tensor, Te
 def _attention_padded_fwd(q, k, v, mask, scale, dropout_p, keep):
     probs, lse = _probs(q, k, mask, scale)
     out = torch.einsum("baqk,bkad->bqad", reference.dropout(probs, dropout_p, keep), v.float())
-    return out.to(q.dtype), lse
+    return out.to(q.dtype).contiguous(), lse
 
 
 def _attention_padded_bwd(dout, q, k, v, mask, scale, dropout_p, keep):
@@ -107,7 +107,7 @@ def attention_padded_bwd(dout, q, k, v, out, lse, key_padding_mask, softmax_scal
     batch, seqlen, heads, _ = q.shape
     keep = keep_mask((batch, heads, seqlen, seqlen), dropout_p, seed, q.device)
     grads = _attention_padded_bwd(dout, q, k, v, key_padding_mask, softmax_scale, dropout_p, keep)
-    return tuple(g.to(q.dtype) for g in grads)
+    return tuple(g.to(q.dtype).contiguous() for g in grads)
 
 
 def attention_padded_dropout_mask(batch, seqlen, num_heads, dropout_p, seed):
@@ -213,6 +213,11 @@ def softmax_cross_entropy_(logits, labels, grad_scale, compute_grad):
 
 def linear_cross_entropy_fwd(x, weight, bias, labels, chunk_rows, compute_grad, grad_scale):
     """Reference form: one chunk holding every row (the full logits); chunk_rows is ignored."""
+    bad = (labels != reference.IGNORE_INDEX) & ((labels < 0) | (labels >= weight.shape[0]))
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(f"linear_cross_entropy: labels must be in [0, {weight.shape[0]}) or -100, "
+                         f"got {int(labels[row])} at row {row}")
     logits = F.linear(x.float(), weight.float(), None if bias is None else bias.float())  # [M, V]
     loss, _, correct = softmax_cross_entropy_(logits, labels, grad_scale, compute_grad)
     loss_sum, n_correct = loss.sum(), correct.sum()
