@@ -178,17 +178,16 @@ def _select(op: str, **inputs) -> str:
             continue
         reasons = backend.reasons(False, **inputs)
         if not reasons:
-            _note_fallbacks(op, name, why, inputs)
+            if any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in inputs.values()):
+                _note_fallbacks(op, name, why)
             return name
         why[name] = reasons
     listing = "\n".join(f"  {name}: {'; '.join(r)}" for name, r in why.items())
     raise NoBackendError(f"bertfast: no backend of op {op!r} can run these inputs:\n{listing}")
 
 
-def _note_fallbacks(op: str, chosen: str, skipped: Dict[str, List[str]], inputs) -> None:
-    """Warn once when a CUDA input skipped a backend because that backend is broken/unavailable."""
-    if not any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in inputs.values()):
-        return
+def _note_fallbacks(op: str, chosen: str, skipped: Dict[str, List[str]]) -> None:
+    """For a CUDA input: warn once per (op, backend) skipped because it is broken or unavailable."""
     for name in skipped:
         ok, reason = table_availability(op, name)
         if not ok and (op, name) not in FALLBACKS:
