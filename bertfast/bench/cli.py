@@ -36,6 +36,9 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated bertfast backends to benchmark (default: all)")
     p.add_argument("--ops", default=None, help="comma-separated kernel-suite ops (default: all)")
     p.add_argument("--models", default=None, help="comma-separated model-suite benchmarks (default: all)")
+    p.add_argument("--reps", type=int, default=None,
+                   help="CPU only: timed calls per figure after one warm-up call (default 3 with --quick, 5 "
+                        "otherwise); on a GPU the number of calls follows the time budget")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers rows")
     return p
@@ -78,18 +81,26 @@ def main(argv: Optional[List[str]] = None) -> int:
     quick = args.quick or not info.is_cuda
     log("measuring copy bandwidth and peak matmul rate ...")
     devmod.calibrate(info, quick=quick)
-    log(f"  copy bandwidth {info.copy_bandwidth_gbps.median:.1f} GB/s; peak matmul "
-        f"{info.peak_matmul_tflops.median:.2f} TFLOP/s ({info.calibration['matmul_dtype']})")
+    log(f"  copy bandwidth {info.copy_bandwidth_gbps.median:.4g} GB/s; peak matmul "
+        f"{info.peak_matmul_tflops.median:.4g} TFLOP/s ({info.calibration['matmul_dtype']})")
 
+    policy = TimingPolicy.quick() if quick else TimingPolicy()
+    step_policy = TimingPolicy.steps(quick)
+    if args.reps is not None:
+        if args.reps < 1:
+            print(f"bertfast bench: --reps must be >= 1, got {args.reps}", file=sys.stderr)
+            return 2
+        policy.cpu_reps = step_policy.cpu_reps = args.reps
+        policy.cpu_warmup = step_policy.cpu_warmup = 1
     ctx = SuiteContext(device=info, quick=quick, dtype=dtype, backends=backends, compile=not args.no_compile,
-                       with_transformers=not args.no_transformers,
-                       policy=TimingPolicy.quick() if quick else TimingPolicy(),
+                       with_transformers=not args.no_transformers, policy=policy, step_policy=step_policy,
                        ops=_csv(args.ops), models=_csv(args.models), log=log)
     config = {"suite": args.suite, "quick": quick, "dtype": str(dtype).replace("torch.", ""),
               "backends": list(backends), "compile": ctx.compile, "transformers": ctx.with_transformers,
               "ops": list(ctx.ops) if ctx.ops else None, "models": list(ctx.models) if ctx.models else None,
               "argv": list(argv) if argv is not None else sys.argv[1:],
-              "timing": "cuda_events" if info.is_cuda else "perf_counter (CPU)"}
+              "timing": "cuda_events" if info.is_cuda else "perf_counter (CPU)",
+              "cpu_reps": None if info.is_cuda else policy.cpu_reps}
     run = Run(device=info, config=config)
     if not info.is_cuda:
         ctx.note("CPU run: timings are time.perf_counter on CPU of reference"

@@ -75,7 +75,8 @@ class SuiteContext:
     backends: Tuple[str, ...] = ("triton", "cuda", "torch")
     compile: bool = True
     with_transformers: bool = True
-    policy: TimingPolicy = field(default_factory=TimingPolicy)
+    policy: TimingPolicy = field(default_factory=TimingPolicy)  # kernel suite
+    step_policy: TimingPolicy = field(default_factory=lambda: TimingPolicy.steps(True))  # model suite
     ops: Optional[Tuple[str, ...]] = None  # kernel-suite filter (None: all)
     models: Optional[Tuple[str, ...]] = None  # model-suite filter
     log: Callable[[str], None] = print
@@ -104,8 +105,9 @@ def compile_skip_reason(ctx: SuiteContext) -> Optional[str]:
 
 
 def free_memory() -> None:
-    gc.collect()
+    """Return freed GPU memory between implementations (a no-op without CUDA: gc.collect is slow)."""
     if torch.cuda.is_available():
+        gc.collect()
         torch.cuda.empty_cache()
 
 

@@ -179,7 +179,7 @@ def calibrate(info: DeviceInfo, quick: bool = False) -> DeviceInfo:
         policy = TimingPolicy(warmup_ms=50.0, rep_ms=200.0 if quick else 500.0, flush_l2=False)
     else:
         nbytes = (16 if quick else 64) * 2 ** 20
-        size, dtype = (256 if quick else 1024), torch.float32
+        size, dtype = (512 if quick else 1024), torch.float32
         policy = TimingPolicy(cpu_warmup=1, cpu_reps=5, flush_l2=False)
     info.copy_bandwidth_gbps = measure_copy_bandwidth(device, nbytes, policy)
     info.peak_matmul_tflops = measure_matmul_peak(device, size, dtype, policy)

@@ -128,8 +128,8 @@ def _compiled(ctx: SuiteContext, fn: Callable[..., Tensor]) -> Tuple[Callable[..
     reason = compile_skip_reason(ctx)
     if reason:
         return fn, reason
-    import torch._dynamo
-    torch._dynamo.reset()  # a fresh cache per case: no silent fall-back to eager at the recompile limit
+    import torch._dynamo as dynamo
+    dynamo.reset()  # a fresh cache per case: no silent fall-back to eager at the recompile limit
     return torch.compile(fn, dynamic=False), ""
 
 

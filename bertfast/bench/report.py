@@ -134,12 +134,10 @@ def summary(run: Run) -> str:
     header = ["suite", "benchmark", "case", "dir", "impl", "median ms", "figure", "speedup", "status"]
     lines = []
     for r in run.rows:
-        figure = ""
-        for name, unit, scale in (("pct_copy_bw", "% copy BW", 1.0), ("tflops", "TFLOP/s", 1.0),
-                                  ("mfu", "% MFU", 100.0), ("tokens_per_s", "tok/s", 1.0)):
-            if name in r.metrics:
-                figure = f"{_fmt(r.metrics[name].median * scale)} {unit}"
-                break
+        wanted = ((("pct_copy_bw", "% copy BW", 1.0), ("tflops", "TFLOP/s", 1.0)) if r.suite == "kernels"
+                  else (("tokens_per_s", "tok/s", 1.0), ("mfu", "% MFU", 100.0)))
+        figure = ", ".join(f"{_fmt(r.metrics[name].median * scale)} {unit}"
+                           for name, unit, scale in wanted if name in r.metrics)
         status = "ok" if r.ok else f"{r.status}: {r.reason}"
         if len(status) > 90:
             status = status[:87] + "..."

@@ -169,7 +169,7 @@ def _mlm_head(kind: str) -> Callable[[Run], Outcome]:
         for case in _cases(run, "mlm_head", "fwd+bwd"):
             rows = [r for r in run.find("mlm_head", direction="fwd+bwd") if r.case == case]
             label = f"{case.get('model')} M{case.get('tokens')}"
-            fast, why = _usable([r for r in rows if r.impl == BERTFAST], "bertfast MLM head")
+            fast, why = _best_fast(rows)
             if why:
                 pieces.append((why, label))
                 continue

@@ -1,0 +1,423 @@
+"""Model suite: whole training steps and inference, bertfast against transformers and the reference.
+
+Benchmarks (``--models`` names):
+  pretrain   BertForPreTraining training step (forward with MLM + NSP labels, backward, AdamW step),
+             BERT-base and BERT-large at seq 128 and 512, NSP-pair lengths (mostly full).
+  finetune   BertForSequenceClassification training step on a batch with mean length 50% of max
+             ("padded") and on the same real tokens as full sequences ("no-padding").
+  inference  BertModel forward latency at batch 1, 8, 64 (full-length sequences).
+
+Implementations: ``bertfast`` (the fast unpadded path, default backends), ``bertfast reference``
+(the same model object under ``bertfast.reference_execution``), ``transformers sdpa eager`` and
+``transformers sdpa compiled`` (``attn_implementation="sdpa"``, the same weights). On a GPU every
+step runs under bf16 autocast with fp32 master weights; on a CPU in fp32.
+
+Parity before timing: the bertfast model must pass ``bertfast.parity.check_batch`` on the
+benchmark batch (fp32, dropout off); a transformers model must match the bertfast reference
+on the same weights and batch (loss, logits, gradient norm). A path that fails is not timed.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from bertfast.bench import flops as W
+from bertfast.bench.common import (SuiteContext, compile_skip_reason, describe_lengths, free_memory, generator_for,
+                                   mask_from, sequence_lengths, short_error)
+from bertfast.bench.results import (BERTFAST, BERTFAST_REFERENCE, ERROR, FAILED_PARITY, HF_COMPILED, HF_EAGER, Row,
+                                    skipped)
+from bertfast.bench.timing import TimingPolicy, peak_memory, time_fn
+
+SUITE = "model"
+BENCHMARKS = ("pretrain", "finetune", "inference")
+IMPLS = (BERTFAST, BERTFAST_REFERENCE, HF_EAGER, HF_COMPILED)
+LOSS_TOL = GRAD_TOL = LOGITS_TOL = 1e-3  # as bertfast.parity.check_batch
+
+
+# --------------------------------------------------------------------------- cases
+def _cases(ctx: SuiteContext) -> Dict[str, List[Tuple[str, int, int]]]:
+    """benchmark -> [(preset, seqlen, batch)]; inference lists batch sizes per (preset, seqlen)."""
+    if not ctx.device.is_cuda:
+        return {"pretrain": [("tiny", 32, 4)], "finetune": [("tiny", 32, 4)],
+                "inference": [("tiny", 32, 1), ("tiny", 32, 8)]}
+    if ctx.quick:
+        return {"pretrain": [("bert-base", 128, 32)], "finetune": [("bert-base", 128, 32)],
+                "inference": [("bert-base", 128, b) for b in (1, 8, 64)]}
+    return {
+        "pretrain": [("bert-base", 128, 128), ("bert-base", 512, 32), ("bert-large", 128, 128),
+                     ("bert-large", 512, 32)],
+        "finetune": [("bert-base", 128, 32), ("bert-base", 512, 32), ("bert-large", 128, 32)],
+        "inference": [(m, 128, b) for m in ("bert-base", "bert-large") for b in (1, 8, 64)],
+    }
+
+
+def _config(preset: str):
+    from bertfast import BertConfig
+    return BertConfig.preset(preset)
+
+
+# --------------------------------------------------------------------------- batches
+def _segments(lengths: Sequence[int], seqlen: int) -> torch.Tensor:
+    """token_type_ids: 0 for the first half of each sequence's real tokens (segment A), 1 after."""
+    pos = torch.arange(seqlen)[None, :]
+    lens = torch.tensor(list(lengths))[:, None]
+    return ((pos >= lens // 2) & (pos < lens)).long()
+
+
+def _input_ids(config, lengths: Sequence[int], seqlen: int, gen: torch.Generator) -> torch.Tensor:
+    ids = torch.randint(5, config.vocab_size, (len(lengths), seqlen), generator=gen)
+    mask = mask_from(lengths, seqlen, torch.device("cpu"))
+    return torch.where(mask, ids, torch.full_like(ids, config.pad_token_id))
+
+
+def pretrain_batch(config, lengths: Sequence[int], seqlen: int, gen: torch.Generator,
+                   device: torch.device) -> Tuple[Dict[str, torch.Tensor], int]:
+    """A BertForPreTraining batch and its number of MLM predictions (15% of real tokens after [CLS])."""
+    mask = mask_from(lengths, seqlen, torch.device("cpu"))
+    candidates = mask.clone()
+    candidates[:, 0] = False
+    score = torch.rand(mask.shape, generator=gen).masked_fill(~candidates, 2.0)
+    n_per_seq = [max(1, round(0.15 * (n - 1))) if n > 1 else 0 for n in lengths]
+    labels = torch.full(mask.shape, -100, dtype=torch.long)
+    order = score.argsort(dim=1)
+    for b, n in enumerate(n_per_seq):
+        chosen = order[b, :n]
+        labels[b, chosen] = torch.randint(5, config.vocab_size, (n,), generator=gen)
+    batch = {"input_ids": _input_ids(config, lengths, seqlen, gen), "attention_mask": mask.long(),
+             "token_type_ids": _segments(lengths, seqlen), "labels": labels,
+             "next_sentence_label": torch.randint(0, 2, (len(lengths),), generator=gen)}
+    return {k: v.to(device) for k, v in batch.items()}, sum(n_per_seq)
+
+
+def classification_batch(config, lengths: Sequence[int], seqlen: int, gen: torch.Generator,
+                         device: torch.device) -> Dict[str, torch.Tensor]:
+    mask = mask_from(lengths, seqlen, torch.device("cpu"))
+    batch = {"input_ids": _input_ids(config, lengths, seqlen, gen), "attention_mask": mask.long(),
+             "token_type_ids": _segments(lengths, seqlen),
+             "labels": torch.randint(0, config.num_labels, (len(lengths),), generator=gen)}
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def inference_batch(config, lengths: Sequence[int], seqlen: int, gen: torch.Generator,
+                    device: torch.device) -> Dict[str, torch.Tensor]:
+    b = classification_batch(config, lengths, seqlen, gen, device)
+    b.pop("labels")
+    return b
+
+
+# --------------------------------------------------------------------------- transformers
+def transformers_twin(model: torch.nn.Module, kind: str):
+    """A transformers model (attn_implementation='sdpa') holding a copy of ``model``'s weights."""
+    import transformers
+
+    cfg = model.config.to_dict()
+    cfg.pop("extra", None)
+    hf_config = transformers.BertConfig(**cfg)
+    cls = {"pretrain": transformers.BertForPreTraining, "finetune": transformers.BertForSequenceClassification,
+           "inference": transformers.BertModel}[kind]
+    hf = cls._from_config(hf_config, attn_implementation="sdpa")
+    state = model.state_dict()
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    params = {n for n, _ in hf.named_parameters()}
+    lost = [k for k in missing if k in params]
+    if lost or unexpected:
+        raise RuntimeError(f"bertfast -> transformers weights do not line up: missing {lost[:5]}, "
+                           f"unexpected {list(unexpected)[:5]}")
+    return hf.to(next(model.parameters()).device)
+
+
+def transformers_skip_reason(ctx: SuiteContext) -> Optional[str]:
+    if not ctx.with_transformers:
+        return "transformers rows disabled (--no-transformers)"
+    try:
+        import transformers  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        return f"transformers is not installed ({short_error(exc, 120)})"
+    return None
+
+
+# --------------------------------------------------------------------------- parity
+def _primary(out) -> torch.Tensor:
+    for name in ("seq_relationship_logits", "logits", "last_hidden_state"):
+        value = out.get(name) if isinstance(out, dict) else getattr(out, name, None)
+        if value is not None:
+            return value
+    raise ValueError("model output has no logits or hidden states")
+
+
+def _eval_fp32(module: torch.nn.Module, batch: Dict[str, torch.Tensor], forward=None, want_grad: bool = True):
+    """(loss or None, primary output at valid tokens, grad norm or None), fp32, autocast off."""
+    fwd = forward or module
+    params = [p for p in module.parameters() if p.requires_grad]
+    with torch.autocast(next(module.parameters()).device.type, enabled=False):
+        out = fwd(**batch)
+    loss = out["loss"] if isinstance(out, dict) and "loss" in out else getattr(out, "loss", None)
+    primary = _primary(out).detach().double()
+    if primary.dim() == 3:  # [B, S, H]: compare real tokens only
+        primary = primary[batch["attention_mask"].bool()]
+    norm = None
+    if loss is not None and want_grad:
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads if g is not None))
+    return (None if loss is None else float(loss.detach())), primary, norm
+
+
+def parity_vs_reference(model, batch, other: torch.nn.Module, forward=None) -> Dict[str, Any]:
+    """``other`` (a transformers model holding ``model``'s weights) vs the bertfast reference."""
+    from bertfast import reference_execution
+
+    modes = (model.training, other.training)
+    model.eval()
+    other.eval()
+    try:
+        with reference_execution(model):
+            loss_r, prim_r, norm_r = _eval_fp32(model, batch)
+        loss_o, prim_o, norm_o = _eval_fp32(other, batch, forward)
+    finally:
+        model.train(modes[0])
+        other.train(modes[1])
+    report = {"logits_max_abs_diff": float((prim_o - prim_r).abs().max()) if prim_r.numel() else 0.0}
+    ok = report["logits_max_abs_diff"] <= LOGITS_TOL
+    if loss_r is not None:
+        report.update(loss_ref=loss_r, loss_other=loss_o, loss_abs_diff=abs(loss_o - loss_r),
+                      grad_norm_ref=norm_r, grad_norm_other=norm_o,
+                      grad_norm_rel_diff=abs(norm_o - norm_r) / max(norm_r, 1e-12))
+        ok = ok and report["loss_abs_diff"] <= LOSS_TOL and report["grad_norm_rel_diff"] <= GRAD_TOL
+    report["ok"] = ok
+    return report
+
+
+def parity_fast(model, batch) -> Dict[str, Any]:
+    """The bertfast fast path vs its reference execution on the benchmark batch."""
+    if "labels" in batch:
+        from bertfast.parity import check_batch
+        return check_batch(model, batch).to_dict()
+    from bertfast import reference_execution
+
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            _, fast, _ = _eval_fp32(model, batch, want_grad=False)
+            with reference_execution(model):
+                _, ref, _ = _eval_fp32(model, batch, want_grad=False)
+    finally:
+        model.train(was)
+    diff = float((fast - ref).abs().max()) if ref.numel() else 0.0
+    return {"hidden_max_abs_diff": diff, "ok": diff <= LOGITS_TOL}
+
+
+def _parity_message(report: Dict[str, Any]) -> str:
+    shown = {k: (f"{v:.3e}" if isinstance(v, float) else v) for k, v in report.items() if k != "ok"}
+    return "disagrees with the reference: " + ", ".join(f"{k}={v}" for k, v in shown.items())
+
+
+# --------------------------------------------------------------------------- steps
+def _autocast_dtype(ctx: SuiteContext) -> Optional[torch.dtype]:
+    return ctx.dtype if ctx.device.is_cuda and ctx.dtype != torch.float32 else None
+
+
+def make_train_step(ctx: SuiteContext, module: torch.nn.Module, batch: Dict[str, torch.Tensor],
+                    forward: Optional[Callable] = None, reference: bool = False) -> Callable[[], None]:
+    """One optimizer step: zero grads, forward (autocast on GPU), backward, AdamW."""
+    from bertfast import reference_execution
+
+    fused = {"fused": True} if ctx.device.is_cuda else {}
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-5, weight_decay=0.01, **fused)
+    dtype = _autocast_dtype(ctx)
+    fwd = forward or module
+    dev_type = ctx.torch_device.type
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(dev_type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            out = fwd(**batch)
+        loss = out["loss"] if isinstance(out, dict) else out.loss
+        loss.backward()
+        opt.step()
+
+    if reference:
+        def ref_step() -> None:
+            with reference_execution(module):
+                step()
+        return ref_step
+    return step
+
+
+def make_infer_step(ctx: SuiteContext, module: torch.nn.Module, batch: Dict[str, torch.Tensor],
+                    reference: bool = False) -> Callable[[], None]:
+    from bertfast import reference_execution
+
+    dtype = _autocast_dtype(ctx)
+    dev_type = ctx.torch_device.type
+
+    def step() -> None:
+        with torch.inference_mode(), torch.autocast(dev_type, dtype=dtype or torch.float32,
+                                                    enabled=dtype is not None):
+            module(**batch)
+
+    if reference:
+        def ref_step() -> None:
+            with reference_execution(module):
+                step()
+        return ref_step
+    return step
+
+
+# --------------------------------------------------------------------------- one benchmark
+def _figures(ctx: SuiteContext, t, batch_size: int, tokens: int, model_flops: float):
+    metrics = {"seq_per_s": t.rate(batch_size * 1e3), "tokens_per_s": t.rate(tokens * 1e3),
+               "tflops": t.rate(model_flops / 1e9)}
+    peak = ctx.device.peak_matmul_tflops
+    if peak is not None:
+        metrics["mfu"] = t.rate(model_flops / (peak.median * 1e9))
+    return metrics
+
+
+def _bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, kind: str, batch, lengths,
+           model_flops: float, policy: TimingPolicy) -> List[Row]:
+    """All implementations of one benchmark case: build, gate, then time."""
+    import bertfast
+
+    preset = case["model"]
+    config = _config(preset)
+    cls = {"pretrain": bertfast.BertForPreTraining, "finetune": bertfast.BertForSequenceClassification,
+           "inference": bertfast.BertModel}[kind]
+    torch.manual_seed(0)
+    model = cls(config).to(ctx.torch_device)
+    model.train(kind != "inference")
+    tokens, bsz = sum(lengths), len(lengths)
+    work = {"flops": model_flops, "tokens": tokens, "sequences": bsz}
+    hf_reason = transformers_skip_reason(ctx)
+    hf = None
+    if hf_reason is None:
+        try:
+            hf = transformers_twin(model, kind)
+            hf.train(kind != "inference")
+        except Exception as exc:  # noqa: BLE001
+            hf_reason = f"could not build the transformers model: {short_error(exc)}"
+
+    def row(impl: str, **kw) -> Row:
+        return Row(SUITE, group, dict(case), direction, impl, work=dict(work), **kw)
+
+    # 1. parity gates, all before any weight update.
+    plans: List[Tuple[str, Callable[[], Callable[[], None]], Dict[str, Any]]] = []
+    rows: List[Row] = []
+    try:
+        report = parity_fast(model, batch)
+    except Exception as exc:  # noqa: BLE001
+        report = {"ok": False, "error": short_error(exc)}
+    if report.get("ok"):
+        plans.append((BERTFAST, lambda: (make_infer_step(ctx, model, batch) if kind == "inference"
+                                         else make_train_step(ctx, model, batch)), report))
+    else:
+        rows.append(row(BERTFAST, status=FAILED_PARITY, reason=report.get("error") or _parity_message(report),
+                        parity=report))
+    plans.append((BERTFAST_REFERENCE, lambda: (make_infer_step(ctx, model, batch, reference=True)
+                                               if kind == "inference"
+                                               else make_train_step(ctx, model, batch, reference=True)),
+                  {"gate": "the reference itself"}))
+    if hf is None:
+        rows += [skipped(SUITE, group, dict(case), direction, impl, hf_reason) for impl in (HF_EAGER, HF_COMPILED)]
+    else:
+        for impl in (HF_EAGER, HF_COMPILED):
+            forward = hf
+            if impl == HF_COMPILED:
+                reason = compile_skip_reason(ctx)
+                if reason:
+                    rows.append(skipped(SUITE, group, dict(case), direction, impl, reason))
+                    continue
+                import torch._dynamo as dynamo
+                dynamo.reset()
+                forward = torch.compile(hf)
+            try:
+                report = parity_vs_reference(model, batch, hf, forward)
+            except Exception as exc:  # noqa: BLE001
+                if impl == HF_COMPILED:
+                    ctx.note(f"torch.compile failed on this machine ({short_error(exc, 200)}); its rows are skipped")
+                    rows.append(skipped(SUITE, group, dict(case), direction, impl,
+                                        f"torch.compile cannot run here: {short_error(exc)}"))
+                else:
+                    rows.append(row(impl, status=ERROR, reason=f"while checking parity: {short_error(exc)}"))
+                continue
+            if not report["ok"]:
+                rows.append(row(impl, status=FAILED_PARITY, reason=_parity_message(report), parity=report))
+                continue
+            if kind == "inference":
+                plans.append((impl, lambda f=forward: make_infer_step(ctx, f, batch), report))
+            else:
+                plans.append((impl, lambda f=forward: make_train_step(ctx, hf, batch, forward=f), report))
+
+    # 2. timing.
+    for impl, make, report in plans:
+        try:
+            step = make()
+            t = time_fn(step, ctx.torch_device, policy)
+            mem = peak_memory(step, ctx.torch_device)
+        except Exception as exc:  # noqa: BLE001
+            rows.append(row(impl, status=ERROR, reason=f"while timing: {short_error(exc)}", parity=report))
+            continue
+        rows.append(row(impl, time_ms=t, metrics=_figures(ctx, t, bsz, tokens, model_flops), memory=mem,
+                        parity=report))
+        ctx.log(f"  {group} {case} {impl:28s} {t.median:9.3f} ms")
+        free_memory()
+    order = {name: i for i, name in enumerate(IMPLS)}
+    rows.sort(key=lambda r: order.get(r.impl, len(order)))
+    del model, hf
+    free_memory()
+    return rows
+
+
+# --------------------------------------------------------------------------- the suite
+def run(ctx: SuiteContext) -> List[Row]:
+    dev = ctx.torch_device
+    policy = ctx.step_policy
+    cases = _cases(ctx)
+    ctx.note("model suite: " + ("bf16 autocast with fp32 master weights, fused AdamW" if _autocast_dtype(ctx)
+                                else "fp32, no autocast, AdamW") + "; dropout 0.1 as configured; MFU = model "
+             "FLOPs on real tokens / step time / measured peak matmul rate (see conventions)")
+    rows: List[Row] = []
+    wanted = ctx.models or BENCHMARKS
+
+    if "pretrain" in wanted:
+        for preset, seqlen, batch_size in cases["pretrain"]:
+            ctx.log(f"[model] pretrain {preset} seq {seqlen} batch {batch_size}")
+            config = _config(preset)
+            gen = generator_for("pretrain", preset, seqlen, batch_size)
+            lengths = sequence_lengths("pretrain", batch_size, seqlen, gen)
+            batch, n_pred = pretrain_batch(config, lengths, seqlen, gen, dev)
+            flops = W.training_step_flops(W.bert_forward_flops(config, lengths, "pretraining", n_pred))
+            case = {"model": preset, "seqlen": seqlen, "batch": batch_size, "lengths": "pretrain",
+                    **describe_lengths(lengths, seqlen), "predictions": n_pred}
+            rows += _bench(ctx, "pretrain_step", case, "step", "pretrain", batch, lengths, flops, policy)
+
+    if "finetune" in wanted:
+        for preset, seqlen, batch_size in cases["finetune"]:
+            config = _config(preset)
+            gen = generator_for("finetune", preset, seqlen, batch_size)
+            padded = sequence_lengths("finetune", batch_size, seqlen, gen)
+            # The same real tokens as full sequences: batch/2 rows of seqlen (finetune lengths pair up to seqlen).
+            full = [seqlen] * (sum(padded) // seqlen)
+            for label, lengths in (("padded", padded), ("no-padding", full)):
+                ctx.log(f"[model] finetune {preset} seq {seqlen} {label} batch {len(lengths)}")
+                batch = classification_batch(config, lengths, seqlen, gen, dev)
+                flops = W.training_step_flops(W.bert_forward_flops(config, lengths, "classification",
+                                                                   num_labels=config.num_labels))
+                case = {"model": preset, "seqlen": seqlen, "batch": len(lengths), "lengths": label,
+                        **describe_lengths(lengths, seqlen)}
+                rows += _bench(ctx, "finetune_step", case, "step", "finetune", batch, lengths, flops, policy)
+
+    if "inference" in wanted:
+        for preset, seqlen, batch_size in cases["inference"]:
+            ctx.log(f"[model] inference {preset} seq {seqlen} batch {batch_size}")
+            config = _config(preset)
+            gen = generator_for("inference", preset, seqlen, batch_size)
+            lengths = sequence_lengths("none", batch_size, seqlen, gen)
+            batch = inference_batch(config, lengths, seqlen, gen, dev)
+            flops = W.bert_forward_flops(config, lengths, "none")
+            case = {"model": preset, "seqlen": seqlen, "batch": batch_size, "lengths": "none",
+                    **describe_lengths(lengths, seqlen)}
+            rows += _bench(ctx, "inference", case, "inference", "inference", batch, lengths, flops, policy)
+    return rows

@@ -1,0 +1,393 @@
+"""The benchmark harness on CPU: arithmetic, the parity gate, targets, reports, and end-to-end runs."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+from bertfast.bench import cli, device as devmod, flops as W, report
+from bertfast.bench.common import SuiteContext, sequence_lengths
+from bertfast.bench.gate import compare
+from bertfast.bench.results import (FAILED_PARITY, FULL_HEAD, GEMM_FLOOR, HF_COMPILED, HF_EAGER, OK, SDPA_FLASH,
+                                    SDPA_MEM_EFFICIENT, TORCH_EAGER, Row, Run)
+from bertfast.bench.targets import MET, NOT_MEASURED, NOT_MET, evaluate_targets
+from bertfast.bench.timing import Memory, Stat, TimingPolicy, quantile, summarize, time_fn
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+# --------------------------------------------------------------------------- timing and statistics
+def test_quantiles_interpolate_like_numpy():
+    values = [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert quantile(values, 0.5) == 3.0
+    assert quantile(values, 0.2) == pytest.approx(1.8)  # position 0.8 between 1 and 2
+    assert quantile(values, 0.8) == pytest.approx(4.2)
+    s = summarize([5.0, 1.0, 4.0, 2.0, 3.0])
+    assert (s.median, s.p20, s.p80, s.n) == (3.0, pytest.approx(1.8), pytest.approx(4.2), 5)
+
+
+def test_rate_swaps_quantiles():
+    times = Stat(median=2.0, p20=1.0, p80=4.0, n=9)  # ms
+    r = times.rate(8.0)
+    # The slowest calls (p80 time) give the lowest throughput (p20 rate).
+    assert (r.median, r.p20, r.p80, r.n) == (4.0, 2.0, 8.0, 9)
+    assert times.scaled(3.0) == Stat(6.0, 3.0, 12.0, 9)
+
+
+def test_cpu_timing_runs_warmup_then_reps_and_setup_each_time():
+    calls = {"fn": 0, "setup": 0}
+
+    def fn():
+        calls["fn"] += 1
+
+    def setup():
+        calls["setup"] += 1
+    s = time_fn(fn, torch.device("cpu"), TimingPolicy(cpu_warmup=2, cpu_reps=4), setup=setup)
+    assert calls == {"fn": 6, "setup": 6}
+    assert s.n == 4 and 0 <= s.p20 <= s.median <= s.p80
+
+
+# --------------------------------------------------------------------------- work counts
+def test_attention_flops_hand_computed():
+    # fwd = 4 * (3^2 + 5^2) * A * D = 4 * 34 * 2 * 4
+    assert W.attention_flops([3, 5], 2, 4, "fwd") == 1088
+    assert W.attention_flops([3, 5], 2, 4, "bwd") == 2.5 * 1088
+    assert W.attention_flops([3, 5], 2, 4, "fwd+bwd") == 3.5 * 1088
+    # Padding never counts: only the real lengths enter.
+    assert W.attention_flops([128] * 2, 12, 64, "fwd") == 4 * 2 * 128 ** 2 * 12 * 64
+    with pytest.raises(ValueError, match="direction"):
+        W.attention_flops([1], 1, 1, "sideways")
+
+
+def test_row_op_bytes_hand_computed():
+    # bias_gelu N=10 F=4, bf16 activations, fp32 bias: fwd reads x + bias, writes y.
+    assert W.bias_gelu_bytes(10, 4, 2, 4, "fwd") == 10 * 4 * 2 * 2 + 4 * 4
+    assert W.bias_gelu_bytes(10, 4, 2, 4, "bwd") == 10 * 4 * 2 * 3 + 2 * 4 * 4
+    # bdrln N=2 H=3, act 2 bytes, params 4: fwd x 12 + residual 12 + bias 12 + weight/ln_bias 24
+    # + y 12 + pre_norm 12 + mean/rstd 16 = 100; bwd dy 12 + pre_norm 12 + stats 16 + weight 12
+    # + dx 12 + dresidual 12 + dbias 12 + dweight 12 + dln_bias 12 = 112.
+    assert W.bias_dropout_residual_layernorm_bytes(2, 3, 2, 4, "fwd") == 100
+    assert W.bias_dropout_residual_layernorm_bytes(2, 3, 2, 4, "bwd") == 112
+    assert W.bias_dropout_residual_layernorm_bytes(2, 3, 2, 4, "fwd+bwd") == 212
+    assert W.bias_dropout_residual_layernorm_bytes(2, 3, 2, 4, "fwd", has_bias=False, has_residual=False) == 76
+    # embeddings T=2 H=3 V=5 P=4 TT=2, int64 ids, fp32 tables, bf16 out:
+    # fwd ids 48 + gathered rows 72 + LN 24 + y 12 + stats 16 = 172;
+    # bwd dy 12 + ids 48 + rows 72 + LN 24 + stats 16 + dense table grads (5+4+2)*3*4 = 132 + dLN 24 = 328.
+    assert W.embeddings_bytes(2, 3, 5, 4, 2, 8, 4, 2, "fwd") == 172
+    assert W.embeddings_bytes(2, 3, 5, 4, 2, 8, 4, 2, "bwd") == 328
+
+
+def test_model_flops_and_mfu_hand_computed():
+    cfg = types.SimpleNamespace(hidden_size=4, num_hidden_layers=2, intermediate_size=8, vocab_size=10)
+    # per layer: linear 2 * 5 tokens * (4*16 + 2*4*8) = 1280, attention 4 * (2^2 + 3^2) * 4 = 208
+    # -> 2 layers 2976; pooler 2 * 2 * 16 = 64; MLM head at 1 row 2 * 4 * (4 + 10) = 112; NSP 2 * 2 * 4 * 2 = 32
+    fwd = W.bert_forward_flops(cfg, [2, 3], "pretraining", n_predictions=1)
+    assert fwd == 2976 + 64 + 112 + 32
+    assert W.bert_forward_flops(cfg, [2, 3], "none") == 2976 + 64
+    assert W.bert_forward_flops(cfg, [2, 3], "classification", num_labels=3) == 2976 + 64 + 2 * 2 * 4 * 3
+    step = W.training_step_flops(fwd)
+    assert step == 3 * 3184
+    # 9552 flops in 1 ms on a 1e7 flop/s peak = 95.52% MFU
+    assert W.mfu(step, 1e-3, 1e7) == pytest.approx(0.9552)
+    assert W.gbps(2e9, 1000.0) == pytest.approx(2.0)
+    assert W.tflops(3e12, 500.0) == pytest.approx(6.0)
+
+
+def test_bert_base_linear_flops_are_two_per_weight():
+    from bertfast import BertConfig
+    cfg = BertConfig.preset("bert-base")
+    per_layer_weights = 4 * 768 * 768 + 2 * 768 * 3072
+    enc = W.encoder_forward_flops(768, 12, 3072, [1])  # one token: attention 4 * 1 * 768 per layer
+    assert enc == 12 * (2 * per_layer_weights + 4 * 768)
+    assert cfg.num_hidden_layers == 12
+
+
+def test_kernel_and_model_figures_from_times():
+    from bertfast.bench import kernels_suite, model_suite
+    info = _fake_device("cuda")
+    ctx = SuiteContext(device=info, quick=True, dtype=torch.bfloat16)
+    t = Stat(median=1.0, p20=0.5, p80=2.0, n=5)  # ms
+    m = kernels_suite._metrics(ctx, t, {"bytes": 2e9})
+    assert m["gbps"].median == pytest.approx(2000.0)  # 2 GB in 1 ms
+    assert m["gbps"].p20 == pytest.approx(1000.0) and m["gbps"].p80 == pytest.approx(4000.0)
+    assert m["pct_copy_bw"].median == pytest.approx(2000.0 / 3000.0 * 100)
+    m = kernels_suite._metrics(ctx, Stat(2.0, 2.0, 2.0, 1), {"flops": 1e12})
+    assert m["tflops"].median == pytest.approx(500.0)
+    f = model_suite._figures(ctx, Stat(100.0, 100.0, 100.0, 1), batch_size=32, tokens=4096, model_flops=40e12)
+    assert f["seq_per_s"].median == pytest.approx(320.0)
+    assert f["tokens_per_s"].median == pytest.approx(40960.0)
+    assert f["tflops"].median == pytest.approx(400.0)
+    assert f["mfu"].median == pytest.approx(400.0 / 800.0)  # fake peak 800 TFLOP/s
+
+
+def test_sequence_lengths_modes():
+    g = torch.Generator().manual_seed(1)
+    assert sequence_lengths("none", 3, 8, g) == [8, 8, 8]
+    fine = sequence_lengths("finetune", 64, 128, g)
+    assert sum(fine) == 32 * 128  # pairs sum to max_len: mean exactly 50%
+    assert all(1 <= n <= 128 for n in fine) and len(set(fine)) > 4
+    pre = sequence_lengths("pretrain", 200, 128, g)
+    assert sum(n == 128 for n in pre) > 150 and min(pre) >= 32
+
+
+# --------------------------------------------------------------------------- the gate
+def test_gate_fp32_and_low_precision_rule():
+    ref = {"y": torch.linspace(-1, 1, 50)}
+    assert compare({"y": ref["y"].clone()}, ref).ok
+    bad = compare({"y": ref["y"] + 1e-2}, ref)
+    assert not bad.ok and "y: max error" in bad.message
+    nan = ref["y"].clone()
+    nan[3] = float("nan")
+    assert "NaN" in compare({"y": nan}, ref).message
+    assert "missing" in compare({}, ref).message
+    # low precision: fast error up to 2x the reference's own low-precision error passes.
+    lowp = {"y": ref["y"] + 1e-3}
+    assert compare({"y": ref["y"] - 1.9e-3}, ref, lowp).ok
+    assert not compare({"y": ref["y"] - 2.5e-3}, ref, lowp).ok
+
+
+# --------------------------------------------------------------------------- targets and reports
+def _fake_device(kind: str) -> devmod.DeviceInfo:
+    info = devmod.DeviceInfo(kind=kind, name="Fake GPU 80GB" if kind == "cuda" else "Fake CPU",
+                             slug=devmod.slugify("Fake GPU 80GB" if kind == "cuda" else "Fake CPU"),
+                             torch_version=torch.__version__, python_version="3", platform="test")
+    info.copy_bandwidth_gbps = Stat(3000.0, 2900.0, 3100.0, 10)
+    info.peak_matmul_tflops = Stat(800.0, 790.0, 810.0, 10)
+    return info
+
+
+def _row(group, impl, ms, direction="fwd+bwd", suite="kernels", metrics=None, memory=None, **case):
+    return Row(suite, group, case, direction, impl, time_ms=Stat(ms, ms, ms, 3),
+               metrics={k: Stat(v, v, v, 3) for k, v in (metrics or {}).items()}, memory=memory,
+               work={"bytes": 1e9})
+
+
+def _synthetic_run(kind="cuda") -> Run:
+    rows = []
+    # pretraining steps: base meets everything, large is too slow.
+    for model, fast_ms, mfu in (("bert-base", 100.0, 0.55), ("bert-large", 300.0, 0.40)):
+        case = dict(model=model, seqlen=128, batch=128)
+        rows += [_row("pretrain_step", "bertfast", fast_ms, "step", "model", {"mfu": mfu}, **case),
+                 _row("pretrain_step", HF_EAGER, 300.0, "step", "model", **case),
+                 _row("pretrain_step", HF_COMPILED, 160.0, "step", "model", **case)]
+    for lengths, tps in (("padded", 85.0), ("no-padding", 100.0)):
+        rows.append(_row("finetune_step", "bertfast", 10.0, "step", "model", {"tokens_per_s": tps},
+                         model="bert-base", seqlen=128, batch=32, lengths=lengths))
+    for op in ("bias_gelu", "bias_dropout_residual_layernorm", "embeddings"):
+        for direction in ("fwd", "bwd"):
+            rows.append(_row(op, "bertfast:triton", 1.0, direction, metrics={"pct_copy_bw": 93.0}, tokens=16384))
+            rows.append(_row(op, "bertfast:cuda", 1.2, direction, metrics={"pct_copy_bw": 80.0}, tokens=16384))
+            rows.append(_row(op, TORCH_EAGER, 3.0, direction, metrics={"pct_copy_bw": 30.0}, tokens=16384))
+    att = dict(batch=128, seqlen=128, heads=12, head_dim=64)
+    rows += [_row("attention", "bertfast:triton varlen", 1.0, padding="none", **att),
+             _row("attention", SDPA_FLASH, 1.1, padding="none", **att),
+             _row("attention", "bertfast:triton varlen", 1.0, padding="finetune", **att),
+             _row("attention", SDPA_MEM_EFFICIENT, 1.5, padding="finetune", **att)]  # only 1.5x: not met
+    head = dict(model="bert-base", tokens=16384)
+    rows += [_row("mlm_head", "bertfast:triton", 2.0, memory=Memory(10 * 2**30, 2**30), **head),
+             _row("mlm_head", FULL_HEAD, 12.0, memory=Memory(20 * 2**30, 6 * 2**30), **head),
+             _row("mlm_head", GEMM_FLOOR, 1.7, **head)]
+    run = Run(device=_fake_device(kind), config={"quick": False}, rows=rows)
+    run.targets = evaluate_targets(run)
+    return run
+
+
+def test_targets_met_not_met_not_measured():
+    run = _synthetic_run()
+    got = {t["id"]: (t["status"], t["value"]) for t in run.targets}
+    assert got["mfu_base_128"] == (MET, pytest.approx(0.55))
+    assert got["mfu_large_128"] == (NOT_MET, pytest.approx(0.40))
+    assert got["hf_eager_base_128"] == (MET, pytest.approx(3.0))
+    assert got["hf_eager_large_128"][0] == NOT_MET  # 1.0x
+    assert got["hf_compiled_base_128"] == (MET, pytest.approx(1.6))
+    assert got["finetune_padding"] == (MET, pytest.approx(0.85))
+    assert got["row_ops_bandwidth"] == (MET, pytest.approx(93.0))  # best fast backend per op
+    assert got["attention_vs_flash"] == (MET, pytest.approx(1.1))
+    assert got["attention_vs_mem_efficient"] == (NOT_MET, pytest.approx(1.5))
+    # time 12 / 2 ms = 6x, peak memory above the inputs 6 GiB / 1 GiB = 6x: met on both
+    assert got["mlm_head_vs_full"] == (MET, pytest.approx(6.0))
+    assert got["mlm_head_floor"] == (MET, pytest.approx(2.0 / 1.7))
+    assert all(t["device"] == "Fake GPU 80GB" for t in run.targets)
+
+
+def test_targets_failed_parity_and_missing_rows():
+    run = _synthetic_run()
+    run.rows = [r for r in run.rows if r.group != "mlm_head"]
+    for i, r in enumerate(run.rows):
+        if r.group == "attention" and r.impl.startswith("bertfast"):
+            run.rows[i] = Row(r.suite, r.group, r.case, r.direction, r.impl, status=FAILED_PARITY,
+                              reason="out: max error 1 > bound 0.01")
+    got = {t["id"]: t for t in evaluate_targets(run)}
+    assert got["attention_vs_flash"]["status"] == NOT_MET
+    assert "FAILED PARITY" in got["attention_vs_flash"]["detail"]
+    assert got["mlm_head_vs_full"]["status"] == NOT_MEASURED
+    cpu = _synthetic_run("cpu")
+    assert {t["status"] for t in cpu.targets} == {NOT_MEASURED}
+
+
+def test_a_failed_row_carries_no_speed():
+    with pytest.raises(ValueError, match="carries no timing"):
+        Row("kernels", "bias_gelu", {}, "fwd", "bertfast:triton", status=FAILED_PARITY, time_ms=Stat(1, 1, 1, 1))
+
+
+def test_report_files_parse(tmp_path):
+    run = _synthetic_run()
+    paths = report.write(run, str(tmp_path))
+    data = json.load(open(paths["json"]))
+    assert data["device"]["name"] == "Fake GPU 80GB"
+    assert data["device"]["copy_bandwidth_gbps"]["median"] == 3000.0
+    assert len(data["rows"]) == len(run.rows) and len(data["targets"]) == len(run.targets)
+    first = data["rows"][0]
+    assert set(first["time_ms"]) == {"median", "p20", "p80", "n"}
+    again = report.load(paths["json"])
+    assert again.rows[0].time_ms == run.rows[0].time_ms and again.targets == run.targets
+    md = open(paths["markdown"]).read()
+    assert "## Targets" in md and "| BERT-base seq-128 training step >= 50% MFU | **met** |" in md
+    assert "**not met**" in md and "Fake GPU 80GB" in md and "## Kernel suite" in md and "## Model suite" in md
+    _check_png(paths["kernels_png"])
+    _check_png(paths["model_png"])
+    # speedup vs the baseline of the same case: eager 3 ms / triton 1 ms.
+    triton_row = next(r for r in run.rows if r.group == "bias_gelu" and r.impl == "bertfast:triton")
+    assert report.speedup(run, triton_row) == pytest.approx(3.0)
+
+
+def _check_png(path):
+    with open(path, "rb") as f:
+        assert f.read(8) == PNG_MAGIC
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.image as mpimg
+    image = mpimg.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 50 and image.shape[1] > 50
+
+
+def test_results_directory_layout():
+    assert devmod.slugify("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    import datetime
+    when = datetime.datetime(2025, 3, 4)
+    assert cli.default_out_dir(_fake_device("cuda"), quick=False, when=when) == os.path.join(
+        "benchmarks/results", "fake-gpu-80gb", "2025-03-04")
+    assert cli.default_out_dir(_fake_device("cuda"), quick=True, when=when).startswith("bench-out")
+    assert cli.default_out_dir(_fake_device("cpu"), quick=False, when=when).startswith("bench-out")
+
+
+# --------------------------------------------------------------------------- suites on CPU
+def _cpu_ctx(**kw) -> SuiteContext:
+    info = devmod.detect("cpu")
+    devmod.calibrate(info, quick=True)
+    base = dict(device=info, quick=True, dtype=torch.float32, backends=("torch",), compile=False,
+                with_transformers=False, policy=TimingPolicy(cpu_warmup=0, cpu_reps=2),
+                step_policy=TimingPolicy(cpu_warmup=0, cpu_reps=1), log=lambda s: None)
+    base.update(kw)
+    return SuiteContext(**base)
+
+
+@pytest.fixture
+def wrong_cuda_backend(monkeypatch):
+    """A 'cuda' backend of bias_gelu that runs anywhere and computes 1.5 x GELU(x + b)."""
+    from bertfast import dispatch
+    from bertfast.ops import torch_impl
+
+    module = types.ModuleType("bertfast_bench_wrong_backend")
+    module.bias_gelu_fwd = lambda x, bias, approximate: 1.5 * torch_impl.bias_gelu_fwd(x, bias, approximate)
+    module.bias_gelu_bwd = torch_impl.bias_gelu_bwd
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    original = dispatch.backends("bias_gelu")["cuda"]
+    dispatch.register_backend(dispatch.Backend("bias_gelu", "cuda", module.__name__,
+                                               lambda forced, **inputs: []))
+    yield
+    dispatch.register_backend(original)
+
+
+def test_kernel_suite_refuses_to_time_a_wrong_backend(wrong_cuda_backend):
+    from bertfast.bench import kernels_suite
+    ctx = _cpu_ctx(backends=("cuda", "torch"), ops=("bias_gelu",))
+    rows = kernels_suite.run(ctx)
+    wrong = [r for r in rows if r.impl == "bertfast:cuda"]
+    assert [r.direction for r in wrong] == ["fwd", "bwd", "fwd+bwd"]
+    for r in wrong:
+        assert r.status == FAILED_PARITY and r.time_ms is None and not r.metrics
+        assert "y: max error" in r.reason
+    good = [r for r in rows if r.impl in ("bertfast:torch", TORCH_EAGER)]
+    assert len(good) == 6 and all(r.status == OK and r.time_ms.median > 0 for r in good)
+    assert all(r.metrics["gbps"].median > 0 for r in good)
+    run = Run(device=ctx.device, config={}, rows=rows)
+    md = report.markdown(run)
+    assert md.count("**FAILED PARITY**") == 3
+
+
+def test_model_suite_refuses_to_time_a_fast_model_on_a_wrong_backend(wrong_cuda_backend):
+    from bertfast.bench import model_suite
+    ctx = _cpu_ctx(models=("inference",))
+    rows = model_suite.run(ctx)
+    fast = [r for r in rows if r.impl == "bertfast"]
+    assert fast and all(r.status == FAILED_PARITY and r.time_ms is None for r in fast)
+    assert "disagrees with the reference" in fast[0].reason
+    ref = [r for r in rows if r.impl == "bertfast reference"]
+    assert ref and all(r.ok for r in ref)
+
+
+def test_torch_compile_skipped_without_a_compiler(monkeypatch):
+    from bertfast.bench import common, kernels_suite
+    monkeypatch.setattr(common, "compiler_status", lambda: {"cxx": None, "triton": None})
+    ctx = _cpu_ctx(compile=True, ops=("bias_gelu",))
+    rows = [r for r in kernels_suite.run(ctx) if r.impl == "torch.compile"]
+    assert rows and all(r.status == "skipped" and "C++ compiler" in r.reason for r in rows)
+
+
+def test_triton_interpreter_path_is_benchmarked_on_cpu():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("TRITON_INTERPRET=1 is set by conftest on machines without CUDA")
+    from bertfast.bench import kernels_suite
+    ctx = _cpu_ctx(backends=("triton",), ops=("bias_gelu",), policy=TimingPolicy(cpu_warmup=0, cpu_reps=1))
+    rows = [r for r in kernels_suite.run(ctx) if r.impl == "bertfast:triton"]
+    assert len(rows) == 3 and all(r.ok for r in rows), [r.reason for r in rows]
+    assert any("TRITON_INTERPRET" in n for n in ctx.notes)
+
+
+def test_quick_cpu_run_end_to_end(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = cli.main(["--quick", "--out", str(out), "--no-compile", "--backends", "torch", "--reps", "1"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "CPU timings" in printed and "No GPU" in printed
+    data = json.load(open(out / "results.json"))
+    assert data["device"]["kind"] == "cpu" and data["config"]["quick"] is True and data["config"]["cpu_reps"] == 1
+    assert data["device"]["copy_bandwidth_gbps"]["median"] > 0 and data["device"]["peak_matmul_tflops"]["median"] > 0
+    rows = data["rows"]
+    groups = {r["group"] for r in rows}
+    assert {"attention", "bias_gelu", "bias_dropout_residual_layernorm", "embeddings", "linear_cross_entropy",
+            "mlm_head", "pretrain_step", "finetune_step", "inference"} <= groups
+    bad = [(r["group"], r["impl"], r["status"], r["reason"]) for r in rows if r["status"] not in ("ok", "skipped")]
+    assert not bad
+    for r in rows:
+        if r["status"] == "ok":
+            t = r["time_ms"]
+            assert 0 < t["p20"] <= t["median"] <= t["p80"]
+    impls = {r["impl"] for r in rows if r["status"] == "ok"}
+    assert {"bertfast:torch", "bertfast:torch varlen", TORCH_EAGER, "bertfast", "bertfast reference"} <= impls
+    if devmod._version("transformers"):
+        assert HF_EAGER in impls
+    compiled = [r for r in rows if r["impl"] in ("torch.compile", HF_COMPILED)]
+    assert compiled and all("--no-compile" in r["reason"] for r in compiled)
+    model_ok = [r for r in rows if r["suite"] == "model" and r["status"] == "ok"]
+    assert all(r["metrics"]["mfu"]["median"] > 0 and r["metrics"]["tokens_per_s"]["median"] > 0 for r in model_ok)
+    assert {t["status"] for t in data["targets"]} == {NOT_MEASURED}
+    md = open(out / "results.md").read()
+    assert "CPU run" in md and "## Targets" in md and "## Model suite" in md
+    _check_png(out / "kernels_speedup.png")
+    _check_png(out / "model_speedup.png")
+
+
+# --------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_gpu_calibration_and_timing():
+    info = devmod.calibrate(devmod.detect("cuda"), quick=True)
+    assert info.is_cuda and info.copy_bandwidth_gbps.median > 100 and info.peak_matmul_tflops.median > 10
+    x = torch.randn(4096, 4096, device="cuda")
+    t = time_fn(lambda: x.mul_(1.0), torch.device("cuda"), TimingPolicy.quick())
+    assert t.n >= 3 and 0 < t.p20 <= t.median <= t.p80
