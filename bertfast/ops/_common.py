@@ -72,13 +72,14 @@ def distinct(outputs, inputs=()):
 
     Launchers may legitimately return views of one buffer (e.g. two reductions computed
     together); clone only the outputs that would alias."""
-    seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor) and t.numel()}
+    seen = {id(t) for t in inputs if isinstance(t, torch.Tensor)}
+    seen |= {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor) and t.numel()}
     result = []
     for t in outputs:
-        if isinstance(t, torch.Tensor) and t.numel():
-            key = t.untyped_storage().data_ptr()
-            if key in seen:
+        if isinstance(t, torch.Tensor):
+            key = t.untyped_storage().data_ptr() if t.numel() else id(t)
+            if key in seen or id(t) in seen:
                 t = t.clone()
-            seen.add(t.untyped_storage().data_ptr())
+            seen.add(t.untyped_storage().data_ptr() if t.numel() else id(t))
         result.append(t)
     return tuple(result)
