@@ -78,8 +78,8 @@ int embeddings_bwd(const void* dy, const void* ids, int ids64, const void* pos_i
 
 // ------------------------------------------------------------------ softmax cross-entropy (in place)
 // Per row m of logits [n, v] (row stride >= v): lse, loss = lse - logit[label] (0 when label is
-// -100, NaN for another label outside [0, v)), correct = argmax == label; when compute_grad the row
-// is overwritten with grad_scale * (softmax - onehot) (0 on ignored rows).
+// -100 or outside [0, v): ignored), correct = argmax == label; when compute_grad the row is
+// overwritten with grad_scale * (softmax - onehot) (0 on ignored rows).
 int softmax_cross_entropy(void* logits, int64_t row_stride, const int64_t* labels, float* loss,
                           float* lse, bool* correct, int64_t n, int64_t v, float grad_scale,
                           int compute_grad, int dtype, cudaStream_t stream);

@@ -92,6 +92,16 @@ PYBIND11_MODULE(_C, m) {
   m.attr("FLOAT32") = static_cast<int>(bertfast::kFloat32);
   m.attr("FLOAT16") = static_cast<int>(bertfast::kFloat16);
   m.attr("BFLOAT16") = static_cast<int>(bertfast::kBFloat16);
+#ifdef BERTFAST_CUDA_ARCHS
+  m.attr("cuda_archs") = BERTFAST_CUDA_ARCHS;  // compute capabilities compiled in, e.g. "80;90"
+#else
+  m.attr("cuda_archs") = "";
+#endif
+#ifdef BERTFAST_CUDA_RUNTIME
+  m.attr("cuda_runtime") = BERTFAST_CUDA_RUNTIME;  // "static" or "shared" libcudart
+#else
+  m.attr("cuda_runtime") = "";
+#endif
 
   m.def("reduction_blocks", &bertfast::reduction_blocks, py::arg("n_rows"),
         "Row blocks (= rows of fp32 partials in the workspace) the backward row ops use.");
