@@ -111,11 +111,11 @@ def test_kernel_and_model_figures_from_times():
     info = _fake_device("cuda")
     ctx = SuiteContext(device=info, quick=True, dtype=torch.bfloat16)
     t = Stat(median=1.0, p20=0.5, p80=2.0, n=5)  # ms
-    m = kernels_suite._metrics(ctx, t, {"bytes": 2e9})
+    m = kernels_suite.metrics_for(ctx, t, {"bytes": 2e9})
     assert m["gbps"].median == pytest.approx(2000.0)  # 2 GB in 1 ms
     assert m["gbps"].p20 == pytest.approx(1000.0) and m["gbps"].p80 == pytest.approx(4000.0)
     assert m["pct_copy_bw"].median == pytest.approx(2000.0 / 3000.0 * 100)
-    m = kernels_suite._metrics(ctx, Stat(2.0, 2.0, 2.0, 1), {"flops": 1e12})
+    m = kernels_suite.metrics_for(ctx, Stat(2.0, 2.0, 2.0, 1), {"flops": 1e12})
     assert m["tflops"].median == pytest.approx(500.0)
     f = model_suite._figures(ctx, Stat(100.0, 100.0, 100.0, 1), batch_size=32, tokens=4096, model_flops=40e12)
     assert f["seq_per_s"].median == pytest.approx(320.0)

@@ -17,8 +17,9 @@ The MLM head adds the transformers-style full-sequence head and its GEMM floor.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -81,7 +82,6 @@ class OpCase:
     impls: List[Impl]
     work: Callable[[str], Dict[str, float]]  # direction -> {"bytes": n} | {"flops": f}
     directions: Tuple[str, ...] = ALL_DIRECTIONS
-    extra_rows: List[Row] = field(default_factory=list)
 
 
 def _leaf(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -124,13 +124,10 @@ def _backend_impls(ctx: SuiteContext, op_names: Sequence[str], make: Callable[[]
     return impls
 
 
-def _compiled(ctx: SuiteContext, fn: Callable[..., Tensor]) -> Tuple[Callable[..., Tensor], str]:
-    reason = compile_skip_reason(ctx)
-    if reason:
-        return fn, reason
+def _fresh_compile(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
     import torch._dynamo as dynamo
     dynamo.reset()  # a fresh cache per case: no silent fall-back to eager at the recompile limit
-    return torch.compile(fn, dynamic=False), ""
+    return torch.compile(fn, dynamic=False)
 
 
 def _compile_impl(ctx: SuiteContext, fn: Callable[..., Tensor], make: Callable[[Callable[..., Tensor]], Builder]) -> Impl:
@@ -139,8 +136,7 @@ def _compile_impl(ctx: SuiteContext, fn: Callable[..., Tensor], make: Callable[[
         return Impl(TORCH_COMPILE, skip=reason)
 
     def build(dtype):
-        compiled, _ = _compiled(ctx, fn)
-        return make(compiled)(dtype)
+        return make(_fresh_compile(fn))(dtype)
     return Impl(TORCH_COMPILE, build, env_dependent=True)
 
 
@@ -446,7 +442,7 @@ CASE_BUILDERS = {
 
 
 # --------------------------------------------------------------------------- running
-def _metrics(ctx: SuiteContext, t, work: Dict[str, float]):
+def metrics_for(ctx: SuiteContext, t, work: Dict[str, float]):
     metrics = {}
     if "bytes" in work:
         metrics["gbps"] = t.rate(work["bytes"] / 1e6)  # bytes / ms -> GB/s
@@ -458,73 +454,98 @@ def _metrics(ctx: SuiteContext, t, work: Dict[str, float]):
     return metrics
 
 
-def _time_direction(ctx: SuiteContext, p: Prepared, direction: str):
-    dev = ctx.torch_device
+def direction_callable(p: Prepared, direction: str) -> Callable[[], None]:
+    """What one timed call of a direction runs (bwd: autograd.grad on a graph built once, retained)."""
     if direction == "fwd":
-        def fwd():
+        def fwd() -> None:
             with torch.no_grad():
                 p.forward()
-        return time_fn(fwd, dev, ctx.policy), None
+        return fwd
     if direction == "bwd":
         out = p.forward()
-        return time_fn(lambda: torch.autograd.grad(out, p.leaves, p.grad_out, retain_graph=True), dev,
-                       ctx.policy), None
 
-    def step():
-        torch.autograd.grad(p.forward(), p.leaves, p.grad_out)
-    return time_fn(step, dev, ctx.policy), peak_memory(step, dev)
+        def bwd() -> None:
+            torch.autograd.grad(out, p.leaves, p.grad_out, retain_graph=True)
+        return bwd
+    if direction == "fwd+bwd":
+        def step() -> None:
+            torch.autograd.grad(p.forward(), p.leaves, p.grad_out)
+        return step
+    raise ValueError(f"direction must be one of {ALL_DIRECTIONS}, got {direction!r}")
+
+
+def _time_direction(ctx: SuiteContext, p: Prepared, direction: str):
+    fn = direction_callable(p, direction)
+    t = time_fn(fn, ctx.torch_device, ctx.policy)
+    return t, (peak_memory(fn, ctx.torch_device) if direction == "fwd+bwd" else None)
+
+
+def compile_settings():
+    """Compiled backward graphs must allow autograd.grad(retain_graph=True) (the bwd timing): no donated
+    buffers (an AOTAutograd memory optimisation that forbids retaining the graph)."""
+    try:
+        import torch._functorch.config as functorch_config
+    except Exception:  # noqa: BLE001
+        return contextlib.nullcontext()
+    if not hasattr(functorch_config, "donated_buffer"):
+        return contextlib.nullcontext()
+    return functorch_config.patch(donated_buffer=False)
 
 
 def run_case(ctx: SuiteContext, oc: OpCase) -> List[Row]:
-    from bertfast.dispatch import NoBackendError
-
-    rows: List[Row] = []
+    """The reference once (fp32 and the run's dtype), then every implementation: gate, then time."""
     ref32 = oc.reference(torch.float32).run_once()
     ref_lowp = oc.reference(ctx.dtype).run_once() if ctx.dtype != torch.float32 else None
+    rows: List[Row] = []
     for impl in oc.impls:
-        def all_rows(status: str, reason: str, parity=None) -> List[Row]:
-            return [Row(SUITE, oc.group, dict(oc.case), d, impl.name, status=status, reason=reason,
-                        parity=parity or {}, work=oc.work(d)) for d in oc.directions]
-        if impl.skip:
-            rows += [skipped(SUITE, oc.group, dict(oc.case), d, impl.name, impl.skip) for d in oc.directions]
-            continue
-        try:
-            p = impl.build(ctx.dtype)
-            got = p.run_once()
-        except NoBackendError as exc:
-            rows += all_rows("skipped", short_error(exc))
-            continue
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a visible row
-            if impl.name == TORCH_COMPILE:
-                ctx.note(f"torch.compile failed on this machine ({short_error(exc, 200)}); its rows are skipped")
-                rows += all_rows("skipped", f"torch.compile cannot run here: {short_error(exc)}")
-            elif impl.env_dependent:
-                rows += all_rows("skipped", f"cannot run here: {short_error(exc)}")
-            else:
-                rows += all_rows(ERROR, f"while checking parity: {short_error(exc)}")
-            continue
-        parity: Dict[str, Any] = {"gate": "not applicable (GEMMs only, not the op)"}
-        if p.gated:
-            gate = compare(got, ref32, ref_lowp)
-            parity = gate.to_dict()
-            if not gate.ok:
-                ctx.log(f"  {oc.group} {impl.name}: FAILED PARITY: {gate.message}")
-                rows += all_rows(FAILED_PARITY, gate.message, parity)
-                continue
-        del got
-        for direction in oc.directions:
-            work = oc.work(direction)
-            try:
-                t, mem = _time_direction(ctx, p, direction)
-            except Exception as exc:  # noqa: BLE001
-                rows.append(Row(SUITE, oc.group, dict(oc.case), direction, impl.name, status=ERROR,
-                                reason=f"while timing: {short_error(exc)}", parity=parity, work=work))
-                continue
-            rows.append(Row(SUITE, oc.group, dict(oc.case), direction, impl.name, time_ms=t,
-                            metrics=_metrics(ctx, t, work), memory=mem, parity=parity, work=work))
-            ctx.log(f"  {oc.group} {direction:8s} {impl.name:28s} {t.median:9.4f} ms")
-        del p
+        with compile_settings() if impl.name == TORCH_COMPILE else contextlib.nullcontext():
+            rows += _run_impl(ctx, oc, impl, ref32, ref_lowp)
         free_memory()
+    return rows
+
+
+def _run_impl(ctx: SuiteContext, oc: OpCase, impl: Impl, ref32: Dict[str, Tensor],
+              ref_lowp: Optional[Dict[str, Tensor]]) -> List[Row]:
+    from bertfast.dispatch import NoBackendError
+
+    def all_rows(status: str, reason: str, parity=None) -> List[Row]:
+        return [Row(SUITE, oc.group, dict(oc.case), d, impl.name, status=status, reason=reason,
+                    parity=parity or {}, work=oc.work(d)) for d in oc.directions]
+
+    if impl.skip:
+        return [skipped(SUITE, oc.group, dict(oc.case), d, impl.name, impl.skip) for d in oc.directions]
+    try:
+        p = impl.build(ctx.dtype)
+        got = p.run_once()
+    except NoBackendError as exc:
+        return all_rows("skipped", short_error(exc))
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a visible row
+        if impl.name == TORCH_COMPILE:
+            ctx.note(f"torch.compile failed on this machine ({short_error(exc, 200)}); its rows are skipped")
+            return all_rows("skipped", f"torch.compile cannot run here: {short_error(exc)}")
+        if impl.env_dependent:
+            return all_rows("skipped", f"cannot run here: {short_error(exc)}")
+        return all_rows(ERROR, f"while checking parity: {short_error(exc)}")
+    parity: Dict[str, Any] = {"gate": "not applicable (GEMMs only, not the op)"}
+    if p.gated:
+        gate = compare(got, ref32, ref_lowp)
+        parity = gate.to_dict()
+        if not gate.ok:
+            ctx.log(f"  {oc.group} {impl.name}: FAILED PARITY: {gate.message}")
+            return all_rows(FAILED_PARITY, gate.message, parity)
+    del got
+    rows: List[Row] = []
+    for direction in oc.directions:
+        work = oc.work(direction)
+        try:
+            t, mem = _time_direction(ctx, p, direction)
+        except Exception as exc:  # noqa: BLE001
+            rows.append(Row(SUITE, oc.group, dict(oc.case), direction, impl.name, status=ERROR,
+                            reason=f"while timing: {short_error(exc)}", parity=parity, work=work))
+            continue
+        rows.append(Row(SUITE, oc.group, dict(oc.case), direction, impl.name, time_ms=t,
+                        metrics=metrics_for(ctx, t, work), memory=mem, parity=parity, work=work))
+        ctx.log(f"  {oc.group} {direction:8s} {impl.name:28s} {t.median:9.4f} ms")
     return rows
 
 

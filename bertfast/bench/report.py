@@ -10,7 +10,7 @@ import math
 import os
 from typing import Dict, List, Optional, Tuple
 
-from bertfast.bench.results import HF_EAGER, OK, TORCH_EAGER, Row, Run
+from bertfast.bench.results import HF_EAGER, TORCH_EAGER, Row, Run
 
 BASELINE = {"kernels": TORCH_EAGER, "model": HF_EAGER}
 CPU_BANNER = ("**CPU run.** These are CPU timings (time.perf_counter) of reference and, with "
@@ -162,8 +162,16 @@ def _speedup_series(run: Run, suite: str) -> Dict[str, List[Tuple[str, str, floa
             continue
         s = speedup(run, r)
         if s is not None:
-            series.setdefault(r.group, []).append((f"{r.case_key()} {r.direction}", r.impl, s))
+            series.setdefault(r.group, []).append((f"{short_case(r)} {r.direction}", r.impl, s))
     return series
+
+
+PLOT_HIDDEN_FIELDS = ("dtype", "real_tokens", "fill", "predictions", "vocab", "dropout")
+
+
+def short_case(row: Row) -> str:
+    """The case without the fields that do not tell cases apart within a plot."""
+    return ",".join(f"{k}={v}" for k, v in row.case.items() if k not in PLOT_HIDDEN_FIELDS)
 
 
 def plot_speedups(run: Run, suite: str, path: str) -> str:
@@ -192,6 +200,9 @@ def plot_speedups(run: Run, suite: str, path: str) -> str:
         ys = list(range(len(rows)))
         ax.barh(ys, [s for _, _, s in rows], color=[colors[impl] for _, impl, _ in rows])
         ax.axvline(1.0, color="black", linewidth=0.8)
+        values = [s for _, _, s in rows]
+        if max(values) / max(min(values), 1e-12) > 20:
+            ax.set_xscale("log")
         ax.set_yticks(ys)
         ax.set_yticklabels(labels, fontsize=6)
         ax.invert_yaxis()
