@@ -142,7 +142,7 @@ def _embeddings_bwd_kernel(
         h = _gather_sum(WORD, POS, TT, ids, pids, tids, cols, mask, stride_word, stride_pos, stride_tt)
         mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-        zhat = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
+        zhat = h * rstd[:, None] - (mean * rstd)[:, None]   # padded entries meet dz = 0 below
         dz = tl.load(DY + rows.to(tl.int64)[:, None] * stride_dy + cols[None, :],
                      mask=mask, other=0.0).to(tl.float32)
         if HAS_DROPOUT:
@@ -151,9 +151,9 @@ def _embeddings_bwd_kernel(
         acc_dw += dz * zhat
         acc_db += dz
         g = dz * w[None, :]
-        c1 = tl.sum(g * zhat, axis=1) / H
-        c2 = tl.sum(g, axis=1) / H
-        dh = rstd[:, None] * (g - zhat * c1[:, None] - c2[:, None])   # 0 on masked rows
+        a = tl.sum(g * zhat, axis=1) * rstd / H
+        c = tl.sum(g, axis=1) * rstd / H
+        dh = g * rstd[:, None] - (zhat * a[:, None] + c[:, None])   # masked out of the stores below
         tl.atomic_add(DWORD + ids[:, None] * H + cols[None, :], dh, mask=mask, sem="relaxed")
         tl.atomic_add(DPOS + pids[:, None] * H + cols[None, :], dh, mask=mask, sem="relaxed")
         if TT_IN_REGS:

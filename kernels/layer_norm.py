@@ -25,7 +25,7 @@ arithmetic is fp32 (statistics included):
 Dropout RNG (shared with kernels/embeddings.py through ``_dropout_keep``): element (row, col)
 takes 16 bits of Philox4x32-10 keyed by the int64 seed tensor, at counter
 row * ceil(H / 8) + col // 8 (one Philox call feeds 8 elements; which 16 bits is fixed by
-col % 8); u = bits / 65536 and keep = (u >= p). The mask depends only on (seed, row, col, H),
+col % 8); u = bits / 65536 and keep = (u >= p), evaluated as bits >= ceil(p * 65536). The mask depends only on (seed, row, col, H),
 never on the launch configuration, so backward regenerates it exactly. The counter is 32-bit:
 the pattern repeats after 2**32 elements (N * H) under one seed.
 
@@ -56,10 +56,14 @@ def _dropout_keep(seed, rows, H, p, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr
     # One Philox call per 8 columns: counter = row * ceil(H / 8) + col // 8 (32-bit, wraps).
     ctr = rows.to(tl.uint32)[:, None] * ((H + 7) // 8) + tl.arange(0, GROUPS)[None, :].to(tl.uint32)
     r0, r1, r2, r3 = tl.randint4x(seed, ctr)                      # 4 x [BLOCK_M, GROUPS] uint32
-    r = tl.join(tl.join(r0, r1), tl.join(r2, r3))                 # [BLOCK_M, GROUPS, 2, 2]
-    bits = tl.join(r & 0xFFFF, r >> 16)                           # [BLOCK_M, GROUPS, 2, 2, 2]
-    u = tl.reshape(bits, (BLOCK_M, BLOCK_H)).to(tl.float32) * (1.0 / 65536.0)
-    return u >= p
+    # u = bits / 65536 >= p  <=>  bits >= ceil(p * 65536): compare the 16-bit halves as integers.
+    thr = tl.ceil(p * 65536.0).to(tl.uint32)
+    k0 = tl.join((r0 & 0xFFFF) >= thr, (r0 >> 16) >= thr)         # [BLOCK_M, GROUPS, 2]
+    k1 = tl.join((r1 & 0xFFFF) >= thr, (r1 >> 16) >= thr)
+    k2 = tl.join((r2 & 0xFFFF) >= thr, (r2 >> 16) >= thr)
+    k3 = tl.join((r3 & 0xFFFF) >= thr, (r3 >> 16) >= thr)
+    keep = tl.join(tl.join(k0, k1), tl.join(k2, k3))              # [BLOCK_M, GROUPS, 2, 2, 2]
+    return tl.reshape(keep, (BLOCK_M, BLOCK_H))                   # column = 8 * group + lane
 
 
 @triton.jit
@@ -153,11 +157,13 @@ def _bdrln_bwd_kernel(
         z = tl.load(PRE + rows64 * stride_pre + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-        zhat = tl.where(mask, (z - mean[:, None]) * rstd[:, None], 0.0)
+        # Padded columns and rows have dy = 0, hence g = 0: they add nothing to the sums below
+        # and are never stored, so zhat needs no masking there.
+        zhat = z * rstd[:, None] - (mean * rstd)[:, None]
         g = dy * w[None, :]
-        c1 = tl.sum(g * zhat, axis=1) / H
-        c2 = tl.sum(g, axis=1) / H
-        dz = rstd[:, None] * (g - zhat * c1[:, None] - c2[:, None])
+        a = tl.sum(g * zhat, axis=1) * rstd / H
+        c = tl.sum(g, axis=1) * rstd / H
+        dz = g * rstd[:, None] - (zhat * a[:, None] + c[:, None])
         acc_dw += dy * zhat
         acc_db += dy
         out_offs = rows64 * H + cols[None, :]
@@ -180,15 +186,20 @@ def row_tile_configs(max_rows: int = 64):
     """Candidate (rows per tile, num_warps) configs for row kernels; pruned per H by prune_row_configs."""
     return [triton.Config({"BLOCK_M": m}, num_warps=w)
             for m in (1, 2, 4, 8, 16, 32, 64) if m <= max_rows
-            for w in (1, 2, 4, 8, 16)]
+            for w in (2, 4, 8, 16)]
 
 
 def prune_row_configs(configs, named_args, **kwargs):
-    """Keep configs giving each thread 2..32 elements of a [BLOCK_M, BLOCK_H] tile (registers vs parallelism)."""
+    """Keep tiles of >= 1K elements (several rows per program for small H) giving each thread 4..32
+    elements (enough for 16-byte vector loads, few enough to stay in registers), and no more rows
+    than the problem has."""
     block_h = kwargs["BLOCK_H"]
+    rows_cap = max(1, named_args.get("n_bucket", 1 << 16))
     kept = [c for c in configs
-            if 2 <= c.kwargs["BLOCK_M"] * block_h // (32 * c.num_warps) <= 32]
-    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * 64 + c.num_warps)]
+            if 4 <= c.kwargs["BLOCK_M"] * block_h // (32 * c.num_warps) <= 32
+            and (c.kwargs["BLOCK_M"] * block_h >= 1024 or c.kwargs["BLOCK_M"] >= rows_cap)
+            and c.kwargs["BLOCK_M"] <= rows_cap]
+    return kept or [min(configs, key=lambda c: (c.kwargs["BLOCK_M"], c.num_warps))]
 
 
 def interpreter_rows(block_h: int, cap: int) -> int:
@@ -213,11 +224,13 @@ def _sm_count(index: int) -> int:
 def row_groups(n_rows: int, device: torch.device):
     """(G, rows_per_program) for backward kernels that reduce over rows with per-program partials.
 
-    About two programs per SM on GPU (enough to fill it, while the [G, H] fp32 partial buffers stay
-    small next to the [N, H] traffic); three under the interpreter so tests cross program borders.
-    rows_per_program is a multiple of the largest BLOCK_M, so only a program's last tile is partial.
+    About four programs per SM on GPU: each program walks its rows one tile at a time, so several
+    resident programs per SM keep enough loads in flight, while the [G, H] fp32 partial buffers
+    stay small next to the [N, H] traffic (2% at N = 32K). Three under the interpreter, so tests
+    cross program borders. rows_per_program is a multiple of the largest BLOCK_M, so only a
+    program's last tile is partial.
     """
-    target = 3 if device.type != "cuda" else 2 * _sm_count(device.index if device.index is not None
+    target = 3 if device.type != "cuda" else 4 * _sm_count(device.index if device.index is not None
                                                               else torch.cuda.current_device())
     rpp = triton.cdiv(triton.cdiv(n_rows, target), _MAX_ROWS_PER_TILE) * _MAX_ROWS_PER_TILE
     return triton.cdiv(n_rows, rpp), rpp
