@@ -1,10 +1,11 @@
 """What both suites share: realistic sequence lengths, the suite context, timing a callable into a row."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import zlib
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -102,6 +103,18 @@ def compile_skip_reason(ctx: SuiteContext) -> Optional[str]:
     if not ctx.device.is_cuda and status["cxx"] is None:
         return "torch.compile cannot run here: inductor needs a C++ compiler on CPU and none was found"
     return None
+
+
+@contextlib.contextmanager
+def strict_fp32() -> Iterator[None]:
+    """fp32 matmuls in fp32 (no TF32) while a reference or a parity check runs."""
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def free_memory() -> None:

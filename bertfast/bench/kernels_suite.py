@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from bertfast import reference
 from bertfast.bench import flops as W
 from bertfast.bench.common import (SuiteContext, compile_skip_reason, cu_seqlens, describe_lengths, dtype_name,
-                                   free_memory, generator_for, mask_from, sequence_lengths, short_error)
+                                   free_memory, generator_for, mask_from, sequence_lengths, short_error,
+                                   strict_fp32)
 from bertfast.bench.gate import compare
 from bertfast.bench.results import (ERROR, FAILED_PARITY, FULL_HEAD, GEMM_FLOOR, SDPA_FLASH, SDPA_MEM_EFFICIENT,
                                     TORCH_COMPILE, TORCH_EAGER, Row, bertfast_impl, skipped)
@@ -494,7 +495,8 @@ def compile_settings():
 
 def run_case(ctx: SuiteContext, oc: OpCase) -> List[Row]:
     """The reference once (fp32 and the run's dtype), then every implementation: gate, then time."""
-    ref32 = oc.reference(torch.float32).run_once()
+    with strict_fp32():
+        ref32 = oc.reference(torch.float32).run_once()
     ref_lowp = oc.reference(ctx.dtype).run_once() if ctx.dtype != torch.float32 else None
     rows: List[Row] = []
     for impl in oc.impls:

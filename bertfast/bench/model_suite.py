@@ -25,7 +25,7 @@ import torch
 
 from bertfast.bench import flops as W
 from bertfast.bench.common import (SuiteContext, compile_skip_reason, describe_lengths, free_memory, generator_for,
-                                   mask_from, sequence_lengths, short_error)
+                                   mask_from, sequence_lengths, short_error, strict_fp32)
 from bertfast.bench.results import (BERTFAST, BERTFAST_REFERENCE, ERROR, FAILED_PARITY, HF_COMPILED, HF_EAGER, Row,
                                     skipped)
 from bertfast.bench.timing import TimingPolicy, peak_memory, time_fn
@@ -113,7 +113,8 @@ def transformers_twin(model: torch.nn.Module, kind: str):
     import transformers
 
     cfg = model.config.to_dict()
-    cfg.pop("extra", None)
+    for key in ("extra", "model_type", "architectures"):
+        cfg.pop(key, None)
     hf_config = transformers.BertConfig(**cfg)
     cls = {"pretrain": transformers.BertForPreTraining, "finetune": transformers.BertForSequenceClassification,
            "inference": transformers.BertModel}[kind]
@@ -306,7 +307,8 @@ def _bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, 
     plans: List[Tuple[str, Callable[[], Callable[[], None]], Dict[str, Any]]] = []
     rows: List[Row] = []
     try:
-        report = parity_fast(model, batch)
+        with strict_fp32():
+            report = parity_fast(model, batch)
     except Exception as exc:  # noqa: BLE001
         report = {"ok": False, "error": short_error(exc)}
     if report.get("ok"):
@@ -333,7 +335,8 @@ def _bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, 
                 dynamo.reset()
                 forward = torch.compile(hf)
             try:
-                report = parity_vs_reference(model, batch, hf, forward)
+                with strict_fp32():
+                    report = parity_vs_reference(model, batch, hf, forward)
             except Exception as exc:  # noqa: BLE001
                 if impl == HF_COMPILED:
                     ctx.note(f"torch.compile failed on this machine ({short_error(exc, 200)}); its rows are skipped")
