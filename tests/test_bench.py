@@ -174,9 +174,9 @@ def _synthetic_run(kind="cuda") -> Run:
         rows += [_row("pretrain_step", "bertfast", fast_ms, "step", "model", {"mfu": mfu}, **case),
                  _row("pretrain_step", HF_EAGER, 300.0, "step", "model", **case),
                  _row("pretrain_step", HF_COMPILED, 160.0, "step", "model", **case)]
-    for lengths, tps in (("padded", 85.0), ("no-padding", 100.0)):
+    for lengths, batch, fill, tps in (("padded", 32, 0.5, 85.0), ("no-padding", 16, 1.0, 100.0)):
         rows.append(_row("finetune_step", "bertfast", 10.0, "step", "model", {"tokens_per_s": tps},
-                         model="bert-base", seqlen=128, batch=32, lengths=lengths))
+                         model="bert-base", seqlen=128, batch=batch, lengths=lengths, real_tokens=2048, fill=fill))
     for op in ("bias_gelu", "bias_dropout_residual_layernorm", "embeddings"):
         for direction in ("fwd", "bwd"):
             rows.append(_row(op, "bertfast:triton", 1.0, direction, metrics={"pct_copy_bw": 93.0}, tokens=16384))
@@ -381,6 +381,23 @@ def test_quick_cpu_run_end_to_end(tmp_path, capsys):
     assert "CPU run" in md and "## Targets" in md and "## Model suite" in md
     _check_png(out / "kernels_speedup.png")
     _check_png(out / "model_speedup.png")
+
+    # The targets find the rows the suites really write: pretend this run was on a GPU, with the
+    # torch backend standing in for triton and the tiny model for BERT-base at seq 128.
+    run = report.load(str(out / "results.json"))
+    run.device.kind = "cuda"
+    for r in run.rows:
+        r.impl = r.impl.replace("bertfast:torch", "bertfast:triton")
+        if r.case.get("model") == "tiny" and r.group == "pretrain_step":
+            r.case.update(model="bert-base", seqlen=128)
+    got = {t["id"]: t for t in evaluate_targets(run)}
+    evaluable = ["mfu_base_128", "finetune_padding", "row_ops_bandwidth", "attention_vs_flash", "mlm_head_floor"]
+    if HF_EAGER in impls:
+        evaluable.append("hf_eager_base_128")
+    for tid in evaluable:
+        assert got[tid]["status"] in (MET, NOT_MET), (tid, got[tid])
+        assert got[tid]["value"] > 0
+    assert got["mfu_large_128"]["status"] == NOT_MEASURED  # no BERT-large rows in a quick CPU run
 
 
 # --------------------------------------------------------------------------- GPU
