@@ -59,24 +59,27 @@ from ._common import FLOAT_DTYPES, check_tensor, interpreting
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 _LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
-# Philox counter = row * _RNG_ROW_STRIDE + column // 4 (must match the @triton.jit helper).
-_RNG_ROW_STRIDE = 1 << 14
 
 
 # =========================================================================== jit helpers
 @triton.jit
-def _dropout_scale(seed_bh, offs_m, start_n, dropout_p, inv_keep,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] fp32: 1 / (1 - p) where (row offs_m, column start_n + n) is kept, else 0."""
-    groups = start_n // 4 + tl.arange(0, BLOCK_N // 4)
-    counter = offs_m[:, None] * 16384 + groups[None, :]  # int32 [BM, BN/4]
-    r0, r1, r2, r3 = tl.randint4x(seed_bh, counter)
-    # Interleave the four streams along the columns: [BM, BN/4, 2, 2] -> [BM, BN].
-    r = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (BLOCK_M, BLOCK_N))
-    # Low 24 bits -> exact uniform in [0, 1).
+def _keep_bits(r, dropout_p):
+    """uint32 Philox output -> int8 keep flag: uniform u = (low 24 bits) / 2**24 in [0, 1), keep u >= p."""
     u = (r.to(tl.int32, bitcast=True) & 0xFFFFFF).to(tl.float32) * (1.0 / 16777216.0)
-    return tl.where(u >= dropout_p, inv_keep, 0.0)
+    return (u >= dropout_p).to(tl.int8)
+
+
+@triton.jit
+def _dropout_keep(seed_bh, offs_m, start_n, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] int8 keep flags (1 = kept) of rows offs_m, columns start_n + n."""
+    groups = start_n // 4 + tl.arange(0, BLOCK_N // 4)
+    counter = offs_m[:, None] * 16384 + groups[None, :]  # int32 [BM, BN/4]; 2**14 groups per row
+    r0, r1, r2, r3 = tl.randint4x(seed_bh, counter)
+    # Interleave the four streams along the columns, [BM, BN/4, 2, 2] -> [BM, BN]: column 4c+t
+    # takes stream (0, 2, 1, 3)[t]. Joined as int8 so the layout change moves 1 byte per element.
+    k01 = tl.join(_keep_bits(r0, dropout_p), _keep_bits(r1, dropout_p))
+    k23 = tl.join(_keep_bits(r2, dropout_p), _keep_bits(r3, dropout_p))
+    return tl.reshape(tl.join(k01, k23), (BLOCK_M, BLOCK_N))
 
 
 @triton.jit
@@ -137,7 +140,7 @@ def _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len, o
     if HAS_DROPOUT:
         # l_i sums the undropped probabilities; only the product with V sees the 0/1 mask
         # (the 1 / (1 - p) is applied once, at the end).
-        p = p * _dropout_scale(seed_bh, offs_m, start_n, dropout_p, 1.0, BLOCK_M, BLOCK_N)
+        p = tl.where(_dropout_keep(seed_bh, offs_m, start_n, dropout_p, BLOCK_M, BLOCK_N) != 0, p, 0.0)
     if MASKED:
         v = tl.load(v_ptrs + start_n * stride_vs, mask=key_ok[:, None], other=0.0)
     else:
@@ -293,10 +296,9 @@ def _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, st
     p_t = tl.exp2(s_t * qk_scale - (lse * 1.4426950408889634)[None, :])
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # [BN, BM]
     if HAS_DROPOUT:
-        z_t = tl.trans(_dropout_scale(seed_bh, offs_m, start_n, dropout_p, inv_keep,
-                                      BLOCK_M, BLOCK_N))
-        pz_t = p_t * z_t
-        dp_t = dp_t * z_t
+        keep_t = tl.trans(_dropout_keep(seed_bh, offs_m, start_n, dropout_p, BLOCK_M, BLOCK_N)) != 0
+        pz_t = tl.where(keep_t, p_t * inv_keep, 0.0)
+        dp_t = tl.where(keep_t, dp_t * inv_keep, 0.0)
     else:
         pz_t = p_t
     dv = tl.dot(pz_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
@@ -415,7 +417,8 @@ def _bwd_q_block(dq, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, start_n, se
         p = tl.where(key_ok[None, :], p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # [BM, BN]
     if HAS_DROPOUT:
-        dp = dp * _dropout_scale(seed_bh, offs_m, start_n, dropout_p, inv_keep, BLOCK_M, BLOCK_N)
+        keep = _dropout_keep(seed_bh, offs_m, start_n, dropout_p, BLOCK_M, BLOCK_N) != 0
+        dp = tl.where(keep, dp * inv_keep, 0.0)
     ds = p * (dp - delta[:, None])
     dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
     return dq
@@ -516,8 +519,8 @@ def _dropout_mask_kernel(
     row_ptrs = base + offs_m[:, None].to(tl.int64) * seqlen
     for start_n in range(0, seqlen, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        z = _dropout_scale(seed_bh, offs_m, start_n, dropout_p, 1.0, BLOCK_M, BLOCK_N)
-        tl.store(row_ptrs + offs_n[None, :], (z > 0.0).to(tl.uint8),
+        keep = _dropout_keep(seed_bh, offs_m, start_n, dropout_p, BLOCK_M, BLOCK_N)
+        tl.store(row_ptrs + offs_n[None, :], keep.to(tl.uint8),
                  mask=(offs_m[:, None] < seqlen) & (offs_n[None, :] < seqlen))
 
 
@@ -542,12 +545,14 @@ _DELTA_BLOCK_M = 64
 
 
 def _prune(configs, named_args, **kwargs):
-    """Drop candidates that cannot pay off: tiles far longer than the sequences, or whose
-    K/V tiles spill at head dim 128."""
+    """Drop candidates that cannot pay off: tiles far longer than the sequences, tiles that
+    spill at head dim 128, and (fp32, whose IEEE dots compile slowly) all but small tiles."""
     head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM", 64))
     bucket = kwargs.get("seqlen_bucket", named_args.get("seqlen_bucket", 512))
+    fp32 = getattr(named_args.get("Q"), "dtype", None) == torch.float32
+    longest = 64 if fp32 else max(bucket, 64)
     kept = [c for c in configs
-            if max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) <= max(bucket, 64)
+            if max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) <= longest
             and not (head_dim >= 128 and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 128 * 64)]
     return kept or configs[:1]
 
