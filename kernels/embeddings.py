@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ._common import FLOAT_DTYPES, check_tensor, interpreting
 from .layer_norm import (_dropout_keep, block_h_for, check_dropout, check_hidden, check_rows,
-                         interpreter_rows, n_bucket, prune_row_configs, row_groups,
+                         interpreter_rows, n_bucket, row_config_pruner, row_groups,
                          row_tile_configs, row_stride, _MAX_ROWS_PER_TILE)
 
 _MAX_TYPES_IN_REGISTERS = 4
@@ -170,10 +170,10 @@ def _embeddings_bwd_kernel(
 
 
 _fwd_tuned = triton.autotune(configs=row_tile_configs(), key=["H", "n_bucket"],
-                             prune_configs_by={"early_config_prune": prune_row_configs})(_embeddings_fwd_kernel)
+                             prune_configs_by={"early_config_prune": row_config_pruner(32)})(_embeddings_fwd_kernel)
 # The backward accumulates into zeroed buffers: the autotuner re-zeroes them around each trial.
 _bwd_tuned = triton.autotune(configs=row_tile_configs(_MAX_ROWS_PER_TILE), key=["H", "n_bucket"],
-                             prune_configs_by={"early_config_prune": prune_row_configs},
+                             prune_configs_by={"early_config_prune": row_config_pruner(16)},
                              reset_to_zero=["DWORD", "DPOS", "DTT"])(_embeddings_bwd_kernel)
 
 
@@ -267,7 +267,9 @@ def embeddings_bwd(dy: torch.Tensor, input_ids: torch.Tensor, position_ids: torc
         zero = torch.zeros((h,), dtype=torch.float32, device=dev)
         return (dword.to(word.dtype), dpos.to(pos.dtype), torch.zeros_like(token_type),
                 zero.to(ln_weight.dtype), zero.to(ln_bias.dtype))
-    groups, rpp = row_groups(t, dev)
+    # Four programs per SM: this loop does not prefetch (the gathered rows would not fit in
+    # registers twice), so more resident programs keep the loads in flight.
+    groups, rpp = row_groups(t, dev, per_sm=4)
     part = torch.empty((2, groups, h), dtype=torch.float32, device=dev)
     if tt_in_regs:
         dtt = torch.empty((groups, num_types, h), dtype=torch.float32, device=dev)

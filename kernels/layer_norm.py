@@ -119,6 +119,19 @@ def _bdrln_fwd_kernel(
 
 
 @triton.jit
+def _load_bwd_tile(DY, PRE, MEAN, RSTD, rows, row_end, cols, col_ok, stride_dy, stride_pre):
+    """(dy, pre_norm) tiles in their stored dtype and (mean, rstd) for `rows`; zeros past row_end."""
+    row_ok = rows < row_end
+    mask = row_ok[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0)
+    z = tl.load(PRE + rows64 * stride_pre + cols[None, :], mask=mask, other=0.0)
+    mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+    return dy, z, mean, rstd
+
+
+@triton.jit
 def _bdrln_bwd_kernel(
     DY,          # [N, H] upstream gradient, row stride stride_dy
     PRE,         # [N, H] pre_norm saved by the forward, row stride stride_pre
@@ -148,15 +161,21 @@ def _bdrln_bwd_kernel(
     acc_dw = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
     acc_db = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
     acc_dbias = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    # Software pipelining by hand: the loads of tile i + 1 are issued before tile i is computed,
+    # so each program keeps two tiles of loads in flight (Triton does not pipeline plain loads).
+    dy_next, z_next, mean_next, rstd_next = _load_bwd_tile(
+        DY, PRE, MEAN, RSTD, row_start + tl.arange(0, BLOCK_M), row_end, cols, col_ok, stride_dy, stride_pre)
     for m0 in range(row_start, row_end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < row_end
         mask = row_ok[:, None] & col_ok[None, :]
         rows64 = rows.to(tl.int64)[:, None]
-        dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        z = tl.load(PRE + rows64 * stride_pre + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
-        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        dy = dy_next.to(tl.float32)
+        z = z_next.to(tl.float32)
+        mean = mean_next
+        rstd = rstd_next
+        dy_next, z_next, mean_next, rstd_next = _load_bwd_tile(
+            DY, PRE, MEAN, RSTD, rows + BLOCK_M, row_end, cols, col_ok, stride_dy, stride_pre)
         # Padded columns and rows have dy = 0, hence g = 0: they add nothing to the sums below
         # and are never stored, so zhat needs no masking there.
         zhat = z * rstd[:, None] - (mean * rstd)[:, None]
@@ -183,23 +202,26 @@ def _bdrln_bwd_kernel(
 
 # --------------------------------------------------------------------------- launch configs
 def row_tile_configs(max_rows: int = 64):
-    """Candidate (rows per tile, num_warps) configs for row kernels; pruned per H by prune_row_configs."""
+    """Candidate (rows per tile, num_warps) configs for row kernels; pruned per H by row_config_pruner."""
     return [triton.Config({"BLOCK_M": m}, num_warps=w)
             for m in (1, 2, 4, 8, 16, 32, 64) if m <= max_rows
             for w in (2, 4, 8, 16)]
 
 
-def prune_row_configs(configs, named_args, **kwargs):
-    """Keep tiles of >= 1K elements (several rows per program for small H) giving each thread 4..32
-    elements (enough for 16-byte vector loads, few enough to stay in registers), and no more rows
-    than the problem has."""
-    block_h = kwargs["BLOCK_H"]
-    rows_cap = max(1, named_args.get("n_bucket", 1 << 16))
-    kept = [c for c in configs
-            if 4 <= c.kwargs["BLOCK_M"] * block_h // (32 * c.num_warps) <= 32
-            and (c.kwargs["BLOCK_M"] * block_h >= 1024 or c.kwargs["BLOCK_M"] >= rows_cap)
-            and c.kwargs["BLOCK_M"] <= rows_cap]
-    return kept or [min(configs, key=lambda c: (c.kwargs["BLOCK_M"], c.num_warps))]
+def row_config_pruner(max_per_thread: int):
+    """early_config_prune for row kernels: keep tiles of >= 1K elements (several rows per program
+    for small H) giving each thread 4..max_per_thread elements (enough for 16-byte vector loads;
+    the backward kernels, with three fp32 accumulators and a prefetched tile, spill past 16 on
+    sm_90), and no more rows than the problem has."""
+    def prune(configs, named_args, **kwargs):
+        block_h = kwargs["BLOCK_H"]
+        rows_cap = max(1, named_args.get("n_bucket", 1 << 16))
+        kept = [c for c in configs
+                if 4 <= c.kwargs["BLOCK_M"] * block_h // (32 * c.num_warps) <= max_per_thread
+                and (c.kwargs["BLOCK_M"] * block_h >= 1024 or c.kwargs["BLOCK_M"] >= rows_cap)
+                and c.kwargs["BLOCK_M"] <= rows_cap]
+        return kept or [min(configs, key=lambda c: (c.kwargs["BLOCK_M"], -c.num_warps))]
+    return prune
 
 
 def interpreter_rows(block_h: int, cap: int) -> int:
@@ -221,25 +243,25 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def row_groups(n_rows: int, device: torch.device):
+def row_groups(n_rows: int, device: torch.device, per_sm: int = 2):
     """(G, rows_per_program) for backward kernels that reduce over rows with per-program partials.
 
-    About four programs per SM on GPU: each program walks its rows one tile at a time, so several
-    resident programs per SM keep enough loads in flight, while the [G, H] fp32 partial buffers
-    stay small next to the [N, H] traffic (2% at N = 32K). Three under the interpreter, so tests
-    cross program borders. rows_per_program is a multiple of the largest BLOCK_M, so only a
-    program's last tile is partial.
+    per_sm programs per SM on GPU. The LayerNorm backward uses 2: all resident at once (no partial
+    last wave), each keeping two tiles of loads in flight (it prefetches the next tile), while the
+    [G, H] fp32 partial buffers stay small next to the [N, H] traffic (1% at N = 32K). Three
+    under the interpreter, so tests cross program borders. rows_per_program is a multiple of the
+    largest BLOCK_M, so only a program's last tile is partial.
     """
-    target = 3 if device.type != "cuda" else 4 * _sm_count(device.index if device.index is not None
+    target = 3 if device.type != "cuda" else per_sm * _sm_count(device.index if device.index is not None
                                                               else torch.cuda.current_device())
     rpp = triton.cdiv(triton.cdiv(n_rows, target), _MAX_ROWS_PER_TILE) * _MAX_ROWS_PER_TILE
     return triton.cdiv(n_rows, rpp), rpp
 
 
 _bdrln_fwd_tuned = triton.autotune(configs=row_tile_configs(), key=["H", "n_bucket"],
-                                   prune_configs_by={"early_config_prune": prune_row_configs})(_bdrln_fwd_kernel)
+                                   prune_configs_by={"early_config_prune": row_config_pruner(32)})(_bdrln_fwd_kernel)
 _bdrln_bwd_tuned = triton.autotune(configs=row_tile_configs(_MAX_ROWS_PER_TILE), key=["H", "n_bucket"],
-                                   prune_configs_by={"early_config_prune": prune_row_configs})(_bdrln_bwd_kernel)
+                                   prune_configs_by={"early_config_prune": row_config_pruner(16)})(_bdrln_bwd_kernel)
 
 
 # --------------------------------------------------------------------------- validation helpers
