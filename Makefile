@@ -22,7 +22,7 @@ test: install
 # With a GPU at hand: every GPU-marked test, then the full benchmark run into benchmarks/results/.
 gpu-check:
 	$(PYTHON) -m pytest -q -m gpu tests $(PYTEST_ARGS)
-	$(PYTHON) -m bertfast.cli bench --suite all --out benchmarks/results
+	$(PYTHON) -m bertfast.cli bench --suite all   # writes benchmarks/results/<gpu>/<date>/
 
 bench:
 	$(PYTHON) -m bertfast.cli bench --quick

@@ -43,7 +43,7 @@ def _run(model: torch.nn.Module, batch: Dict[str, torch.Tensor]):
     params = [p for p in model.parameters() if p.requires_grad]
     out = model(**batch)
     logits = _logits(out)
-    if out.loss is None:
+    if getattr(out, "loss", None) is None:  # BertModel has no loss: compare outputs only
         return None, logits, None
     grads = torch.autograd.grad(out.loss, params, allow_unused=True)
     norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None))

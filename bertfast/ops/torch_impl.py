@@ -142,7 +142,7 @@ def bias_dropout_residual_layernorm_fwd(x, bias, residual, weight, ln_bias, eps,
     if residual is not None:
         h = h + residual.float()
     mean = h.mean(dim=-1)
-    rstd = torch.rsqrt(h.var(dim=-1, unbiased=False) + eps)
+    rstd = torch.rsqrt((h - mean[:, None]).square().mean(-1) + eps)
     y = (h - mean[:, None]) * rstd[:, None] * weight.float() + ln_bias.float()
     result = (y.to(x.dtype), h.to(x.dtype), mean, rstd)
     if return_dropout_mask:
@@ -170,7 +170,7 @@ def embeddings_fwd(input_ids, position_ids, token_type_ids, word, pos, token_typ
                    dropout_p, seed, out_dtype, return_dropout_mask=False):
     h = _embedding_sum(input_ids, position_ids, token_type_ids, word, pos, token_type)
     mean = h.mean(-1)
-    rstd = torch.rsqrt(h.var(-1, unbiased=False) + eps)
+    rstd = torch.rsqrt((h - mean[:, None]).square().mean(-1) + eps)
     y = (h - mean[:, None]) * rstd[:, None] * ln_weight.float() + ln_bias.float()
     keep = keep_mask(y.shape, dropout_p, seed, y.device)
     y = reference.dropout(y, dropout_p, keep).to(out_dtype)
