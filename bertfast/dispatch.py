@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -27,11 +28,48 @@ import torch
 log = logging.getLogger("bertfast.dispatch")
 
 BACKEND_NAMES = ("torch", "triton", "cuda")
-# Until the benchmark harness measures otherwise, Triton is preferred on GPUs: it is the
-# backend verified on a GPU; the CUDA backend runs when forced.
+# Default order. On a GPU where `bertfast bench` timed both fast backends, the measured order
+# (bertfast.bench.preference) replaces the first two for that GPU model.
 PREFERENCE = ("triton", "cuda", "torch")
 
 ReasonsFn = Callable[..., List[str]]
+_MEASURED: Optional[Dict[str, Dict[str, List[str]]]] = None  # GPU name -> op -> fastest-first backends
+
+
+def preference_file() -> str:
+    """Where `bertfast bench` records the measured backend order per GPU (BERTFAST_PREFERENCE_FILE)."""
+    default = os.path.join(os.path.expanduser("~"), ".cache", "bertfast", "backend_preference.json")
+    return os.environ.get("BERTFAST_PREFERENCE_FILE", default)
+
+
+def read_preferences(path: Optional[str] = None) -> Dict[str, Dict[str, List[str]]]:
+    path = path or preference_file()
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        log.warning("bertfast: ignoring unreadable backend preference file %s: %s", path, exc)
+        return {}
+
+
+def reload_preferences() -> None:
+    global _MEASURED
+    _MEASURED = None
+
+
+def preference(op: str, device: Optional[torch.device]) -> Tuple[str, ...]:
+    """PREFERENCE, with the fast backends reordered as measured on this GPU model, if measured."""
+    global _MEASURED
+    if device is None or device.type != "cuda":
+        return PREFERENCE
+    if _MEASURED is None:
+        _MEASURED = read_preferences()
+    measured = _MEASURED.get(torch.cuda.get_device_name(device), {}).get(op)
+    if not measured:
+        return PREFERENCE
+    return tuple(measured) + tuple(name for name in PREFERENCE if name not in measured)
 
 
 @dataclass
@@ -169,7 +207,8 @@ def _select(op: str, **inputs) -> str:
                                  f"these inputs: {'; '.join(reasons)}")
         return forced
     why: Dict[str, List[str]] = {}
-    for name in PREFERENCE:
+    cuda = next((t.device for t in inputs.values() if isinstance(t, torch.Tensor) and t.device.type == "cuda"), None)
+    for name in preference(op, cuda):
         backend = table.get(name)
         if backend is None:
             continue
@@ -178,7 +217,7 @@ def _select(op: str, **inputs) -> str:
             continue
         reasons = backend.reasons(False, **inputs)
         if not reasons:
-            if any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in inputs.values()):
+            if cuda is not None:
                 _note_fallbacks(op, name, why)
             return name
         why[name] = reasons

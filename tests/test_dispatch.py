@@ -75,3 +75,31 @@ def test_info_lists_every_op_and_backend():
     for op in dispatch.ops():
         assert op in text
     assert "torch  ok" in text and "triton" in text and "cuda" in text
+
+
+def test_measured_preference_reorders_fast_backends_per_gpu(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from bertfast.bench.preference import measured_order, record
+    from bertfast.bench.results import Row, Run
+    from bertfast.bench.timing import Stat
+
+    def row(impl, ms, case):
+        return Row("kernels", "bias_gelu", case, "fwd+bwd", impl, time_ms=Stat(median=ms, p20=ms, p80=ms, n=3))
+
+    rows = [row("bertfast:triton", 2.0, {"h": 768}), row("bertfast:cuda", 1.0, {"h": 768}),
+            row("bertfast:triton", 3.0, {"h": 1024}), row("bertfast:cuda", 2.0, {"h": 1024}),
+            row("bertfast:triton", 1.0, {"h": 64})]  # only on one backend: not compared
+    run = Run(device=SimpleNamespace(kind="cuda", name="Test GPU"), config={}, rows=rows)
+    assert measured_order(run) == {"bias_gelu": ["cuda", "triton"]}
+    path = tmp_path / "pref.json"
+    monkeypatch.setenv("BERTFAST_PREFERENCE_FILE", str(path))
+    assert record(run) == str(path)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
+    try:
+        cuda = torch.device("cuda", 0)
+        assert dispatch.preference("bias_gelu", cuda) == ("cuda", "triton", "torch")
+        assert dispatch.preference("embeddings", cuda) == dispatch.PREFERENCE
+        assert dispatch.preference("bias_gelu", torch.device("cpu")) == dispatch.PREFERENCE
+    finally:
+        dispatch.reload_preferences()

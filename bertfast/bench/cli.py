@@ -123,6 +123,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     log("")
     for kind, path in paths.items():
         log(f"wrote {kind}: {path}")
+    from bertfast.bench.preference import record
+    table = record(run)
+    if table:
+        log(f"recorded the faster backend per op on {info.name} (dispatch prefers it from now on): {table}")
     return 0
 
 
