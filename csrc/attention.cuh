@@ -1,5 +1,5 @@
 // Fused bidirectional attention with padding masks, FlashAttention-2 style (templates; the
-// launchers live in attention.cu and instantiate them per dtype and head dim).
+// launchers live in attention_fwd.cu / attention_bwd.cu and instantiate them per dtype and head dim).
 //
 // Math, per sequence b and head a, with scale c, queries i and keys j of the sequence
 // (padded form: keys with key_padding_mask = 0 are left out; a row with no key gives 0):
@@ -583,22 +583,6 @@ __global__ void __launch_bounds__(BM / 16 * 32) attn_bwd_q_kernel(const Attentio
   if (qi < sq.len) {
     write_row<T, D>(static_cast<T*>(p.dq) + b * p.sdq.batch + (sq.start + qi) * p.sdq.row + h * p.sdq.head, Sw,
                     L::LDS, r, half, 1.f);
-  }
-}
-
-// ------------------------------------------------------------------ dropout mask (debug)
-// keep [rows = batch * heads * S, S]: row (b * A + a) * S + i, column j, exactly as above.
-__global__ void attn_mask_kernel(bool* __restrict__ keep, int64_t rows, int s, float dp, const int64_t* seed_ptr) {
-  const uint64_t seed = dp > 0.f ? static_cast<uint64_t>(*seed_ptr) : 0;
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    for (int g = threadIdx.x; 4 * g < s; g += blockDim.x) {
-      const U4 bits = dropout_bits(seed, static_cast<uint64_t>(row), static_cast<uint32_t>(g));
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int j = 4 * g + e;
-        if (j < s) keep[row * s + j] = uniform01(pick(bits, e)) >= dp;
-      }
-    }
   }
 }
 

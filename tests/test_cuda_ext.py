@@ -106,8 +106,8 @@ def test_build_modes(monkeypatch):
     (extension,) = kwargs["ext_modules"]
     assert extension.name == "bertfast._C"
     sources = {os.path.basename(s) for s in extension.sources}
-    assert {"attention.cu", "bias_gelu.cu", "layer_norm.cu", "embeddings.cu", "cross_entropy.cu",
-            "bindings.cpp"} <= sources
+    assert {"attention_fwd.cu", "attention_bwd.cu", "bias_gelu.cu", "layer_norm.cu", "embeddings.cu",
+            "cross_entropy.cu", "bindings.cpp"} <= sources
     assert "build_ext" in kwargs["cmdclass"]
 
 
