@@ -138,9 +138,9 @@ def _prune_tiles(configs, named_args, **kwargs):
     return [c for c in configs if c.kwargs["BLOCK_F"] <= f_cap]
 
 
-_fwd_tuned = triton.autotune(configs=_tile_configs(), key=["F", "n_bucket"],
+_fwd_tuned = triton.autotune(configs=_tile_configs(), key=["F", "n_bucket", "APPROX_TANH"],
                              prune_configs_by={"early_config_prune": _prune_tiles})(_bias_gelu_fwd_kernel)
-_bwd_tuned = triton.autotune(configs=_tile_configs(), key=["F", "n_bucket"],
+_bwd_tuned = triton.autotune(configs=_tile_configs(), key=["F", "n_bucket", "APPROX_TANH"],
                              prune_configs_by={"early_config_prune": _prune_tiles})(_bias_gelu_bwd_kernel)
 
 

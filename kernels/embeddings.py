@@ -169,10 +169,11 @@ def _embeddings_bwd_kernel(
         tl.store(DTT + tt_offs, acc_tt, mask=(types < NUM_TYPES)[:, None] & col_ok[None, :])
 
 
-_fwd_tuned = triton.autotune(configs=row_tile_configs(), key=["H", "n_bucket"],
+_fwd_tuned = triton.autotune(configs=row_tile_configs(), key=["H", "n_bucket", "HAS_DROPOUT", "STORE_KEEP"],
                              prune_configs_by={"early_config_prune": row_config_pruner(32)})(_embeddings_fwd_kernel)
 # The backward accumulates into zeroed buffers: the autotuner re-zeroes them around each trial.
-_bwd_tuned = triton.autotune(configs=row_tile_configs(_MAX_ROWS_PER_TILE), key=["H", "n_bucket"],
+_bwd_tuned = triton.autotune(configs=row_tile_configs(_MAX_ROWS_PER_TILE),
+                             key=["H", "n_bucket", "HAS_DROPOUT", "TT_IN_REGS", "TT_BLOCK"],
                              prune_configs_by={"early_config_prune": row_config_pruner(16)},
                              reset_to_zero=["DWORD", "DPOS", "DTT"])(_embeddings_bwd_kernel)
 

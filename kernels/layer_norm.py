@@ -258,9 +258,13 @@ def row_groups(n_rows: int, device: torch.device, per_sm: int = 2):
     return triton.cdiv(n_rows, rpp), rpp
 
 
-_bdrln_fwd_tuned = triton.autotune(configs=row_tile_configs(), key=["H", "n_bucket"],
+# Keys: H, the size class of N and every constexpr flag (dtypes are added by the autotuner).
+_bdrln_fwd_tuned = triton.autotune(configs=row_tile_configs(),
+                                   key=["H", "n_bucket", "HAS_BIAS", "HAS_RES", "HAS_DROPOUT", "STORE_PRE",
+                                        "STORE_KEEP"],
                                    prune_configs_by={"early_config_prune": row_config_pruner(32)})(_bdrln_fwd_kernel)
-_bdrln_bwd_tuned = triton.autotune(configs=row_tile_configs(_MAX_ROWS_PER_TILE), key=["H", "n_bucket"],
+_bdrln_bwd_tuned = triton.autotune(configs=row_tile_configs(_MAX_ROWS_PER_TILE),
+                                   key=["H", "n_bucket", "HAS_BIAS", "HAS_RES", "HAS_DROPOUT"],
                                    prune_configs_by={"early_config_prune": row_config_pruner(16)})(_bdrln_bwd_kernel)
 
 

@@ -118,3 +118,23 @@ def test_gpu_lowp_matches_fp32_reference(f, dtype, approximate):
 @pytest.mark.gpu
 def test_gpu_fp32_awkward_width():
     check(*make_inputs(515, 4093, torch.float32), "none")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU every test above takes this path")
+def test_autotuned_launch_path_under_interpreter(monkeypatch):
+    """The GPU launch path (autotuner, config pruning, tuning keys, grid lambdas), run under the
+    interpreter with a stand-in timer: each pruned config runs once and the best is relaunched."""
+    from bertfast.kernels import bias_gelu as BG
+
+    def one_shot_bench(fn, quantiles=None, **kwargs):
+        fn()
+        return [1.0, 1.0, 1.0]
+
+    monkeypatch.setattr(BG, "interpreting", lambda: False)
+    for tuned in (BG._fwd_tuned, BG._bwd_tuned):
+        monkeypatch.setattr(tuned, "_do_bench", one_shot_bench)
+        monkeypatch.delitem(tuned.__dict__, "do_bench", raising=False)  # a cached benchmarker, if any
+        monkeypatch.setattr(tuned, "cache", {})
+    check(*make_inputs(37, 300, torch.float32), "none")
+    check(*make_inputs(37, 300, torch.float32), "tanh")
+    assert len(BG._fwd_tuned.cache) == 2 and len(BG._bwd_tuned.cache) == 2

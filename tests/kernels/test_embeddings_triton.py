@@ -168,3 +168,25 @@ def test_gpu_lowp_matches_fp32_reference(h, dtype):
     seed = torch.tensor([55], dtype=torch.int64, device=DEV)
     check_against_reference(make_inputs(4096, h, 30522, 512, 2, dtype), 0.1, seed)
     check_against_reference(make_inputs(4096, h, 30522, 512, 2, dtype), 0.0, seed)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU every test above takes this path")
+def test_autotuned_launch_path_under_interpreter(monkeypatch):
+    """The GPU launch path (autotuner, config pruning, tuning keys, grid lambdas, re-zeroing of the
+    atomic buffers between trials), run under the interpreter with a stand-in timer: each pruned
+    config runs once, accumulating into the same buffers, and the best is relaunched."""
+    from bertfast.kernels import embeddings as EM
+
+    def one_shot_bench(fn, quantiles=None, **kwargs):
+        fn()
+        return [1.0, 1.0, 1.0]
+
+    monkeypatch.setattr(EM, "interpreting", lambda: False)
+    for tuned in (EM._fwd_tuned, EM._bwd_tuned):
+        monkeypatch.setattr(tuned, "_do_bench", one_shot_bench)
+        monkeypatch.delitem(tuned.__dict__, "do_bench", raising=False)  # a cached benchmarker, if any
+        monkeypatch.setattr(tuned, "cache", {})
+    seed = torch.tensor([13], dtype=torch.int64, device=DEV)
+    check_against_reference(make_inputs(37, 100, 7, 9, 2, torch.float32), 0.1, seed)
+    check_against_reference(make_inputs(37, 100, 7, 9, 6, torch.float32), 0.0, seed)
+    assert len(EM._bwd_tuned.cache) == 2

@@ -207,3 +207,24 @@ def test_gpu_lowp_matches_fp32_reference(h, dtype):
 def test_gpu_fp32_awkward_and_large_hidden(h):
     seed = torch.tensor([3], dtype=torch.int64, device=DEV)
     check_against_reference(make_inputs(515, h, torch.float32, True, True), 0.1, seed)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU every test above takes this path")
+def test_autotuned_launch_path_under_interpreter(monkeypatch):
+    """The GPU launch path (autotuner, config pruning, tuning keys, grid lambdas), run under the
+    interpreter with a stand-in timer: each pruned config runs once and the best is relaunched."""
+    from bertfast.kernels import layer_norm as LN
+
+    def one_shot_bench(fn, quantiles=None, **kwargs):
+        fn()
+        return [1.0, 1.0, 1.0]
+
+    monkeypatch.setattr(LN, "interpreting", lambda: False)
+    for tuned in (LN._bdrln_fwd_tuned, LN._bdrln_bwd_tuned):
+        monkeypatch.setattr(tuned, "_do_bench", one_shot_bench)
+        monkeypatch.delitem(tuned.__dict__, "do_bench", raising=False)  # a cached benchmarker, if any
+        monkeypatch.setattr(tuned, "cache", {})
+    seed = torch.tensor([21], dtype=torch.int64, device=DEV)
+    check_against_reference(make_inputs(37, 100, torch.float32, True, True), 0.1, seed)
+    check_against_reference(make_inputs(37, 100, torch.float32, False, False), 0.0, seed)
+    assert LN._bdrln_fwd_tuned.cache and LN._bdrln_bwd_tuned.cache
