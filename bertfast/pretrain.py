@@ -60,7 +60,7 @@ DEMO_MODEL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, i
 DEMO = dict(preset="demo", output_dir=os.path.join("runs", "demo"), phase1_steps=270, phase2_steps=30, global_batch_size=32,
             micro_batch_size=32, phase2_global_batch_size=8, phase2_micro_batch_size=8, lr=1e-3,
             warmup_steps=30, log_every=10, eval_every=100, eval_batches=4, save_every=100, parity_every=100,
-            keep_last=2, demo_vocab_size=4096)
+            keep_last=2, demo_vocab_size=4096, threads=1)
 
 
 class ParityError(RuntimeError):
@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("distributed")
     g.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
     g.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP, for large models")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's; the demo uses 1, which is fastest on a shared CPU)")
     g = p.add_argument_group("checkpoints and logging")
     g.add_argument("--output-dir", default=os.path.join("runs", "pretrain"))
     g.add_argument("--save-every", type=int, default=1000)
@@ -146,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="relative difference of loss or gradient norm that counts as divergence")
     g.add_argument("--parity-strict", action="store_true", help="stop at the first divergence")
     g.add_argument("--demo-vocab-size", type=int, default=4096, help=argparse.SUPPRESS)
+    g.add_argument("--demo-corpus-max-docs", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -184,10 +187,13 @@ def prepare_demo_data(args: argparse.Namespace, info: tu.DistInfo, log) -> None:
 
     d1 = os.path.join(args.output_dir, "data-128")
     d2 = os.path.join(args.output_dir, "data-512")
+    cache = os.path.join(args.output_dir, "corpus")
     if info.is_main:
         prepare_dataset([], d1, vocab_size=args.demo_vocab_size, max_seq_len=128, workers=None,
-                        progress=not args.no_progress, log=log)
-        prepare_dataset([], d2, vocab=d1, max_seq_len=512, workers=None, progress=not args.no_progress, log=log)
+                        progress=not args.no_progress, log=log, corpus_cache=cache,
+                        corpus_max_docs=args.demo_corpus_max_docs)
+        prepare_dataset([], d2, vocab=d1, max_seq_len=512, workers=None, progress=not args.no_progress, log=log,
+                        corpus_cache=cache, corpus_max_docs=args.demo_corpus_max_docs)
     info.barrier()
     args.data = args.data or d1
     args.data_phase2 = args.data_phase2 or d2
@@ -731,6 +737,8 @@ def _fsdp_no_sync(model):
 # ============================================================================ entry points
 def run(args: argparse.Namespace) -> RunResult:
     """Pre-train with parsed arguments (see ``build_parser``); returns the losses and evaluations."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
     info = tu.init_distributed(args.device)
     try:
         log = (lambda m: print(m, flush=True)) if info.is_main else (lambda m: None)

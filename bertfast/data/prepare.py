@@ -194,8 +194,8 @@ def prepare_dataset(inputs: Sequence[str], output: str, *, vocab: Optional[str] 
                     docs_per_shard: int = 4096, eval_fraction: float = 0.02,
                     eval_docs: Optional[int] = None, workers: Optional[int] = None, seed: int = 12345,
                     doc_split: str = "blank", corpus_max_docs: Optional[int] = None,
-                    corpus_max_files: Optional[int] = None, progress: bool = True,
-                    log=print) -> str:
+                    corpus_max_files: Optional[int] = None, corpus_cache: Optional[str] = None,
+                    progress: bool = True, log=print) -> str:
     """The whole pipeline (see the module docstring); returns ``output``. Library form of ``main``."""
     t0 = time.time()
     os.makedirs(output, exist_ok=True)
@@ -211,8 +211,8 @@ def prepare_dataset(inputs: Sequence[str], output: str, *, vocab: Optional[str] 
         files = corpus_mod.expand_inputs(inputs)
         corpus_name = f"{len(files)} file(s)"
     else:
-        files = [corpus_mod.stdlib_corpus_file(os.path.join(output, "corpus"), max_files=corpus_max_files,
-                                               max_docs=corpus_max_docs)]
+        files = [corpus_mod.stdlib_corpus_file(corpus_cache or os.path.join(output, "corpus"),
+                                               max_files=corpus_max_files, max_docs=corpus_max_docs)]
         doc_split = "blank"
         corpus_name = f"embedded corpus (Python {sys.version_info[0]}.{sys.version_info[1]} stdlib docstrings)"
     corpus_fp = corpus_mod.files_fingerprint(files)

@@ -38,13 +38,14 @@ def _filler(rng: random.Random, lo: int, hi: int) -> List[str]:
     return [rng.choice(FILLER) for _ in range(rng.randint(lo, hi))]
 
 
-def write_classification(path: str, n: int, seed: int = 0) -> None:
+def write_classification(path: str, n: int, seed: int = 0, neutral: bool = True) -> None:
     rng = random.Random(seed)
+    labels = ["positive", "negative", "neutral"] if neutral else ["positive", "negative"]
     with open(path, "w", encoding="utf-8", newline="") as f:
         w = csv.writer(f)
         w.writerow(["sentence1", "sentence2", "label"])
         for _ in range(n):
-            label = rng.choice(["positive", "negative", "neutral"])
+            label = rng.choice(labels)
             words = _filler(rng, 3, 8)
             if label != "neutral":
                 words.insert(rng.randint(0, len(words)), rng.choice(POSITIVE if label == "positive" else NEGATIVE))
