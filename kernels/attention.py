@@ -121,19 +121,20 @@ def _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len, o
         k = tl.load(k_ptrs + start_n * stride_ks)
     if UPCAST:
         k = k.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BM, BN] log2 units
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BM, BN] unscaled scores
     if MASKED:
         if HAS_KEY_MASK:
             key_ok = key_ok & (tl.load(kmask_ptrs + (start_n + offs_n) * stride_ms,
                                        mask=key_ok, other=0) != 0)
-        s = tl.where(key_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+        qk = tl.where(key_ok[None, :], qk, float("-inf"))
+    # qk_scale > 0 commutes with max, so the scale folds into one FMA inside exp2 below.
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # running max, log2 units
     if MASKED:
         # A row whose keys so far are all masked has m = -inf; exp2(-inf - -inf) would be NaN.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
-    p = tl.exp2(s - m_use[:, None])
+    p = tl.exp2(qk * qk_scale - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
@@ -632,8 +633,8 @@ def _check_key_mask(key_padding_mask: Optional[torch.Tensor], batch: int, seqlen
 
 def _scale(softmax_scale) -> float:
     softmax_scale = float(softmax_scale)
-    if not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale: expected a finite float, got {softmax_scale}")
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0.0):
+        raise ValueError(f"softmax_scale: expected a finite float > 0, got {softmax_scale}")
     return softmax_scale
 
 

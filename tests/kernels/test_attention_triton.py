@@ -45,16 +45,16 @@ def _compare(name, fast, ref32, ref_lowp, dtype, grad=False):
         assert_close_lowp(fast.float(), ref32, ref_lowp.float(), atol=1e-5, name=name)
 
 
-def _varlen_inputs(lengths, dtype, head_dim, packed, gen):
+def _varlen_inputs(lengths, dtype, head_dim, packed, gen, heads=A):
     tokens = int(lengths.sum())
-    base = torch.randn(tokens, 3, A, head_dim, generator=gen)  # [T, 3, A, D]
+    base = torch.randn(tokens, 3, heads, head_dim, generator=gen)  # [T, 3, A, D]
     if packed:
         qkv = base.to(DEVICE, dtype)
         q, k, v = qkv.unbind(1)  # strided views of one buffer, as the encoder passes them
         assert not q.is_contiguous()
     else:
         q, k, v = (base[:, i].contiguous().to(DEVICE, dtype) for i in range(3))
-    dout = torch.randn(tokens, A, head_dim, generator=gen).to(DEVICE, dtype)
+    dout = torch.randn(tokens, heads, head_dim, generator=gen).to(DEVICE, dtype)
     return q, k, v, dout, cu_seqlens_from_lengths(lengths).to(DEVICE)
 
 
@@ -314,6 +314,8 @@ def test_launchers_reject_bad_inputs():
         attn.attention_varlen_fwd(q, q.half(), q, cu, 10, 0.1, 0.0, None)
     with pytest.raises(ValueError, match="cu_seqlens"):
         attn.attention_varlen_fwd(q, q, q, cu.long(), 10, 0.1, 0.0, None)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        attn.attention_varlen_fwd(q, q, q, cu, 10, 0.0, 0.0, None)
     with pytest.raises(ValueError, match="dropout_p"):
         attn.attention_varlen_fwd(q, q, q, cu, 10, 0.1, 1.0, _seed(1))
     with pytest.raises(ValueError, match="seed"):
@@ -335,7 +337,7 @@ def _gpu_case(dtype, seqlen, heads, varlen, dropout_p=0.0):
     lengths = make_lengths("random", batch, seqlen, gen)
     lengths[0] = seqlen
     if varlen:
-        q, k, v, dout, cu = _varlen_inputs(lengths, dtype, head_dim, packed=True, gen=gen)
+        q, k, v, dout, cu = _varlen_inputs(lengths, dtype, head_dim, packed=True, gen=gen, heads=heads)
         out, lse = attn.attention_varlen_fwd(q, k, v, cu, seqlen, scale, dropout_p, seed)
         dqkv = attn.attention_varlen_bwd(dout, q, k, v, out, lse, cu, seqlen, scale, dropout_p, seed)
         grads = dqkv.unbind(1)
@@ -364,8 +366,7 @@ def _gpu_case(dtype, seqlen, heads, varlen, dropout_p=0.0):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gpu_lowp_matches_fp32_reference(dtype, seqlen, heads, varlen):
     q, k, v, dout, out, grads, ref = _gpu_case(dtype, seqlen, heads, varlen)
-    heads_ = q.shape[-2]
-    assert heads_ == heads
+    assert q.shape[-2] == heads
     out32, grads32 = _ref_grads(ref, [t.float() for t in (q, k, v)], dout.float())
     out_lp, grads_lp = _ref_grads(ref, (q, k, v), dout)
     assert_close_lowp(out.float(), out32, out_lp.float(), name="out")
