@@ -40,6 +40,10 @@ Layouts: varlen q, k, v, out, dout [T, A, D] (sequence b is rows cu_seqlens[b]:c
 padded [B, S, A, D]. Row and head strides are honoured (packed qkv views work); the last dim
 must be contiguous. lse: [A, T] (varlen) or [B, A, S] (padded), fp32.
 
+Launch: on GPU each kernel is autotuned (key: next power of two of the sequence length, head
+dim, varlen/mask/dropout flags, dtype); tuning runs on the first call of each key, so warm up
+before capturing a CUDA graph. Under the interpreter a fixed small configuration is used.
+
 Limits: head dim a power of two in 16..128; any sequence length (the dropout counter keeps
 rows independent up to 65536 positions); fp32, fp16, bf16 (bf16 only on GPU: the
 interpreter's bf16 dot is wrong, so under TRITON_INTERPRET=1 bf16 operands are upcast).
