@@ -153,15 +153,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Flags over the JSON ``--config`` file over the demo settings (with ``--demo``) over defaults."""
+    """Flags over the JSON ``--config`` file over the demo settings over the defaults.
+
+    The demo runs with ``--demo``, and also when neither ``--data``, ``--data-phase2`` nor
+    ``--config`` is given (so ``bertfast pretrain`` alone runs it).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv:
-        argv = ["--demo"]
     parser = build_parser()
     pre, _ = parser.parse_known_args(argv)
     values = tu.load_json_config(pre.config) if pre.config else {}
-    if pre.demo or values.get("demo"):
+    no_data = not (pre.data or pre.data_phase2 or pre.config)
+    if pre.demo or values.get("demo") or no_data:
         parser.set_defaults(**DEMO)
+        parser.set_defaults(demo=True)
     if values:
         tu.set_parser_defaults(parser, values, pre.config)
     return parser.parse_args(argv)
@@ -778,8 +782,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         print(f"bertfast pretrain: error: {e}", file=sys.stderr)
         return 2
-    if args.demo and (argv is None or not list(argv)):
-        print("[pretrain] no arguments: running the demonstration (same as `bertfast pretrain --demo`)")
+    if args.demo:
+        print("[pretrain] demonstration run: a small BERT on the embedded corpus (no --data given, or --demo)",
+              flush=True)
     try:
         run(args)
     except ParityError as e:

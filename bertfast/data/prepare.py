@@ -280,7 +280,9 @@ def prepare_dataset(inputs: Sequence[str], output: str, *, vocab: Optional[str] 
     if eval_docs:
         jobs.append(dict(common, directory=os.path.join(output, "eval-00000"), split="eval", shard_index=0,
                          docs=eval_ids, pool=eval_pool))
-    workers = workers or os.cpu_count() or 1
+    if workers is None:
+        # Worker processes start in about a second each: worth it for real corpora only.
+        workers = (os.cpu_count() or 1) if n_docs >= 20000 else 1
     workers = max(1, min(workers, len(jobs)))
     bar = _progress(total=len(jobs), desc="shards", unit="shard", enabled=progress)
     results = []
@@ -342,7 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--docs-per-shard", type=int, default=4096)
     p.add_argument("--eval-fraction", type=float, default=0.02, help="documents held out for evaluation")
     p.add_argument("--eval-docs", type=int, default=None, help="exact number of held-out documents")
-    p.add_argument("--workers", type=int, default=None, help="processes (default: CPU cores)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes (default: the CPU cores for corpora of 20k+ documents, else 1)")
     p.add_argument("--seed", type=int, default=12345)
     p.add_argument("--corpus-max-docs", type=int, default=None, help="cap the embedded corpus")
     p.add_argument("--no-progress", action="store_true")

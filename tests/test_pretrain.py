@@ -1,0 +1,252 @@
+"""bertfast pretrain: two phases, checkpoints (HF layout, atomic, keep-last), bit-exact resume,
+two-process DDP on CPU, parity checks (strict mode names the op), LAMB, schedule, config files."""
+import json
+import os
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from bertfast import pretrain
+from bertfast import train_utils as tu
+from bertfast.data.loader import BatchSpec, PretrainingBatches, masking_config_for
+from bertfast.data.prepare import prepare_dataset
+from bertfast.data.shards import PretrainingData
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+    """Two phases of the embedded corpus (a slice of it): seq 64 and seq 128, one vocabulary."""
+    root = tmp_path_factory.mktemp("pretrain-data")
+    cache = str(root / "corpus")
+    d1, d2 = str(root / "p1"), str(root / "p2")
+    quiet = dict(progress=False, log=lambda m: None, corpus_cache=cache, corpus_max_docs=300, workers=1)
+    prepare_dataset([], d1, vocab_size=400, max_seq_len=64, **quiet)
+    prepare_dataset([], d2, vocab=d1, max_seq_len=128, **quiet)
+    return d1, d2
+
+
+def _args(datasets, out, *extra):
+    d1, d2 = datasets
+    argv = ["--preset", "tiny", "--data", d1, "--data-phase2", d2, "--phase1-steps", "4", "--phase2-steps", "2",
+            "--global-batch-size", "8", "--micro-batch-size", "4", "--phase2-global-batch-size", "4",
+            "--phase2-micro-batch-size", "2", "--lr", "1e-3", "--warmup-steps", "2", "--log-every", "1",
+            "--eval-every", "0", "--save-every", "100", "--no-progress", "--output-dir", str(out), "--seed", "3",
+            *extra]
+    return pretrain.parse_args(argv)
+
+
+def _records(out, kind):
+    return [r for r in tu.read_jsonl(os.path.join(str(out), "metrics.jsonl")) if r.get("type") == kind]
+
+
+# --------------------------------------------------------------------------- end to end
+def test_two_phase_run_logs_checkpoints_and_hf_layout(datasets, tmp_path):
+    out = tmp_path / "run"
+    res = pretrain.run(_args(datasets, out, "--eval-every", "3", "--eval-batches", "2", "--parity-every", "3",
+                             "--save-every", "2", "--keep-last", "2"))
+    assert sorted(res.losses) == [1, 2, 3, 4, 5, 6] and all(np.isfinite(list(res.losses.values())))
+    train = _records(out, "train")
+    assert [r["seq_len"] for r in train] == [64] * 4 + [128] * 2            # phase 2 at the longer length
+    for r in train:
+        for key in ("loss", "mlm_loss", "nsp_loss", "mlm_acc", "nsp_acc", "lr", "grad_norm", "tokens_per_s",
+                    "seq_per_s", "tflops_per_s"):
+            assert np.isfinite(r[key]), key
+        assert r["mfu"] is None                                            # no GPU peak on CPU
+        assert abs(r["loss"] - (r["mlm_loss"] + r["nsp_loss"])) < 1e-4
+    # Warm-up over 2 steps, then linear decay to 0 at step 6.
+    np.testing.assert_allclose([r["lr"] for r in train], [5e-4, 1e-3, 1e-3, 7.5e-4, 5e-4, 2.5e-4], rtol=1e-6)
+    evals = _records(out, "eval")
+    assert [e["step"] for e in evals] == [3, 6] and all(0 <= e["mlm_acc"] <= 1 for e in evals)
+    parity = _records(out, "parity")
+    assert [p["step"] for p in parity] == [3, 6]
+    assert all(not p["diverged"] and p["loss_abs_diff"] < 1e-5 for p in parity)
+    assert os.path.isfile(out / "loss.png")
+    # Every 2 steps, keep the last 2.
+    assert [s for s, _ in tu.list_checkpoints(str(out / "checkpoints"))] == [4, 6]
+    ckpt = res.checkpoint
+    assert ckpt.endswith("step_00000006")
+    for name in ("config.json", "model.safetensors", "vocab.txt", "training_state.pt", "trainer_state.json"):
+        assert os.path.isfile(os.path.join(ckpt, name)), name
+    # The checkpoint is a Hugging Face directory: transformers and bertfast load the same model.
+    import transformers
+
+    import bertfast
+    data = PretrainingData(datasets[0])
+    batch = PretrainingBatches(data, BatchSpec(4, 4), seed=0, masking=masking_config_for(data)).micro_batches(0)[0]
+    ours = bertfast.BertForPreTraining.from_pretrained(ckpt).eval()
+    theirs = transformers.BertForPreTraining.from_pretrained(ckpt).eval()
+    with torch.no_grad():
+        a = ours(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                 token_type_ids=batch["token_type_ids"])
+        b = theirs(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   token_type_ids=batch["token_type_ids"])
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(a.prediction_logits[real], b.prediction_logits[real], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(a.seq_relationship_logits, b.seq_relationship_logits, atol=1e-5, rtol=1e-4)
+
+
+def test_resume_is_bit_exact(datasets, tmp_path):
+    dropout = ["--set", "hidden_dropout_prob=0.1", "--set", "attention_probs_dropout_prob=0.1"]
+    full = pretrain.run(_args(datasets, tmp_path / "full", *dropout))
+    first = pretrain.run(_args(datasets, tmp_path / "split", *dropout, "--stop-at-step", "3"))
+    assert first.stopped_early and sorted(first.losses) == [1, 2, 3]
+    ckpt_dir = tmp_path / "split" / "checkpoints"
+    # Debris of a run killed while saving: ignored, then cleaned up.
+    os.makedirs(ckpt_dir / ".tmp_step_00000004_999")
+    assert [s for s, _ in tu.list_checkpoints(str(ckpt_dir))] == [3]
+    second = pretrain.run(_args(datasets, tmp_path / "split", *dropout, "--resume"))
+    assert not os.path.exists(ckpt_dir / ".tmp_step_00000004_999")
+    resumed = {**first.losses, **second.losses}
+    assert resumed == full.losses                                         # exactly equal floats
+    from safetensors.torch import load_file
+    a = load_file(os.path.join(full.checkpoint, "model.safetensors"))
+    b = load_file(os.path.join(second.checkpoint, "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    sa = torch.load(os.path.join(full.checkpoint, "training_state.pt"), weights_only=False)
+    sb = torch.load(os.path.join(second.checkpoint, "training_state.pt"), weights_only=False)
+    for pid, st in sa["optimizer"]["state"].items():
+        assert torch.equal(st["exp_avg_sq"], sb["optimizer"]["state"][pid]["exp_avg_sq"])
+
+
+def test_atomic_checkpoint_keeps_previous_on_failure(tmp_path):
+    d = str(tmp_path)
+
+    def good(tmp):
+        open(os.path.join(tmp, "training_state.pt"), "w").write("x")
+
+    tu.atomic_checkpoint(d, 1, good)
+
+    def crash(tmp):
+        open(os.path.join(tmp, "training_state.pt"), "w").write("partial")
+        raise KeyboardInterrupt("killed while saving")
+
+    with pytest.raises(KeyboardInterrupt):
+        tu.atomic_checkpoint(d, 2, crash)
+    assert [s for s, _ in tu.list_checkpoints(d)] == [1]                  # the half-written one is invisible
+    assert tu.latest_checkpoint(d).endswith("step_00000001")
+    for step in (2, 3, 4):
+        tu.atomic_checkpoint(d, step, good, keep_last=2)
+    assert [s for s, _ in tu.list_checkpoints(d)] == [3, 4]
+
+
+# --------------------------------------------------------------------------- DDP on CPU
+def test_two_process_ddp_matches_one_process(datasets, tmp_path):
+    no_dropout = ["--set", "hidden_dropout_prob=0.0", "--set", "attention_probs_dropout_prob=0.0"]
+    single = pretrain.run(_args(datasets, tmp_path / "one", *no_dropout))
+    args = _args(datasets, tmp_path / "two", *no_dropout)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "bertfast.pretrain",
+           "--preset", "tiny", "--data", args.data, "--data-phase2", args.data_phase2, "--phase1-steps", "4",
+           "--phase2-steps", "2", "--global-batch-size", "8", "--micro-batch-size", "4",
+           "--phase2-global-batch-size", "4", "--phase2-micro-batch-size", "2", "--lr", "1e-3",
+           "--warmup-steps", "2", "--log-every", "1", "--eval-every", "0", "--save-every", "100", "--no-progress",
+           "--no-plot", "--output-dir", str(tmp_path / "two"), "--seed", "3", "--device", "cpu", *no_dropout]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    two = {r["step"]: r["loss"] for r in _records(tmp_path / "two", "train")}
+    # Each rank runs one micro-batch where one process accumulates two: same global batches.
+    assert sorted(two) == sorted(single.losses)
+    np.testing.assert_allclose([two[s] for s in sorted(two)], [single.losses[s] for s in sorted(two)],
+                               rtol=1e-5, atol=1e-6)
+    from safetensors.torch import load_file
+    a = load_file(os.path.join(single.checkpoint, "model.safetensors"))
+    b = load_file(os.path.join(str(tmp_path / "two" / "checkpoints" / "step_00000006"), "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- parity
+def test_parity_strict_stops_and_names_the_divergent_op(datasets, tmp_path, monkeypatch, capsys):
+    from bertfast import dispatch
+    from bertfast.ops import torch_impl
+
+    # A deliberately wrong bias_gelu backend (output shifted by 1) in the 'triton' slot.
+    bad = types.ModuleType("bertfast_test_bad_bias_gelu")
+    for name in dir(torch_impl):
+        setattr(bad, name, getattr(torch_impl, name))
+    bad.bias_gelu_fwd = lambda x, bias, approximate: torch_impl.bias_gelu_fwd(x, bias, approximate) + 1.0
+    monkeypatch.setitem(sys.modules, bad.__name__, bad)
+    original = dispatch.get("bias_gelu", "triton")
+    dispatch.register_backend(dispatch.Backend("bias_gelu", "triton", bad.__name__, lambda forced, **inputs: []))
+    try:
+        # Without --parity-strict: a logged warning, and the run goes on.
+        res = pretrain.run(_args(datasets, tmp_path / "warn", "--parity-every", "3"))
+        assert len(res.parity) == 2 and all(p["diverged"] for p in res.parity)
+        assert res.parity[0]["first_divergent_op"] == "bias_gelu" and res.final_step == 6
+        assert "DIVERGED" in capsys.readouterr().out
+        # With it: the run stops at the first check and names the op.
+        with pytest.raises(pretrain.ParityError) as info:
+            pretrain.run(_args(datasets, tmp_path / "p", "--parity-every", "2", "--parity-strict"))
+        assert info.value.step == 2 and info.value.report["first_divergent_op"] == "bias_gelu"
+        assert "first divergent op: bias_gelu" in str(info.value)
+        rc = pretrain.main(["--preset", "tiny", "--data", datasets[0], "--phase1-steps", "1", "--global-batch-size",
+                            "4", "--micro-batch-size", "4", "--parity-every", "1", "--parity-strict",
+                            "--no-progress", "--no-plot", "--output-dir", str(tmp_path / "q")])
+        assert rc == 3 and "bias_gelu" in capsys.readouterr().err
+    finally:
+        dispatch.register_backend(original)
+
+
+# --------------------------------------------------------------------------- optimizers, schedule, config
+def test_lamb_matches_its_formula_and_param_groups():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(5, 4))
+    b = torch.nn.Parameter(torch.randn(4))
+    opt = tu.Lamb([{"params": [w], "weight_decay": 0.01}, {"params": [b], "weight_decay": 0.0}],
+                  lr=0.1, betas=(0.9, 0.99), eps=1e-6)
+    w0, b0 = w.detach().clone(), b.detach().clone()
+    m = v = None
+    for t in (1, 2):
+        g = torch.randn(5, 4)
+        w.grad, b.grad = g.clone(), torch.zeros(4)
+        m = (1 - 0.9) * g if m is None else 0.9 * m + 0.1 * g
+        v = (1 - 0.99) * g * g if v is None else 0.99 * v + 0.01 * g * g
+        update = (m / (1 - 0.9 ** t)) / ((v / (1 - 0.99 ** t)).sqrt() + 1e-6) + 0.01 * w0
+        trust = w0.norm() / update.norm()
+        w0 = w0 - 0.1 * trust * update
+        opt.step()
+        torch.testing.assert_close(w.detach(), w0, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(b.detach(), b0)                           # zero gradient, no decay: unchanged
+
+    import bertfast
+    model = bertfast.BertForPreTraining(bertfast.BertConfig.preset("tiny"))
+    decay, no_decay = tu.parameter_groups(model, 0.01)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert no_decay["weight_decay"] == 0.0 and decay["weight_decay"] == 0.01
+    assert all(n.endswith("bias") or "LayerNorm" in n for n in (names[id(p)] for p in no_decay["params"]))
+    assert all(p.ndim == 2 for p in decay["params"])
+    n_unique = len({id(p) for p in model.parameters()})
+    assert len(decay["params"]) + len(no_decay["params"]) == n_unique   # the tied decoder weight once
+
+
+def test_config_file_and_errors(datasets, tmp_path):
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps({"preset": "tiny", "data": datasets[0], "phase1_steps": 3, "global-batch-size": 4,
+                               "micro_batch_size": 2, "lr": 5e-4}))
+    args = pretrain.parse_args(["--config", str(cfg), "--lr", "1e-3"])
+    assert args.preset == "tiny" and args.phase1_steps == 3 and args.global_batch_size == 4
+    assert args.lr == 1e-3                                               # the flag wins over the file
+    cfg.write_text(json.dumps({"no_such_option": 1}))
+    assert pretrain.main(["--config", str(cfg)]) == 2
+    # The tiny preset has 128 positions: a phase-2 dataset at 256 would not fit.
+    assert pretrain.main(["--preset", "tiny", "--data", datasets[0], "--phase1-steps", "1", "--phase2-steps", "1",
+                          "--no-progress", "--output-dir", str(tmp_path / "x")]) == 2
+    with pytest.raises(ValueError, match="global batch size 6 must be a multiple"):
+        BatchSpec(6, 4)
+
+
+def test_demo_entry_point(tmp_path, capsys):
+    rc = pretrain.main(["--demo", "--phase1-steps", "2", "--phase2-steps", "1", "--demo-corpus-max-docs", "150",
+                        "--demo-vocab-size", "300", "--eval-every", "3", "--parity-every", "3", "--no-progress",
+                        "--output-dir", str(tmp_path / "demo"), "--log-every", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "phase 2: seq 512" in out and "[parity] step 3" in out and "-> ok" in out and "tokens/s" in out
+    assert os.path.isfile(tmp_path / "demo" / "loss.png")
