@@ -7,8 +7,9 @@ and LayerNorm, 10k warm-up steps then linear decay; batch 256. Here:
   * data: shards from ``bertfast prepare`` (``--data`` for phase 1, ``--data-phase2`` for
     phase 2, each with its own max_seq_len), masked dynamically per epoch (or statically);
   * global batch = micro batch x accumulation steps x ranks; DDP (no_sync while
-    accumulating) or FSDP2 (``--fsdp``: one shard group per encoder layer, the tied
-    embedding/decoder weight in the root group) under torchrun, NCCL on GPUs, gloo on CPU;
+    accumulating) or FSDP2 (``--fsdp``: parameters, gradients and optimizer states sharded,
+    the tied embedding/decoder weight kept as one parameter of the root shard group) under
+    torchrun, NCCL on GPUs, gloo on CPU;
   * AdamW (fused on CUDA) or LAMB (``--optimizer lamb``) for large batches; warm-up +
     linear decay; gradient clipping; bf16 autocast on GPU (fp16 with loss scaling, or fp32;
     fp32 on CPU);
@@ -306,10 +307,11 @@ def build_phases(args, info: tu.DistInfo, vocab_tokens: Optional[List[str]]) -> 
 def wrap_model(model: torch.nn.Module, args, info: tu.DistInfo) -> torch.nn.Module:
     if args.fsdp:
         from torch.distributed.fsdp import fully_shard
-        # One shard group per encoder layer; embeddings, pooler and heads (with the tied
-        # word-embedding / decoder weight) stay in the root group, so the tie is one parameter.
-        for layer in model.bert.encoder.layer:
-            fully_shard(layer)
+        # One shard group for the whole model: parameters, gradients and optimizer states are
+        # sharded across ranks and gathered for the step, and the tied word-embedding / decoder
+        # weight is one parameter of that group. (Per-layer groups need the encoder to call
+        # its layers as modules -- layer(x) -- so FSDP's hooks fire; bertfast's encoder calls
+        # layer.forward_fast(x), which would bypass them.)
         fully_shard(model)
         return model
     if info.distributed:
@@ -656,7 +658,11 @@ class Pretrainer:
                     window_steps = 0
                     window_t0 = time.perf_counter()
 
-                if args.parity_every and self.step % args.parity_every == 0:
+                if args.parity_every and self.step % args.parity_every == 0 and args.fsdp:
+                    if self.step == args.parity_every:
+                        self.say("[parity] skipped under --fsdp: the reference needs whole (unsharded) "
+                                 "parameters; run the parity check without --fsdp")
+                elif args.parity_every and self.step % args.parity_every == 0:
                     rep = self.parity_check(micro[0])
                     rep["step"] = self.step
                     rep["type"] = "parity"

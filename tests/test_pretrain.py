@@ -136,28 +136,41 @@ def test_atomic_checkpoint_keeps_previous_on_failure(tmp_path):
 
 
 # --------------------------------------------------------------------------- DDP on CPU
-def test_two_process_ddp_matches_one_process(datasets, tmp_path):
-    no_dropout = ["--set", "hidden_dropout_prob=0.0", "--set", "attention_probs_dropout_prob=0.0"]
-    single = pretrain.run(_args(datasets, tmp_path / "one", *no_dropout))
-    args = _args(datasets, tmp_path / "two", *no_dropout)
+def _torchrun(datasets, out, *extra):
+    d1, d2 = datasets
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "bertfast.pretrain",
-           "--preset", "tiny", "--data", args.data, "--data-phase2", args.data_phase2, "--phase1-steps", "4",
+           "--preset", "tiny", "--data", d1, "--data-phase2", d2, "--phase1-steps", "4",
            "--phase2-steps", "2", "--global-batch-size", "8", "--micro-batch-size", "4",
            "--phase2-global-batch-size", "4", "--phase2-micro-batch-size", "2", "--lr", "1e-3",
            "--warmup-steps", "2", "--log-every", "1", "--eval-every", "0", "--save-every", "100", "--no-progress",
-           "--no-plot", "--output-dir", str(tmp_path / "two"), "--seed", "3", "--device", "cpu", *no_dropout]
+           "--no-plot", "--output-dir", str(out), "--seed", "3", "--device", "cpu", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    two = {r["step"]: r["loss"] for r in _records(tmp_path / "two", "train")}
-    # Each rank runs one micro-batch where one process accumulates two: same global batches.
+    return {r["step"]: r["loss"] for r in _records(out, "train")}
+
+
+NO_DROPOUT = ["--set", "hidden_dropout_prob=0.0", "--set", "attention_probs_dropout_prob=0.0"]
+
+
+@pytest.fixture(scope="module")
+def single_process_run(datasets, tmp_path_factory):
+    return pretrain.run(_args(datasets, tmp_path_factory.mktemp("one") / "run", *NO_DROPOUT))
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_processes_match_one_process(datasets, tmp_path, single_process_run, mode):
+    """Two gloo ranks (each one micro-batch where one process accumulates two) = one process."""
+    single = single_process_run
+    two = _torchrun(datasets, tmp_path / "two", *NO_DROPOUT, *(["--fsdp"] if mode == "fsdp" else []))
     assert sorted(two) == sorted(single.losses)
     np.testing.assert_allclose([two[s] for s in sorted(two)], [single.losses[s] for s in sorted(two)],
                                rtol=1e-5, atol=1e-6)
     from safetensors.torch import load_file
     a = load_file(os.path.join(single.checkpoint, "model.safetensors"))
     b = load_file(os.path.join(str(tmp_path / "two" / "checkpoints" / "step_00000006"), "model.safetensors"))
+    assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4)
 
