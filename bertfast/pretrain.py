@@ -276,7 +276,9 @@ def build_phases(args, info: tu.DistInfo, vocab_tokens: Optional[List[str]]) -> 
             continue
         data = PretrainingData(directory, "train")
         max_pred = args.max_predictions_per_seq
-        if max_pred is None and args.static_shapes:
+        if max_pred is None and data.static_masking:
+            max_pred = int(data.index["max_predictions_per_seq"])
+        elif max_pred is None and args.static_shapes:
             max_pred = int(math.ceil(0.15 * data.max_seq_len))
         masking = None if data.static_masking else masking_config_for(
             data, vocab_tokens, mlm_prob=args.masked_lm_prob, max_predictions_per_seq=max_pred)
@@ -623,7 +625,8 @@ class Pretrainer:
                 if bar is not None:
                     bar.update(1)
 
-                if self.step % args.log_every == 0 or self.step == stop_at:
+                # A log window never straddles two phases (their sequence lengths differ).
+                if self.step % args.log_every == 0 or self.step in (stop_at, phase.end):
                     red = tu.all_reduce_sum(window, info).tolist()
                     per_step = (tu.all_reduce_sum(torch.stack(step_losses), info) / info.world_size).tolist()
                     for k, value in enumerate(per_step):

@@ -447,6 +447,11 @@ def plot_loss_curve(jsonl_path: str, png_path: str, title: str = "bertfast pre-t
     if evals:
         es = sorted(evals)
         ax.plot(es, [evals[s]["loss"] for s in es], "o-", ms=3, label="held-out loss")
+    lengths = [train[s].get("seq_len") for s in steps]
+    for prev, cur, step in zip(lengths, lengths[1:], steps[1:]):
+        if prev != cur and cur is not None:  # a new phase (sequence length)
+            ax.axvline(step, color="gray", ls="--", lw=0.8)
+            ax.text(step, ax.get_ylim()[1], f" seq {cur}", va="top", fontsize=8, color="gray")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title)

@@ -9,4 +9,5 @@
   loader        deterministic, resumable, rank-aware pre-training batches
   tasks         fine-tuning readers and features (GLUE-style, CoNLL, SQuAD, SWAG)
   metrics       accuracy, F1, Matthews, Pearson/Spearman, entity F1, SQuAD EM/F1 (numpy)
+  synthetic     small learnable datasets in each fine-tuning format (tests, trying things out)
 """
