@@ -89,6 +89,19 @@ def test_two_phase_run_logs_checkpoints_and_hf_layout(datasets, tmp_path):
     real = batch["attention_mask"].bool()
     torch.testing.assert_close(a.prediction_logits[real], b.prediction_logits[real], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(a.seq_relationship_logits, b.seq_relationship_logits, atol=1e-5, rtol=1e-4)
+    # ... and a fine-tuning starting point: `bertfast finetune --model CKPT` takes its encoder and vocabulary.
+    from bertfast import finetune
+    from bertfast.data import synthetic
+    train = str(tmp_path / "cls.csv")
+    synthetic.write_classification(train, 16, neutral=False)
+    ft = finetune.run(finetune.parse_args(["--task", "classification", "--train-file", train, "--model", ckpt,
+                                           "--epochs", "1", "--batch-size", "8", "--max-seq-len", "32", "--lr", "0",
+                                           "--no-progress", "--output-dir", str(tmp_path / "ft")]))
+    assert ft["steps"] == 2
+    tuned = bertfast.BertForSequenceClassification.from_pretrained(str(tmp_path / "ft"))
+    torch.testing.assert_close(tuned.bert.encoder.layer[1].output.dense.weight,
+                               ours.bert.encoder.layer[1].output.dense.weight, atol=0, rtol=0)   # lr 0
+    assert open(os.path.join(str(tmp_path / "ft"), "vocab.txt")).read() == open(os.path.join(ckpt, "vocab.txt")).read()
 
 
 def test_resume_is_bit_exact(datasets, tmp_path):
