@@ -27,7 +27,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -38,7 +37,7 @@ import torch
 from bertfast import train_utils as tu
 from bertfast.config import BertConfig
 from bertfast.data import metrics as M
-from bertfast.data.tasks import (IGNORE_INDEX, DataFormatError, SquadExample, column, encode_pair, pad_batch,
+from bertfast.data.tasks import (DataFormatError, SquadExample, column, encode_pair, pad_batch,
                                  qa_features, qa_predictions, read_conll, read_squad, read_table,
                                  token_classification_features)
 from bertfast.data.tokenization import WordPiece
@@ -445,8 +444,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                     bar.update(1)
                     bar.set_postfix(loss=f"{losses[-1]:.4f}")
                 if step % args.log_every == 0:
-                    rec = {"type": "train", "step": step, "epoch": epoch, "loss": float(np.mean(losses[-args.log_every:])),
-                           "lr": scheduler.get_last_lr()[0], "grad_norm": float(gnorm)}
+                    rec = {"type": "train", "step": step, "epoch": epoch,
+                           "loss": float(np.mean(losses[-args.log_every:])), "lr": scheduler.get_last_lr()[0],
+                           "grad_norm": float(gnorm)}
                     logger.log(rec)
                     history.append(rec)
                 if args.parity_every and step % args.parity_every == 0:

@@ -58,8 +58,8 @@ TOKENIZER_FILES = ("vocab.txt", "tokenizer_config.json", "special_tokens_map.jso
 # The demonstration run: a small BERT that trains in minutes on a laptop CPU.
 DEMO_MODEL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512,
                   max_position_embeddings=512)
-DEMO = dict(preset="demo", output_dir=os.path.join("runs", "demo"), phase1_steps=270, phase2_steps=30, global_batch_size=32,
-            micro_batch_size=32, phase2_global_batch_size=8, phase2_micro_batch_size=8, lr=1e-3,
+DEMO = dict(preset="demo", output_dir=os.path.join("runs", "demo"), phase1_steps=270, phase2_steps=30,
+            global_batch_size=32, micro_batch_size=32, phase2_global_batch_size=8, phase2_micro_batch_size=8, lr=1e-3,
             warmup_steps=30, log_every=10, eval_every=100, eval_batches=4, save_every=100, parity_every=100,
             keep_last=2, demo_vocab_size=4096, threads=1)
 
@@ -446,7 +446,8 @@ class Pretrainer:
                      "rng": rng, "world_size": info.world_size,
                      "data": {"phase": phase.index, "phase_step": self.step - phase.start,
                               "samples_seen_in_phase": (self.step - phase.start) * phase.spec.global_batch_size},
-                     "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None), list))}}
+                     "args": {k: v for k, v in vars(args).items()
+                              if isinstance(v, (int, float, str, bool, type(None), list))}}
 
             def write(tmp: str) -> None:
                 model_to_save.save_pretrained(tmp)

@@ -21,13 +21,11 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import math
 import os
 import random
 import re
 import shutil
-import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch

@@ -80,8 +80,8 @@ class PretrainingBatches:
         perm = self._perm_cache.get(epoch)
         if perm is None:
             if self.shuffle:
-                perm = np.random.Generator(np.random.Philox(key=[self.seed & (2**64 - 1), 0x5EED], counter=[0, 0, 0, epoch])
-                                           ).permutation(len(self.data))
+                bits = np.random.Philox(key=[self.seed & (2**64 - 1), 0x5EED], counter=[0, 0, 0, epoch])
+                perm = np.random.Generator(bits).permutation(len(self.data))
             else:
                 perm = np.arange(len(self.data))
             self._perm_cache = {epoch: perm}  # keep one epoch; steps move forward

@@ -229,12 +229,10 @@ def pad_batch(features: Sequence[Dict[str, Any]], pad_id: int = 0, keys: Optiona
         else:
             dtype = torch.float32 if isinstance(values[0], float) else torch.long
             out[key] = torch.tensor(values, dtype=dtype)
-    ids = features[0]["input_ids"]
     if nested:
         out["attention_mask"] = torch.tensor([[pad([1] * len(s), 0) for s in f["input_ids"]] for f in features])
     else:
         out["attention_mask"] = torch.tensor([pad([1] * len(f["input_ids"]), 0) for f in features])
-    del ids
     return out
 
 
