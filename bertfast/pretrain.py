@@ -340,9 +340,7 @@ class Pretrainer:
         self.args, self.info = args, info
         self.device = info.device
         self.precision = tu.resolve_precision(args.precision, self.device)
-        self.log_records = tu.MetricsLogger(os.path.join(args.output_dir, "metrics.jsonl"),
-                                            os.path.join(args.output_dir, "tensorboard") if args.tensorboard else None,
-                                            enabled=info.is_main)
+        self.log_records: Optional[tu.MetricsLogger] = None  # opened in setup(): a resumed run appends
         self.ckpt_dir = os.path.join(args.output_dir, "checkpoints")
         self._stop_signal = False
 
@@ -365,6 +363,9 @@ class Pretrainer:
         if info.is_main:
             os.makedirs(args.output_dir, exist_ok=True)
             tu.remove_stale_temp(self.ckpt_dir)
+        self.log_records = tu.MetricsLogger(os.path.join(args.output_dir, "metrics.jsonl"),
+                                            os.path.join(args.output_dir, "tensorboard") if args.tensorboard else None,
+                                            enabled=info.is_main, append=bool(resume_from))
 
         first_data = args.data if args.phase1_steps else args.data_phase2
         self.tokenizer_dir = first_data

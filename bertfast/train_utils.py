@@ -366,7 +366,8 @@ class FlopCounter:
 class MetricsLogger:
     """JSON lines (one object per record) and, when installed and asked for, TensorBoard."""
 
-    def __init__(self, path: Optional[str], tensorboard_dir: Optional[str] = None, enabled: bool = True):
+    def __init__(self, path: Optional[str], tensorboard_dir: Optional[str] = None, enabled: bool = True,
+                 append: bool = False):
         self.enabled = enabled
         self.path = path
         self._f = None
@@ -375,7 +376,7 @@ class MetricsLogger:
             return
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._f = open(path, "a", encoding="utf-8")
+            self._f = open(path, "a" if append else "w", encoding="utf-8")
         if tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
