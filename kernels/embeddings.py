@@ -19,6 +19,9 @@ Math, per token t (one row of H elements), fp32 after upcasting every load:
   Token-type rows are few (2 in BERT), so every token would hit the same addresses: partials
   in registers avoid that contention; word and position rows are spread out enough for atomics.
 
+Launch: as kernels/layer_norm.py (row tiles autotuned on GPU, fixed under the interpreter); the
+backward runs about four programs per SM, each walking a contiguous block of tokens.
+
 Limits: H <= 8192; ids 1-D int32/int64 of one length T, in range (the caller validates);
 tables 2-D with unit column stride. The dropout counter is (token row, column) as in
 kernels/layer_norm.py, so the keep-mask of token t does not depend on the launch.

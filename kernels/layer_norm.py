@@ -19,15 +19,23 @@ arithmetic is fp32 (statistics included):
     dx        = dz * keep / (1 - p)
     dbias     = sum_rows dx,   dweight = sum_rows dy * zhat,   dln_bias = sum_rows dy
 
+  Statistics come from the fp32 z; the backward reads pre_norm as stored (rounded to the
+  activation dtype), the usual trade for saving one [N, H] tensor instead of two.
   The three row sums are per-program partial sums in fp32 (each program owns a contiguous
   block of rows and one row of a [G, H] buffer), then one reduction over G: no atomics.
 
 Dropout RNG (shared with kernels/embeddings.py through ``_dropout_keep``): element (row, col)
 takes 16 bits of Philox4x32-10 keyed by the int64 seed tensor, at counter
 row * ceil(H / 8) + col // 8 (one Philox call feeds 8 elements; which 16 bits is fixed by
-col % 8); u = bits / 65536 and keep = (u >= p), evaluated as bits >= ceil(p * 65536). The mask depends only on (seed, row, col, H),
-never on the launch configuration, so backward regenerates it exactly. The counter is 32-bit:
-the pattern repeats after 2**32 elements (N * H) under one seed.
+col % 8); u = bits / 65536 and keep = (u >= p), evaluated as bits >= ceil(p * 65536), so the
+keep probability is 1 - p to within 2**-16. The mask depends only on (seed, row, col, H), never
+on the launch configuration, so the backward regenerates it exactly. The counter is 32-bit: the
+pattern repeats after 2**32 elements (N * H) under one seed.
+
+Launch: on GPU the row-tile shape (rows per program, num_warps) is autotuned per H, size class
+of N, dtypes and flags; under the interpreter a fixed tile of ~4K elements is used. The forward
+runs one program per BLOCK_M rows; the backward runs about two programs per SM, each walking a
+contiguous block of rows one tile at a time and prefetching the next tile.
 
 Limits: H <= 8192 (one row per register tile); any number of rows; x / residual / dy /
 pre_norm may be row-strided (stride(1) == 1, stride(0) >= H), anything else is a ValueError.

@@ -11,7 +11,7 @@ from bertfast.kernels.bias_gelu import bias_gelu_bwd, bias_gelu_fwd
 from bertfast.testing import assert_close_lowp
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-# fp32: dbias sums N terms of size ~1, hence rtol on top of atol.
+# fp32: atol 1e-5 plus rtol 1e-5 for values of size > 1.
 F32 = dict(atol=1e-5, rtol=1e-5)
 
 
@@ -40,7 +40,9 @@ def check(x, bias, dy, approximate):
     if x.dtype == torch.float32:
         torch.testing.assert_close(y, y32, **F32)
         torch.testing.assert_close(dx, dx32, **F32)
-        torch.testing.assert_close(db, db32, **F32)
+        # dbias sums N terms in an order other than torch's; its fp32 rounding grows like sqrt(N),
+        # so it takes the 2x rule with an fp64 oracle and the fp32 reference as the yardstick.
+        assert_close_lowp(db, reference(x, bias, dy, approximate, torch.float64)[2], db32, name="dbias")
     else:
         ylo, dxlo, dblo = reference(x, bias, dy, approximate, x.dtype)
         assert_close_lowp(y.float(), y32, ylo.float(), name="y")

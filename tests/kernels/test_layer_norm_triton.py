@@ -15,8 +15,9 @@ from bertfast.testing import assert_close_lowp
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 EPS = 1e-12
-# fp32: row sums (dweight, dln_bias, dbias) add N terms of size ~1, so allow rtol on top of atol.
+# fp32: atol 1e-5 plus rtol 1e-5 for values of size > 1.
 F32 = dict(atol=1e-5, rtol=1e-5)
+ROW_SUMS = ("bias", "weight", "ln_bias")
 
 
 def make_inputs(n, h, dtype, has_bias, has_res, param_dtype=None, gen_seed=0):
@@ -71,8 +72,15 @@ def check_against_reference(inp, p, seed, param_dtype=None):
     if dtype == torch.float32:
         torch.testing.assert_close(y, y32, **F32)
         torch.testing.assert_close(pre, pre32, **F32)
+        # Row sums (dbias, dweight, dln_bias) add N terms in an order other than torch's: their
+        # fp32 rounding grows like sqrt(N) (4e-5 for torch itself at N=515, H=8192), so they take
+        # the 2x rule with an fp64 oracle and the fp32 reference as the yardstick.
+        g64 = reference(inp, p, keep, torch.float64)[2] if any(k in grads for k in ROW_SUMS) else {}
         for name, grad in grads.items():
-            torch.testing.assert_close(grad, g32[name], **F32, msg=lambda m: f"{name}: {m}")
+            if name in ROW_SUMS:
+                assert_close_lowp(grad, g64[name], g32[name], name=f"d{name}")
+            else:
+                torch.testing.assert_close(grad, g32[name], **F32, msg=lambda m: f"{name}: {m}")
     else:
         ylo, prelo, glo = reference(inp, p, keep, dtype)
         assert_close_lowp(y.float(), y32, ylo.float(), name="y")
