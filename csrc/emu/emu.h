@@ -1,0 +1,225 @@
+// CPU emulation of the CUDA features the bertfast kernels use, so that the kernels themselves
+// (csrc/*.cu, *.cuh, source-transformed by build_emu.py) can run and be tested on a machine
+// without a GPU. Not part of the real build.
+//
+// Every CUDA thread of a block is a std::thread; blocks of a grid run one after another.
+//   __syncthreads / __syncwarp      std::barrier over the block / the warp (a thread that returns
+//                                   drops out of both, as an exited CUDA thread does)
+//   __shfl_xor_sync                 exchange through the warp's slots, two warp barriers
+//   shared memory                   per-block buffer (dynamic: filled with 0xFF bytes, so reading
+//                                   memory nobody wrote gives NaN); static __shared__ -> static
+//   atomicAdd                       std::atomic_ref
+//   nvcuda::wmma 16x16x16           fragments hold 8 elements per lane under a fixed map (for
+//                                   the accumulator the sm_80 m16n8k16 C layout); mma_sync is
+//                                   warp-collective: operands meet in warp scratch, fp32 sums.
+// Lanes do not run in lockstep here, so a missing __syncwarp shows up as a wrong result more
+// readily than on hardware.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <barrier>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#ifndef __launch_bounds__
+#define __launch_bounds__(...)
+#endif
+
+namespace emu {
+
+struct Warp {
+  explicit Warp(int n) : bar(n) {}
+  std::barrier<> bar;
+  uint64_t slots[32];
+  float A[256], B[256], C[256];
+};
+
+struct Block {
+  explicit Block(int n) : bar(n) {}
+  std::barrier<> bar;
+  std::vector<std::unique_ptr<Warp>> warps;
+  unsigned char* dyn = nullptr;
+};
+
+inline thread_local Block* tl_block = nullptr;
+inline thread_local Warp* tl_warp = nullptr;
+inline thread_local int tl_lane = 0;
+
+inline unsigned char* dyn_smem() { return tl_block->dyn; }
+
+}  // namespace emu
+
+inline thread_local uint3 threadIdx;
+inline thread_local uint3 blockIdx;
+inline thread_local dim3 blockDim;
+inline thread_local dim3 gridDim;
+
+inline void __syncthreads() { emu::tl_block->bar.arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::tl_warp->bar.arrive_and_wait(); }
+
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int offset, int = 32) {
+  static_assert(sizeof(T) <= 8, "shuffle of at most 8 bytes");
+  emu::Warp* w = emu::tl_warp;
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  w->slots[emu::tl_lane] = bits;
+  w->bar.arrive_and_wait();
+  const uint64_t other = w->slots[emu::tl_lane ^ offset];
+  w->bar.arrive_and_wait();
+  T r;
+  std::memcpy(&r, &other, sizeof(T));
+  return r;
+}
+
+template <typename T>
+inline cudaError_t cudaFuncSetAttribute(T*, enum cudaFuncAttribute, int) {
+  return cudaSuccess;
+}
+
+inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
+
+namespace emu {
+
+// Runs kernel(args...) over the grid, one block at a time, one std::thread per CUDA thread.
+template <typename... KArgs, typename... Args>
+void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t, Args&&... args) {
+  const int nthreads = static_cast<int>(block.x * block.y * block.z);
+  for (unsigned bz = 0; bz < grid.z; ++bz)
+    for (unsigned by = 0; by < grid.y; ++by)
+      for (unsigned bx = 0; bx < grid.x; ++bx) {
+        Block blk(nthreads);
+        const int nwarps = (nthreads + 31) / 32;
+        for (int w = 0; w < nwarps; ++w)
+          blk.warps.emplace_back(new Warp(w == nwarps - 1 ? nthreads - 32 * w : 32));
+        const size_t bytes = smem > 0 ? smem : 16;
+        unsigned char* dyn = static_cast<unsigned char*>(::operator new[](bytes, std::align_val_t(128)));
+        std::memset(dyn, 0xFF, bytes);
+        blk.dyn = dyn;
+        std::vector<std::thread> threads;
+        threads.reserve(nthreads);
+        for (int t = 0; t < nthreads; ++t) {
+          threads.emplace_back([&, t]() {
+            tl_block = &blk;
+            tl_warp = blk.warps[t / 32].get();
+            tl_lane = t % 32;
+            threadIdx = make_uint3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
+            blockIdx = make_uint3(bx, by, bz);
+            blockDim = block;
+            gridDim = grid;
+            kernel(KArgs(args)...);
+            tl_warp->bar.arrive_and_drop();
+            tl_block->bar.arrive_and_drop();
+          });
+        }
+        for (auto& th : threads) th.join();
+        ::operator delete[](dyn, std::align_val_t(128));
+      }
+}
+
+}  // namespace emu
+
+// ------------------------------------------------------------------ nvcuda::wmma (16x16x16)
+namespace nvcuda {
+namespace wmma {
+
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <typename Use, int M, int N, int K, typename T, typename Layout = void>
+struct fragment {
+  enum { num_elements = 8 };
+  float x[8];
+};
+
+// (row, col) of element e of lane l. Accumulator: sm_80 m16n8k16 C layout over two n8 halves.
+inline void acc_pos(int lane, int e, int* r, int* c) {
+  const int g = lane >> 2, t = lane & 3;
+  *r = g + 8 * ((e >> 1) & 1);
+  *c = 2 * t + (e & 1) + 8 * (e >> 2);
+}
+// Operands: a plain row-major split (their map is never observed by the kernels).
+inline void op_pos(int lane, int e, int* r, int* c) {
+  const int idx = lane * 8 + e;
+  *r = idx / 16;
+  *c = idx % 16;
+}
+
+inline float as_float(float v) { return v; }
+inline float as_float(__half v) { return __half2float(v); }
+inline float as_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename Use, typename T, typename L>
+inline void load_matrix_sync(fragment<Use, 16, 16, 16, T, L>& f, const T* p, unsigned ldm) {
+  static_assert(!std::is_same<Use, accumulator>::value, "operand fragments only");
+  for (int e = 0; e < 8; ++e) {
+    int r, c;  // matrix_a: (m, k); matrix_b: (k, n)
+    op_pos(emu::tl_lane, e, &r, &c);
+    f.x[e] = as_float(std::is_same<L, row_major>::value ? p[r * ldm + c] : p[c * ldm + r]);
+  }
+}
+
+inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p, unsigned ldm,
+                             layout_t layout) {
+  for (int e = 0; e < 8; ++e) {
+    int r, c;
+    acc_pos(emu::tl_lane, e, &r, &c);
+    f.x[e] = layout == mem_row_major ? p[r * ldm + c] : p[c * ldm + r];
+  }
+}
+
+inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm,
+                              layout_t layout) {
+  for (int e = 0; e < 8; ++e) {
+    int r, c;
+    acc_pos(emu::tl_lane, e, &r, &c);
+    (layout == mem_row_major ? p[r * ldm + c] : p[c * ldm + r]) = f.x[e];
+  }
+}
+
+template <typename Use, typename T, typename L>
+inline void fill_fragment(fragment<Use, 16, 16, 16, T, L>& f, float v) {
+  for (float& e : f.x) e = v;
+}
+
+template <typename T, typename LA, typename LB>
+inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix_a, 16, 16, 16, T, LA>& a,
+                     const fragment<matrix_b, 16, 16, 16, T, LB>& b,
+                     const fragment<accumulator, 16, 16, 16, float>& c) {
+  emu::Warp* w = emu::tl_warp;
+  const int lane = emu::tl_lane;
+  for (int e = 0; e < 8; ++e) {
+    int r, k;
+    op_pos(lane, e, &r, &k);
+    w->A[r * 16 + k] = a.x[e];
+    w->B[r * 16 + k] = b.x[e];  // b element (k = r, n = k)
+    acc_pos(lane, e, &r, &k);
+    w->C[r * 16 + k] = c.x[e];
+  }
+  w->bar.arrive_and_wait();
+  float out[8];
+  for (int e = 0; e < 8; ++e) {
+    int r, n;
+    acc_pos(lane, e, &r, &n);
+    float s = w->C[r * 16 + n];
+    for (int k = 0; k < 16; ++k) s += w->A[r * 16 + k] * w->B[k * 16 + n];
+    out[e] = s;
+  }
+  w->bar.arrive_and_wait();
+  for (int e = 0; e < 8; ++e) d.x[e] = out[e];
+}
+
+}  // namespace wmma
+}  // namespace nvcuda
