@@ -194,13 +194,15 @@ def test_parity_strict_stops_and_names_the_divergent_op(datasets, tmp_path, monk
     from bertfast.ops import torch_impl
 
     # A deliberately wrong bias_gelu backend (output shifted by 1) in the 'triton' slot.
-    bad = types.ModuleType("bertfast_test_bad_bias_gelu")
+    module_name = "bertfast_test_bad_bias_gelu"
+    bad = types.ModuleType(module_name)
     for name in dir(torch_impl):
-        setattr(bad, name, getattr(torch_impl, name))
+        if not name.startswith("__"):  # keep the fake module's own __name__
+            setattr(bad, name, getattr(torch_impl, name))
     bad.bias_gelu_fwd = lambda x, bias, approximate: torch_impl.bias_gelu_fwd(x, bias, approximate) + 1.0
-    monkeypatch.setitem(sys.modules, bad.__name__, bad)
+    monkeypatch.setitem(sys.modules, module_name, bad)
     original = dispatch.get("bias_gelu", "triton")
-    dispatch.register_backend(dispatch.Backend("bias_gelu", "triton", bad.__name__, lambda forced, **inputs: []))
+    dispatch.register_backend(dispatch.Backend("bias_gelu", "triton", module_name, lambda forced, **inputs: []))
     try:
         # Without --parity-strict: a logged warning, and the run goes on.
         res = pretrain.run(_args(datasets, tmp_path / "warn", "--parity-every", "3"))
