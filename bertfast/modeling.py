@@ -64,12 +64,17 @@ class ModelOutput(OrderedDict):
 
 @dataclass(eq=False)
 class BaseModelOutputWithPoolingAndCrossAttentions(ModelOutput):
+    # bertfast extras, on the fast unpadded path: the last layer's rows [N, H] for the N real
+    # tokens and their indices into the flattened [B * S] batch (heads reuse them).
+    EXTRA = ("token_rows", "token_row_index")
     last_hidden_state: Optional[Tensor] = None
     pooler_output: Optional[Tensor] = None
     hidden_states: Optional[Tuple[Tensor, ...]] = None
     past_key_values: Optional[Any] = None
     attentions: Optional[Tuple[Tensor, ...]] = None
     cross_attentions: Optional[Tuple[Tensor, ...]] = None
+    token_rows: Optional[Tensor] = None
+    token_row_index: Optional[Tensor] = None
 
 
 @dataclass(eq=False)
@@ -155,9 +160,11 @@ class BertEmbeddings(nn.Module):
     def _p(self) -> float:
         return self.dropout.p if self.training else 0.0
 
-    def forward_fast(self, input_ids: Optional[Tensor], position_ids: Tensor, token_type_ids: Tensor,
-                     inputs_embeds: Optional[Tensor]) -> Tensor:
-        """Token rows: ids [N] (or inputs_embeds [N, H]) -> [N, H]."""
+    def forward(self, input_ids: Optional[Tensor], position_ids: Tensor, token_type_ids: Tensor,
+                inputs_embeds: Optional[Tensor], fast: bool = True) -> Tensor:
+        """fast: token rows, ids [N] (or inputs_embeds [N, H]) -> [N, H]; else padded [B, S] -> [B, S, H]."""
+        if not fast:
+            return self._forward_reference(input_ids, position_ids, token_type_ids, inputs_embeds)
         ln = self.LayerNorm
         if inputs_embeds is None:
             dtype = _activation_dtype(self.word_embeddings.weight.dtype, position_ids.device)
@@ -167,8 +174,8 @@ class BertEmbeddings(nn.Module):
         h = inputs_embeds + self.position_embeddings(position_ids) + self.token_type_embeddings(token_type_ids)
         return F.dropout(ops.layer_norm(h, ln.weight, ln.bias, ln.eps), self._p(), self.training)
 
-    def forward_reference(self, input_ids: Optional[Tensor], position_ids: Tensor, token_type_ids: Tensor,
-                          inputs_embeds: Optional[Tensor]) -> Tensor:
+    def _forward_reference(self, input_ids: Optional[Tensor], position_ids: Tensor, token_type_ids: Tensor,
+                           inputs_embeds: Optional[Tensor]) -> Tensor:
         words = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         h = words + self.position_embeddings(position_ids) + self.token_type_embeddings(token_type_ids)
         return self.dropout(self.LayerNorm(h))
@@ -201,14 +208,13 @@ class BertSelfOutput(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward_fast(self, h: Tensor, residual: Tensor) -> Tensor:
-        """LN(residual + Dropout(h @ W^T + b)), the bias add fused into the LayerNorm op."""
+    def forward(self, h: Tensor, residual: Tensor, fast: bool = True) -> Tensor:
+        """LN(residual + Dropout(h @ W^T + b)); on the fast path the bias add is fused into the LayerNorm op."""
+        if not fast:
+            return self.LayerNorm(residual + self.dropout(self.dense(h)))
         p = self.dropout.p if self.training else 0.0
         return ops.bias_dropout_residual_layernorm(F.linear(h, self.dense.weight), self.dense.bias, residual,
                                                    self.LayerNorm.weight, self.LayerNorm.bias, self.LayerNorm.eps, p)
-
-    def forward_reference(self, h: Tensor, residual: Tensor) -> Tensor:
-        return self.LayerNorm(residual + self.dropout(self.dense(h)))
 
 
 class BertOutput(BertSelfOutput):
@@ -237,18 +243,21 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(config)
         self.output = BertOutput(config)
 
-    def forward_fast(self, x: Tensor, attend: Callable[[Tensor, float], Tensor]) -> Tensor:
-        """x: token rows [N, H]; attend(qkv [N, 3, A, D], dropout_p) -> [N, A, D]."""
+    def forward(self, x: Tensor, attend: Optional[Callable[[Tensor, float], Tensor]] = None,
+                mask: Optional[Tensor] = None, want_probs: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+        """Fast: x token rows [N, H] and attend(qkv [N, 3, A, D], dropout_p) -> [N, A, D].
+        Reference: x [B, S, H] and mask [B, S] (1 = token). Returns (output, attention probabilities or None)."""
+        if attend is None:
+            return self._forward_reference(x, mask, want_probs)
         attn = self.attention
         p_attn = attn.self.dropout.p if self.training else 0.0
         context = attend(attn.self.qkv(x), p_attn).reshape(x.shape)  # [N, H]
-        x = attn.output.forward_fast(context, x)
+        x = attn.output(context, x)
         h = ops.bias_gelu(F.linear(x, self.intermediate.dense.weight), self.intermediate.dense.bias,
                           self.intermediate.approximate)
-        return self.output.forward_fast(h, x)
+        return self.output(h, x), None
 
-    def forward_reference(self, x: Tensor, mask: Tensor, want_probs: bool) -> Tuple[Tensor, Optional[Tensor]]:
-        """x: [B, S, H], mask [B, S] (1 = token). Returns (output, attention probabilities or None)."""
+    def _forward_reference(self, x: Tensor, mask: Tensor, want_probs: bool) -> Tuple[Tensor, Optional[Tensor]]:
         sa = self.attention.self
         batch, seqlen, _ = x.shape
         heads = lambda t: t.view(batch, seqlen, sa.num_attention_heads, sa.attention_head_size)  # noqa: E731
@@ -259,9 +268,9 @@ class BertLayer(nn.Module):
             keep = torch.rand((batch, sa.num_attention_heads, seqlen, seqlen), device=x.device) >= p
         context = reference.attention(q, k, v, mask, None, p, keep).reshape(x.shape)
         probs = self._probs(q, k, mask) if want_probs else None
-        x = self.attention.output.forward_reference(context, x)
+        x = self.attention.output(context, x, fast=False)
         h = F.gelu(self.intermediate.dense(x), approximate=self.intermediate.approximate)
-        return self.output.forward_reference(h, x), probs
+        return self.output(h, x, fast=False), probs
 
     @staticmethod
     def _probs(q: Tensor, k: Tensor, mask: Tensor) -> Tensor:
@@ -443,16 +452,6 @@ class BertModel(BertPreTrainedModel):
                 head_mask: Optional[Tensor] = None, inputs_embeds: Optional[Tensor] = None,
                 output_attentions: Optional[bool] = None, output_hidden_states: Optional[bool] = None,
                 return_dict: Optional[bool] = None, **unsupported: Any):
-        out = self.encode(input_ids, attention_mask, token_type_ids, position_ids, head_mask, inputs_embeds,
-                          output_attentions, output_hidden_states, **unsupported).output
-        return out if return_dict is not False else out.to_tuple()
-
-    def encode(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
-               token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
-               head_mask: Optional[Tensor] = None, inputs_embeds: Optional[Tensor] = None,
-               output_attentions: Optional[bool] = None, output_hidden_states: Optional[bool] = None,
-               **unsupported: Any) -> "Encoded":
-        """forward() plus the unpadded token rows, which the heads reuse (the MLM loss runs on rows)."""
         _reject_unsupported(unsupported, head_mask)
         batch, seqlen = self._check_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         device = (input_ids if input_ids is not None else inputs_embeds).device
@@ -477,8 +476,9 @@ class BertModel(BertPreTrainedModel):
             probs = None
         pooled = self.pooler(sequence) if self.pooler is not None else None
         out = BaseModelOutputWithPoolingAndCrossAttentions(last_hidden_state=sequence, pooler_output=pooled,
-                                                           hidden_states=states, attentions=probs)
-        return Encoded(out, rows, token_rows)
+                                                           hidden_states=states, attentions=probs,
+                                                           token_rows=token_rows, token_row_index=rows)
+        return out if return_dict is not False else out.to_tuple()
 
     def _encode_fast(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                      want_states: bool):
@@ -504,38 +504,27 @@ class BertModel(BertPreTrainedModel):
 
             gather = lambda t: None if t is None else flat(t).index_select(0, rows)  # noqa: E731
             restore = lambda x: pad_rows(x, rows, batch, seqlen)  # noqa: E731
-        x = self.embeddings.forward_fast(gather(input_ids), gather(position_ids), gather(token_type_ids),
-                                         gather(inputs_embeds))
+        x = self.embeddings(gather(input_ids), gather(position_ids), gather(token_type_ids), gather(inputs_embeds))
         states = [restore(x)] if want_states else None
         for layer in self.encoder.layer:
-            x = layer.forward_fast(x, attend)
+            x, _ = layer(x, attend=attend)
             if states is not None:
                 states.append(restore(x))
         return restore(x), tuple(states) if states is not None else None, rows, x
 
     def _encode_reference(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                           want_states: bool, want_probs: bool):
-        x = self.embeddings.forward_reference(input_ids, position_ids, token_type_ids, inputs_embeds)
+        x = self.embeddings(input_ids, position_ids, token_type_ids, inputs_embeds, fast=False)
         states = [x] if want_states else None
         all_probs = [] if want_probs else None
         for layer in self.encoder.layer:
-            x, probs = layer.forward_reference(x, attention_mask, want_probs)
+            x, probs = layer(x, mask=attention_mask, want_probs=want_probs)
             if states is not None:
                 states.append(x)
             if all_probs is not None:
                 all_probs.append(probs)
         return x, tuple(states) if states is not None else None, tuple(all_probs) if want_probs else None
 
-
-
-@dataclass
-class Encoded:
-    """What BertModel.encode returns: the transformers-style output plus, on the fast unpadded
-    path, the row indices into the flattened [B * S] batch and the last layer's rows [N, H]."""
-
-    output: BaseModelOutputWithPoolingAndCrossAttentions
-    rows: Optional[Tensor] = None
-    token_rows: Optional[Tensor] = None
 
 
 def _reject_unsupported(unsupported: dict, head_mask: Optional[Tensor]) -> None:
@@ -575,10 +564,10 @@ class BertLMPredictionHead(nn.Module):
         """Full logits [..., V] (the no-labels path, as transformers)."""
         return F.linear(self.transform(h, fast), self.decoder.weight, self.bias)
 
-    def loss(self, bert: BertModel, encoded: Encoded, labels: Tensor,
+    def loss(self, bert: BertModel, encoded: BaseModelOutputWithPoolingAndCrossAttentions, labels: Tensor,
              max_predictions_per_seq: Optional[int]) -> ops.MLMHeadLoss:
         """Mean CE over labelled positions; the fast path runs the head on those rows only."""
-        sequence = encoded.output.last_hidden_state
+        sequence = encoded.last_hidden_state
         if labels.shape != sequence.shape[:2]:
             raise ValueError(f"labels: expected shape {tuple(sequence.shape[:2])}, got {tuple(labels.shape)}")
         _check_labels("labels", labels, self.decoder.weight.shape[0])
@@ -590,8 +579,8 @@ class BertLMPredictionHead(nn.Module):
             valid = flat != IGNORE_INDEX
             correct = ((logits.view(-1, logits.shape[-1]).argmax(-1) == flat) & valid).sum()
             return ops.MLMHeadLoss(torch.nan_to_num(loss, nan=0.0), correct, valid.sum())
-        if encoded.rows is not None and max_predictions_per_seq is None:
-            hidden, row_labels = encoded.token_rows, labels.reshape(-1).index_select(0, encoded.rows)
+        if encoded.token_row_index is not None and max_predictions_per_seq is None:
+            hidden, row_labels = encoded.token_rows, labels.reshape(-1).index_select(0, encoded.token_row_index)
         else:
             hidden, row_labels = sequence, labels
         return ops.mlm_head_loss(hidden, row_labels, t.dense.weight, t.dense.bias, t.LayerNorm.weight,
@@ -643,14 +632,13 @@ class BertForPreTraining(BertPreTrainedModel):
                 inputs_embeds=None, labels=None, next_sentence_label=None, output_attentions=None,
                 output_hidden_states=None, return_dict=None, max_predictions_per_seq: Optional[int] = None,
                 **unsupported):
-        encoded = self.bert.encode(input_ids, attention_mask, token_type_ids, position_ids, head_mask,
-                                   inputs_embeds, output_attentions, output_hidden_states, **unsupported)
-        out = encoded.output
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, head_mask, inputs_embeds,
+                        output_attentions, output_hidden_states, return_dict=True, **unsupported)
         sequence, pooled = out.last_hidden_state, out.pooler_output
         nsp_logits = self.cls.seq_relationship(pooled)
         prediction_logits = mlm = nsp_loss = None
         if labels is not None:
-            mlm = self.cls.predictions.loss(self.bert, encoded, labels, max_predictions_per_seq)
+            mlm = self.cls.predictions.loss(self.bert, out, labels, max_predictions_per_seq)
         else:
             prediction_logits = self.cls.predictions(sequence, _is_fast(self.bert))
         if next_sentence_label is not None:
@@ -679,11 +667,10 @@ class BertForMaskedLM(BertPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, head_mask=None,
                 inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
                 return_dict=None, max_predictions_per_seq: Optional[int] = None, **unsupported):
-        encoded = self.bert.encode(input_ids, attention_mask, token_type_ids, position_ids, head_mask,
-                                   inputs_embeds, output_attentions, output_hidden_states, **unsupported)
-        out = encoded.output
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, head_mask, inputs_embeds,
+                        output_attentions, output_hidden_states, return_dict=True, **unsupported)
         if labels is not None:
-            mlm = self.cls.predictions.loss(self.bert, encoded, labels, max_predictions_per_seq)
+            mlm = self.cls.predictions.loss(self.bert, out, labels, max_predictions_per_seq)
             result = MaskedLMOutput(loss=mlm.loss, hidden_states=out.hidden_states, attentions=out.attentions,
                                     mlm_num_correct=mlm.num_correct, mlm_num_predictions=mlm.num_predictions)
         else:
@@ -709,9 +696,8 @@ class BertForSequenceClassification(BertPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, head_mask=None,
                 inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
                 return_dict=None, **unsupported):
-        encoded = self.bert.encode(input_ids, attention_mask, token_type_ids, position_ids, head_mask,
-                                   inputs_embeds, output_attentions, output_hidden_states, **unsupported)
-        out = encoded.output
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, head_mask, inputs_embeds,
+                        output_attentions, output_hidden_states, return_dict=True, **unsupported)
         logits = self.classifier(self.dropout(out.pooler_output))
         loss = None
         if labels is not None:
@@ -752,9 +738,8 @@ class BertForTokenClassification(BertPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, head_mask=None,
                 inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
                 return_dict=None, **unsupported):
-        encoded = self.bert.encode(input_ids, attention_mask, token_type_ids, position_ids, head_mask,
-                                   inputs_embeds, output_attentions, output_hidden_states, **unsupported)
-        out = encoded.output
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, head_mask, inputs_embeds,
+                        output_attentions, output_hidden_states, return_dict=True, **unsupported)
         logits = self.classifier(self.dropout(out.last_hidden_state))
         loss = None
         if labels is not None:
@@ -777,9 +762,8 @@ class BertForQuestionAnswering(BertPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, head_mask=None,
                 inputs_embeds=None, start_positions=None, end_positions=None, output_attentions=None,
                 output_hidden_states=None, return_dict=None, **unsupported):
-        encoded = self.bert.encode(input_ids, attention_mask, token_type_ids, position_ids, head_mask,
-                                   inputs_embeds, output_attentions, output_hidden_states, **unsupported)
-        out = encoded.output
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, head_mask, inputs_embeds,
+                        output_attentions, output_hidden_states, return_dict=True, **unsupported)
         logits = self.qa_outputs(out.last_hidden_state)
         start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))
         loss = None
@@ -817,9 +801,9 @@ class BertForMultipleChoice(BertPreTrainedModel):
                              f"{None if source is None else tuple(source.shape)}")
         num_choices = source.shape[1]
         flat = lambda t: None if t is None else t.reshape(-1, *t.shape[2:])  # noqa: E731
-        out = self.bert.encode(flat(input_ids), flat(attention_mask), flat(token_type_ids), flat(position_ids),
-                               head_mask, flat(inputs_embeds), output_attentions, output_hidden_states,
-                               **unsupported).output
+        out = self.bert(flat(input_ids), flat(attention_mask), flat(token_type_ids), flat(position_ids), head_mask,
+                        flat(inputs_embeds), output_attentions, output_hidden_states, return_dict=True,
+                        **unsupported)
         logits = self.classifier(self.dropout(out.pooler_output)).view(-1, num_choices)
         loss = None
         if labels is not None:
