@@ -382,6 +382,7 @@ def emulated(tmp_path_factory):
     """tests/gpu/test_cuda_ops.py loaded against bertfast.cuda_ops wired to the emulated kernels."""
     if cuda_build.find_nvcc() is None:
         pytest.skip("the emulation compiles against the CUDA headers; nvcc not found")
+    pytest.importorskip("pybind11", reason="the emulated module is built with pybind11 (pip install pybind11)")
     build_emu = _load_path("bertfast_build_emu", os.path.join(ROOT, "csrc", "emu", "build_emu.py"))
     out = str(tmp_path_factory.mktemp("cuda_emu"))
     build_emu.build(out)
