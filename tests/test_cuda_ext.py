@@ -328,8 +328,8 @@ def test_attention_validation(cpu_as_device):
              k, v, cu, 5, 0.2, 0.0, None)
     odd = torch.randn(t, a * d + 1, dtype=torch.float16)[:, : a * d].view(t, a, d)  # row stride 65 elements
     _rejects("multiples of 8 elements", cuda_ops.attention_varlen_fwd, odd, k, v, cu, 5, 0.2, 0.0, None)
-    _rejects("contiguous last", cuda_ops.attention_varlen_fwd, torch.randn(t, d, a, dtype=torch.float16).transpose(1, 2),
-             k, v, cu, 5, 0.2, 0.0, None)
+    head_strided = torch.randn(t, d, a, dtype=torch.float16).transpose(1, 2)  # stride(-1) == A
+    _rejects("contiguous last", cuda_ops.attention_varlen_fwd, head_strided, k, v, cu, 5, 0.2, 0.0, None)
     _rejects("k: expected dtype", cuda_ops.attention_varlen_fwd, q, k.float(), v, cu, 5, 0.2, 0.0, None)
     _rejects(r"v: expected shape \(9, 2, 32\)", cuda_ops.attention_varlen_fwd, q, k, v[:8], cu, 5, 0.2, 0.0, None)
     _rejects("cu_seqlens: expected dtype", cuda_ops.attention_varlen_fwd, q, k, v, cu.long(), 5, 0.2, 0.0, None)
