@@ -180,8 +180,10 @@ def select(op: str, **inputs) -> str:
     inputs and baked into the graph as a constant (Dynamo never traces the dispatcher).
     """
     if torch.compiler.is_compiling():
+        # The leading size (rows: possibly data-dependent) is described as 1: no backend's
+        # limits depend on it, only on the trailing sizes, device and dtype.
         spec = tuple((name, None if t is None else (t.device.type, t.device.index, str(t.dtype).split(".")[-1],
-                                                    tuple(int(d) for d in t.shape)))
+                                                    (1,) + tuple(int(d) for d in t.shape[1:])))
                      for name, t in inputs.items())
         return _select_from_spec(op, spec)
     return _select(op, **inputs)

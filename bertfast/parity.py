@@ -13,7 +13,7 @@ import contextlib
 import copy
 import sys
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 

@@ -3,7 +3,6 @@
 On CPU the kernels run under the Triton interpreter (fp32, tiny shapes); on a GPU (marked
 tests) in bf16 against the fp32 reference with the whole-model 4x rule of DESIGN.md section 6.
 """
-import copy
 
 import pytest
 import torch

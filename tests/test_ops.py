@@ -144,3 +144,30 @@ def test_torch_compile_fullgraph_matches_eager():
     got = torch.autograd.grad(out.loss, list(model.parameters()))
     for a, b in zip(got, eager_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("form", ["static", "dynamic"])
+def test_mlm_head_under_torch_compile_matches_eager(form, monkeypatch):
+    """max_predictions_per_seq (static shapes), or a data-dependent count captured by Dynamo."""
+    if form == "dynamic":
+        monkeypatch.setattr(torch._dynamo.config, "capture_dynamic_output_shape_ops", True)
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 6, 8, requires_grad=True)
+    labels = torch.full((2, 6), -100)
+    labels[0, [1, 4]] = torch.tensor([3, 5])
+    labels[1, 2] = 7
+    params = [torch.randn(8, 8) * 0.3, torch.randn(8), torch.ones(8), torch.zeros(8)]
+    decoder = torch.randn(11, 8, requires_grad=True)
+    kwargs = dict(max_predictions_per_seq=3) if form == "static" else {}
+
+    def head(h, lab):
+        return ops.mlm_head_loss(h, lab, *params, 1e-12, decoder, None, **kwargs).loss
+
+    torch._dynamo.reset()
+    expected = head(hidden, labels)
+    got = torch.compile(head, fullgraph=True, backend="aot_eager")(hidden, labels)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    g1 = torch.autograd.grad(got, [hidden, decoder])
+    g2 = torch.autograd.grad(expected, [hidden, decoder])
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

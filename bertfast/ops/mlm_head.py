@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from bertfast import dispatch
-from bertfast.ops._common import distinct, empty, or_none, register_backends
+from bertfast.ops._common import distinct, empty, register_backends
 from bertfast.ops.bias_gelu import bias_gelu
 from bertfast.ops.layer_norm import layer_norm
 from bertfast.reference import IGNORE_INDEX
@@ -47,16 +47,16 @@ def _(x, weight, bias, labels, chunk_rows, compute_grad, backend):
 
 
 def _setup(ctx, inputs, output):
-    ctx.has_bias = inputs[2] is not None
+    ctx.has_bias, ctx.computed_grad = inputs[2] is not None, inputs[5]
     ctx.save_for_backward(*output[2:])
 
 
 def _backward(ctx, d_loss_sum, _d_correct, _dgx, _dgw, _dgb):
-    gx, gw, gb = ctx.saved_tensors
-    if gx.numel() == 0 and gw.numel() == 0:
+    if not ctx.computed_grad:
         raise RuntimeError("linear_cross_entropy: backward called on a forward run without gradients")
+    gx, gw, gb = ctx.saved_tensors
     return (gx * d_loss_sum.to(gx.dtype), gw * d_loss_sum.to(gw.dtype),
-            or_none(gb) * d_loss_sum.to(gb.dtype) if ctx.has_bias else None, None, None, None, None)
+            gb * d_loss_sum.to(gb.dtype) if ctx.has_bias else None, None, None, None, None)
 
 
 _linear_cross_entropy.register_autograd(_backward, setup_context=_setup)
@@ -99,9 +99,10 @@ def masked_positions(labels: Tensor, max_predictions_per_seq: Optional[int] = No
     Labelled positions beyond the limit raise an error rather than being dropped silently.
     """
     if max_predictions_per_seq is None:
-        if torch.compiler.is_compiling():
-            # nonzero has a data-dependent size; under torch.compile every position is a row
-            # (unlabelled ones add nothing). Pass max_predictions_per_seq for the sparse static form.
+        if torch.compiler.is_compiling() and not torch._dynamo.config.capture_dynamic_output_shape_ops:
+            # nonzero has a data-dependent size, which Dynamo captures only with
+            # capture_dynamic_output_shape_ops=True; otherwise every position is a row (unlabelled
+            # ones add nothing). max_predictions_per_seq gives the sparse static form.
             return torch.arange(labels.numel(), device=labels.device)
         return (labels.reshape(-1) != IGNORE_INDEX).nonzero().flatten()
     batch, seqlen = labels.shape
