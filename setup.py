@@ -34,6 +34,7 @@ setup(
         "train": ["tokenizers>=0.15", "matplotlib"],
         "bench": ["matplotlib", "pytest-benchmark"],
         "test": [
+            "pybind11",  # the CUDA-kernel emulator tests build against it
             "pytest",
             "pytest-benchmark",
             "transformers>=4.40",
