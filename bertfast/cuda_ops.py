@@ -25,6 +25,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from bertfast.kernels._common import check_tensor
+
 try:
     from bertfast import _C
     _IMPORT_ERROR: Optional[BaseException] = None
@@ -76,18 +78,9 @@ _DEVICE_TYPE = "cuda"
 
 
 def _check(name: str, t, *, dtypes=None, ndim=None, shape=None, device=None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != _DEVICE_TYPE:
+    if isinstance(t, torch.Tensor) and t.device.type != _DEVICE_TYPE:
         raise ValueError(f"{name}: expected a CUDA tensor, got device {t.device}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name}: expected device {device} (like the other inputs), got {t.device}")
-    if dtypes is not None and t.dtype not in dtypes:
-        raise ValueError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-    if ndim is not None and t.dim() != ndim:
-        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    check_tensor(name, t, dtypes=dtypes, ndim=ndim, shape=shape, device=device)
 
 
 def _check_rows(name: str, t: torch.Tensor) -> None:

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bertfast.data.shards import fsync_dir
+
 # --------------------------------------------------------------------------- optimizers
 NO_DECAY_PATTERNS = ("bias", "LayerNorm.weight", "LayerNorm.bias", "layer_norm", "layernorm")
 
@@ -237,19 +239,6 @@ def restore_rng_state(state: Dict[str, Any], device: Optional[torch.device] = No
 
 # --------------------------------------------------------------------------- checkpoints
 CKPT_RE = re.compile(r"^step_(\d+)$")
-
-
-def fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def fsync_tree(path: str) -> None:

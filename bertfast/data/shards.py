@@ -37,7 +37,8 @@ def id_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.uint32)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """fsync a directory so a rename inside it survives a crash (best effort)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -66,7 +67,7 @@ def write_json_atomic(path: str, obj) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def shard_is_complete(directory: str, settings_hash: str) -> bool:
@@ -95,11 +96,11 @@ def write_shard(directory: str, arrays: Dict[str, np.ndarray], meta: dict) -> No
         json.dump(meta, f, indent=2, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if os.path.exists(directory):  # a stale shard from other settings
         shutil.rmtree(directory)
     os.rename(tmp, directory)
-    _fsync_dir(parent)
+    fsync_dir(parent)
 
 
 @dataclass
