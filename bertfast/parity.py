@@ -29,12 +29,15 @@ class ParityReport:
     loss_fast: float
     loss_ref: float
     loss_abs_diff: float
+    loss_rel_diff: float
     logits_max_abs_diff: float
+    logits_rel_diff: float  # max |logits difference| / max |reference logits|
     grad_norm_fast: float
     grad_norm_ref: float
     grad_norm_rel_diff: float
+    worst_rel_diff: float  # the largest of the three relative differences
     first_divergent_op: Optional[str]
-    ok: bool
+    ok: bool  # worst_rel_diff <= the tolerance
 
     def to_dict(self) -> Dict[str, object]:
         return asdict(self)
@@ -77,12 +80,11 @@ def _strict_fp32(device_type: str):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
-def check_batch(model: torch.nn.Module, batch: Dict[str, torch.Tensor], loss_tol: float = 1e-3,
-                logits_tol: float = 1e-3, grad_tol: float = 1e-3) -> ParityReport:
+def check_batch(model: torch.nn.Module, batch: Dict[str, torch.Tensor], tol: float = 1e-3) -> ParityReport:
     """Fast vs reference on ``batch`` (model keyword arguments, labels included), fp32, dropout off.
 
-    ok: relative loss difference, max |logits| difference and relative gradient-norm difference
-    all within their tolerances (fp32 paths agree to ~1e-6; the defaults leave a wide margin).
+    ok: the relative differences of loss, logits and gradient norm are all within ``tol``
+    (fp32 paths agree to ~1e-6; the default leaves a wide margin).
     """
     subject = _fp32_copy(model)
     was_training = subject.training
@@ -95,15 +97,17 @@ def check_batch(model: torch.nn.Module, batch: Dict[str, torch.Tensor], loss_tol
             loss_diff = abs(loss_f - loss_r).item() if loss_f is not None else 0.0
             loss_rel = loss_diff / max(abs(loss_r.item()), 1e-12) if loss_r is not None else 0.0
             logits_diff = (logits_f - logits_r).abs().max().item() if logits_f.numel() else 0.0
+            logits_rel = logits_diff / max(logits_r.abs().max().item(), 1e-12) if logits_r.numel() else 0.0
             grad_rel = abs(norm_f - norm_r) / max(norm_r, 1e-12) if norm_f is not None else 0.0
-            ok = loss_rel <= loss_tol and logits_diff <= logits_tol and grad_rel <= grad_tol
-            culprit = None if ok else first_divergent_op(subject, batch, tol=1e-4)
+            worst = max(loss_rel, logits_rel, grad_rel)
+            ok = worst <= tol
+            culprit = None if ok else first_divergent_op(subject, batch, tol=min(tol, 1e-4))
     finally:
         subject.train(was_training)
-    return ParityReport(float(loss_f) if loss_f is not None else float("nan"),
-                        float(loss_r) if loss_r is not None else float("nan"), loss_diff, logits_diff,
-                        norm_f if norm_f is not None else float("nan"), norm_r if norm_r is not None else float("nan"),
-                        grad_rel, culprit, ok)
+    nan = float("nan")
+    return ParityReport(float(loss_f) if loss_f is not None else nan, float(loss_r) if loss_r is not None else nan,
+                        loss_diff, loss_rel, logits_diff, logits_rel, norm_f if norm_f is not None else nan,
+                        norm_r if norm_r is not None else nan, grad_rel, worst, culprit, ok)
 
 
 def _signature(model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> List[torch.Tensor]:

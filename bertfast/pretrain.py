@@ -23,7 +23,7 @@ and LayerNorm, 10k warm-up steps then linear decay; batch 256. Here:
     held-out evaluation every ``--eval-every`` steps, ``loss.png`` at the end;
   * ``--parity-every N``: every N steps ``bertfast.parity.check_batch`` runs the step's first
     micro-batch through the fast and reference paths (fp32, dropout off); past
-    ``--parity-threshold`` (relative, on loss and gradient norm) it warns, and with
+    ``--parity-threshold`` (relative, on loss, logits and gradient norm) it warns, and with
     ``--parity-strict`` the run stops and names the first divergent op.
 
 ``bertfast pretrain`` with no arguments (or ``--demo``) runs a short demonstration: a small
@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parity")
     g.add_argument("--parity-every", type=int, default=0, help="0 disables")
     g.add_argument("--parity-threshold", type=float, default=1e-3,
-                   help="relative difference of loss or gradient norm that counts as divergence (the check runs "
+                   help="relative difference of loss, logits or gradient norm that counts as divergence (the check runs "
                         "in fp32 with dropout off, where fast and reference agree to ~1e-6)")
     g.add_argument("--parity-strict", action="store_true", help="stop at the first divergence")
     g.add_argument("--demo-vocab-size", type=int, default=4096, help=argparse.SUPPRESS)
@@ -540,10 +540,8 @@ class Pretrainer:
     # ------------------------------------------------------------------ parity
     def parity_check(self, mb: Dict[str, torch.Tensor]) -> Dict[str, Any]:
         from bertfast.parity import check_batch
-        report = check_batch(self.raw_model, mb).to_dict()
-        rel_loss = report["loss_abs_diff"] / max(abs(report["loss_ref"]), 1e-12)
-        report["loss_rel_diff"] = rel_loss
-        worst = max(rel_loss, report["grad_norm_rel_diff"])
+        report = check_batch(self.raw_model, mb, tol=self.args.parity_threshold).to_dict()
+        worst = report["worst_rel_diff"]  # loss, logits and gradient norm, relative
         if not math.isfinite(worst):
             worst = float("inf")
         worst_all = worst
@@ -677,7 +675,7 @@ class Pretrainer:
                     status = "DIVERGED" if rep["diverged"] else "ok"
                     self.say(f"[parity] step {self.step}: loss fast {rep['loss_fast']:.6f} ref {rep['loss_ref']:.6f}"
                              f" (rel {rep['loss_rel_diff']:.2e}), grad-norm rel diff {rep['grad_norm_rel_diff']:.2e}, "
-                             f"logits max diff {rep['logits_max_abs_diff']:.2e} -> {status}"
+                             f"logits max diff {rep['logits_max_abs_diff']:.2e} (rel {rep['logits_rel_diff']:.2e}) -> {status}"
                              + (f"; first divergent op: {rep['first_divergent_op']}" if rep["diverged"] else ""))
                     if rep["diverged"] and args.parity_strict:
                         raise ParityError(self.step, rep)
