@@ -30,8 +30,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     if name not in COMMANDS:
         print(f"bertfast: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    try:
+        module = importlib.import_module(COMMANDS[name][0])
+        return int(module.main(rest) or 0)
+    except ImportError as exc:
+        missing_dependency = isinstance(exc, ModuleNotFoundError) or "pip install" in str(exc)
+        if not missing_dependency:
+            raise
+        print(f"bertfast {name}: {exc}\n(the extras: pip install 'bertfast[train]', '[bench]', '[hf]' or "
+              f"'[test]' for all)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

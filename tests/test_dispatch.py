@@ -103,3 +103,19 @@ def test_measured_preference_reorders_fast_backends_per_gpu(tmp_path, monkeypatc
         assert dispatch.preference("bias_gelu", torch.device("cpu")) == dispatch.PREFERENCE
     finally:
         dispatch.reload_preferences()
+
+
+def test_cli_reports_a_missing_optional_dependency_in_one_line(monkeypatch, capsys):
+    import importlib
+
+    from bertfast import cli
+
+    def fake_import(name):
+        raise ImportError("bertfast data preparation needs the 'tokenizers' package (pip install 'bertfast[train]')")
+
+    monkeypatch.setattr(importlib, "import_module", fake_import)
+    assert cli.main(["prepare"]) == 2
+    assert "pip install 'bertfast[train]'" in capsys.readouterr().err
+    monkeypatch.setattr(importlib, "import_module", lambda name: (_ for _ in ()).throw(ImportError("a real bug")))
+    with pytest.raises(ImportError, match="a real bug"):
+        cli.main(["prepare"])
