@@ -20,6 +20,8 @@ test: install
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
 
 # With a GPU at hand: every GPU-marked test, then the full benchmark run into benchmarks/results/.
+# On a machine whose torch/triton/transformers are already installed and that has no network:
+#   pip install --no-deps --no-build-isolation -e . && make gpu-check
 gpu-check:
 	$(PYTHON) -m pytest -q -m gpu tests $(PYTEST_ARGS)
 	$(PYTHON) -m bertfast.cli bench --suite all   # writes benchmarks/results/<gpu>/<date>/
