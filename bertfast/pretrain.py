@@ -56,12 +56,15 @@ from bertfast.data.tokenization import read_vocab
 TOKENIZER_FILES = ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
 
 # The demonstration run: a small BERT that trains in minutes on a laptop CPU.
+# Its vocabulary, made by WordPiece.train(embedded corpus, 4096) and shipped with the package.
+DEMO_VOCAB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo_vocab.txt")
+DEMO_VOCAB_SIZE = 4096
 DEMO_MODEL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512,
                   max_position_embeddings=512)
 DEMO = dict(preset="demo", output_dir=os.path.join("runs", "demo"), phase1_steps=270, phase2_steps=30,
             global_batch_size=32, micro_batch_size=32, phase2_global_batch_size=8, phase2_micro_batch_size=8, lr=1e-3,
             warmup_steps=30, log_every=10, eval_every=100, eval_batches=4, save_every=100, parity_every=100,
-            keep_last=2, demo_vocab_size=4096, threads=1)
+            keep_last=2, demo_vocab_size=DEMO_VOCAB_SIZE, threads=1)
 
 
 class ParityError(RuntimeError):
@@ -149,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="relative difference of loss, logits or gradient norm that counts as divergence (the check runs "
                         "in fp32 with dropout off, where fast and reference agree to ~1e-6)")
     g.add_argument("--parity-strict", action="store_true", help="stop at the first divergence")
-    g.add_argument("--demo-vocab-size", type=int, default=4096, help=argparse.SUPPRESS)
+    g.add_argument("--demo-vocab-size", type=int, default=DEMO_VOCAB_SIZE, help=argparse.SUPPRESS)
     g.add_argument("--demo-corpus-max-docs", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
@@ -194,9 +197,13 @@ def prepare_demo_data(args: argparse.Namespace, info: tu.DistInfo, log) -> None:
     d1 = os.path.join(args.output_dir, "data-128")
     d2 = os.path.join(args.output_dir, "data-512")
     cache = os.path.join(args.output_dir, "corpus")
+    # At the default size the demo uses the shipped vocabulary (trained once on this corpus):
+    # tokenizers' WordPiece trainer breaks ties in a hash-seeded order, so a freshly trained
+    # vocabulary, and with it the run, would differ slightly from one process to the next.
+    shipped = args.demo_vocab_size == DEMO_VOCAB_SIZE
     if info.is_main:
-        prepare_dataset([], d1, vocab_size=args.demo_vocab_size, max_seq_len=128, workers=None,
-                        progress=not args.no_progress, log=log, corpus_cache=cache,
+        prepare_dataset([], d1, vocab=DEMO_VOCAB if shipped else None, vocab_size=args.demo_vocab_size,
+                        max_seq_len=128, workers=None, progress=not args.no_progress, log=log, corpus_cache=cache,
                         corpus_max_docs=args.demo_corpus_max_docs)
         prepare_dataset([], d2, vocab=d1, max_seq_len=512, workers=None, progress=not args.no_progress, log=log,
                         corpus_cache=cache, corpus_max_docs=args.demo_corpus_max_docs)

@@ -278,3 +278,24 @@ def test_demo_entry_point(tmp_path, capsys):
     assert rc == 0
     assert "phase 2: seq 512" in out and "[parity] step 3" in out and "-> ok" in out and "tokens/s" in out
     assert os.path.isfile(tmp_path / "demo" / "loss.png")
+
+
+def test_demo_data_is_reproducible_with_the_shipped_vocabulary(tmp_path):
+    """The demo tokenises with the packaged vocabulary, so two fresh preparations are byte-identical."""
+    from bertfast.data.prepare import prepare_dataset
+    from bertfast.data.tokenization import read_vocab
+
+    tokens = read_vocab(pretrain.DEMO_VOCAB)
+    assert len(tokens) == pretrain.DEMO_VOCAB_SIZE and tokens[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    outputs = []
+    for name in ("a", "b"):
+        out = str(tmp_path / name)
+        prepare_dataset([], out, vocab=pretrain.DEMO_VOCAB, max_seq_len=64, workers=None, progress=False,
+                        log=lambda *a, **k: None, corpus_max_docs=150)
+        outputs.append(out)
+    files = sorted(os.path.relpath(os.path.join(root, f), outputs[0])
+                   for root, _, names in os.walk(outputs[0]) for f in names if not f.endswith(".json"))
+    assert any("train" in f for f in files)
+    for rel in files:
+        with open(os.path.join(outputs[0], rel), "rb") as a, open(os.path.join(outputs[1], rel), "rb") as b:
+            assert a.read() == b.read(), rel
