@@ -350,7 +350,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def load_model(args, task: Task, tok: WordPiece):
     import bertfast.modeling as modeling
     cls = getattr(modeling, task.model_class_name)
-    overrides = _overrides(args.config_overrides)
+    overrides = tu.parse_overrides(args.config_overrides)
     overrides.update(task.config_overrides())
     if args.model:
         model = cls.from_pretrained(args.model, **overrides)
@@ -365,19 +365,6 @@ def load_model(args, task: Task, tok: WordPiece):
         raise ValueError(f"--max-seq-len {args.max_seq_len} exceeds the model's max_position_embeddings "
                          f"({model.config.max_position_embeddings})")
     return model
-
-
-def _overrides(items: Sequence[str]) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
-            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
-        try:
-            out[k.strip()] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k.strip()] = v
-    return out
 
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:

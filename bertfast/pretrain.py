@@ -176,19 +176,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _parse_overrides(items: Sequence[str]) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
-            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
-        key, value = item.split("=", 1)
-        try:
-            out[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.strip()] = value
-    return out
-
-
 # ============================================================================ set-up
 def prepare_demo_data(args: argparse.Namespace, info: tu.DistInfo, log) -> None:
     """Prepare the two demo datasets (seq 128 and 512) from the embedded corpus (rank 0 only)."""
@@ -237,7 +224,7 @@ def resolve_steps(args: argparse.Namespace) -> None:
 
 
 def build_config(args: argparse.Namespace, vocab_size: int, max_seq_len: int) -> BertConfig:
-    overrides = _parse_overrides(args.config_overrides)
+    overrides = tu.parse_overrides(args.config_overrides)
     if args.init_checkpoint:
         config = BertConfig.from_pretrained(args.init_checkpoint, **overrides)
     elif args.model_config:

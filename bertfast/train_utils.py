@@ -33,6 +33,20 @@ import torch.distributed as dist
 
 from bertfast.data.shards import fsync_dir
 
+def parse_overrides(items: Sequence[str]) -> Dict[str, Any]:
+    """``--set KEY=VALUE`` flags -> config overrides; VALUE is read as JSON when it parses, else as a string."""
+    out: Dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
 # --------------------------------------------------------------------------- optimizers
 NO_DECAY_PATTERNS = ("bias", "LayerNorm.weight", "LayerNorm.bias", "layer_norm", "layernorm")
 
