@@ -1,12 +1,52 @@
-"""Helpers shared by the Triton launchers."""
+"""Helpers shared by the Triton launchers: tensor checks, and how a kernel is launched.
+
+Every launcher starts its kernels through ``launch``, which picks the configuration the way this
+process is set up to:
+
+  interpreter   TRITON_INTERPRET=1 (CPU tensors): the launcher's fixed interpreter config
+                (autotuning cannot run there).
+  fixed         BERTFAST_AUTOTUNE=0: the first candidate config of each kernel, no benchmarking;
+                every list is ordered so its first candidate is a known-good, spill-free one.
+                The GPU check's correctness stage runs this way.
+  tuned         the default on GPU: Triton's autotuner over the candidates (the list pruned for
+                the shape), each timed briefly; results cached on disk in Triton's cache
+                (TRITON_CACHE_DIR), so a later process reuses them without re-tuning.
+  compile-only  inside ``compile_only(record)`` (bertfast.gpucheck.compile_report): nothing
+                runs; ``record`` receives each launch with its candidate configs.
+
+Kernels that modify their inputs (the in-place softmax-CE, atomics into zeroed buffers) are
+tuned once per tuning key on scratch copies of those buffers, then launched on the real ones
+with the chosen config: no clone or zeroing inside the timed call, and no trial can clobber
+the data.
+"""
+from __future__ import annotations
+
+import contextlib
 import os
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+import triton
+
+AUTOTUNE_ENV = "BERTFAST_AUTOTUNE"
+# Per config: 5 ms warm-up and 20 ms of timed calls (Triton's default is 25 + 100 ms). The
+# choice between candidates that are each a few microseconds apart does not need more.
+TUNE_WARMUP_MS = 5
+TUNE_REP_MS = 20
+MAX_CANDIDATES = 6  # configs tried per tuning key; tests/kernels/test_launch.py holds every kernel to it
 
 
 def interpreting() -> bool:
     """True when kernels run under the Triton interpreter (TRITON_INTERPRET=1, CPU tensors)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def autotune_enabled() -> bool:
+    """False under BERTFAST_AUTOTUNE=0: every autotuned kernel runs its first candidate config."""
+    value = os.environ.get(AUTOTUNE_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{AUTOTUNE_ENV}: expected 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def check_tensor(name: str, t: torch.Tensor, *, dtypes=None, ndim=None, shape=None, device=None) -> None:
@@ -24,3 +64,107 @@ def check_tensor(name: str, t: torch.Tensor, *, dtypes=None, ndim=None, shape=No
 
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- autotuning
+def _short_bench(kernel_call, quantiles):
+    return triton.testing.do_bench(kernel_call, warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS, quantiles=quantiles)
+
+
+def autotune(configs: List[triton.Config], key: List[str], prune: Optional[Callable] = None):
+    """triton.autotune with bertfast's policy: short timing, results cached on disk, no hooks.
+
+    The first config of ``configs`` (after ``prune``) is the kernel's default: the one the fixed
+    mode runs. No restore_value / reset_to_zero: a kernel that modifies its inputs names them
+    in ``launch(..., scratch=...)`` instead.
+    """
+    prune_by = {"early_config_prune": prune} if prune is not None else None
+    return triton.autotune(configs, key=key, prune_configs_by=prune_by, do_bench=_short_bench,
+                           cache_results=True)
+
+
+def _is_tuned(kernel) -> bool:
+    return isinstance(kernel, triton.runtime.Autotuner)
+
+
+def jit_function(kernel):
+    """The @triton.jit function behind an autotuned kernel (or the kernel itself)."""
+    return kernel.fn if _is_tuned(kernel) else kernel
+
+
+def candidates(kernel, args: Sequence, consts: Dict) -> List[triton.Config]:
+    """The configs an autotuned kernel would try for these arguments (its list, pruned)."""
+    nargs = dict(zip(kernel.arg_names, args))
+    configs = list(kernel.configs)
+    if kernel.early_config_prune is not None:
+        configs = list(kernel.early_config_prune(configs, nargs, **consts))
+    if not configs:
+        raise RuntimeError(f"{jit_function(kernel).__name__}: no candidate config left after pruning")
+    return configs
+
+
+def _tuning_key(kernel, args: Sequence, consts: Dict) -> Tuple:
+    """What Triton's autotuner keys on: the key arguments' values and every tensor's dtype."""
+    named = {**dict(zip(kernel.arg_names, args)), **consts}
+    key = [named[k] for k in kernel.keys if k in named]
+    key += [str(a.dtype) for a in named.values() if hasattr(a, "dtype")]
+    return tuple(key)
+
+
+_SCRATCH_CHOICES: Dict[Tuple[int, Tuple], triton.Config] = {}
+
+
+def _choose_on_scratch(kernel, grid, args: Sequence, consts: Dict, scratch: Sequence[str]) -> triton.Config:
+    """The tuned config for this key, found by running the autotuner on scratch copies of the
+    arguments named in ``scratch`` (their contents do not change a kernel's speed)."""
+    key = (id(kernel), _tuning_key(kernel, args, consts))
+    if key not in _SCRATCH_CHOICES:
+        spare = [torch.empty_like(a) if name in scratch else a for name, a in zip(kernel.arg_names, args)]
+        kernel[grid](*spare, **consts)
+        _SCRATCH_CHOICES[key] = kernel.best_config
+    return _SCRATCH_CHOICES[key]
+
+
+# --------------------------------------------------------------------------- launching
+Recorder = Callable[[object, object, Sequence, Dict, List[triton.Config]], None]
+_RECORDER: Optional[Recorder] = None
+
+
+@contextlib.contextmanager
+def compile_only(record: Recorder) -> Iterator[None]:
+    """Within this block launches run nothing: ``record(kernel, grid, args, consts, configs)``
+    receives each one with the configs it would try (one, for a plain kernel)."""
+    global _RECORDER
+    saved, _RECORDER = _RECORDER, record
+    try:
+        yield
+    finally:
+        _RECORDER = saved
+
+
+def launch(kernel, grid, args: Sequence, consts: Dict, *, interp: Optional[Dict] = None,
+           scratch: Sequence[str] = ()) -> None:
+    """Launch ``kernel`` (an ``autotune``d kernel, or a plain @triton.jit one whose ``consts``
+    include its block sizes) over ``grid`` (a tuple, or a function of the meta-parameters).
+
+    interp: the block sizes to use under the interpreter (autotuned kernels only).
+    scratch: names of arguments the kernel modifies and reads (tuned on scratch copies).
+    """
+    tuned = _is_tuned(kernel)
+    fn = jit_function(kernel)
+    if interpreting():
+        fn[grid](*args, **consts, **(interp or {}))
+        return
+    if _RECORDER is not None:
+        configs = candidates(kernel, args, consts) if tuned else [None]
+        _RECORDER(fn, grid, args, consts, configs)
+        return
+    if not tuned:
+        fn[grid](*args, **consts)
+    elif not autotune_enabled():
+        fn[grid](*args, **consts, **candidates(kernel, args, consts)[0].all_kwargs())
+    elif scratch:
+        config = _choose_on_scratch(kernel, grid, args, consts, scratch)
+        fn[grid](*args, **consts, **config.all_kwargs())
+    else:
+        kernel[grid](*args, **consts)

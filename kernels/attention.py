@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check_tensor, interpreting
+from ._common import FLOAT_DTYPES, autotune, check_tensor, interpreting, launch
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 _LOG2E = 1.4426950408889634
@@ -530,18 +530,37 @@ def _dropout_mask_kernel(
 
 
 # =========================================================================== launch configurations
-def _configs(entries):
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in entries]
-
-
-# (BLOCK_M = queries, BLOCK_N = keys, num_warps, num_stages), H100/H200 candidates.
-_FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4),
-                         (64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 2), (64, 32, 4, 4)])
-_DKDV_CONFIGS = _configs([(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3),
-                          (64, 128, 4, 2), (128, 128, 8, 2), (16, 128, 4, 4), (64, 64, 8, 2)])
-_DQ_CONFIGS = _configs([(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 2),
-                        (64, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 2)])
+# Autotune candidates, (BLOCK_M = queries, BLOCK_N = keys, num_warps, num_stages), per kernel, per
+# operand class (fp32 runs IEEE dots on the CUDA cores: small tiles) and head dim (32 stands for
+# <= 32). Every entry compiles without register spills for sm_90 with triton 3.6 and 3.9, dropout
+# on and off, varlen and padded (make compile-report); the first entry is the default
+# (BERTFAST_AUTOTUNE=0). Tiles longer than the sequences need are pruned per call.
+_CANDIDATES = {
+    "fwd": {
+        (False, 32): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 4), (64, 32, 4, 4)],
+        (False, 64): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 4), (64, 32, 4, 4)],
+        (False, 128): [(128, 64, 8, 3), (64, 32, 4, 4), (64, 64, 4, 3)],
+        (True, 32): [(32, 32, 8, 2), (16, 32, 4, 2), (16, 16, 4, 2)],
+        (True, 64): [(32, 32, 8, 2), (32, 16, 8, 2), (16, 16, 4, 2)],
+        (True, 128): [(16, 16, 4, 2)],
+    },
+    "dkdv": {
+        (False, 32): [(32, 64, 4, 3), (64, 128, 8, 3), (64, 64, 8, 2), (32, 128, 8, 3), (16, 64, 4, 3), (32, 32, 4, 4)],
+        (False, 64): [(32, 64, 4, 3), (64, 128, 8, 3), (64, 64, 8, 2), (32, 128, 8, 3), (16, 64, 4, 3), (32, 32, 4, 4)],
+        (False, 128): [(32, 32, 8, 3), (16, 64, 8, 3), (16, 32, 4, 3), (32, 64, 8, 3), (16, 128, 8, 3)],
+        (True, 32): [(32, 32, 8, 2), (32, 16, 4, 2)],
+        (True, 64): [(32, 32, 8, 2), (16, 32, 8, 2), (16, 16, 4, 2), (32, 16, 4, 2)],
+        (True, 128): [(16, 32, 8, 2), (16, 16, 4, 2)],
+    },
+    "dq": {
+        (False, 32): [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 8, 3), (64, 128, 8, 3)],
+        (False, 64): [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 8, 3), (64, 128, 8, 3)],
+        (False, 128): [(128, 32, 8, 3), (64, 32, 4, 4)],
+        (True, 32): [(32, 32, 8, 2), (32, 16, 4, 2), (16, 16, 4, 2)],
+        (True, 64): [(32, 16, 8, 2), (32, 16, 4, 2), (16, 16, 4, 2)],
+        (True, 128): [(16, 16, 8, 2)],
+    },
+}
 # Under the interpreter: one fixed, small configuration per kernel. The sizes differ between
 # kernels on purpose so the CPU tests show results do not depend on the block shape.
 _INTERP = {"fwd": {"BLOCK_M": 16, "BLOCK_N": 16}, "dkdv": {"BLOCK_M": 16, "BLOCK_N": 32},
@@ -549,35 +568,26 @@ _INTERP = {"fwd": {"BLOCK_M": 16, "BLOCK_N": 16}, "dkdv": {"BLOCK_M": 16, "BLOCK
 _DELTA_BLOCK_M = 64
 
 
-def _prune(configs, named_args, **kwargs):
-    """Drop candidates that cannot pay off: tiles far longer than the sequences, tiles that
-    spill at head dim 128, and (fp32, whose IEEE dots compile slowly) all but small tiles."""
-    head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM", 64))
-    bucket = kwargs.get("seqlen_bucket", named_args.get("seqlen_bucket", 512))
-    fp32 = getattr(named_args.get("Q"), "dtype", None) == torch.float32
-    longest = 64 if fp32 else max(bucket, 64)
-    kept = [c for c in configs
-            if max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) <= longest
-            and not (head_dim >= 128 and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 128 * 64)]
-    return kept or configs[:1]
+def _tuned(kernel, which: str):
+    """The autotuned kernel over every candidate of ``which``; its pruner picks the table entry."""
+    table, configs = {}, {}
+    for key, entries in _CANDIDATES[which].items():
+        table[key] = [configs.setdefault(e, triton.Config({"BLOCK_M": e[0], "BLOCK_N": e[1]},
+                                                          num_warps=e[2], num_stages=e[3]))
+                      for e in entries]
+
+    def prune(_configs, named_args, **kwargs):
+        head_dim = kwargs["HEAD_DIM"]
+        listed = table[(named_args["Q"].dtype == torch.float32, 32 if head_dim <= 32 else head_dim)]
+        longest = max(named_args["seqlen_bucket"], 64)
+        return [c for c in listed if max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) <= longest] or listed[:1]
+    return autotune(list(configs.values()), _AUTOTUNE_KEY, prune)(kernel)
 
 
 _AUTOTUNE_KEY = ["seqlen_bucket", "HEAD_DIM", "IS_VARLEN", "HAS_KEY_MASK", "HAS_DROPOUT"]
-_attn_fwd_tuned = triton.autotune(_FWD_CONFIGS, key=_AUTOTUNE_KEY,
-                                  prune_configs_by={"early_config_prune": _prune})(_attn_fwd_kernel)
-_attn_bwd_dkdv_tuned = triton.autotune(_DKDV_CONFIGS, key=_AUTOTUNE_KEY,
-                                       prune_configs_by={"early_config_prune": _prune})(_attn_bwd_dkdv_kernel)
-_attn_bwd_dq_tuned = triton.autotune(_DQ_CONFIGS, key=_AUTOTUNE_KEY,
-                                     prune_configs_by={"early_config_prune": _prune})(_attn_bwd_dq_kernel)
-
-
-def _launch(tuned, plain, which, grid, args, consts):
-    """Autotuned launch on GPU; the fixed interpreter configuration under TRITON_INTERPRET=1."""
-    if interpreting():
-        blocks = _INTERP[which]
-        plain[grid(blocks)](*args, **consts, **blocks)
-    else:
-        tuned[grid](*args, **consts)
+_attn_fwd_tuned = _tuned(_attn_fwd_kernel, "fwd")
+_attn_bwd_dkdv_tuned = _tuned(_attn_bwd_dkdv_kernel, "dkdv")
+_attn_bwd_dq_tuned = _tuned(_attn_bwd_dq_kernel, "dq")
 
 
 # =========================================================================== validation
@@ -674,7 +684,7 @@ def _forward(q, k, v, out, lse, cu_seqlens, key_mask, seed, batch, seqlen, varle
     consts = dict(HEAD_DIM=head_dim, IS_VARLEN=varlen, HAS_KEY_MASK=key_mask is not None,
                   HAS_DROPOUT=dropout_p > 0, UPCAST=upcast, DOT_PREC=prec)
     grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_M"]), heads, batch)  # noqa: E731
-    _launch(_attn_fwd_tuned, _attn_fwd_kernel, "fwd", grid, args, consts)
+    launch(_attn_fwd_tuned, grid, args, consts, interp=_INTERP["fwd"])
 
 
 def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, seed, batch, seqlen,
@@ -687,9 +697,9 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, seed, b
     bucket = triton.next_power_of_2(seqlen)
 
     delta_block = _INTERP["fwd"]["BLOCK_M"] if interpreting() else _DELTA_BLOCK_M
-    _bwd_delta_kernel[(triton.cdiv(seqlen, delta_block), heads, batch)](
-        out, dout, delta, cu, *_bsh(out, varlen), *_bsh(dout, varlen), *_lse_strides(lse, varlen),
-        seqlen, HEAD_DIM=head_dim, IS_VARLEN=varlen, BLOCK_M=delta_block)
+    launch(_bwd_delta_kernel, (triton.cdiv(seqlen, delta_block), heads, batch),
+           (out, dout, delta, cu, *_bsh(out, varlen), *_bsh(dout, varlen), *_lse_strides(lse, varlen), seqlen),
+           dict(HEAD_DIM=head_dim, IS_VARLEN=varlen, BLOCK_M=delta_block))
 
     mask_strides = (key_mask.stride(0), key_mask.stride(1)) if key_mask is not None else (0, 0)
     kmask = key_mask if key_mask is not None else lse
@@ -703,12 +713,12 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, seed, b
     args = (q, k, v, dout, lse, delta, dk, dv, cu, kmask, seed_arg,
             *qkv_strides, *_bsh(dk, varlen), *_bsh(dv, varlen), *tail)
     grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_N"]), heads, batch)  # noqa: E731
-    _launch(_attn_bwd_dkdv_tuned, _attn_bwd_dkdv_kernel, "dkdv", grid, args, consts)
+    launch(_attn_bwd_dkdv_tuned, grid, args, consts, interp=_INTERP["dkdv"])
 
     args = (q, k, v, dout, lse, delta, dq, cu, kmask, seed_arg,
             *qkv_strides, *_bsh(dq, varlen), *tail)
     grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_M"]), heads, batch)  # noqa: E731
-    _launch(_attn_bwd_dq_tuned, _attn_bwd_dq_kernel, "dq", grid, args, consts)
+    launch(_attn_bwd_dq_tuned, grid, args, consts, interp=_INTERP["dq"])
 
 
 def _grad_out(dout: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -812,8 +822,8 @@ def _dropout_mask(batch: int, seqlen: int, num_heads: int, dropout_p: float,
         return torch.ones((batch, num_heads, seqlen, seqlen), dtype=torch.bool, device=device)
     keep = torch.empty((batch, num_heads, seqlen, seqlen), dtype=torch.uint8, device=device)
     blocks = _INTERP["mask"] if interpreting() else {"BLOCK_M": 64, "BLOCK_N": 64}
-    _dropout_mask_kernel[(triton.cdiv(seqlen, blocks["BLOCK_M"]), num_heads, batch)](
-        keep, seed, num_heads, seqlen, dropout_p, **blocks)
+    launch(_dropout_mask_kernel, (triton.cdiv(seqlen, blocks["BLOCK_M"]), num_heads, batch),
+           (keep, seed, num_heads, seqlen, dropout_p), blocks)
     return keep.view(torch.bool)
 
 

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check_tensor, interpreting
+from ._common import FLOAT_DTYPES, autotune, check_tensor, launch
 from .layer_norm import check_rows, n_bucket, row_stride
 
 _MAX_ROWS_PER_TILE = 16
@@ -130,11 +130,10 @@ def _bias_gelu_bwd_kernel(
 
 # --------------------------------------------------------------------------- launch configs
 def _tile_configs():
-    """(BLOCK_N, BLOCK_F, num_warps): tiles of 2K..8K elements, 8..32 per thread."""
+    """(BLOCK_N, BLOCK_F, num_warps): tiles of 2K..8K elements, 8..32 per thread, all spill-free on
+    sm_90 (compile report); the first is the default. Pruned per F by _prune_tiles: at most 6."""
     return [triton.Config({"BLOCK_N": n, "BLOCK_F": f}, num_warps=w)
-            for n, f, w in ((1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (2, 1024, 8), (4, 1024, 8),
-                            (8, 1024, 8), (1, 2048, 8), (2, 2048, 8), (4, 512, 4), (8, 512, 4),
-                            (16, 256, 4), (8, 256, 4))]
+            for n, f, w in ((4, 1024, 8), (2, 1024, 4), (1, 2048, 8), (8, 1024, 8), (4, 512, 4), (8, 256, 4))]
 
 
 def _prune_tiles(configs, named_args, **kwargs):
@@ -143,10 +142,8 @@ def _prune_tiles(configs, named_args, **kwargs):
     return [c for c in configs if c.kwargs["BLOCK_F"] <= f_cap]
 
 
-_fwd_tuned = triton.autotune(configs=_tile_configs(), key=["F", "n_bucket", "APPROX_TANH"],
-                             prune_configs_by={"early_config_prune": _prune_tiles})(_bias_gelu_fwd_kernel)
-_bwd_tuned = triton.autotune(configs=_tile_configs(), key=["F", "n_bucket", "APPROX_TANH"],
-                             prune_configs_by={"early_config_prune": _prune_tiles})(_bias_gelu_bwd_kernel)
+_fwd_tuned = autotune(_tile_configs(), ["F", "n_bucket", "APPROX_TANH"], _prune_tiles)(_bias_gelu_fwd_kernel)
+_bwd_tuned = autotune(_tile_configs(), ["F", "n_bucket", "APPROX_TANH"], _prune_tiles)(_bias_gelu_bwd_kernel)
 
 
 def _interp_block_f(f: int) -> int:
@@ -187,14 +184,10 @@ def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none"
     if n == 0 or f == 0:
         return y
     args = (x, bias, y, n, f, row_stride(x, f), n_bucket(n))
-    tanh = approximate == "tanh"
-    if interpreting():
-        block_f = _interp_block_f(f)
-        block_n = max(1, min(16, 4096 // block_f))
-        grid = (triton.cdiv(n, block_n), triton.cdiv(f, block_f))
-        _bias_gelu_fwd_kernel[grid](*args, APPROX_TANH=tanh, BLOCK_N=block_n, BLOCK_F=block_f, num_warps=4)
-    else:
-        _fwd_tuned[lambda m: (triton.cdiv(n, m["BLOCK_N"]), triton.cdiv(f, m["BLOCK_F"]))](*args, APPROX_TANH=tanh)
+    block_f = _interp_block_f(f)
+    launch(_fwd_tuned, lambda m: (triton.cdiv(n, m["BLOCK_N"]), triton.cdiv(f, m["BLOCK_F"])), args,
+           dict(APPROX_TANH=approximate == "tanh"),
+           interp={"BLOCK_N": max(1, min(16, 4096 // block_f)), "BLOCK_F": block_f})
     return y
 
 
@@ -208,11 +201,6 @@ def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, approxi
     groups, rpp = _row_groups(n, x.device)
     part = torch.empty((groups, f), dtype=torch.float32, device=x.device)
     args = (dy, x, bias, dx, part, n, f, row_stride(dy, f), row_stride(x, f), rpp, n_bucket(n))
-    tanh = approximate == "tanh"
-    if interpreting():
-        block_f = _interp_block_f(f)
-        grid = (groups, triton.cdiv(f, block_f))
-        _bias_gelu_bwd_kernel[grid](*args, APPROX_TANH=tanh, BLOCK_N=4, BLOCK_F=block_f, num_warps=4)
-    else:
-        _bwd_tuned[lambda m: (groups, triton.cdiv(f, m["BLOCK_F"]))](*args, APPROX_TANH=tanh)
+    launch(_bwd_tuned, lambda m: (groups, triton.cdiv(f, m["BLOCK_F"])), args,
+           dict(APPROX_TANH=approximate == "tanh"), interp={"BLOCK_N": 4, "BLOCK_F": _interp_block_f(f)})
     return dx, part.sum(dim=0).to(bias.dtype)

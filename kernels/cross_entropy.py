@@ -11,10 +11,11 @@ Math, for one row of logits z [V] with label y (y == -100: ignored row):
 dz is the gradient of grad_scale * sum_rows(loss); grad_scale = 1 / (number of labelled
 rows) gives the mean loss of torch's CrossEntropyLoss(ignore_index=-100). The gradient is
 computed eagerly, in the forward pass, and written over the logits, so no second [M, V]
-buffer exists. One program per row. When a block covers the row (BLOCK_V >= V, e.g. 32768
-for BERT's 30522) the row is read once into registers and written once; otherwise pass 1
+buffer exists. One program per row. When a block covers the row (BLOCK_V >= V: small
+vocabularies) the row is read once into registers and written once; otherwise pass 1
 streams over vocabulary blocks (online max / sum-exp / argmax) and pass 2 re-reads each
-block (meant to hit L2) and writes the gradient. Block size and warps are autotuned on GPU.
+block (meant to hit L2) and writes the gradient. Block size and warps are autotuned on GPU
+(BERT's 30522 takes the two-pass path: a block that covers it spills on sm_90).
 
 The driver, linear_cross_entropy_fwd, handles logits = x @ weight.T + bias chunk by chunk
 (chunk_rows rows at a time), so the logits of all M rows never exist at once:
@@ -38,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check_tensor, interpreting
+from ._common import FLOAT_DTYPES, autotune, check_tensor, launch
 
 IGNORE_INDEX = -100
 LABEL_DTYPES = (torch.int64, torch.int32)
@@ -123,17 +124,15 @@ def _softmax_cross_entropy_kernel(
     tl.store(correct_ptr + row, (labelled & (arg == label)).to(tl.uint8))
 
 
-# GPU: (BLOCK_V, num_warps). BLOCK_V >= V takes the single-read path (the row lives in
-# registers: 32768 / (32 warps * 32 lanes) = 32 fp32 values per thread); smaller blocks
-# loop twice over the row. The kernel overwrites logits, so tuning restores them.
+# GPU: (BLOCK_V, num_warps), the first the default. Smaller blocks than V loop twice over the row
+# (the second pass meant to hit L2). No BLOCK_V >= 30522: a 32768-wide block needs 32 warps, which
+# caps registers at 64 per thread, and it spills on sm_90 (compile report, triton 3.9).
+# The kernel overwrites its logits: launch() tunes it on a scratch copy.
 _GPU_CONFIGS = [
     triton.Config({"BLOCK_V": block_v}, num_warps=warps)
-    for block_v, warps in [(2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16), (8192, 32),
-                           (16384, 16), (16384, 32), (32768, 32)]
+    for block_v, warps in [(8192, 16), (4096, 8), (4096, 16), (8192, 32), (16384, 16), (16384, 32)]
 ]
-_softmax_cross_entropy_tuned = triton.autotune(
-    configs=_GPU_CONFIGS, key=["V", "COMPUTE_GRAD"], restore_value=["logits_ptr"],
-)(_softmax_cross_entropy_kernel)
+_softmax_cross_entropy_tuned = autotune(_GPU_CONFIGS, ["V", "COMPUTE_GRAD"])(_softmax_cross_entropy_kernel)
 
 
 def _launch_softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, grad_scale: float,
@@ -151,13 +150,13 @@ def _launch_softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, gr
     if M == 0:
         return loss, lse, correct.view(torch.bool)
     args = (logits, labels, loss, lse, correct, logits.stride(0), float(grad_scale))
-    if block_v is None and not interpreting():
-        _softmax_cross_entropy_tuned[(M,)](*args, V=V, COMPUTE_GRAD=bool(compute_grad))
+    consts = dict(V=V, COMPUTE_GRAD=bool(compute_grad))
+    if block_v is None:
+        launch(_softmax_cross_entropy_tuned, (M,), args, consts, interp={"BLOCK_V": _INTERPRET_BLOCK_V},
+               scratch=("logits_ptr",) if compute_grad else ())
     else:
-        block_v = block_v or _INTERPRET_BLOCK_V
-        warps = max(1, min(32, block_v // 256))
-        _softmax_cross_entropy_kernel[(M,)](*args, V=V, BLOCK_V=block_v,
-                                            COMPUTE_GRAD=bool(compute_grad), num_warps=warps)
+        launch(_softmax_cross_entropy_kernel, (M,), args,
+               dict(consts, BLOCK_V=block_v, num_warps=max(1, min(32, block_v // 256))))
     return loss, lse, correct.view(torch.bool)
 
 

@@ -34,9 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check_tensor, interpreting
-from .layer_norm import (_dropout_keep, block_h_for, check_dropout, check_hidden, check_rows,
-                         interpreter_rows, n_bucket, row_config_pruner, row_groups,
+from ._common import FLOAT_DTYPES, autotune, check_tensor, launch
+from .layer_norm import (BWD_PER_THREAD, FWD_PER_THREAD, _dropout_keep, block_h_for, check_dropout, check_hidden,
+                         check_rows, interpreter_rows, n_bucket, row_config_pruner, row_groups,
                          row_tile_configs, row_stride, _MAX_ROWS_PER_TILE)
 
 _MAX_TYPES_IN_REGISTERS = 4
@@ -172,13 +172,12 @@ def _embeddings_bwd_kernel(
         tl.store(DTT + tt_offs, acc_tt, mask=(types < NUM_TYPES)[:, None] & col_ok[None, :])
 
 
-_fwd_tuned = triton.autotune(configs=row_tile_configs(), key=["H", "n_bucket", "HAS_DROPOUT", "STORE_KEEP"],
-                             prune_configs_by={"early_config_prune": row_config_pruner(32)})(_embeddings_fwd_kernel)
-# The backward accumulates into zeroed buffers: the autotuner re-zeroes them around each trial.
-_bwd_tuned = triton.autotune(configs=row_tile_configs(_MAX_ROWS_PER_TILE),
-                             key=["H", "n_bucket", "HAS_DROPOUT", "TT_IN_REGS", "TT_BLOCK"],
-                             prune_configs_by={"early_config_prune": row_config_pruner(16)},
-                             reset_to_zero=["DWORD", "DPOS", "DTT"])(_embeddings_bwd_kernel)
+_fwd_tuned = autotune(row_tile_configs(), ["H", "n_bucket", "HAS_DROPOUT", "STORE_KEEP"],
+                      row_config_pruner(FWD_PER_THREAD))(_embeddings_fwd_kernel)
+# The backward accumulates into zeroed buffers with atomics: launch() tunes it on scratch copies.
+_bwd_tuned = autotune(row_tile_configs(_MAX_ROWS_PER_TILE), ["H", "n_bucket", "HAS_DROPOUT", "TT_IN_REGS", "TT_BLOCK"],
+                      row_config_pruner(BWD_PER_THREAD))(_embeddings_bwd_kernel)
+_BWD_ACCUMULATORS = ("DWORD", "DPOS", "DTT")
 
 
 # --------------------------------------------------------------------------- validation
@@ -236,11 +235,8 @@ def embeddings_fwd(input_ids: torch.Tensor, position_ids: torch.Tensor, token_ty
                 t, h, row_stride(word, h), row_stride(pos, h), row_stride(token_type, h),
                 float(eps), float(dropout_p), n_bucket(t))
         flags = dict(HAS_DROPOUT=has_dropout, STORE_KEEP=store_keep, BLOCK_H=block_h)
-        if interpreting():
-            block_m = interpreter_rows(block_h, 16)
-            _embeddings_fwd_kernel[(triton.cdiv(t, block_m),)](*args, **flags, BLOCK_M=block_m, num_warps=4)
-        else:
-            _fwd_tuned[lambda meta: (triton.cdiv(t, meta["BLOCK_M"]),)](*args, **flags)
+        launch(_fwd_tuned, lambda meta: (triton.cdiv(t, meta["BLOCK_M"]),), args, flags,
+               interp={"BLOCK_M": interpreter_rows(block_h, 16)})
     out = (y, mean, rstd)
     return out + (keep,) if return_dropout_mask else out
 
@@ -287,11 +283,8 @@ def embeddings_bwd(dy: torch.Tensor, input_ids: torch.Tensor, position_ids: torc
             row_stride(token_type, h), rpp, float(dropout_p), n_bucket(t))
     flags = dict(HAS_DROPOUT=has_dropout, TT_IN_REGS=tt_in_regs,
                  TT_BLOCK=triton.next_power_of_2(num_types) if tt_in_regs else 1, BLOCK_H=block_h)
-    if interpreting():
-        block_m = interpreter_rows(block_h, 4)
-        _embeddings_bwd_kernel[(groups,)](*args, **flags, BLOCK_M=block_m, num_warps=4)
-    else:
-        _bwd_tuned[(groups,)](*args, **flags)
+    launch(_bwd_tuned, (groups,), args, flags, interp={"BLOCK_M": interpreter_rows(block_h, 4)},
+           scratch=_BWD_ACCUMULATORS)
     if tt_in_regs:
         dtt = dtt.sum(dim=0)  # [TT, H]
     sums = part.sum(dim=1)    # [2, H]

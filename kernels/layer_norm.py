@@ -44,13 +44,13 @@ Plain LayerNorm is bias=None, residual=None, p=0: then pre_norm is x itself (no 
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check_tensor, interpreting
+from ._common import FLOAT_DTYPES, autotune, check_tensor, launch
 
 MAX_HIDDEN = 8192
 _MAX_ROWS_PER_TILE = 16  # the largest BLOCK_M in the backward configs; row groups are multiples of it
@@ -216,18 +216,29 @@ def row_tile_configs(max_rows: int = 64):
             for w in (2, 4, 8, 16)]
 
 
-def row_config_pruner(max_per_thread: int):
-    """early_config_prune for row kernels: keep tiles of >= 1K elements (several rows per program
-    for small H) giving each thread 4..max_per_thread elements (enough for 16-byte vector loads;
-    the backward kernels, with three fp32 accumulators and a prefetched tile, spill past 16 on
-    sm_90), and no more rows than the problem has."""
+def row_config_pruner(per_thread: Tuple[int, ...]):
+    """early_config_prune for row kernels: tiles of >= 1K elements (several rows per program for
+    small H) and no more rows than the problem has, giving each thread ``per_thread`` elements, in
+    that order of preference (fewer rows first). Elements per thread set the register footprint:
+    the compile report (sm_90, triton 3.6 and 3.9) finds spills at 16 per thread in the backward
+    kernels (three fp32 accumulators and a prefetched tile) and in some forward variants, none
+    at 4 or 8. When no tile gives an allowed count (H = 8192 needs 16 at 16 warps), the tiles
+    with the fewest elements per thread remain."""
     def prune(configs, named_args, **kwargs):
         block_h = kwargs["BLOCK_H"]
         rows_cap = max(1, named_args.get("n_bucket", 1 << 16))
-        kept = [c for c in configs
-                if 4 <= c.kwargs["BLOCK_M"] * block_h // (32 * c.num_warps) <= max_per_thread
-                and (c.kwargs["BLOCK_M"] * block_h >= 1024 or c.kwargs["BLOCK_M"] >= rows_cap)
-                and c.kwargs["BLOCK_M"] <= rows_cap]
+
+        def per(c):
+            return c.kwargs["BLOCK_M"] * block_h // (32 * c.num_warps)
+        fits = [c for c in configs
+                if per(c) >= 4 and c.kwargs["BLOCK_M"] <= rows_cap
+                and (c.kwargs["BLOCK_M"] * block_h >= 1024 or c.kwargs["BLOCK_M"] >= rows_cap)]
+        kept = [c for c in fits if per(c) in per_thread]
+        if not kept and fits:
+            fewest = min(per(c) for c in fits)
+            kept = [c for c in fits if per(c) == fewest]
+        kept.sort(key=lambda c: (per_thread.index(per(c)) if per(c) in per_thread else len(per_thread),
+                                 c.kwargs["BLOCK_M"]))
         return kept or [min(configs, key=lambda c: (c.kwargs["BLOCK_M"], -c.num_warps))]
     return prune
 
@@ -267,13 +278,14 @@ def row_groups(n_rows: int, device: torch.device, per_sm: int = 2):
 
 
 # Keys: H, the size class of N and every constexpr flag (dtypes are added by the autotuner).
-_bdrln_fwd_tuned = triton.autotune(configs=row_tile_configs(),
-                                   key=["H", "n_bucket", "HAS_BIAS", "HAS_RES", "HAS_DROPOUT", "STORE_PRE",
-                                        "STORE_KEEP"],
-                                   prune_configs_by={"early_config_prune": row_config_pruner(32)})(_bdrln_fwd_kernel)
-_bdrln_bwd_tuned = triton.autotune(configs=row_tile_configs(_MAX_ROWS_PER_TILE),
-                                   key=["H", "n_bucket", "HAS_BIAS", "HAS_RES", "HAS_DROPOUT"],
-                                   prune_configs_by={"early_config_prune": row_config_pruner(16)})(_bdrln_bwd_kernel)
+# Elements per thread: 8 first (a 16-byte vector of bf16), then 4; the backward only 8.
+FWD_PER_THREAD = (8, 4)
+BWD_PER_THREAD = (8,)
+_bdrln_fwd_tuned = autotune(row_tile_configs(), ["H", "n_bucket", "HAS_BIAS", "HAS_RES", "HAS_DROPOUT",
+                                                  "STORE_PRE", "STORE_KEEP"],
+                            row_config_pruner(FWD_PER_THREAD))(_bdrln_fwd_kernel)
+_bdrln_bwd_tuned = autotune(row_tile_configs(_MAX_ROWS_PER_TILE), ["H", "n_bucket", "HAS_BIAS", "HAS_RES", "HAS_DROPOUT"],
+                            row_config_pruner(BWD_PER_THREAD))(_bdrln_bwd_kernel)
 
 
 # --------------------------------------------------------------------------- validation helpers
@@ -351,11 +363,8 @@ def bias_dropout_residual_layernorm_fwd(x: torch.Tensor, bias: Optional[torch.Te
                 float(eps), float(dropout_p), n_bucket(n))
         flags = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_DROPOUT=has_dropout,
                      STORE_PRE=store_pre, STORE_KEEP=store_keep, BLOCK_H=block_h)
-        if interpreting():
-            block_m = interpreter_rows(block_h, 16)
-            _bdrln_fwd_kernel[(triton.cdiv(n, block_m),)](*args, **flags, BLOCK_M=block_m, num_warps=4)
-        else:
-            _bdrln_fwd_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_M"]),)](*args, **flags)
+        launch(_bdrln_fwd_tuned, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]),), args, flags,
+               interp={"BLOCK_M": interpreter_rows(block_h, 16)})
     out = (y, pre, mean, rstd)
     return out + (keep,) if return_dropout_mask else out
 
@@ -396,11 +405,7 @@ def bias_dropout_residual_layernorm_bwd(dy: torch.Tensor, pre_norm: torch.Tensor
             part[0], part[1], part[2] if has_bias else part[1], seed if has_dropout else mean,
             n, h, row_stride(dy, h), row_stride(pre_norm, h), rpp, float(dropout_p), n_bucket(n))
     flags = dict(HAS_BIAS=has_bias, HAS_RES=has_residual, HAS_DROPOUT=has_dropout, BLOCK_H=block_h)
-    if interpreting():
-        block_m = interpreter_rows(block_h, 4)
-        _bdrln_bwd_kernel[(groups,)](*args, **flags, BLOCK_M=block_m, num_warps=4)
-    else:
-        _bdrln_bwd_tuned[(groups,)](*args, **flags)
+    launch(_bdrln_bwd_tuned, (groups,), args, flags, interp={"BLOCK_M": interpreter_rows(block_h, 4)})
     sums = part.sum(dim=1)  # [2 or 3, H] fp32
     dweight = sums[0].to(weight.dtype)
     dln_bias = sums[1].to(weight.dtype)

@@ -21,6 +21,7 @@ from bertfast.testing import (PADDING_MODES, assert_close_lowp, cu_seqlens_from_
                               make_lengths, mask_from_lengths)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.gpu_capable  # on CUDA when there is a GPU, else the interpreter
 B, S, A = 3, 40, 2
 
 

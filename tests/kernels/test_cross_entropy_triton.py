@@ -21,6 +21,7 @@ from bertfast.testing import assert_close_lowp
 
 IGNORE = -100
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.gpu_capable  # on CUDA when there is a GPU, else the interpreter
 
 
 def _logits_with_ties(M, V, dtype, device=DEV):
@@ -91,6 +92,23 @@ def test_softmax_cross_entropy_no_grad_leaves_logits(V):
     torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
     assert torch.equal(correct, ref_correct)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the tests above take this path")
+def test_autotuned_in_place_kernel_is_tuned_on_a_scratch_copy(stand_in_tuner):
+    """The kernel overwrites its logits with their gradient: every candidate runs on a scratch copy
+    and the chosen one once on the real logits. A trial on the real logits would leave the gradient
+    of the gradient there."""
+    from bertfast.kernels import cross_entropy as CE
+
+    stand_in_tuner(CE._softmax_cross_entropy_tuned)
+    z, labels = _logits_with_ties(5, 1031, torch.float32)
+    ref_loss, _, _, ref_grad = _torch_ce(z, labels, 0.5)
+    zk = z.clone()
+    loss, _, _ = softmax_cross_entropy_(zk, labels, 0.5, True)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(zk, ref_grad, atol=1e-6, rtol=1e-5)
+    assert len(CE._softmax_cross_entropy_tuned.cache) == 1
 
 
 def test_softmax_cross_entropy_all_ignored():

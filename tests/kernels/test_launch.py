@@ -1,0 +1,73 @@
+"""How kernels are launched (kernels/_common.py): the fixed-config mode, compile-only recording,
+and the bound on autotune candidates at BERT shapes."""
+import pytest
+import torch
+
+from bertfast.kernels import _common
+from bertfast.kernels import bias_gelu as BG
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="exercises the launch modes under the interpreter")
+
+
+def _bias_gelu_inputs(n=37, f=300):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, f, generator=g), torch.randn(f, generator=g), torch.randn(n, f, generator=g)
+
+
+def test_fixed_mode_runs_the_first_candidate_without_tuning(stand_in_tuner, monkeypatch):
+    stand_in_tuner()
+    monkeypatch.setenv(_common.AUTOTUNE_ENV, "0")
+    launched = []
+    for tuned in (BG._fwd_tuned, BG._bwd_tuned):
+        monkeypatch.setattr(tuned, "run", lambda *a, **k: pytest.fail("the autotuner ran in fixed mode"))
+    original = type(BG._fwd_tuned.fn).run  # the interpreter's function class, shared by both kernels
+
+    def spy(self, *args, **kwargs):
+        launched.append({k: kwargs[k] for k in ("BLOCK_N", "BLOCK_F", "num_warps") if k in kwargs})
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(type(BG._fwd_tuned.fn), "run", spy)
+    x, bias, dy = _bias_gelu_inputs()
+    y = BG.bias_gelu_fwd(x, bias)
+    dx, dbias = BG.bias_gelu_bwd(dy, x, bias)
+    z = (x + bias).requires_grad_(True)
+    want = torch.nn.functional.gelu(z)
+    torch.testing.assert_close(y, want, atol=2e-6, rtol=1e-5)
+    (gz,) = torch.autograd.grad(want, z, dy)
+    torch.testing.assert_close(dx, gz, atol=2e-6, rtol=1e-5)
+    first = _common.candidates(BG._fwd_tuned, (x, bias, y, 37, 300, 300, 64), {"APPROX_TANH": False})[0]
+    assert launched[0] == {**first.kwargs, "num_warps": first.num_warps}
+    assert len(launched) == 2
+
+
+def test_autotune_switch_rejects_other_values(monkeypatch):
+    monkeypatch.setenv(_common.AUTOTUNE_ENV, "yes")
+    with pytest.raises(ValueError, match="BERTFAST_AUTOTUNE: expected 0 or 1, got 'yes'"):
+        _common.autotune_enabled()
+
+
+def test_compile_only_records_candidates_and_runs_nothing(monkeypatch):
+    monkeypatch.setattr(_common, "interpreting", lambda: False)
+    monkeypatch.setattr(type(BG._fwd_tuned.fn), "run", lambda *a, **k: pytest.fail("a kernel ran"))
+    seen = []
+    x, bias, _ = _bias_gelu_inputs(64, 3072)
+    with _common.compile_only(lambda fn, grid, args, consts, configs: seen.append((fn.__name__, configs))):
+        BG.bias_gelu_fwd(x, bias)
+    assert [name for name, _ in seen] == ["_bias_gelu_fwd_kernel"]
+    want = _common.candidates(BG._fwd_tuned, (x, bias, x, 64, 3072, 3072, 64), {"APPROX_TANH": False})
+    assert [str(c) for c in seen[0][1]] == [str(c) for c in want] and len(want) > 1
+
+
+def test_candidates_per_tuning_key_are_bounded_at_bert_shapes(monkeypatch):
+    """What the autotuner tries per key (its list pruned for the shape) stays small: tuning costs a
+    compile and a timing per candidate on a GPU that is lent for minutes."""
+    from bertfast.gpucheck.compile_report import record_launches
+
+    monkeypatch.setattr(_common, "interpreting", lambda: False)
+    launches = record_launches(fast=False)
+    kernels = {launch.fn.__name__ for launch in launches}
+    assert {"_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel", "_bias_gelu_fwd_kernel",
+            "_bias_gelu_bwd_kernel", "_bdrln_fwd_kernel", "_bdrln_bwd_kernel", "_embeddings_fwd_kernel",
+            "_embeddings_bwd_kernel", "_softmax_cross_entropy_kernel"} <= kernels
+    for launch in launches:
+        assert 1 <= len(launch.configs) <= _common.MAX_CANDIDATES, (launch.fn.__name__, launch.case,
+                                                                      [str(c) for c in launch.configs])
