@@ -224,7 +224,7 @@ __device__ __forceinline__ bool key_valid(const AttentionParams& p, int b, int j
 template <typename T, int D>
 struct Cfg {
   static constexpr bool kF32 = std::is_same<T, float>::value;
-  static constexpr int kFwdBM = 64, kFwdBN = (kF32 && D > 64) ? 32 : 64;
+  static constexpr int kFwdBM = 64, kFwdBN = D > 64 ? 32 : 64;  // BN 64 spills at D 128 (ptxas, sm_90)
   static constexpr int kDqBM = (kF32 && D > 64) ? 32 : 64, kDqBN = (kF32 || D > 64) ? 32 : 64;
   static constexpr int kKvBN = (kF32 && D > 64) ? 32 : 64, kKvBM = (kF32 || D > 64) ? 32 : 64;
 };
