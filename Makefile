@@ -5,7 +5,7 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test gpu-check bench info
+.PHONY: install demo test gpu-plan gpu-check gpu-check-dry gpu-land compile-report bench info
 
 install:
 	$(PYTHON) -m pip install --quiet "$(TORCH_SPEC)"
@@ -19,12 +19,32 @@ demo: install
 test: install
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
 
-# With a GPU at hand: every GPU-marked test, then the full benchmark run into benchmarks/results/.
-# On a machine whose torch/triton/transformers are already installed and that has no network:
-#   pip install --no-deps --no-build-isolation -e . && make gpu-check
+# The GPU check, staged to fit a GPU machine lent for ~25 minutes (commands of <= 10 minutes).
+# `make gpu-plan` prints the stages with their estimated minutes; `make gpu-check` runs them all,
+# `make gpu-check STAGE=k` one; logs, results and caches go to $(GPU_OUT). On the GPU machine
+# (torch/triton/transformers preinstalled, no network) nothing else is needed: stage 1 installs.
+# `make gpu-land GPU_OUT=dir` (back here) files a GPU run under benchmarks/results/ and
+# regenerates the README's result table. `make gpu-check-dry` runs every stage on CPU.
+GPU_OUT ?= gpu-out
+STAGE ?=
+
+gpu-plan:
+	$(PYTHON) -m bertfast.gpucheck plan --out $(GPU_OUT)
+
 gpu-check:
-	$(PYTHON) -m pytest -q -m gpu tests $(PYTEST_ARGS)
-	$(PYTHON) -m bertfast.cli bench --suite all   # writes benchmarks/results/<gpu>/<date>/
+	$(PYTHON) -m bertfast.gpucheck run --out $(GPU_OUT) $(if $(STAGE),--stage $(STAGE))
+
+gpu-check-dry:
+	$(PYTHON) -m bertfast.gpucheck run --dry-run --out $(GPU_OUT)-dry $(if $(STAGE),--stage $(STAGE))
+
+gpu-land:
+	$(PYTHON) -m bertfast.gpucheck land $(GPU_OUT)
+
+# Registers, spills and shared memory of every kernel and autotune candidate on sm_90, no GPU
+# needed; fails when a candidate spills. COMPILE_REPORT_ARGS=--fast: the training configuration.
+COMPILE_REPORT_ARGS ?=
+compile-report:
+	$(PYTHON) -m bertfast.gpucheck.compile_report $(COMPILE_REPORT_ARGS)
 
 bench:
 	$(PYTHON) -m bertfast.cli bench --quick

@@ -12,6 +12,8 @@ COMMANDS = {
     "pretrain": ("bertfast.pretrain", "pre-train BERT (MLM + NSP), single GPU/CPU or torchrun"),
     "finetune": ("bertfast.finetune", "fine-tune on classification, NER, SQuAD or multiple choice"),
     "bench": ("bertfast.bench", "benchmark kernels and training steps against the usual alternatives"),
+    "gpu-check": ("bertfast.gpucheck.runner", "the staged GPU check: plan, run (or --dry-run on CPU), land"),
+    "compile-report": ("bertfast.gpucheck.compile_report", "registers/spills/shared memory of every kernel on sm_90"),
 }
 
 

@@ -36,6 +36,18 @@ def _sample_inputs(op: str, device: torch.device, dtype: torch.dtype) -> Dict[st
     }[op]
 
 
+def _autotune_line() -> str:
+    from bertfast.kernels._common import AUTOTUNE_ENV, autotune_enabled
+    try:
+        enabled = autotune_enabled()
+    except ValueError as exc:
+        return f"Triton autotuning: {exc}"
+    if not enabled:
+        return f"Triton autotuning: off ({AUTOTUNE_ENV}=0): every kernel runs its first candidate config"
+    cache = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    return f"Triton autotuning: on; results cached in {cache} (TRITON_CACHE_DIR)"
+
+
 def report() -> str:
     lines: List[str] = ["bertfast environment", "===================="]
     lines.append(f"python {platform.python_version()}  torch {torch.__version__}  platform {platform.platform()}")
@@ -45,6 +57,7 @@ def report() -> str:
         interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
         lines.append(f"triton {triton.__version__}" + ("  (TRITON_INTERPRET=1: kernels run on the CPU interpreter)"
                                                       if interp else ""))
+        lines.append(_autotune_line())
     else:
         lines.append(f"triton: unavailable: {why}")
     ok, why = dispatch.cuda_ext_availability()

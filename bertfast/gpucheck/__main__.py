@@ -1,0 +1,3 @@
+from bertfast.gpucheck.runner import main
+
+raise SystemExit(main())

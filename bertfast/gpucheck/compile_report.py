@@ -1,0 +1,445 @@
+"""`make compile-report`: registers, spills and shared memory of every kernel on sm_90, no GPU needed.
+
+Triton: each launcher runs at BERT-base and BERT-large shapes (seq 128 and 512; fp16/bf16/fp32
+activations with parameters in the activation dtype or fp32, as under autocast; dropout on
+and off; attention at head dim 64 and at every other head dim it serves, 16, 32 and 128)
+inside ``kernels._common.compile_only``, so nothing runs and
+every launch is recorded with its autotune candidates (its config list pruned for that
+shape, as the autotuner would). Each candidate is then compiled for the target by Triton
+itself, with an offline stand-in for the GPU driver; the figures are ptxas's own report
+(``-v``) and the kernel's shared-memory size.
+
+CUDA: each csrc/*.cu is compiled for sm_90 with ``nvcc -Xptxas -v``; its shared-memory column
+is the static size (the attention kernels size theirs at launch and check it against the
+device's limit there, failing with a clear error: csrc/attention_host.cuh, ``prepare``).
+
+A kernel fails the report when it spills registers (any spill store), needs more shared
+memory than an sm_90 block can have (227 KiB), or does not compile. Exit status 1 when any
+fails. ``--fast`` (what CI runs) covers the training configuration only: BERT-large, bf16
+activations, fp32 parameters, dropout 0.1. Runs with triton 3.6 and 3.9.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+SM90_SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
+TARGET_ARCH = 90
+MODELS = {"bert-base": (768, 12, 3072), "bert-large": (1024, 16, 4096)}  # hidden, heads, ffn
+SEQ_BATCH = ((128, 128), (512, 32))  # 16384 tokens either way
+VOCAB, POSITIONS, TYPES, MASKED_ROWS = 30522, 512, 2, 64
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # every head dim the attention kernels serve (full report)
+
+
+@dataclasses.dataclass
+class Row:
+    """One compiled kernel: a Triton candidate config or a CUDA template instance."""
+
+    source: str      # "triton" | "cuda"
+    kernel: str
+    variant: str     # constexpr flags and dtypes (Triton) / template arguments (CUDA)
+    config: str      # block sizes, warps, stages ("-" for CUDA)
+    registers: Optional[int] = None
+    spill_stores: Optional[int] = None
+    spill_loads: Optional[int] = None
+    shared: Optional[int] = None
+    error: str = ""
+    order: int = 0   # position in the recorded launch order (shards compile out of order)
+
+    @property
+    def problems(self) -> List[str]:
+        out = []
+        if self.error:
+            out.append(self.error)
+        if self.spill_stores:
+            out.append(f"spills {self.spill_stores} B")
+        if self.shared is not None and self.shared > SM90_SHARED_LIMIT:
+            out.append(f"shared memory {self.shared} B > {SM90_SHARED_LIMIT} B")
+        return out
+
+
+# --------------------------------------------------------------------------- ptxas output
+_FUNC = re.compile(r"Function properties for (\S+)")
+_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Compiling entry function '([^']+)'|Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+
+
+def parse_ptxas(log: str) -> Dict[str, Dict[str, int]]:
+    """{function: {registers, spill_stores, spill_loads, smem}} from ``ptxas -v`` output."""
+    out: Dict[str, Dict[str, int]] = {}
+    current = None
+    for line in log.splitlines():
+        m = _FUNC.search(line)
+        if m:
+            current = m.group(1)
+            out.setdefault(current, {})
+            continue
+        m = _SPILL.search(line)
+        if m and current:
+            out[current].update(spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+            continue
+        m = _USED.search(line)
+        if not m:
+            continue
+        if m.group(1):
+            current = m.group(1)
+            out.setdefault(current, {})
+        elif current:
+            out[current].update(registers=int(m.group(2)), smem=int(m.group(3) or 0))
+    return out
+
+
+# --------------------------------------------------------------------------- Triton, offline
+class OfflineDriver:
+    """Enough of a Triton driver for JITFunction.warmup to compile for a GPU this machine lacks."""
+
+    def __init__(self, arch: int):
+        from triton.backends.compiler import GPUTarget
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def get_active_torch_device(self):
+        import torch
+        return torch.device("cpu")
+
+    def get_benchmarker(self):
+        raise RuntimeError("compile report: nothing is timed offline")
+
+
+@dataclasses.dataclass
+class Launch:
+    fn: object       # the @triton.jit function
+    args: tuple
+    consts: dict
+    configs: list    # triton.Config candidates; [None] for a plain kernel (consts are complete)
+    case: str
+
+
+def _matrix(fast: bool):
+    """(model, seq, batch, act dtype name, params 'fp32'|'act', dropout p) settings."""
+    if fast:
+        return [("bert-large", 512, 32, "bf16", "fp32", 0.1)]
+    out = []
+    for model in MODELS:
+        for seq, batch in SEQ_BATCH:
+            for act in ("bf16", "fp16", "fp32"):
+                for params in (("fp32", "act") if act != "fp32" else ("act",)):
+                    for p in (0.0, 0.1):
+                        out.append((model, seq, batch, act, params, p))
+    return out
+
+
+def bert_launches(fast: bool) -> Iterator[Tuple[str, Callable[[], None]]]:
+    """(case label, function that calls the launchers at that setting) for every setting."""
+    import torch
+    from bertfast.kernels import attention as A, bias_gelu as G, cross_entropy as C, embeddings as E
+    from bertfast.kernels import layer_norm as L
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    for model, seq, batch, act_name, params, p in _matrix(fast):
+        hidden, _, ffn = MODELS[model]
+        act = dtypes[act_name]
+        par = torch.float32 if params == "fp32" else act
+        tokens = seq * batch
+        label = f"{model} seq{seq} {act_name} params={params if params == 'fp32' else act_name} p={p}"
+        seed = torch.zeros(1, dtype=torch.int64)
+        kw = dict(device="cpu")
+
+        def empty(*shape, dtype=act):
+            return torch.empty(*shape, dtype=dtype, **kw)
+
+        def attention():
+            for head_dim in ((64,) if fast else ATTENTION_HEAD_DIMS):
+                heads_here = hidden // head_dim
+                qkv = empty(tokens, 3, heads_here, head_dim)
+                q, k, v = qkv.unbind(1)
+                cu = torch.arange(0, tokens + 1, seq, dtype=torch.int32)
+                out, lse = A.attention_varlen_fwd(q, k, v, cu, seq, 0.125, p, seed)
+                A.attention_varlen_bwd(out, q, k, v, out, lse, cu, seq, 0.125, p, seed)
+                qp = empty(batch, seq, heads_here, head_dim)
+                mask = torch.ones(batch, seq, dtype=torch.bool)
+                outp, lsep = A.attention_padded_fwd(qp, qp, qp, mask, 0.125, p, seed)
+                A.attention_padded_bwd(outp, qp, qp, qp, outp, lsep, mask, 0.125, p, seed)
+
+        def bias_gelu():
+            x, bias = empty(tokens, ffn), empty(ffn, dtype=par)
+            G.bias_gelu_fwd(x, bias)
+            G.bias_gelu_bwd(x, x, bias)
+
+        def layer_norm():
+            x, vec = empty(tokens, hidden), empty(hidden, dtype=par)
+            y, pre, mean, rstd = L.bias_dropout_residual_layernorm_fwd(x, vec, x, vec, vec, 1e-12, p, seed)
+            L.bias_dropout_residual_layernorm_bwd(y, pre, mean, rstd, vec, p, seed, True, True)
+            y, pre, mean, rstd = L.bias_dropout_residual_layernorm_fwd(x, None, None, vec, vec, 1e-12, 0.0, None)
+            L.bias_dropout_residual_layernorm_bwd(y, pre, mean, rstd, vec, 0.0, None, False, False)
+
+        def embeddings():
+            ids = torch.zeros(tokens, dtype=torch.int64)
+            tables = (empty(VOCAB, hidden, dtype=par), empty(POSITIONS, hidden, dtype=par),
+                      empty(TYPES, hidden, dtype=par))
+            vec = empty(hidden, dtype=par)
+            y, mean, rstd = E.embeddings_fwd(ids, ids, ids, *tables, vec, vec, 1e-12, p, seed, act)
+            E.embeddings_bwd(y, ids, ids, ids, *tables, vec, vec, mean, rstd, p, seed)
+
+        def cross_entropy():
+            labels = torch.zeros(MASKED_ROWS, dtype=torch.int64)
+            for grad in (True, False):
+                C.softmax_cross_entropy_(empty(MASKED_ROWS, VOCAB), labels, 1.0, grad)
+
+        for name, fn in (("attention", attention), ("bias_gelu", bias_gelu), ("layer_norm", layer_norm),
+                         ("embeddings", embeddings), ("cross_entropy", cross_entropy)):
+            yield f"{name} [{label}]", fn
+
+
+def record_launches(fast: bool) -> List[Launch]:
+    """Every distinct launch (kernel, flags, dtypes) the BERT settings make, with its candidates."""
+    from bertfast.kernels._common import compile_only
+
+    seen, launches = set(), []
+    for case, call in bert_launches(fast):
+        def record(fn, grid, args, consts, configs, case=case):
+            key = (fn.__name__, tuple(sorted(consts.items())), _dtypes(args))
+            if key not in seen:
+                seen.add(key)
+                launches.append(Launch(fn, tuple(args), dict(consts), list(configs), case))
+        with compile_only(record):
+            call()
+    return launches
+
+
+def _dtypes(args: Sequence) -> tuple:
+    return tuple(str(a.dtype).replace("torch.", "") for a in args if hasattr(a, "dtype"))
+
+
+def _describe(launch: Launch) -> str:
+    flags = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in sorted(launch.consts.items())
+                     if not k.startswith("BLOCK") and k != "num_warps")
+    dts = sorted(set(_dtypes(launch.args)) - {"int32", "int64", "bool", "uint8"})
+    return f"{flags} [{'/'.join(dts)}]"
+
+
+def _config_text(launch: Launch, config) -> str:
+    if config is None:
+        blocks = {k: v for k, v in launch.consts.items() if k.startswith("BLOCK") or k == "num_warps"}
+        return " ".join(f"{k}={v}" for k, v in sorted(blocks.items()))
+    blocks = " ".join(f"{k}={v}" for k, v in config.kwargs.items())
+    return f"{blocks} w={config.num_warps} s={config.num_stages}"
+
+
+def compile_triton(launches: Sequence[Launch], shard: Tuple[int, int] = (0, 1)) -> List[Row]:
+    """Compile every candidate of every launch (those of this shard) for sm_90."""
+    rows: List[Row] = []
+    index = 0
+    for launch in launches:
+        for config in launch.configs:
+            index += 1
+            if (index - 1) % shard[1] != shard[0]:
+                continue
+            consts = dict(launch.consts)
+            if config is not None:
+                consts.update(config.all_kwargs())
+            row = Row("triton", launch.fn.__name__, _describe(launch), _config_text(launch, config), order=index)
+            log = io.StringIO()
+            try:
+                with contextlib.redirect_stdout(log):
+                    kernel = launch.fn.warmup(*launch.args, grid=(1,), **consts)
+            except Exception as exc:  # noqa: BLE001 - a kernel that does not compile is a finding
+                row.error = f"does not compile: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                rows.append(row)
+                continue
+            stats = parse_ptxas(log.getvalue()).get(launch.fn.__name__, {})
+            if "registers" not in stats:
+                row.error = "no ptxas report (compiled from a cache?)"
+            row.registers = stats.get("registers")
+            row.spill_stores, row.spill_loads = stats.get("spill_stores"), stats.get("spill_loads")
+            row.shared = int(getattr(kernel.metadata, "shared", 0))
+            rows.append(row)
+    return rows
+
+
+def _prepare_offline_triton(cache_dir: str) -> None:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise SystemExit("compile report: TRITON_INTERPRET=1 is set; the report compiles for the GPU, "
+                         "run it without the interpreter")
+    os.environ["TRITON_CACHE_DIR"] = cache_dir  # fresh: every compile runs ptxas and reports
+    import triton
+    from triton.runtime.driver import driver
+    triton.knobs.nvidia.dump_ptxas_log = True
+    driver.set_active(OfflineDriver(TARGET_ARCH))
+
+
+# --------------------------------------------------------------------------- CUDA
+def csrc_dir() -> Optional[Path]:
+    here = Path(__file__).resolve().parents[2] / "csrc"
+    return here if here.is_dir() else None
+
+
+def _demangle(names: Sequence[str]) -> Dict[str, str]:
+    tool = shutil.which("c++filt")
+    if not tool or not names:
+        return {n: n for n in names}
+    out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
+    return dict(zip(names, out)) if len(out) == len(names) else {n: n for n in names}
+
+
+def find_nvcc() -> Optional[str]:
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(var)
+        if home and os.path.isfile(os.path.join(home, "bin", "nvcc")):
+            return os.path.join(home, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def compile_cuda(nvcc: str, source_dir: Path, jobs: int) -> List[Row]:
+    """ptxas -v of every csrc/*.cu for sm_90 (the flags of the extension build); one row per kernel."""
+    sources = sorted(source_dir.glob("*.cu"))
+    flags = ["-std=c++17", "-O3", "-lineinfo", f"-I{source_dir}", "-gencode",
+             f"arch=compute_{TARGET_ARCH},code=sm_{TARGET_ARCH}", "-Xptxas", "-v", "-c"]
+
+    def one(src: Path) -> Tuple[Path, subprocess.CompletedProcess]:
+        with tempfile.TemporaryDirectory() as tmp:
+            return src, subprocess.run([nvcc, *flags, str(src), "-o", os.path.join(tmp, "k.o")],
+                                       capture_output=True, text=True)
+
+    rows: List[Row] = []
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        results = list(pool.map(one, sources))
+    for src, res in results:
+        if res.returncode != 0:
+            rows.append(Row("cuda", src.name, "-", "-", error=f"nvcc failed: {res.stderr.strip()[-300:]}"))
+            continue
+        stats = parse_ptxas(res.stdout + res.stderr)
+        names = _demangle(list(stats))
+        for mangled, s in stats.items():
+            pretty = names[mangled].replace("(anonymous namespace)::", "")
+            kernel, _, variant = pretty.partition("<")
+            rows.append(Row("cuda", f"{src.name}: {kernel.split('(')[0].split('::')[-1]}",
+                            ("<" + variant.split(">(")[0] + ">") if variant else "-", "-",
+                            registers=s.get("registers"), spill_stores=s.get("spill_stores"),
+                            spill_loads=s.get("spill_loads"), shared=s.get("smem")))
+    return rows
+
+
+# --------------------------------------------------------------------------- report
+def format_table(rows: Sequence[Row]) -> str:
+    header = ("source", "kernel", "variant", "config", "regs", "spill st/ld", "smem", "status")
+    body = []
+    for r in rows:
+        spill = "-" if r.spill_stores is None else f"{r.spill_stores}/{r.spill_loads}"
+        body.append((r.source, r.kernel, r.variant, r.config, "-" if r.registers is None else str(r.registers),
+                     spill, "-" if r.shared is None else str(r.shared), "; ".join(r.problems) or "ok"))
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip() for line in [header, *body]]
+    return "\n".join(lines)
+
+
+def summary(rows: Sequence[Row]) -> str:
+    """Per kernel: candidates compiled, the most registers, failures."""
+    per: Dict[Tuple[str, str], List[Row]] = {}
+    for r in rows:
+        per.setdefault((r.source, r.kernel), []).append(r)
+    lines = [f"{'kernel':58s} {'compiled':>8s} {'max regs':>8s} {'max smem':>9s}  failing"]
+    for (source, kernel), group in per.items():
+        regs = max((r.registers or 0) for r in group)
+        smem = max((r.shared or 0) for r in group)
+        bad = sum(1 for r in group if r.problems)
+        lines.append(f"{source + ' ' + kernel:58s} {len(group):8d} {regs:8d} {smem:9d}  {bad}")
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bertfast.gpucheck.compile_report", description=__doc__.split("\n")[0])
+    p.add_argument("--fast", action="store_true", help="the training configuration only (what CI runs)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles (default: CPU count)")
+    p.add_argument("--json", default=None, help="also write every row to this JSON file")
+    p.add_argument("--no-cuda", action="store_true", help="skip the CUDA extension")
+    p.add_argument("--no-triton", action="store_true", help="skip the Triton kernels")
+    p.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # i/N: one worker's share of the Triton compiles
+    return p
+
+
+def _triton_rows(args) -> List[Row]:
+    """All Triton rows, compiled by ``args.jobs`` worker processes (each records the launches and
+    compiles its share: recording is cheap, compiling is not)."""
+    if args.jobs <= 1:
+        with tempfile.TemporaryDirectory() as cache:
+            _prepare_offline_triton(cache)
+            return compile_triton(record_launches(args.fast))
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for i in range(args.jobs):
+            out = os.path.join(tmp, f"shard{i}.json")
+            cmd = [sys.executable, "-m", "bertfast.gpucheck.compile_report", "--no-cuda", "--jobs", "1",
+                   "--shard", f"{i}/{args.jobs}", "--json", out] + (["--fast"] if args.fast else [])
+            procs.append((out, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)))
+        rows: List[Row] = []
+        for out, proc in procs:
+            _, err = proc.communicate()
+            if not os.path.exists(out):
+                raise SystemExit(f"compile report: a worker failed:\n{err[-2000:]}")
+            rows += [Row(**r) for r in json.load(open(out))]
+        return sorted(rows, key=lambda r: r.order)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    if args.shard:
+        index, count = (int(x) for x in args.shard.split("/"))
+        with tempfile.TemporaryDirectory() as cache:
+            _prepare_offline_triton(cache)
+            rows = compile_triton(record_launches(args.fast), (index, count))
+        with open(args.json, "w") as fh:
+            json.dump([dataclasses.asdict(r) for r in rows], fh)
+        return 0
+
+    rows: List[Row] = []
+    if not args.no_triton:
+        import triton
+        print(f"Triton {triton.__version__}: compiling every autotune candidate for sm_{TARGET_ARCH} "
+              f"({'training configuration' if args.fast else 'full matrix'}) ...", flush=True)
+        rows += _triton_rows(args)
+    if not args.no_cuda:
+        nvcc, src = find_nvcc(), csrc_dir()
+        if nvcc is None or src is None:
+            print(f"CUDA extension: skipped ({'nvcc not found' if nvcc is None else 'csrc/ not found'})")
+        else:
+            print(f"CUDA extension: nvcc -Xptxas -v for sm_{TARGET_ARCH} ({nvcc}) ...", flush=True)
+            rows += compile_cuda(nvcc, src, args.jobs)
+    print(format_table(rows))
+    print()
+    print(summary(rows))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump([dataclasses.asdict(r) for r in rows], fh, indent=1)
+    failing = [r for r in rows if r.problems]
+    print()
+    if failing:
+        print(f"FAILED: {len(failing)} of {len(rows)} compiled kernels spill, exceed shared memory or do not "
+              f"compile (see the status column)")
+        return 1
+    print(f"ok: {len(rows)} compiled kernels, none spills or exceeds the sm_{TARGET_ARCH} shared-memory limit")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

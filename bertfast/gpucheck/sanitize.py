@@ -1,0 +1,138 @@
+"""Small calls of every fused op on one backend, forward and backward, dropout on.
+
+The GPU check runs this under ``compute-sanitizer`` (memcheck, then racecheck) with the CUDA
+backend forced, so every CUDA kernel of bertfast runs at least once on awkward shapes: ragged
+sequences with an empty one, odd widths, head dims 32/64/128, ignored labels. It checks only
+that every call finishes with finite results; correctness is the tests' job.
+
+    python -m bertfast.gpucheck.sanitize --backend cuda          # what the GPU check runs
+    python -m bertfast.gpucheck.sanitize --backend torch --device cpu   # the CPU dry run
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+Case = Tuple[str, Callable[[torch.device, torch.dtype], List[torch.Tensor]]]
+
+
+def _leaf(*shape, device, dtype, scale=1.0):
+    return (scale * torch.randn(*shape, device=device)).to(dtype).requires_grad_(True)
+
+
+def _grads(out: torch.Tensor, leaves: List[torch.Tensor]) -> List[torch.Tensor]:
+    grads = torch.autograd.grad(out.float().square().sum(), leaves, allow_unused=True)
+    return [out] + [g for g in grads if g is not None]
+
+
+def attention_varlen(device, dtype):
+    from bertfast.ops import attention_varlen as op
+    out = []
+    for heads, head_dim in ((3, 32), (2, 64), (1, 128)):
+        lengths = [5, 0, 17, 1, 33]
+        cu = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
+        qkv = _leaf(sum(lengths), 3, heads, head_dim, device=device, dtype=dtype)
+        out += _grads(op(qkv, cu, max(lengths), dropout_p=0.1), [qkv])
+    return out
+
+
+def attention_padded(device, dtype):
+    from bertfast.ops import attention as op
+    batch, seqlen, heads, head_dim = 3, 19, 2, 64
+    q, k, v = (_leaf(batch, seqlen, heads, head_dim, device=device, dtype=dtype) for _ in range(3))
+    mask = torch.arange(seqlen, device=device)[None, :] < torch.tensor([19, 7, 0], device=device)[:, None]
+    return _grads(op(q, k, v, mask, dropout_p=0.1), [q, k, v])
+
+
+def bias_gelu(device, dtype):
+    from bertfast.ops import bias_gelu as op
+    out = []
+    for approximate in ("none", "tanh"):
+        x, bias = _leaf(37, 300, device=device, dtype=dtype), _leaf(300, device=device, dtype=torch.float32)
+        out += _grads(op(x, bias, approximate), [x, bias])
+    return out
+
+
+def layer_norm(device, dtype):
+    from bertfast.ops import bias_dropout_residual_layernorm as op
+    n, h = 41, 100
+    x, res = _leaf(n, h, device=device, dtype=dtype), _leaf(n, h, device=device, dtype=dtype)
+    bias, w, b = (_leaf(h, device=device, dtype=torch.float32) for _ in range(3))
+    out = _grads(op(x, bias, res, w, b, 1e-12, dropout_p=0.1), [x, res, bias, w, b])
+    return out + _grads(op(x, None, None, w, b, 1e-12), [x, w, b])
+
+
+def embeddings(device, dtype):
+    from bertfast.ops import embeddings as op
+    t, h, vocab, positions = 45, 100, 97, 32
+    ids = torch.randint(0, vocab, (t,), device=device)
+    pos = torch.arange(t, device=device) % positions
+    types = (torch.arange(t, device=device) % 3 == 0).long()
+    tables = [_leaf(vocab, h, device=device, dtype=torch.float32, scale=0.02),
+              _leaf(positions, h, device=device, dtype=torch.float32, scale=0.02),
+              _leaf(2, h, device=device, dtype=torch.float32, scale=0.02)]
+    w, b = _leaf(h, device=device, dtype=torch.float32), _leaf(h, device=device, dtype=torch.float32)
+    y = op(ids, pos, types, *tables, w, b, 1e-12, dropout_p=0.1, out_dtype=dtype)
+    return _grads(y, tables + [w, b])
+
+
+def linear_cross_entropy(device, dtype):
+    from bertfast.ops import linear_cross_entropy as op
+    m, h, vocab = 29, 64, 1031
+    x = _leaf(m, h, device=device, dtype=dtype)
+    w, b = _leaf(vocab, h, device=device, dtype=dtype, scale=0.05), _leaf(vocab, device=device, dtype=dtype)
+    labels = torch.randint(0, vocab, (m,), device=device)
+    labels[::4] = -100
+    loss_sum, _ = op(x, w, b, labels, chunk_rows=8)
+    return _grads(loss_sum, [x, w, b])
+
+
+CASES: List[Case] = [("attention_varlen", attention_varlen), ("attention_padded", attention_padded),
+                     ("bias_gelu", bias_gelu), ("bias_dropout_residual_layernorm", layer_norm),
+                     ("embeddings", embeddings), ("linear_cross_entropy", linear_cross_entropy)]
+
+
+def run(backend: str, device: torch.device, dtypes=(torch.float32, torch.bfloat16), log=print) -> List[str]:
+    """Every case on ``backend``; returns the failures (an exception or a non-finite result)."""
+    from bertfast.ops import use_backend
+
+    failures = []
+    torch.manual_seed(0)
+    for dtype in dtypes:
+        for name, case in CASES:
+            label = f"{name} {str(dtype).replace('torch.', '')}"
+            try:
+                with use_backend(backend):
+                    results = case(device, dtype)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                bad = [i for i, t in enumerate(results) if not torch.isfinite(t.float()).all()]
+                if bad:
+                    raise AssertionError(f"non-finite values in results {bad}")
+            except Exception as exc:  # noqa: BLE001 - every failure is reported, the rest still runs
+                failures.append(f"{label}: {type(exc).__name__}: {exc}")
+                log(f"FAILED {label}: {type(exc).__name__}: {exc}")
+                continue
+            log(f"ok     {label} ({backend} on {device.type})")
+    return failures
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bertfast.gpucheck.sanitize", description=__doc__.split("\n")[0])
+    p.add_argument("--backend", choices=("cuda", "triton", "torch"), default="cuda")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("sanitize: --device cuda but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    dtypes = (torch.float32, torch.bfloat16) if args.device == "cuda" else (torch.float32,)
+    failures = run(args.backend, torch.device(args.device), dtypes)
+    print(f"{len(failures)} failing call(s)" if failures else "every call finished with finite results")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
