@@ -408,3 +408,181 @@ def test_gpu_calibration_and_timing():
     x = torch.randn(4096, 4096, device="cuda")
     t = time_fn(lambda: x.mul_(1.0), torch.device("cuda"), TimingPolicy.quick())
     assert t.n >= 3 and 0 < t.p20 <= t.median <= t.p80
+
+
+# --------------------------------------------------------------------------- selection, budget, merge, README
+def test_implementation_families():
+    from bertfast.bench.results import (BERTFAST, BERTFAST_REFERENCE, IMPL_FAMILIES, SDPA_CUDNN, TORCH_COMPILE,
+                                        impl_family)
+    assert [impl_family(i) for i in ("bertfast:triton varlen", BERTFAST, BERTFAST_REFERENCE, TORCH_EAGER, FULL_HEAD,
+                                     GEMM_FLOOR, TORCH_COMPILE, SDPA_FLASH, SDPA_CUDNN, HF_EAGER, HF_COMPILED)] == [
+        "bertfast", "bertfast", "reference", "eager", "eager", "eager", "compiled", "sdpa", "sdpa", "transformers",
+        "transformers-compiled"]
+    assert set(IMPL_FAMILIES) == {"bertfast", "reference", "eager", "compiled", "sdpa", "transformers",
+                                  "transformers-compiled"}
+    with pytest.raises(ValueError, match="no family"):
+        impl_family("numpy")
+
+
+def test_impls_filter_runs_only_the_selected_families():
+    from bertfast.bench import kernels_suite, model_suite
+    ctx = _cpu_ctx(backends=("torch",), ops=("bias_gelu",), impls=("eager",))
+    rows = kernels_suite.run(ctx)
+    assert rows and {r.impl for r in rows} == {TORCH_EAGER}
+    ctx = _cpu_ctx(models=("inference",), impls=("reference",))
+    rows = model_suite.run(ctx)
+    assert rows and {r.impl for r in rows} == {"bertfast reference"} and all(r.ok for r in rows)
+
+
+def test_cli_rejects_unknown_families_and_bad_case_filters(capsys):
+    assert cli.main(["--impls", "bertfast,numpy", "--device", "cpu"]) == 2
+    assert "unknown implementation families ['numpy']" in capsys.readouterr().err
+    assert cli.main(["--case", "model", "--device", "cpu"]) == 2
+    assert "expected FIELD=VALUE" in capsys.readouterr().err
+    assert cli.main(["--time-budget", "0", "--device", "cpu"]) == 2
+
+
+def test_case_filter_and_time_budget(monkeypatch):
+    from bertfast.bench import common, kernels_suite
+    ctx = _cpu_ctx(backends=("torch",), ops=("bias_dropout_residual_layernorm",), cases={"dropout": "0.1"})
+    rows = kernels_suite.run(ctx)
+    assert rows and {r.case["dropout"] for r in rows} == {0.1}
+    # A spent budget: every case left is recorded as skipped, none is run.
+    ctx = _cpu_ctx(backends=("torch",), ops=("bias_gelu", "attention"), budget_s=5.0)
+    ctx.deadline = common.time.monotonic() - 1.0
+    rows = kernels_suite.run(ctx)
+    assert rows and all(r.status == "skipped" and r.reason == "not run: the --time-budget of 5 s was spent"
+                        for r in rows)
+    assert {r.group for r in rows} == {"bias_gelu", "attention"}
+
+
+def test_dropout_case_is_timed_only_after_the_p0_gate(wrong_bdrln_backend):
+    from bertfast.bench import kernels_suite
+    ctx = _cpu_ctx(backends=("cuda", "torch"), ops=("bias_dropout_residual_layernorm",))
+    rows = kernels_suite.run(ctx)
+    dropout = [r for r in rows if r.case["dropout"] == 0.1]
+    wrong = [r for r in dropout if r.impl == "bertfast:cuda"]
+    assert len(wrong) == 3 and all(r.status == FAILED_PARITY and r.reason.startswith("at p = 0: y: max error")
+                                   for r in wrong)
+    good = [r for r in dropout if r.impl == "bertfast:torch"]
+    assert len(good) == 3 and all(r.ok for r in good)
+    assert all(r.parity["gate"].startswith("p=0 on the same inputs") and r.parity["ok"] for r in good)
+
+
+@pytest.fixture
+def wrong_bdrln_backend(monkeypatch):
+    """A 'cuda' backend of the residual LayerNorm that runs anywhere and adds 0.1 to the output."""
+    from bertfast import dispatch
+    from bertfast.ops import torch_impl
+
+    module = types.ModuleType("bertfast_bench_wrong_bdrln")
+
+    def fwd(*args, **kwargs):
+        y, *rest = torch_impl.bias_dropout_residual_layernorm_fwd(*args, **kwargs)
+        return (y + 0.1, *rest)
+    module.bias_dropout_residual_layernorm_fwd = fwd
+    module.bias_dropout_residual_layernorm_bwd = torch_impl.bias_dropout_residual_layernorm_bwd
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    op = "bias_dropout_residual_layernorm"
+    original = dispatch.backends(op)["cuda"]
+    dispatch.register_backend(dispatch.Backend(op, "cuda", module.__name__, lambda forced, **inputs: []))
+    yield
+    dispatch.register_backend(original)
+
+
+def test_parameter_modes_and_their_bytes():
+    from bertfast.bench import kernels_suite
+    gpu = SuiteContext(device=_fake_device("cuda"), quick=True, dtype=torch.bfloat16)
+    assert kernels_suite._param_modes(gpu) == ("act", "fp32")
+    assert kernels_suite._sizes(gpu, "fp32") == (2, 4) and kernels_suite._sizes(gpu, "act") == (2, 2)
+    assert kernels_suite._param_modes(_cpu_ctx()) == ("act",)
+
+
+def test_merge_runs_and_readme_table(tmp_path):
+    from bertfast.bench.merge import main as merge_main, merge_runs
+    from bertfast.bench.readme import BEGIN, END, update_readme
+    full = _synthetic_run()
+    a, b = tmp_path / "a", tmp_path / "b"
+    report.write(Run(device=full.device, config={"part": "a"}, rows=full.rows[:6], notes=["n1"]), str(a))
+    report.write(Run(device=full.device, config={"part": "b"}, rows=full.rows[6:], notes=["n1", "n2"]), str(b))
+    merged = merge_runs([str(a), str(b)])
+    assert len(merged.rows) == len(full.rows) and merged.notes == ["n1", "n2"]
+    assert [t["status"] for t in merged.targets] == [t["status"] for t in evaluate_targets(full)]
+    assert merged.config["parts"] == [{"part": "a"}, {"part": "b"}]
+    assert merge_main(["--out", str(tmp_path / "m"), str(a), str(b)]) == 0
+    assert (tmp_path / "m" / "results.json").exists()
+    with pytest.raises(FileNotFoundError, match="results.json"):
+        merge_runs([str(a), str(tmp_path / "nowhere")])
+    other = _fake_device("cuda")
+    other.name = "Other GPU"
+    report.write(Run(device=other, config={}, rows=[]), str(tmp_path / "c"))
+    with pytest.raises(ValueError, match="Other GPU"):
+        merge_runs([str(a), str(tmp_path / "c")])
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\nbefore\n{BEGIN}\nold table\n{END}\nafter\n")
+    update_readme(str(readme), merged, "benchmarks/results/fake-gpu-80gb/2026-01-01")
+    text = readme.read_text()
+    assert text.startswith("# title\n\nbefore\n" + BEGIN) and text.endswith(END + "\nafter\n")
+    assert "old table" not in text and "Fake GPU 80GB" in text and "benchmarks/results/fake-gpu-80gb" in text
+    assert "| BERT-base seq-128 training step >= 50% MFU | met |" in text
+    with pytest.raises(ValueError, match="CPU run"):
+        update_readme(str(readme), _synthetic_run("cpu"), "x")
+    readme.write_text("no markers\n")
+    with pytest.raises(ValueError, match="expected the lines"):
+        update_readme(str(readme), merged, "x")
+
+
+def test_datasheet_peaks_and_mfu_against_them():
+    assert devmod.datasheet_bf16_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert devmod.datasheet_bf16_tflops("NVIDIA H100 PCIe") == 756.0
+    assert devmod.datasheet_bf16_tflops("NVIDIA H200") == 989.4
+    assert devmod.datasheet_bf16_tflops("AMD EPYC") is None
+    from bertfast.bench import model_suite
+    info = _fake_device("cuda")
+    info.datasheet_bf16_tflops = 1000.0
+    ctx = SuiteContext(device=info, quick=True, dtype=torch.bfloat16)
+    f = model_suite._figures(ctx, Stat(100.0, 100.0, 100.0, 1), batch_size=32, tokens=4096, model_flops=40e12)
+    assert f["mfu"].median == pytest.approx(0.5) and f["mfu_datasheet"].median == pytest.approx(0.4)
+    run = _synthetic_run()
+    for r in run.rows:
+        if r.group == "pretrain_step" and r.impl == "bertfast":
+            r.metrics["mfu_datasheet"] = Stat(0.3, 0.3, 0.3, 3)
+    got = {t["id"]: t for t in evaluate_targets(run)}
+    assert got["mfu_base_128"]["status"] == NOT_MET and "datasheet peak" in got["mfu_base_128"]["detail"]
+    old = devmod.DeviceInfo.from_dict({k: v for k, v in info.to_dict().items() if k != "datasheet_bf16_tflops"})
+    assert old.datasheet_bf16_tflops is None
+
+
+def test_new_attention_and_seq512_targets():
+    run = _synthetic_run()
+    run.rows = [r for r in run.rows if r.group != "attention"]
+    att = dict(batch=32, seqlen=512, heads=16, head_dim=64, padding="none")
+    run.rows += [
+        _row("attention", "bertfast:triton varlen", 2.0, metrics={"tflops": 230.0}, dropout=0.1, **att),
+        _row("attention", "bertfast:cuda varlen", 3.0, metrics={"tflops": 150.0}, dropout=0.1, **att),
+        _row("attention", "sdpa:cudnn", 2.5, dropout=0.1, **att),
+        _row("pretrain_step", "bertfast", 900.0, "step", "model", {"mfu": 0.46}, model="bert-large", seqlen=512,
+             batch=32)]
+    got = {t["id"]: t for t in evaluate_targets(run)}
+    assert got["attention_tflops"]["status"] == MET and got["attention_tflops"]["value"] == pytest.approx(230.0)
+    assert got["attention_vs_cudnn"]["status"] == MET and got["attention_vs_cudnn"]["value"] == pytest.approx(1.25)
+    assert got["mfu_large_512"]["status"] == MET
+
+
+def test_row_timing_method_round_trips_and_old_files_load():
+    row = _row("bias_gelu", "bertfast:triton", 0.01, "fwd")
+    row.timing = "cuda graph replay"
+    assert Row.from_dict(row.to_dict()).timing == "cuda graph replay"
+    old = row.to_dict()
+    del old["timing"]
+    assert Row.from_dict(old).timing == ""
+
+
+@pytest.mark.gpu
+def test_gpu_small_kernels_are_timed_by_graph_replay():
+    from bertfast.bench.timing import GRAPH_REPLAY, host_overhead_us, time_small
+    x = torch.randn(1024, device="cuda")
+    t, method = time_small(lambda: x.mul_(1.0), torch.device("cuda"))
+    assert method == GRAPH_REPLAY and 0 < t.median < 0.05
+    assert host_overhead_us(lambda: x.mul_(1.0), torch.device("cuda")).median > 0

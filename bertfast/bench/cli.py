@@ -5,6 +5,7 @@ import argparse
 import datetime as _dt
 import os
 import sys
+import time
 from typing import List, Optional
 
 import torch
@@ -12,7 +13,7 @@ import torch
 from bertfast.bench import device as devmod
 from bertfast.bench import report
 from bertfast.bench.common import DTYPES, SuiteContext
-from bertfast.bench.results import Run
+from bertfast.bench.results import IMPL_FAMILIES, Run
 from bertfast.bench.targets import evaluate_targets
 from bertfast.bench.timing import TimingPolicy
 
@@ -41,7 +42,24 @@ def parser() -> argparse.ArgumentParser:
                         "otherwise); on a GPU the number of calls follows the time budget")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers rows")
+    p.add_argument("--impls", default=None,
+                   help=f"comma-separated implementation families to run (default: all): {', '.join(IMPL_FAMILIES)}")
+    p.add_argument("--case", default=None, metavar="FIELD=VALUE[,FIELD=VALUE]",
+                   help="run only the cases whose fields have these values (e.g. model=bert-large,seqlen=128)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="stop starting new cases after this many seconds (calibration included); the cases "
+                        "not reached are recorded as skipped")
     return p
+
+
+def _case_filter(text: Optional[str]) -> dict:
+    out = {}
+    for item in _csv(text) or ():
+        field, sep, value = item.partition("=")
+        if not sep or not field.strip():
+            raise ValueError(f"--case: expected FIELD=VALUE items, got {item!r}")
+        out[field.strip()] = value.strip()
+    return out
 
 
 def _csv(value: Optional[str]) -> Optional[tuple]:
@@ -57,6 +75,7 @@ def default_out_dir(info: devmod.DeviceInfo, quick: bool, when: Optional[_dt.dat
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(argv)
+    started = time.monotonic()
     log = lambda text: print(text, flush=True)  # noqa: E731
     device = None if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -69,6 +88,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"bertfast bench: unknown backends {unknown}; expected triton, cuda, torch", file=sys.stderr)
         return 2
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if info.is_cuda else torch.float32)
+    impls = _csv(args.impls)
+    unknown = [f for f in impls or () if f not in IMPL_FAMILIES]
+    if unknown:
+        print(f"bertfast bench: unknown implementation families {unknown}; expected {', '.join(IMPL_FAMILIES)}",
+              file=sys.stderr)
+        return 2
+    try:
+        cases = _case_filter(args.case)
+    except ValueError as exc:
+        print(f"bertfast bench: {exc}", file=sys.stderr)
+        return 2
+    if args.time_budget is not None and args.time_budget <= 0:
+        print(f"bertfast bench: --time-budget must be > 0 seconds, got {args.time_budget}", file=sys.stderr)
+        return 2
 
     log(f"bertfast bench on {info.describe()}")
     if not info.is_cuda:
@@ -94,13 +127,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         policy.cpu_warmup = step_policy.cpu_warmup = 1
     ctx = SuiteContext(device=info, quick=quick, dtype=dtype, backends=backends, compile=not args.no_compile,
                        with_transformers=not args.no_transformers, policy=policy, step_policy=step_policy,
-                       ops=_csv(args.ops), models=_csv(args.models), log=log)
+                       ops=_csv(args.ops), models=_csv(args.models), impls=impls, cases=cases,
+                       deadline=None if args.time_budget is None else started + args.time_budget,
+                       budget_s=args.time_budget, log=log)
     config = {"suite": args.suite, "quick": quick, "dtype": str(dtype).replace("torch.", ""),
               "backends": list(backends), "compile": ctx.compile, "transformers": ctx.with_transformers,
               "ops": list(ctx.ops) if ctx.ops else None, "models": list(ctx.models) if ctx.models else None,
               "argv": list(argv) if argv is not None else sys.argv[1:],
               "timing": "cuda_events" if info.is_cuda else "perf_counter (CPU)",
-              "cpu_reps": None if info.is_cuda else policy.cpu_reps}
+              "cpu_reps": None if info.is_cuda else policy.cpu_reps,
+              "impls": list(impls) if impls else None, "cases": cases or None,
+              "time_budget_s": args.time_budget}
     run = Run(device=info, config=config)
     if not info.is_cuda:
         ctx.note("CPU run: timings are time.perf_counter on CPU of reference"
@@ -114,6 +151,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from bertfast.bench import model_suite
         run.rows += model_suite.run(ctx)
     run.notes = list(ctx.notes)
+    run.config["elapsed_s"] = round(time.monotonic() - started, 1)
     run.targets = evaluate_targets(run)
 
     out_dir = args.out or default_out_dir(info, quick)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -80,8 +81,13 @@ class SuiteContext:
     step_policy: TimingPolicy = field(default_factory=lambda: TimingPolicy.steps(True))  # model suite
     ops: Optional[Tuple[str, ...]] = None  # kernel-suite filter (None: all)
     models: Optional[Tuple[str, ...]] = None  # model-suite filter
+    impls: Optional[Tuple[str, ...]] = None  # implementation families (results.IMPL_FAMILIES); None: all
+    cases: Dict[str, str] = field(default_factory=dict)  # case field -> value every case run must have
+    deadline: Optional[float] = None  # time.monotonic() after which no new case starts
+    budget_s: Optional[float] = None
     log: Callable[[str], None] = print
     notes: List[str] = field(default_factory=list)
+    gates: Dict[Tuple, Dict] = field(default_factory=dict)  # (group, case, impl) -> parity of a p=0 case
 
     @property
     def torch_device(self) -> torch.device:
@@ -91,6 +97,21 @@ class SuiteContext:
         if text not in self.notes:
             self.notes.append(text)
             self.log(f"note: {text}")
+
+    def wants(self, impl: str) -> bool:
+        """Is this implementation's family selected (--impls)?"""
+        from bertfast.bench.results import impl_family
+        return self.impls is None or impl_family(impl) in self.impls
+
+    def wants_case(self, case: Dict[str, object]) -> bool:
+        """Does the case match every --case field (compared as text)?"""
+        return all(str(case.get(k)) == v for k, v in self.cases.items())
+
+    def budget_spent(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def budget_reason(self) -> str:
+        return f"not run: the --time-budget of {self.budget_s:g} s was spent"
 
 
 def compile_skip_reason(ctx: SuiteContext) -> Optional[str]:

@@ -3,7 +3,8 @@
 * copy bandwidth: a device-to-device copy of a large buffer (1 GiB on a GPU), counted as
   read + write = 2 x buffer bytes per copy. Memory-bound ops report % of this figure.
 * peak matmul rate: a large square GEMM (bf16 8192^3 on a GPU), 2*M*N*K flops per call.
-  MFU is model FLOPs / time / this figure (the measured, not the datasheet, peak).
+  MFU is reported against this measured peak and against the datasheet dense bf16 peak of the
+  GPU (989.4 TFLOP/s for H100 SXM and H200), which the published targets use.
 
 On a CPU the same two measurements run on small buffers in fp32 (the dtype the CPU
 suites use) and everything says that these are CPU figures.
@@ -58,6 +59,23 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+# Dense bf16 tensor-core peaks from the vendor's datasheets, TFLOP/s (no sparsity), matched on the
+# device name in order: the first pattern that is a substring of the lower-cased name wins.
+DATASHEET_BF16_TFLOPS = (
+    ("h200", 989.4),
+    ("h100 nvl", 835.0),
+    ("h100 pcie", 756.0),
+    ("h100", 989.4),  # SXM ("NVIDIA H100 80GB HBM3")
+    ("a100", 312.0),
+)
+
+
+def datasheet_bf16_tflops(name: str) -> Optional[float]:
+    """The datasheet dense bf16 peak of a GPU by name; None for an unknown GPU or a CPU."""
+    lowered = name.lower()
+    return next((peak for pattern, peak in DATASHEET_BF16_TFLOPS if pattern in lowered), None)
+
+
 def compiler_status() -> Dict[str, Any]:
     """Can torch.compile (inductor) run here? It needs a C++ compiler on CPU and triton on GPU."""
     import shutil
@@ -83,6 +101,7 @@ class DeviceInfo:
     memory_bytes: Optional[int] = None
     cpu_threads: int = 1
     triton_interpret: bool = False
+    datasheet_bf16_tflops: Optional[float] = None  # the vendor's dense bf16 peak (None: unknown GPU, CPU)
     # Measured once per run by calibrate().
     copy_bandwidth_gbps: Optional[Stat] = None
     peak_matmul_tflops: Optional[Stat] = None
@@ -145,7 +164,7 @@ def detect(device: Optional[str] = None) -> DeviceInfo:
             cudnn_version=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
             driver_version=_nvidia_driver(),
             capability=f"{props.major}.{props.minor}", multiprocessors=props.multi_processor_count,
-            memory_bytes=int(props.total_memory), **common)
+            memory_bytes=int(props.total_memory), datasheet_bf16_tflops=datasheet_bf16_tflops(props.name), **common)
     name = _cpu_name()
     return DeviceInfo(kind="cpu", name=name, slug="cpu-" + slugify(name), **common)
 

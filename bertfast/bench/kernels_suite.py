@@ -12,8 +12,14 @@ then for every implementation:
 Implementations: ``bertfast:<backend>`` (the public op under ``bertfast.ops.use_backend``),
 ``torch eager`` (the reference math: what a plain PyTorch model runs), ``torch.compile`` of
 that same math, and for attention torch SDPA with the flash backend (equal-length batches
-only: it takes no mask) and the memory-efficient backend (with the padding mask).
-The MLM head adds the transformers-style full-sequence head and its GEMM floor.
+only: it takes no mask), the memory-efficient backend (with the padding mask) and the cuDNN
+backend. The MLM head adds the transformers-style full-sequence head and its GEMM floor.
+
+Dropout cases (attention, bias_dropout_residual_layernorm at p = 0.1) cannot be compared with
+the reference element by element (every implementation draws its own mask): an implementation
+is timed with dropout only after passing the gate on the same inputs at p = 0. Row-op cases
+with ``params=fp32`` keep the parameters in fp32 beside low-precision activations, the path
+training takes under autocast.
 """
 from __future__ import annotations
 
@@ -31,9 +37,10 @@ from bertfast.bench.common import (SuiteContext, compile_skip_reason, cu_seqlens
                                    free_memory, generator_for, mask_from, sequence_lengths, short_error,
                                    strict_fp32)
 from bertfast.bench.gate import compare
-from bertfast.bench.results import (ERROR, FAILED_PARITY, FULL_HEAD, GEMM_FLOOR, SDPA_FLASH, SDPA_MEM_EFFICIENT,
-                                    TORCH_COMPILE, TORCH_EAGER, Row, bertfast_impl, skipped)
-from bertfast.bench.timing import peak_memory, time_fn
+from bertfast.bench.results import (ERROR, FAILED_PARITY, FULL_HEAD, GEMM_FLOOR, SDPA_CUDNN, SDPA_FLASH,
+                                    SDPA_MEM_EFFICIENT, TORCH_COMPILE, TORCH_EAGER, Row, bertfast_impl, skipped)
+from bertfast.bench.timing import (COLD_L2, PERF_COUNTER, SMALL_KERNEL_MS, host_overhead_us, peak_memory, time_fn,
+                                   time_small)
 
 Tensor = torch.Tensor
 SUITE = "kernels"
@@ -42,6 +49,7 @@ OPS = ("attention", "bias_gelu", "bias_dropout_residual_layernorm", "embeddings"
 ALL_DIRECTIONS = ("fwd", "bwd", "fwd+bwd")
 GRAD_IN_FORWARD = ("fwd", "fwd+bwd")  # ops whose gradients are computed inside the forward pass
 EPS = 1e-12
+DROPOUT_P = 0.1  # BERT's, for the dropout cases
 
 
 # --------------------------------------------------------------------------- one path
@@ -83,6 +91,7 @@ class OpCase:
     impls: List[Impl]
     work: Callable[[str], Dict[str, float]]  # direction -> {"bytes": n} | {"flops": f}
     directions: Tuple[str, ...] = ALL_DIRECTIONS
+    gate_case: Optional["OpCase"] = None  # dropout cases: the same inputs at p = 0, where the gate runs
 
 
 def _leaf(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -94,9 +103,11 @@ def _grad_names(names: Sequence[str], grads: Sequence[Optional[Tensor]], like: S
 
 
 def _simple(fn: Callable[..., Tensor], names: Sequence[str], data: Dict[str, Tensor], dtype: torch.dtype,
-            grad_out: Optional[Tensor], extra: Optional[Dict[str, Any]] = None, out_name: str = "y") -> Prepared:
-    """A path whose leaves are ``data[names]`` cast to dtype and whose output is fn(*leaves, **extra)."""
-    leaves = [_leaf(data[n], dtype) for n in names]
+            grad_out: Optional[Tensor], extra: Optional[Dict[str, Any]] = None, out_name: str = "y",
+            fp32_names: Sequence[str] = ()) -> Prepared:
+    """A path whose leaves are ``data[names]`` cast to dtype (fp32 for ``fp32_names``: parameters kept
+    in fp32 as under autocast) and whose output is fn(*leaves, **extra)."""
+    leaves = [_leaf(data[n], torch.float32 if n in fp32_names else dtype) for n in names]
     extra = extra or {}
     return Prepared(leaves, lambda: fn(*leaves, **extra),
                     None if grad_out is None else grad_out.to(dtype),
@@ -143,32 +154,41 @@ def _compile_impl(ctx: SuiteContext, fn: Callable[..., Tensor], make: Callable[[
 
 # --------------------------------------------------------------------------- attention
 def attention_cases(ctx: SuiteContext) -> List[OpCase]:
+    """Head dim 64 first (BERT's), each at p = 0 and, where listed, again with dropout."""
     dev = ctx.torch_device
     if not ctx.device.is_cuda:
         shapes = [(2, 16, 2, 16)]  # batch, seqlen, heads, head_dim
         modes = {16: ("none", "finetune")}
+        dropout = {(16, "none")}
     elif ctx.quick:
         shapes = [(32, 128, 12, 64), (8, 512, 12, 64)]
         modes = {64: ("none", "finetune")}
+        dropout = {(64, "none")}
     else:
-        shapes = [(b, s, a, d) for s, b in ((128, 128), (512, 32)) for a, d in ((12, 64), (16, 64), (8, 128), (32, 32))]
+        shapes = [(b, s, a, d) for a, d in ((12, 64), (16, 64), (8, 128), (32, 32)) for s, b in ((128, 128), (512, 32))]
         modes = {64: ("none", "pretrain", "finetune"), 128: ("none", "finetune"), 32: ("none", "finetune")}
+        dropout = {(64, "none"), (64, "pretrain")}
     out = []
     for batch, seqlen, heads, head_dim in shapes:
         for mode in modes[head_dim]:
-            out.append(_attention_case(ctx, dev, batch, seqlen, heads, head_dim, mode))
+            plain = _attention_case(ctx, dev, batch, seqlen, heads, head_dim, mode, 0.0)
+            out.append(plain)
+            if (head_dim, mode) in dropout:
+                with_dropout = _attention_case(ctx, dev, batch, seqlen, heads, head_dim, mode, DROPOUT_P)
+                with_dropout.gate_case = plain
+                out.append(with_dropout)
     return out
 
 
-def _attention_case(ctx, dev, batch, seqlen, heads, head_dim, mode) -> OpCase:
-    gen = generator_for("attention", batch, seqlen, heads, head_dim, mode)
+def _attention_case(ctx, dev, batch, seqlen, heads, head_dim, mode, dropout_p) -> OpCase:
+    gen = generator_for("attention", batch, seqlen, heads, head_dim, mode)  # same inputs at every p
     lengths = sequence_lengths(mode, batch, seqlen, gen)
     total = sum(lengths)
     q, k, v, dout = (torch.randn(total, heads, head_dim, generator=gen).to(dev) for _ in range(4))
     cu = cu_seqlens(lengths, dev)
     mask = mask_from(lengths, seqlen, dev)
     case = {"batch": batch, "seqlen": seqlen, "heads": heads, "head_dim": head_dim, "padding": mode,
-            **describe_lengths(lengths, seqlen), "dtype": dtype_name(ctx.dtype)}
+            **describe_lengths(lengths, seqlen), "dropout": dropout_p, "dtype": dtype_name(ctx.dtype)}
 
     def padded(x: Tensor) -> Tensor:  # [T, A, D] -> [B, S, A, D], zeros at pads
         outp = x.new_zeros(batch, seqlen, heads, head_dim)
@@ -195,15 +215,15 @@ def _attention_case(ctx, dev, batch, seqlen, heads, head_dim, mode) -> OpCase:
             def canon(o, grads):
                 g = grads[0]
                 return {"out": o, "dq": g[:, 0], "dk": g[:, 1], "dv": g[:, 2]}
-            return Prepared([qkv], lambda: attention_varlen(qkv, cu, seqlen), dout.to(dtype), canon)
+            return Prepared([qkv], lambda: attention_varlen(qkv, cu, seqlen, dropout_p), dout.to(dtype), canon)
         return build
 
     def eager(a, b, c):
-        return reference.attention(a, b, c, mask)
+        return reference.attention(a, b, c, mask, dropout_p=dropout_p)
 
     def ops_padded(a, b, c):
         from bertfast.ops import attention
-        return attention(a, b, c, mask)
+        return attention(a, b, c, mask, dropout_p)
 
     def sdpa(backend_name: str, use_mask: bool) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -213,7 +233,7 @@ def _attention_case(ctx, dev, batch, seqlen, heads, head_dim, mode) -> OpCase:
         def fn(a, b, c):
             with sdpa_kernel(backend):
                 o = F.scaled_dot_product_attention(a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2),
-                                                   attn_mask=attn_mask)
+                                                   attn_mask=attn_mask, dropout_p=dropout_p)
             return o.transpose(1, 2)
         return fn
 
@@ -228,6 +248,11 @@ def _attention_case(ctx, dev, batch, seqlen, heads, head_dim, mode) -> OpCase:
                                            "(padding=none) cases"))
     impls.append(Impl(SDPA_MEM_EFFICIENT, padded_path(sdpa("EFFICIENT_ATTENTION", mode != "none")),
                       env_dependent=True))
+    from torch.nn.attention import SDPBackend
+    if hasattr(SDPBackend, "CUDNN_ATTENTION"):
+        impls.append(Impl(SDPA_CUDNN, padded_path(sdpa("CUDNN_ATTENTION", mode != "none")), env_dependent=True))
+    else:
+        impls.append(Impl(SDPA_CUDNN, skip=f"torch {torch.__version__} has no cuDNN SDPA backend"))
     return OpCase("attention", case, padded_path(eager), impls,
                   lambda d: {"flops": W.attention_flops(lengths, heads, head_dim, d), "tokens": total})
 
@@ -239,66 +264,88 @@ def _row_shapes(ctx: SuiteContext, gpu_full, gpu_quick, cpu):
     return gpu_quick if ctx.quick else gpu_full
 
 
+def _param_modes(ctx: SuiteContext) -> Tuple[str, ...]:
+    """'act': parameters in the activation dtype; 'fp32': fp32 parameters beside low-precision
+    activations, as under autocast (only where the two differ)."""
+    return ("act",) if ctx.dtype == torch.float32 else ("act", "fp32")
+
+
+def _sizes(ctx: SuiteContext, params: str) -> Tuple[int, int]:
+    """(activation bytes, parameter bytes) per element."""
+    act = torch.empty((), dtype=ctx.dtype).element_size()
+    return act, 4 if params == "fp32" else act
+
+
 def bias_gelu_cases(ctx: SuiteContext) -> List[OpCase]:
     dev, out = ctx.torch_device, []
-    for n, f in _row_shapes(ctx, [(4096, 3072), (16384, 3072), (16384, 4096)], [(16384, 3072)], [(64, 128)]):
+    for n, f in _row_shapes(ctx, [(16384, 3072), (16384, 4096), (4096, 3072)], [(16384, 3072)], [(64, 128)]):
         gen = generator_for("bias_gelu", n, f)
         data = {"x": torch.randn(n, f, generator=gen).to(dev), "bias": torch.randn(f, generator=gen).to(dev)}
         dy = torch.randn(n, f, generator=gen).to(dev)
+        for params in _param_modes(ctx):
+            fp32 = ("bias",) if params == "fp32" else ()
 
-        def make(fn, data=data, dy=dy):
-            return lambda dtype: _simple(fn, ["x", "bias"], data, dtype, dy)
+            def make(fn, data=data, dy=dy, fp32=fp32):
+                return lambda dtype: _simple(fn, ["x", "bias"], data, dtype, dy, fp32_names=fp32)
 
-        def ops_fn(x, b):
-            from bertfast.ops import bias_gelu
-            return bias_gelu(x, b)
-        impls = _backend_impls(ctx, ["bias_gelu"], lambda make=make: make(ops_fn))
-        impls.append(Impl(TORCH_EAGER, make(reference.bias_gelu)))
-        impls.append(_compile_impl(ctx, reference.bias_gelu, make))
-        size = torch.empty((), dtype=ctx.dtype).element_size()
-        out.append(OpCase("bias_gelu", {"tokens": n, "features": f, "dtype": dtype_name(ctx.dtype)},
-                          make(reference.bias_gelu), impls,
-                          lambda d, n=n, f=f, size=size: {"bytes": W.bias_gelu_bytes(n, f, size, size, d)}))
+            def ops_fn(x, b):
+                from bertfast.ops import bias_gelu
+                return bias_gelu(x, b)
+            impls = _backend_impls(ctx, ["bias_gelu"], lambda make=make: make(ops_fn))
+            impls.append(Impl(TORCH_EAGER, make(reference.bias_gelu)))
+            impls.append(_compile_impl(ctx, reference.bias_gelu, make))
+            act, par = _sizes(ctx, params)
+            # The gate's oracle keeps every leaf in the run's dtype (the low-precision rule's reference).
+            out.append(OpCase("bias_gelu", {"tokens": n, "features": f, "params": params, "dtype": dtype_name(ctx.dtype)},
+                              make(reference.bias_gelu, fp32=()), impls,
+                              lambda d, n=n, f=f, act=act, par=par: {"bytes": W.bias_gelu_bytes(n, f, act, par, d)}))
     return out
 
 
 def bdrln_cases(ctx: SuiteContext) -> List[OpCase]:
+    """BERT's residual LayerNorm: p = 0 for each shape and parameter mode, then with dropout."""
     dev, out = ctx.torch_device, []
     names = ["x", "bias", "residual", "weight", "ln_bias"]
-    for n, h in _row_shapes(ctx, [(4096, 768), (16384, 768), (16384, 1024)], [(16384, 1024)], [(64, 32)]):
+    for n, h in _row_shapes(ctx, [(16384, 1024), (16384, 768), (4096, 768)], [(16384, 1024)], [(64, 32)]):
         gen = generator_for("bdrln", n, h)
         data = {"x": torch.randn(n, h, generator=gen), "bias": torch.randn(h, generator=gen),
                 "residual": torch.randn(n, h, generator=gen), "weight": 1 + 0.1 * torch.randn(h, generator=gen),
                 "ln_bias": 0.1 * torch.randn(h, generator=gen)}
         data = {k: v.to(dev) for k, v in data.items()}
         dy = torch.randn(n, h, generator=gen).to(dev)
+        for params in _param_modes(ctx):
+            fp32 = ("bias", "weight", "ln_bias") if params == "fp32" else ()
+            plain = None
+            for p in (0.0, DROPOUT_P):
+                def make(fn, data=data, dy=dy, fp32=fp32):
+                    return lambda dtype: _simple(fn, names, data, dtype, dy, fp32_names=fp32)
 
-        def make(fn, data=data, dy=dy):
-            return lambda dtype: _simple(fn, names, data, dtype, dy)
+                def eager(x, b, r, w, lb, p=p):
+                    return reference.bias_dropout_residual_layernorm(x, b, r, w, lb, EPS, p)
 
-        def eager(x, b, r, w, lb):
-            return reference.bias_dropout_residual_layernorm(x, b, r, w, lb, EPS)
-
-        def ops_fn(x, b, r, w, lb):
-            from bertfast.ops import bias_dropout_residual_layernorm
-            return bias_dropout_residual_layernorm(x, b, r, w, lb, EPS)
-        impls = _backend_impls(ctx, ["bias_dropout_residual_layernorm"], lambda make=make: make(ops_fn))
-        impls.append(Impl(TORCH_EAGER, make(eager)))
-        impls.append(_compile_impl(ctx, eager, make))
-        size = torch.empty((), dtype=ctx.dtype).element_size()
-        out.append(OpCase("bias_dropout_residual_layernorm",
-                          {"tokens": n, "hidden": h, "dropout": 0.0, "dtype": dtype_name(ctx.dtype)},
-                          make(eager), impls,
-                          lambda d, n=n, h=h, size=size: {
-                              "bytes": W.bias_dropout_residual_layernorm_bytes(n, h, size, size, d)}))
+                def ops_fn(x, b, r, w, lb, p=p):
+                    from bertfast.ops import bias_dropout_residual_layernorm
+                    return bias_dropout_residual_layernorm(x, b, r, w, lb, EPS, p)
+                impls = _backend_impls(ctx, ["bias_dropout_residual_layernorm"], lambda make=make, f=ops_fn: make(f))
+                impls.append(Impl(TORCH_EAGER, make(eager)))
+                impls.append(_compile_impl(ctx, eager, make))
+                act, par = _sizes(ctx, params)
+                oc = OpCase("bias_dropout_residual_layernorm",
+                            {"tokens": n, "hidden": h, "params": params, "dropout": p, "dtype": dtype_name(ctx.dtype)},
+                            make(eager, fp32=()), impls,
+                            lambda d, n=n, h=h, act=act, par=par: {
+                                "bytes": W.bias_dropout_residual_layernorm_bytes(n, h, act, par, d)},
+                            gate_case=plain)
+                out.append(oc)
+                plain = oc
     return out
 
 
 def embeddings_cases(ctx: SuiteContext) -> List[OpCase]:
     dev, out = ctx.torch_device, []
     names = ["word", "pos", "token_type", "ln_weight", "ln_bias"]
-    for t, h, vocab, positions in _row_shapes(ctx, [(4096, 768, 30522, 512), (16384, 768, 30522, 512),
-                                                    (16384, 1024, 30522, 512)],
+    for t, h, vocab, positions in _row_shapes(ctx, [(16384, 1024, 30522, 512), (16384, 768, 30522, 512),
+                                                    (4096, 768, 30522, 512)],
                                               [(16384, 1024, 30522, 512)], [(64, 32, 100, 32)]):
         gen = generator_for("embeddings", t, h, vocab)
         seqlen = min(128, positions)
@@ -310,24 +357,29 @@ def embeddings_cases(ctx: SuiteContext) -> List[OpCase]:
                 "ln_bias": 0.1 * torch.randn(h, generator=gen)}
         data = {k: v.to(dev) for k, v in data.items()}
         dy = torch.randn(t, h, generator=gen).to(dev)
+        for params in _param_modes(ctx):
+            fp32 = tuple(names) if params == "fp32" else ()
+            act, par = _sizes(ctx, params)
+            out_dtype = ctx.dtype
 
-        def make(fn, data=data, dy=dy, ids=ids):
-            return lambda dtype: _simple(fn, names, data, dtype, dy, extra=ids)
+            def make(fn, data=data, dy=dy, ids=ids, fp32=fp32):
+                return lambda dtype: _simple(fn, names, data, dtype, dy, extra=ids, fp32_names=fp32)
 
-        def eager(word, pos, tt, lw, lb, input_ids, position_ids, token_type_ids):
-            return reference.embeddings(input_ids, position_ids, token_type_ids, word, pos, tt, lw, lb, EPS)
+            def eager(word, pos, tt, lw, lb, input_ids, position_ids, token_type_ids):
+                return reference.embeddings(input_ids, position_ids, token_type_ids, word, pos, tt, lw, lb, EPS)
 
-        def ops_fn(word, pos, tt, lw, lb, input_ids, position_ids, token_type_ids):
-            from bertfast.ops import embeddings
-            return embeddings(input_ids, position_ids, token_type_ids, word, pos, tt, lw, lb, EPS)
-        impls = _backend_impls(ctx, ["embeddings"], lambda make=make: make(ops_fn))
-        impls.append(Impl(TORCH_EAGER, make(eager)))
-        impls.append(_compile_impl(ctx, eager, make))
-        size = torch.empty((), dtype=ctx.dtype).element_size()
-        out.append(OpCase("embeddings", {"tokens": t, "hidden": h, "vocab": vocab, "dtype": dtype_name(ctx.dtype)},
-                          make(eager), impls,
-                          lambda d, t=t, h=h, vocab=vocab, positions=positions, size=size: {
-                              "bytes": W.embeddings_bytes(t, h, vocab, positions, 2, 8, size, size, d)}))
+            def ops_fn(word, pos, tt, lw, lb, input_ids, position_ids, token_type_ids, out_dtype=out_dtype):
+                from bertfast.ops import embeddings
+                return embeddings(input_ids, position_ids, token_type_ids, word, pos, tt, lw, lb, EPS,
+                                  out_dtype=out_dtype)
+            impls = _backend_impls(ctx, ["embeddings"], lambda make=make, f=ops_fn: make(f))
+            impls.append(Impl(TORCH_EAGER, make(eager)))
+            impls.append(_compile_impl(ctx, eager, make))
+            out.append(OpCase("embeddings", {"tokens": t, "hidden": h, "vocab": vocab, "params": params,
+                                             "dtype": dtype_name(ctx.dtype)},
+                              make(eager, fp32=()), impls,
+                              lambda d, t=t, h=h, vocab=vocab, positions=positions, act=act, par=par: {
+                                  "bytes": W.embeddings_bytes(t, h, vocab, positions, 2, 8, par, act, d)}))
     return out
 
 
@@ -476,9 +528,18 @@ def direction_callable(p: Prepared, direction: str) -> Callable[[], None]:
 
 
 def _time_direction(ctx: SuiteContext, p: Prepared, direction: str):
+    """(time Stat, timing method, host overhead Stat or None, peak memory or None).
+
+    Cold-L2 CUDA events per call; a figure under SMALL_KERNEL_MS is re-timed by graph replay (or
+    back to back), its host overhead measured apart. CPU: perf_counter."""
     fn = direction_callable(p, direction)
-    t = time_fn(fn, ctx.torch_device, ctx.policy)
-    return t, (peak_memory(fn, ctx.torch_device) if direction == "fwd+bwd" else None)
+    dev = ctx.torch_device
+    t = time_fn(fn, dev, ctx.policy)
+    method, host = (COLD_L2 if ctx.device.is_cuda else PERF_COUNTER), None
+    if ctx.device.is_cuda and t.median < SMALL_KERNEL_MS:
+        t, method = time_small(fn, dev)
+        host = host_overhead_us(fn, dev)
+    return t, method, host, (peak_memory(fn, dev) if direction == "fwd+bwd" else None)
 
 
 def compile_settings():
@@ -493,71 +554,127 @@ def compile_settings():
     return functorch_config.patch(donated_buffer=False)
 
 
+class _References:
+    """The fp32 and run-dtype references of a case, computed on first use."""
+
+    def __init__(self, ctx: SuiteContext, oc: OpCase):
+        self.ctx, self.oc, self._values = ctx, oc, None
+
+    def get(self):
+        if self._values is None:
+            with strict_fp32():
+                ref32 = self.oc.reference(torch.float32).run_once()
+            lowp = self.ctx.dtype
+            ref_lowp = self.oc.reference(lowp).run_once() if lowp != torch.float32 else None
+            self._values = (ref32, ref_lowp)
+        return self._values
+
+
 def run_case(ctx: SuiteContext, oc: OpCase) -> List[Row]:
-    """The reference once (fp32 and the run's dtype), then every implementation: gate, then time."""
-    with strict_fp32():
-        ref32 = oc.reference(torch.float32).run_once()
-    ref_lowp = oc.reference(ctx.dtype).run_once() if ctx.dtype != torch.float32 else None
+    """Every selected implementation: gate (on this case, or at p = 0 for a dropout case), then time."""
+    refs = _References(ctx, oc.gate_case or oc)
     rows: List[Row] = []
     for impl in oc.impls:
+        if not ctx.wants(impl.name):
+            continue
         with compile_settings() if impl.name == TORCH_COMPILE else contextlib.nullcontext():
-            rows += _run_impl(ctx, oc, impl, ref32, ref_lowp)
+            rows += _run_impl(ctx, oc, impl, refs)
         free_memory()
     return rows
 
 
-def _run_impl(ctx: SuiteContext, oc: OpCase, impl: Impl, ref32: Dict[str, Tensor],
-              ref_lowp: Optional[Dict[str, Tensor]]) -> List[Row]:
+def _gate_key(oc: OpCase, impl: Impl) -> Tuple:
+    return (oc.group, repr(sorted(oc.case.items())), impl.name)
+
+
+def _gate(ctx: SuiteContext, oc: OpCase, impl: Impl, refs: _References) -> Tuple[str, str, Dict[str, Any]]:
+    """(status, reason, parity) of an implementation on its case's inputs: "ok", "skipped" (cannot
+    run here), "error" or FAILED PARITY. Remembered per case, so a dropout case reuses its p = 0 gate."""
     from bertfast.dispatch import NoBackendError
 
+    key = _gate_key(oc, impl)
+    if key in ctx.gates:
+        return ctx.gates[key]
+    try:
+        p = impl.build(ctx.dtype)
+        got = p.run_once()
+    except NoBackendError as exc:
+        result = ("skipped", short_error(exc), {})
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a visible row
+        if impl.name == TORCH_COMPILE:
+            ctx.note(f"torch.compile failed on this machine ({short_error(exc, 200)}); its rows are skipped")
+            result = ("skipped", f"torch.compile cannot run here: {short_error(exc)}", {})
+        elif impl.env_dependent:
+            result = ("skipped", f"cannot run here: {short_error(exc)}", {})
+        else:
+            result = (ERROR, f"while checking parity: {short_error(exc)}", {})
+    else:
+        result = ("ok", "", {"gate": "not applicable (GEMMs only, not the op)"})
+        if p.gated:
+            gate = compare(got, *refs.get())
+            result = ("ok" if gate.ok else FAILED_PARITY, gate.message, gate.to_dict())
+            if not gate.ok:
+                ctx.log(f"  {oc.group} {impl.name}: FAILED PARITY: {gate.message}")
+        del got
+    ctx.gates[key] = result
+    return result
+
+
+def _run_impl(ctx: SuiteContext, oc: OpCase, impl: Impl, refs: _References) -> List[Row]:
     def all_rows(status: str, reason: str, parity=None) -> List[Row]:
         return [Row(SUITE, oc.group, dict(oc.case), d, impl.name, status=status, reason=reason,
                     parity=parity or {}, work=oc.work(d)) for d in oc.directions]
 
     if impl.skip:
         return [skipped(SUITE, oc.group, dict(oc.case), d, impl.name, impl.skip) for d in oc.directions]
+    gate_case = oc.gate_case or oc
+    sibling = next((i for i in gate_case.impls if i.name == impl.name), None)
+    if sibling is None or sibling.skip:
+        return all_rows("skipped", f"no gate: {impl.name} does not run at p = 0 on these inputs")
+    status, reason, parity = _gate(ctx, gate_case, sibling, refs)
+    if oc.gate_case is not None:
+        parity = {"gate": "p=0 on the same inputs (dropout masks are implementation-specific)", **parity}
+        reason = reason and f"at p = 0: {reason}"
+    if status != "ok":
+        return all_rows(status, reason, parity)
     try:
         p = impl.build(ctx.dtype)
-        got = p.run_once()
-    except NoBackendError as exc:
-        return all_rows("skipped", short_error(exc))
-    except Exception as exc:  # noqa: BLE001 - every failure becomes a visible row
-        if impl.name == TORCH_COMPILE:
-            ctx.note(f"torch.compile failed on this machine ({short_error(exc, 200)}); its rows are skipped")
-            return all_rows("skipped", f"torch.compile cannot run here: {short_error(exc)}")
-        if impl.env_dependent:
-            return all_rows("skipped", f"cannot run here: {short_error(exc)}")
-        return all_rows(ERROR, f"while checking parity: {short_error(exc)}")
-    parity: Dict[str, Any] = {"gate": "not applicable (GEMMs only, not the op)"}
-    if p.gated:
-        gate = compare(got, ref32, ref_lowp)
-        parity = gate.to_dict()
-        if not gate.ok:
-            ctx.log(f"  {oc.group} {impl.name}: FAILED PARITY: {gate.message}")
-            return all_rows(FAILED_PARITY, gate.message, parity)
-    del got
+        if oc.gate_case is not None:  # this path has not run with dropout yet
+            p.run_once()
+    except Exception as exc:  # noqa: BLE001
+        if impl.env_dependent or impl.name == TORCH_COMPILE:
+            return all_rows("skipped", f"cannot run here with these settings: {short_error(exc)}", parity)
+        return all_rows(ERROR, f"while building: {short_error(exc)}", parity)
     rows: List[Row] = []
     for direction in oc.directions:
         work = oc.work(direction)
         try:
-            t, mem = _time_direction(ctx, p, direction)
+            t, method, host, mem = _time_direction(ctx, p, direction)
         except Exception as exc:  # noqa: BLE001
             rows.append(Row(SUITE, oc.group, dict(oc.case), direction, impl.name, status=ERROR,
                             reason=f"while timing: {short_error(exc)}", parity=parity, work=work))
             continue
-        rows.append(Row(SUITE, oc.group, dict(oc.case), direction, impl.name, time_ms=t,
-                        metrics=metrics_for(ctx, t, work), memory=mem, parity=parity, work=work))
+        metrics = metrics_for(ctx, t, work)
+        if host is not None:
+            metrics["host_us"] = host
+        rows.append(Row(SUITE, oc.group, dict(oc.case), direction, impl.name, time_ms=t, metrics=metrics,
+                        memory=mem, parity=parity, work=work, timing=method))
         ctx.log(f"  {oc.group} {direction:8s} {impl.name:28s} {t.median:9.4f} ms")
     return rows
+
+
+def _skipped_case(ctx: SuiteContext, oc: OpCase, reason: str) -> List[Row]:
+    return [skipped(SUITE, oc.group, dict(oc.case), d, impl.name, reason)
+            for impl in oc.impls if ctx.wants(impl.name) for d in oc.directions]
 
 
 def run(ctx: SuiteContext) -> List[Row]:
     if not ctx.device.is_cuda:
         ctx.note("kernel suite on CPU: tiny shapes, fp32; bertfast:triton runs only under TRITON_INTERPRET=1 "
                  "(the Triton interpreter), bertfast:cuda needs a GPU")
-    ctx.note("kernel suite: parameters share the activation dtype; dropout_p = 0 (the gate compares "
-             "against the reference exactly); fwd = forward under no_grad, bwd = autograd.grad on a retained "
-             "graph, fwd+bwd = both")
+    ctx.note("kernel suite: params=act puts the parameters in the activation dtype, params=fp32 keeps them in "
+             "fp32 (autocast); a dropout case is timed only for implementations that passed the gate on the same "
+             "inputs at p = 0; fwd = forward under no_grad, bwd = autograd.grad on a retained graph, fwd+bwd = both")
     ctx.note("linear_cross_entropy / mlm_head: bertfast computes the gradients inside the forward pass, so they "
              "have fwd (no grad) and fwd+bwd rows only; TFLOP/s counts the labelled rows' GEMMs for every "
              "implementation (the full-sequence head does more work for the same result)")
@@ -566,7 +683,13 @@ def run(ctx: SuiteContext) -> List[Row]:
         if ctx.ops is not None and op not in ctx.ops:
             continue
         ctx.log(f"[kernels] {op}")
-        for oc in CASE_BUILDERS[op](ctx):
+        cases = [oc for oc in CASE_BUILDERS[op](ctx) if ctx.wants_case(oc.case)]
+        for i, oc in enumerate(cases):
+            if ctx.budget_spent():
+                ctx.log(f"  time budget spent: {len(cases) - i} {op} case(s) not run")
+                for rest in cases[i:]:
+                    rows += _skipped_case(ctx, rest, ctx.budget_reason())
+                break
             rows += run_case(ctx, oc)
             free_memory()
     return rows

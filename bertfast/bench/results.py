@@ -28,11 +28,35 @@ TORCH_EAGER = "torch eager"
 TORCH_COMPILE = "torch.compile"
 SDPA_FLASH = "sdpa:flash"
 SDPA_MEM_EFFICIENT = "sdpa:mem_efficient"
+SDPA_CUDNN = "sdpa:cudnn"
 FULL_HEAD = "full-sequence head"
 GEMM_FLOOR = "gemm floor"
 BERTFAST_REFERENCE = "bertfast reference"
 HF_EAGER = "transformers sdpa eager"
 HF_COMPILED = "transformers sdpa compiled"
+
+
+# Implementation families: what `bertfast bench --impls` selects.
+IMPL_FAMILIES = ("bertfast", "reference", "eager", "compiled", "sdpa", "transformers", "transformers-compiled")
+
+
+def impl_family(impl: str) -> str:
+    """The family of an implementation name (one of IMPL_FAMILIES)."""
+    if impl == BERTFAST_REFERENCE:
+        return "reference"
+    if impl == BERTFAST or impl.startswith(BERTFAST + ":"):
+        return "bertfast"
+    if impl in (TORCH_EAGER, FULL_HEAD, GEMM_FLOOR):
+        return "eager"
+    if impl == TORCH_COMPILE:
+        return "compiled"
+    if impl.startswith("sdpa:"):
+        return "sdpa"
+    if impl == HF_EAGER:
+        return "transformers"
+    if impl == HF_COMPILED:
+        return "transformers-compiled"
+    raise ValueError(f"unknown implementation {impl!r}: no family")
 
 
 def bertfast_impl(backend: str, variant: str = "") -> str:
@@ -60,6 +84,7 @@ class Row:
     memory: Optional[Memory] = None
     parity: Dict[str, Any] = field(default_factory=dict)  # what the gate measured
     work: Dict[str, float] = field(default_factory=dict)  # bytes / flops / tokens the figures divide
+    timing: str = ""  # how time_ms was measured (see bertfast.bench.timing.METHODS)
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -90,6 +115,7 @@ class Row:
             "memory": self.memory.to_dict() if self.memory else None,
             "parity": dict(self.parity),
             "work": dict(self.work),
+            "timing": self.timing,
         }
 
     @classmethod
@@ -102,6 +128,7 @@ class Row:
             memory=Memory(**d["memory"]) if d.get("memory") else None,
             parity=dict(d.get("parity", {})),
             work=dict(d.get("work", {})),
+            timing=d.get("timing", ""),
         )
 
 

@@ -6,6 +6,12 @@ with its own pair of CUDA events, zeroing a 256 MiB buffer between calls so that
 starts with a cold L2 cache. CPU: ``time.perf_counter`` around each call after warm-up calls;
 these are CPU timings of interpreter/reference paths on tiny shapes, not GPU figures.
 
+Kernels that take less than SMALL_KERNEL_MS per call are timed again without the L2 flush and
+the per-call events, whose own cost would be a large part of the figure: by CUDA-graph
+replay of ``calls`` back-to-back calls (the launch overhead gone too), or, where the call
+cannot be captured (a host synchronisation inside, say), back to back between two events.
+Their host overhead, the CPU time of one eager call, is reported on its own (``host_us``).
+
 Every figure is a ``Stat``: median, p20 and p80 of the per-call samples (linear
 interpolation between order statistics, as numpy's default), plus the sample count.
 Throughputs derived from times (GB/s, TFLOP/s, sequences/s) are ``amount / time``, a
@@ -182,6 +188,66 @@ def _time_cuda(fn, device: torch.device, policy: TimingPolicy, setup) -> Stat:
             one(s, e)
         torch.cuda.synchronize(device)
         return summarize([s.elapsed_time(e) for s, e in events])
+
+
+# How a figure was timed (Row.timing).
+COLD_L2 = "cuda events, cold L2"
+GRAPH_REPLAY = "cuda graph replay"
+BACK_TO_BACK = "back to back"
+PERF_COUNTER = "perf_counter (CPU)"
+METHODS = (COLD_L2, GRAPH_REPLAY, BACK_TO_BACK, PERF_COUNTER)
+SMALL_KERNEL_MS = 0.05
+
+
+def _capture(fn: Callable[[], object], device: torch.device, calls: int) -> "torch.cuda.CUDAGraph":
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up off the capturing stream, as CUDA graphs require
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def time_small(fn: Callable[[], object], device: torch.device, calls: int = 20, samples: int = 10):
+    """(Stat of ms per call, method): graph replay of ``calls`` calls, else back to back."""
+    device = torch.device(device)
+    try:
+        graph = _capture(fn, device, calls)
+        run, method = graph.replay, GRAPH_REPLAY
+    except Exception:  # noqa: BLE001 - not capturable here: time the eager calls back to back
+        torch.cuda.synchronize(device)
+
+        def run():
+            for _ in range(calls):
+                fn()
+        method = BACK_TO_BACK
+    run()
+    torch.cuda.synchronize(device)
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(samples)]
+    for start, end in pairs:
+        start.record()
+        run()
+        end.record()
+    torch.cuda.synchronize(device)
+    return summarize([s.elapsed_time(e) / calls for s, e in pairs]), method
+
+
+def host_overhead_us(fn: Callable[[], object], device: torch.device, calls: int = 20) -> Stat:
+    """CPU time of one eager call in microseconds (no synchronisation inside the timed loop)."""
+    samples = []
+    for _ in range(5):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+    torch.cuda.synchronize(device)
+    return summarize(samples)
 
 
 @dataclass
