@@ -119,7 +119,9 @@ def _choose_on_scratch(kernel, grid, args: Sequence, consts: Dict, scratch: Sequ
     arguments named in ``scratch`` (their contents do not change a kernel's speed)."""
     key = (id(kernel), _tuning_key(kernel, args, consts))
     if key not in _SCRATCH_CHOICES:
-        spare = [torch.empty_like(a) if name in scratch else a for name, a in zip(kernel.arg_names, args)]
+        # Same sizes and strides (a row-strided view keeps its row stride, which the kernel is given).
+        spare = [torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device) if name in scratch
+                 else a for name, a in zip(kernel.arg_names, args)]
         kernel[grid](*spare, **consts)
         _SCRATCH_CHOICES[key] = kernel.best_config
     return _SCRATCH_CHOICES[key]

@@ -194,3 +194,18 @@ def test_land_refuses_a_dry_run(tmp_path):
         runner.land(str(out), repo=str(tmp_path))
     with pytest.raises(FileNotFoundError, match="summary.json"):
         runner.land(str(tmp_path / "nothing"), repo=str(tmp_path))
+
+
+def test_a_rejected_optional_option_is_dropped_and_the_step_retried(tmp_path, monkeypatch):
+    """compute-sanitizer's kernel filter differs between versions: a tool that rejects it runs again
+    without it, and the log says so."""
+    tool = tmp_path / "tool.py"
+    tool.write_text("import sys\nif '--only' in sys.argv:\n    print('Error: unknown option --only')\n"
+                    "    raise SystemExit(2)\nprint('checked everything')\n")
+    step = Step("memcheck", [sys.executable, str(tool), "--only", "x"], 30, optional_args=["--only", "x"])
+    monkeypatch.setattr(runner, "STAGES", [Stage(1, "build", "test", [step])])
+    monkeypatch.setattr(runner, "get_stage", lambda k: runner.STAGES[0])
+    monkeypatch.setattr(runner, "_installed", lambda: True)
+    record = runner.run_stage(runner.STAGES[0], str(tmp_path), dry_run=False, log=lambda text: None)
+    assert record["status"] == "ok" and record["steps"][0]["status"] == "ok"
+    assert "checked everything" in (tmp_path / "stage1-build" / "memcheck.log").read_text()

@@ -109,6 +109,12 @@ def _kill(proc: subprocess.Popen) -> None:
             pass
 
 
+def _rejected_option(log_path: str) -> bool:
+    """Did the command refuse to start over an option it does not know?"""
+    head = open(log_path, errors="replace").read(4000).lower()
+    return "option" in head and any(w in head for w in ("unknown", "unrecognized", "unrecognised", "invalid"))
+
+
 def run_step(step: Step, argv: List[str], env: Dict[str, str], log_path: str, limit_s: int) -> Dict:
     """Run one command, its output teed to log_path; stopped at limit_s. Returns its record."""
     start = time.time()
@@ -197,7 +203,34 @@ def _environment(out: str, dry_run: bool) -> Dict[str, str]:
     return env
 
 
+def _command(step: Step, out: str, dry_run: bool, log) -> List[str]:
+    argv = [_fill(a, out) for a in (step.dry_argv if dry_run and step.dry_argv else step.argv)]
+    if step.name == "pytest" and not dry_run and importlib.util.find_spec("xdist") is None:
+        i = argv.index("-n")
+        del argv[i:i + 2]
+        log("pytest-xdist is not installed: the tests run in one process")
+    return argv
+
+
+def _run_one(step: Step, out: str, stage_dir: str, dry_run: bool, log) -> Dict:
+    """One step's command with its environment and log; a rejected optional option is dropped once."""
+    argv = _command(step, out, dry_run, log)
+    env = _environment(out, dry_run)
+    env.update({k: _fill(v, out) for k, v in step.env.items()})
+    log(f"--- {step.name} (limit {step.limit_s} s): {' '.join(argv)}")
+    log_path = os.path.join(stage_dir, f"{step.name}.log")
+    result = run_step(step, argv, env, log_path, step.limit_s)
+    if result["status"] == "failed" and step.optional_args and _rejected_option(log_path):
+        argv = [a for a in argv if a not in step.optional_args]
+        log(f"--- {step.name}: the tool rejected {' '.join(step.optional_args)}; again without it")
+        result = run_step(step, argv, env, log_path, step.limit_s)
+    result["findings"] = findings(step, log_path, out, os.path.basename(stage_dir))
+    log(f"--- {step.name}: {result['status']} in {result['seconds']:.0f} s. {result['findings']}")
+    return result
+
+
 def run_stage(s: Stage, out: str, dry_run: bool, log) -> Dict:
+    """Every step of a stage, in order (a failing step does not stop the next: each is evidence)."""
     stage_dir = os.path.join(out, s.dir_name)
     os.makedirs(stage_dir, exist_ok=True)
     log(f"=== stage {s.number} ({s.name}, {s.minutes} min): {s.what}")
@@ -205,33 +238,20 @@ def run_stage(s: Stage, out: str, dry_run: bool, log) -> Dict:
     install_checked = dry_run
     for step in s.steps:
         record = {"step": step.name, "limit_s": step.limit_s}
+        records.append(record)
         if dry_run and step.dry_argv == []:
             record.update(status="skipped", seconds=0.0, detail=step.dry_note)
-            records.append(record)
             log(f"--- {step.name}: skipped in the dry run ({step.dry_note})")
             continue
         if step.needs_install and not install_checked:
             problem = None if _installed() else _restore_install(out, log)
             if problem:
                 record.update(status="failed", seconds=0.0, detail=problem)
-                records.append(record)
                 log(f"--- {step.name}: {problem}")
                 continue
             install_checked = True
-        argv = [_fill(a, out) for a in (step.dry_argv if dry_run and step.dry_argv else step.argv)]
-        if step.name == "pytest" and not dry_run and importlib.util.find_spec("xdist") is None:
-            i = argv.index("-n")
-            del argv[i:i + 2]
-            log("pytest-xdist is not installed: the tests run in one process")
-        env = _environment(out, dry_run)
-        env.update({k: _fill(v, out) for k, v in step.env.items()})
-        log(f"--- {step.name} (limit {step.limit_s} s): {' '.join(argv)}")
-        result = run_step(step, argv, env, os.path.join(stage_dir, f"{step.name}.log"), step.limit_s)
-        record.update(result)
-        record["findings"] = findings(step, os.path.join(stage_dir, f"{step.name}.log"), out, s.dir_name)
-        records.append(record)
-        log(f"--- {step.name}: {result['status']} in {result['seconds']:.0f} s. {record['findings']}")
-        if step.name == "install" and result["status"] == "ok":
+        record.update(_run_one(step, out, stage_dir, dry_run, log))
+        if step.name == "install" and record["status"] == "ok":
             _keep_extension(out, log)
             install_checked = True
     if any(step.bench_part for step in s.steps):

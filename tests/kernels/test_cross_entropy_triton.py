@@ -104,10 +104,13 @@ def test_autotuned_in_place_kernel_is_tuned_on_a_scratch_copy(stand_in_tuner):
     stand_in_tuner(CE._softmax_cross_entropy_tuned)
     z, labels = _logits_with_ties(5, 1031, torch.float32)
     ref_loss, _, _, ref_grad = _torch_ce(z, labels, 0.5)
-    zk = z.clone()
+    wide = torch.full((5, 1040), 7.0)  # row-strided logits: the scratch copy keeps the row stride
+    zk = wide[:, :1031]
+    zk.copy_(z)
     loss, _, _ = softmax_cross_entropy_(zk, labels, 0.5, True)
     torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(zk, ref_grad, atol=1e-6, rtol=1e-5)
+    assert (wide[:, 1031:] == 7.0).all()
     assert len(CE._softmax_cross_entropy_tuned.cache) == 1
 
 
