@@ -87,7 +87,7 @@ class SuiteContext:
     budget_s: Optional[float] = None
     log: Callable[[str], None] = print
     notes: List[str] = field(default_factory=list)
-    gates: Dict[Tuple, Dict] = field(default_factory=dict)  # (group, case, impl) -> parity of a p=0 case
+    gates: Dict[Tuple, Tuple] = field(default_factory=dict)  # (group, case, impl) -> gate verdict of a case
 
     @property
     def torch_device(self) -> torch.device:

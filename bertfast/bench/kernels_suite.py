@@ -587,14 +587,17 @@ def _gate_key(oc: OpCase, impl: Impl) -> Tuple:
     return (oc.group, repr(sorted(oc.case.items())), impl.name)
 
 
-def _gate(ctx: SuiteContext, oc: OpCase, impl: Impl, refs: _References) -> Tuple[str, str, Dict[str, Any]]:
-    """(status, reason, parity) of an implementation on its case's inputs: "ok", "skipped" (cannot
-    run here), "error" or FAILED PARITY. Remembered per case, so a dropout case reuses its p = 0 gate."""
+def _gate(ctx: SuiteContext, oc: OpCase, impl: Impl,
+          refs: _References) -> Tuple[str, str, Dict[str, Any], Optional[Prepared]]:
+    """(status, reason, parity, the path it built) of an implementation on its case's inputs:
+    "ok", "skipped" (cannot run here), "error" or FAILED PARITY. The verdict is remembered per
+    case, so a dropout case reuses its p = 0 gate (the path is then None: not built again)."""
     from bertfast.dispatch import NoBackendError
 
     key = _gate_key(oc, impl)
     if key in ctx.gates:
-        return ctx.gates[key]
+        return (*ctx.gates[key], None)
+    p = None
     try:
         p = impl.build(ctx.dtype)
         got = p.run_once()
@@ -617,7 +620,7 @@ def _gate(ctx: SuiteContext, oc: OpCase, impl: Impl, refs: _References) -> Tuple
                 ctx.log(f"  {oc.group} {impl.name}: FAILED PARITY: {gate.message}")
         del got
     ctx.gates[key] = result
-    return result
+    return (*result, p)
 
 
 def _run_impl(ctx: SuiteContext, oc: OpCase, impl: Impl, refs: _References) -> List[Row]:
@@ -631,14 +634,17 @@ def _run_impl(ctx: SuiteContext, oc: OpCase, impl: Impl, refs: _References) -> L
     sibling = next((i for i in gate_case.impls if i.name == impl.name), None)
     if sibling is None or sibling.skip:
         return all_rows("skipped", f"no gate: {impl.name} does not run at p = 0 on these inputs")
-    status, reason, parity = _gate(ctx, gate_case, sibling, refs)
+    status, reason, parity, gated = _gate(ctx, gate_case, sibling, refs)
     if oc.gate_case is not None:
         parity = {"gate": "p=0 on the same inputs (dropout masks are implementation-specific)", **parity}
         reason = reason and f"at p = 0: {reason}"
     if status != "ok":
         return all_rows(status, reason, parity)
     try:
-        p = impl.build(ctx.dtype)
+        if oc.gate_case is None and gated is not None:
+            p = gated  # the path the gate just checked
+        else:
+            p = impl.build(ctx.dtype)
         if oc.gate_case is not None:  # this path has not run with dropout yet
             p.run_once()
     except Exception as exc:  # noqa: BLE001

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import io
 import json
 import os
@@ -303,11 +304,14 @@ def _demangle(names: Sequence[str]) -> Dict[str, str]:
 
 
 def find_nvcc() -> Optional[str]:
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        home = os.environ.get(var)
-        if home and os.path.isfile(os.path.join(home, "bin", "nvcc")):
-            return os.path.join(home, "bin", "nvcc")
-    return shutil.which("nvcc")
+    """nvcc as the extension build finds it (cuda_build.py beside csrc/ in a checkout)."""
+    src = csrc_dir()
+    if src is None:
+        return None
+    spec = importlib.util.spec_from_file_location("cuda_build", src.parent / "cuda_build.py")
+    cuda_build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cuda_build)
+    return cuda_build.find_nvcc()
 
 
 def compile_cuda(nvcc: str, source_dir: Path, jobs: int) -> List[Row]:
