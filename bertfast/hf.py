@@ -1,4 +1,7 @@
-"""Run transformers' own BERT on bertfast's fused attention.
+"""bertfast inside transformers: the Auto classes, and transformers' own BERT on the fused attention.
+
+    bertfast.register_auto()                        # AutoModel* build bertfast models for BERT configs
+    bertfast.unregister_auto()                      # and back
 
     import bertfast.hf
     bertfast.hf.register()                          # once: adds the "bertfast" implementation
@@ -59,3 +62,48 @@ def register() -> None:
 
     AttentionInterface.register(NAME, bertfast_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)  # a boolean [B, 1, S, S] mask, as for sdpa
+
+
+# ----------------------------------------------------------------------- Auto classes
+_AUTO_CLASSES = (("AutoModel", "BertModel"), ("AutoModelForPreTraining", "BertForPreTraining"),
+                 ("AutoModelForMaskedLM", "BertForMaskedLM"),
+                 ("AutoModelForSequenceClassification", "BertForSequenceClassification"),
+                 ("AutoModelForTokenClassification", "BertForTokenClassification"),
+                 ("AutoModelForQuestionAnswering", "BertForQuestionAnswering"),
+                 ("AutoModelForMultipleChoice", "BertForMultipleChoice"))
+_displaced: dict = {}
+
+
+def _auto_keys():
+    import transformers
+
+    import bertfast
+
+    for auto_name, model_name in _AUTO_CLASSES:
+        mapping = getattr(transformers, auto_name)._model_mapping
+        for config_class in (transformers.BertConfig, bertfast.BertConfig):
+            yield mapping, config_class, getattr(bertfast, model_name)
+
+
+def register_auto() -> None:
+    """Make transformers' Auto classes (and so pipelines, sentence-transformers, Trainer scripts)
+    build bertfast's models for BERT configs, in this process: ``AutoModel.from_pretrained(bert_dir)``
+    then returns a ``bertfast.BertModel``. ``unregister_auto()`` restores transformers' own."""
+    for mapping, config_class, model_class in _auto_keys():
+        if (id(mapping), config_class) not in _displaced:
+            _displaced[(id(mapping), config_class)] = mapping._extra_content.get(config_class)
+        # Written directly: mapping.register() skips transformers' own config classes in some releases.
+        mapping._extra_content[config_class] = model_class
+
+
+def unregister_auto() -> None:
+    """Undo ``register_auto()``: the Auto classes build what they built before it."""
+    for mapping, config_class, _ in _auto_keys():
+        key = (id(mapping), config_class)
+        if key not in _displaced:
+            continue
+        previous = _displaced.pop(key)
+        if previous is None:
+            mapping._extra_content.pop(config_class, None)
+        else:
+            mapping._extra_content[config_class] = previous

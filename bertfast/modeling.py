@@ -1,30 +1,45 @@
-"""The fast BERT models, drop-in for transformers' BERT classes.
+"""The fast BERT models: transformers BERT models whose forward runs the fused ops.
 
-Same class names, parameter names (state-dict keys), forward keywords, outputs and losses
-as transformers. Two ways to run the same modules and weights:
+Each class subclasses transformers' ``BertPreTrainedModel`` and takes transformers'
+``BertConfig``: loading, saving, dtype and device handling, gradient checkpointing,
+embedding resize, weight tying and the output classes are transformers'. Same class
+names, parameter names (state-dict keys), forward keywords, outputs and losses as
+transformers' BERT; the deliberate differences are listed in the README's drop-in table.
+
+Two ways to run the same modules and weights:
 
 * fast (default): padding is removed once (``bertfast.padding``), every layer runs on the
   real tokens only through the fused ops in ``bertfast.ops``, and the output is padded
   back. Under ``torch.compile`` the padded token layout is kept instead (static shapes, the
   padded attention op with its key mask), since unpadding has a data-dependent size.
   With MLM labels the prediction head runs only at labelled positions.
-* reference: the plain padded PyTorch encoder of ``bertfast.reference``, the oracle.
-  Chosen with ``bertfast.reference_execution(model)``.
+* reference: the plain padded PyTorch encoder, the oracle. Chosen with
+  ``bertfast.reference_execution(model)``; export (``torch.export``, ONNX) traces it too.
+
+Fusion never bypasses a module: a Linear, LayerNorm, Embedding or Dropout is fused into an
+op only while it is exactly that torch class with no hooks (``fusable``). PEFT/LoRA layers,
+quantized or parametrized modules and hooked modules are called as modules.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-from collections import OrderedDict
-from dataclasses import dataclass, fields
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.modules import module as _torch_module
+from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (BaseModelOutputWithPoolingAndCrossAttentions, MaskedLMOutput,
+                                           MultipleChoiceModelOutput, QuestionAnsweringModelOutput,
+                                           SequenceClassifierOutput, TokenClassifierOutput)
+from transformers.models.bert import modeling_bert as hf_bert
 
 from bertfast import ops, reference
-from bertfast.config import BertConfig
+from bertfast.config import BertConfig, check_supported, gelu_approximate, head_dim
 from bertfast.padding import pad_rows, unpad_mask
 from bertfast.reference import IGNORE_INDEX
 
@@ -32,95 +47,31 @@ Tensor = torch.Tensor
 
 
 # ================================================================= outputs
-class ModelOutput(OrderedDict):
-    """Outputs readable as attributes, by key, or by position like transformers' ModelOutput.
-
-    Positional access and ``to_tuple`` skip None fields; ``EXTRA`` fields (bertfast's own
-    additions) are left out of tuples so ``return_dict=False`` gives transformers' tuples.
-    """
-
-    EXTRA: Tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is not None:
-                super().__setitem__(f.name, value)
-
-    def __getitem__(self, key):
-        if isinstance(key, str):
-            return dict(self.items())[key]
-        return self.to_tuple()[key]
-
-    def __setattr__(self, name, value):
-        super().__setattr__(name, value)
-        if value is not None and name in {f.name for f in fields(self)}:
-            super().__setitem__(name, value)
-
-    def to_tuple(self) -> Tuple[Any, ...]:
-        return tuple(getattr(self, f.name) for f in fields(self)
-                     if getattr(self, f.name) is not None and f.name not in self.EXTRA)
-
-
-@dataclass(eq=False)
-class BaseModelOutputWithPoolingAndCrossAttentions(ModelOutput):
-    # bertfast extras, on the fast unpadded path: the last layer's rows [N, H] for the N real
-    # tokens and their indices into the flattened [B * S] batch (heads reuse them).
-    EXTRA = ("token_rows", "token_row_index")
-    last_hidden_state: Optional[Tensor] = None
-    pooler_output: Optional[Tensor] = None
-    hidden_states: Optional[Tuple[Tensor, ...]] = None
-    past_key_values: Optional[Any] = None
-    attentions: Optional[Tuple[Tensor, ...]] = None
-    cross_attentions: Optional[Tuple[Tensor, ...]] = None
+# transformers' output classes. bertfast's additions are plain attributes, not dataclass fields:
+# they stay out of keys(), to_tuple() and pytree flattening, so tuples and dicts are transformers'.
+class BertModelOutput(BaseModelOutputWithPoolingAndCrossAttentions):
+    # On the fast unpadded path: the last layer's rows [N, H] for the N real tokens and their
+    # indices into the flattened [B * S] batch (the heads reuse them).
     token_rows: Optional[Tensor] = None
     token_row_index: Optional[Tensor] = None
 
 
-@dataclass(eq=False)
-class BertForPreTrainingOutput(ModelOutput):
-    EXTRA = ("mlm_loss", "nsp_loss", "mlm_num_correct", "mlm_num_predictions")
-    loss: Optional[Tensor] = None
-    prediction_logits: Optional[Tensor] = None
-    seq_relationship_logits: Optional[Tensor] = None
-    hidden_states: Optional[Tuple[Tensor, ...]] = None
-    attentions: Optional[Tuple[Tensor, ...]] = None
+class BertForPreTrainingOutput(hf_bert.BertForPreTrainingOutput):
     mlm_loss: Optional[Tensor] = None
     nsp_loss: Optional[Tensor] = None
     mlm_num_correct: Optional[Tensor] = None
     mlm_num_predictions: Optional[Tensor] = None
 
 
-@dataclass(eq=False)
-class MaskedLMOutput(ModelOutput):
-    EXTRA = ("mlm_num_correct", "mlm_num_predictions")
-    loss: Optional[Tensor] = None
-    logits: Optional[Tensor] = None
-    hidden_states: Optional[Tuple[Tensor, ...]] = None
-    attentions: Optional[Tuple[Tensor, ...]] = None
+class BertMaskedLMOutput(MaskedLMOutput):
     mlm_num_correct: Optional[Tensor] = None
     mlm_num_predictions: Optional[Tensor] = None
 
 
-@dataclass(eq=False)
-class SequenceClassifierOutput(ModelOutput):
-    loss: Optional[Tensor] = None
-    logits: Optional[Tensor] = None
-    hidden_states: Optional[Tuple[Tensor, ...]] = None
-    attentions: Optional[Tuple[Tensor, ...]] = None
-
-
-TokenClassifierOutput = SequenceClassifierOutput
-MultipleChoiceModelOutput = SequenceClassifierOutput
-
-
-@dataclass(eq=False)
-class QuestionAnsweringModelOutput(ModelOutput):
-    loss: Optional[Tensor] = None
-    start_logits: Optional[Tensor] = None
-    end_logits: Optional[Tensor] = None
-    hidden_states: Optional[Tuple[Tensor, ...]] = None
-    attentions: Optional[Tuple[Tensor, ...]] = None
+def _with_extras(output, **extras: Any):
+    for name, value in extras.items():
+        setattr(output, name, value)  # not a field, so never a key
+    return output
 
 
 # ================================================================= execution mode
@@ -141,10 +92,38 @@ def reference_execution(model: nn.Module) -> Iterator[nn.Module]:
             m.execution = mode
 
 
+def _exporting() -> bool:
+    return torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export()
+
+
 def _activation_dtype(reference_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     if torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     return reference_dtype
+
+
+_FUSABLE_TYPES = (nn.Linear, nn.LayerNorm, nn.Embedding, nn.Dropout)
+
+
+def hooked(module: nn.Module) -> bool:
+    """True when calling ``module`` runs hooks: its own, global ones, or accelerate's (``_hf_hook``,
+    which moves or loads the weights on call under a device_map with offloading)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or getattr(module, "_hf_hook", None) is not None
+                or _torch_module._global_forward_hooks
+                or _torch_module._global_forward_pre_hooks or _torch_module._global_backward_hooks
+                or _torch_module._global_backward_pre_hooks)
+
+
+def fusable(*modules: nn.Module) -> bool:
+    """True when each module is exactly nn.Linear/LayerNorm/Embedding/Dropout with no hooks, so its
+    math may run inside a fused op. Anything else (a LoRA layer, a quantized or parametrized
+    module, a hooked one) must be called as a module."""
+    return all(type(m) in _FUSABLE_TYPES and not hooked(m) for m in modules)
+
+
+def _biased_linear(*modules: nn.Module) -> bool:
+    return fusable(*modules) and all(m.bias is not None for m in modules)
 
 
 # ================================================================= embeddings
@@ -157,46 +136,68 @@ class BertEmbeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def _p(self) -> float:
-        return self.dropout.p if self.training else 0.0
-
     def forward(self, input_ids: Optional[Tensor], position_ids: Tensor, token_type_ids: Tensor,
                 inputs_embeds: Optional[Tensor], fast: bool = True) -> Tensor:
         """fast: token rows, ids [N] (or inputs_embeds [N, H]) -> [N, H]; else padded [B, S] -> [B, S, H]."""
-        if not fast:
-            return self._forward_reference(input_ids, position_ids, token_type_ids, inputs_embeds)
         ln = self.LayerNorm
-        if inputs_embeds is None:
+        if fast and inputs_embeds is None and fusable(self.word_embeddings, self.position_embeddings,
+                                                      self.token_type_embeddings, ln, self.dropout):
             dtype = _activation_dtype(self.word_embeddings.weight.dtype, position_ids.device)
+            p = self.dropout.p if self.training else 0.0
             return ops.embeddings(input_ids, position_ids, token_type_ids, self.word_embeddings.weight,
                                   self.position_embeddings.weight, self.token_type_embeddings.weight,
-                                  ln.weight, ln.bias, ln.eps, self._p(), dtype)
-        h = inputs_embeds + self.position_embeddings(position_ids) + self.token_type_embeddings(token_type_ids)
-        return F.dropout(ops.layer_norm(h, ln.weight, ln.bias, ln.eps), self._p(), self.training)
-
-    def _forward_reference(self, input_ids: Optional[Tensor], position_ids: Tensor, token_type_ids: Tensor,
-                           inputs_embeds: Optional[Tensor]) -> Tensor:
+                                  ln.weight, ln.bias, ln.eps, p, dtype)
         words = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
-        h = words + self.position_embeddings(position_ids) + self.token_type_embeddings(token_type_ids)
-        return self.dropout(self.LayerNorm(h))
+        h = words + self.token_type_embeddings(token_type_ids) + self.position_embeddings(position_ids)
+        h = ops.layer_norm(h, ln.weight, ln.bias, ln.eps) if fast and fusable(ln) else ln(h)
+        return self.dropout(h)
 
 
 # ================================================================= encoder layer
+# Fast path: x holds token rows [N, H] and attend(qkv [N, 3, A, D], dropout_p) -> [N, A, D]
+# runs the fused attention. Reference path: x is padded [B, S, H] with mask [B, S] (1 = token).
+Attend = Callable[[Tensor, float], Tensor]
+
+
 class BertSelfAttention(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.num_attention_heads = config.num_attention_heads
-        self.attention_head_size = config.head_dim
+        self.attention_head_size = head_dim(config)
         self.query = nn.Linear(config.hidden_size, config.hidden_size)
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
 
     def qkv(self, x: Tensor) -> Tensor:
-        """One GEMM for Q, K and V: rows [N, H] -> [N, 3, A, D] (weights stay separate in the state dict)."""
-        weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])
-        bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
-        return F.linear(x, weight, bias).view(x.shape[0], 3, self.num_attention_heads, self.attention_head_size)
+        """rows [N, H] -> [N, 3, A, D]: one GEMM for plain Linears (weights stay separate in the state dict)."""
+        shape = (x.shape[0], 3, self.num_attention_heads, self.attention_head_size)
+        if _biased_linear(self.query, self.key, self.value):
+            weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])
+            bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
+            return F.linear(x, weight, bias).view(shape)
+        return torch.stack([self.query(x), self.key(x), self.value(x)], dim=1).view(shape)
+
+    def forward(self, x: Tensor, attend: Optional[Attend] = None, mask: Optional[Tensor] = None,
+                want_probs: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+        """-> (context shaped like x, attention probabilities [B, A, S, S] when asked on the reference path)."""
+        p = self.dropout.p if self.training else 0.0
+        if attend is not None:
+            return attend(self.qkv(x), p).reshape(x.shape), None
+        batch, seqlen, _ = x.shape
+        heads = lambda t: t.view(batch, seqlen, self.num_attention_heads, self.attention_head_size)  # noqa: E731
+        q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
+        keep = None
+        if p > 0:
+            keep = torch.rand((batch, self.num_attention_heads, seqlen, seqlen), device=x.device) >= p
+        context = reference.attention(q, k, v, mask, None, p, keep).reshape(x.shape)
+        return context, self._probs(q, k, mask) if want_probs else None
+
+    @staticmethod
+    def _probs(q: Tensor, k: Tensor, mask: Tensor) -> Tensor:
+        scores = torch.einsum("bqad,bkad->baqk", q, k) / math.sqrt(q.shape[-1])
+        scores = scores.masked_fill(~mask.bool()[:, None, None, :], float("-inf"))
+        return torch.softmax(scores, -1).nan_to_num(0.0)
 
 
 class BertSelfOutput(nn.Module):
@@ -209,12 +210,16 @@ class BertSelfOutput(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, h: Tensor, residual: Tensor, fast: bool = True) -> Tensor:
-        """LN(residual + Dropout(h @ W^T + b)); on the fast path the bias add is fused into the LayerNorm op."""
-        if not fast:
-            return self.LayerNorm(residual + self.dropout(self.dense(h)))
+        """LN(Dropout(h @ W^T + b) + residual); on the fast path one op after the GEMM."""
+        ln = self.LayerNorm
+        if not (fast and fusable(ln, self.dropout)):
+            return ln(self.dropout(self.dense(h)) + residual)
+        if fusable(self.dense):
+            y, bias = F.linear(h, self.dense.weight), self.dense.bias  # bias fused into the LayerNorm op
+        else:
+            y, bias = self.dense(h), None
         p = self.dropout.p if self.training else 0.0
-        return ops.bias_dropout_residual_layernorm(F.linear(h, self.dense.weight), self.dense.bias, residual,
-                                                   self.LayerNorm.weight, self.LayerNorm.bias, self.LayerNorm.eps, p)
+        return ops.bias_dropout_residual_layernorm(y, bias, residual, ln.weight, ln.bias, ln.eps, p)
 
 
 class BertOutput(BertSelfOutput):
@@ -228,61 +233,62 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(config)
         self.output = BertSelfOutput(config)
 
+    def forward(self, x: Tensor, attend: Optional[Attend] = None, mask: Optional[Tensor] = None,
+                want_probs: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+        context, probs = self.self(x, attend, mask, want_probs)
+        return self.output(context, x, fast=attend is not None), probs
+
+
+def _dense_gelu(dense: nn.Linear, x: Tensor, approximate: str, fast: bool) -> Tensor:
+    """GELU(x @ W^T + b), the bias add fused into the GELU op on the fast path."""
+    if fast and _biased_linear(dense):
+        return ops.bias_gelu(F.linear(x, dense.weight), dense.bias, approximate)
+    return F.gelu(dense(x), approximate=approximate)
+
 
 class BertIntermediate(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.approximate = config.gelu_approximate
+        self.approximate = gelu_approximate(config)
+
+    def forward(self, x: Tensor, fast: bool = True) -> Tensor:
+        return _dense_gelu(self.dense, x, self.approximate, fast)
 
 
-class BertLayer(nn.Module):
+class BertLayer(GradientCheckpointingLayer):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.attention = BertAttention(config)
         self.intermediate = BertIntermediate(config)
         self.output = BertOutput(config)
 
-    def forward(self, x: Tensor, attend: Optional[Callable[[Tensor, float], Tensor]] = None,
-                mask: Optional[Tensor] = None, want_probs: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
-        """Fast: x token rows [N, H] and attend(qkv [N, 3, A, D], dropout_p) -> [N, A, D].
-        Reference: x [B, S, H] and mask [B, S] (1 = token). Returns (output, attention probabilities or None)."""
-        if attend is None:
-            return self._forward_reference(x, mask, want_probs)
-        attn = self.attention
-        p_attn = attn.self.dropout.p if self.training else 0.0
-        context = attend(attn.self.qkv(x), p_attn).reshape(x.shape)  # [N, H]
-        x = attn.output(context, x)
-        h = ops.bias_gelu(F.linear(x, self.intermediate.dense.weight), self.intermediate.dense.bias,
-                          self.intermediate.approximate)
-        return self.output(h, x), None
-
-    def _forward_reference(self, x: Tensor, mask: Tensor, want_probs: bool) -> Tuple[Tensor, Optional[Tensor]]:
-        sa = self.attention.self
-        batch, seqlen, _ = x.shape
-        heads = lambda t: t.view(batch, seqlen, sa.num_attention_heads, sa.attention_head_size)  # noqa: E731
-        q, k, v = heads(sa.query(x)), heads(sa.key(x)), heads(sa.value(x))
-        p = sa.dropout.p if self.training else 0.0
-        keep = None
-        if p > 0:
-            keep = torch.rand((batch, sa.num_attention_heads, seqlen, seqlen), device=x.device) >= p
-        context = reference.attention(q, k, v, mask, None, p, keep).reshape(x.shape)
-        probs = self._probs(q, k, mask) if want_probs else None
-        x = self.attention.output(context, x, fast=False)
-        h = F.gelu(self.intermediate.dense(x), approximate=self.intermediate.approximate)
-        return self.output(h, x, fast=False), probs
-
-    @staticmethod
-    def _probs(q: Tensor, k: Tensor, mask: Tensor) -> Tensor:
-        scores = torch.einsum("bqad,bkad->baqk", q, k) / math.sqrt(q.shape[-1])
-        scores = scores.masked_fill(~mask.bool()[:, None, None, :], float("-inf"))
-        return torch.softmax(scores, -1).nan_to_num(0.0)
+    def forward(self, x: Tensor, attend: Optional[Attend] = None, mask: Optional[Tensor] = None,
+                want_probs: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+        """x positional (gradient checkpointing re-runs the layer on it) -> (output, probabilities or None)."""
+        fast = attend is not None
+        h, probs = self.attention(x, attend, mask, want_probs)
+        return self.output(self.intermediate(h, fast), h, fast), probs
 
 
 class BertEncoder(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.layer = nn.ModuleList([BertLayer(config) for _ in range(config.num_hidden_layers)])
+
+    def forward(self, x: Tensor, attend: Optional[Attend] = None, mask: Optional[Tensor] = None,
+                restore: Callable[[Tensor], Tensor] = lambda t: t, want_states: bool = False,
+                want_probs: bool = False) -> Tuple[Tensor, Optional[Tuple[Tensor, ...]], Optional[Tuple[Tensor, ...]]]:
+        """-> (last layer's x, hidden states padded by ``restore`` (embeddings first), probabilities)."""
+        states: Optional[List[Tensor]] = [restore(x)] if want_states else None
+        probs: Optional[List[Tensor]] = [] if want_probs else None
+        for layer in self.layer:
+            x, p = layer(x, attend=attend, mask=mask, want_probs=want_probs)
+            if states is not None:
+                states.append(restore(x))
+            if probs is not None:
+                probs.append(p)
+        return x, None if states is None else tuple(states), None if probs is None else tuple(probs)
 
 
 class BertPooler(nn.Module):
@@ -296,92 +302,49 @@ class BertPooler(nn.Module):
 
 
 # ================================================================= base class
-class BertPreTrainedModel(nn.Module):
-    """Weight initialisation and checkpoint I/O shared by every model class."""
+class BertPreTrainedModel(hf_bert.BertPreTrainedModel):
+    """transformers' BertPreTrainedModel with bertfast's modules: PreTrainedModel's machinery, fused forward."""
 
-    base_model_prefix = "bert"
     config_class = BertConfig
+    # The fused attention always runs; transformers' attention backends do not apply to these classes.
+    _supports_sdpa = False
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+    _can_record_outputs: Dict[str, Any] = {}
+    # Losses are means over the batch's labels (as transformers' BERT computes them), never sums over
+    # num_items_in_batch; Trainer then averages over gradient-accumulation steps itself.
+    accepts_loss_kwargs = False
+    _keys_to_ignore_on_load_unexpected = [r"embeddings\.position_ids", r"embeddings\.token_type_ids"]
 
-    def __init__(self, config: BertConfig):
-        super().__init__()
-        if not isinstance(config, BertConfig):
-            raise ValueError(f"expected a bertfast.BertConfig, got {type(config).__name__}")
-        config.validate()
-        self.config = config
+    def __init__(self, config: BertConfig, *inputs: Any, **kwargs: Any):
+        check_supported(config)
+        super().__init__(config, *inputs, **kwargs)
 
-    def post_init(self) -> None:
-        self.apply(self._init_weights)
-        self.tie_weights()
-
+    @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, 0.0, std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, 0.0, std)
-            if module.padding_idx is not None:
-                with torch.no_grad():
-                    module.weight[module.padding_idx].zero_()
-        elif isinstance(module, nn.LayerNorm):
-            nn.init.ones_(module.weight)
-            nn.init.zeros_(module.bias)
-        elif isinstance(module, BertLMPredictionHead):
-            nn.init.zeros_(module.bias)
-
-    def tie_weights(self) -> None:
-        """Tie the MLM decoder to the word embeddings (when the model has both)."""
-        head = getattr(self, "cls", None)
-        if head is None or not self.config.tie_word_embeddings:
-            return
-        predictions = head.predictions if hasattr(head, "predictions") else None
-        if predictions is not None:
-            predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        base = self if isinstance(self, BertModel) else self.bert
-        return base.embeddings.word_embeddings
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
-
-    def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        seen, total = set(), 0
-        for name, p in self.named_parameters():
-            if id(p) in seen or (exclude_embeddings and "embeddings" in name):
-                continue
-            seen.add(id(p))
-            total += p.numel()
-        return total
-
-    @classmethod
-    def from_pretrained(cls, path: str, config: Optional[BertConfig] = None, strict: bool = False,
-                        torch_dtype: Optional[torch.dtype] = None, **config_overrides: Any):
-        """Load a local Hugging Face BERT directory (config.json + model.safetensors or pytorch_model.bin)."""
-        from bertfast.checkpoint import load_into
-
-        config = config or BertConfig.from_pretrained(path, **config_overrides)
-        model = cls(config)
-        load_into(model, path, strict=strict)
-        if torch_dtype is not None:
-            model.to(torch_dtype)
-        return model
-
-    def save_pretrained(self, directory: str) -> None:
-        """Write config.json + model.safetensors that transformers' from_pretrained loads."""
-        from bertfast.checkpoint import save_model
-
-        save_model(self, directory)
+        PreTrainedModel._init_weights(self, module)  # Linear, Embedding (pad row 0), LayerNorm
+        if isinstance(module, BertLMPredictionHead):
+            init.zeros_(module.bias)
 
 
 # ================================================================= BertModel
+_IGNORED_KWARGS = ("num_items_in_batch",)  # a Trainer argument; losses here are means (see accepts_loss_kwargs)
+_DECODER_KWARGS = ("encoder_hidden_states", "encoder_attention_mask", "past_key_values", "use_cache")
+
+
+def _check_kwargs(kwargs: Dict[str, Any]) -> None:
+    given = {k for k, v in kwargs.items() if k not in _IGNORED_KWARGS and v is not None and v is not False}
+    if "head_mask" in given:
+        raise ValueError("head_mask is not supported by bertfast (the fused attention has no per-head mask)")
+    if given:
+        kind = "decoder/cross-attention arguments" if given <= set(_DECODER_KWARGS) else "arguments"
+        raise ValueError(f"bertfast's BERT is an encoder only; unsupported {kind}: {sorted(given)}")
+
+
 class BertModel(BertPreTrainedModel):
+    _no_split_modules = ["BertEmbeddings", "BertLayer"]
+
     def __init__(self, config: BertConfig, add_pooling_layer: bool = True):
         super().__init__(config)
         self.embeddings = BertEmbeddings(config)
@@ -389,6 +352,12 @@ class BertModel(BertPreTrainedModel):
         self.pooler = BertPooler(config) if add_pooling_layer else None
         self.execution = FAST
         self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.embeddings.word_embeddings = value
 
     # ---------------------------------------------------------------- input checks
     def _check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds) -> Tuple[int, int]:
@@ -406,14 +375,14 @@ class BertModel(BertPreTrainedModel):
                 raise ValueError(f"inputs_embeds: expected [batch, seq_len, {cfg.hidden_size}], "
                                  f"got {tuple(inputs_embeds.shape)}")
             batch, seqlen = inputs_embeds.shape[:2]
-        if seqlen > cfg.max_position_embeddings:
+        if not _exporting() and seqlen > cfg.max_position_embeddings:
             raise ValueError(f"sequence length {seqlen} exceeds max_position_embeddings "
                              f"{cfg.max_position_embeddings}")
         for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
                         ("position_ids", position_ids)):
             if t is not None and tuple(t.shape) != (batch, seqlen):
                 raise ValueError(f"{name}: expected shape [{batch}, {seqlen}], got {tuple(t.shape)}")
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and not _exporting():
             self._check_values(input_ids, attention_mask, token_type_ids, position_ids)
         return batch, seqlen
 
@@ -432,8 +401,9 @@ class BertModel(BertPreTrainedModel):
         if not checks:
             return
         values = dict(zip([n for n, _ in checks], torch.stack([v.to(torch.float64) for _, v in checks]).tolist()))
-        if values.get("input_ids_min", 0) < 0 or values.get("input_ids_max", 0) >= cfg.vocab_size:
-            raise ValueError(f"input_ids: expected values in [0, vocab_size={cfg.vocab_size}), got values in "
+        vocab_size = self.embeddings.word_embeddings.num_embeddings  # after a resize, before the config is read
+        if values.get("input_ids_min", 0) < 0 or values.get("input_ids_max", 0) >= vocab_size:
+            raise ValueError(f"input_ids: expected values in [0, vocab_size={vocab_size}), got values in "
                              f"[{int(values['input_ids_min'])}, {int(values['input_ids_max'])}]")
         if values.get("tt_min", 0) < 0 or values.get("tt_max", 0) >= cfg.type_vocab_size:
             raise ValueError(f"token_type_ids: expected values in [0, type_vocab_size={cfg.type_vocab_size}), "
@@ -449,10 +419,14 @@ class BertModel(BertPreTrainedModel):
     # ---------------------------------------------------------------- forward
     def forward(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
                 token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
-                head_mask: Optional[Tensor] = None, inputs_embeds: Optional[Tensor] = None,
-                output_attentions: Optional[bool] = None, output_hidden_states: Optional[bool] = None,
-                return_dict: Optional[bool] = None, **unsupported: Any):
-        _reject_unsupported(unsupported, head_mask)
+                inputs_embeds: Optional[Tensor] = None, output_attentions: Optional[bool] = None,
+                output_hidden_states: Optional[bool] = None, return_dict: Optional[bool] = None,
+                **kwargs: Any):
+        _check_kwargs(kwargs)
+        cfg = self.config
+        output_attentions = cfg.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
+        return_dict = cfg.return_dict if return_dict is None else return_dict
         batch, seqlen = self._check_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         device = (input_ids if input_ids is not None else inputs_embeds).device
         if attention_mask is None:
@@ -462,10 +436,10 @@ class BertModel(BertPreTrainedModel):
         if position_ids is None:
             position_ids = torch.arange(seqlen, device=device).expand(batch, seqlen)
         rows = token_rows = None
-        if self.execution == REFERENCE:
-            sequence, states, probs = self._encode_reference(input_ids, attention_mask, token_type_ids,
-                                                             position_ids, inputs_embeds, bool(output_hidden_states),
-                                                             bool(output_attentions))
+        if self.execution == REFERENCE or _exporting():
+            x = self.embeddings(input_ids, position_ids, token_type_ids, inputs_embeds, fast=False)
+            sequence, states, probs = self.encoder(x, mask=attention_mask, want_states=bool(output_hidden_states),
+                                                   want_probs=bool(output_attentions))
         else:
             if output_attentions:
                 raise ValueError("output_attentions=True: the fused attention never materialises attention "
@@ -475,10 +449,10 @@ class BertModel(BertPreTrainedModel):
                                                                    bool(output_hidden_states))
             probs = None
         pooled = self.pooler(sequence) if self.pooler is not None else None
-        out = BaseModelOutputWithPoolingAndCrossAttentions(last_hidden_state=sequence, pooler_output=pooled,
-                                                           hidden_states=states, attentions=probs,
-                                                           token_rows=token_rows, token_row_index=rows)
-        return out if return_dict is not False else out.to_tuple()
+        out = BertModelOutput(last_hidden_state=sequence, pooler_output=pooled, hidden_states=states,
+                              attentions=probs)
+        out = _with_extras(out, token_rows=token_rows, token_row_index=rows)
+        return out if return_dict else out.to_tuple()
 
     def _encode_fast(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                      want_states: bool):
@@ -505,36 +479,8 @@ class BertModel(BertPreTrainedModel):
             gather = lambda t: None if t is None else flat(t).index_select(0, rows)  # noqa: E731
             restore = lambda x: pad_rows(x, rows, batch, seqlen)  # noqa: E731
         x = self.embeddings(gather(input_ids), gather(position_ids), gather(token_type_ids), gather(inputs_embeds))
-        states = [restore(x)] if want_states else None
-        for layer in self.encoder.layer:
-            x, _ = layer(x, attend=attend)
-            if states is not None:
-                states.append(restore(x))
-        return restore(x), tuple(states) if states is not None else None, rows, x
-
-    def _encode_reference(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                          want_states: bool, want_probs: bool):
-        x = self.embeddings(input_ids, position_ids, token_type_ids, inputs_embeds, fast=False)
-        states = [x] if want_states else None
-        all_probs = [] if want_probs else None
-        for layer in self.encoder.layer:
-            x, probs = layer(x, mask=attention_mask, want_probs=want_probs)
-            if states is not None:
-                states.append(x)
-            if all_probs is not None:
-                all_probs.append(probs)
-        return x, tuple(states) if states is not None else None, tuple(all_probs) if want_probs else None
-
-
-
-def _reject_unsupported(unsupported: dict, head_mask: Optional[Tensor]) -> None:
-    if head_mask is not None:
-        raise ValueError("head_mask is not supported by bertfast (the fused attention has no per-head mask)")
-    decoder_only = {"encoder_hidden_states", "encoder_attention_mask", "past_key_values", "use_cache"}
-    given = {k for k, v in unsupported.items() if v is not None and v is not False}
-    if given:
-        kind = "decoder/cross-attention arguments" if given <= decoder_only else "arguments"
-        raise ValueError(f"bertfast's BERT is an encoder only; unsupported {kind}: {sorted(given)}")
+        x, states, _ = self.encoder(x, attend=attend, restore=restore, want_states=want_states)
+        return restore(x), states, rows, x
 
 
 # ================================================================= heads
@@ -543,55 +489,61 @@ class BertPredictionHeadTransform(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.approximate = config.gelu_approximate
+        self.approximate = gelu_approximate(config)
 
     def forward(self, h: Tensor, fast: bool = True) -> Tensor:
-        if not fast:
-            return self.LayerNorm(F.gelu(self.dense(h), approximate=self.approximate))
-        h = ops.bias_gelu(F.linear(h, self.dense.weight), self.dense.bias, self.approximate)
-        return ops.layer_norm(h, self.LayerNorm.weight, self.LayerNorm.bias, self.LayerNorm.eps)
+        h = _dense_gelu(self.dense, h, self.approximate, fast)
+        ln = self.LayerNorm
+        return ops.layer_norm(h, ln.weight, ln.bias, ln.eps) if fast and fusable(ln) else ln(h)
 
 
 class BertLMPredictionHead(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.transform = BertPredictionHeadTransform(config)
-        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # The decoder's weight is tied to the word embeddings and its bias to self.bias (transformers ties them).
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=True)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
-        self.decoder.bias = self.bias
 
     def forward(self, h: Tensor, fast: bool = True) -> Tensor:
         """Full logits [..., V] (the no-labels path, as transformers)."""
-        return F.linear(self.transform(h, fast), self.decoder.weight, self.bias)
+        return self.decoder(self.transform(h, fast))
 
-    def loss(self, bert: BertModel, encoded: BaseModelOutputWithPoolingAndCrossAttentions, labels: Tensor,
+    def loss(self, encoded: BertModelOutput, labels: Tensor, attention_mask: Optional[Tensor], fast: bool,
              max_predictions_per_seq: Optional[int]) -> ops.MLMHeadLoss:
-        """Mean CE over labelled positions; the fast path runs the head on those rows only."""
+        """Mean CE over labelled real tokens (labels at padded positions are ignored on every path);
+        the fused path runs the head on those rows only."""
         sequence = encoded.last_hidden_state
         if labels.shape != sequence.shape[:2]:
             raise ValueError(f"labels: expected shape {tuple(sequence.shape[:2])}, got {tuple(labels.shape)}")
-        _check_labels("labels", labels, self.decoder.weight.shape[0])
+        _check_labels("labels", labels, self.decoder.out_features)
+        if attention_mask is not None:
+            labels = labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
+        unpadded = fast and encoded.token_row_index is not None
         t = self.transform
-        if bert.execution == REFERENCE:
-            logits = self.forward(sequence, fast=False).float()
-            flat = labels.reshape(-1)
-            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), flat, ignore_index=IGNORE_INDEX)
+        if not fast or hooked(self) or not (_biased_linear(t.dense, self.decoder) and fusable(t.LayerNorm)):
+            hidden, flat = sequence, labels.reshape(-1)
+            if unpadded:
+                hidden, flat = encoded.token_rows, flat.index_select(0, encoded.token_row_index)
+            logits = self(hidden, fast).float()
+            logits = logits.reshape(-1, logits.shape[-1])
+            loss = F.cross_entropy(logits, flat, ignore_index=IGNORE_INDEX)
             valid = flat != IGNORE_INDEX
-            correct = ((logits.view(-1, logits.shape[-1]).argmax(-1) == flat) & valid).sum()
+            correct = ((logits.argmax(-1) == flat) & valid).sum()
             return ops.MLMHeadLoss(torch.nan_to_num(loss, nan=0.0), correct, valid.sum())
-        if encoded.token_row_index is not None and max_predictions_per_seq is None:
+        if unpadded and max_predictions_per_seq is None:
             hidden, row_labels = encoded.token_rows, labels.reshape(-1).index_select(0, encoded.token_row_index)
         else:
             hidden, row_labels = sequence, labels
         return ops.mlm_head_loss(hidden, row_labels, t.dense.weight, t.dense.bias, t.LayerNorm.weight,
-                                 t.LayerNorm.bias, t.LayerNorm.eps, self.decoder.weight, self.bias, t.approximate,
-                                 max_predictions_per_seq)
+                                 t.LayerNorm.bias, t.LayerNorm.eps, self.decoder.weight, self.decoder.bias,
+                                 t.approximate, max_predictions_per_seq)
 
 
 def _check_labels(name: str, labels: Tensor, num_classes: int) -> None:
     if labels.is_floating_point():
         raise ValueError(f"{name}: expected integer class labels, got dtype {labels.dtype}")
-    if torch.compiler.is_compiling() or labels.numel() == 0:
+    if torch.compiler.is_compiling() or _exporting() or labels.numel() == 0:
         return
     valid = labels[labels != IGNORE_INDEX]
     if valid.numel():
@@ -615,12 +567,24 @@ class BertOnlyMLMHead(nn.Module):
 
 
 def _is_fast(bert: BertModel) -> bool:
-    return bert.execution == FAST
+    return bert.execution == FAST and not _exporting()
+
+
+def _return(model: BertPreTrainedModel, result, return_dict: Optional[bool]):
+    return_dict = model.config.return_dict if return_dict is None else return_dict
+    return result if return_dict else result.to_tuple()
+
+
+_MLM_TIED = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+             "cls.predictions.decoder.bias": "cls.predictions.bias"}
 
 
 class BertForPreTraining(BertPreTrainedModel):
     """BERT with the MLM and NSP heads. With ``labels`` the MLM head runs only at labelled
-    positions and ``prediction_logits`` is None; without labels it returns full logits."""
+    positions and ``prediction_logits`` is None; without labels it returns full logits.
+    ``max_predictions_per_seq`` (a call argument) gives the MLM head a static shape."""
+
+    _tied_weights_keys = dict(_MLM_TIED)
 
     def __init__(self, config: BertConfig):
         super().__init__(config)
@@ -628,35 +592,46 @@ class BertForPreTraining(BertPreTrainedModel):
         self.cls = BertPreTrainingHeads(config)
         self.post_init()
 
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, head_mask=None,
+    def get_output_embeddings(self) -> nn.Module:
+        return self.cls.predictions.decoder
+
+    def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
+        self.cls.predictions.decoder = new_embeddings
+        self.cls.predictions.bias = new_embeddings.bias
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, next_sentence_label=None, output_attentions=None,
                 output_hidden_states=None, return_dict=None, max_predictions_per_seq: Optional[int] = None,
-                **unsupported):
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, head_mask, inputs_embeds,
-                        output_attentions, output_hidden_states, return_dict=True, **unsupported)
+                **kwargs):
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                        output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                        return_dict=True, **kwargs)
         sequence, pooled = out.last_hidden_state, out.pooler_output
         nsp_logits = self.cls.seq_relationship(pooled)
         prediction_logits = mlm = nsp_loss = None
         if labels is not None:
-            mlm = self.cls.predictions.loss(self.bert, out, labels, max_predictions_per_seq)
+            mlm = self.cls.predictions.loss(out, labels, attention_mask, _is_fast(self.bert), max_predictions_per_seq)
         else:
             prediction_logits = self.cls.predictions(sequence, _is_fast(self.bert))
         if next_sentence_label is not None:
             _check_labels("next_sentence_label", next_sentence_label, 2)
             nsp_loss = F.cross_entropy(nsp_logits.view(-1, 2).float(), next_sentence_label.view(-1))
         loss = mlm.loss + nsp_loss if mlm is not None and nsp_loss is not None else None
-        result = BertForPreTrainingOutput(
-            loss=loss, prediction_logits=prediction_logits, seq_relationship_logits=nsp_logits,
-            hidden_states=out.hidden_states, attentions=out.attentions,
-            mlm_loss=None if mlm is None else mlm.loss, nsp_loss=nsp_loss,
-            mlm_num_correct=None if mlm is None else mlm.num_correct,
-            mlm_num_predictions=None if mlm is None else mlm.num_predictions)
-        return result if return_dict is not False else result.to_tuple()
+        result = BertForPreTrainingOutput(loss=loss, prediction_logits=prediction_logits,
+                                          seq_relationship_logits=nsp_logits, hidden_states=out.hidden_states,
+                                          attentions=out.attentions)
+        if mlm is not None:
+            _with_extras(result, mlm_loss=mlm.loss, mlm_num_correct=mlm.num_correct,
+                         mlm_num_predictions=mlm.num_predictions)
+        _with_extras(result, nsp_loss=nsp_loss)
+        return _return(self, result, return_dict)
 
 
 class BertForMaskedLM(BertPreTrainedModel):
     """BERT with the MLM head. With ``labels`` the head runs only at labelled positions and
     ``logits`` is None; without labels it returns full logits."""
+
+    _tied_weights_keys = dict(_MLM_TIED)
 
     def __init__(self, config: BertConfig):
         super().__init__(config)
@@ -664,19 +639,27 @@ class BertForMaskedLM(BertPreTrainedModel):
         self.cls = BertOnlyMLMHead(config)
         self.post_init()
 
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, head_mask=None,
+    def get_output_embeddings(self) -> nn.Module:
+        return self.cls.predictions.decoder
+
+    def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
+        self.cls.predictions.decoder = new_embeddings
+        self.cls.predictions.bias = new_embeddings.bias
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
-                return_dict=None, max_predictions_per_seq: Optional[int] = None, **unsupported):
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, head_mask, inputs_embeds,
-                        output_attentions, output_hidden_states, return_dict=True, **unsupported)
+                return_dict=None, max_predictions_per_seq: Optional[int] = None, **kwargs):
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                        output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                        return_dict=True, **kwargs)
         if labels is not None:
-            mlm = self.cls.predictions.loss(self.bert, out, labels, max_predictions_per_seq)
-            result = MaskedLMOutput(loss=mlm.loss, hidden_states=out.hidden_states, attentions=out.attentions,
-                                    mlm_num_correct=mlm.num_correct, mlm_num_predictions=mlm.num_predictions)
+            mlm = self.cls.predictions.loss(out, labels, attention_mask, _is_fast(self.bert), max_predictions_per_seq)
+            result = BertMaskedLMOutput(loss=mlm.loss, hidden_states=out.hidden_states, attentions=out.attentions)
+            _with_extras(result, mlm_num_correct=mlm.num_correct, mlm_num_predictions=mlm.num_predictions)
         else:
             logits = self.cls.predictions(out.last_hidden_state, _is_fast(self.bert))
-            result = MaskedLMOutput(logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
-        return result if return_dict is not False else result.to_tuple()
+            result = BertMaskedLMOutput(logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
+        return _return(self, result, return_dict)
 
 
 def _classifier_dropout(config: BertConfig) -> nn.Dropout:
@@ -693,18 +676,17 @@ class BertForSequenceClassification(BertPreTrainedModel):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, head_mask=None,
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
-                return_dict=None, **unsupported):
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, head_mask, inputs_embeds,
-                        output_attentions, output_hidden_states, return_dict=True, **unsupported)
+                return_dict=None, **kwargs):
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                        output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                        return_dict=True, **kwargs)
         logits = self.classifier(self.dropout(out.pooler_output))
-        loss = None
-        if labels is not None:
-            loss = self._loss(logits, labels)
+        loss = self._loss(logits, labels) if labels is not None else None
         result = SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
                                           attentions=out.attentions)
-        return result if return_dict is not False else result.to_tuple()
+        return _return(self, result, return_dict)
 
     def _loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         """transformers' problem_type rules (the type is inferred once and stored in the config)."""
@@ -727,6 +709,8 @@ class BertForSequenceClassification(BertPreTrainedModel):
 
 
 class BertForTokenClassification(BertPreTrainedModel):
+    """Labels at padded positions are ignored (bertfast's padded rows are zeros, never encoded)."""
+
     def __init__(self, config: BertConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
@@ -735,23 +719,29 @@ class BertForTokenClassification(BertPreTrainedModel):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, head_mask=None,
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
-                return_dict=None, **unsupported):
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, head_mask, inputs_embeds,
-                        output_attentions, output_hidden_states, return_dict=True, **unsupported)
+                return_dict=None, **kwargs):
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                        output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                        return_dict=True, **kwargs)
         logits = self.classifier(self.dropout(out.last_hidden_state))
         loss = None
         if labels is not None:
             _check_labels("labels", labels, self.num_labels)
+            if attention_mask is not None:
+                labels = labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
             loss = F.cross_entropy(logits.view(-1, self.num_labels).float(), labels.view(-1),
                                    ignore_index=IGNORE_INDEX)
         result = TokenClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
                                        attentions=out.attentions)
-        return result if return_dict is not False else result.to_tuple()
+        return _return(self, result, return_dict)
 
 
 class BertForQuestionAnswering(BertPreTrainedModel):
+    """The span softmax runs over every position, padded ones included, as in transformers; bertfast's
+    padded positions score the classifier bias alone (their hidden states are zeros)."""
+
     def __init__(self, config: BertConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
@@ -759,11 +749,12 @@ class BertForQuestionAnswering(BertPreTrainedModel):
         self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, head_mask=None,
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, start_positions=None, end_positions=None, output_attentions=None,
-                output_hidden_states=None, return_dict=None, **unsupported):
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, head_mask, inputs_embeds,
-                        output_attentions, output_hidden_states, return_dict=True, **unsupported)
+                output_hidden_states=None, return_dict=None, **kwargs):
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                        output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                        return_dict=True, **kwargs)
         logits = self.qa_outputs(out.last_hidden_state)
         start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))
         loss = None
@@ -780,7 +771,7 @@ class BertForQuestionAnswering(BertPreTrainedModel):
                     + F.cross_entropy(end_logits.float(), end_positions, ignore_index=ignored)) / 2
         result = QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
                                               hidden_states=out.hidden_states, attentions=out.attentions)
-        return result if return_dict is not False else result.to_tuple()
+        return _return(self, result, return_dict)
 
 
 class BertForMultipleChoice(BertPreTrainedModel):
@@ -791,9 +782,9 @@ class BertForMultipleChoice(BertPreTrainedModel):
         self.classifier = nn.Linear(config.hidden_size, 1)
         self.post_init()
 
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, head_mask=None,
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
-                return_dict=None, **unsupported):
+                return_dict=None, **kwargs):
         """Inputs [B, C, S] (C choices); logits [B, C]."""
         source = input_ids if input_ids is not None else inputs_embeds
         if source is None or source.dim() < 3:
@@ -801,9 +792,9 @@ class BertForMultipleChoice(BertPreTrainedModel):
                              f"{None if source is None else tuple(source.shape)}")
         num_choices = source.shape[1]
         flat = lambda t: None if t is None else t.reshape(-1, *t.shape[2:])  # noqa: E731
-        out = self.bert(flat(input_ids), flat(attention_mask), flat(token_type_ids), flat(position_ids), head_mask,
-                        flat(inputs_embeds), output_attentions, output_hidden_states, return_dict=True,
-                        **unsupported)
+        out = self.bert(flat(input_ids), flat(attention_mask), flat(token_type_ids), flat(position_ids),
+                        flat(inputs_embeds), output_attentions=output_attentions,
+                        output_hidden_states=output_hidden_states, return_dict=True, **kwargs)
         logits = self.classifier(self.dropout(out.pooler_output)).view(-1, num_choices)
         loss = None
         if labels is not None:
@@ -811,7 +802,7 @@ class BertForMultipleChoice(BertPreTrainedModel):
             loss = F.cross_entropy(logits.float(), labels)
         result = MultipleChoiceModelOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
                                            attentions=out.attentions)
-        return result if return_dict is not False else result.to_tuple()
+        return _return(self, result, return_dict)
 
 
 MODEL_CLASSES = {cls.__name__: cls for cls in (BertModel, BertForPreTraining, BertForMaskedLM,

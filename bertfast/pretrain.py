@@ -235,7 +235,7 @@ def build_config(args: argparse.Namespace, vocab_size: int, max_seq_len: int) ->
         config = BertConfig.preset(args.preset, **overrides)
     if "vocab_size" not in overrides and not args.init_checkpoint:
         k = max(1, args.vocab_multiple)
-        config = config.replace(vocab_size=-(-vocab_size // k) * k)
+        config.vocab_size = -(-vocab_size // k) * k
     if config.vocab_size < vocab_size:
         raise ValueError(f"the model's vocab_size ({config.vocab_size}) is smaller than the data's "
                          f"vocabulary ({vocab_size})")

@@ -9,6 +9,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tests never reach the Hugging Face Hub: a hub id fails at once instead of waiting on a network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 

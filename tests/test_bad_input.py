@@ -45,7 +45,8 @@ def test_output_attentions_needs_reference_execution(model):
 @pytest.mark.parametrize("values, message", [
     (dict(hidden_size=65), "must be divisible by num_attention_heads"),
     (dict(hidden_act="relu"), "hidden_act must be one of"),
-    (dict(position_embedding_type="relative_key"), "position_embedding_type must be one of"),
+    (dict(position_embedding_type="relative_key"), "position_embedding_type must be 'absolute'"),
+    (dict(is_decoder=True), "encoder only"),
     (dict(hidden_dropout_prob=1.0), r"hidden_dropout_prob must be in \[0, 1\)"),
     (dict(vocab_size=0), "vocab_size must be a positive int"),
     (dict(problem_type="ranking"), "problem_type must be one of"),
@@ -53,6 +54,16 @@ def test_output_attentions_needs_reference_execution(model):
 def test_bad_config_raises_clear_errors(values, message):
     with pytest.raises(ValueError, match=message):
         bertfast.BertConfig.preset("tiny", **values)
+
+
+def test_a_transformers_config_is_checked_when_the_model_is_built():
+    import transformers
+
+    config = transformers.BertConfig(**{**bertfast.BertConfig.preset("tiny").to_dict(), "hidden_act": "relu"})
+    with pytest.raises(ValueError, match="hidden_act must be one of"):
+        bertfast.BertModel(config)
+    with pytest.raises(ValueError, match="expected a transformers BertConfig"):
+        bertfast.BertModel(transformers.RobertaConfig())
 
 
 def test_unknown_preset_lists_the_known_ones():

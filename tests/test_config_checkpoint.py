@@ -1,11 +1,12 @@
-"""BertConfig presets and JSON, checkpoint directories (safetensors, .bin, legacy names)."""
+"""BertConfig presets and JSON, checkpoint directories (safetensors, .bin, legacy names), read by transformers."""
 import json
 
 import pytest
 import torch
 
 import bertfast
-from bertfast.checkpoint import read_state_dict
+from bertfast.config import head_dim
+from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
@@ -16,7 +17,7 @@ def test_presets_have_the_paper_sizes():
         (12, 768, 12, 3072)
     assert (large.num_hidden_layers, large.hidden_size, large.num_attention_heads, large.intermediate_size) == \
         (24, 1024, 16, 4096)
-    assert base.head_dim == large.head_dim == 64
+    assert head_dim(base) == head_dim(large) == 64
     with torch.device("meta"):
         assert 105e6 < bertfast.BertForPreTraining(base).num_parameters() < 115e6  # "110M"
         assert 330e6 < bertfast.BertForPreTraining(large).num_parameters() < 345e6  # "340M"
@@ -34,10 +35,10 @@ def test_config_json_round_trips_through_transformers(tmp_path):
 
 
 def test_unknown_config_keys_are_kept(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4,
-                                                      "gradient_checkpointing": False, "my_key": 3}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 64,
+                                                      "num_attention_heads": 4, "my_key": 3}))
     config = bertfast.BertConfig.from_pretrained(tmp_path)
-    assert config.extra["my_key"] == 3 and config.to_dict()["my_key"] == 3
+    assert config.my_key == 3 and config.to_dict()["my_key"] == 3
 
 
 def _tiny_hf(tmp_path, **save):
@@ -50,7 +51,7 @@ def _tiny_hf(tmp_path, **save):
 
 def test_pytorch_bin_with_legacy_gamma_beta_and_position_ids(tmp_path):
     hf = _tiny_hf(tmp_path)
-    state = read_state_dict(str(tmp_path))
+    state = load_file(tmp_path / "model.safetensors")
     legacy = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
               for k, v in state.items()}
     legacy["bert.embeddings.position_ids"] = torch.arange(512)[None]
@@ -71,18 +72,17 @@ def test_base_model_checkpoint_loads_into_head_models_and_back(tmp_path):
     assert classifier.classifier.out_features == 4
 
 
-def test_missing_encoder_weights_are_an_error_listing_them(tmp_path):
+def test_missing_and_unexpected_weights_are_reported_in_the_loading_info(tmp_path):
     _tiny_hf(tmp_path)
-    from safetensors.torch import load_file, save_file
-
     state = load_file(tmp_path / "model.safetensors")
     del state["bert.encoder.layer.1.output.dense.weight"]
     state["bert.encoder.surprise"] = torch.zeros(1)
     save_file(state, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"missing keys \(1\): bert.encoder.layer.1.output.dense.weight"):
-        bertfast.BertForPreTraining.from_pretrained(str(tmp_path))
+    _, info = bertfast.BertForPreTraining.from_pretrained(str(tmp_path), output_loading_info=True)
+    assert "bert.encoder.layer.1.output.dense.weight" in info["missing_keys"]
+    assert "bert.encoder.surprise" in info["unexpected_keys"]
 
 
-def test_missing_directory_never_reaches_a_hub():
-    with pytest.raises(FileNotFoundError, match="never downloads"):
-        bertfast.BertModel.from_pretrained("bert-base-uncased")
+def test_a_missing_local_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(OSError, match="nowhere"):
+        bertfast.BertModel.from_pretrained(str(tmp_path / "nowhere"))
