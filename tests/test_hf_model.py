@@ -5,7 +5,6 @@ Each class is a transformers PreTrainedModel: save/load round trips (safetensors
 states and return_dict from the config, inputs_embeds, problem types, training, module
 semantics (hooks, replaced Linears, quantized modules) and the padded-label rule.
 """
-import tempfile
 
 import pytest
 import torch
