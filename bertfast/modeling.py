@@ -575,22 +575,11 @@ def _return(model: BertPreTrainedModel, result, return_dict: Optional[bool]):
     return result if return_dict else result.to_tuple()
 
 
-_MLM_TIED = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
-             "cls.predictions.decoder.bias": "cls.predictions.bias"}
+class _WithMLMHead(BertPreTrainedModel):
+    """What the two classes with an MLM head (``self.cls.predictions``) share: tying and its accessors."""
 
-
-class BertForPreTraining(BertPreTrainedModel):
-    """BERT with the MLM and NSP heads. With ``labels`` the MLM head runs only at labelled
-    positions and ``prediction_logits`` is None; without labels it returns full logits.
-    ``max_predictions_per_seq`` (a call argument) gives the MLM head a static shape."""
-
-    _tied_weights_keys = dict(_MLM_TIED)
-
-    def __init__(self, config: BertConfig):
-        super().__init__(config)
-        self.bert = BertModel(config)
-        self.cls = BertPreTrainingHeads(config)
-        self.post_init()
+    _tied_weights_keys = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+                          "cls.predictions.decoder.bias": "cls.predictions.bias"}
 
     def get_output_embeddings(self) -> nn.Module:
         return self.cls.predictions.decoder
@@ -598,6 +587,18 @@ class BertForPreTraining(BertPreTrainedModel):
     def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
         self.cls.predictions.decoder = new_embeddings
         self.cls.predictions.bias = new_embeddings.bias
+
+
+class BertForPreTraining(_WithMLMHead):
+    """BERT with the MLM and NSP heads. With ``labels`` the MLM head runs only at labelled
+    positions and ``prediction_logits`` is None; without labels it returns full logits.
+    ``max_predictions_per_seq`` (a call argument) gives the MLM head a static shape."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.bert = BertModel(config)
+        self.cls = BertPreTrainingHeads(config)
+        self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, next_sentence_label=None, output_attentions=None,
@@ -627,24 +628,15 @@ class BertForPreTraining(BertPreTrainedModel):
         return _return(self, result, return_dict)
 
 
-class BertForMaskedLM(BertPreTrainedModel):
+class BertForMaskedLM(_WithMLMHead):
     """BERT with the MLM head. With ``labels`` the head runs only at labelled positions and
     ``logits`` is None; without labels it returns full logits."""
-
-    _tied_weights_keys = dict(_MLM_TIED)
 
     def __init__(self, config: BertConfig):
         super().__init__(config)
         self.bert = BertModel(config, add_pooling_layer=False)
         self.cls = BertOnlyMLMHead(config)
         self.post_init()
-
-    def get_output_embeddings(self) -> nn.Module:
-        return self.cls.predictions.decoder
-
-    def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
-        self.cls.predictions.decoder = new_embeddings
-        self.cls.predictions.bias = new_embeddings.bias
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,

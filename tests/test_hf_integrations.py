@@ -13,13 +13,6 @@ MINILM = str(minilm.get_model_path())
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France.", "Short one."]
 
 
-@pytest.fixture
-def auto():
-    bertfast.register_auto()
-    yield
-    bertfast.unregister_auto()
-
-
 def _with_head(hf_class: str, tmp_path, **config):
     """MiniLM's encoder under a seeded random head, saved so both libraries load the same weights."""
     torch.manual_seed(0)
@@ -45,14 +38,6 @@ def test_register_auto_builds_bertfast_models_and_unregister_restores(tmp_path):
     assert type(transformers.AutoModel.from_pretrained(MINILM)) is transformers.BertModel
 
 
-def _pipeline_pair(task, path, auto):
-    theirs = transformers.pipeline(task, model=path)
-    with auto():
-        ours = transformers.pipeline(task, model=path)
-    assert type(ours.model).__module__.startswith("bertfast")
-    return ours, theirs
-
-
 class _Auto:
     def __enter__(self):
         bertfast.register_auto()
@@ -61,8 +46,16 @@ class _Auto:
         bertfast.unregister_auto()
 
 
+def _pipeline_pair(task, path):
+    theirs = transformers.pipeline(task, model=path)
+    with _Auto():
+        ours = transformers.pipeline(task, model=path)
+    assert type(ours.model).__module__.startswith("bertfast")
+    return ours, theirs
+
+
 def test_feature_extraction_pipeline_matches_transformers():
-    ours, theirs = _pipeline_pair("feature-extraction", MINILM, _Auto)
+    ours, theirs = _pipeline_pair("feature-extraction", MINILM)
     for text in TEXTS:
         torch.testing.assert_close(torch.tensor(ours(text)), torch.tensor(theirs(text)), atol=1e-5, rtol=0)
 
@@ -73,7 +66,7 @@ def test_feature_extraction_pipeline_matches_transformers():
     ("token-classification", "BertForTokenClassification", {"num_labels": 4}),
 ])
 def test_task_pipelines_match_transformers(task, hf_class, config, tmp_path):
-    ours, theirs = _pipeline_pair(task, _with_head(hf_class, tmp_path, **config), _Auto)
+    ours, theirs = _pipeline_pair(task, _with_head(hf_class, tmp_path, **config))
     texts = [t.replace("fox", "[MASK]").replace("capital", "[MASK]") for t in TEXTS[:2]] if task == "fill-mask" \
         else TEXTS
     for text in texts:
@@ -87,7 +80,7 @@ def test_task_pipelines_match_transformers(task, hf_class, config, tmp_path):
 def test_question_answering_pipeline_matches_transformers(tmp_path):
     if "question-answering" not in transformers.pipelines.SUPPORTED_TASKS:
         pytest.skip(f"transformers {transformers.__version__} has no question-answering pipeline")
-    ours, theirs = _pipeline_pair("question-answering", _with_head("BertForQuestionAnswering", tmp_path), _Auto)
+    ours, theirs = _pipeline_pair("question-answering", _with_head("BertForQuestionAnswering", tmp_path))
     question, context = "What is the capital of France?", "Paris is the capital of France. It is large."
     a, b = ours(question=question, context=context), theirs(question=question, context=context)
     assert (a["start"], a["end"], a["answer"]) == (b["start"], b["end"], b["answer"])
