@@ -32,6 +32,9 @@ def op_samples():
         (torch.ops.bertfast.attention_varlen, (_leaf(8, 3, 2, 16), cu, 5, 0.25, 0.1, seed, "torch")),
         (torch.ops.bertfast.attention_padded, (q, torch.randn_like(q), torch.randn_like(q), mask, 0.25, 0.0, None,
                                                "torch")),
+        # q, k, v as transformers' attention passes them: [B, A, S, D] transposed to [B, S, A, D]
+        (torch.ops.bertfast.attention_padded, (*(_leaf(2, 2, 5, 16).transpose(1, 2) for _ in range(3)), mask, 0.25,
+                                               0.0, None, "torch")),
         (torch.ops.bertfast.embeddings, (ids, torch.arange(5), torch.tensor([0, 0, 1, 1, 0]), _leaf(7, 6), _leaf(5, 6),
                                          _leaf(2, 6), _leaf(6), _leaf(6), 1e-12, 0.1, seed, torch.float32, "torch")),
         (torch.ops.bertfast.linear_cross_entropy, (_leaf(5, 6), _leaf(9, 6), _leaf(9), torch.tensor([1, -100, 8, 0, 3]),

@@ -61,7 +61,7 @@ def _attention_varlen_backward(dout: Tensor, qkv: Tensor, out: Tensor, lse: Tens
 
 @_attention_varlen_backward.register_fake
 def _(dout, qkv, out, lse, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed, backend):
-    return torch.empty_like(qkv)
+    return qkv.new_empty(qkv.shape)
 
 
 def _varlen_setup(ctx, inputs, output):
@@ -113,7 +113,8 @@ def _attention_padded(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor,
 @_attention_padded.register_fake
 def _(q, k, v, key_padding_mask, softmax_scale, dropout_p, seed, backend):
     batch, seqlen, heads, _ = q.shape
-    return torch.empty_like(q), q.new_empty((batch, heads, seqlen), dtype=torch.float32)
+    # Every backend returns contiguous tensors, whatever the strides of q, k, v.
+    return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen), dtype=torch.float32)
 
 
 @torch.library.custom_op("bertfast::attention_padded_backward", mutates_args=())
@@ -127,7 +128,7 @@ def _attention_padded_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
 
 @_attention_padded_backward.register_fake
 def _(dout, q, k, v, out, lse, key_padding_mask, softmax_scale, dropout_p, seed, backend):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _padded_setup(ctx, inputs, output):
