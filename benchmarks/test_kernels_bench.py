@@ -42,7 +42,7 @@ def _impl_names(op: str) -> List[str]:
         names = [bertfast_impl(b, v) for b in BACKENDS for v in ("varlen", "padded")]
         return names + [TORCH_EAGER, TORCH_COMPILE, SDPA_FLASH, SDPA_MEM_EFFICIENT]
     names = [bertfast_impl(b) for b in BACKENDS] + [TORCH_EAGER, TORCH_COMPILE]
-    return names + ([FULL_HEAD, GEMM_FLOOR] if op == "mlm_head" else [])
+    return names + ([FULL_HEAD, GEMM_FLOOR] if op == "mlm_head_loss" else [])
 
 
 PARAMS = [(op, impl) for op in ks.OPS for impl in _impl_names(op)]

@@ -57,7 +57,7 @@ def parity_table(preset: str, device: torch.device) -> Tuple[str, bool]:
         rows.append(("transformers", None))
     selected = {op: dispatch.select(op, **_op_inputs(op, model, device)) for op in
                 ("embeddings", "attention_varlen", "bias_gelu", "bias_dropout_residual_layernorm",
-                 "linear_cross_entropy")}
+                 "mlm_head_loss")}
     lines = [f"bertfast parity: preset {preset!r} ({model.num_parameters() / 1e6:.1f}M params) on {device}, fp32, "
              f"batch 4 with random padding",
              "backends: " + ", ".join(f"{op}={name}" for op, name in selected.items()),

@@ -251,10 +251,10 @@ def triton_availability() -> Tuple[bool, str]:
 
 def cuda_ext_availability() -> Tuple[bool, str]:
     try:
-        from bertfast import cuda_ops
+        from bertfast.cuda import _common
     except Exception as exc:
-        return False, f"bertfast.cuda_ops failed to import ({type(exc).__name__}: {exc})"
-    return cuda_ops.extension_status()
+        return False, f"bertfast.cuda failed to import ({type(exc).__name__}: {exc})"
+    return _common.extension_status()
 
 
 def device_reasons(backend: str, forced: bool, tensors: Mapping[str, Optional[torch.Tensor]]) -> List[str]:
@@ -263,6 +263,10 @@ def device_reasons(backend: str, forced: bool, tensors: Mapping[str, Optional[to
     devices = {t.device.type for t in tensors.values() if isinstance(t, torch.Tensor)}
     if backend == "torch":
         return []
+    if backend == "cuda":
+        from bertfast.cuda import _common  # DEVICE_TYPE is "cpu" only while tests run the CPU emulator
+        expected = _common.DEVICE_TYPE
+        return [] if devices == {expected} else [f"needs {expected.upper()} tensors, got {sorted(devices)}"]
     if devices == {"cuda"}:
         return []
     if backend == "triton" and devices <= {"cpu"}:

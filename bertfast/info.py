@@ -32,7 +32,7 @@ def _sample_inputs(op: str, device: torch.device, dtype: torch.dtype) -> Dict[st
                                                 ln_bias=t(768)),
         "embeddings": dict(input_ids=ids, word=t(100, 768), pos=t(512, 768), token_type=t(2, 768),
                            ln_weight=t(768), ln_bias=t(768)),
-        "linear_cross_entropy": dict(x=t(8, 768), weight=t(100, 768), bias=t(100), labels=ids),
+        "mlm_head_loss": dict(x=t(8, 768), weight=t(100, 768), bias=t(100), labels=ids),
     }[op]
 
 

@@ -41,7 +41,7 @@ from transformers.models.bert import modeling_bert as hf_bert
 from bertfast import ops, reference
 from bertfast.config import BertConfig, check_supported, gelu_approximate, head_dim
 from bertfast.padding import pad_rows, unpad_mask
-from bertfast.reference import IGNORE_INDEX
+from bertfast.contract import IGNORE_INDEX
 
 Tensor = torch.Tensor
 
@@ -149,8 +149,9 @@ class BertEmbeddings(nn.Module):
                                   ln.weight, ln.bias, ln.eps, p, dtype)
         words = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         h = words + self.token_type_embeddings(token_type_ids) + self.position_embeddings(position_ids)
-        h = ops.layer_norm(h, ln.weight, ln.bias, ln.eps) if fast and fusable(ln) else ln(h)
-        return self.dropout(h)
+        if fast and fusable(ln):  # a plain LayerNorm through the fused op
+            return self.dropout(ops.bias_dropout_residual_layernorm(h, None, None, ln.weight, ln.bias, ln.eps))
+        return self.dropout(ln(h))
 
 
 # ================================================================= encoder layer
@@ -494,7 +495,9 @@ class BertPredictionHeadTransform(nn.Module):
     def forward(self, h: Tensor, fast: bool = True) -> Tensor:
         h = _dense_gelu(self.dense, h, self.approximate, fast)
         ln = self.LayerNorm
-        return ops.layer_norm(h, ln.weight, ln.bias, ln.eps) if fast and fusable(ln) else ln(h)
+        if fast and fusable(ln):  # a plain LayerNorm through the fused op
+            return ops.bias_dropout_residual_layernorm(h, None, None, ln.weight, ln.bias, ln.eps)
+        return ln(h)
 
 
 class BertLMPredictionHead(nn.Module):

@@ -21,7 +21,7 @@ from bertfast.dispatch import use_backend
 from bertfast.modeling import reference_execution
 
 # Forward order of the ops in a BERT step.
-OP_ORDER = ("embeddings", "attention_varlen", "bias_dropout_residual_layernorm", "bias_gelu", "linear_cross_entropy")
+OP_ORDER = ("embeddings", "attention_varlen", "bias_dropout_residual_layernorm", "bias_gelu", "mlm_head_loss")
 
 
 @dataclass

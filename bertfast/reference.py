@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from bertfast.contract import IGNORE_INDEX
 
 
 # --------------------------------------------------------------------------- dropout
@@ -114,7 +114,7 @@ def embeddings(input_ids: torch.Tensor, position_ids: torch.Tensor, token_type_i
     return dropout(layer_norm(h, ln_weight, ln_bias, eps), dropout_p, dropout_mask)
 
 
-def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+def mlm_head_loss_decoder(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          labels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sum of softmax cross-entropy of logits = x @ weight.T + bias over rows whose label != -100.
 

@@ -1,12 +1,13 @@
 """Helpers for parity checks, shared by the test suite, the benchmark gate and training parity.
 
-Tolerance rule (DESIGN.md section 6, after FlashAttention): a low-precision fast path is
-correct when its error against the fp32 reference is at most ``factor`` times the error of
-the same reference computed in the low dtype, plus a small ``atol``.
+Tolerance rule (docs/testing.md, after FlashAttention): a low-precision fast path is correct
+when its error against the fp32 reference is at most ``factor`` times the error of the same
+reference computed in the low dtype, plus a small ``atol``.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -66,3 +67,64 @@ def assert_close_lowp(fast: torch.Tensor, ref_fp32: torch.Tensor, ref_lowp: torc
 def lowp_errors(fast: torch.Tensor, ref_fp32: torch.Tensor, ref_lowp: torch.Tensor) -> List[float]:
     """(fast error, reference low-precision error), for reports."""
     return [max_abs_error(fast, ref_fp32), max_abs_error(ref_lowp, ref_fp32)]
+
+
+Outcome = Tuple[torch.Tensor, List[Optional[torch.Tensor]]]
+
+
+def run_reference(fn: Callable, tensors: Sequence[Optional[torch.Tensor]], dtype: torch.dtype,
+                  grad_out: Optional[torch.Tensor] = None) -> Outcome:
+    """fn on copies of ``tensors`` (floating ones cast to dtype, requiring grad when grad_out is
+    given) -> (output, [gradient or None per tensor])."""
+    xs = [t if t is None or not t.is_floating_point() else t.detach().to(dtype).requires_grad_(grad_out is not None)
+          for t in tensors]
+    out = fn(*xs)
+    if grad_out is None:
+        return out.detach(), [None] * len(xs)
+    out.backward(grad_out.to(out.dtype))
+    return out.detach(), [x.grad if (x is not None and x.is_floating_point()) else None for x in xs]
+
+
+def references(fn: Callable, tensors: Sequence[Optional[torch.Tensor]], dtype: torch.dtype,
+               grad_out: Optional[torch.Tensor] = None) -> Tuple[Outcome, Outcome]:
+    """(the fp32 oracle, the same reference in ``dtype`` as the yardstick; None parts for fp32)."""
+    oracle = run_reference(fn, tensors, torch.float32, grad_out)
+    yard = run_reference(fn, tensors, dtype, grad_out) if dtype != torch.float32 else (None, [None] * len(tensors))
+    return oracle, yard
+
+
+def check_close(name: str, fast: torch.Tensor, oracle: torch.Tensor, yard: Optional[torch.Tensor],
+                dtype: torch.dtype, atol: float = 1e-5, rtol: float = 1e-5, lowp_atol: float = 1e-5) -> None:
+    """fp32: ``fast`` close to the fp32 oracle; fp16/bf16: the low-precision rule against it."""
+    assert fast is not None, f"{name}: missing"
+    assert torch.isfinite(fast.float()).all(), f"{name}: NaN/inf"
+    assert fast.shape == oracle.shape, f"{name}: shape {tuple(fast.shape)} != {tuple(oracle.shape)}"
+    if dtype == torch.float32:
+        torch.testing.assert_close(fast.float().cpu(), oracle.float().cpu(), atol=atol, rtol=rtol,
+                                   msg=lambda m: f"{name}: {m}")
+    else:
+        assert_close_lowp(fast.float().cpu(), oracle.float().cpu(), yard.float().cpu(), atol=lowp_atol, name=name)
+
+
+@dataclass
+class BackendUnderTest:
+    """One backend of the ops as the contract tests run it (tests/ops/conftest.py)."""
+
+    name: str  # torch | triton | cuda
+    device: torch.device
+    emulated: bool = False  # CUDA kernels on the CPU emulator: slow, so tests keep shapes tiny
+
+    def forced(self):
+        """Within this context every op runs on this backend (forced: it never falls back)."""
+        from bertfast.dispatch import use_backend
+        return use_backend(self.name)
+
+    def module(self, op: str):
+        """The module implementing ``op`` (a dispatch op name) on this backend: its launchers."""
+        from bertfast import dispatch, ops  # noqa: F401  (importing ops registers the backends)
+        return dispatch.get(op, self.name).impl
+
+    def tensor(self, *shape, dtype=torch.float32, scale: float = 1.0,
+               generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """Standard normal values (drawn on the CPU, so every backend sees the same) on this device."""
+        return (torch.randn(*shape, generator=generator) * scale).to(dtype).to(self.device)

@@ -246,7 +246,7 @@ struct FwdSmem {
 };
 
 template <typename T, int D, int BM, int BN>
-__global__ void __launch_bounds__(BM / 16 * 32) attn_fwd_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(BM / 16 * 32) attention_fwd_kernel(const AttentionParams p) {
   using L = FwdSmem<T, D, BM, BN>;
   constexpr int NT = BM / 16 * 32;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -348,7 +348,7 @@ __global__ void __launch_bounds__(BM / 16 * 32) attn_fwd_kernel(const AttentionP
 
 // ------------------------------------------------------------------ backward: Delta_i = do_i . o_i
 template <typename T, int D>
-__global__ void __launch_bounds__(128) attn_delta_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(128) attention_bwd_delta_kernel(const AttentionParams p) {
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int b = blockIdx.z, h = blockIdx.y, i = blockIdx.x * 4 + w;
   const Seq sq = seq_of(p, b);
@@ -382,7 +382,7 @@ struct KvSmem {
 };
 
 template <typename T, int D, int BN, int BM>
-__global__ void __launch_bounds__(BN / 16 * 32) attn_bwd_kv_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(BN / 16 * 32) attention_bwd_dkdv_kernel(const AttentionParams p) {
   using L = KvSmem<T, D, BN, BM>;
   constexpr int NT = BN / 16 * 32;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -506,7 +506,7 @@ struct DqSmem {
 };
 
 template <typename T, int D, int BM, int BN>
-__global__ void __launch_bounds__(BM / 16 * 32) attn_bwd_q_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(BM / 16 * 32) attention_bwd_dq_kernel(const AttentionParams p) {
   using L = DqSmem<T, D, BM, BN>;
   constexpr int NT = BM / 16 * 32;
   extern __shared__ __align__(128) unsigned char smem[];

@@ -10,17 +10,17 @@ template <typename T, int D>
 struct Bwd {
   static int run(const AttentionParams& p, cudaStream_t stream) {
     using C = Cfg<T, D>;
-    attn_delta_kernel<T, D><<<grid_for(p, 4), 128, 0, stream>>>(p);
+    attention_bwd_delta_kernel<T, D><<<grid_for(p, 4), 128, 0, stream>>>(p);
     BF_CHECK_LAUNCH("attention_bwd (delta)");
 
     using LK = KvSmem<T, D, C::kKvBN, C::kKvBM>;
-    auto kv = attn_bwd_kv_kernel<T, D, C::kKvBN, C::kKvBM>;
+    auto kv = attention_bwd_dkdv_kernel<T, D, C::kKvBN, C::kKvBM>;
     if (int s = prepare(kv, LK::bytes, "attention_bwd (dk, dv)")) return s;
     kv<<<grid_for(p, C::kKvBN), C::kKvBN / 16 * 32, LK::bytes, stream>>>(p);
     BF_CHECK_LAUNCH("attention_bwd (dk, dv)");
 
     using LQ = DqSmem<T, D, C::kDqBM, C::kDqBN>;
-    auto dq = attn_bwd_q_kernel<T, D, C::kDqBM, C::kDqBN>;
+    auto dq = attention_bwd_dq_kernel<T, D, C::kDqBM, C::kDqBN>;
     if (int s = prepare(dq, LQ::bytes, "attention_bwd (dq)")) return s;
     dq<<<grid_for(p, C::kDqBM), C::kDqBM / 16 * 32, LQ::bytes, stream>>>(p);
     BF_CHECK_LAUNCH("attention_bwd (dq)");

@@ -8,7 +8,7 @@ using namespace attn;
 
 // ------------------------------------------------------------------ dropout mask (debug)
 // keep [rows = batch * heads * S, S]: row (b * A + a) * S + i, column j, exactly as above.
-__global__ void attn_mask_kernel(bool* __restrict__ keep, int64_t rows, int s, float dp, const int64_t* seed_ptr) {
+__global__ void attention_dropout_mask_kernel(bool* __restrict__ keep, int64_t rows, int s, float dp, const int64_t* seed_ptr) {
   const uint64_t seed = dp > 0.f ? static_cast<uint64_t>(*seed_ptr) : 0;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     for (int g = threadIdx.x; 4 * g < s; g += blockDim.x) {
@@ -27,7 +27,7 @@ struct Fwd {
   static int run(const AttentionParams& p, cudaStream_t stream) {
     using C = Cfg<T, D>;
     using L = FwdSmem<T, D, C::kFwdBM, C::kFwdBN>;
-    auto kernel = attn_fwd_kernel<T, D, C::kFwdBM, C::kFwdBN>;
+    auto kernel = attention_fwd_kernel<T, D, C::kFwdBM, C::kFwdBN>;
     if (int s = prepare(kernel, L::bytes, "attention_fwd")) return s;
     kernel<<<grid_for(p, C::kFwdBM), C::kFwdBM / 16 * 32, L::bytes, stream>>>(p);
     BF_CHECK_LAUNCH("attention_fwd");
@@ -56,7 +56,7 @@ int attention_dropout_mask(bool* keep, int batch, int heads, int seqlen, float d
   const int64_t rows = static_cast<int64_t>(batch) * heads * seqlen;
   if (rows == 0) return kOk;
   const unsigned blocks = static_cast<unsigned>(rows < 65536 ? rows : 65536);
-  attn_mask_kernel<<<blocks, 128, 0, stream>>>(keep, rows, seqlen, dropout_p, seed);
+  attention_dropout_mask_kernel<<<blocks, 128, 0, stream>>>(keep, rows, seqlen, dropout_p, seed);
   BF_CHECK_LAUNCH("attention_dropout_mask");
   return kOk;
 }

@@ -3,7 +3,7 @@
 // Every launcher takes raw device pointers, sizes, strides (in elements) and a cudaStream_t,
 // enqueues its kernels on that stream and returns a status: 0 on success, a negative
 // bertfast code for a bad argument, or a positive cudaError_t. last_error() gives the message.
-// Nothing here allocates device memory: callers (bertfast/cuda_ops.py) pass outputs and
+// Nothing here allocates device memory: callers (the bertfast.cuda wrappers) pass outputs and
 // workspaces, sized with the *_workspace helpers below.
 //
 // dtype codes: 0 = float32, 1 = float16, 2 = bfloat16. Activations share one dtype; parameters
@@ -45,7 +45,7 @@ int bias_gelu_bwd(const void* dy, int64_t dy_row_stride, const void* x, int64_t 
 // ------------------------------------------------------------------ bias + dropout + residual + LayerNorm
 // pre = residual + Dropout(x + bias) (rounded to the activation dtype and stored);
 // y = (pre - mean) * rstd * weight + ln_bias. bias, residual, keep may be null.
-int layernorm_fwd(const void* x, int64_t x_row_stride, const void* bias, const void* residual,
+int bias_dropout_residual_layernorm_fwd(const void* x, int64_t x_row_stride, const void* bias, const void* residual,
                   int64_t residual_row_stride, const void* weight, const void* ln_bias, void* y,
                   void* pre_norm, float* mean, float* rstd, bool* keep, int64_t n, int64_t h,
                   float eps, float dropout_p, const int64_t* seed, int act_dtype, int param_dtype,
@@ -53,7 +53,7 @@ int layernorm_fwd(const void* x, int64_t x_row_stride, const void* bias, const v
 // dpre = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * weight; dresidual = dpre;
 // dx = Dropout'(dpre); dbias = sum_n dx; dweight = sum_n dy * xhat; dln_bias = sum_n dy.
 // dresidual and dbias may be null; dbias takes param_dtype.
-int layernorm_bwd(const void* dy, int64_t dy_row_stride, const void* pre_norm,
+int bias_dropout_residual_layernorm_bwd(const void* dy, int64_t dy_row_stride, const void* pre_norm,
                   int64_t pre_row_stride, const float* mean, const float* rstd, const void* weight,
                   void* dx, void* dresidual, void* dbias, void* dweight, void* dln_bias,
                   float* workspace, int64_t n, int64_t h, float dropout_p, const int64_t* seed,
@@ -76,13 +76,14 @@ int embeddings_bwd(const void* dy, const void* ids, int ids64, const void* pos_i
                    float* workspace, int64_t t, int64_t h, int64_t n_types, float dropout_p,
                    const int64_t* seed, int table_dtype, int out_dtype, cudaStream_t stream);
 
-// ------------------------------------------------------------------ softmax cross-entropy (in place)
-// Per row m of logits [n, v] (row stride >= v): lse, loss = lse - logit[label] (0 when label is
-// -100 or outside [0, v): ignored), correct = argmax == label; when compute_grad the row is
-// overwritten with grad_scale * (softmax - onehot) (0 on ignored rows).
-int softmax_cross_entropy(void* logits, int64_t row_stride, const int64_t* labels, float* loss,
-                          float* lse, bool* correct, int64_t n, int64_t v, float grad_scale,
-                          int compute_grad, int dtype, cudaStream_t stream);
+// ------------------------------------------------------------------ MLM head loss (one chunk, in place)
+// Softmax cross-entropy per row m of decoder logits [n, v] (row stride >= v): lse,
+// loss = lse - logit[label] (0 when label is -100 or outside [0, v): ignored),
+// correct = argmax == label; when compute_grad the row is overwritten with
+// grad_scale * (softmax - onehot) (0 on ignored rows).
+int mlm_head_loss_fwd(void* logits, int64_t row_stride, const int64_t* labels, float* loss,
+                      float* lse, bool* correct, int64_t n, int64_t v, float grad_scale,
+                      int compute_grad, int dtype, cudaStream_t stream);
 
 // ------------------------------------------------------------------ attention
 // Strides in elements. Token row i of sequence b, head a lives at

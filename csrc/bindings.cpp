@@ -3,7 +3,7 @@
 // Pointers and the CUDA stream arrive as Python ints (tensor.data_ptr(),
 // torch.cuda.current_stream().cuda_stream; 0 = null); a failing launcher raises RuntimeError
 // with its message. Importing the module makes no CUDA call, so it imports without a GPU or
-// driver. bertfast/cuda_ops.py validates tensors before calling in here.
+// driver. the bertfast.cuda wrappers validate tensors before calling in here.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -146,18 +146,18 @@ PYBIND11_MODULE(_C, m) {
       py::arg("param_dtype"), py::arg("approximate"), py::arg("stream"));
 
   m.def(
-      "layernorm_fwd",
+      "bias_dropout_residual_layernorm_fwd",
       [](uintptr_t x, int64_t xs, uintptr_t bias, uintptr_t residual, int64_t rs, uintptr_t weight, uintptr_t ln_bias,
          uintptr_t y, uintptr_t pre, uintptr_t mean, uintptr_t rstd, uintptr_t keep, int64_t n, int64_t h, float eps,
          float p, uintptr_t seed, int act, int param, uintptr_t stream) {
         int s;
         {
           py::gil_scoped_release nogil;
-          s = bertfast::layernorm_fwd(ptr(x), xs, ptr(bias), ptr(residual), rs, ptr(weight), ptr(ln_bias), ptr(y),
+          s = bertfast::bias_dropout_residual_layernorm_fwd(ptr(x), xs, ptr(bias), ptr(residual), rs, ptr(weight), ptr(ln_bias), ptr(y),
                                       ptr(pre), ptr<float>(mean), ptr<float>(rstd), ptr<bool>(keep), n, h, eps, p,
                                       ptr<const int64_t>(seed), act, param, stream_of(stream));
         }
-        check(s, "layernorm_fwd");
+        check(s, "bias_dropout_residual_layernorm_fwd");
       },
       py::arg("x"), py::arg("x_row_stride"), py::arg("bias"), py::arg("residual"), py::arg("residual_row_stride"),
       py::arg("weight"), py::arg("ln_bias"), py::arg("y"), py::arg("pre_norm"), py::arg("mean"), py::arg("rstd"),
@@ -165,19 +165,19 @@ PYBIND11_MODULE(_C, m) {
       py::arg("act_dtype"), py::arg("param_dtype"), py::arg("stream"));
 
   m.def(
-      "layernorm_bwd",
+      "bias_dropout_residual_layernorm_bwd",
       [](uintptr_t dy, int64_t dys, uintptr_t pre, int64_t ps, uintptr_t mean, uintptr_t rstd, uintptr_t weight,
          uintptr_t dx, uintptr_t dres, uintptr_t dbias, uintptr_t dweight, uintptr_t dln_bias, uintptr_t ws, int64_t n,
          int64_t h, float p, uintptr_t seed, int act, int param, uintptr_t stream) {
         int s;
         {
           py::gil_scoped_release nogil;
-          s = bertfast::layernorm_bwd(ptr(dy), dys, ptr(pre), ps, ptr<const float>(mean), ptr<const float>(rstd),
+          s = bertfast::bias_dropout_residual_layernorm_bwd(ptr(dy), dys, ptr(pre), ps, ptr<const float>(mean), ptr<const float>(rstd),
                                       ptr(weight), ptr(dx), ptr(dres), ptr(dbias), ptr(dweight), ptr(dln_bias),
                                       ptr<float>(ws), n, h, p, ptr<const int64_t>(seed), act, param,
                                       stream_of(stream));
         }
-        check(s, "layernorm_bwd");
+        check(s, "bias_dropout_residual_layernorm_bwd");
       },
       py::arg("dy"), py::arg("dy_row_stride"), py::arg("pre_norm"), py::arg("pre_row_stride"), py::arg("mean"),
       py::arg("rstd"), py::arg("weight"), py::arg("dx"), py::arg("dresidual"), py::arg("dbias"), py::arg("dweight"),
@@ -229,17 +229,17 @@ PYBIND11_MODULE(_C, m) {
       py::arg("dropout_p"), py::arg("seed"), py::arg("table_dtype"), py::arg("out_dtype"), py::arg("stream"));
 
   m.def(
-      "softmax_cross_entropy",
+      "mlm_head_loss_fwd",
       [](uintptr_t logits, int64_t rs, uintptr_t labels, uintptr_t loss, uintptr_t lse, uintptr_t correct, int64_t n,
          int64_t v, float grad_scale, int compute_grad, int dtype, uintptr_t stream) {
         int s;
         {
           py::gil_scoped_release nogil;
-          s = bertfast::softmax_cross_entropy(ptr(logits), rs, ptr<const int64_t>(labels), ptr<float>(loss),
+          s = bertfast::mlm_head_loss_fwd(ptr(logits), rs, ptr<const int64_t>(labels), ptr<float>(loss),
                                               ptr<float>(lse), ptr<bool>(correct), n, v, grad_scale, compute_grad,
                                               dtype, stream_of(stream));
         }
-        check(s, "softmax_cross_entropy");
+        check(s, "mlm_head_loss_fwd");
       },
       py::arg("logits"), py::arg("row_stride"), py::arg("labels"), py::arg("loss"), py::arg("lse"),
       py::arg("correct"), py::arg("n"), py::arg("v"), py::arg("grad_scale"), py::arg("compute_grad"),

@@ -65,7 +65,7 @@ __device__ __forceinline__ void gather(const P* w, const P* ps, const P* ty, int
 }
 
 template <typename P, typename O, int VEC>
-__global__ void emb_fwd_kernel(Args a) {
+__global__ void embeddings_fwd_kernel(Args a) {
   extern __shared__ float row_buf[];  // [h] fp32 sum of the embeddings
   __shared__ float2 red[33];
   const int64_t t = blockIdx.x, h = a.h;
@@ -126,7 +126,7 @@ __global__ void emb_fwd_kernel(Args a) {
 }
 
 template <typename P, typename O, int VEC>
-__global__ void emb_bwd_kernel(Args a) {
+__global__ void embeddings_bwd_kernel(Args a) {
   // [2 + TT, h] fp32: dln_weight, dln_bias partials, then (type_in_smem) the token-type rows.
   extern __shared__ float acc[];
   __shared__ float2 red[33];
@@ -251,9 +251,9 @@ int run_fwd(const Args& a, cudaStream_t stream) {
   constexpr int V = vec_width<P, O>();
   const size_t smem = static_cast<size_t>(a.h) * sizeof(float);
   if (use_vec<P, O>(a, V)) {
-    emb_fwd_kernel<P, O, V><<<static_cast<unsigned>(a.t), threads_for(a.h, V), smem, stream>>>(a);
+    embeddings_fwd_kernel<P, O, V><<<static_cast<unsigned>(a.t), threads_for(a.h, V), smem, stream>>>(a);
   } else {
-    emb_fwd_kernel<P, O, 1><<<static_cast<unsigned>(a.t), threads_for(a.h, 1), smem, stream>>>(a);
+    embeddings_fwd_kernel<P, O, 1><<<static_cast<unsigned>(a.t), threads_for(a.h, 1), smem, stream>>>(a);
   }
   BF_CHECK_LAUNCH("embeddings_fwd");
   return kOk;
@@ -265,11 +265,11 @@ int run_bwd(const Args& a, void* dln_weight, void* dln_bias, int table_dtype, cu
   const size_t smem = static_cast<size_t>((2 + (a.type_in_smem ? a.n_types : 0)) * a.h) * sizeof(float);
   const int64_t blocks = reduction_blocks(a.t);
   if (use_vec<P, O>(a, V)) {
-    if (cudaError_t e = allow_smem(emb_bwd_kernel<P, O, V>, smem)) return fail_cuda("embeddings_bwd", e);
-    emb_bwd_kernel<P, O, V><<<static_cast<unsigned>(blocks), threads_for(a.h, V), smem, stream>>>(a);
+    if (cudaError_t e = allow_smem(embeddings_bwd_kernel<P, O, V>, smem)) return fail_cuda("embeddings_bwd", e);
+    embeddings_bwd_kernel<P, O, V><<<static_cast<unsigned>(blocks), threads_for(a.h, V), smem, stream>>>(a);
   } else {
-    if (cudaError_t e = allow_smem(emb_bwd_kernel<P, O, 1>, smem)) return fail_cuda("embeddings_bwd", e);
-    emb_bwd_kernel<P, O, 1><<<static_cast<unsigned>(blocks), threads_for(a.h, 1), smem, stream>>>(a);
+    if (cudaError_t e = allow_smem(embeddings_bwd_kernel<P, O, 1>, smem)) return fail_cuda("embeddings_bwd", e);
+    embeddings_bwd_kernel<P, O, 1><<<static_cast<unsigned>(blocks), threads_for(a.h, 1), smem, stream>>>(a);
   }
   BF_CHECK_LAUNCH("embeddings_bwd");
   if (int s = launch_column_sum(a.ws, blocks, 2, 0, a.h, dln_weight, table_dtype, stream)) return s;

@@ -59,7 +59,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, autotune, check_tensor, interpreting, launch
+from bertfast.contract import (check_cu_seqlens, check_dropout, check_key_padding_mask, check_qkv, check_tensor,
+                               softmax_scale as _softmax_scale)
+
+from ._common import autotune, interpreting, launch
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 _LOG2E = 1.4426950408889634
@@ -157,7 +160,7 @@ def _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len, o
 
 
 @triton.jit
-def _attn_fwd_kernel(
+def _attention_fwd_kernel(
     Q,           # [B, S, A, D] or [T, A, D] queries (row/head strides given)
     K,           # keys, same layout
     V,           # values, same layout
@@ -240,7 +243,7 @@ def _attn_fwd_kernel(
 
 # =========================================================================== backward
 @triton.jit
-def _bwd_delta_kernel(
+def _attention_bwd_delta_kernel(
     Out,         # forward output, [B, S, A, D] or [T, A, D]
     DO,          # upstream gradient, same layout
     DELTA,       # fp32, lse layout; written: rowsum(dO * O)
@@ -313,13 +316,13 @@ def _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, st
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(
+def _attention_bwd_dkdv_kernel(
     Q,           # [B, S, A, D] or [T, A, D] queries
     K,           # keys, same layout
     V,           # values, same layout
     DO,          # upstream gradient of the output, same layout
     LSE,         # fp32 [B, A, S] or [A, T] from the forward
-    DELTA,       # fp32, lse layout, rowsum(dO * O) from _bwd_delta_kernel
+    DELTA,       # fp32, lse layout, rowsum(dO * O) from _attention_bwd_delta_kernel
     DK,          # written: dK, q layout (its own strides)
     DV,          # written: dV, q layout (its own strides)
     CU_SEQLENS,  # int32 [B + 1] (varlen only)
@@ -430,7 +433,7 @@ def _bwd_q_block(dq, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, start_n, se
 
 
 @triton.jit
-def _attn_bwd_dq_kernel(
+def _attention_bwd_dq_kernel(
     Q,           # [B, S, A, D] or [T, A, D] queries
     K,           # keys, same layout
     V,           # values, same layout
@@ -509,7 +512,7 @@ def _attn_bwd_dq_kernel(
 
 # =========================================================================== dropout mask (debug)
 @triton.jit
-def _dropout_mask_kernel(
+def _attention_dropout_mask_kernel(
     KEEP,  # uint8 [B, A, S, S]; written: 1 = kept
     SEED,  # int64 [1]
     num_heads, seqlen, dropout_p,
@@ -585,71 +588,31 @@ def _tuned(kernel, which: str):
 
 
 _AUTOTUNE_KEY = ["seqlen_bucket", "HEAD_DIM", "IS_VARLEN", "HAS_KEY_MASK", "HAS_DROPOUT"]
-_attn_fwd_tuned = _tuned(_attn_fwd_kernel, "fwd")
-_attn_bwd_dkdv_tuned = _tuned(_attn_bwd_dkdv_kernel, "dkdv")
-_attn_bwd_dq_tuned = _tuned(_attn_bwd_dq_kernel, "dq")
+_fwd_tuned = _tuned(_attention_fwd_kernel, "fwd")
+_bwd_dkdv_tuned = _tuned(_attention_bwd_dkdv_kernel, "dkdv")
+_bwd_dq_tuned = _tuned(_attention_bwd_dq_kernel, "dq")
 
 
 # =========================================================================== validation
+def unsupported(inputs) -> list:
+    """Dispatch: reasons these inputs exceed this backend's limits ([] when it runs them)."""
+    head_dim = inputs["q"].shape[-1]
+    return [] if head_dim in SUPPORTED_HEAD_DIMS else [f"head dim {head_dim} not in {SUPPORTED_HEAD_DIMS}"]
+
+
 def _check_qkv(names, tensors, ndim: int, layout: str) -> None:
-    for name, t in zip(names, tensors):
-        check_tensor(name, t, dtypes=FLOAT_DTYPES, ndim=ndim)
-    ref_name, ref = names[0], tensors[0]
-    for name, t in zip(names[1:], tensors[1:]):
-        if t.shape != ref.shape:
-            raise ValueError(f"{name}: expected shape {tuple(ref.shape)} ({layout}, like {ref_name}), "
-                             f"got {tuple(t.shape)}")
-        if t.dtype != ref.dtype:
-            raise ValueError(f"{name}: expected dtype {ref.dtype} (like {ref_name}), got {t.dtype}")
-        if t.device != ref.device:
-            raise ValueError(f"{name}: expected device {ref.device} (like {ref_name}), got {t.device}")
-    for name, t in zip(names, tensors):
-        if t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(f"{name}: expected a contiguous last (head) dim, got strides {t.stride()}")
-    head_dim = ref.shape[-1]
+    check_qkv(names, tensors, ndim, layout)
+    head_dim = tensors[0].shape[-1]
     if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"{ref_name}: expected head dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+        raise ValueError(f"{names[0]}: expected head dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
 
 
-def _check_dropout(dropout_p: float, seed: Optional[torch.Tensor], device: torch.device) -> float:
-    dropout_p = float(dropout_p)
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p: expected a value in [0, 1), got {dropout_p}")
-    if dropout_p > 0.0:
-        if seed is None:
-            raise ValueError("seed: expected an int64 tensor of shape [1] when dropout_p > 0, got None")
-        check_tensor("seed", seed, dtypes=(torch.int64,), device=device)
-        if seed.numel() != 1:
-            raise ValueError(f"seed: expected shape [1], got {tuple(seed.shape)}")
-    return dropout_p
-
-
-def _check_cu_seqlens(cu_seqlens: torch.Tensor, max_seqlen, device: torch.device) -> Tuple[int, int]:
-    check_tensor("cu_seqlens", cu_seqlens, dtypes=(torch.int32,), ndim=1, device=device)
-    if cu_seqlens.numel() < 1:
-        raise ValueError("cu_seqlens: expected shape [B + 1] with B >= 0, got an empty tensor")
-    if cu_seqlens.stride(0) != 1:
-        raise ValueError(f"cu_seqlens: expected a contiguous tensor, got stride {cu_seqlens.stride()}")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
-        raise ValueError(f"max_seqlen: expected a python int >= 0, got {max_seqlen!r}")
-    return cu_seqlens.numel() - 1, max_seqlen
-
-
-def _check_key_mask(key_padding_mask: Optional[torch.Tensor], batch: int, seqlen: int,
-                    device: torch.device) -> Optional[torch.Tensor]:
-    if key_padding_mask is None:
-        return None
-    check_tensor("key_padding_mask", key_padding_mask, shape=(batch, seqlen), device=device)
-    if key_padding_mask.dtype == torch.bool:
+def _key_mask(key_padding_mask: Optional[torch.Tensor], batch: int, seqlen: int,
+              device: torch.device) -> Optional[torch.Tensor]:
+    check_key_padding_mask(key_padding_mask, batch, seqlen, device)
+    if key_padding_mask is not None and key_padding_mask.dtype == torch.bool:
         return key_padding_mask.view(torch.uint8)  # same bytes; the kernels test != 0
     return key_padding_mask
-
-
-def _scale(softmax_scale) -> float:
-    softmax_scale = float(softmax_scale)
-    if not (math.isfinite(softmax_scale) and softmax_scale > 0.0):
-        raise ValueError(f"softmax_scale: expected a finite float > 0, got {softmax_scale}")
-    return softmax_scale
 
 
 def _dot_flags(dtype: torch.dtype):
@@ -684,7 +647,7 @@ def _forward(q, k, v, out, lse, cu_seqlens, key_mask, seed, batch, seqlen, varle
     consts = dict(HEAD_DIM=head_dim, IS_VARLEN=varlen, HAS_KEY_MASK=key_mask is not None,
                   HAS_DROPOUT=dropout_p > 0, UPCAST=upcast, DOT_PREC=prec)
     grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_M"]), heads, batch)  # noqa: E731
-    launch(_attn_fwd_tuned, grid, args, consts, interp=_INTERP["fwd"])
+    launch(_fwd_tuned, grid, args, consts, interp=_INTERP["fwd"])
 
 
 def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, seed, batch, seqlen,
@@ -697,7 +660,7 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, seed, b
     bucket = triton.next_power_of_2(seqlen)
 
     delta_block = _INTERP["fwd"]["BLOCK_M"] if interpreting() else _DELTA_BLOCK_M
-    launch(_bwd_delta_kernel, (triton.cdiv(seqlen, delta_block), heads, batch),
+    launch(_attention_bwd_delta_kernel, (triton.cdiv(seqlen, delta_block), heads, batch),
            (out, dout, delta, cu, *_bsh(out, varlen), *_bsh(dout, varlen), *_lse_strides(lse, varlen), seqlen),
            dict(HEAD_DIM=head_dim, IS_VARLEN=varlen, BLOCK_M=delta_block))
 
@@ -713,12 +676,12 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, seed, b
     args = (q, k, v, dout, lse, delta, dk, dv, cu, kmask, seed_arg,
             *qkv_strides, *_bsh(dk, varlen), *_bsh(dv, varlen), *tail)
     grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_N"]), heads, batch)  # noqa: E731
-    launch(_attn_bwd_dkdv_tuned, grid, args, consts, interp=_INTERP["dkdv"])
+    launch(_bwd_dkdv_tuned, grid, args, consts, interp=_INTERP["dkdv"])
 
     args = (q, k, v, dout, lse, delta, dq, cu, kmask, seed_arg,
             *qkv_strides, *_bsh(dq, varlen), *tail)
     grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_M"]), heads, batch)  # noqa: E731
-    launch(_attn_bwd_dq_tuned, grid, args, consts, interp=_INTERP["dq"])
+    launch(_bwd_dq_tuned, grid, args, consts, interp=_INTERP["dq"])
 
 
 def _grad_out(dout: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -728,21 +691,22 @@ def _grad_out(dout: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                         max_seqlen: int, softmax_scale: float, dropout_p: float,
+                         max_seqlen: int, softmax_scale: Optional[float], dropout_p: float,
                          seed: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention on unpadded tokens. q, k, v [T, A, D] -> (out [T, A, D], lse [A, T] fp32).
 
     Sequence b is rows cu_seqlens[b]:cu_seqlens[b+1]; max_seqlen must be >= every length.
+    Rows outside every sequence get out 0 and lse +inf (allocated so: no kernel writes them).
     """
     _check_qkv(("q", "k", "v"), (q, k, v), 3, "[T, A, D]")
-    batch, max_seqlen = _check_cu_seqlens(cu_seqlens, max_seqlen, q.device)
-    softmax_scale = _scale(softmax_scale)
-    dropout_p = _check_dropout(dropout_p, seed, q.device)
     tokens, heads, head_dim = q.shape
-    out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
-    lse = torch.empty((heads, tokens), dtype=torch.float32, device=q.device)
+    batch, max_seqlen = check_cu_seqlens(cu_seqlens, max_seqlen, q.device)
+    softmax_scale = _softmax_scale(softmax_scale, head_dim)
+    dropout_p = check_dropout(dropout_p, seed, q.device)
+    out = torch.zeros((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.full((heads, tokens), float("inf"), dtype=torch.float32, device=q.device)
     if tokens == 0 or heads == 0 or batch == 0 or max_seqlen == 0:
-        return out.zero_(), lse.fill_(float("inf"))
+        return out, lse
     _forward(q, k, v, out, lse, cu_seqlens, None, seed, batch, max_seqlen, True,
              softmax_scale, dropout_p)
     return out, lse
@@ -750,26 +714,27 @@ def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
 
 def attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor,
-                         max_seqlen: int, softmax_scale: float, dropout_p: float,
+                         max_seqlen: int, softmax_scale: Optional[float], dropout_p: float,
                          seed: Optional[torch.Tensor]) -> torch.Tensor:
-    """Gradients of attention_varlen_fwd -> dqkv [T, 3, A, D] (dq = dqkv[:, 0], dk, dv likewise)."""
+    """Gradients of attention_varlen_fwd -> dqkv [T, 3, A, D] (dq = dqkv[:, 0], dk, dv likewise;
+    0 at rows outside every sequence)."""
     _check_qkv(("q", "k", "v", "out"), (q, k, v, out), 3, "[T, A, D]")
     dout = _grad_out(dout, q)
     tokens, heads, head_dim = q.shape
     check_tensor("lse", lse, dtypes=(torch.float32,), shape=(heads, tokens), device=q.device)
-    batch, max_seqlen = _check_cu_seqlens(cu_seqlens, max_seqlen, q.device)
-    softmax_scale = _scale(softmax_scale)
-    dropout_p = _check_dropout(dropout_p, seed, q.device)
-    dqkv = torch.empty((tokens, 3, heads, head_dim), dtype=q.dtype, device=q.device)
+    batch, max_seqlen = check_cu_seqlens(cu_seqlens, max_seqlen, q.device)
+    softmax_scale = _softmax_scale(softmax_scale, head_dim)
+    dropout_p = check_dropout(dropout_p, seed, q.device)
+    dqkv = torch.zeros((tokens, 3, heads, head_dim), dtype=q.dtype, device=q.device)
     if tokens == 0 or heads == 0 or batch == 0 or max_seqlen == 0:
-        return dqkv.zero_()
+        return dqkv
     _backward(dout, q, k, v, out, lse, dqkv[:, 0], dqkv[:, 1], dqkv[:, 2], cu_seqlens, None, seed,
               batch, max_seqlen, True, softmax_scale, dropout_p)
     return dqkv
 
 
 def attention_padded_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         key_padding_mask: Optional[torch.Tensor], softmax_scale: float,
+                         key_padding_mask: Optional[torch.Tensor], softmax_scale: Optional[float],
                          dropout_p: float, seed: Optional[torch.Tensor]
                          ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention on padded tensors. q, k, v [B, S, A, D], key_padding_mask [B, S] (1 = token, any
@@ -779,9 +744,9 @@ def attention_padded_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     _check_qkv(("q", "k", "v"), (q, k, v), 4, "[B, S, A, D]")
     batch, seqlen, heads, head_dim = q.shape
-    key_mask = _check_key_mask(key_padding_mask, batch, seqlen, q.device)
-    softmax_scale = _scale(softmax_scale)
-    dropout_p = _check_dropout(dropout_p, seed, q.device)
+    key_mask = _key_mask(key_padding_mask, batch, seqlen, q.device)
+    softmax_scale = _softmax_scale(softmax_scale, head_dim)
+    dropout_p = check_dropout(dropout_p, seed, q.device)
     out = torch.empty((batch, seqlen, heads, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, seqlen), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
@@ -792,7 +757,7 @@ def attention_padded_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def attention_padded_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          out: torch.Tensor, lse: torch.Tensor,
-                         key_padding_mask: Optional[torch.Tensor], softmax_scale: float,
+                         key_padding_mask: Optional[torch.Tensor], softmax_scale: Optional[float],
                          dropout_p: float, seed: Optional[torch.Tensor]
                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of attention_padded_fwd -> (dq, dk, dv), each [B, S, A, D]; 0 at padding keys."""
@@ -800,9 +765,9 @@ def attention_padded_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     dout = _grad_out(dout, q)
     batch, seqlen, heads, head_dim = q.shape
     check_tensor("lse", lse, dtypes=(torch.float32,), shape=(batch, heads, seqlen), device=q.device)
-    key_mask = _check_key_mask(key_padding_mask, batch, seqlen, q.device)
-    softmax_scale = _scale(softmax_scale)
-    dropout_p = _check_dropout(dropout_p, seed, q.device)
+    key_mask = _key_mask(key_padding_mask, batch, seqlen, q.device)
+    softmax_scale = _softmax_scale(softmax_scale, head_dim)
+    dropout_p = check_dropout(dropout_p, seed, q.device)
     dq, dk, dv = (torch.empty((batch, seqlen, heads, head_dim), dtype=q.dtype, device=q.device)
                   for _ in range(3))
     if dq.numel() == 0:
@@ -817,12 +782,12 @@ def _dropout_mask(batch: int, seqlen: int, num_heads: int, dropout_p: float,
     for name, value in (("batch", batch), ("seqlen", seqlen), ("num_heads", num_heads)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name}: expected a python int >= 0, got {value!r}")
-    dropout_p = _check_dropout(dropout_p, seed, device)
+    dropout_p = check_dropout(dropout_p, seed, device)
     if dropout_p == 0.0 or batch * num_heads * seqlen == 0:
         return torch.ones((batch, num_heads, seqlen, seqlen), dtype=torch.bool, device=device)
     keep = torch.empty((batch, num_heads, seqlen, seqlen), dtype=torch.uint8, device=device)
     blocks = _INTERP["mask"] if interpreting() else {"BLOCK_M": 64, "BLOCK_N": 64}
-    launch(_dropout_mask_kernel, (triton.cdiv(seqlen, blocks["BLOCK_M"]), num_heads, batch),
+    launch(_attention_dropout_mask_kernel, (triton.cdiv(seqlen, blocks["BLOCK_M"]), num_heads, batch),
            (keep, seed, num_heads, seqlen, dropout_p), blocks)
     return keep.view(torch.bool)
 
@@ -831,7 +796,7 @@ def attention_varlen_dropout_mask(cu_seqlens: torch.Tensor, max_seqlen: int, num
                                   dropout_p: float, seed: Optional[torch.Tensor]) -> torch.Tensor:
     """The keep-mask the varlen kernels use: bool [B, A, max_seqlen, max_seqlen] (sequence b uses
     its top-left [len_b, len_b] block), for reference.attention_varlen(dropout_mask=...)."""
-    batch, max_seqlen = _check_cu_seqlens(cu_seqlens, max_seqlen, cu_seqlens.device)
+    batch, max_seqlen = check_cu_seqlens(cu_seqlens, max_seqlen, cu_seqlens.device)
     return _dropout_mask(batch, max_seqlen, num_heads, dropout_p, seed, cu_seqlens.device)
 
 

@@ -31,10 +31,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, autotune, check_tensor, launch
-from .layer_norm import check_rows, n_bucket, row_stride
+from bertfast.contract import check_rows, check_vector, row_stride
 
-_MAX_ROWS_PER_TILE = 16
+from ._common import autotune, launch
+from ._rows import MAX_ROWS_PER_TILE, n_bucket
+
+APPROXIMATIONS = ("none", "tanh")
+
+
+def unsupported(inputs) -> list:
+    """Dispatch: reasons these inputs exceed this backend's limits: none (any width, any rows)."""
+    return []
 
 
 # --------------------------------------------------------------------------- kernels
@@ -158,21 +165,17 @@ def _row_groups(n: int, device: torch.device):
     Under the interpreter three groups, so tests cross group borders.
     """
     if device.type == "cuda":
-        rpp = 2 * _MAX_ROWS_PER_TILE
+        rpp = 2 * MAX_ROWS_PER_TILE
     else:
-        rpp = triton.cdiv(triton.cdiv(n, 3), _MAX_ROWS_PER_TILE) * _MAX_ROWS_PER_TILE
+        rpp = triton.cdiv(triton.cdiv(n, 3), MAX_ROWS_PER_TILE) * MAX_ROWS_PER_TILE
     return triton.cdiv(n, rpp), rpp
 
 
 def _check(x: torch.Tensor, bias: torch.Tensor, approximate: str):
-    check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2)
-    n, f = x.shape
-    check_rows("x", x, n, f)
-    check_tensor("bias", bias, dtypes=FLOAT_DTYPES, shape=(f,), device=x.device)
-    if not bias.is_contiguous():
-        raise ValueError(f"bias: expected a contiguous vector, got strides {bias.stride()}")
-    if approximate not in ("none", "tanh"):
-        raise ValueError(f"approximate: expected 'none' or 'tanh', got {approximate!r}")
+    n, f = check_rows("x", x)
+    check_vector("bias", bias, f, x.device)
+    if approximate not in APPROXIMATIONS:
+        raise ValueError(f"approximate: expected one of {APPROXIMATIONS}, got {approximate!r}")
     return n, f
 
 
@@ -183,7 +186,7 @@ def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none"
     y = torch.empty((n, f), dtype=x.dtype, device=x.device)
     if n == 0 or f == 0:
         return y
-    args = (x, bias, y, n, f, row_stride(x, f), n_bucket(n))
+    args = (x, bias, y, n, f, row_stride(x), n_bucket(n))
     block_f = _interp_block_f(f)
     launch(_fwd_tuned, lambda m: (triton.cdiv(n, m["BLOCK_N"]), triton.cdiv(f, m["BLOCK_F"])), args,
            dict(APPROX_TANH=approximate == "tanh"),
@@ -200,7 +203,7 @@ def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, approxi
         return dx, torch.zeros((f,), dtype=bias.dtype, device=x.device)
     groups, rpp = _row_groups(n, x.device)
     part = torch.empty((groups, f), dtype=torch.float32, device=x.device)
-    args = (dy, x, bias, dx, part, n, f, row_stride(dy, f), row_stride(x, f), rpp, n_bucket(n))
+    args = (dy, x, bias, dx, part, n, f, row_stride(dy), row_stride(x), rpp, n_bucket(n))
     launch(_bwd_tuned, lambda m: (groups, triton.cdiv(f, m["BLOCK_F"])), args,
            dict(APPROX_TANH=approximate == "tanh"), interp={"BLOCK_N": 4, "BLOCK_F": _interp_block_f(f)})
     return dx, part.sum(dim=0).to(bias.dtype)

@@ -6,7 +6,7 @@ Math, per token t (one row of H elements), fp32 after upcasting every load:
     h    = word[input_ids[t]] + pos[position_ids[t]] + token_type[token_type_ids[t]]
     mean = sum(h) / H,   rstd = 1 / sqrt(sum((h - mean)^2) / H + eps)
     zhat = (h - mean) * rstd
-    y    = (zhat * ln_weight + ln_bias) * keep / (1 - p)     keep as in kernels/layer_norm.py
+    y    = (zhat * ln_weight + ln_bias) * keep / (1 - p)     keep: kernels/_rows.py's row_dropout_keep
   backward (h recomputed from the tables, bit-identical to the forward; keep regenerated)
     dz         = dy * keep / (1 - p)
     dln_weight = sum_t dz * zhat,   dln_bias = sum_t dz        (per-program fp32 partials, then a sum)
@@ -19,12 +19,13 @@ Math, per token t (one row of H elements), fp32 after upcasting every load:
   Token-type rows are few (2 in BERT), so every token would hit the same addresses: partials
   in registers avoid that contention; word and position rows are spread out enough for atomics.
 
-Launch: as kernels/layer_norm.py (row tiles autotuned on GPU, fixed under the interpreter); the
+Launch: as kernels/bias_dropout_residual_layernorm.py (row tiles autotuned on GPU, fixed under
+the interpreter); the
 backward runs about four programs per SM, each walking a contiguous block of tokens.
 
 Limits: H <= 8192; ids 1-D int32/int64 of one length T, in range (the caller validates);
-tables 2-D with unit column stride. The dropout counter is (token row, column) as in
-kernels/layer_norm.py, so the keep-mask of token t does not depend on the launch.
+tables 2-D with unit column stride. The dropout counter is (token row, column), as in every
+row op, so the keep-mask of token t does not depend on the launch.
 """
 from __future__ import annotations
 
@@ -34,13 +35,20 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, autotune, check_tensor, launch
-from .layer_norm import (BWD_PER_THREAD, FWD_PER_THREAD, _dropout_keep, block_h_for, check_dropout, check_hidden,
-                         check_rows, interpreter_rows, n_bucket, row_config_pruner, row_groups,
-                         row_tile_configs, row_stride, _MAX_ROWS_PER_TILE)
+from bertfast.contract import (FLOAT_DTYPES, ID_DTYPES, check_dropout, check_eps, check_rows, check_tensor,
+                               check_vector, row_stride)
+
+from ._common import autotune, launch
+from ._rows import (MAX_ROWS_PER_TILE, block_h_for, check_hidden, hidden_reasons, interpreter_rows, n_bucket,
+                    row_config_pruner, row_dropout_keep, row_groups, row_tile_configs, BWD_PER_THREAD,
+                    FWD_PER_THREAD)
 
 _MAX_TYPES_IN_REGISTERS = 4
-_ID_DTYPES = (torch.int32, torch.int64)
+
+
+def unsupported(inputs) -> list:
+    """Dispatch: reasons these inputs exceed this backend's limits ([] when it runs them)."""
+    return hidden_reasons(inputs["word"].shape[-1])
 
 
 # --------------------------------------------------------------------------- kernels
@@ -91,7 +99,7 @@ def _embeddings_fwd_kernel(
     y = hc * rstd[:, None] * w[None, :] + b[None, :]
     out_offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
     if HAS_DROPOUT:
-        keep = _dropout_keep(tl.load(SEED), rows, H, p, BLOCK_M, BLOCK_H)
+        keep = row_dropout_keep(tl.load(SEED), rows, H, p, BLOCK_M, BLOCK_H)
         y = tl.where(keep, y * (1.0 / (1.0 - p)), 0.0)
         if STORE_KEEP:
             tl.store(KEEP + out_offs, keep, mask=mask)
@@ -149,7 +157,7 @@ def _embeddings_bwd_kernel(
         dz = tl.load(DY + rows.to(tl.int64)[:, None] * stride_dy + cols[None, :],
                      mask=mask, other=0.0).to(tl.float32)
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed, rows, H, p, BLOCK_M, BLOCK_H)
+            keep = row_dropout_keep(seed, rows, H, p, BLOCK_M, BLOCK_H)
             dz = tl.where(keep, dz * (1.0 / (1.0 - p)), 0.0)
         acc_dw += dz * zhat
         acc_db += dz
@@ -175,18 +183,18 @@ def _embeddings_bwd_kernel(
 _fwd_tuned = autotune(row_tile_configs(), ["H", "n_bucket", "HAS_DROPOUT", "STORE_KEEP"],
                       row_config_pruner(FWD_PER_THREAD))(_embeddings_fwd_kernel)
 # The backward accumulates into zeroed buffers with atomics: launch() tunes it on scratch copies.
-_bwd_tuned = autotune(row_tile_configs(_MAX_ROWS_PER_TILE), ["H", "n_bucket", "HAS_DROPOUT", "TT_IN_REGS", "TT_BLOCK"],
+_bwd_tuned = autotune(row_tile_configs(MAX_ROWS_PER_TILE), ["H", "n_bucket", "HAS_DROPOUT", "TT_IN_REGS", "TT_BLOCK"],
                       row_config_pruner(BWD_PER_THREAD))(_embeddings_bwd_kernel)
 _BWD_ACCUMULATORS = ("DWORD", "DPOS", "DTT")
 
 
 # --------------------------------------------------------------------------- validation
 def _check_inputs(input_ids, position_ids, token_type_ids, word, pos, token_type, ln_weight, ln_bias):
-    check_tensor("input_ids", input_ids, dtypes=_ID_DTYPES, ndim=1)
+    check_tensor("input_ids", input_ids, dtypes=ID_DTYPES, ndim=1)
     t = input_ids.shape[0]
     dev = input_ids.device
-    check_tensor("position_ids", position_ids, dtypes=_ID_DTYPES, shape=(t,), device=dev)
-    check_tensor("token_type_ids", token_type_ids, dtypes=_ID_DTYPES, shape=(t,), device=dev)
+    check_tensor("position_ids", position_ids, dtypes=ID_DTYPES, shape=(t,), device=dev)
+    check_tensor("token_type_ids", token_type_ids, dtypes=ID_DTYPES, shape=(t,), device=dev)
     for name, ids in (("input_ids", input_ids), ("position_ids", position_ids),
                       ("token_type_ids", token_type_ids)):
         if t > 1 and ids.stride(0) != 1:
@@ -197,10 +205,8 @@ def _check_inputs(input_ids, position_ids, token_type_ids, word, pos, token_type
     for name, table in (("word", word), ("pos", pos), ("token_type", token_type)):
         check_tensor(name, table, dtypes=FLOAT_DTYPES, ndim=2, device=dev)
         check_rows(name, table, table.shape[0], h, device=dev)
-    for name, vec in (("ln_weight", ln_weight), ("ln_bias", ln_bias)):
-        check_tensor(name, vec, dtypes=FLOAT_DTYPES, shape=(h,), device=dev)
-        if not vec.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous vector, got strides {vec.stride()}")
+    check_vector("ln_weight", ln_weight, h, dev)
+    check_vector("ln_bias", ln_bias, h, dev)
     return t, h, dev
 
 
@@ -218,7 +224,8 @@ def embeddings_fwd(input_ids: torch.Tensor, position_ids: torch.Tensor, token_ty
                               ln_weight, ln_bias)
     if out_dtype not in FLOAT_DTYPES:
         raise ValueError(f"out_dtype: expected one of {[str(d) for d in FLOAT_DTYPES]}, got {out_dtype}")
-    check_dropout(dropout_p, seed, dev)
+    eps = check_eps(eps)
+    dropout_p = check_dropout(dropout_p, seed, dev)
     has_dropout = dropout_p > 0.0
     store_keep = return_dropout_mask and has_dropout
     y = torch.empty((t, h), dtype=out_dtype, device=dev)
@@ -232,8 +239,8 @@ def embeddings_fwd(input_ids: torch.Tensor, position_ids: torch.Tensor, token_ty
         block_h = block_h_for(h)
         args = (input_ids, position_ids, token_type_ids, word, pos, token_type, ln_weight, ln_bias,
                 y, mean, rstd, keep if store_keep else y, seed if has_dropout else mean,
-                t, h, row_stride(word, h), row_stride(pos, h), row_stride(token_type, h),
-                float(eps), float(dropout_p), n_bucket(t))
+                t, h, row_stride(word), row_stride(pos), row_stride(token_type),
+                eps, dropout_p, n_bucket(t))
         flags = dict(HAS_DROPOUT=has_dropout, STORE_KEEP=store_keep, BLOCK_H=block_h)
         launch(_fwd_tuned, lambda meta: (triton.cdiv(t, meta["BLOCK_M"]),), args, flags,
                interp={"BLOCK_M": interpreter_rows(block_h, 16)})
@@ -257,7 +264,7 @@ def embeddings_bwd(dy: torch.Tensor, input_ids: torch.Tensor, position_ids: torc
     check_tensor("rstd", rstd, dtypes=(torch.float32,), shape=(t,), device=dev)
     if t > 1 and (mean.stride(0) != 1 or rstd.stride(0) != 1):
         raise ValueError(f"mean, rstd: expected contiguous vectors, got strides {mean.stride()}, {rstd.stride()}")
-    check_dropout(dropout_p, seed, dev)
+    dropout_p = check_dropout(dropout_p, seed, dev)
 
     num_types = token_type.shape[0]
     tt_in_regs = num_types <= _MAX_TYPES_IN_REGISTERS
@@ -279,8 +286,8 @@ def embeddings_bwd(dy: torch.Tensor, input_ids: torch.Tensor, position_ids: torc
     block_h = block_h_for(h)
     args = (dy, input_ids, position_ids, token_type_ids, word, pos, token_type, ln_weight, mean, rstd,
             dword, dpos, dtt, part[0], part[1], seed if has_dropout else mean,
-            t, h, num_types, row_stride(dy, h), row_stride(word, h), row_stride(pos, h),
-            row_stride(token_type, h), rpp, float(dropout_p), n_bucket(t))
+            t, h, num_types, row_stride(dy), row_stride(word), row_stride(pos),
+            row_stride(token_type), rpp, dropout_p, n_bucket(t))
     flags = dict(HAS_DROPOUT=has_dropout, TT_IN_REGS=tt_in_regs,
                  TT_BLOCK=triton.next_power_of_2(num_types) if tt_in_regs else 1, BLOCK_H=block_h)
     launch(_bwd_tuned, (groups,), args, flags, interp={"BLOCK_M": interpreter_rows(block_h, 4)},

@@ -188,9 +188,9 @@ def _synthetic_run(kind="cuda") -> Run:
              _row("attention", "bertfast:triton varlen", 1.0, padding="finetune", **att),
              _row("attention", SDPA_MEM_EFFICIENT, 1.5, padding="finetune", **att)]  # only 1.5x: not met
     head = dict(model="bert-base", tokens=16384)
-    rows += [_row("mlm_head", "bertfast:triton", 2.0, memory=Memory(10 * 2**30, 2**30), **head),
-             _row("mlm_head", FULL_HEAD, 12.0, memory=Memory(20 * 2**30, 6 * 2**30), **head),
-             _row("mlm_head", GEMM_FLOOR, 1.7, **head)]
+    rows += [_row("mlm_head_loss", "bertfast:triton", 2.0, memory=Memory(10 * 2**30, 2**30), **head),
+             _row("mlm_head_loss", FULL_HEAD, 12.0, memory=Memory(20 * 2**30, 6 * 2**30), **head),
+             _row("mlm_head_loss", GEMM_FLOOR, 1.7, **head)]
     run = Run(device=_fake_device(kind), config={"quick": False}, rows=rows)
     run.targets = evaluate_targets(run)
     return run
@@ -216,7 +216,7 @@ def test_targets_met_not_met_not_measured():
 
 def test_targets_failed_parity_and_missing_rows():
     run = _synthetic_run()
-    run.rows = [r for r in run.rows if r.group != "mlm_head"]
+    run.rows = [r for r in run.rows if r.group != "mlm_head_loss"]
     for i, r in enumerate(run.rows):
         if r.group == "attention" and r.impl.startswith("bertfast"):
             run.rows[i] = Row(r.suite, r.group, r.case, r.direction, r.impl, status=FAILED_PARITY,
@@ -360,8 +360,8 @@ def test_quick_cpu_run_end_to_end(tmp_path, capsys):
     assert data["device"]["copy_bandwidth_gbps"]["median"] > 0 and data["device"]["peak_matmul_tflops"]["median"] > 0
     rows = data["rows"]
     groups = {r["group"] for r in rows}
-    assert {"attention", "bias_gelu", "bias_dropout_residual_layernorm", "embeddings", "linear_cross_entropy",
-            "mlm_head", "pretrain_step", "finetune_step", "inference"} <= groups
+    assert {"attention", "bias_gelu", "bias_dropout_residual_layernorm", "embeddings", "mlm_head_loss_decoder",
+            "mlm_head_loss", "pretrain_step", "finetune_step", "inference"} <= groups
     bad = [(r["group"], r["impl"], r["status"], r["reason"]) for r in rows if r["status"] not in ("ok", "skipped")]
     assert not bad
     for r in rows:

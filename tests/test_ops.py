@@ -37,7 +37,7 @@ def op_samples():
                                                0.0, None, "torch")),
         (torch.ops.bertfast.embeddings, (ids, torch.arange(5), torch.tensor([0, 0, 1, 1, 0]), _leaf(7, 6), _leaf(5, 6),
                                          _leaf(2, 6), _leaf(6), _leaf(6), 1e-12, 0.1, seed, torch.float32, "torch")),
-        (torch.ops.bertfast.linear_cross_entropy, (_leaf(5, 6), _leaf(9, 6), _leaf(9), torch.tensor([1, -100, 8, 0, 3]),
+        (torch.ops.bertfast.mlm_head_loss_decoder, (_leaf(5, 6), _leaf(9, 6), _leaf(9), torch.tensor([1, -100, 8, 0, 3]),
                                                    2, True, "torch")),
     ]
 
@@ -127,7 +127,7 @@ def test_static_max_predictions_rejects_nothing_silently():
 
 def test_linear_cross_entropy_label_out_of_range_is_a_clear_error():
     with pytest.raises(ValueError, match=r"labels must be in \[0, 9\)"):
-        ops.linear_cross_entropy(torch.randn(3, 4), torch.randn(9, 4), None, torch.tensor([1, 9, -100]))
+        ops.mlm_head_loss_decoder(torch.randn(3, 4), torch.randn(9, 4), None, torch.tensor([1, 9, -100]))
 
 
 def test_torch_compile_fullgraph_matches_eager():

@@ -13,7 +13,7 @@ Conventions (stated in every report):
   must move by the launcher contract (every input read once, every output written once,
   1e9 bytes per GB) / time. The same count divides every implementation's time, so GB/s is
   comparable across them; % of the copy bandwidth measured in the same run.
-* GEMM-bound ops (linear_cross_entropy / MLM head): 2 flops per multiply-add; backward = 2 x
+* GEMM-bound ops (mlm_head_loss_decoder / MLM head): 2 flops per multiply-add; backward = 2 x
   forward (grad input and grad weight).
 * Model: training-step FLOPs = 3 x forward FLOPs (backward = 2 x forward; the model's FLOPs,
   no recomputation counted), counted on real tokens only: per layer
@@ -89,7 +89,7 @@ def embeddings_bytes(t: int, h: int, vocab: int, positions: int, types: int, id_
 
 
 # --------------------------------------------------------------------------- GEMM-bound
-def linear_cross_entropy_flops(m: int, h: int, vocab: int, direction: str) -> float:
+def mlm_head_loss_decoder_flops(m: int, h: int, vocab: int, direction: str) -> float:
     """logits = x [M,H] @ W[V,H]^T: 2*M*V*H forward; grad x and grad W: 4*M*V*H backward."""
     _check_direction(direction)
     fwd = 2.0 * m * vocab * h

@@ -44,8 +44,8 @@ from bertfast.bench.timing import (COLD_L2, PERF_COUNTER, SMALL_KERNEL_MS, host_
 
 Tensor = torch.Tensor
 SUITE = "kernels"
-OPS = ("attention", "bias_gelu", "bias_dropout_residual_layernorm", "embeddings", "linear_cross_entropy",
-       "mlm_head")
+OPS = ("attention", "bias_gelu", "bias_dropout_residual_layernorm", "embeddings", "mlm_head_loss_decoder",
+       "mlm_head_loss")
 ALL_DIRECTIONS = ("fwd", "bwd", "fwd+bwd")
 GRAD_IN_FORWARD = ("fwd", "fwd+bwd")  # ops whose gradients are computed inside the forward pass
 EPS = 1e-12
@@ -384,7 +384,7 @@ def embeddings_cases(ctx: SuiteContext) -> List[OpCase]:
 
 
 # --------------------------------------------------------------------------- GEMM-bound
-def linear_cross_entropy_cases(ctx: SuiteContext) -> List[OpCase]:
+def mlm_head_loss_decoder_cases(ctx: SuiteContext) -> List[OpCase]:
     dev, out = ctx.torch_device, []
     names = ["x", "weight", "bias"]
     for m, h, vocab in _row_shapes(ctx, [(2458, 768, 30522), (2458, 1024, 30522)], [(2458, 1024, 30522)],
@@ -401,29 +401,29 @@ def linear_cross_entropy_cases(ctx: SuiteContext) -> List[OpCase]:
             return lambda dtype: _simple(fn, names, data, dtype, None, extra={"labels": labels}, out_name="loss")
 
         def eager(x, w, b, labels):
-            return reference.linear_cross_entropy(x, w, b, labels)[0]
+            return reference.mlm_head_loss_decoder(x, w, b, labels)[0]
 
         def ops_fn(x, w, b, labels):
-            from bertfast.ops import linear_cross_entropy
-            return linear_cross_entropy(x, w, b, labels)[0]
-        impls = _backend_impls(ctx, ["linear_cross_entropy"], lambda make=make: make(ops_fn))
+            from bertfast.ops import mlm_head_loss_decoder
+            return mlm_head_loss_decoder(x, w, b, labels)[0]
+        impls = _backend_impls(ctx, ["mlm_head_loss"], lambda make=make: make(ops_fn))
         impls.append(Impl(TORCH_EAGER, make(eager)))
         impls.append(_compile_impl(ctx, eager, make))
-        out.append(OpCase("linear_cross_entropy", {"rows": m, "hidden": h, "vocab": vocab,
+        out.append(OpCase("mlm_head_loss_decoder", {"rows": m, "hidden": h, "vocab": vocab,
                                                    "dtype": dtype_name(ctx.dtype)},
                           make(eager), impls,
-                          lambda d, m=m, h=h, vocab=vocab: {"flops": W.linear_cross_entropy_flops(m, h, vocab, d)},
+                          lambda d, m=m, h=h, vocab=vocab: {"flops": W.mlm_head_loss_decoder_flops(m, h, vocab, d)},
                           directions=GRAD_IN_FORWARD))
     return out
 
 
-def mlm_head_cases(ctx: SuiteContext) -> List[OpCase]:
+def mlm_head_loss_cases(ctx: SuiteContext) -> List[OpCase]:
     dev, out = ctx.torch_device, []
     names = ["hidden", "dense_w", "dense_b", "ln_w", "ln_b", "decoder_w", "decoder_b"]
     for model, batch, seqlen, h, vocab in _row_shapes(
             ctx, [("bert-base", 128, 128, 768, 30522), ("bert-large", 128, 128, 1024, 30522)],
             [("bert-base", 64, 128, 768, 30522)], [("tiny", 2, 16, 32, 100)]):
-        gen = generator_for("mlm_head", batch, seqlen, h, vocab)
+        gen = generator_for("mlm_head_loss", batch, seqlen, h, vocab)
         tokens = batch * seqlen
         m = max(1, round(0.15 * tokens))
         labels = torch.full((tokens,), reference.IGNORE_INDEX, dtype=torch.long)
@@ -446,7 +446,7 @@ def mlm_head_cases(ctx: SuiteContext) -> List[OpCase]:
             pos = (flat != reference.IGNORE_INDEX).nonzero().flatten()
             rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, pos)
             x = reference.layer_norm(reference.bias_gelu(F.linear(rows, dw), db), lw, lb, EPS)
-            loss_sum, _ = reference.linear_cross_entropy(x, decw, decb, flat.index_select(0, pos))
+            loss_sum, _ = reference.mlm_head_loss_decoder(x, decw, decb, flat.index_select(0, pos))
             return loss_sum / pos.numel()
 
         def full_head(hidden, dw, db, lw, lb, decw, decb, labels):
@@ -470,13 +470,13 @@ def mlm_head_cases(ctx: SuiteContext) -> List[OpCase]:
             return Prepared([rows, dw, decw], lambda: (rows @ dw.t()) @ decw.t(), dlogits,
                             lambda o, grads: {}, gated=False)
 
-        impls = _backend_impls(ctx, ["bias_gelu", "bias_dropout_residual_layernorm", "linear_cross_entropy"],
+        impls = _backend_impls(ctx, ["bias_gelu", "bias_dropout_residual_layernorm", "mlm_head_loss"],
                                lambda make=make: make(ops_fn))
         impls.append(Impl(TORCH_EAGER, make(eager)))
         impls.append(_compile_impl(ctx, eager, make))
         impls.append(Impl(FULL_HEAD, make(full_head)))
         impls.append(Impl(GEMM_FLOOR, floor))
-        out.append(OpCase("mlm_head", {"model": model, "tokens": tokens, "predictions": m, "hidden": h,
+        out.append(OpCase("mlm_head_loss", {"model": model, "tokens": tokens, "predictions": m, "hidden": h,
                                        "vocab": vocab, "dtype": dtype_name(ctx.dtype)},
                           make(eager), impls,
                           lambda d, m=m, h=h, vocab=vocab: {"flops": W.mlm_head_flops(m, h, vocab, d)},
@@ -489,8 +489,8 @@ CASE_BUILDERS = {
     "bias_gelu": bias_gelu_cases,
     "bias_dropout_residual_layernorm": bdrln_cases,
     "embeddings": embeddings_cases,
-    "linear_cross_entropy": linear_cross_entropy_cases,
-    "mlm_head": mlm_head_cases,
+    "mlm_head_loss_decoder": mlm_head_loss_decoder_cases,
+    "mlm_head_loss": mlm_head_loss_cases,
 }
 
 
@@ -681,7 +681,7 @@ def run(ctx: SuiteContext) -> List[Row]:
     ctx.note("kernel suite: params=act puts the parameters in the activation dtype, params=fp32 keeps them in "
              "fp32 (autocast); a dropout case is timed only for implementations that passed the gate on the same "
              "inputs at p = 0; fwd = forward under no_grad, bwd = autograd.grad on a retained graph, fwd+bwd = both")
-    ctx.note("linear_cross_entropy / mlm_head: bertfast computes the gradients inside the forward pass, so they "
+    ctx.note("mlm_head_loss_decoder / mlm_head_loss: bertfast computes the gradients inside the forward pass, so they "
              "have fwd (no grad) and fwd+bwd rows only; TFLOP/s counts the labelled rows' GEMMs for every "
              "implementation (the full-sequence head does more work for the same result)")
     rows: List[Row] = []

@@ -189,8 +189,8 @@ def _attention_tflops(run: Run) -> Outcome:
 def _mlm_head(kind: str) -> Callable[[Run], Outcome]:
     def evaluate(run: Run) -> Outcome:
         pieces = []
-        for case in _cases(run, "mlm_head", "fwd+bwd"):
-            rows = [r for r in run.find("mlm_head", direction="fwd+bwd") if r.case == case]
+        for case in _cases(run, "mlm_head_loss", "fwd+bwd"):
+            rows = [r for r in run.find("mlm_head_loss", direction="fwd+bwd") if r.case == case]
             label = f"{case.get('model')} M{case.get('tokens')}"
             fast, why = _best_fast(rows)
             if why:

@@ -18,7 +18,7 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-IGNORE_INDEX = -100
+from bertfast.contract import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

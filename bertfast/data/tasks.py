@@ -25,9 +25,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from bertfast.contract import IGNORE_INDEX
 from bertfast.data.tokenization import WordPiece
-
-IGNORE_INDEX = -100
 
 
 class DataFormatError(ValueError):

@@ -41,7 +41,6 @@ TARGET_ARCH = 90
 MODELS = {"bert-base": (768, 12, 3072), "bert-large": (1024, 16, 4096)}  # hidden, heads, ffn
 SEQ_BATCH = ((128, 128), (512, 32))  # 16384 tokens either way
 VOCAB, POSITIONS, TYPES, MASKED_ROWS = 30522, 512, 2, 64
-ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # every head dim the attention kernels serve (full report)
 
 
 @dataclasses.dataclass
@@ -153,8 +152,8 @@ def _matrix(fast: bool):
 def bert_launches(fast: bool) -> Iterator[Tuple[str, Callable[[], None]]]:
     """(case label, function that calls the launchers at that setting) for every setting."""
     import torch
-    from bertfast.kernels import attention as A, bias_gelu as G, cross_entropy as C, embeddings as E
-    from bertfast.kernels import layer_norm as L
+    from bertfast.kernels import attention as A, bias_gelu as G, embeddings as E, mlm_head_loss as M
+    from bertfast.kernels import bias_dropout_residual_layernorm as L
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     for model, seq, batch, act_name, params, p in _matrix(fast):
@@ -170,7 +169,7 @@ def bert_launches(fast: bool) -> Iterator[Tuple[str, Callable[[], None]]]:
             return torch.empty(*shape, dtype=dtype, **kw)
 
         def attention():
-            for head_dim in ((64,) if fast else ATTENTION_HEAD_DIMS):
+            for head_dim in ((64,) if fast else A.SUPPORTED_HEAD_DIMS):
                 heads_here = hidden // head_dim
                 qkv = empty(tokens, 3, heads_here, head_dim)
                 q, k, v = qkv.unbind(1)
@@ -187,12 +186,12 @@ def bert_launches(fast: bool) -> Iterator[Tuple[str, Callable[[], None]]]:
             G.bias_gelu_fwd(x, bias)
             G.bias_gelu_bwd(x, x, bias)
 
-        def layer_norm():
+        def bias_dropout_residual_layernorm():
             x, vec = empty(tokens, hidden), empty(hidden, dtype=par)
             y, pre, mean, rstd = L.bias_dropout_residual_layernorm_fwd(x, vec, x, vec, vec, 1e-12, p, seed)
             L.bias_dropout_residual_layernorm_bwd(y, pre, mean, rstd, vec, p, seed, True, True)
-            y, pre, mean, rstd = L.bias_dropout_residual_layernorm_fwd(x, None, None, vec, vec, 1e-12, 0.0, None)
-            L.bias_dropout_residual_layernorm_bwd(y, pre, mean, rstd, vec, 0.0, None, False, False)
+            y, _, mean, rstd = L.bias_dropout_residual_layernorm_fwd(x, None, None, vec, vec, 1e-12, 0.0, None)
+            L.bias_dropout_residual_layernorm_bwd(y, x, mean, rstd, vec, 0.0, None, False, False)
 
         def embeddings():
             ids = torch.zeros(tokens, dtype=torch.int64)
@@ -202,13 +201,14 @@ def bert_launches(fast: bool) -> Iterator[Tuple[str, Callable[[], None]]]:
             y, mean, rstd = E.embeddings_fwd(ids, ids, ids, *tables, vec, vec, 1e-12, p, seed, act)
             E.embeddings_bwd(y, ids, ids, ids, *tables, vec, vec, mean, rstd, p, seed)
 
-        def cross_entropy():
+        def mlm_head_loss():
             labels = torch.zeros(MASKED_ROWS, dtype=torch.int64)
             for grad in (True, False):
-                C.softmax_cross_entropy_(empty(MASKED_ROWS, VOCAB), labels, 1.0, grad)
+                M.mlm_head_loss_fwd(empty(MASKED_ROWS, VOCAB), labels, 1.0, grad)
 
-        for name, fn in (("attention", attention), ("bias_gelu", bias_gelu), ("layer_norm", layer_norm),
-                         ("embeddings", embeddings), ("cross_entropy", cross_entropy)):
+        for name, fn in (("attention", attention), ("bias_gelu", bias_gelu),
+                         ("bias_dropout_residual_layernorm", bias_dropout_residual_layernorm),
+                         ("embeddings", embeddings), ("mlm_head_loss", mlm_head_loss)):
             yield f"{name} [{label}]", fn
 
 

@@ -56,7 +56,7 @@ def bias_gelu(device, dtype):
     return out
 
 
-def layer_norm(device, dtype):
+def bias_dropout_residual_layernorm(device, dtype):
     from bertfast.ops import bias_dropout_residual_layernorm as op
     n, h = 41, 100
     x, res = _leaf(n, h, device=device, dtype=dtype), _leaf(n, h, device=device, dtype=dtype)
@@ -79,8 +79,8 @@ def embeddings(device, dtype):
     return _grads(y, tables + [w, b])
 
 
-def linear_cross_entropy(device, dtype):
-    from bertfast.ops import linear_cross_entropy as op
+def mlm_head_loss(device, dtype):
+    from bertfast.ops import mlm_head_loss_decoder as op
     m, h, vocab = 29, 64, 1031
     x = _leaf(m, h, device=device, dtype=dtype)
     w, b = _leaf(vocab, h, device=device, dtype=dtype, scale=0.05), _leaf(vocab, device=device, dtype=dtype)
@@ -91,8 +91,8 @@ def linear_cross_entropy(device, dtype):
 
 
 CASES: List[Case] = [("attention_varlen", attention_varlen), ("attention_padded", attention_padded),
-                     ("bias_gelu", bias_gelu), ("bias_dropout_residual_layernorm", layer_norm),
-                     ("embeddings", embeddings), ("linear_cross_entropy", linear_cross_entropy)]
+                     ("bias_gelu", bias_gelu), ("bias_dropout_residual_layernorm", bias_dropout_residual_layernorm),
+                     ("embeddings", embeddings), ("mlm_head_loss", mlm_head_loss)]
 
 
 def run(backend: str, device: torch.device, dtypes=(torch.float32, torch.bfloat16), log=print) -> List[str]:

@@ -126,7 +126,7 @@ STAGES: List[Stage] = [
     Stage(5, "rest", "the MLM head and linear+CE kernels, the fine-tuning padding case, inference, and the "
           "compiled baseline (transformers under torch.compile, BERT-large seq 128)", [
               _bench("mlm-head", "stage5-rest", 40, 15,
-                     ["--suite", "kernels", "--ops", "linear_cross_entropy,mlm_head",
+                     ["--suite", "kernels", "--ops", "mlm_head_loss_decoder,mlm_head_loss",
                       "--impls", "bertfast,eager", "--no-compile"]),
               _bench("finetune-inference", "stage5-rest", 60, 20,
                      ["--suite", "model", "--models", "finetune,inference", "--impls", "bertfast,transformers",

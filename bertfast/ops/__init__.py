@@ -1,12 +1,16 @@
 """The fused ops: one public function each, a torch.library custom op with autograd and a
-backend chosen per call by ``bertfast.dispatch`` (torch | triton | cuda)."""
+backend chosen per call by ``bertfast.dispatch`` (torch | triton | cuda).
+
+One name per op everywhere: ``bertfast/ops/<op>.py`` (the contract, the custom op, the torch
+backend), ``kernels/<op>.py`` (Triton), ``csrc/<op>*.cu`` and ``bertfast/cuda/<op>.py`` (CUDA),
+``tests/ops/test_<op>.py`` and the benchmark case ``<op>`` (docs/ops.md).
+"""
 from bertfast.dispatch import use_backend
 from bertfast.ops.attention import attention, attention_varlen
+from bertfast.ops.bias_dropout_residual_layernorm import bias_dropout_residual_layernorm
 from bertfast.ops.bias_gelu import bias_gelu
 from bertfast.ops.embeddings import embeddings
-from bertfast.ops.layer_norm import bias_dropout_residual_layernorm, layer_norm
-from bertfast.ops.mlm_head import MLMHeadLoss, linear_cross_entropy, masked_positions, mlm_head_loss
+from bertfast.ops.mlm_head_loss import MLMHeadLoss, masked_positions, mlm_head_loss, mlm_head_loss_decoder
 
-__all__ = ["attention", "attention_varlen", "bias_gelu", "bias_dropout_residual_layernorm", "layer_norm",
-           "embeddings", "linear_cross_entropy", "mlm_head_loss", "masked_positions", "MLMHeadLoss",
-           "use_backend"]
+__all__ = ["attention", "attention_varlen", "bias_gelu", "bias_dropout_residual_layernorm", "embeddings",
+           "mlm_head_loss", "mlm_head_loss_decoder", "masked_positions", "MLMHeadLoss", "use_backend"]

@@ -1,39 +1,42 @@
-"""What every op module shares: backend registration, the dropout seed policy, empty outputs."""
+"""What every op module shares: backend registration, the dropout seed policy, empty outputs.
+
+An op module ``bertfast/ops/<op>.py`` is the op's contract: it validates once, defines the
+torch.library custom op with its fake and autograd, and holds the op's ``torch`` backend
+(``<op>_fwd`` / ``<op>_bwd`` in plain PyTorch). The fused backends implement the same launcher
+functions in ``bertfast.kernels.<op>`` (Triton) and ``bertfast.cuda.<op>`` (CUDA C++), and each
+declares its limits in ``unsupported(inputs)``.
+"""
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from bertfast.dispatch import (Backend, cuda_ext_availability, device_reasons, dtype_reasons,
+from bertfast.contract import check_dropout  # noqa: F401  (the ops' dropout rule, re-exported)
+from bertfast.dispatch import (Backend, cuda_ext_availability, device_reasons, dtype_reasons, get,
                                register_backend, triton_availability)
 
-InputReasons = Callable[[str, Dict[str, Optional[torch.Tensor]]], List[str]]
 
-
-def no_reasons(backend: str, tensors) -> List[str]:
-    return []
-
-
-def register_backends(op: str, kernel_module: str, float_inputs: List[str],
-                      extra_reasons: InputReasons = no_reasons) -> None:
-    """Register the torch, triton and cuda backends of an op.
+def register_backends(op: str, module: str, float_inputs: List[str]) -> None:
+    """Register the torch, triton and cuda backends of an op, implemented in the modules named
+    ``module`` under bertfast.ops, bertfast.kernels and bertfast.cuda.
 
     float_inputs: names of the inputs whose dtype must be fp32/fp16/bf16 for the fused backends.
-    extra_reasons(backend, inputs): op-specific limits (head dim, hidden size, ...).
+    A fused backend runs an input when its device and dtypes fit and its module's
+    ``unsupported(inputs)`` gives no reason.
     """
 
     def fused_reasons(name: str):
         def reasons(forced: bool, **inputs) -> List[str]:
             out = device_reasons(name, forced, inputs)
             out += dtype_reasons({k: inputs[k] for k in float_inputs if k in inputs})
-            return out + extra_reasons(name, inputs)
+            return out or get(op, name).impl.unsupported(inputs)
         return reasons
 
-    register_backend(Backend(op, "torch", "bertfast.ops.torch_impl", lambda forced, **inputs: []))
-    register_backend(Backend(op, "triton", f"bertfast.kernels.{kernel_module}", fused_reasons("triton"),
+    register_backend(Backend(op, "torch", f"bertfast.ops.{module}", lambda forced, **inputs: []))
+    register_backend(Backend(op, "triton", f"bertfast.kernels.{module}", fused_reasons("triton"),
                              availability_fn=triton_availability))
-    register_backend(Backend(op, "cuda", "bertfast.cuda_ops", fused_reasons("cuda"),
+    register_backend(Backend(op, "cuda", f"bertfast.cuda.{module}", fused_reasons("cuda"),
                              availability_fn=cuda_ext_availability))
 
 
@@ -60,13 +63,6 @@ def or_none(t: torch.Tensor) -> Optional[torch.Tensor]:
     return None if t.numel() == 0 and t.dim() == 1 else t
 
 
-def check_dropout(p: float) -> float:
-    p = float(p)
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
-    return p
-
-
 def distinct(outputs, inputs=()):
     """Custom ops may not return tensors that share storage with an input or with each other.
 
@@ -83,3 +79,22 @@ def distinct(outputs, inputs=()):
             seen.add(t.untyped_storage().data_ptr() if t.numel() else id(t))
         result.append(t)
     return tuple(result)
+
+
+# ------------------------------------------------------------------ shared by the torch backends
+def keep_mask(shape: Sequence[int], dropout_p: float, seed: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
+    """The torch backend's dropout keep-mask for a seed (None when p == 0): torch.rand under a
+    torch.Generator seeded with the seed's value, so a backward draws the forward's mask again."""
+    if dropout_p == 0.0:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(seed.item()))
+    return torch.rand(tuple(shape), generator=gen, device=device) >= dropout_p
+
+
+def layer_norm_bwd(g: torch.Tensor, xhat: torch.Tensor, rstd: torch.Tensor,
+                   weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LayerNorm backward from the normalised input: (d input, d weight, d bias), fp32."""
+    gw = g * weight.float()
+    dh = rstd[:, None] * (gw - gw.mean(-1, keepdim=True) - xhat * (gw * xhat).mean(-1, keepdim=True))
+    return dh, (g * xhat).sum(0), g.sum(0)

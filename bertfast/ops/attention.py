@@ -5,28 +5,32 @@ Two forms:
                     (what the unpadded encoder calls);
   attention:        padded q, k, v [B, S, A, D] + key_padding_mask [B, S] (1 = token).
 A sequence with no valid key yields zeros and zero gradients.
+
+Contract (every backend; the torch backend is at the end of this file, the Triton and CUDA ones
+are bertfast.kernels.attention and bertfast.cuda.attention):
+  * softmax_scale None means 1 / sqrt(head dim); otherwise a finite float > 0.
+  * varlen: rows of qkv outside every sequence (beyond cu_seqlens[-1], as static-shape packing
+    leaves them) get out 0, lse +inf and dqkv 0, so nothing undefined reaches the next GEMM.
+  * A query row with no valid key: out 0, lse +inf, zero gradients, never NaN.
+  * Outputs contiguous in q's dtype; lse fp32, [A, T] (varlen) or [B, A, S] (padded).
+  * Dropout on the probabilities: keep with probability 1 - p, scale 1 / (1 - p); the mask is a
+    function of (seed, sequence, head, query row, key column), so the backward regenerates it.
+    Each backend draws its own stream; attention_{varlen,padded}_dropout_mask return the mask a
+    backend draws, and the varlen and padded forms of one batch draw the same one.
+  * Head dims are each backend's limit (``unsupported``): 16, 32, 64, 128 for Triton and CUDA.
 """
 from __future__ import annotations
 
-import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
-from bertfast import dispatch
-from bertfast.ops._common import check_dropout, distinct, register_backends, seed_for
+from bertfast import contract, dispatch, reference
+from bertfast.ops._common import distinct, keep_mask, register_backends, seed_for
 
 Tensor = torch.Tensor
-HEAD_DIMS = (16, 32, 64, 128)
-
-
-def _limits(backend, inputs):
-    head_dim = inputs["q"].shape[-1]
-    return [] if head_dim in HEAD_DIMS else [f"head dim {head_dim} not in {HEAD_DIMS}"]
-
-
-register_backends("attention_varlen", "attention", ["q"], _limits)
-register_backends("attention_padded", "attention", ["q"], _limits)
+register_backends("attention_varlen", "attention", ["q"])
+register_backends("attention_padded", "attention", ["q"])
 
 
 def _impl(op, backend):
@@ -93,10 +97,10 @@ def attention_varlen(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p
                          f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
-    dropout_p = check_dropout(dropout_p)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(qkv.shape[-1])
+    dropout_p = contract.check_dropout(dropout_p)
+    scale = contract.softmax_scale(softmax_scale, qkv.shape[-1])
     backend = dispatch.select("attention_varlen", q=qkv, cu_seqlens=cu_seqlens)
-    out, _ = _attention_varlen(qkv, cu_seqlens, int(max_seqlen), float(scale), dropout_p,
+    out, _ = _attention_varlen(qkv, cu_seqlens, int(max_seqlen), scale, dropout_p,
                                seed_for(dropout_p, qkv.device), backend)
     return out
 
@@ -163,9 +167,119 @@ def attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor
                          f"got {tuple(key_padding_mask.shape)}")
     key_padding_mask = key_padding_mask.bool()
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    dropout_p = check_dropout(dropout_p)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    dropout_p = contract.check_dropout(dropout_p)
+    scale = contract.softmax_scale(softmax_scale, q.shape[-1])
     backend = dispatch.select("attention_padded", q=q, k=k, v=v, key_padding_mask=key_padding_mask)
-    out, _ = _attention_padded(q, k, v, key_padding_mask, float(scale), dropout_p, seed_for(dropout_p, q.device),
+    out, _ = _attention_padded(q, k, v, key_padding_mask, scale, dropout_p, seed_for(dropout_p, q.device),
                                backend)
     return out
+
+
+# ------------------------------------------------------------------ the torch backend
+def _varlen_layout(cu_seqlens: Tensor, max_seqlen: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """(token rows [n], their positions in a [B * max_seqlen] padded layout [n], key mask
+    [B, max_seqlen]) for the n tokens inside sequences, in sequence order."""
+    starts = cu_seqlens[:-1].long()
+    lengths = cu_seqlens[1:].long() - starts
+    offsets = torch.arange(max_seqlen, device=cu_seqlens.device)
+    mask = offsets[None, :] < lengths[:, None]                                   # [B, S]
+    padded = mask.flatten().nonzero().flatten()                                  # [n]
+    rows = (starts[:, None] + offsets[None, :]).flatten()[padded]                # [n]
+    return rows, padded, mask
+
+
+def _pad(x: Tensor, rows: Tensor, padded: Tensor, batch: int, seqlen: int) -> Tensor:
+    out = x.new_zeros((batch * seqlen,) + tuple(x.shape[1:]))
+    return out.index_copy(0, padded, x.index_select(0, rows)).view((batch, seqlen) + tuple(x.shape[1:]))
+
+
+def _probs(q: Tensor, k: Tensor, mask: Tensor, scale: float) -> Tuple[Tensor, Tensor]:
+    """Masked softmax probabilities [B, A, S, S] and log-sum-exp [B, A, S] in fp32.
+
+    Rows with no valid key get probabilities 0 and lse +inf."""
+    scores = torch.einsum("bqad,bkad->baqk", q.float(), k.float()) * scale
+    scores = scores.masked_fill(~mask.bool()[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])
+    return probs, lse.masked_fill(lse == float("-inf"), float("inf"))
+
+
+def _padded_fwd(q, k, v, mask, scale, dropout_p, keep):
+    probs, lse = _probs(q, k, mask, scale)
+    out = torch.einsum("baqk,bkad->bqad", reference.dropout(probs, dropout_p, keep), v.float())
+    return out.to(q.dtype).contiguous(), lse
+
+
+def _padded_bwd(dout, q, k, v, mask, scale, dropout_p, keep):
+    """dS = P * (dP - rowsum(dP * P)) with dP the gradient through dropout; rows with no key get 0."""
+    probs, _ = _probs(q, k, mask, scale)
+    dropped = reference.dropout(probs, dropout_p, keep)
+    g = dout.float()
+    dv = torch.einsum("baqk,bqad->bkad", dropped, g)
+    dprobs = reference.dropout(torch.einsum("bqad,bkad->baqk", g, v.float()), dropout_p, keep)
+    dscores = probs * (dprobs - (dprobs * probs).sum(-1, keepdim=True))
+    dq = torch.einsum("baqk,bkad->bqad", dscores, k.float()) * scale
+    dk = torch.einsum("baqk,bqad->bkad", dscores, q.float()) * scale
+    return dq, dk, dv
+
+
+def attention_varlen_fwd(q, k, v, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed):
+    tokens, heads, head_dim = q.shape
+    scale = contract.softmax_scale(softmax_scale, head_dim)
+    rows, padded, mask = _varlen_layout(cu_seqlens, max_seqlen)
+    batch = mask.shape[0]
+    qp, kp, vp = (_pad(t, rows, padded, batch, max_seqlen) for t in (q, k, v))   # [B, S, A, D]
+    keep = keep_mask((batch, heads, max_seqlen, max_seqlen), dropout_p, seed, q.device)
+    out_p, lse_p = _padded_fwd(qp, kp, vp, mask, scale, dropout_p, keep)
+    out = q.new_zeros((tokens, heads, head_dim))
+    out[rows] = out_p.flatten(0, 1)[padded]
+    lse = torch.full((heads, tokens), float("inf"), dtype=torch.float32, device=q.device)
+    lse[:, rows] = lse_p.permute(1, 0, 2).reshape(heads, batch * max_seqlen)[:, padded]
+    return out, lse
+
+
+def attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed):
+    tokens, heads, head_dim = q.shape
+    scale = contract.softmax_scale(softmax_scale, head_dim)
+    rows, padded, mask = _varlen_layout(cu_seqlens, max_seqlen)
+    batch = mask.shape[0]
+    keep = keep_mask((batch, heads, max_seqlen, max_seqlen), dropout_p, seed, q.device)
+    grads = _padded_bwd(*(_pad(t, rows, padded, batch, max_seqlen) for t in (dout, q, k, v)), mask, scale,
+                        dropout_p, keep)
+    dqkv = q.new_zeros((tokens, 3, heads, head_dim))
+    dqkv[rows] = torch.stack([g.flatten(0, 1)[padded] for g in grads], dim=1).to(q.dtype)
+    return dqkv
+
+
+def attention_varlen_dropout_mask(cu_seqlens, max_seqlen, num_heads, dropout_p, seed):
+    batch = cu_seqlens.numel() - 1
+    return _dropout_mask(batch, max_seqlen, num_heads, dropout_p, seed, cu_seqlens.device)
+
+
+def _dropout_mask(batch, seqlen, num_heads, dropout_p, seed, device):
+    keep = keep_mask((batch, num_heads, seqlen, seqlen), dropout_p, seed, device)
+    return keep if keep is not None else torch.ones((batch, num_heads, seqlen, seqlen), dtype=torch.bool,
+                                                    device=device)
+
+
+def attention_padded_fwd(q, k, v, key_padding_mask, softmax_scale, dropout_p, seed):
+    batch, seqlen, heads, head_dim = q.shape
+    if key_padding_mask is None:
+        key_padding_mask = torch.ones((batch, seqlen), dtype=torch.bool, device=q.device)
+    keep = keep_mask((batch, heads, seqlen, seqlen), dropout_p, seed, q.device)
+    return _padded_fwd(q, k, v, key_padding_mask, contract.softmax_scale(softmax_scale, head_dim), dropout_p, keep)
+
+
+def attention_padded_bwd(dout, q, k, v, out, lse, key_padding_mask, softmax_scale, dropout_p, seed):
+    batch, seqlen, heads, head_dim = q.shape
+    if key_padding_mask is None:
+        key_padding_mask = torch.ones((batch, seqlen), dtype=torch.bool, device=q.device)
+    keep = keep_mask((batch, heads, seqlen, seqlen), dropout_p, seed, q.device)
+    grads = _padded_bwd(dout, q, k, v, key_padding_mask, contract.softmax_scale(softmax_scale, head_dim),
+                        dropout_p, keep)
+    return tuple(g.to(q.dtype).contiguous() for g in grads)
+
+
+def attention_padded_dropout_mask(batch, seqlen, num_heads, dropout_p, seed):
+    device = seed.device if seed is not None else torch.device("cpu")
+    return _dropout_mask(batch, seqlen, num_heads, dropout_p, seed, device)

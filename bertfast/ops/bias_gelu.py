@@ -1,9 +1,15 @@
-"""bias_gelu: y = GELU(x + bias), after the FFN up-projection. x [N, F], bias [F]."""
+"""bias_gelu: y = GELU(x + bias), after the FFN up-projection. x [N, F], bias [F].
+
+Contract (every backend): approximate 'none' (erf, BERT's) or 'tanh'; outputs contiguous in x's
+dtype; dbias in bias's dtype, summed in fp32; any F and any number of rows (0 rows: empty y,
+zero dbias). The torch backend is at the end of this file; the Triton and CUDA ones are
+bertfast.kernels.bias_gelu and bertfast.cuda.bias_gelu.
+"""
 from __future__ import annotations
 
 import torch
 
-from bertfast import dispatch
+from bertfast import dispatch, reference
 from bertfast.ops._common import distinct, register_backends
 
 OP = "bias_gelu"
@@ -18,7 +24,7 @@ def _bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str, backend: s
 
 @_bias_gelu.register_fake
 def _(x, bias, approximate, backend):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 @torch.library.custom_op("bertfast::bias_gelu_backward", mutates_args=())
@@ -29,7 +35,7 @@ def _bias_gelu_backward(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, a
 
 @_bias_gelu_backward.register_fake
 def _(dy, x, bias, approximate, backend):
-    return torch.empty_like(x), torch.empty_like(bias)
+    return x.new_empty(x.shape), torch.empty_like(bias)
 
 
 def _setup(ctx, inputs, output):
@@ -55,5 +61,17 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") ->
         raise ValueError(f"bias_gelu: expected bias of shape [{x.shape[-1]}] for x of shape {tuple(x.shape)}, "
                          f"got {tuple(bias.shape)}")
     rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[-1] > 1 and rows.stride(-1) != 1:
+        rows = rows.contiguous()
     backend = dispatch.select(OP, x=rows, bias=bias)
     return _bias_gelu(rows, bias, approximate, backend).view(x.shape)
+
+
+# ------------------------------------------------------------------ the torch backend
+def bias_gelu_fwd(x, bias, approximate="none"):
+    return reference.bias_gelu(x.float(), bias.float(), approximate).to(x.dtype).contiguous()
+
+
+def bias_gelu_bwd(dy, x, bias, approximate="none"):
+    dx = torch.ops.aten.gelu_backward(dy.float(), x.float() + bias.float(), approximate=approximate)
+    return dx.to(x.dtype).contiguous(), dx.sum(0).to(bias.dtype)

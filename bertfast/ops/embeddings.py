@@ -1,6 +1,13 @@
 """embeddings: y = Dropout(LN(word[ids] + position[pos_ids] + token_type[tt_ids])), on unpadded tokens.
 
 ids: [T] (int32 or int64, already range-checked by the model); tables [V, H], [P, H], [TT, H].
+
+Contract (every backend; the torch backend is at the end of this file, the Triton and CUDA ones
+are bertfast.kernels.embeddings and bertfast.cuda.embeddings): y [T, H] in out_dtype, mean and
+rstd fp32 [T] of the fp32 embedding sum; table gradients scatter-added in fp32 (repeated ids add
+up) and returned in each table's dtype; 0 tokens give zero gradients. Dropout as in
+bias_dropout_residual_layernorm (per backend stream, mask returned by return_dropout_mask).
+H limits are each backend's (``unsupported``): 8192 for Triton and CUDA, none for torch.
 """
 from __future__ import annotations
 
@@ -8,8 +15,11 @@ from typing import Optional
 
 import torch
 
-from bertfast import dispatch
-from bertfast.ops._common import check_dropout, distinct, register_backends, seed_for
+import torch.nn.functional as F
+
+from bertfast import dispatch, reference
+from bertfast.contract import check_dropout
+from bertfast.ops._common import distinct, keep_mask, layer_norm_bwd, register_backends, seed_for
 
 OP = "embeddings"
 Tensor = torch.Tensor
@@ -83,3 +93,37 @@ def embeddings(input_ids: Tensor, position_ids: Tensor, token_type_ids: Tensor, 
     y, _, _ = _embeddings(input_ids, position_ids, token_type_ids, word, pos, token_type, ln_weight, ln_bias,
                           float(eps), dropout_p, seed_for(dropout_p, word.device), out_dtype or word.dtype, backend)
     return y
+
+
+# ------------------------------------------------------------------ the torch backend
+def _embedding_sum(input_ids, position_ids, token_type_ids, word, pos, token_type):
+    return (F.embedding(input_ids, word.float()) + F.embedding(position_ids, pos.float())
+            + F.embedding(token_type_ids, token_type.float()))
+
+
+def embeddings_fwd(input_ids, position_ids, token_type_ids, word, pos, token_type, ln_weight, ln_bias, eps,
+                   dropout_p, seed, out_dtype, return_dropout_mask=False):
+    h = _embedding_sum(input_ids, position_ids, token_type_ids, word, pos, token_type)
+    mean = h.mean(-1)
+    rstd = torch.rsqrt((h - mean[:, None]).square().mean(-1) + eps)
+    y = (h - mean[:, None]) * rstd[:, None] * ln_weight.float() + ln_bias.float()
+    keep = keep_mask(y.shape, dropout_p, seed, y.device)
+    y = reference.dropout(y, dropout_p, keep).to(out_dtype)
+    if return_dropout_mask:
+        full = keep if keep is not None else torch.ones(y.shape, dtype=torch.bool, device=y.device)
+        return y, mean, rstd, full
+    return y, mean, rstd
+
+
+def embeddings_bwd(dy, input_ids, position_ids, token_type_ids, word, pos, token_type, ln_weight, ln_bias,
+                   mean, rstd, dropout_p, seed):
+    keep = keep_mask(dy.shape, dropout_p, seed, dy.device)
+    h = _embedding_sum(input_ids, position_ids, token_type_ids, word, pos, token_type)
+    xhat = (h - mean[:, None]) * rstd[:, None]
+    g = reference.dropout(dy.float(), dropout_p, keep)
+    dh, dweight, dln_bias = layer_norm_bwd(g, xhat, rstd, ln_weight)
+    tables = []
+    for ids, table in ((input_ids, word), (position_ids, pos), (token_type_ids, token_type)):
+        grad = torch.zeros(table.shape, dtype=torch.float32, device=table.device)
+        tables.append(grad.index_add_(0, ids.long(), dh).to(table.dtype))
+    return (*tables, dweight.to(ln_weight.dtype), dln_bias.to(ln_bias.dtype))

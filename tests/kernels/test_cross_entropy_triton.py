@@ -1,6 +1,6 @@
 """kernels/cross_entropy.py against torch: the per-row kernel (loss, lse, argmax, in-place
 gradient) and the chunked linear + cross-entropy driver (against
-bertfast.reference.linear_cross_entropy and autograd).
+bertfast.reference.mlm_head_loss_decoder and autograd).
 
 CPU runs the kernel under the Triton interpreter in fp32 and fp16; bf16 and the
 autotuned path are covered by the GPU-marked tests.
@@ -179,11 +179,11 @@ def _problem(M, H, V, dtype, labelled="some", bias=True, param_dtype=None, devic
 
 
 def _reference_grads(x, w, b, labels, grad_scale):
-    """reference.linear_cross_entropy and the autograd gradients of grad_scale * loss_sum."""
+    """reference.mlm_head_loss_decoder and the autograd gradients of grad_scale * loss_sum."""
     xr = x.detach().clone().requires_grad_()
     wr = w.detach().clone().requires_grad_()
     br = b.detach().clone().requires_grad_() if b is not None else None
-    loss_sum, n_correct = reference.linear_cross_entropy(xr, wr, br, labels)
+    loss_sum, n_correct = reference.mlm_head_loss_decoder(xr, wr, br, labels)
     (grad_scale * loss_sum).backward()
     return loss_sum.detach(), n_correct, xr.grad, wr.grad, (br.grad if br is not None else None)
 
@@ -272,7 +272,7 @@ def test_linear_cross_entropy_fp32_params_fp16_activations():
 def test_linear_cross_entropy_no_grad_and_empty():
     M, H, V = 13, 32, 1031
     x, w, b, labels = _problem(M, H, V, torch.float32)
-    ref = reference.linear_cross_entropy(x, w, b, labels)
+    ref = reference.mlm_head_loss_decoder(x, w, b, labels)
     out = linear_cross_entropy_fwd(x, w, b, labels, 5, False, 1.0)
     assert out[2:] == (None, None, None)
     torch.testing.assert_close(out[0], ref[0], atol=1e-4, rtol=1e-5)

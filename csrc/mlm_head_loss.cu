@@ -1,4 +1,4 @@
-// Masked softmax cross-entropy over the vocabulary, in place (the MLM head's loss).
+// mlm_head_loss: softmax cross-entropy over the vocabulary for one chunk of decoder logits, in place.
 //
 //   per row m of logits x [M, V] with label y (-100 = ignored):
 //     lse     = log sum_j exp(x_j)        (online max / sum in fp32, one pass)
@@ -83,7 +83,7 @@ __device__ __forceinline__ void for_row(T* row, int64_t v, F&& f) {
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-xent_kernel(T* __restrict__ logits,            // [M, V], row stride rs; overwritten by the gradient
+mlm_head_loss_fwd_kernel(T* __restrict__ logits,            // [M, V], row stride rs; overwritten by the gradient
             int64_t rs,
             const int64_t* __restrict__ labels,  // [M]
             float* __restrict__ loss,            // [M]
@@ -139,20 +139,20 @@ xent_kernel(T* __restrict__ logits,            // [M, V], row stride rs; overwri
 
 }  // namespace
 
-int softmax_cross_entropy(void* logits, int64_t row_stride, const int64_t* labels, float* loss, float* lse,
+int mlm_head_loss_fwd(void* logits, int64_t row_stride, const int64_t* labels, float* loss, float* lse,
                           bool* correct, int64_t n, int64_t v, float grad_scale, int compute_grad, int dtype,
                           cudaStream_t stream) {
   clear_error();
   if (n < 0 || v <= 0 || row_stride < v)
-    return fail(kErrArgument, "softmax_cross_entropy: expected n >= 0, v > 0, row_stride >= v; got n=%lld v=%lld "
+    return fail(kErrArgument, "mlm_head_loss_fwd: expected n >= 0, v > 0, row_stride >= v; got n=%lld v=%lld "
                 "row_stride=%lld", (long long)n, (long long)v, (long long)row_stride);
-  if (n > 0x7fffffffLL) return fail(kErrArgument, "softmax_cross_entropy: n=%lld rows is too many", (long long)n);
+  if (n > 0x7fffffffLL) return fail(kErrArgument, "mlm_head_loss_fwd: n=%lld rows is too many", (long long)n);
   if (n == 0) return kOk;
   BF_DISPATCH_T(dtype, T,
-                xent_kernel<T><<<static_cast<unsigned>(n), kThreads, 0, stream>>>(
+                mlm_head_loss_fwd_kernel<T><<<static_cast<unsigned>(n), kThreads, 0, stream>>>(
                     static_cast<T*>(logits), row_stride, labels, loss, lse, correct, v, grad_scale,
                     compute_grad != 0));
-  BF_CHECK_LAUNCH("softmax_cross_entropy");
+  BF_CHECK_LAUNCH("mlm_head_loss_fwd");
   return kOk;
 }
 

@@ -42,7 +42,7 @@ struct FwdArgs {
 };
 
 template <typename T, typename P, int VEC>
-__global__ void ln_fwd_kernel(FwdArgs a) {
+__global__ void bias_dropout_residual_layernorm_fwd_kernel(FwdArgs a) {
   extern __shared__ float row_buf[];  // [h] fp32 pre of this row
   __shared__ float2 red[33];
   const int64_t r = blockIdx.x;
@@ -137,7 +137,7 @@ struct BwdArgs {
 };
 
 template <typename T, typename P, int VEC>
-__global__ void ln_bwd_kernel(BwdArgs a) {
+__global__ void bias_dropout_residual_layernorm_bwd_kernel(BwdArgs a) {
   extern __shared__ float acc[];  // [3, h]: dweight, dln_bias, dbias partial sums of this block
   __shared__ float2 red[33];
   const int64_t h = a.h;
@@ -232,11 +232,11 @@ int run_fwd(const FwdArgs& a, cudaStream_t stream) {
   const size_t smem = static_cast<size_t>(a.h) * sizeof(float);
   const dim3 grid(static_cast<unsigned>(a.n));
   if (vec) {
-    ln_fwd_kernel<T, P, V><<<grid, threads_for(a.h, V), smem, stream>>>(a);
+    bias_dropout_residual_layernorm_fwd_kernel<T, P, V><<<grid, threads_for(a.h, V), smem, stream>>>(a);
   } else {
-    ln_fwd_kernel<T, P, 1><<<grid, threads_for(a.h, 1), smem, stream>>>(a);
+    bias_dropout_residual_layernorm_fwd_kernel<T, P, 1><<<grid, threads_for(a.h, 1), smem, stream>>>(a);
   }
-  BF_CHECK_LAUNCH("layernorm_fwd");
+  BF_CHECK_LAUNCH("bias_dropout_residual_layernorm_fwd");
   return kOk;
 }
 
@@ -250,13 +250,13 @@ int run_bwd(const BwdArgs& a, void* dbias, void* dweight, void* dln_bias, int pa
   const size_t smem = static_cast<size_t>(3 * a.h) * sizeof(float);
   const int64_t blocks = reduction_blocks(a.n);
   if (vec) {
-    if (cudaError_t e = allow_smem(ln_bwd_kernel<T, P, V>, smem)) return fail_cuda("layernorm_bwd", e);
-    ln_bwd_kernel<T, P, V><<<static_cast<unsigned>(blocks), threads_for(a.h, V), smem, stream>>>(a);
+    if (cudaError_t e = allow_smem(bias_dropout_residual_layernorm_bwd_kernel<T, P, V>, smem)) return fail_cuda("bias_dropout_residual_layernorm_bwd", e);
+    bias_dropout_residual_layernorm_bwd_kernel<T, P, V><<<static_cast<unsigned>(blocks), threads_for(a.h, V), smem, stream>>>(a);
   } else {
-    if (cudaError_t e = allow_smem(ln_bwd_kernel<T, P, 1>, smem)) return fail_cuda("layernorm_bwd", e);
-    ln_bwd_kernel<T, P, 1><<<static_cast<unsigned>(blocks), threads_for(a.h, 1), smem, stream>>>(a);
+    if (cudaError_t e = allow_smem(bias_dropout_residual_layernorm_bwd_kernel<T, P, 1>, smem)) return fail_cuda("bias_dropout_residual_layernorm_bwd", e);
+    bias_dropout_residual_layernorm_bwd_kernel<T, P, 1><<<static_cast<unsigned>(blocks), threads_for(a.h, 1), smem, stream>>>(a);
   }
-  BF_CHECK_LAUNCH("layernorm_bwd");
+  BF_CHECK_LAUNCH("bias_dropout_residual_layernorm_bwd");
   if (int s = launch_column_sum(a.ws, blocks, 3, 0, a.h, dweight, param_dtype, stream)) return s;
   if (int s = launch_column_sum(a.ws, blocks, 3, 1, a.h, dln_bias, param_dtype, stream)) return s;
   if (dbias) return launch_column_sum(a.ws, blocks, 3, 2, a.h, dbias, param_dtype, stream);
@@ -274,14 +274,14 @@ int check_shape(const char* name, int64_t n, int64_t h, float p) {
 
 }  // namespace
 
-int layernorm_fwd(const void* x, int64_t x_row_stride, const void* bias, const void* residual,
+int bias_dropout_residual_layernorm_fwd(const void* x, int64_t x_row_stride, const void* bias, const void* residual,
                   int64_t residual_row_stride, const void* weight, const void* ln_bias, void* y,
                   void* pre_norm, float* mean, float* rstd, bool* keep, int64_t n, int64_t h, float eps,
                   float dropout_p, const int64_t* seed, int act_dtype, int param_dtype,
                   cudaStream_t stream) {
   clear_error();
-  if (int s = check_shape("layernorm_fwd", n, h, dropout_p)) return s;
-  if (dropout_p > 0.f && seed == nullptr) return fail(kErrArgument, "layernorm_fwd: dropout needs a seed");
+  if (int s = check_shape("bias_dropout_residual_layernorm_fwd", n, h, dropout_p)) return s;
+  if (dropout_p > 0.f && seed == nullptr) return fail(kErrArgument, "bias_dropout_residual_layernorm_fwd: dropout needs a seed");
   if (n == 0) return kOk;
   const FwdArgs a{x, x_row_stride, bias, residual, residual_row_stride, weight, ln_bias, y, pre_norm,
                   mean, rstd, keep, n, h, eps, dropout_p, seed};
@@ -289,14 +289,14 @@ int layernorm_fwd(const void* x, int64_t x_row_stride, const void* bias, const v
   return kOk;
 }
 
-int layernorm_bwd(const void* dy, int64_t dy_row_stride, const void* pre_norm, int64_t pre_row_stride,
+int bias_dropout_residual_layernorm_bwd(const void* dy, int64_t dy_row_stride, const void* pre_norm, int64_t pre_row_stride,
                   const float* mean, const float* rstd, const void* weight, void* dx, void* dresidual,
                   void* dbias, void* dweight, void* dln_bias, float* workspace, int64_t n, int64_t h,
                   float dropout_p, const int64_t* seed, int act_dtype, int param_dtype,
                   cudaStream_t stream) {
   clear_error();
-  if (int s = check_shape("layernorm_bwd", n, h, dropout_p)) return s;
-  if (dropout_p > 0.f && seed == nullptr) return fail(kErrArgument, "layernorm_bwd: dropout needs a seed");
+  if (int s = check_shape("bias_dropout_residual_layernorm_bwd", n, h, dropout_p)) return s;
+  if (dropout_p > 0.f && seed == nullptr) return fail(kErrArgument, "bias_dropout_residual_layernorm_bwd: dropout needs a seed");
   const BwdArgs a{dy, dy_row_stride, pre_norm, pre_row_stride, mean, rstd, weight, dx, dresidual,
                   workspace, n, h, dropout_p, seed, dbias != nullptr};
   // n == 0 still runs: one block writes zero partials, so the parameter gradients come out 0.

@@ -1,0 +1,132 @@
+"""The argument rules every backend of the fused ops shares.
+
+One definition of each rule, used by the op contracts (``bertfast.ops``), the Triton launchers
+(``bertfast.kernels``) and the CUDA wrappers (``bertfast.cuda``), so the backends cannot drift
+apart on what they accept. Every check raises ValueError naming what was expected and what was
+given. Torch only: importing this pulls in neither triton nor the CUDA extension.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ID_DTYPES = (torch.int32, torch.int64)
+IGNORE_INDEX = -100  # labels equal to it add nothing to any loss (transformers' convention)
+
+
+def check_tensor(name: str, t: torch.Tensor, *, dtypes=None, ndim=None, shape=None, device=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+
+
+def check_rows(name: str, t: torch.Tensor, n: Optional[int] = None, h: Optional[int] = None,
+               dtypes=FLOAT_DTYPES, device=None) -> Tuple[int, int]:
+    """A 2-D [n, h] tensor whose rows are contiguous (stride(1) == 1) and do not overlap
+    (stride(0) >= h): row-strided views are fine. Returns (n, h)."""
+    check_tensor(name, t, dtypes=dtypes, ndim=2, device=device)
+    rows, width = t.shape
+    if (n is not None and rows != n) or (h is not None and width != h):
+        raise ValueError(f"{name}: expected shape ({n if n is not None else 'N'}, {h if h is not None else 'H'}), "
+                         f"got {tuple(t.shape)}")
+    if width > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name}: expected unit column stride (rows may be strided), got strides {t.stride()}")
+    if rows > 1 and t.stride(0) < width:
+        raise ValueError(f"{name}: expected row stride >= {width} (non-overlapping rows), got strides {t.stride()}")
+    return rows, width
+
+
+def check_vector(name: str, t: torch.Tensor, h: int, device=None) -> None:
+    """A contiguous float [h] parameter vector (bias, LayerNorm weight and bias)."""
+    check_tensor(name, t, dtypes=FLOAT_DTYPES, shape=(h,), device=device)
+    if h > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name}: expected a contiguous vector, got strides {t.stride()}")
+
+
+def row_stride(t: torch.Tensor) -> int:
+    """Elements between rows of a [n, h] tensor checked by check_rows (h when there is one row)."""
+    return t.stride(0) if t.shape[0] > 1 else t.shape[1]
+
+
+def check_dropout(p, seed: Optional[torch.Tensor] = None, device=None) -> float:
+    """p in [0, 1); when p > 0 and a device is given, seed must be an int64 [1] tensor there
+    (the kernels read it from device memory, so CUDA graphs can replay a step)."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise ValueError(f"dropout_p: expected a float in [0, 1), got {p!r}")
+    p = float(p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p: expected a float in [0, 1), got {p}")
+    if p > 0.0 and device is not None:
+        if seed is None:
+            raise ValueError("seed: expected an int64 tensor of shape [1] when dropout_p > 0, got None")
+        check_tensor("seed", seed, dtypes=(torch.int64,), shape=(1,), device=device)
+    return p
+
+
+def check_eps(eps) -> float:
+    eps = float(eps)
+    if not (eps >= 0.0 and math.isfinite(eps)):
+        raise ValueError(f"eps: expected a finite float >= 0, got {eps}")
+    return eps
+
+
+def softmax_scale(scale: Optional[float], head_dim: int) -> float:
+    """The attention scale: None means 1 / sqrt(head_dim), on every backend."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"softmax_scale: expected a finite float > 0 or None, got {scale!r}")
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0.0):
+        raise ValueError(f"softmax_scale: expected a finite float > 0 or None, got {scale}")
+    return scale
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, max_seqlen, device=None) -> Tuple[int, int]:
+    """cu_seqlens: contiguous int32 [B + 1] (sequence b is rows cu_seqlens[b]:cu_seqlens[b+1]);
+    max_seqlen: a python int in [0, 2**31). Returns (B, max_seqlen). Values are not read (no sync)."""
+    check_tensor("cu_seqlens", cu_seqlens, dtypes=(torch.int32,), ndim=1, device=device)
+    if cu_seqlens.numel() < 1:
+        raise ValueError("cu_seqlens: expected shape [B + 1] with B >= 0, got an empty tensor")
+    if cu_seqlens.numel() > 1 and cu_seqlens.stride(0) != 1:
+        raise ValueError(f"cu_seqlens: expected a contiguous tensor, got stride {cu_seqlens.stride()}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or not 0 <= max_seqlen < 2 ** 31:
+        raise ValueError(f"max_seqlen: expected a python int in [0, 2**31), got {max_seqlen!r}")
+    return cu_seqlens.numel() - 1, max_seqlen
+
+
+def check_qkv(names, tensors, ndim: int, layout: str) -> None:
+    """Attention operands: one float dtype, shape and device; a contiguous last (head) dim."""
+    ref_name, ref = names[0], tensors[0]
+    check_tensor(ref_name, ref, dtypes=FLOAT_DTYPES, ndim=ndim)
+    for name, t in zip(names[1:], tensors[1:]):
+        check_tensor(name, t, ndim=ndim)
+        if t.shape != ref.shape:
+            raise ValueError(f"{name}: expected shape {tuple(ref.shape)} ({layout}, like {ref_name}), "
+                             f"got {tuple(t.shape)}")
+        if t.dtype != ref.dtype:
+            raise ValueError(f"{name}: expected dtype {ref.dtype} (like {ref_name}), got {t.dtype}")
+        if t.device != ref.device:
+            raise ValueError(f"{name}: expected device {ref.device} (like {ref_name}), got {t.device}")
+    for name, t in zip(names, tensors):
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected a contiguous last (head) dim, got strides {t.stride()}")
+
+
+def check_key_padding_mask(mask: Optional[torch.Tensor], batch: int, seqlen: int, device=None) -> None:
+    """[B, S] bool or integer (1 = token); None means no padding."""
+    if mask is None:
+        return
+    check_tensor("key_padding_mask", mask, shape=(batch, seqlen), device=device)
+    if mask.is_floating_point() or mask.is_complex():
+        raise ValueError(f"key_padding_mask: expected a bool or integer tensor, got {mask.dtype}")

@@ -1,0 +1,329 @@
+"""mlm_head_loss: the masked-LM loss computed only at labelled positions.
+
+mlm_head_loss gathers the rows that carry a label, runs the head transform (dense -> bias+GELU ->
+LayerNorm, through those fused ops) and then the decoder stage, mlm_head_loss_decoder: the
+projection onto the vocabulary (weight tied to the word embeddings) and softmax cross-entropy, in
+row chunks, so logits for all masked rows never exist at once. Gradients of the projection are
+computed chunk by chunk during the forward pass and scaled by the incoming gradient in backward;
+no second logits pass. The chunked driver (``_decoder_loss``) is the same for every backend; a
+backend provides only the per-chunk kernel:
+
+    mlm_head_loss_fwd(logits [rows, V], labels [rows], grad_scale, compute_grad)
+        -> (loss [rows] fp32, lse [rows] fp32, correct [rows] bool), and with compute_grad the
+           logits are overwritten by grad_scale * (softmax - onehot(label)) (0 on ignored rows).
+
+Contract (every backend): labels -100 are ignored; any other label outside [0, V) is a ValueError
+(one device sync, in the driver); the kernel alone treats such labels as ignored. The sum of the
+loss over labelled rows is fp32; gradients come back in each input's dtype, the weight and bias
+gradients accumulated in fp32 over chunks. No labelled row: loss 0 and zero gradients. The torch
+backend is at the end of this file; the Triton and CUDA kernels are
+bertfast.kernels.mlm_head_loss and bertfast.cuda.mlm_head_loss.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from bertfast import dispatch
+from bertfast.contract import FLOAT_DTYPES, ID_DTYPES, IGNORE_INDEX, check_tensor
+from bertfast.ops._common import distinct, empty, register_backends
+from bertfast.ops.bias_dropout_residual_layernorm import bias_dropout_residual_layernorm
+from bertfast.ops.bias_gelu import bias_gelu
+
+OP = "mlm_head_loss"
+Tensor = torch.Tensor
+register_backends(OP, "mlm_head_loss", ["x", "weight", "bias"])
+
+
+@torch.library.custom_op("bertfast::mlm_head_loss_decoder", mutates_args=())
+def _mlm_head_loss_decoder(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, chunk_rows: int,
+                          compute_grad: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    kernel = dispatch.get(OP, backend).impl.mlm_head_loss_fwd
+    # chunk_rows 0: the default (logits of one chunk within a memory budget).
+    loss_sum, n_correct, gx, gw, gb = _decoder_loss(x, weight, bias, labels, chunk_rows or None, compute_grad, 1.0,
+                                                    kernel)
+    return distinct([loss_sum, n_correct, empty(x) if gx is None else gx, empty(weight) if gw is None else gw,
+                     empty(weight) if gb is None else gb], [x, weight, bias, labels])
+
+
+@_mlm_head_loss_decoder.register_fake
+def _(x, weight, bias, labels, chunk_rows, compute_grad, backend):
+    scalar = x.new_empty((), dtype=torch.float32)
+    count = x.new_empty((), dtype=torch.int64)
+    if not compute_grad:
+        return scalar, count, empty(x), empty(weight), empty(weight)
+    gb = torch.empty_like(bias) if bias is not None else empty(weight)
+    return scalar, count, torch.empty_like(x), torch.empty_like(weight), gb
+
+
+def _setup(ctx, inputs, output):
+    ctx.has_bias, ctx.computed_grad = inputs[2] is not None, inputs[5]
+    ctx.save_for_backward(*output[2:])
+
+
+def _backward(ctx, d_loss_sum, _d_correct, _dgx, _dgw, _dgb):
+    if not ctx.computed_grad:
+        raise RuntimeError("mlm_head_loss_decoder: backward called on a forward run without gradients")
+    gx, gw, gb = ctx.saved_tensors
+    return (gx * d_loss_sum.to(gx.dtype), gw * d_loss_sum.to(gw.dtype),
+            gb * d_loss_sum.to(gb.dtype) if ctx.has_bias else None, None, None, None, None)
+
+
+_mlm_head_loss_decoder.register_autograd(_backward, setup_context=_setup)
+
+
+def mlm_head_loss_decoder(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+                          chunk_rows: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """(sum of CE over labelled rows (fp32 scalar), number of rows whose argmax equals the label).
+
+    x [M, H], weight [V, H], bias [V] or None, labels [M] (-100 = ignored).
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"{OP}: expected x [rows, H] and weight [vocab, H], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if labels.shape != x.shape[:1]:
+        raise ValueError(f"{OP}: expected labels of shape [{x.shape[0]}], got {tuple(labels.shape)}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"{OP}: expected bias of shape [{weight.shape[0]}], got {tuple(bias.shape)}")
+    if chunk_rows is not None and chunk_rows < 1:
+        raise ValueError(f"{OP}: chunk_rows must be >= 1, got {chunk_rows}")
+    compute_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    backend = dispatch.select(OP, x=x, weight=weight, bias=bias, labels=labels)
+    loss_sum, n_correct, _, _, _ = _mlm_head_loss_decoder(x, weight, bias, labels.long(), chunk_rows or 0,
+                                                          compute_grad, backend)
+    return loss_sum, n_correct
+
+
+class MLMHeadLoss(NamedTuple):
+    loss: Tensor  # mean CE over labelled positions (0 when there are none)
+    num_correct: Tensor  # int64: labelled positions whose argmax equals the label
+    num_predictions: Tensor  # int64: labelled positions
+
+
+def masked_positions(labels: Tensor, max_predictions_per_seq: Optional[int] = None) -> Tensor:
+    """Flat indices of the labelled positions of labels [B, S].
+
+    Without max_predictions_per_seq the count is data-dependent. With it, exactly
+    B * max_predictions_per_seq indices come back (static shape): each sequence's labelled
+    positions first, then unlabelled ones as filler (their label is -100, so they add nothing).
+    Labelled positions beyond the limit raise an error rather than being dropped silently.
+    """
+    if max_predictions_per_seq is None:
+        if torch.compiler.is_compiling() and not torch._dynamo.config.capture_dynamic_output_shape_ops:
+            # nonzero has a data-dependent size, which Dynamo captures only with
+            # capture_dynamic_output_shape_ops=True; otherwise every position is a row (unlabelled
+            # ones add nothing). max_predictions_per_seq gives the sparse static form.
+            return torch.arange(labels.numel(), device=labels.device)
+        return (labels.reshape(-1) != IGNORE_INDEX).nonzero().flatten()
+    batch, seqlen = labels.shape
+    limit = min(max_predictions_per_seq, seqlen)
+    unlabelled = (labels == IGNORE_INDEX).to(torch.int8)
+    order = torch.sort(unlabelled, dim=1, stable=True).indices[:, :limit]  # labelled first, in order
+    return (order + torch.arange(batch, device=labels.device)[:, None] * seqlen).flatten()
+
+
+def mlm_head_loss(hidden: Tensor, labels: Tensor, dense_weight: Tensor, dense_bias: Tensor, ln_weight: Tensor,
+                  ln_bias: Tensor, eps: float, decoder_weight: Tensor, decoder_bias: Optional[Tensor],
+                  approximate: str = "none", max_predictions_per_seq: Optional[int] = None,
+                  chunk_rows: Optional[int] = None) -> MLMHeadLoss:
+    """MLM loss computed only where labels != -100.
+
+    hidden [B, S, H] (or [N, H] with labels [N]); the transform (dense, GELU, LayerNorm) and the
+    decoder run on the gathered rows only. Mean over labelled positions as transformers computes it.
+    """
+    width = hidden.shape[-1]
+    flat_labels = labels.reshape(-1)
+    if flat_labels.numel() * width != hidden.numel():
+        raise ValueError(f"mlm_head_loss: labels {tuple(labels.shape)} do not match hidden {tuple(hidden.shape)}")
+    if max_predictions_per_seq is not None:
+        if labels.dim() != 2:
+            raise ValueError("mlm_head_loss: max_predictions_per_seq needs labels of shape [batch, seq]")
+        positions = masked_positions(labels, max_predictions_per_seq)
+    else:
+        positions = masked_positions(flat_labels[None])
+    rows = hidden.reshape(-1, width).index_select(0, positions)  # [M, H]
+    picked_labels = flat_labels.index_select(0, positions)
+    h = bias_gelu(F.linear(rows, dense_weight), dense_bias, approximate)
+    h = bias_dropout_residual_layernorm(h, None, None, ln_weight, ln_bias, eps)
+    loss_sum, num_correct = mlm_head_loss_decoder(h, decoder_weight, decoder_bias, picked_labels, chunk_rows)
+    num_predictions = (picked_labels != IGNORE_INDEX).sum()
+    return MLMHeadLoss(loss_sum / num_predictions.clamp_min(1), num_correct, num_predictions)
+
+
+# ------------------------------------------------------------------ the chunked driver (every backend)
+# Default size of one chunk of logits: chunk_rows * V * element_size <= 256 MiB.
+CHUNK_BYTES = 256 * 2**20
+CHUNK_ROW_MULTIPLE = 64
+
+
+def default_chunk_rows(num_rows: int, vocab_size: int, element_size: int,
+                       budget_bytes: int = CHUNK_BYTES) -> int:
+    """Rows per chunk when the caller passes chunk_rows=None.
+
+    The cap is the largest multiple of 64 rows whose logits fit budget_bytes (256 MiB:
+    4352 rows for V=30522 in bf16), at least 64. Rows are then spread evenly over the
+    chunks the cap requires (rounded up to a multiple of 64, never above the cap), so
+    e.g. 4915 rows run as 2 chunks of 2496 + 2419 rather than 4352 + 563.
+    """
+    cap = max(CHUNK_ROW_MULTIPLE,
+              budget_bytes // max(1, vocab_size * element_size) // CHUNK_ROW_MULTIPLE * CHUNK_ROW_MULTIPLE)
+    if num_rows <= cap:
+        return max(1, num_rows)
+    n_chunks = -(-num_rows // cap)
+    per_chunk = -(-num_rows // n_chunks)
+    return min(cap, -(-per_chunk // CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE)
+
+
+_FP32_GEMM_CAPS = {}
+
+
+def _fp32_gemm_caps(device: torch.device, dtype: torch.dtype) -> Tuple[bool, bool]:
+    """(addmm accumulates into an fp32 buffer, mm writes an fp32 out=) for low-precision
+    inputs on this device; probed once on tiny tensors. CUDA torch has out_dtype GEMMs
+    (which forms accept an fp32 self differs between versions); CPU torch has neither.
+    """
+    key = (device.type, device.index, dtype)
+    if key not in _FP32_GEMM_CAPS:
+        a = torch.ones(16, 8, device=device, dtype=dtype)
+        b = torch.ones(8, 16, device=device, dtype=dtype)
+        can_addmm = can_mm = False
+        try:
+            acc = torch.full((16, 16), 1.0, device=device, dtype=torch.float32)
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            can_addmm = bool((acc == 9.0).all())
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass
+        try:
+            out = torch.empty(16, 16, device=device, dtype=torch.float32)
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+            can_mm = bool((out == 8.0).all())
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass
+        _FP32_GEMM_CAPS[key] = (can_addmm, can_mm)
+    return _FP32_GEMM_CAPS[key]
+
+
+def _accumulate_grad_weight(acc: torch.Tensor, dlogits_t: torch.Tensor, x_c: torch.Tensor,
+                            first: bool) -> None:
+    """acc [V, H] fp32 = (first) or += dlogits_t [V, rows] @ x_c [rows, H].
+
+    Low-precision inputs: cuBLAS accumulates in fp32 and, where torch allows out_dtype,
+    writes or adds its fp32 result straight into acc; otherwise (CPU) each chunk's product
+    is rounded to the input dtype once before the fp32 add.
+    """
+    if x_c.dtype == torch.float32:
+        if first:
+            torch.mm(dlogits_t, x_c, out=acc)
+        else:
+            acc.addmm_(dlogits_t, x_c)
+        return
+    can_addmm, can_mm = _fp32_gemm_caps(x_c.device, x_c.dtype)
+    if first and can_mm:
+        torch.mm(dlogits_t, x_c, out_dtype=torch.float32, out=acc)
+    elif first:
+        acc.copy_(torch.mm(dlogits_t, x_c))
+    elif can_addmm:
+        torch.addmm(acc, dlogits_t, x_c, out_dtype=torch.float32, out=acc)
+    elif can_mm:
+        acc.add_(torch.mm(dlogits_t, x_c, out_dtype=torch.float32))
+    else:
+        acc.add_(torch.mm(dlogits_t, x_c))
+
+
+def _check_label_range(labels: torch.Tensor, vocab_size: int) -> None:
+    """ValueError when a label is neither -100 nor in [0, V). One device sync (.any())."""
+    bad = (labels >= vocab_size) | ((labels < 0) & (labels != IGNORE_INDEX))
+    if bool(bad.any()):
+        value = int(labels[bad][0])
+        raise ValueError(f"labels: expected values in [0, {vocab_size}) or {IGNORE_INDEX} (ignored), "
+                         f"got {value} (at row {int(bad.nonzero()[0, 0])})")
+
+
+def _decoder_loss(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
+                  chunk_rows: Optional[int], compute_grad: bool, grad_scale: float, kernel):
+    """Sum of softmax cross-entropy of x @ weight.T + bias over labelled rows, chunk by chunk.
+
+    x: [M, H] activations (fp32/fp16/bf16); weight: [V, H]; bias: [V] or None (parameters,
+    any float dtype: the GEMMs run in x's dtype); labels: [M] int64 (-100 = ignored);
+    chunk_rows: rows per chunk, or None for default_chunk_rows (logits chunk <= 256 MiB).
+    compute_grad: also return the gradients of grad_scale * loss_sum, computed here, in the
+    forward pass (grad_scale = 1 / number of labelled rows gives the mean loss).
+
+    Returns (loss_sum fp32 scalar, n_correct int64 scalar, grad_x [M, H] in x's dtype,
+    grad_weight [V, H] in weight's dtype, grad_bias [V] in bias's dtype); the three grads
+    are None without compute_grad (grad_bias also without bias).
+    Raises ValueError for a label outside [0, V) other than -100 (this check syncs).
+    """
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2)
+    M, H = x.shape
+    check_tensor("weight", weight, dtypes=FLOAT_DTYPES, ndim=2, device=x.device)
+    V = weight.shape[0]
+    if weight.shape[1] != H or V == 0:
+        raise ValueError(f"weight: expected shape (V > 0, {H}) matching x [M, H] = {tuple(x.shape)}, "
+                         f"got {tuple(weight.shape)}")
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=FLOAT_DTYPES, shape=(V,), device=x.device)
+    check_tensor("labels", labels, dtypes=ID_DTYPES, shape=(M,), device=x.device)
+    labels = labels.to(torch.int64).contiguous()
+    if chunk_rows is None:
+        chunk_rows = default_chunk_rows(M, V, x.element_size())
+    if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows: expected a positive int or None, got {chunk_rows!r}")
+    grad_scale = float(grad_scale)
+    _check_label_range(labels, V)
+
+    dev = x.device
+    loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
+    n_correct = torch.zeros((), dtype=torch.int64, device=dev)
+    grad_x = grad_w_acc = grad_b_acc = None
+    if compute_grad:
+        grad_x = torch.empty(M, H, dtype=x.dtype, device=dev)
+        # The first chunk writes every element; zeros only for M == 0 (no chunk at all).
+        grad_w_acc = (torch.empty if M else torch.zeros)(V, H, dtype=torch.float32, device=dev)
+        if bias is not None:
+            grad_b_acc = torch.zeros(V, dtype=torch.float32, device=dev)
+
+    # GEMMs run in the activation dtype (fp32 master weights under autocast are cast once).
+    w = weight.to(x.dtype)                                   # [V, H]
+    b = bias.to(x.dtype) if bias is not None else None       # [V]
+    logits_buf = torch.empty(min(chunk_rows, M), V, dtype=x.dtype, device=dev)
+    for r0 in range(0, M, chunk_rows):
+        r1 = min(r0 + chunk_rows, M)
+        x_c = x[r0:r1]                                       # [rows, H]
+        logits = logits_buf[: r1 - r0]                       # [rows, V], contiguous
+        if b is not None:
+            torch.addmm(b, x_c, w.t(), out=logits)
+        else:
+            torch.mm(x_c, w.t(), out=logits)
+        loss, _, correct = kernel(logits, labels[r0:r1], grad_scale, compute_grad)
+        loss_sum += loss.sum()
+        n_correct += correct.sum()
+        if compute_grad:                                     # logits now hold dlogits
+            torch.mm(logits, w, out=grad_x[r0:r1])           # [rows, H]
+            _accumulate_grad_weight(grad_w_acc, logits.t(), x_c, first=(r0 == 0))
+            if grad_b_acc is not None:
+                grad_b_acc += logits.sum(0, dtype=torch.float32)
+
+    if not compute_grad:
+        return loss_sum, n_correct, None, None, None
+    grad_weight = grad_w_acc.to(weight.dtype)
+    grad_bias = grad_b_acc.to(bias.dtype) if grad_b_acc is not None else None
+    return loss_sum, n_correct, grad_x, grad_weight, grad_bias
+
+
+# ------------------------------------------------------------------ the torch backend
+def mlm_head_loss_fwd(logits, labels, grad_scale, compute_grad):
+    lf = logits.float()
+    lse = torch.logsumexp(lf, dim=-1)
+    valid = (labels >= 0) & (labels < logits.shape[1])
+    safe = torch.where(valid, labels, torch.zeros_like(labels))
+    picked = lf.gather(1, safe[:, None].long())[:, 0]
+    loss = torch.where(valid, lse - picked, torch.zeros_like(lse))
+    correct = valid & (lf.argmax(-1) == labels)
+    if compute_grad:
+        grad = torch.softmax(lf, dim=-1)
+        grad[torch.arange(len(labels), device=labels.device), safe] -= 1.0
+        logits.copy_(grad * (valid[:, None].float() * grad_scale))
+    return loss, lse, correct

@@ -1,0 +1,123 @@
+"""What the Triton row kernels share (bias_gelu, bias_dropout_residual_layernorm, embeddings):
+the row-tile launch configurations, the row groups of backward reductions, and the row-op
+dropout RNG.
+
+Dropout RNG of the row ops (``row_dropout_keep``): element (row, col) takes 16 bits of
+Philox4x32-10 keyed by the int64 seed tensor, at counter row * ceil(H / 8) + col // 8 (one
+Philox call feeds 8 elements; which 16 bits is fixed by col % 8); u = bits / 65536 and
+keep = (u >= p), evaluated as bits >= ceil(p * 65536), so the keep probability is 1 - p to
+within 2**-16. The mask depends only on (seed, row, col, H), never on the launch
+configuration, so a backward regenerates it exactly. The counter is 32-bit: the pattern
+repeats after 2**32 elements (N * H) under one seed.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_HIDDEN = 8192  # LayerNorm rows (LayerNorm, embeddings) are one register tile: H <= 8192
+MAX_ROWS_PER_TILE = 16  # the largest BLOCK_M in the backward configs; row groups are multiples of it
+# Elements per thread of the row-tile candidates: 8 first (a 16-byte vector of bf16), then 4; the
+# backward only 8 (row_config_pruner says why).
+FWD_PER_THREAD = (8, 4)
+BWD_PER_THREAD = (8,)
+
+
+@triton.jit
+def row_dropout_keep(seed, rows, H, p, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """keep-mask [BLOCK_M, BLOCK_H] (bool) for the given rows and columns 0..BLOCK_H-1."""
+    GROUPS: tl.constexpr = BLOCK_H // 8
+    # One Philox call per 8 columns: counter = row * ceil(H / 8) + col // 8 (32-bit, wraps).
+    ctr = rows.to(tl.uint32)[:, None] * ((H + 7) // 8) + tl.arange(0, GROUPS)[None, :].to(tl.uint32)
+    r0, r1, r2, r3 = tl.randint4x(seed, ctr)                      # 4 x [BLOCK_M, GROUPS] uint32
+    # u = bits / 65536 >= p  <=>  bits >= ceil(p * 65536): compare the 16-bit halves as integers.
+    thr = tl.ceil(p * 65536.0).to(tl.uint32)
+    k0 = tl.join((r0 & 0xFFFF) >= thr, (r0 >> 16) >= thr)         # [BLOCK_M, GROUPS, 2]
+    k1 = tl.join((r1 & 0xFFFF) >= thr, (r1 >> 16) >= thr)
+    k2 = tl.join((r2 & 0xFFFF) >= thr, (r2 >> 16) >= thr)
+    k3 = tl.join((r3 & 0xFFFF) >= thr, (r3 >> 16) >= thr)
+    keep = tl.join(tl.join(k0, k1), tl.join(k2, k3))              # [BLOCK_M, GROUPS, 2, 2, 2]
+    return tl.reshape(keep, (BLOCK_M, BLOCK_H))                   # column = 8 * group + lane
+
+
+def row_tile_configs(max_rows: int = 64):
+    """Candidate (rows per tile, num_warps) configs for row kernels; pruned per H by row_config_pruner."""
+    return [triton.Config({"BLOCK_M": m}, num_warps=w)
+            for m in (1, 2, 4, 8, 16, 32, 64) if m <= max_rows
+            for w in (2, 4, 8, 16)]
+
+
+def row_config_pruner(per_thread: Tuple[int, ...]):
+    """early_config_prune for row kernels: tiles of >= 1K elements (several rows per program for
+    small H) and no more rows than the problem has, giving each thread ``per_thread`` elements, in
+    that order of preference (fewer rows first). Elements per thread set the register footprint:
+    the compile report (sm_90, triton 3.6 and 3.9) finds spills at 16 per thread in the backward
+    kernels (three fp32 accumulators and a prefetched tile) and in some forward variants, none
+    at 4 or 8. When no tile gives an allowed count (H = 8192 needs 16 at 16 warps), the tiles
+    with the fewest elements per thread remain."""
+    def prune(configs, named_args, **kwargs):
+        block_h = kwargs["BLOCK_H"]
+        rows_cap = max(1, named_args.get("n_bucket", 1 << 16))
+
+        def per(c):
+            return c.kwargs["BLOCK_M"] * block_h // (32 * c.num_warps)
+        fits = [c for c in configs
+                if per(c) >= 4 and c.kwargs["BLOCK_M"] <= rows_cap
+                and (c.kwargs["BLOCK_M"] * block_h >= 1024 or c.kwargs["BLOCK_M"] >= rows_cap)]
+        kept = [c for c in fits if per(c) in per_thread]
+        if not kept and fits:
+            fewest = min(per(c) for c in fits)
+            kept = [c for c in fits if per(c) == fewest]
+        kept.sort(key=lambda c: (per_thread.index(per(c)) if per(c) in per_thread else len(per_thread),
+                                 c.kwargs["BLOCK_M"]))
+        return kept or [min(configs, key=lambda c: (c.kwargs["BLOCK_M"], -c.num_warps))]
+    return prune
+
+
+def interpreter_rows(block_h: int, cap: int) -> int:
+    """Fixed rows per tile under the interpreter (autotune cannot run there): ~4K elements a tile."""
+    return max(1, min(cap, 4096 // block_h))
+
+
+def block_h_for(h: int) -> int:
+    """Columns of the register tile: next power of two of H, at least 16 (dropout uses 8-column groups)."""
+    return max(16, triton.next_power_of_2(h))
+
+
+def n_bucket(n: int) -> int:
+    return min(triton.next_power_of_2(max(n, 1)), 1 << 16)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def row_groups(n_rows: int, device: torch.device, per_sm: int = 2):
+    """(G, rows_per_program) for backward kernels that reduce over rows with per-program partials.
+
+    per_sm programs per SM on GPU. The LayerNorm backward uses 2: all resident at once (no partial
+    last wave), each keeping two tiles of loads in flight (it prefetches the next tile), while the
+    [G, H] fp32 partial buffers stay small next to the [N, H] traffic (1% at N = 32K). Three
+    under the interpreter, so tests cross program borders. rows_per_program is a multiple of the
+    largest BLOCK_M, so only a program's last tile is partial.
+    """
+    target = 3 if device.type != "cuda" else per_sm * _sm_count(device.index if device.index is not None
+                                                              else torch.cuda.current_device())
+    rpp = triton.cdiv(triton.cdiv(n_rows, target), MAX_ROWS_PER_TILE) * MAX_ROWS_PER_TILE
+    return triton.cdiv(n_rows, rpp), rpp
+
+
+def hidden_reasons(h: int):
+    """The row kernels' declared limit, as dispatch reasons ([] when H fits one register tile)."""
+    return [] if 1 <= h <= MAX_HIDDEN else [f"hidden size {h} is outside [1, {MAX_HIDDEN}] (one register tile per row)"]
+
+
+def check_hidden(h: int) -> None:
+    reasons = hidden_reasons(h)
+    if reasons:
+        raise ValueError(f"hidden size: expected 1 <= H <= {MAX_HIDDEN}, got {h}")

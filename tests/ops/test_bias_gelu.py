@@ -1,0 +1,190 @@
+"""bias_gelu: the contract on every backend, then what is particular to one backend.
+
+Contract (bertfast/ops/bias_gelu.py): y = GELU(x + bias), erf or tanh form; outputs contiguous in
+x's dtype; dbias in bias's dtype, summed in fp32; row-strided x accepted; 0 rows give an empty y
+and a zero dbias. Oracle: bertfast.reference in fp32 with autograd (fp32: atol/rtol 1e-5; fp16:
+the low-precision rule, docs/testing.md). Without a GPU, Triton runs under the interpreter and
+CUDA on the CPU emulator (tests/ops/conftest.py), so shapes stay small; bf16 only on a GPU.
+"""
+import pytest
+import torch
+
+from bertfast import ops
+from bertfast import reference as R
+from bertfast.testing import BackendUnderTest, assert_close_lowp, check_close, references, run_reference
+
+OP = "bias_gelu"
+GPU = torch.cuda.is_available()
+LOWP = [torch.float16] + ([torch.bfloat16] if GPU else [])
+
+
+def inputs(backend, n, f, dtype, bias_dtype=None, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = backend.tensor(n, f, dtype=dtype, scale=scale, generator=g)
+    bias = backend.tensor(f, dtype=bias_dtype or dtype, generator=g)
+    dy = backend.tensor(n, f, dtype=dtype, generator=g)
+    return x, bias, dy
+
+
+def check(backend, x, bias, dy, approximate):
+    """The backend's launchers against the reference; returns (y, dx, dbias)."""
+    impl = backend.module(OP)
+    y = impl.bias_gelu_fwd(x, bias, approximate)
+    dx, db = impl.bias_gelu_bwd(dy, x, bias, approximate)
+    assert y.dtype == dx.dtype == x.dtype and db.dtype == bias.dtype
+    assert y.is_contiguous() and dx.is_contiguous()
+    fn = lambda x_, b_: R.bias_gelu(x_, b_, approximate)  # noqa: E731
+    (y32, (dx32, db32)), (ylo, glo) = references(fn, [x, bias], x.dtype, dy)
+    check_close("y", y, y32, ylo, x.dtype)
+    check_close("dx", dx, dx32, glo[0], x.dtype)
+    if x.dtype == torch.float32:
+        # dbias sums N terms in another order than torch; its fp32 rounding grows like sqrt(N), so
+        # it takes the 2x rule with an fp64 oracle and the fp32 reference as the yardstick.
+        _, (_, db64) = run_reference(fn, [x, bias], torch.float64, dy.double())
+        assert_close_lowp(db.double().cpu(), db64.cpu(), db32.double().cpu(), name="dbias")
+    else:
+        check_close("dbias", db, db32, glo[1], x.dtype)
+    return y, dx, db
+
+
+# =========================================================================== the contract, every backend
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("n,f", [(1, 64), (7, 1023)])
+def test_matches_reference(backend, n, f, dtype, approximate):
+    check(backend, *inputs(backend, n, f, dtype), approximate)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_saturated_arguments_stay_finite(backend, approximate):
+    # |z| up to ~30: y -> z or 0 and the gradient -> 1 or 0, never NaN.
+    y, dx, _ = check(backend, *inputs(backend, 5, 64, torch.float32, scale=10.0), approximate)
+    assert torch.isfinite(y).all() and torch.isfinite(dx).all()
+
+
+def test_fp32_bias_with_fp16_activations(backend):
+    _, _, db = check(backend, *inputs(backend, 9, 96, torch.float16, bias_dtype=torch.float32), "none")
+    assert db.dtype == torch.float32
+
+
+def test_row_strided_inputs(backend):
+    n, f = 9, 64
+    x, bias, dy = inputs(backend, n, f, torch.float32)
+    wide = torch.full((n, 2 * f), float("nan"), device=backend.device)
+    wide_dy = torch.full((n, 2 * f), float("nan"), device=backend.device)
+    wide[:, :f], wide_dy[:, :f] = x, dy
+    y, dx, db = check(backend, wide[:, :f], bias, wide_dy[:, :f], "none")
+    impl = backend.module(OP)
+    assert torch.equal(y, impl.bias_gelu_fwd(x, bias, "none"))
+    dx_c, db_c = impl.bias_gelu_bwd(dy, x, bias, "none")
+    assert torch.equal(dx, dx_c) and torch.equal(db, db_c)
+
+
+def test_empty_rows(backend):
+    x, bias, dy = inputs(backend, 0, 64, torch.float32)
+    impl = backend.module(OP)
+    assert impl.bias_gelu_fwd(x, bias).shape == (0, 64)
+    dx, db = impl.bias_gelu_bwd(dy, x, bias)
+    assert dx.shape == (0, 64) and db.shape == (64,) and not db.any()
+
+
+def test_op_autograd_matches_reference(backend):
+    x, bias, dy = inputs(backend, 2 * 3, 40, torch.float32)
+    x3 = x.view(2, 3, 40).requires_grad_()
+    b = bias.clone().requires_grad_()
+    with backend.forced():
+        y = ops.bias_gelu(x3, b, "tanh")
+    y.backward(dy.view(2, 3, 40))
+    (y32, (dx32, db32)), _ = references(lambda x_, b_: R.bias_gelu(x_, b_, "tanh"), [x3, b], torch.float32,
+                                        dy.view(2, 3, 40))
+    check_close("y", y, y32, None, torch.float32)
+    check_close("dx", x3.grad, dx32, None, torch.float32)
+    check_close("dbias", b.grad, db32, None, torch.float32, atol=1e-4)
+
+
+def test_launcher_errors_are_clear(fused_backend):
+    impl = fused_backend.module(OP)
+    x, bias, dy = inputs(fused_backend, 4, 64, torch.float32)
+    columns = torch.randn(4, 128, device=fused_backend.device)[:, ::2]
+    with pytest.raises(ValueError, match="column stride"):
+        impl.bias_gelu_fwd(columns, bias)
+    with pytest.raises(ValueError, match="approximate"):
+        impl.bias_gelu_fwd(x, bias, "sigmoid")
+    with pytest.raises(ValueError, match="bias"):
+        impl.bias_gelu_fwd(x, bias[:32])
+    with pytest.raises(ValueError, match="dy"):
+        impl.bias_gelu_bwd(dy.half(), x, bias)
+
+
+def test_op_errors_are_clear():
+    with pytest.raises(ValueError, match="approximate"):
+        ops.bias_gelu(torch.randn(2, 4), torch.randn(4), "erf")
+    with pytest.raises(ValueError, match=r"expected bias of shape \[4\]"):
+        ops.bias_gelu(torch.randn(2, 4), torch.randn(3))
+
+
+def test_opcheck():
+    x, b = torch.randn(4, 6, requires_grad=True), torch.randn(6, requires_grad=True)
+    torch.library.opcheck(torch.ops.bertfast.bias_gelu, (x, b, "none", "torch"))
+
+
+# =========================================================================== GPU sizes
+@pytest.mark.gpu
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("f", [3072, 4096])
+def test_gpu_lowp_bert_sizes(backend, f, dtype, approximate):
+    check(backend, *inputs(backend, 4096, f, dtype), approximate)
+    check(backend, *inputs(backend, 4096, f, dtype, bias_dtype=torch.float32), approximate)
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_awkward_width(backend):
+    check(backend, *inputs(backend, 515, 4093, torch.float32), "none")
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_fp32_bias_and_row_stride(backend):
+    big = backend.tensor(33, 3080, dtype=torch.bfloat16)
+    x = big[:, :3072]  # row stride 3080 != F: the CUDA 128-bit path with a row stride
+    _, _, db = check(backend, x, backend.tensor(3072), backend.tensor(33, 3072, dtype=torch.bfloat16), "none")
+    assert db.dtype == torch.float32
+
+
+# =========================================================================== Triton
+@pytest.mark.skipif(GPU, reason="on a GPU every Triton test above takes this path")
+def test_triton_autotuned_launch_path_under_interpreter(stand_in_tuner):
+    """Each pruned candidate runs once on the real buffers (pure outputs) and the best is relaunched."""
+    from bertfast.kernels import bias_gelu as BG
+
+    stand_in_tuner(BG._fwd_tuned, BG._bwd_tuned)
+    triton = BackendUnderTest("triton", torch.device("cpu"))
+    check(triton, *inputs(triton, 37, 300, torch.float32), "none")
+    check(triton, *inputs(triton, 37, 300, torch.float32), "tanh")
+    assert len(BG._fwd_tuned.cache) == 2 and len(BG._bwd_tuned.cache) == 2
+
+
+# =========================================================================== CUDA wrapper validation (no GPU)
+def test_cuda_validation(cuda_on_cpu):
+    from bertfast.cuda import bias_gelu as C
+
+    x = torch.randn(5, 24, dtype=torch.float16)
+    b = torch.randn(24, dtype=torch.float16)
+    cuda_on_cpu.reaches(C.bias_gelu_fwd, x, b)
+    cuda_on_cpu.reaches(C.bias_gelu_fwd, torch.randn(5, 32, dtype=torch.float16)[:, :24], b.float())  # row-strided
+    cuda_on_cpu.reaches(C.bias_gelu_bwd, x, x, b, "tanh")
+    cuda_on_cpu.rejects("dtype in", C.bias_gelu_fwd, x.to(torch.int32), b)
+    cuda_on_cpu.rejects(r"bias: expected shape \(24,\), got \(23,\)", C.bias_gelu_fwd, x, b[:23])
+    cuda_on_cpu.rejects("expected 2 dimensions", C.bias_gelu_fwd, x[0], b)
+    cuda_on_cpu.rejects("stride", C.bias_gelu_fwd, x.t().contiguous().t(), b)
+    cuda_on_cpu.rejects("approximate: expected one of", C.bias_gelu_fwd, x, b, "erf")
+    cuda_on_cpu.rejects(r"dy: expected dtype in \['torch.float16'\]", C.bias_gelu_bwd, x.float(), x, b)
+    cuda_on_cpu.rejects("dy: expected shape", C.bias_gelu_bwd, x[:4], x, b)
+    assert cuda_on_cpu.calls == ["bias_gelu_fwd", "bias_gelu_fwd", "bias_gelu_bwd"]
+
+
+def test_cuda_rejects_cpu_tensors():
+    from bertfast.cuda import bias_gelu as C
+
+    with pytest.raises(ValueError, match="expected a CUDA tensor, got device cpu"):
+        C.bias_gelu_fwd(torch.randn(4, 8), torch.randn(8))
