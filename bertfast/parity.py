@@ -1,4 +1,4 @@
-"""Parity of the fast model against the reference on a real batch (DESIGN.md section 6).
+"""Parity of the fast model against the reference on a real batch (docs/testing.md).
 
 ``check_batch`` runs one batch through the fast path and through the reference encoder,
 on the same weights, in fp32 with dropout off, and reports the divergence of loss, logits

@@ -1,6 +1,6 @@
 """``bertfast pretrain``: BERT pre-training (masked LM + next sentence prediction).
 
-The paper's recipe (DESIGN.md section 1): two phases, sequence length 128 for 90% of the
+The paper's recipe (docs/architecture.md, "The model"): two phases, sequence length 128 for 90% of the
 steps then 512; Adam(W) with lr 1e-4, betas (0.9, 0.999), weight decay 0.01 except on biases
 and LayerNorm, 10k warm-up steps then linear decay; batch 256. Here:
 

@@ -33,7 +33,7 @@ AUTOTUNE_ENV = "BERTFAST_AUTOTUNE"
 # choice between candidates that are each a few microseconds apart does not need more.
 TUNE_WARMUP_MS = 5
 TUNE_REP_MS = 20
-MAX_CANDIDATES = 6  # configs tried per tuning key; tests/kernels/test_launch.py holds every kernel to it
+MAX_CANDIDATES = 6  # configs tried per tuning key; tests/test_kernel_launch.py holds every kernel to it
 
 
 def interpreting() -> bool:

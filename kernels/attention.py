@@ -52,7 +52,6 @@ gradients; sequences of length 0 contribute nothing. fp32 dots use IEEE precisio
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import torch

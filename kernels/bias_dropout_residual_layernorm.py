@@ -50,9 +50,8 @@ import triton.language as tl
 from bertfast.contract import check_dropout, check_eps, check_rows, check_tensor, check_vector, row_stride
 
 from ._common import autotune, launch
-from ._rows import (MAX_ROWS_PER_TILE, block_h_for, check_hidden, hidden_reasons, interpreter_rows, n_bucket,
-                    row_config_pruner, row_dropout_keep, row_groups, row_tile_configs, BWD_PER_THREAD,
-                    FWD_PER_THREAD)
+from ._rows import (BWD_PER_THREAD, FWD_PER_THREAD, MAX_ROWS_PER_TILE, block_h_for, check_hidden, hidden_reasons,
+                    interpreter_rows, n_bucket, row_config_pruner, row_dropout_keep, row_groups, row_tile_configs)
 
 
 def unsupported(inputs) -> list:

@@ -39,7 +39,7 @@ def test_env_override_per_op(monkeypatch):
 def test_no_backend_error_lists_every_backend():
     table = dict(dispatch.backends("bias_gelu"))
     try:
-        dispatch.register_backend(Backend("bias_gelu", "torch", "bertfast.ops.torch_impl",
+        dispatch.register_backend(Backend("bias_gelu", "torch", "bertfast.ops.bias_gelu",
                                           lambda forced, **t: ["pretend torch cannot"]))
         with pytest.raises(NoBackendError) as err:
             dispatch.select("bias_gelu", x=torch.randn(2, 4), bias=torch.randn(4))

@@ -105,8 +105,9 @@ def test_stage2_selects_the_gpu_tests_and_the_kernel_tests():
     assert res.returncode == 0, res.stdout[-2000:]
     ids = [line for line in res.stdout.splitlines() if "::" in line]
     assert len(ids) > 300
-    for prefix in ("tests/gpu/test_cuda_ops.py", "tests/kernels/test_attention_triton.py",
-                   "tests/kernels/test_layer_norm_triton.py", "tests/test_model_triton.py"):
+    for prefix in ("tests/ops/test_attention.py", "tests/ops/test_bias_dropout_residual_layernorm.py",
+                   "tests/ops/test_bias_gelu.py", "tests/ops/test_embeddings.py", "tests/ops/test_mlm_head_loss.py",
+                   "tests/test_model_triton.py"):
         assert any(i.startswith(prefix) for i in ids), prefix
     assert not any(i.startswith("tests/test_data.py") for i in ids)
 
@@ -143,8 +144,9 @@ def test_compile_report_fast_part_is_spill_free_on_sm90():
     res = subprocess.run([sys.executable, "-m", "bertfast.gpucheck.compile_report", "--fast"],
                          capture_output=True, text=True, cwd=REPO, env=_env_without_interpreter(), timeout=1500)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
-    for kernel in ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel", "_bdrln_bwd_kernel",
-                   "_embeddings_bwd_kernel", "_softmax_cross_entropy_kernel", "_bias_gelu_fwd_kernel"):
+    for kernel in ("_attention_fwd_kernel", "_attention_bwd_dkdv_kernel", "_attention_bwd_dq_kernel",
+                   "_bias_dropout_residual_layernorm_bwd_kernel", "_embeddings_bwd_kernel", "_mlm_head_loss_fwd_kernel",
+                   "_bias_gelu_fwd_kernel"):
         assert f"triton {kernel}" in res.stdout
     assert "none spills" in res.stdout
 

@@ -1,4 +1,5 @@
 """bertfast.parity: a healthy model passes; a subtly wrong backend is caught and named."""
+import importlib
 import sys
 import types
 
@@ -8,7 +9,6 @@ import torch
 import bertfast
 from bertfast import dispatch
 from bertfast.demo import random_batch
-from bertfast.ops import torch_impl
 from bertfast.parity import check_batch
 
 
@@ -37,10 +37,11 @@ def test_subtly_wrong_backend_is_caught_and_named(model_and_batch, monkeypatch, 
     model, batch = model_and_batch
     name = f"bertfast_test_wrong_{op}"
     bad = types.ModuleType(name)
-    for attr in dir(torch_impl):
+    torch_backend = importlib.import_module(f"bertfast.ops.{op}")  # the op's torch backend
+    for attr in dir(torch_backend):
         if not attr.startswith("__"):
-            setattr(bad, attr, getattr(torch_impl, attr))
-    setattr(bad, fwd, wrong(getattr(torch_impl, fwd)))
+            setattr(bad, attr, getattr(torch_backend, attr))
+    setattr(bad, fwd, wrong(getattr(torch_backend, fwd)))
     monkeypatch.setitem(sys.modules, name, bad)
     original = dispatch.get(op, "triton")
     dispatch.register_backend(dispatch.Backend(op, "triton", name, lambda forced, **inputs: []))

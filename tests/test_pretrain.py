@@ -1,5 +1,6 @@
 """bertfast pretrain: two phases, checkpoints (HF layout, atomic, keep-last), bit-exact resume,
 two-process DDP on CPU, parity checks (strict mode names the op), LAMB, schedule, config files."""
+import importlib
 import json
 import os
 import subprocess
@@ -191,15 +192,15 @@ def test_two_processes_match_one_process(datasets, tmp_path, single_process_run,
 # --------------------------------------------------------------------------- parity
 def test_parity_strict_stops_and_names_the_divergent_op(datasets, tmp_path, monkeypatch, capsys):
     from bertfast import dispatch
-    from bertfast.ops import torch_impl
+    torch_backend = importlib.import_module("bertfast.ops.bias_gelu")  # the module, not the function
 
     # A deliberately wrong bias_gelu backend (output shifted by 1) in the 'triton' slot.
     module_name = "bertfast_test_bad_bias_gelu"
     bad = types.ModuleType(module_name)
-    for name in dir(torch_impl):
+    for name in dir(torch_backend):
         if not name.startswith("__"):  # keep the fake module's own __name__
-            setattr(bad, name, getattr(torch_impl, name))
-    bad.bias_gelu_fwd = lambda x, bias, approximate: torch_impl.bias_gelu_fwd(x, bias, approximate) + 1.0
+            setattr(bad, name, getattr(torch_backend, name))
+    bad.bias_gelu_fwd = lambda x, bias, approximate: torch_backend.bias_gelu_fwd(x, bias, approximate) + 1.0
     monkeypatch.setitem(sys.modules, module_name, bad)
     original = dispatch.get("bias_gelu", "triton")
     dispatch.register_backend(dispatch.Backend("bias_gelu", "triton", module_name, lambda forced, **inputs: []))

@@ -1,4 +1,4 @@
-"""Training parity (DESIGN.md section 6): from one seed and one batch stream, with dropout 0, 50
+"""Training parity (docs/testing.md): from one seed and one batch stream, with dropout 0, 50
 AdamW steps of the fast model, of the reference encoder (same weights), and of transformers'
 BertForPreTraining (same weights via the state dict) give the same loss curve and final
 parameters in fp32; with dropout on, the model learns the embedded corpus."""

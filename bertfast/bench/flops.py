@@ -96,7 +96,7 @@ def mlm_head_loss_decoder_flops(m: int, h: int, vocab: int, direction: str) -> f
     return {"fwd": fwd, "bwd": 2 * fwd, "fwd+bwd": 3 * fwd}[direction]
 
 
-def mlm_head_flops(m: int, h: int, vocab: int, direction: str) -> float:
+def mlm_head_loss_flops(m: int, h: int, vocab: int, direction: str) -> float:
     """MLM head at M rows: transform dense [H,H] + decoder [V,H] (GELU/LN not counted)."""
     _check_direction(direction)
     fwd = 2.0 * m * h * (h + vocab)
@@ -126,7 +126,7 @@ def bert_forward_flops(config, lengths: Sequence[int], head: str = "pretraining"
     if head == "pretraining":
         if n_predictions is None:
             raise ValueError("head='pretraining' needs n_predictions (the number of labelled MLM positions)")
-        return flops + mlm_head_flops(n_predictions, h, config.vocab_size, "fwd") + 2.0 * b * h * 2
+        return flops + mlm_head_loss_flops(n_predictions, h, config.vocab_size, "fwd") + 2.0 * b * h * 2
     if head == "classification":
         return flops + 2.0 * b * h * num_labels
     raise ValueError(f"head must be 'none', 'pretraining' or 'classification', got {head!r}")

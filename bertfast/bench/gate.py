@@ -2,7 +2,7 @@
 
 Every tensor a path produces (outputs and input gradients, valid tokens only, in a common
 layout) is compared with the reference run in fp32 on the same inputs. The bound follows
-DESIGN.md section 6: for low-precision paths, ``2 x`` the error of the same reference run in
+docs/testing.md: for low-precision paths, ``2 x`` the error of the same reference run in
 that low dtype, plus a floor; for fp32 paths, the floor alone. The floor,
 ``1e-5 + 1e-4 * max|reference|``, is looser than the unit tests' (they are the precise
 check; the gate's job is to refuse to time a wrong path, on any shape, without flaking).

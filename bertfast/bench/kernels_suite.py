@@ -479,7 +479,7 @@ def mlm_head_loss_cases(ctx: SuiteContext) -> List[OpCase]:
         out.append(OpCase("mlm_head_loss", {"model": model, "tokens": tokens, "predictions": m, "hidden": h,
                                        "vocab": vocab, "dtype": dtype_name(ctx.dtype)},
                           make(eager), impls,
-                          lambda d, m=m, h=h, vocab=vocab: {"flops": W.mlm_head_flops(m, h, vocab, d)},
+                          lambda d, m=m, h=h, vocab=vocab: {"flops": W.mlm_head_loss_flops(m, h, vocab, d)},
                           directions=GRAD_IN_FORWARD))
     return out
 

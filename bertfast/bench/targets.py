@@ -186,7 +186,7 @@ def _attention_tflops(run: Run) -> Outcome:
     return _worst(pieces, True, ATTENTION_TFLOPS)
 
 
-def _mlm_head(kind: str) -> Callable[[Run], Outcome]:
+def _mlm_head_loss(kind: str) -> Callable[[Run], Outcome]:
     def evaluate(run: Run) -> Outcome:
         pieces = []
         for case in _cases(run, "mlm_head_loss", "fwd+bwd"):
@@ -244,9 +244,9 @@ TARGETS: List[Tuple[str, str, Callable[[Run], Outcome]]] = [
      _attention_vs(SDPA_CUDNN, 1.0, padded=False)),
     ("attention_vs_mem_efficient", "attention fwd+bwd >= 2x torch SDPA memory-efficient with a padding mask",
      _attention_vs(SDPA_MEM_EFFICIENT, 2.0, padded=True)),
-    ("mlm_head_vs_full", "MLM head >= 5x the full-sequence head in time and in peak memory",
-     _mlm_head("full")),
-    ("mlm_head_floor", "MLM head within 1.25x of its GEMM floor", _mlm_head("floor")),
+    ("mlm_head_loss_vs_full", "MLM head >= 5x the full-sequence head in time and in peak memory",
+     _mlm_head_loss("full")),
+    ("mlm_head_loss_floor", "MLM head within 1.25x of its GEMM floor", _mlm_head_loss("floor")),
 ]
 
 

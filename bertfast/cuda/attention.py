@@ -140,7 +140,8 @@ def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
 
 def attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                         softmax_scale: Optional[float], dropout_p: float, seed: Optional[torch.Tensor]) -> torch.Tensor:
+                         softmax_scale: Optional[float], dropout_p: float,
+                         seed: Optional[torch.Tensor]) -> torch.Tensor:
     """Gradients of attention_varlen_fwd -> dqkv [T, 3, A, D] (dq = dqkv[:, 0], dk, dv likewise;
     zero at rows outside every sequence)."""
     _check_qkv(("q", "k", "v", "out"), (q, k, v, out), 3, "[T, A, D]")
@@ -208,6 +209,7 @@ def _dropout_mask(batch: int, seqlen: int, num_heads: int, dropout_p: float, see
     dropout_p = check_dropout(dropout_p)
     if dropout_p == 0.0 or batch * num_heads * seqlen == 0:
         return torch.ones((batch, num_heads, seqlen, seqlen), dtype=torch.bool, device=device)
+    C.on_device(seed=seed)  # a CPU seed would reach the launch and fail there, unclearly
     check_dropout(dropout_p, seed, device)
     keep = torch.empty((batch, num_heads, seqlen, seqlen), dtype=torch.bool, device=device)
     C.launch(device, "attention_dropout_mask", keep.data_ptr(), batch, num_heads, seqlen, dropout_p, seed.data_ptr())

@@ -12,7 +12,11 @@ from bertfast.cuda import _common as C
 
 def unsupported(inputs) -> list:
     """Dispatch: reasons these inputs exceed this backend's limits ([] when it runs them)."""
-    return C.hidden_reasons(inputs["word"].shape[-1])
+    word = inputs["word"]
+    mixed = [name for name in ("pos", "token_type") if inputs[name].dtype != word.dtype]
+    reasons = [f"{', '.join(mixed)} not in word's dtype {word.dtype} (the kernels read the tables in one dtype)"] \
+        if mixed else []
+    return reasons + C.hidden_reasons(word.shape[-1])
 
 
 def _check_ids(input_ids, position_ids, token_type_ids) -> int:

@@ -27,7 +27,8 @@ from typing import Dict, Iterator, List, Optional
 import numpy as np
 import torch
 
-from bertfast.data.masking import IGNORE_INDEX, MaskingConfig, example_rng, mask_sequence
+from bertfast.contract import IGNORE_INDEX
+from bertfast.data.masking import MaskingConfig, example_rng, mask_sequence
 from bertfast.data.shards import PretrainingData
 
 

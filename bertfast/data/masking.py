@@ -18,8 +18,6 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from bertfast.contract import IGNORE_INDEX
-
 
 @dataclass(frozen=True)
 class MaskingConfig:

@@ -123,8 +123,8 @@ STAGES: List[Stage] = [
               _bench("attention", "stage4-kernels", 180, 45,
                      ["--suite", "kernels", "--ops", "attention", "--impls", "bertfast,eager,sdpa", "--no-compile"]),
           ]),
-    Stage(5, "rest", "the MLM head and linear+CE kernels, the fine-tuning padding case, inference, and the "
-          "compiled baseline (transformers under torch.compile, BERT-large seq 128)", [
+    Stage(5, "rest", "the MLM head (mlm_head_loss, and its decoder stage alone), the fine-tuning padding case, "
+          "inference, and the compiled baseline (transformers under torch.compile, BERT-large seq 128)", [
               _bench("mlm-head", "stage5-rest", 40, 15,
                      ["--suite", "kernels", "--ops", "mlm_head_loss_decoder,mlm_head_loss",
                       "--impls", "bertfast,eager", "--no-compile"]),

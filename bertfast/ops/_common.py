@@ -1,4 +1,5 @@
-"""What every op module shares: backend registration, the dropout seed policy, empty outputs.
+"""What every op module shares: backend registration, the dropout seed policy, empty outputs,
+and the helpers of the torch backends.
 
 An op module ``bertfast/ops/<op>.py`` is the op's contract: it validates once, defines the
 torch.library custom op with its fake and autograd, and holds the op's ``torch`` backend
@@ -12,7 +13,6 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from bertfast.contract import check_dropout  # noqa: F401  (the ops' dropout rule, re-exported)
 from bertfast.dispatch import (Backend, cuda_ext_availability, device_reasons, dtype_reasons, get,
                                register_backend, triton_availability)
 

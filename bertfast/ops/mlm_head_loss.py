@@ -325,5 +325,6 @@ def mlm_head_loss_fwd(logits, labels, grad_scale, compute_grad):
     if compute_grad:
         grad = torch.softmax(lf, dim=-1)
         grad[torch.arange(len(labels), device=labels.device), safe] -= 1.0
-        logits.copy_(grad * (valid[:, None].float() * grad_scale))
+        # where, not a product with the mask: 0 * inf (a caller's 1 / no labelled row) would be NaN.
+        logits.copy_(torch.where(valid[:, None], grad * grad_scale, 0.0))
     return loss, lse, correct

@@ -1,0 +1,763 @@
+"""attention: the contract on every backend, then what is particular to one backend.
+
+Contract (bertfast/ops/attention.py), for both forms, attention_varlen (q, k, v [T, A, D] +
+cu_seqlens) and attention_padded (q, k, v [B, S, A, D] + key_padding_mask): softmax_scale None
+means 1/sqrt(D); varlen rows beyond cu_seqlens[-1] get out 0, lse +inf, dqkv 0; a query row with
+no valid key gets out 0, lse +inf and zero gradients, never NaN; outputs contiguous in q's dtype,
+lse fp32 [A, T] / [B, A, S]; dropout keeps ~1 - p, scales kept values by 1/(1 - p), regenerates
+the same mask from the same seed, and a backend's *_dropout_mask returns exactly the mask its
+kernels draw (the varlen and padded forms of one batch draw the same one; backends differ);
+Triton and CUDA serve head dims 16/32/64/128, the torch backend any; empty inputs give empty
+outputs. Oracle: bertfast.reference in fp32 with autograd, fed the backend's own dropout mask
+(fp32: atol 1e-5, gradients 2e-5 + rtol 1e-4 as they sum over keys in another order; fp16: the
+low-precision rule, bertfast.testing.assert_close_lowp). Without a GPU, Triton runs under the
+interpreter (blocks 16x16 forward, 16x32 dK/dV, 32x16 dQ, 16x32 mask, so tails and several
+blocks are exercised) and CUDA on the CPU emulator (tests/ops/conftest.py), so shapes stay
+small; bf16 on a GPU, and on the emulator (the interpreter's bf16 is wrong).
+"""
+import math
+
+import pytest
+import torch
+
+from bertfast import dispatch, ops
+from bertfast import reference as R
+from bertfast.ops._common import new_seed
+from bertfast.testing import (PADDING_MODES, BackendUnderTest, check_close, cu_seqlens_from_lengths, make_lengths,
+                              mask_from_lengths, references)
+
+VARLEN, PADDED = "attention_varlen", "attention_padded"
+GPU = torch.cuda.is_available()
+B, S, A, D = 2, 20, 2, 32  # CPU sizes: S = 20 gives the interpreter's blocks a tail and a second block
+FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16
+DTYPE_ID = {FP32: "fp32", FP16: "fp16", BF16: "bf16"}
+
+
+# =========================================================================== inputs
+def seed_of(backend, value):
+    return torch.tensor([value], dtype=torch.int64, device=backend.device)
+
+
+def lengths_of(mode, batch=B, seqlen=S, seed=0):
+    return make_lengths(mode, batch, seqlen, torch.Generator().manual_seed(seed))
+
+
+def key_mask(kind, batch=B, seqlen=S, seed=0):
+    """[B, S] key padding mask, 1 = token: None ("nomask"), int64 prefixes from a padding mode, or
+    "scattered": bool, keys anywhere, sequence 1 fully padded."""
+    if kind == "nomask":
+        return None
+    g = torch.Generator().manual_seed(seed)
+    if kind == "scattered":
+        mask = torch.rand(batch, seqlen, generator=g) < 0.6
+        mask[1] = False
+        return mask
+    return mask_from_lengths(make_lengths(kind, batch, seqlen, g), seqlen)
+
+
+def varlen_inputs(backend, lengths, dtype=FP32, head_dim=D, heads=A, packed=True, extra=0, seed=0):
+    """q, k, v [T, A, D] (views of one packed [T, 3, A, D] tensor, as the encoder passes them, or
+    separate tensors), dout [T, A, D] and cu_seqlens; T = sum(lengths) + extra rows after the last
+    sequence."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = int(lengths.sum()) + extra
+    qkv = backend.tensor(tokens, 3, heads, head_dim, dtype=dtype, generator=g)
+    q, k, v = qkv.unbind(1) if packed else tuple(qkv[:, i].contiguous() for i in range(3))
+    dout = backend.tensor(tokens, heads, head_dim, dtype=dtype, generator=g)
+    return q, k, v, dout, cu_seqlens_from_lengths(lengths).to(backend.device)
+
+
+def padded_inputs(backend, batch=B, seqlen=S, dtype=FP32, head_dim=D, heads=A, seed=0):
+    """q, k, v [B, S, A, D] as views of one packed [B, S, 3, A, D] tensor, and dout."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = backend.tensor(batch, seqlen, 3, heads, head_dim, dtype=dtype, generator=g).unbind(2)
+    return q, k, v, backend.tensor(batch, seqlen, heads, head_dim, dtype=dtype, generator=g)
+
+
+# =========================================================================== checks
+def _scale(scale, head_dim):
+    return 1.0 / math.sqrt(head_dim) if scale is None else scale
+
+
+def _lse_atol(dtype):
+    return 1e-5 if dtype == FP32 else 2e-3
+
+
+def check_varlen(backend, q, k, v, dout, cu, max_seqlen, scale=None, p=0.0, seed=None, atol=1e-5, grad_atol=None):
+    """The backend's varlen launchers against the reference, fed the backend's own dropout mask;
+    returns (out, lse, dqkv)."""
+    impl = backend.module(VARLEN)
+    tokens, heads, head_dim = q.shape
+    out, lse = impl.attention_varlen_fwd(q, k, v, cu, max_seqlen, scale, p, seed)
+    dqkv = impl.attention_varlen_bwd(dout, q, k, v, out, lse, cu, max_seqlen, scale, p, seed)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    assert lse.shape == (heads, tokens) and lse.dtype == FP32
+    assert dqkv.shape == (tokens, 3, heads, head_dim) and dqkv.dtype == q.dtype and dqkv.is_contiguous()
+
+    keep = impl.attention_varlen_dropout_mask(cu, max_seqlen, heads, p, seed) if p else None
+    fn = lambda q_, k_, v_: R.attention_varlen(q_, k_, v_, cu, max_seqlen, scale, p, keep)  # noqa: E731
+    (o32, g32), (olo, glo) = references(fn, [q, k, v], q.dtype, dout)
+    n = int(cu[-1])  # the reference leaves rows after the last sequence undefined; its gradients are 0 there
+    check_close("out", out[:n], o32[:n], None if olo is None else olo[:n], q.dtype, atol=atol)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        check_close(name, dqkv[:, i], g32[i], glo[i], q.dtype, atol=grad_atol or 2 * atol, rtol=1e-4)
+
+    # lse = log sum_j exp(scale q_i . k_j) over the row's sequence; +inf outside every sequence
+    want = torch.full((heads, tokens), float("inf"))
+    bounds = cu.tolist()
+    for s0, s1 in zip(bounds[:-1], bounds[1:]):
+        if s1 > s0:
+            scores = torch.einsum("qad,kad->aqk", q[s0:s1].float().cpu(), k[s0:s1].float().cpu())
+            want[:, s0:s1] = torch.logsumexp(scores * _scale(scale, head_dim), -1)
+    torch.testing.assert_close(lse.cpu(), want, atol=_lse_atol(q.dtype), rtol=1e-5)
+    return out, lse, dqkv
+
+
+def check_padded(backend, q, k, v, dout, mask, scale=None, p=0.0, seed=None, atol=1e-5, grad_atol=None):
+    """The backend's padded launchers against the reference, fed the backend's own dropout mask;
+    returns (out, lse, (dq, dk, dv))."""
+    impl = backend.module(PADDED)
+    batch, seqlen, heads, head_dim = q.shape
+    kpm = None if mask is None else mask.to(backend.device)
+    out, lse = impl.attention_padded_fwd(q, k, v, kpm, scale, p, seed)
+    grads = impl.attention_padded_bwd(dout, q, k, v, out, lse, kpm, scale, p, seed)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    assert lse.shape == (batch, heads, seqlen) and lse.dtype == FP32
+    for g in grads:
+        assert g.shape == q.shape and g.dtype == q.dtype and g.is_contiguous()
+
+    keep = impl.attention_padded_dropout_mask(batch, seqlen, heads, p, seed) if p else None
+    fn = lambda q_, k_, v_: R.attention(q_, k_, v_, kpm, scale, p, keep)  # noqa: E731
+    (o32, g32), (olo, glo) = references(fn, [q, k, v], q.dtype, dout)
+    # Every position: query rows at pads attend to the valid keys, as in the reference.
+    check_close("out", out, o32, olo, q.dtype, atol=atol)
+    for name, got, want, yard in zip(("dq", "dk", "dv"), grads, g32, glo):
+        check_close(name, got, want, yard, q.dtype, atol=grad_atol or 2 * atol, rtol=1e-4)
+
+    scores = torch.einsum("bqad,bkad->baqk", q.float().cpu(), k.float().cpu()) * _scale(scale, head_dim)
+    if kpm is not None:
+        scores = scores.masked_fill(~kpm.bool().cpu()[:, None, None, :], float("-inf"))
+    want = torch.logsumexp(scores, -1)
+    torch.testing.assert_close(lse.cpu(), want.masked_fill(want == float("-inf"), float("inf")),
+                               atol=_lse_atol(q.dtype), rtol=1e-5)
+    if kpm is not None:
+        dq, dk, dv = grads
+        pad = ~kpm.bool()
+        assert not dk[pad].any() and not dv[pad].any(), "padding keys got a gradient"
+        no_key = pad.all(1)  # sequences with no valid key: out 0, lse +inf, zero gradients
+        assert not out[no_key].any() and not dq[no_key].any()
+        assert torch.isposinf(lse[no_key]).all()
+    return out, lse, grads
+
+
+# =========================================================================== the contract, every backend
+VARLEN_CASES = [(m, FP32) for m in PADDING_MODES] + [(m, FP16) for m in ("random", "empty")]
+
+
+@pytest.mark.parametrize("mode,dtype", VARLEN_CASES, ids=[f"{m}-{DTYPE_ID[d]}" for m, d in VARLEN_CASES])
+def test_varlen_matches_reference(backend, mode, dtype):
+    lengths = lengths_of(mode, seed=1)
+    q, k, v, dout, cu = varlen_inputs(backend, lengths, dtype, seed=1)
+    check_varlen(backend, q, k, v, dout, cu, int(lengths.max()))
+
+
+PADDED_CASES = ([(m, FP32) for m in ("nomask", *PADDING_MODES, "scattered")]
+                + [(m, FP16) for m in ("random", "scattered")])
+
+
+@pytest.mark.parametrize("kind,dtype", PADDED_CASES, ids=[f"{m}-{DTYPE_ID[d]}" for m, d in PADDED_CASES])
+def test_padded_matches_reference(backend, kind, dtype):
+    q, k, v, dout = padded_inputs(backend, dtype=dtype, seed=2)
+    check_padded(backend, q, k, v, dout, key_mask(kind, seed=2))
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(16, FP16), (64, FP32), (64, FP16), (128, FP32)],
+                         ids=["d16-fp16", "d64-fp32", "d64-fp16", "d128-fp32"])
+def test_head_dims(backend, head_dim, dtype):
+    # 33: a full 32-row interpreter block plus a tail in every kernel; 16: an exact block; 7: short
+    lengths = torch.tensor([33, 16, 7])
+    q, k, v, dout, cu = varlen_inputs(backend, lengths, dtype, head_dim, heads=1, packed=head_dim != 64, seed=3)
+    check_varlen(backend, q, k, v, dout, cu, 33)
+    q, k, v, dout = padded_inputs(backend, 1, 33, dtype, head_dim, heads=1, seed=3)
+    check_padded(backend, q, k, v, dout, key_mask("random", 1, 33, seed=3))
+
+
+def test_awkward_length(backend):
+    # 77 > one 64-query block of the CUDA kernels (fp16 takes their tensor-core path) and four
+    # 16-row interpreter blocks (fp32 there: the interpreter's fp16 dots are slow)
+    lengths = torch.tensor([77, 5])
+    dtype = FP16 if backend.name == "cuda" else FP32
+    q, k, v, dout, cu = varlen_inputs(backend, lengths, dtype, 16, heads=1, seed=4)
+    check_varlen(backend, q, k, v, dout, cu, 77, p=0.1, seed=seed_of(backend, 8))
+
+
+@pytest.mark.parametrize("form", ["varlen", "padded"])
+def test_softmax_scale_none_is_inverse_sqrt_head_dim(backend, form):
+    # Against the reference's own default, and bitwise against passing 1/sqrt(D) explicitly.
+    head_dim, explicit = 16, 0.25
+    if form == "varlen":
+        impl = backend.module(VARLEN)
+        lengths = torch.tensor([6, 11])
+        q, k, v, dout, cu = varlen_inputs(backend, lengths, head_dim=head_dim, seed=5)
+        out, lse, dqkv = check_varlen(backend, q, k, v, dout, cu, 11, scale=None)
+        out2, lse2 = impl.attention_varlen_fwd(q, k, v, cu, 11, explicit, 0.0, None)
+        grads, grads2 = [dqkv], [impl.attention_varlen_bwd(dout, q, k, v, out2, lse2, cu, 11, explicit, 0.0, None)]
+    else:
+        impl = backend.module(PADDED)
+        q, k, v, dout = padded_inputs(backend, 2, 11, head_dim=head_dim, seed=5)
+        mask = key_mask("random", 2, 11, seed=5)
+        out, lse, grads = check_padded(backend, q, k, v, dout, mask, scale=None)
+        mask = mask.to(backend.device)
+        out2, lse2 = impl.attention_padded_fwd(q, k, v, mask, explicit, 0.0, None)
+        grads2 = impl.attention_padded_bwd(dout, q, k, v, out2, lse2, mask, explicit, 0.0, None)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads2))
+
+
+def test_explicit_scale_separate_tensors_and_strided_dout(backend):
+    lengths = torch.tensor([7, 15])
+    q, k, v, _, cu = varlen_inputs(backend, lengths, packed=False, seed=6)
+    # autograd may hand over a gradient with stride(-1) != 1
+    dout = backend.tensor(22, D, A, generator=torch.Generator().manual_seed(6)).transpose(1, 2)
+    check_varlen(backend, q, k, v, dout, cu, 15, scale=0.3)
+
+
+def test_max_seqlen_is_an_upper_bound(backend):
+    impl = backend.module(VARLEN)
+    lengths = torch.tensor([9, 14])
+    q, k, v, dout, cu = varlen_inputs(backend, lengths, seed=7)
+    out, lse, dqkv = check_varlen(backend, q, k, v, dout, cu, 14)
+    out2, lse2 = impl.attention_varlen_fwd(q, k, v, cu, 37, None, 0.0, None)
+    dqkv2 = impl.attention_varlen_bwd(dout, q, k, v, out2, lse2, cu, 37, None, 0.0, None)
+    for a, b in ((out, out2), (lse, lse2), (dqkv, dqkv2)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_varlen_rows_after_the_last_sequence(backend, dropout_p):
+    lengths = torch.tensor([5, 9])
+    q, k, v, dout, cu = varlen_inputs(backend, lengths, extra=6, seed=8)
+    # static-shape packing leaves anything there: NaN must reach no result
+    for t in (q, k, v, dout):
+        t[14:] = float("nan")
+    out, lse, dqkv = check_varlen(backend, q, k, v, dout, cu, 9, p=dropout_p, seed=seed_of(backend, 3))
+    assert not out[14:].any() and torch.isposinf(lse[:, 14:]).all() and not dqkv[14:].any()
+    assert torch.isfinite(out).all() and torch.isfinite(dqkv).all()
+
+
+@pytest.mark.parametrize("form", ["varlen", "padded"])
+def test_rows_without_a_key_give_zeros_with_dropout(backend, form):
+    seed = seed_of(backend, 4)
+    if form == "varlen":  # zero-length sequences between others: no row, no NaN, the others intact
+        lengths = torch.tensor([0, 7, 0, 12, 0])
+        q, k, v, dout, cu = varlen_inputs(backend, lengths, seed=9)
+        out, _, dqkv = check_varlen(backend, q, k, v, dout, cu, 12, p=0.1, seed=seed)
+        assert out.shape[0] == 19 and torch.isfinite(out).all() and torch.isfinite(dqkv).all()
+    else:  # sequence 0 fully padded: its query rows have no key
+        mask = key_mask("empty", seed=9)
+        assert not mask[0].any() and mask[1].any()
+        q, k, v, dout = padded_inputs(backend, seed=9)
+        out, lse, grads = check_padded(backend, q, k, v, dout, mask, p=0.1, seed=seed)
+        assert not out[0].any() and torch.isposinf(lse[0]).all()
+        assert not any(g[0].any() for g in grads)
+
+
+def test_outputs_contiguous_from_transposed_inputs(backend):
+    # q, k, v as transformers passes them: [B, A, S, D] transposed to [B, S, A, D]
+    g = torch.Generator().manual_seed(10)
+    q, k, v = (backend.tensor(2, A, 9, D, dtype=FP16, generator=g).transpose(1, 2) for _ in range(3))
+    dout = backend.tensor(2, A, 9, D, dtype=FP16, generator=g).transpose(1, 2)
+    assert not q.is_contiguous()
+    check_padded(backend, q, k, v, dout, key_mask("random", 2, 9, seed=10))
+
+
+def test_empty_inputs(backend):
+    seed = seed_of(backend, 1)
+    v_impl, p_impl = backend.module(VARLEN), backend.module(PADDED)
+    empty = torch.empty(0, 3, A, D, device=backend.device).unbind(1)
+    for cu, max_seqlen in ((torch.zeros(4, dtype=torch.int32), 0), (torch.zeros(1, dtype=torch.int32), 0)):
+        cu = cu.to(backend.device)  # three zero-length sequences; no sequence at all
+        out, lse = v_impl.attention_varlen_fwd(*empty, cu, max_seqlen, None, 0.1, seed)
+        dqkv = v_impl.attention_varlen_bwd(out, *empty, out, lse, cu, max_seqlen, None, 0.1, seed)
+        assert out.shape == (0, A, D) and lse.shape == (A, 0) and dqkv.shape == (0, 3, A, D)
+        keep = v_impl.attention_varlen_dropout_mask(cu, max_seqlen, A, 0.1, seed)
+        assert keep.shape == (cu.numel() - 1, A, 0, 0)
+    for batch, seqlen in ((0, 5), (2, 0)):
+        q = torch.empty(batch, seqlen, A, D, device=backend.device)
+        out, lse = p_impl.attention_padded_fwd(q, q, q, None, None, 0.1, seed)
+        grads = p_impl.attention_padded_bwd(out, q, q, q, out, lse, None, None, 0.1, seed)
+        assert out.shape == q.shape and lse.shape == (batch, A, seqlen) and all(g.shape == q.shape for g in grads)
+        assert p_impl.attention_padded_dropout_mask(batch, seqlen, A, 0.1, seed).shape == (batch, A, seqlen, seqlen)
+    # Rows but no sequence: every row is outside, so out 0, lse +inf, dqkv 0.
+    q, k, v, dout, _ = varlen_inputs(backend, torch.tensor([4]), seed=11)
+    cu = torch.zeros(1, dtype=torch.int32, device=backend.device)
+    out, lse = v_impl.attention_varlen_fwd(q, k, v, cu, 0, None, 0.0, None)
+    dqkv = v_impl.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 0, None, 0.0, None)
+    assert not out.any() and torch.isposinf(lse).all() and not dqkv.any() and dqkv.shape == (4, 3, A, D)
+
+
+@pytest.mark.parametrize("form", ["varlen", "padded"])
+def test_head_dim_the_fused_backends_do_not_serve(backend, form):
+    head_dim = 24
+    g = torch.Generator().manual_seed(12)
+    if form == "varlen":
+        lengths = torch.tensor([5, 3])
+        qkv = backend.tensor(8, 3, A, head_dim, generator=g).requires_grad_()
+        cu = cu_seqlens_from_lengths(lengths).to(backend.device)
+        inputs = dict(q=qkv, cu_seqlens=cu)
+        run = lambda x: ops.attention_varlen(x, cu, 5)  # noqa: E731
+        ref = lambda x: R.attention_varlen(x[:, 0], x[:, 1], x[:, 2], cu, 5)  # noqa: E731
+    else:
+        qkv = backend.tensor(2, 5, 3, A, head_dim, generator=g).requires_grad_()
+        mask = key_mask("random", 2, 5, seed=12).bool().to(backend.device)
+        inputs = dict(q=qkv[:, :, 0], k=qkv[:, :, 1], v=qkv[:, :, 2], key_padding_mask=mask)
+        run = lambda x: ops.attention(x[:, :, 0], x[:, :, 1], x[:, :, 2], mask)  # noqa: E731
+        ref = lambda x: R.attention(x[:, :, 0], x[:, :, 1], x[:, :, 2], mask)  # noqa: E731
+    assert dispatch.select(VARLEN if form == "varlen" else PADDED, **inputs) == "torch"
+    with backend.forced():
+        if backend.name != "torch":
+            with pytest.raises(dispatch.NoBackendError, match=f"{backend.name}.*head dim {head_dim}"):
+                run(qkv)
+            return
+        out = run(qkv)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    (o32, (g32,)), _ = references(ref, [qkv], FP32, dout)
+    check_close("out", out, o32, None, FP32)
+    check_close("dqkv", qkv.grad, g32, None, FP32, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+@pytest.mark.parametrize("form", ["varlen", "padded"])
+def test_op_autograd_matches_reference(backend, form, dropout_p):
+    """The custom op with autograd, forced onto the backend; with dropout the backward regenerates
+    the forward's mask, which the backend's *_dropout_mask reproduces from the op's seed."""
+    g = torch.Generator().manual_seed(13)
+    if form == "varlen":
+        lengths = torch.tensor([4, 1, 0, 6])
+        cu = cu_seqlens_from_lengths(lengths).to(backend.device)
+        qkv = backend.tensor(11, 3, A, D, generator=g).requires_grad_()
+        run = lambda x: ops.attention_varlen(x, cu, 6, dropout_p)  # noqa: E731
+        draw = lambda s: backend.module(VARLEN).attention_varlen_dropout_mask(cu, 6, A, dropout_p, s)  # noqa: E731
+        ref = lambda x, keep: R.attention_varlen(x[:, 0], x[:, 1], x[:, 2], cu, 6, None, dropout_p, keep)  # noqa: E731
+    else:
+        mask = key_mask("empty", 2, 7, seed=13).to(backend.device)
+        qkv = backend.tensor(2, 7, 3, A, D, generator=g).requires_grad_()
+        run = lambda x: ops.attention(x[:, :, 0], x[:, :, 1], x[:, :, 2], mask, dropout_p)  # noqa: E731
+        draw = lambda s: backend.module(PADDED).attention_padded_dropout_mask(2, 7, A, dropout_p, s)  # noqa: E731
+        ref = lambda x, keep: R.attention(x[:, :, 0], x[:, :, 1], x[:, :, 2], mask, None, dropout_p, keep)  # noqa: E731
+    torch.manual_seed(5)
+    with backend.forced():
+        out = run(qkv)
+    dout = backend.tensor(*out.shape, generator=g)
+    out.backward(dout)
+    torch.manual_seed(5)  # the op drew its seed from torch's generator (new_seed): draw it again
+    keep = draw(new_seed(backend.device)) if dropout_p else None
+    (o32, (g32,)), _ = references(lambda x: ref(x, keep), [qkv], FP32, dout)
+    check_close("out", out, o32, None, FP32)
+    check_close("dqkv", qkv.grad, g32, None, FP32, atol=2e-5, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- dropout
+DROPOUT_CASES = [("varlen", FP32, "random"), ("varlen", FP32, "empty"), ("varlen", FP16, "none"),
+                 ("padded", FP32, "scattered")]
+
+
+@pytest.mark.parametrize("form,dtype,mode", DROPOUT_CASES, ids=[f"{f}-{DTYPE_ID[d]}-{m}" for f, d, m in DROPOUT_CASES])
+def test_dropout_matches_reference_with_the_backends_mask(backend, form, dtype, mode):
+    seed = seed_of(backend, 1234)
+    if form == "varlen":
+        lengths = lengths_of(mode, seed=14)
+        q, k, v, dout, cu = varlen_inputs(backend, lengths, dtype, seed=14)
+        check_varlen(backend, q, k, v, dout, cu, int(lengths.max()), p=0.3, seed=seed)
+    else:
+        q, k, v, dout = padded_inputs(backend, dtype=dtype, seed=14)
+        check_padded(backend, q, k, v, dout, key_mask(mode, seed=14), p=0.3, seed=seed)
+
+
+def test_dropout_scales_kept_values(backend):
+    # q = k = 0: uniform attention, and v = 1: out_i = mean_j keep_ij / (1 - p), the kept mass of row i.
+    impl, seqlen, p = backend.module(PADDED), 32, 0.25
+    q = torch.zeros(1, seqlen, A, 16, device=backend.device, dtype=FP16)
+    v = torch.ones_like(q)
+    out0, _ = impl.attention_padded_fwd(q, q, v, None, 0.125, 0.0, None)
+    torch.testing.assert_close(out0, v, atol=1e-3, rtol=0)
+    out, _ = impl.attention_padded_fwd(q, q, v, None, 0.125, p, seed_of(backend, 4))
+    keep = impl.attention_padded_dropout_mask(1, seqlen, A, p, seed_of(backend, 4))
+    kept = keep.float().mean(-1).transpose(1, 2)  # [1, S, A]
+    torch.testing.assert_close(out.float() * (1 - p), kept[..., None].expand(out.shape), atol=2e-3, rtol=0)
+    assert 0.15 < 1 - kept.mean().item() < 0.35  # 2048 draws: sigma ~0.01
+
+
+def test_dropout_same_seed_same_result(backend):
+    impl = backend.module(VARLEN)
+    lengths = torch.tensor([7, 12])
+    q, k, v, dout, cu = varlen_inputs(backend, lengths, seed=15)
+
+    def run(value):
+        s = seed_of(backend, value)
+        out, lse = impl.attention_varlen_fwd(q, k, v, cu, 12, 0.2, 0.1, s)
+        return out, lse, impl.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 12, 0.2, 0.1, s)
+
+    a, b, c = run(5), run(5), run(6)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))  # bitwise: the backward regenerates the mask
+    assert not torch.equal(a[0], c[0]) and not torch.equal(a[2], c[2])
+    assert torch.equal(a[1], c[1])  # lse sums the undropped probabilities
+
+
+def test_dropout_zero_needs_no_seed_and_ignores_one(backend):
+    impl = backend.module(VARLEN)
+    q, k, v, _, cu = varlen_inputs(backend, torch.tensor([5, 9]), seed=16)
+    o1, l1 = impl.attention_varlen_fwd(q, k, v, cu, 9, None, 0.0, None)
+    o2, l2 = impl.attention_varlen_fwd(q, k, v, cu, 9, None, 0.0, seed_of(backend, 7))
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    keep = backend.module(PADDED).attention_padded_dropout_mask(2, 8, A, 0.0, None)
+    assert keep.dtype == torch.bool and keep.shape == (2, A, 8, 8) and keep.all()
+    keep = impl.attention_varlen_dropout_mask(cu, 9, A, 0.0, None)
+    assert keep.dtype == torch.bool and keep.shape == (2, A, 9, 9) and keep.all()
+
+
+def test_varlen_and_padded_forms_draw_the_same_mask(backend):
+    p, seed = 0.3, seed_of(backend, 2024)
+    cu = torch.tensor([0, 5, 17, 17], dtype=torch.int32, device=backend.device)
+    v_impl, p_impl = backend.module(VARLEN), backend.module(PADDED)
+    keep = v_impl.attention_varlen_dropout_mask(cu, 12, A, p, seed)
+    assert keep.dtype == torch.bool and keep.shape == (3, A, 12, 12)
+    assert torch.equal(keep, p_impl.attention_padded_dropout_mask(3, 12, A, p, seed))
+    # And the kernels: sequence b of the varlen batch is batch row b of the padded one.
+    lengths = torch.tensor([5, 12, 0])
+    q, k, v, dout, cu = varlen_inputs(backend, lengths, seed=17)
+    out, lse = v_impl.attention_varlen_fwd(q, k, v, cu, 12, None, p, seed)
+    dqkv = v_impl.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 12, None, p, seed)
+    mask = mask_from_lengths(lengths, 12).to(backend.device)
+    rows = mask.bool().flatten()
+
+    def pad(t):  # [T, A, D] -> [3, 12, A, D], zeros at pads
+        return t.new_zeros(3 * 12, *t.shape[1:]).index_copy(0, rows.nonzero().flatten(), t).view(3, 12, *t.shape[1:])
+
+    qp, kp, vp, dp = (pad(t) for t in (q, k, v, dout))
+    outp, lsep = p_impl.attention_padded_fwd(qp, kp, vp, mask, None, p, seed)
+    gradsp = p_impl.attention_padded_bwd(dp, qp, kp, vp, outp, lsep, mask, None, p, seed)
+    close = dict(atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(outp.flatten(0, 1)[rows], out, **close)
+    torch.testing.assert_close(lsep.transpose(1, 2).flatten(0, 1)[rows], lse.t(), **close)
+    for i, g in enumerate(gradsp):
+        torch.testing.assert_close(g.flatten(0, 1)[rows], dqkv[:, i], **close)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_mask_fraction_and_independence(backend, p):
+    impl = backend.module(PADDED)
+    batch, heads, seqlen = 2, 2, 48 if backend.emulated else 64  # the emulator runs one block per row
+    keep = impl.attention_padded_dropout_mask(batch, seqlen, heads, p, seed_of(backend, 31337))
+    assert keep.dtype == torch.bool and keep.shape == (batch, heads, seqlen, seqlen)
+    kf = keep.float().cpu()
+    n = kf.numel()
+
+    def near(frac, want, draws):  # within 5 sigma of a binomial fraction
+        assert abs(frac - want) < 5 * math.sqrt(want * (1 - want) / draws), (frac, want, draws)
+
+    near(1 - kf.mean().item(), p, n)
+    # Each column phase (the four outputs of one Philox call) and each (batch, head) stream is fair.
+    for phase in range(4):
+        near(1 - kf[..., phase::4].mean().item(), p, n / 4)
+    for stream in kf.mean(dim=(2, 3)).flatten().tolist():
+        near(1 - stream, p, seqlen * seqlen)
+    # Independence: two keep decisions in one group of four columns, or in neighbouring rows,
+    # coincide as often as independent draws do, (1 - p)^2.
+    for a in range(4):
+        for b in range(a + 1, 4):
+            near((kf[..., a::4] * kf[..., b::4]).mean().item(), (1 - p) ** 2, n / 4)
+    near((kf[:, :, 1:] * kf[:, :, :-1]).mean().item(), (1 - p) ** 2, n)
+    flat = keep.reshape(batch * heads, -1)  # no two streams, and no two rows, are the same
+    assert all(not torch.equal(flat[i], flat[j]) for i in range(len(flat)) for j in range(i + 1, len(flat)))
+    assert not torch.equal(keep[0, 0, 0], keep[0, 0, 1])
+    # Another seed, another mask: independent draws differ with probability 2p(1 - p).
+    other = impl.attention_padded_dropout_mask(batch, seqlen, heads, p, seed_of(backend, 31338)).cpu()
+    near((keep.cpu() != other).float().mean().item(), 2 * p * (1 - p), n)
+
+
+# --------------------------------------------------------------------------- errors, opcheck
+def test_launcher_errors_are_clear(fused_backend):
+    impl = fused_backend.module(VARLEN)
+    dev = fused_backend.device
+    q = torch.randn(10, A, 32, device=dev)
+    cu = torch.tensor([0, 10], dtype=torch.int32, device=dev)
+    with pytest.raises(ValueError, match="head dim"):
+        impl.attention_varlen_fwd(q[..., :24], q[..., :24], q[..., :24], cu, 10, 0.1, 0.0, None)
+    with pytest.raises(ValueError, match="k: expected dtype"):
+        impl.attention_varlen_fwd(q, q.half(), q, cu, 10, 0.1, 0.0, None)
+    with pytest.raises(ValueError, match="cu_seqlens: expected dtype"):
+        impl.attention_varlen_fwd(q, q, q, cu.long(), 10, 0.1, 0.0, None)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        impl.attention_varlen_fwd(q, q, q, cu, 10.0, 0.1, 0.0, None)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        impl.attention_varlen_fwd(q, q, q, cu, 10, 0.0, 0.0, None)
+    with pytest.raises(ValueError, match="dropout_p"):
+        impl.attention_varlen_fwd(q, q, q, cu, 10, 0.1, 1.0, torch.tensor([1], device=dev))
+    with pytest.raises(ValueError, match="seed"):
+        impl.attention_varlen_fwd(q, q, q, cu, 10, 0.1, 0.1, None)
+    qt = torch.randn(10, 32, A, device=dev).transpose(1, 2)
+    with pytest.raises(ValueError, match="contiguous last"):
+        impl.attention_varlen_fwd(qt, qt, qt, cu, 10, 0.1, 0.0, None)
+    with pytest.raises(ValueError, match=r"lse: expected shape \(2, 10\)"):
+        impl.attention_varlen_bwd(q, q, q, q, q, torch.zeros(10, A, device=dev), cu, 10, 0.1, 0.0, None)
+    qp = torch.randn(2, 5, A, 32, device=dev)
+    padded = fused_backend.module(PADDED)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        padded.attention_padded_fwd(qp, qp, qp, torch.ones(2, 4, device=dev), 0.1, 0.0, None)
+    with pytest.raises(ValueError, match="bool or integer"):
+        padded.attention_padded_fwd(qp, qp, qp, torch.ones(2, 5, device=dev), 0.1, 0.0, None)
+    with pytest.raises(ValueError, match="num_heads"):
+        padded.attention_padded_dropout_mask(2, 5, -1, 0.1, torch.tensor([1], device=dev))
+
+
+def test_op_errors_are_clear():
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"expected qkv of shape \[tokens, 3, heads, head_dim\]"):
+        ops.attention_varlen(torch.randn(4, 2, 2, 16), cu, 4)
+    with pytest.raises(ValueError, match="expected cu_seqlens int32"):
+        ops.attention_varlen(torch.randn(4, 3, 2, 16), cu.long(), 4)
+    with pytest.raises(ValueError, match="dropout_p"):
+        ops.attention_varlen(torch.randn(4, 3, 2, 16), cu, 4, dropout_p=1.0)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        ops.attention_varlen(torch.randn(4, 3, 2, 16), cu, 4, softmax_scale=-1.0)
+    q = torch.randn(2, 5, 2, 16)
+    with pytest.raises(ValueError, match="one shape"):
+        ops.attention(q, q[:, :4], q)
+    with pytest.raises(ValueError, match=r"expected key_padding_mask of shape \[2, 5\]"):
+        ops.attention(q, q, q, torch.ones(2, 4))
+
+
+def opcheck_samples():
+    """(custom op, args) by name: the schema, fakes and autograd registration of both forms."""
+    def leaf(*shape):
+        return torch.randn(*shape, requires_grad=True)
+
+    cu = cu_seqlens_from_lengths(torch.tensor([3, 0, 5]))
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)  # sequence 1 fully padded
+    varlen, padded = torch.ops.bertfast.attention_varlen, torch.ops.bertfast.attention_padded
+    return {
+        "varlen-dropout": (varlen, (leaf(8, 3, 2, 16), cu, 5, 0.25, 0.1, torch.tensor([7]), "torch")),
+        "padded": (padded, (leaf(2, 5, 2, 16), leaf(2, 5, 2, 16), leaf(2, 5, 2, 16), mask, 0.25, 0.0, None, "torch")),
+        # q, k, v as transformers passes them: [B, A, S, D] transposed to [B, S, A, D]
+        "padded-transposed": (padded, (*(leaf(2, 2, 5, 16).transpose(1, 2) for _ in range(3)), mask, 0.25, 0.0,
+                                       None, "torch")),
+    }
+
+
+@pytest.mark.parametrize("sample", ["varlen-dropout", "padded", "padded-transposed"])
+def test_opcheck(sample):
+    op, args = opcheck_samples()[sample]
+    torch.library.opcheck(op, args)
+
+
+# =========================================================================== GPU sizes
+LOWP_GPU = [BF16, FP16]
+ALL_GPU = [FP32, FP16, BF16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", PADDING_MODES)
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+@pytest.mark.parametrize("dtype", ALL_GPU, ids=["fp32", "fp16", "bf16"])
+def test_gpu_varlen_awkward_length_every_head_dim(backend, dtype, head_dim, mode):
+    lengths = lengths_of(mode, 3, 77, seed=7)  # 77 > one 64-query block
+    q, k, v, dout, cu = varlen_inputs(backend, lengths, dtype, head_dim, heads=2)
+    # fp32: sums over up to 77 keys / queries in another order than einsum's
+    check_varlen(backend, q, k, v, dout, cu, int(lengths.max()), atol=1e-4, grad_atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["nomask", "random", "empty", "scattered"])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+@pytest.mark.parametrize("dtype", ALL_GPU, ids=["fp32", "fp16", "bf16"])
+def test_gpu_padded_awkward_length_every_head_dim(backend, dtype, head_dim, kind):
+    q, k, v, dout = padded_inputs(backend, 3, 77, dtype, head_dim, heads=2)
+    check_padded(backend, q, k, v, dout, key_mask(kind, 3, 77, seed=11), atol=1e-4, grad_atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("form", ["varlen", "padded"])
+@pytest.mark.parametrize("dtype", ALL_GPU, ids=["fp32", "fp16", "bf16"])
+def test_gpu_dropout_exact(backend, dtype, form, head_dim):
+    seed = seed_of(backend, 77)
+    if form == "varlen":
+        lengths = lengths_of("empty", 3, 77, seed=7)
+        q, k, v, dout, cu = varlen_inputs(backend, lengths, dtype, head_dim)
+        check_varlen(backend, q, k, v, dout, cu, int(lengths.max()), p=0.2, seed=seed, atol=1e-4, grad_atol=1e-4)
+    else:
+        q, k, v, dout = padded_inputs(backend, 3, 77, dtype, head_dim)
+        check_padded(backend, q, k, v, dout, key_mask("scattered", 3, 77, seed=11), p=0.2, seed=seed, atol=1e-4,
+                     grad_atol=1e-4)
+
+
+def _bert_lengths(seqlen):
+    return torch.tensor([seqlen, seqlen * 3 // 5, 1, seqlen - 1])  # ragged, a single token, one short of full
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["varlen", "padded"])
+@pytest.mark.parametrize("heads", [12, 16])
+@pytest.mark.parametrize("seqlen", [128, 512])
+@pytest.mark.parametrize("dtype", LOWP_GPU, ids=["bf16", "fp16"])
+def test_gpu_lowp_bert_sizes(backend, dtype, seqlen, heads, form):
+    lengths = _bert_lengths(seqlen)
+    if form == "varlen":
+        q, k, v, dout, cu = varlen_inputs(backend, lengths, dtype, 64, heads)
+        check_varlen(backend, q, k, v, dout, cu, seqlen)
+    else:
+        q, k, v, dout = padded_inputs(backend, 4, seqlen, dtype, 64, heads)
+        check_padded(backend, q, k, v, dout, mask_from_lengths(lengths, seqlen))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["varlen", "padded"])
+def test_gpu_dropout_bf16_bert_size(backend, form):
+    lengths, seed = _bert_lengths(512), seed_of(backend, 77)
+    if form == "varlen":
+        q, k, v, dout, cu = varlen_inputs(backend, lengths, BF16, 64, 12)
+        check_varlen(backend, q, k, v, dout, cu, 512, p=0.1, seed=seed)
+    else:
+        q, k, v, dout = padded_inputs(backend, 4, 512, BF16, 64, 12)
+        check_padded(backend, q, k, v, dout, mask_from_lengths(lengths, 512), p=0.1, seed=seed)
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_is_ieee_accurate(backend):
+    # No TF32 anywhere: fp32 stays within fp32 rounding of the reference at S = 128.
+    lengths = _bert_lengths(128)
+    q, k, v, dout, cu = varlen_inputs(backend, lengths, FP32, 64, 12)
+    check_varlen(backend, q, k, v, dout, cu, 128, atol=1e-5, grad_atol=5e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_dropout_mask_fraction_at_scale(backend):
+    p, impl = 0.1, backend.module(PADDED)
+    keep = impl.attention_padded_dropout_mask(4, 128, 4, p, seed_of(backend, 1))
+    assert abs((1.0 - keep.float().mean().item()) - p) < 0.004  # 262144 draws: sigma 0.0006
+    cu = torch.tensor([0, 100, 228, 300, 428], dtype=torch.int32, device=backend.device)
+    assert torch.equal(keep, backend.module(VARLEN).attention_varlen_dropout_mask(cu, 128, 4, p, seed_of(backend, 1)))
+
+
+# =========================================================================== Triton
+@pytest.mark.skipif(GPU, reason="on a GPU every Triton test above takes this path")
+def test_triton_autotuned_launch_path_under_interpreter(stand_in_tuner):
+    """Each pruned candidate runs once on the real buffers (pure outputs) and the best is relaunched."""
+    from bertfast.kernels import attention as K
+
+    stand_in_tuner(K._fwd_tuned, K._bwd_dkdv_tuned, K._bwd_dq_tuned)
+    triton = BackendUnderTest("triton", torch.device("cpu"))
+    lengths = torch.tensor([9, 20])
+    q, k, v, dout, cu = varlen_inputs(triton, lengths, seed=18)
+    check_varlen(triton, q, k, v, dout, cu, 20, p=0.2, seed=seed_of(triton, 5))
+    q, k, v, dout = padded_inputs(triton, 2, 20, seed=18)
+    check_padded(triton, q, k, v, dout, key_mask("scattered", 2, 20, seed=18))
+    for kernel in (K._fwd_tuned, K._bwd_dkdv_tuned, K._bwd_dq_tuned):
+        assert len(kernel.cache) == 2  # one tuning key per form
+
+
+@pytest.mark.skipif(GPU, reason="sets the interpreter's block sizes")
+def test_triton_dropout_does_not_depend_on_block_sizes(monkeypatch):
+    """The mask is a pure function of (seed, sequence, head, row, column): other blocks, same mask."""
+    from bertfast.kernels import attention as K
+
+    triton = BackendUnderTest("triton", torch.device("cpu"))
+    seed, p = seed_of(triton, 99), 0.3
+    q, k, v, _, cu = varlen_inputs(triton, torch.tensor([37, 6]), seed=19)
+    keep = K.attention_varlen_dropout_mask(cu, 37, A, p, seed)
+    out, lse = K.attention_varlen_fwd(q, k, v, cu, 37, None, p, seed)
+    monkeypatch.setitem(K._INTERP, "mask", {"BLOCK_M": 32, "BLOCK_N": 16})
+    monkeypatch.setitem(K._INTERP, "fwd", {"BLOCK_M": 32, "BLOCK_N": 64})
+    assert torch.equal(keep, K.attention_varlen_dropout_mask(cu, 37, A, p, seed))
+    out2, lse2 = K.attention_varlen_fwd(q, k, v, cu, 37, None, p, seed)
+    # Other blocks round differently; one mask bit flipped would move an output by ~0.1.
+    torch.testing.assert_close(out2, out, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lse2, lse, atol=1e-6, rtol=1e-6)
+
+
+# =========================================================================== CUDA
+@pytest.mark.skipif(GPU, reason="bf16 runs in the GPU tests there")
+def test_cuda_bf16_on_the_emulator(fused_backend):
+    # The emulator runs bf16 correctly (the interpreter does not): the bf16 tensor-core path on CPU.
+    if fused_backend.name != "cuda":
+        pytest.skip("the interpreter's bf16 is wrong: Triton bf16 runs in the GPU tests")
+    lengths = torch.tensor([70, 0, 9])  # 70 > one 64-query block; a zero-length sequence
+    q, k, v, dout, cu = varlen_inputs(fused_backend, lengths, BF16, 64, heads=1, seed=20)
+    check_varlen(fused_backend, q, k, v, dout, cu, 70, p=0.1, seed=seed_of(fused_backend, 3))
+    q, k, v, dout = padded_inputs(fused_backend, dtype=BF16, head_dim=128, seed=20)
+    check_padded(fused_backend, q, k, v, dout, key_mask("scattered", seed=20))
+
+
+# --------------------------------------------------------------------------- wrapper validation (no GPU)
+def test_cuda_validation(cuda_on_cpu):
+    from bertfast.cuda import attention as C
+
+    t, a, d = 9, 2, 32
+    q, k, v = torch.randn(t, 3, a, d, dtype=FP16).unbind(1)  # packed views: row stride 3 A D, head stride D
+    cu = torch.tensor([0, 4, 4, 9], dtype=torch.int32)
+    seed = torch.tensor([11])
+    lse = torch.zeros(a, t)
+    cuda_on_cpu.reaches(C.attention_varlen_fwd, q, k, v, cu, 5, 0.2, 0.1, seed)
+    cuda_on_cpu.reaches(C.attention_varlen_fwd, q, k, v, cu, 5, None, 0.0, None)  # None: 1/sqrt(D)
+    cuda_on_cpu.reaches(C.attention_varlen_bwd, torch.randn(t, a, d, dtype=FP16), q, k, v,
+                        torch.randn(t, a, d, dtype=FP16), lse, cu, 5, 0.2, 0.0, None)
+    cuda_on_cpu.rejects("head dim in", C.attention_varlen_fwd, q[..., :24], k[..., :24], v[..., :24], cu, 5, 0.2,
+                        0.0, None)
+    cuda_on_cpu.rejects("16-byte aligned data pointer", C.attention_varlen_fwd, cuda_on_cpu.misaligned((t, a, d), FP16),
+                        k, v, cu, 5, 0.2, 0.0, None)
+    odd = torch.randn(t, a * d + 1, dtype=FP16)[:, : a * d].view(t, a, d)  # row stride 65 elements
+    cuda_on_cpu.rejects("multiples of 8 elements", C.attention_varlen_fwd, odd, k, v, cu, 5, 0.2, 0.0, None)
+    head_strided = torch.randn(t, d, a, dtype=FP16).transpose(1, 2)  # stride(-1) == A
+    cuda_on_cpu.rejects("contiguous last", C.attention_varlen_fwd, head_strided, k, v, cu, 5, 0.2, 0.0, None)
+    cuda_on_cpu.rejects("k: expected dtype", C.attention_varlen_fwd, q, k.float(), v, cu, 5, 0.2, 0.0, None)
+    cuda_on_cpu.rejects(r"v: expected shape \(9, 2, 32\)", C.attention_varlen_fwd, q, k, v[:8], cu, 5, 0.2, 0.0,
+                        None)
+    cuda_on_cpu.rejects("cu_seqlens: expected dtype", C.attention_varlen_fwd, q, k, v, cu.long(), 5, 0.2, 0.0, None)
+    cuda_on_cpu.rejects("max_seqlen: expected a python int", C.attention_varlen_fwd, q, k, v, cu, 5.0, 0.2, 0.0,
+                        None)
+    cuda_on_cpu.rejects("seed: expected an int64 tensor", C.attention_varlen_fwd, q, k, v, cu, 5, 0.2, 0.1, None)
+    cuda_on_cpu.rejects(r"lse: expected shape \(2, 9\)", C.attention_varlen_bwd, q, q, k, v, q, lse.t(), cu, 5, 0.2,
+                        0.0, None)
+    cuda_on_cpu.rejects("softmax_scale", C.attention_varlen_fwd, q, k, v, cu, 5, float("inf"), 0.0, None)
+
+    b, s = 2, 5
+    qp = torch.randn(b, s, a, d, dtype=BF16)
+    mask = torch.tensor([[1, 1, 0, 1, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    cuda_on_cpu.reaches(C.attention_padded_fwd, qp, qp, qp, mask, 0.2, 0.0, None)
+    cuda_on_cpu.reaches(C.attention_padded_fwd, qp, qp, qp, mask.long(), 0.2, 0.0, None)
+    cuda_on_cpu.reaches(C.attention_padded_bwd, qp, qp, qp, qp, qp, torch.zeros(b, a, s), None, 0.2, 0.0, None)
+    cuda_on_cpu.rejects(r"key_padding_mask: expected shape \(2, 5\)", C.attention_padded_fwd, qp, qp, qp,
+                        mask[:, :4], 0.2, 0.0, None)
+    cuda_on_cpu.rejects("bool or integer", C.attention_padded_fwd, qp, qp, qp, mask.float(), 0.2, 0.0, None)
+    cuda_on_cpu.rejects("expected 4 dimensions", C.attention_padded_fwd, qp[0], qp[0], qp[0], None, 0.2, 0.0, None)
+    cuda_on_cpu.rejects(r"lse: expected shape \(2, 2, 5\)", C.attention_padded_bwd, qp, qp, qp, qp, qp,
+                        torch.zeros(b, s, a), None, 0.2, 0.0, None)
+
+    cuda_on_cpu.reaches(C.attention_padded_dropout_mask, 2, 5, 2, 0.1, seed)
+    cuda_on_cpu.reaches(C.attention_varlen_dropout_mask, cu, 5, 2, 0.1, seed)
+    cuda_on_cpu.rejects("num_heads: expected a python int", C.attention_padded_dropout_mask, 2, 5, -1, 0.1, seed)
+    assert cuda_on_cpu.calls == ["attention_fwd", "attention_fwd", "attention_bwd", "attention_fwd", "attention_fwd",
+                                 "attention_bwd", "attention_dropout_mask", "attention_dropout_mask"]
+
+
+def test_cuda_rejects_cpu_tensors():
+    from bertfast.cuda import attention as C
+
+    q = torch.randn(6, 2, 16)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="expected a CUDA tensor, got device cpu"):
+        C.attention_varlen_fwd(q, q, q, cu, 6, 0.25, 0.0, None)
+    qp = torch.randn(1, 6, 2, 16)
+    with pytest.raises(ValueError, match="expected a CUDA tensor"):
+        C.attention_padded_fwd(qp, qp, qp, None, 0.25, 0.0, None)
+    with pytest.raises(ValueError, match="expected a CUDA tensor"):
+        C.attention_padded_dropout_mask(1, 4, 2, 0.1, torch.zeros(1, dtype=torch.long))
+
+
+def test_cuda_dropout_mask_without_dropout_needs_no_gpu():
+    from bertfast.cuda import attention as C
+
+    keep = C.attention_padded_dropout_mask(2, 3, 4, 0.0, None)
+    assert keep.shape == (2, 4, 3, 3) and keep.dtype == torch.bool and keep.all()

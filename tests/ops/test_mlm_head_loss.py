@@ -1,0 +1,600 @@
+"""mlm_head_loss: the contract on every backend, then the shared driver, then what is particular to one backend.
+
+Contract (bertfast/ops/mlm_head_loss.py): labels -100 are ignored, any other label outside [0, V) is a
+ValueError from the shared driver (the per-chunk kernel alone treats it as ignored); loss_sum fp32, n_correct
+int64 (argmax ties: lowest index); gradients in each input's dtype, independent of chunk_rows; no labelled row
+or no row at all gives loss 0 and zero gradients. The per-chunk kernel mlm_head_loss_fwd returns loss, lse and
+correct per row and overwrites the (row-strided) logits with grad_scale * (softmax - onehot), 0 on ignored rows.
+Oracles: torch cross-entropy in fp32, bertfast.reference.mlm_head_loss_decoder with autograd, and transformers'
+BertForMaskedLM head (fp16: the low-precision rule, docs/testing.md). Without a GPU, Triton runs under the
+interpreter (block 1024: V = 1000 takes the one-block path, V = 1031 the looped one) and CUDA on the CPU emulator
+(tests/ops/conftest.py), so shapes stay small; bf16 only on a GPU.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bertfast
+from bertfast import ops
+from bertfast import reference as R
+from bertfast.ops.mlm_head_loss import CHUNK_BYTES, _decoder_loss, default_chunk_rows
+from bertfast.ops.mlm_head_loss import mlm_head_loss_fwd as torch_kernel
+from bertfast.testing import BackendUnderTest, assert_close_lowp, check_close, references
+
+OP = "mlm_head_loss"
+IGNORE = -100
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+LOWP = [pytest.param(torch.float16, id="fp16")] + ([pytest.param(torch.bfloat16, id="bf16")] if GPU else [])
+DTYPES = [pytest.param(torch.float32, id="fp32")] + LOWP
+
+
+# =========================================================================== helpers
+def logits_with_ties(backend, m, v, dtype, seed=0):
+    """Logits [m, v] and int64 labels [m] (m >= 6): rows 4, 8, ... ignored, and argmax ties.
+
+    Row 0: columns 5 and v-1 tie (far apart: different blocks), labelled v-1, so not correct. Row 1: the same
+    tie, labelled 5 (correct). Row 2: 5 and 200 tie (one block by default), labelled 200 (not correct).
+    Row 3: labelled with its argmax.
+    """
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(m, v, generator=g) * 3
+    labels = torch.randint(0, v, (m,), generator=g)
+    labels[4::4] = IGNORE
+    for r, (a, b) in enumerate([(5, v - 1), (5, v - 1), (5, 200)]):
+        z[r, a] = z[r, b] = 20.0
+    labels[:3] = torch.tensor([v - 1, 5, 200])
+    z = z.to(dtype)
+    labels[3] = z[3].float().argmax()
+    return z.to(backend.device), labels.to(backend.device)
+
+
+def ce_oracle(z, labels, grad_scale):
+    """(loss, lse, correct, dlogits) from torch in fp32 on z's values; labels outside [0, V) count as ignored."""
+    valid = (labels >= 0) & (labels < z.shape[1])
+    labels = torch.where(valid, labels.long(), IGNORE)
+    z32 = z.detach().float().requires_grad_()
+    loss = F.cross_entropy(z32, labels, ignore_index=IGNORE, reduction="none")
+    (grad_scale * loss.sum()).backward()
+    correct = (z32.detach().argmax(-1) == labels) & valid
+    return loss.detach(), torch.logsumexp(z32.detach(), -1), correct, z32.grad
+
+
+def check_kernel(backend, logits, labels, grad_scale=0.37, compute_grad=True, atol=1e-5, **kwargs):
+    """The backend's mlm_head_loss_fwd on logits (overwritten in place) against ce_oracle; returns correct."""
+    loss_ref, lse_ref, correct_ref, grad_ref = ce_oracle(logits, labels, grad_scale)
+    before = logits.clone()
+    loss, lse, correct = backend.module(OP).mlm_head_loss_fwd(logits, labels, grad_scale, compute_grad, **kwargs)
+    assert loss.dtype == lse.dtype == torch.float32 and correct.dtype == torch.bool
+    assert loss.shape == lse.shape == correct.shape == labels.shape
+    # Statistics are fp32 math on the same (upcast) values as the oracle: fp32 tolerance for every dtype.
+    torch.testing.assert_close(loss, loss_ref, atol=atol, rtol=1e-5)
+    torch.testing.assert_close(lse, lse_ref, atol=atol, rtol=1e-5)
+    assert torch.equal(correct, correct_ref)
+    ignored = (labels < 0) | (labels >= logits.shape[1])
+    assert not loss[ignored].any()
+    if not compute_grad:
+        assert torch.equal(logits, before), "compute_grad=False must leave the logits alone"
+        return correct
+    assert not logits[ignored].any()
+    if logits.dtype == torch.float32:
+        torch.testing.assert_close(logits, grad_ref, atol=1e-6, rtol=1e-5)
+    else:
+        # Computed in fp32 and rounded once: the rounding of the oracle to the dtype is the yardstick.
+        assert_close_lowp(logits.float(), grad_ref, grad_ref.to(logits.dtype).float(), atol=1e-6, name="dlogits")
+    return correct
+
+
+def problem(backend, m, h, v, dtype, labelled="some", bias=True, param_dtype=None, seed=0):
+    """x [m, h], weight [v, h], bias [v] or None, int64 labels [m]; every 4th row labelled with its argmax."""
+    g = torch.Generator().manual_seed(seed)
+    dev, param_dtype = backend.device, param_dtype or dtype
+    x = torch.randn(m, h, generator=g).to(dtype).to(dev)
+    w = (torch.randn(v, h, generator=g) * 2 * h ** -0.5).to(param_dtype).to(dev)
+    b = (torch.randn(v, generator=g) * 0.1).to(param_dtype).to(dev) if bias else None
+    labels = torch.full((m,), IGNORE)
+    if labelled == "one":
+        labels[m // 2] = 3
+    elif labelled in ("some", "all"):
+        labels = torch.randint(0, v, (m,), generator=g)
+        if labelled == "some":
+            labels[::3] = IGNORE
+    labels = labels.to(dev)
+    if labelled in ("some", "all"):
+        logits = F.linear(x[1::4], w.to(dtype), None if b is None else b.to(dtype))
+        labels[1::4] = logits.float().argmax(-1)  # so n_correct is not trivially 0
+    return x, w, b, labels
+
+
+def run_decoder(backend, x, w, b, labels, chunk_rows=None, grad_out=0.37):
+    """ops.mlm_head_loss_decoder forced onto the backend, backward from grad_out:
+    (loss_sum, n_correct, [grad x, grad weight, grad bias or None])."""
+    leaves = [None if t is None else t.detach().clone().requires_grad_() for t in (x, w, b)]
+    with backend.forced():
+        loss_sum, n_correct = ops.mlm_head_loss_decoder(*leaves, labels, chunk_rows=chunk_rows)
+    loss_sum.backward(torch.tensor(grad_out, device=loss_sum.device))
+    return loss_sum.detach(), n_correct, [None if t is None else t.grad for t in leaves]
+
+
+def check_decoder(backend, x, w, b, labels, chunk_rows=None, grad_out=0.37):
+    """run_decoder against the reference (fp32 oracle; the activation dtype as the yardstick)."""
+    loss_sum, n_correct, grads = run_decoder(backend, x, w, b, labels, chunk_rows, grad_out)
+    assert loss_sum.dtype == torch.float32 and loss_sum.dim() == 0
+    assert n_correct.dtype == torch.int64 and n_correct.dim() == 0
+    for name, got, t in zip(("grad_x", "grad_weight", "grad_bias"), grads, (x, w, b)):
+        assert (got is None) == (t is None) and (got is None or got.dtype == t.dtype), name
+    fn = lambda x_, w_, b_: R.mlm_head_loss_decoder(x_, w_, b_, labels)[0]  # noqa: E731
+    scale = torch.tensor(grad_out, device=x.device)
+    (l32, g32), (llo, glo) = references(fn, [x, w, b], x.dtype, scale)
+    check_close("loss_sum", loss_sum, l32, llo, x.dtype, atol=1e-4, lowp_atol=1e-4)
+    for name, got, want32, wantlo in zip(("grad_x", "grad_weight", "grad_bias"), grads, g32, glo):
+        if got is not None:
+            check_close(name, got, want32, wantlo, x.dtype, atol=1e-6, rtol=1e-5)
+    # n_correct from logits as the driver sees them: the GEMM in the activation dtype.
+    expected = int(R.mlm_head_loss_decoder(x, w.to(x.dtype), None if b is None else b.to(x.dtype), labels)[1])
+    # On the CPU the chunk's GEMM rounds like the reference's; cuBLAS may flip a near-tie in low precision.
+    assert abs(int(n_correct) - expected) <= (1 if GPU and x.dtype != torch.float32 else 0)
+    return loss_sum, n_correct, grads
+
+
+# =========================================================================== the per-chunk kernel, every backend
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("v", [1000, 1031])
+def test_kernel_matches_torch(backend, v, dtype):
+    z, labels = logits_with_ties(backend, 6, v, dtype)
+    correct = check_kernel(backend, z, labels)
+    assert correct[:4].tolist() == [False, True, False, True]  # ties go to the lowest index
+
+
+@pytest.mark.parametrize("v", [1000, 1031])
+def test_kernel_without_gradient_leaves_logits(backend, v):
+    z, labels = logits_with_ties(backend, 6, v, torch.float32)
+    check_kernel(backend, z, labels, compute_grad=False)
+
+
+def test_kernel_treats_out_of_range_labels_as_ignored(backend):
+    # Only the driver rejects such labels; the kernel must neither read at them nor count them.
+    v = 1031
+    z, _ = logits_with_ties(backend, 6, v, torch.float32)
+    labels = torch.tensor([v, v + 7, -1, -99, 3, IGNORE], device=backend.device)
+    check_kernel(backend, z, labels)  # rows 0-3: loss 0, not correct, gradient 0; row 4 as usual
+    assert not z[:4].any() and z[4].any()
+
+
+def test_kernel_ignored_rows_get_exact_zero_gradient_even_with_infinite_scale(backend):
+    # A caller's 1 / (no labelled row) is inf: ignored rows still get 0, never NaN.
+    z = backend.tensor(6, 1031)
+    labels = torch.full((6,), IGNORE, device=backend.device)
+    zk = z.clone()
+    loss, lse, correct = backend.module(OP).mlm_head_loss_fwd(zk, labels, float("inf"), True)
+    assert not loss.any() and not correct.any()
+    assert not zk.any()
+    torch.testing.assert_close(lse, torch.logsumexp(z, -1), atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_row_strided_logits_and_int32_labels(backend):
+    # Rows of a wider buffer (row stride V + 3: rows 8 bytes off a 16-byte boundary in turn); labels int32, strided.
+    m, v = 6, 1031
+    z, labels = logits_with_ties(backend, m, v, torch.float32)
+    buf = torch.full((m, v + 3), 7.0, device=backend.device)
+    buf[:, :v] = z
+    labels32 = torch.stack([labels, labels], 1).to(torch.int32)[:, 1]
+    correct = check_kernel(backend, buf[:, :v], labels32)
+    assert correct[:4].tolist() == [False, True, False, True]
+    assert (buf[:, v:] == 7.0).all(), "columns past the vocabulary were written"
+
+
+def test_kernel_empty_rows(backend):
+    logits = torch.empty(0, 50, device=backend.device)
+    loss, lse, correct = backend.module(OP).mlm_head_loss_fwd(logits, torch.empty(0, dtype=torch.long,
+                                                                                 device=backend.device), 1.0, True)
+    assert loss.shape == lse.shape == correct.shape == (0,)
+
+
+def test_kernel_errors_are_clear(fused_backend):
+    fwd = fused_backend.module(OP).mlm_head_loss_fwd
+    dev = fused_backend.device
+    z = torch.randn(4, 50, device=dev)
+    lab = torch.zeros(4, dtype=torch.long, device=dev)
+    with pytest.raises(ValueError, match="stride 1 along the vocabulary"):
+        fwd(torch.randn(50, 4, device=dev).t(), lab, 1.0, True)
+    with pytest.raises(ValueError, match=r"labels: expected shape \(4,\)"):
+        fwd(z, lab[:3], 1.0, True)
+    with pytest.raises(ValueError, match="labels: expected dtype"):
+        fwd(z, lab.float(), 1.0, True)
+    with pytest.raises(ValueError, match="logits: expected 2 dimensions"):
+        fwd(z[0], lab, 1.0, True)
+    with pytest.raises(ValueError, match="logits: expected dtype"):
+        fwd(z.to(torch.int32), lab, 1.0, True)
+    with pytest.raises(ValueError, match="non-empty vocabulary"):
+        fwd(z[:, :0], lab, 1.0, True)
+
+
+# =========================================================================== the decoder (op + driver), every backend
+@pytest.mark.parametrize("chunk_rows,bias", [(1, True), (3, False), (50, False), (None, True)])
+def test_decoder_matches_reference(backend, chunk_rows, bias):
+    # 5 rows: one per chunk, a ragged last chunk, a chunk larger than the rows, the default (one chunk).
+    x, w, b, labels = problem(backend, 5, 16, 1031, torch.float32, bias=bias)
+    _, n_correct, grads = check_decoder(backend, x, w, b, labels, chunk_rows)
+    assert int(n_correct) > 0
+    assert not grads[0][labels == IGNORE].any()
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("chunk_rows,param_dtype", [(None, None), (3, torch.float32)],
+                         ids=["one-chunk", "chunked-fp32-params"])
+def test_decoder_low_precision(backend, dtype, chunk_rows, param_dtype):
+    # fp32 master weights (autocast): GEMMs in the activation dtype, gradients in each input's dtype. Without an
+    # out_dtype GEMM (CPU) each chunk's product is rounded once before the fp32 sum: low-precision weights over
+    # several chunks then sit at the edge of the 2x rule at these sizes (the GPU test below chunks bf16 weights).
+    # grad_out 1 compares the gradients as stored; scaling in backward is checked in fp32 above.
+    x, w, b, labels = problem(backend, 6, 32, 1031, dtype, param_dtype=param_dtype)
+    _, _, (gx, gw, gb) = check_decoder(backend, x, w, b, labels, chunk_rows, grad_out=1.0)
+    assert gx.dtype == dtype and gw.dtype == gb.dtype == (param_dtype or dtype)
+
+
+@pytest.mark.parametrize("labelled", ["none", "one", "all"])
+def test_decoder_label_patterns(backend, labelled):
+    x, w, b, labels = problem(backend, 5, 16, 1000, torch.float32, labelled=labelled)
+    loss_sum, n_correct, grads = check_decoder(backend, x, w, b, labels, chunk_rows=3)
+    if labelled == "none":
+        assert float(loss_sum) == 0.0 and int(n_correct) == 0
+        assert all(torch.count_nonzero(g) == 0 for g in grads)
+
+
+def test_decoder_no_rows(backend):
+    x, w, b, labels = problem(backend, 0, 16, 1000, torch.float32)
+    loss_sum, n_correct, (gx, gw, gb) = run_decoder(backend, x, w, b, labels)
+    assert float(loss_sum) == 0.0 and int(n_correct) == 0
+    assert gx.shape == (0, 16) and gw.shape == (1000, 16) and gb.shape == (1000,)
+    assert torch.count_nonzero(gw) == 0 and torch.count_nonzero(gb) == 0
+
+
+def test_decoder_without_gradients(backend):
+    x, w, b, labels = problem(backend, 6, 16, 1031, torch.float32)
+    with backend.forced(), torch.no_grad():
+        loss_sum, n_correct = ops.mlm_head_loss_decoder(x, w, b, labels, chunk_rows=4)
+    ref = R.mlm_head_loss_decoder(x, w, b, labels)
+    torch.testing.assert_close(loss_sum, ref[0], atol=1e-4, rtol=1e-5)
+    assert int(n_correct) == int(ref[1])
+    # The driver itself: no gradient buffers at all.
+    out = _decoder_loss(x, w, b, labels, 4, False, 1.0, backend.module(OP).mlm_head_loss_fwd)
+    assert out[2:] == (None, None, None)
+    torch.testing.assert_close(out[0], loss_sum, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [1000, 1007, -1, -99])
+def test_decoder_label_out_of_range_is_a_value_error(backend, bad):
+    x, w, b, labels = problem(backend, 8, 16, 1000, torch.float32, labelled="all")
+    labels[5] = bad
+    with backend.forced(), pytest.raises(ValueError, match=rf"labels: expected values in \[0, 1000\) or -100 "
+                                                           rf"\(ignored\), got {bad} \(at row 5\)"):
+        ops.mlm_head_loss_decoder(x, w, b, labels)
+
+
+def test_op_errors_are_clear():
+    x, w, labels = torch.randn(3, 4), torch.randn(9, 4), torch.tensor([1, 2, IGNORE])
+    with pytest.raises(ValueError, match=r"expected x \[rows, H\] and weight \[vocab, H\]"):
+        ops.mlm_head_loss_decoder(x, w[:, :3], None, labels)
+    with pytest.raises(ValueError, match=r"expected labels of shape \[3\]"):
+        ops.mlm_head_loss_decoder(x, w, None, labels[:2])
+    with pytest.raises(ValueError, match=r"expected bias of shape \[9\]"):
+        ops.mlm_head_loss_decoder(x, w, torch.randn(8), labels)
+    with pytest.raises(ValueError, match="chunk_rows must be >= 1"):
+        ops.mlm_head_loss_decoder(x, w, None, labels, chunk_rows=0)
+    with pytest.raises(ValueError, match="labels .* do not match hidden"):
+        ops.mlm_head_loss(torch.randn(2, 3, 4), labels, torch.eye(4), torch.zeros(4), torch.ones(4), torch.zeros(4),
+                          1e-12, w, None)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_opcheck(with_bias):
+    x, w = torch.randn(5, 6, requires_grad=True), torch.randn(9, 6, requires_grad=True)
+    b = torch.randn(9, requires_grad=True) if with_bias else None
+    torch.library.opcheck(torch.ops.bertfast.mlm_head_loss_decoder,
+                          (x, w, b, torch.tensor([1, -100, 8, 0, 3]), 2, True, "torch"))
+
+
+# =========================================================================== the whole head, every backend
+def head_problem(device, seed=0):
+    """hidden [3, 6, 8], labels (2 + 0 + 3 labelled), the transform's parameters, decoder [13, 8], its bias."""
+    g = torch.Generator().manual_seed(seed)
+    batch, seqlen, width, vocab = 3, 6, 8, 13
+    hidden = torch.randn(batch, seqlen, width, generator=g)
+    labels = torch.full((batch, seqlen), IGNORE)
+    labels[0, [1, 4]] = torch.tensor([3, 5])
+    labels[2, [0, 2, 5]] = torch.tensor([12, 0, 7])
+    params = [torch.randn(width, width, generator=g) * 0.3, torch.randn(width, generator=g),
+              1 + 0.1 * torch.randn(width, generator=g), torch.randn(width, generator=g)]
+    decoder, bias = torch.randn(vocab, width, generator=g), torch.randn(vocab, generator=g)
+    return (hidden.to(device), labels.to(device), [p.to(device) for p in params], decoder.to(device),
+            bias.to(device))
+
+
+@pytest.mark.parametrize("max_predictions", [None, 3])
+def test_head_matches_full_logits(backend, max_predictions):
+    hidden, labels, params, decoder, bias = head_problem(backend.device)
+    leaves = [t.requires_grad_() for t in (hidden, decoder, bias)]
+    with backend.forced():
+        got = ops.mlm_head_loss(hidden, labels, *params, 1e-12, decoder, bias, max_predictions_per_seq=max_predictions)
+    width, vocab = hidden.shape[-1], decoder.shape[0]
+    h = F.layer_norm(F.gelu(hidden @ params[0].T + params[1]), (width,), params[2], params[3], 1e-12)
+    logits = (h @ decoder.T + bias).view(-1, vocab)
+    expected = F.cross_entropy(logits, labels.view(-1))
+    torch.testing.assert_close(got.loss, expected, atol=1e-5, rtol=0)
+    assert int(got.num_predictions) == 5
+    valid = labels.view(-1) != IGNORE
+    assert int(got.num_correct) == int((logits.argmax(-1) == labels.view(-1))[valid].sum())
+    for a, b in zip(torch.autograd.grad(got.loss, leaves), torch.autograd.grad(expected, leaves)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("max_predictions", [None, 2])
+def test_head_without_labels_gives_zero_loss_and_zero_gradients(backend, max_predictions):
+    # Dynamic: no row reaches the decoder at all; static: 2 rows per sequence, all ignored.
+    dev = backend.device
+    hidden = backend.tensor(2, 4, 8).requires_grad_()
+    decoder = backend.tensor(11, 8).requires_grad_()
+    labels = torch.full((2, 4), IGNORE, device=dev)
+    with backend.forced():
+        got = ops.mlm_head_loss(hidden, labels, torch.eye(8, device=dev), torch.zeros(8, device=dev),
+                                torch.ones(8, device=dev), torch.zeros(8, device=dev), 1e-12, decoder, None,
+                                max_predictions_per_seq=max_predictions)
+    assert got.loss.item() == 0.0 and int(got.num_predictions) == 0 and int(got.num_correct) == 0
+    gh, gd = torch.autograd.grad(got.loss, [hidden, decoder])
+    assert torch.count_nonzero(gh) == 0 and torch.count_nonzero(gd) == 0
+
+
+def test_masked_positions_put_labelled_positions_first():
+    labels = torch.full((2, 6), IGNORE)
+    labels[0, :3] = 1
+    labels[1, [2, 5]] = 4
+    assert ops.masked_positions(labels).tolist() == [0, 1, 2, 8, 11]
+    # Static: exactly batch * max_predictions, each sequence's labelled positions in order, then filler.
+    assert ops.masked_positions(labels, 3).tolist() == [0, 1, 2, 8, 11, 6]
+
+
+@pytest.mark.parametrize("form", ["static", "dynamic"])
+def test_head_under_torch_compile_matches_eager(form):
+    """max_predictions_per_seq (static shapes), or a data-dependent count captured by Dynamo."""
+    # config.patch, not monkeypatch: undoing a monkeypatch deletes the option from Dynamo's config.
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=form == "dynamic"):
+        _check_head_under_torch_compile(form)
+
+
+def _check_head_under_torch_compile(form):
+    hidden = torch.randn(2, 6, 8, requires_grad=True)
+    labels = torch.full((2, 6), IGNORE)
+    labels[0, [1, 4]] = torch.tensor([3, 5])
+    labels[1, 2] = 7
+    params = [torch.randn(8, 8) * 0.3, torch.randn(8), torch.ones(8), torch.zeros(8)]
+    decoder = torch.randn(11, 8, requires_grad=True)
+    kwargs = dict(max_predictions_per_seq=3) if form == "static" else {}
+
+    def head(h, lab):
+        return ops.mlm_head_loss(h, lab, *params, 1e-12, decoder, None, **kwargs).loss
+
+    torch._dynamo.reset()
+    expected = head(hidden, labels)
+    got = torch.compile(head, fullgraph=True, backend="aot_eager")(hidden, labels)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    for a, b in zip(torch.autograd.grad(got, [hidden, decoder]), torch.autograd.grad(expected, [hidden, decoder])):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+# =========================================================================== against transformers' BertForMaskedLM head
+@pytest.fixture(scope="module")
+def hf_model():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=67, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                     intermediate_size=48)
+    return transformers.BertForMaskedLM(config)
+
+
+def hf_labels(kind, batch, seqlen, vocab, gen):
+    labels = torch.full((batch, seqlen), IGNORE)
+    if kind == "one":
+        labels[1, 3] = 5
+    elif kind == "all":
+        labels = torch.randint(0, vocab, (batch, seqlen), generator=gen)
+    elif kind == "some":
+        labels = torch.where(torch.rand(batch, seqlen, generator=gen) < 0.4,
+                             torch.randint(0, vocab, (batch, seqlen), generator=gen), labels)
+    return labels
+
+
+@pytest.mark.parametrize("kind, chunk_rows", [("none", None), ("one", None), ("all", 3), ("all", 8), ("some", 3),
+                                              ("some", None)])
+def test_head_matches_transformers(hf_model, backend, kind, chunk_rows):
+    """Loss, accuracy and every gradient (hidden states, transform, the tied decoder weight, its bias)."""
+    model = hf_model.to(backend.device)
+    gen = torch.Generator().manual_seed(1)
+    batch, seqlen, vocab = 2, 4, model.config.vocab_size
+    hidden = torch.randn(batch, seqlen, model.config.hidden_size, generator=gen).to(backend.device).requires_grad_()
+    labels = hf_labels(kind, batch, seqlen, vocab, gen).to(backend.device)
+    head = model.cls.predictions
+    params = [head.transform.dense.weight, head.transform.dense.bias, head.transform.LayerNorm.weight,
+              head.transform.LayerNorm.bias]
+    tied = model.bert.embeddings.word_embeddings.weight
+    assert head.decoder.weight is tied
+    with backend.forced():
+        got = ops.mlm_head_loss(hidden, labels, *params, head.transform.LayerNorm.eps, head.decoder.weight, head.bias,
+                                chunk_rows=chunk_rows)
+    logits = model.cls(hidden).flatten(0, 1)  # [B * S, V]
+    expected = torch.nan_to_num(F.cross_entropy(logits, labels.flatten()), nan=0.0)  # nothing labelled: 0
+    valid = labels.flatten() != IGNORE
+    torch.testing.assert_close(got.loss, expected, atol=1e-5, rtol=0)
+    assert int(got.num_correct) == int(((logits.argmax(-1) == labels.flatten()) & valid).sum())
+    assert int(got.num_predictions) == int(valid.sum())
+    wrt = [hidden, *params, tied, head.bias]
+    ours = torch.autograd.grad(got.loss, wrt, allow_unused=True)
+    theirs = torch.autograd.grad(expected, wrt, allow_unused=True) if kind != "none" else [None] * len(wrt)
+    for name, t, a, b in zip(["hidden", "dense.w", "dense.b", "ln.w", "ln.b", "decoder(tied)", "bias"], wrt, ours,
+                             theirs):
+        a = torch.zeros_like(t) if a is None else a
+        if b is None:  # nothing labelled: every gradient is exactly zero, never NaN
+            assert torch.count_nonzero(a) == 0, name
+            continue
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_model_uses_the_masked_only_head(monkeypatch):
+    """BertForMaskedLM with labels calls mlm_head_loss on the real tokens; the head gathers the labelled ones."""
+    seen = {}
+    original = ops.mlm_head_loss
+
+    def spy(hidden, labels, *args, **kwargs):
+        seen["rows"], seen["labelled"] = hidden.shape[0], int((labels != IGNORE).sum())
+        return original(hidden, labels, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "mlm_head_loss", spy)
+    model = bertfast.BertForMaskedLM(bertfast.BertConfig.preset("tiny"))
+    ids = torch.randint(1, 512, (2, 10))
+    mask = torch.tensor([[1] * 10, [1] * 4 + [0] * 6])
+    labels = torch.full((2, 10), IGNORE)
+    labels[0, 2], labels[1, 1] = 7, 9
+    out = model(ids, mask, labels=labels)
+    assert seen == {"rows": 14, "labelled": 2}
+    assert out.logits is None and int(out.mlm_num_predictions) == 2
+
+
+# =========================================================================== the shared driver
+def test_driver_errors_are_clear():
+    x, w, b, labels = problem(BackendUnderTest("torch", torch.device(DEV)), 8, 32, 100, torch.float32)
+    kernel = torch_kernel  # the driver validates before any kernel runs
+    with pytest.raises(ValueError, match=r"weight: expected shape \(V > 0, 32\)"):
+        _decoder_loss(x, w[:, :16], b, labels, None, True, 1.0, kernel)
+    with pytest.raises(ValueError, match=r"bias: expected shape \(100,\)"):
+        _decoder_loss(x, w, b[:50], labels, None, True, 1.0, kernel)
+    with pytest.raises(ValueError, match=r"labels: expected shape \(8,\)"):
+        _decoder_loss(x, w, b, labels[:7], None, True, 1.0, kernel)
+    with pytest.raises(ValueError, match="chunk_rows: expected a positive int"):
+        _decoder_loss(x, w, b, labels, 0, True, 1.0, kernel)
+
+
+def test_driver_accumulates_weight_and_bias_gradients_in_fp32():
+    # One row per chunk, per-chunk dlogits 2048, 1, 1, 1 (exact in fp16): the sum 2051 is not an fp16 value
+    # (spacing 2 there), so with fp32 parameters only an fp32 accumulator returns it.
+    values = iter([2048.0, 1.0, 1.0, 1.0])
+
+    def stub_kernel(logits, labels, grad_scale, compute_grad):
+        logits.fill_(next(values))
+        zeros = torch.zeros(len(labels), device=logits.device)
+        return zeros, zeros, zeros.bool()
+
+    x = torch.ones(4, 2, dtype=torch.float16, device=DEV)
+    w, b = torch.zeros(3, 2, device=DEV), torch.zeros(3, device=DEV)
+    labels = torch.zeros(4, dtype=torch.long, device=DEV)
+    _, _, gx, gw, gb = _decoder_loss(x, w, b, labels, 1, True, 1.0, stub_kernel)
+    assert gx.dtype == torch.float16 and gw.dtype == gb.dtype == torch.float32
+    assert (gw == 2051.0).all() and (gb == 2051.0).all()
+
+
+@pytest.mark.parametrize("v,elem", [(30522, 2), (30522, 4), (1031, 2), (250_000, 2)])
+def test_default_chunk_rows(v, elem):
+    cap = default_chunk_rows(10**9, v, elem)
+    assert cap % 64 == 0 and cap >= 64
+    assert cap * v * elem <= CHUNK_BYTES or cap == 64
+    assert (cap + 64) * v * elem > CHUNK_BYTES
+    for m in (1, 37, 4915, 20_000, 123_457):
+        rows = default_chunk_rows(m, v, elem)
+        assert 1 <= rows <= cap
+        assert -(-m // rows) == -(-m // cap)  # balanced: no more chunks than the cap requires
+    assert default_chunk_rows(4915, 30522, 2) == 2496  # 2 chunks: 2496 + 2419
+    assert default_chunk_rows(10**9, 30522, 2) == 4352
+
+
+# =========================================================================== GPU sizes
+@pytest.mark.gpu
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_gpu_kernel_bert_vocabulary(backend, dtype, strided):
+    # V = 30522: Triton's looped path; CUDA's unaligned rows (strided: rows start at every 2- or 4-byte offset).
+    m, v = 37, 30522
+    z, labels = logits_with_ties(backend, m, v, dtype)
+    buf = torch.full((m, v + (3 if strided else 0)), 7.0, dtype=dtype, device=backend.device)
+    buf[:, :v] = z
+    correct = check_kernel(backend, buf[:, :v], labels, grad_scale=0.01, atol=1e-4)
+    assert correct[:4].tolist() == [False, True, False, True]
+    assert (buf[:, v:] == 7.0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk_rows", [None, 1000])
+def test_gpu_decoder_bert_base(backend, chunk_rows):
+    # BERT-base MLM head after gathering: 4096 rows, bf16, the 2x rule against fp32.
+    x, w, b, labels = problem(backend, 4096, 768, 30522, torch.bfloat16, labelled="all")
+    labels[::50] = IGNORE
+    scale = 1.0 / int((labels != IGNORE).sum())  # the mean loss, as the head takes it
+    loss_sum, n_correct, grads = run_decoder(backend, x, w, b, labels, chunk_rows, grad_out=scale)
+    fn = lambda x_, w_, b_: R.mlm_head_loss_decoder(x_, w_, b_, labels)[0]  # noqa: E731
+    (l32, g32), (llo, glo) = references(fn, [x, w, b], torch.bfloat16, torch.tensor(scale, device=x.device))
+    check_close("loss_sum", loss_sum, l32, llo, torch.bfloat16, lowp_atol=1e-4)
+    for name, got, want32, wantlo in zip(("grad_x", "grad_weight", "grad_bias"), grads, g32, glo):
+        assert got.dtype == torch.bfloat16
+        check_close(name, got, want32, wantlo, torch.bfloat16)
+    # cuBLAS may round a few logits differently from F.linear: allow a handful of flips.
+    assert abs(int(n_correct) - int(R.mlm_head_loss_decoder(x, w, b, labels)[1])) <= 4
+
+
+# =========================================================================== Triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("v,block_v", [(1031, 256), (1000, 128)])
+def test_triton_looped_path_with_many_blocks(v, block_v, dtype):
+    # A fixed block much smaller than V: many blocks and a ragged last one; ties across blocks (5 and v-1).
+    triton = BackendUnderTest("triton", torch.device(DEV))
+    z, labels = logits_with_ties(triton, 6, v, dtype)
+    correct = check_kernel(triton, z, labels, block_v=block_v)
+    assert correct[:4].tolist() == [False, True, False, True]
+
+
+@pytest.mark.skipif(GPU, reason="on a GPU every Triton test above takes this path")
+def test_triton_autotuned_in_place_kernel_is_tuned_on_a_scratch_copy(stand_in_tuner):
+    """The kernel overwrites its logits with their gradient: every candidate runs on a scratch copy and the
+    chosen one once on the real logits. A trial on the real logits would leave the gradient of the gradient."""
+    from bertfast.kernels import mlm_head_loss as K
+
+    stand_in_tuner(K._fwd_tuned)
+    triton = BackendUnderTest("triton", torch.device("cpu"))
+    z, labels = logits_with_ties(triton, 5, 1031, torch.float32)
+    wide = torch.full((5, 1040), 7.0)  # row-strided logits: the scratch copy keeps the row stride
+    wide[:, :1031] = z
+    check_kernel(triton, wide[:, :1031], labels, grad_scale=0.5)
+    assert (wide[:, 1031:] == 7.0).all()
+    assert len(K._fwd_tuned.cache) == 1
+
+
+# =========================================================================== CUDA wrapper validation (no GPU)
+def test_cuda_validation(cuda_on_cpu):
+    from bertfast.cuda import mlm_head_loss as C
+
+    logits = torch.randn(5, 33, dtype=torch.float16)
+    labels = torch.tensor([1, -100, 32, 0, 5])
+    cuda_on_cpu.reaches(C.mlm_head_loss_fwd, logits, labels, 0.5, True)
+    cuda_on_cpu.reaches(C.mlm_head_loss_fwd, torch.randn(5, 40, dtype=torch.float16)[:, :33], labels.int(), 1.0,
+                        False)
+    # Rows need no alignment (V = 30522 rows are not 16-byte aligned): the kernel walks a scalar head.
+    cuda_on_cpu.reaches(C.mlm_head_loss_fwd, cuda_on_cpu.misaligned((5, 33), torch.float16), labels, 1.0, True)
+    cuda_on_cpu.rejects("labels: expected dtype", C.mlm_head_loss_fwd, logits, labels.float(), 1.0, True)
+    cuda_on_cpu.rejects(r"labels: expected shape \(5,\)", C.mlm_head_loss_fwd, logits, labels[:4], 1.0, True)
+    cuda_on_cpu.rejects("stride 1 along the vocabulary", C.mlm_head_loss_fwd, torch.randn(33, 5).t(), labels, 1.0,
+                        True)
+    cuda_on_cpu.rejects("non-empty vocabulary", C.mlm_head_loss_fwd, torch.randn(5, 0), labels, 1.0, True)
+    cuda_on_cpu.rejects("logits: expected dtype", C.mlm_head_loss_fwd, logits.to(torch.int32), labels, 1.0, True)
+    # The shared driver validates before any chunk reaches the kernel.
+    x, w = torch.randn(5, 8), torch.randn(33, 8)
+    cuda_on_cpu.reaches(_decoder_loss, x, w, torch.randn(33), labels, 2, True, 0.2, C.mlm_head_loss_fwd)
+    cuda_on_cpu.rejects("weight: expected shape", _decoder_loss, x, w[:, :7], None, labels, 2, True, 1.0,
+                        C.mlm_head_loss_fwd)
+    cuda_on_cpu.rejects("chunk_rows", _decoder_loss, x, w, None, labels, 0, True, 1.0, C.mlm_head_loss_fwd)
+    cuda_on_cpu.rejects(r"labels: expected values in \[0, 33\) or -100 \(ignored\), got 33", _decoder_loss, x,
+                        w, None, torch.tensor([1, 2, 3, 4, 33]), 2, True, 1.0, C.mlm_head_loss_fwd)
+    assert cuda_on_cpu.calls == ["mlm_head_loss_fwd"] * 4
+
+
+def test_cuda_rejects_cpu_tensors():
+    from bertfast.cuda import mlm_head_loss as C
+
+    with pytest.raises(ValueError, match="expected a CUDA tensor, got device cpu"):
+        C.mlm_head_loss_fwd(torch.randn(4, 8), torch.zeros(4, dtype=torch.long), 1.0, True)
