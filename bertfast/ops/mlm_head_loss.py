@@ -80,15 +80,16 @@ def mlm_head_loss_decoder(x: Tensor, weight: Tensor, bias: Optional[Tensor], lab
 
     x [M, H], weight [V, H], bias [V] or None, labels [M] (-100 = ignored).
     """
+    name = "mlm_head_loss_decoder"
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"{OP}: expected x [rows, H] and weight [vocab, H], got {tuple(x.shape)} and "
+        raise ValueError(f"{name}: expected x [rows, H] and weight [vocab, H], got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
     if labels.shape != x.shape[:1]:
-        raise ValueError(f"{OP}: expected labels of shape [{x.shape[0]}], got {tuple(labels.shape)}")
+        raise ValueError(f"{name}: expected labels of shape [{x.shape[0]}], got {tuple(labels.shape)}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"{OP}: expected bias of shape [{weight.shape[0]}], got {tuple(bias.shape)}")
+        raise ValueError(f"{name}: expected bias of shape [{weight.shape[0]}], got {tuple(bias.shape)}")
     if chunk_rows is not None and chunk_rows < 1:
-        raise ValueError(f"{OP}: chunk_rows must be >= 1, got {chunk_rows}")
+        raise ValueError(f"{name}: chunk_rows must be >= 1, got {chunk_rows}")
     compute_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     backend = dispatch.select(OP, x=x, weight=weight, bias=bias, labels=labels)
     loss_sum, n_correct, _, _, _ = _mlm_head_loss_decoder(x, weight, bias, labels.long(), chunk_rows or 0,
