@@ -48,6 +48,19 @@ def check_rows(name: str, t: torch.Tensor, n: Optional[int] = None, h: Optional[
     return rows, width
 
 
+def check_logits(logits: torch.Tensor) -> Tuple[int, int]:
+    """A chunk of logits [M, V], V >= 1, with stride 1 along the vocabulary (rows may be strided).
+    Returns (M, V)."""
+    check_tensor("logits", logits, dtypes=FLOAT_DTYPES, ndim=2)
+    m, v = logits.shape
+    if v == 0:
+        raise ValueError(f"logits: expected a non-empty vocabulary dimension, got shape {tuple(logits.shape)}")
+    if v > 1 and logits.stride(1) != 1 or m > 1 and logits.stride(0) < v:
+        raise ValueError(f"logits: expected stride 1 along the vocabulary and row stride >= {v}, "
+                         f"got strides {logits.stride()}")
+    return m, v
+
+
 def check_vector(name: str, t: torch.Tensor, h: int, device=None) -> None:
     """A contiguous float [h] parameter vector (bias, LayerNorm weight and bias)."""
     check_tensor(name, t, dtypes=FLOAT_DTYPES, shape=(h,), device=device)

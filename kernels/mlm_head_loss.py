@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bertfast.contract import FLOAT_DTYPES, ID_DTYPES, check_tensor
+from bertfast.contract import ID_DTYPES, check_logits, check_tensor
 
 from ._common import autotune, launch
 
@@ -141,13 +141,7 @@ def mlm_head_loss_fwd(logits: torch.Tensor, labels: torch.Tensor, grad_scale: fl
     block_v: a fixed block size (tests reach both code paths with it); None autotunes on GPU
     and uses _INTERPRET_BLOCK_V under the interpreter.
     """
-    check_tensor("logits", logits, dtypes=FLOAT_DTYPES, ndim=2)
-    M, V = logits.shape
-    if V == 0:
-        raise ValueError(f"logits: expected a non-empty vocabulary dimension, got shape {tuple(logits.shape)}")
-    if V > 1 and logits.stride(1) != 1 or M > 1 and logits.stride(0) < V:
-        raise ValueError(f"logits: expected stride 1 along the vocabulary and row stride >= {V}, "
-                         f"got strides {logits.stride()}")
+    M, V = check_logits(logits)
     check_tensor("labels", labels, dtypes=ID_DTYPES, shape=(M,), device=logits.device)
     labels = labels.to(torch.int64).contiguous()
     loss = torch.empty(M, dtype=torch.float32, device=logits.device)

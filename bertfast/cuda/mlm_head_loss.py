@@ -7,7 +7,7 @@ from typing import Tuple
 
 import torch
 
-from bertfast.contract import FLOAT_DTYPES, ID_DTYPES, check_tensor, row_stride
+from bertfast.contract import ID_DTYPES, check_logits, check_tensor, row_stride
 from bertfast.cuda import _common as C
 
 
@@ -23,13 +23,7 @@ def mlm_head_loss_fwd(logits: torch.Tensor, labels: torch.Tensor, grad_scale: fl
     labels [M] int64 (int32 accepted); -100 and (unchecked) out-of-range labels are ignored.
     Returns (loss [M] fp32, 0 at ignored rows; lse [M] fp32; correct [M] bool)."""
     C.on_device(logits=logits, labels=labels)
-    check_tensor("logits", logits, dtypes=FLOAT_DTYPES, ndim=2)
-    m, v = logits.shape
-    if v == 0:
-        raise ValueError(f"logits: expected a non-empty vocabulary dimension, got shape {tuple(logits.shape)}")
-    if v > 1 and logits.stride(1) != 1 or m > 1 and logits.stride(0) < v:
-        raise ValueError(f"logits: expected stride 1 along the vocabulary and row stride >= {v}, "
-                         f"got strides {logits.stride()}")
+    m, v = check_logits(logits)
     check_tensor("labels", labels, dtypes=ID_DTYPES, shape=(m,), device=logits.device)
     labels = labels.to(torch.int64).contiguous()
     dev = logits.device
