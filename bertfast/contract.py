@@ -15,6 +15,7 @@ import torch
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ID_DTYPES = (torch.int32, torch.int64)
 IGNORE_INDEX = -100  # labels equal to it add nothing to any loss (transformers' convention)
+GELU_APPROXIMATIONS = ("none", "tanh")  # the exact erf form (BERT's), or the tanh approximation
 
 
 def check_tensor(name: str, t: torch.Tensor, *, dtypes=None, ndim=None, shape=None, device=None) -> None:
@@ -86,6 +87,12 @@ def check_dropout(p, seed: Optional[torch.Tensor] = None, device=None) -> float:
             raise ValueError("seed: expected an int64 tensor of shape [1] when dropout_p > 0, got None")
         check_tensor("seed", seed, dtypes=(torch.int64,), shape=(1,), device=device)
     return p
+
+
+def check_approximate(approximate) -> str:
+    if approximate not in GELU_APPROXIMATIONS:
+        raise ValueError(f"approximate: expected one of {GELU_APPROXIMATIONS}, got {approximate!r}")
+    return approximate
 
 
 def check_eps(eps) -> float:

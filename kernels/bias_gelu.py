@@ -31,12 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from bertfast.contract import check_rows, check_vector, row_stride
+from bertfast.contract import check_approximate, check_rows, check_vector, row_stride
 
 from ._common import autotune, launch
 from ._rows import MAX_ROWS_PER_TILE, n_bucket
-
-APPROXIMATIONS = ("none", "tanh")
 
 
 def unsupported(inputs) -> list:
@@ -174,8 +172,7 @@ def _row_groups(n: int, device: torch.device):
 def _check(x: torch.Tensor, bias: torch.Tensor, approximate: str):
     n, f = check_rows("x", x)
     check_vector("bias", bias, f, x.device)
-    if approximate not in APPROXIMATIONS:
-        raise ValueError(f"approximate: expected one of {APPROXIMATIONS}, got {approximate!r}")
+    check_approximate(approximate)
     return n, f
 
 

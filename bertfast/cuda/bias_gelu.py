@@ -5,10 +5,10 @@ from typing import Tuple
 
 import torch
 
-from bertfast.contract import check_rows, check_vector, row_stride
+from bertfast.contract import GELU_APPROXIMATIONS, check_approximate, check_rows, check_vector, row_stride
 from bertfast.cuda import _common as C
 
-_APPROX = {"none": 0, "tanh": 1}
+_APPROX = {name: code for code, name in enumerate(GELU_APPROXIMATIONS)}  # the launcher's codes: 0 erf, 1 tanh
 
 
 def unsupported(inputs) -> list:
@@ -20,8 +20,7 @@ def _check(x, bias, approximate) -> Tuple[int, int]:
     C.on_device(x=x, bias=bias)
     n, f = check_rows("x", x)
     check_vector("bias", bias, f, x.device)
-    if approximate not in _APPROX:
-        raise ValueError(f"approximate: expected one of {tuple(_APPROX)}, got {approximate!r}")
+    check_approximate(approximate)
     return n, f
 
 

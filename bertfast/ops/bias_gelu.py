@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from bertfast import dispatch, reference
+from bertfast.contract import check_approximate
 from bertfast.ops._common import distinct, register_backends
 
 OP = "bias_gelu"
-APPROXIMATIONS = ("none", "tanh")
 register_backends(OP, "bias_gelu", ["x", "bias"])
 
 
@@ -55,8 +55,7 @@ _bias_gelu.register_autograd(_backward, setup_context=_setup)
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """GELU(x + bias) over the last dimension; any leading shape. approximate: 'none' (erf) or 'tanh'."""
-    if approximate not in APPROXIMATIONS:
-        raise ValueError(f"approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
+    check_approximate(approximate)
     if bias.dim() != 1 or x.shape[-1] != bias.shape[0]:
         raise ValueError(f"bias_gelu: expected bias of shape [{x.shape[-1]}] for x of shape {tuple(x.shape)}, "
                          f"got {tuple(bias.shape)}")
