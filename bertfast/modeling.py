@@ -13,8 +13,9 @@ Two ways to run the same modules and weights:
   back. Under ``torch.compile`` the padded token layout is kept instead (static shapes, the
   padded attention op with its key mask), since unpadding has a data-dependent size.
   With MLM labels the prediction head runs only at labelled positions.
-* reference: the plain padded PyTorch encoder, the oracle. Chosen with
-  ``bertfast.reference_execution(model)``; export (``torch.export``, ONNX) traces it too.
+* reference: the plain padded PyTorch encoder and MLM head of ``bertfast.reference`` (the
+  oracle), run on the same modules. Chosen with ``bertfast.reference_execution(model)``;
+  export (``torch.export``, ONNX) traces it too. The modules' own forwards are the fast path.
 
 Fusion never bypasses a module: a Linear, LayerNorm, Embedding or Dropout is fused into an
 op only while it is exactly that torch class with no hooks (``fusable``). PEFT/LoRA layers,
@@ -23,7 +24,6 @@ quantized or parametrized modules and hooked modules are called as modules.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -38,7 +38,7 @@ from transformers.modeling_outputs import (BaseModelOutputWithPoolingAndCrossAtt
                                            SequenceClassifierOutput, TokenClassifierOutput)
 from transformers.models.bert import modeling_bert as hf_bert
 
-from bertfast import ops, reference
+from bertfast import model_inputs, ops, reference
 from bertfast.config import BertConfig, check_supported, gelu_approximate, head_dim
 from bertfast.padding import pad_rows, unpad_mask
 from bertfast.contract import IGNORE_INDEX
@@ -92,10 +92,6 @@ def reference_execution(model: nn.Module) -> Iterator[nn.Module]:
             m.execution = mode
 
 
-def _exporting() -> bool:
-    return torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export()
-
-
 def _activation_dtype(reference_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     if torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
@@ -137,10 +133,10 @@ class BertEmbeddings(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, input_ids: Optional[Tensor], position_ids: Tensor, token_type_ids: Tensor,
-                inputs_embeds: Optional[Tensor], fast: bool = True) -> Tensor:
-        """fast: token rows, ids [N] (or inputs_embeds [N, H]) -> [N, H]; else padded [B, S] -> [B, S, H]."""
+                inputs_embeds: Optional[Tensor]) -> Tensor:
+        """Token rows: ids [N] (or inputs_embeds [N, H]) -> [N, H] (any leading shape works)."""
         ln = self.LayerNorm
-        if fast and inputs_embeds is None and fusable(self.word_embeddings, self.position_embeddings,
+        if inputs_embeds is None and fusable(self.word_embeddings, self.position_embeddings,
                                                       self.token_type_embeddings, ln, self.dropout):
             dtype = _activation_dtype(self.word_embeddings.weight.dtype, position_ids.device)
             p = self.dropout.p if self.training else 0.0
@@ -149,14 +145,19 @@ class BertEmbeddings(nn.Module):
                                   ln.weight, ln.bias, ln.eps, p, dtype)
         words = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         h = words + self.token_type_embeddings(token_type_ids) + self.position_embeddings(position_ids)
-        if fast and fusable(ln):  # a plain LayerNorm through the fused op
-            return self.dropout(ops.bias_dropout_residual_layernorm(h, None, None, ln.weight, ln.bias, ln.eps))
-        return self.dropout(ln(h))
+        return self.dropout(_layer_norm(ln, h))
+
+
+def _layer_norm(ln: nn.Module, h: Tensor) -> Tensor:
+    """A plain LayerNorm runs through the fused op; anything else is called."""
+    if fusable(ln):
+        return ops.bias_dropout_residual_layernorm(h, None, None, ln.weight, ln.bias, ln.eps)
+    return ln(h)
 
 
 # ================================================================= encoder layer
-# Fast path: x holds token rows [N, H] and attend(qkv [N, 3, A, D], dropout_p) -> [N, A, D]
-# runs the fused attention. Reference path: x is padded [B, S, H] with mask [B, S] (1 = token).
+# x holds token rows [N, H] (the real tokens, or every position under torch.compile) and
+# attend(qkv [N, 3, A, D], dropout_p) -> [N, A, D] runs the fused attention on them.
 Attend = Callable[[Tensor, float], Tensor]
 
 
@@ -179,26 +180,10 @@ class BertSelfAttention(nn.Module):
             return F.linear(x, weight, bias).view(shape)
         return torch.stack([self.query(x), self.key(x), self.value(x)], dim=1).view(shape)
 
-    def forward(self, x: Tensor, attend: Optional[Attend] = None, mask: Optional[Tensor] = None,
-                want_probs: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
-        """-> (context shaped like x, attention probabilities [B, A, S, S] when asked on the reference path)."""
+    def forward(self, x: Tensor, attend: Attend) -> Tensor:
+        """rows [N, H] -> context [N, H]."""
         p = self.dropout.p if self.training else 0.0
-        if attend is not None:
-            return attend(self.qkv(x), p).reshape(x.shape), None
-        batch, seqlen, _ = x.shape
-        heads = lambda t: t.view(batch, seqlen, self.num_attention_heads, self.attention_head_size)  # noqa: E731
-        q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
-        keep = None
-        if p > 0:
-            keep = torch.rand((batch, self.num_attention_heads, seqlen, seqlen), device=x.device) >= p
-        context = reference.attention(q, k, v, mask, None, p, keep).reshape(x.shape)
-        return context, self._probs(q, k, mask) if want_probs else None
-
-    @staticmethod
-    def _probs(q: Tensor, k: Tensor, mask: Tensor) -> Tensor:
-        scores = torch.einsum("bqad,bkad->baqk", q, k) / math.sqrt(q.shape[-1])
-        scores = scores.masked_fill(~mask.bool()[:, None, None, :], float("-inf"))
-        return torch.softmax(scores, -1).nan_to_num(0.0)
+        return attend(self.qkv(x), p).reshape(x.shape)
 
 
 class BertSelfOutput(nn.Module):
@@ -210,10 +195,10 @@ class BertSelfOutput(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, h: Tensor, residual: Tensor, fast: bool = True) -> Tensor:
-        """LN(Dropout(h @ W^T + b) + residual); on the fast path one op after the GEMM."""
+    def forward(self, h: Tensor, residual: Tensor) -> Tensor:
+        """LN(Dropout(h @ W^T + b) + residual): one op after the GEMM."""
         ln = self.LayerNorm
-        if not (fast and fusable(ln, self.dropout)):
+        if not fusable(ln, self.dropout):
             return ln(self.dropout(self.dense(h)) + residual)
         if fusable(self.dense):
             y, bias = F.linear(h, self.dense.weight), self.dense.bias  # bias fused into the LayerNorm op
@@ -234,15 +219,13 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(config)
         self.output = BertSelfOutput(config)
 
-    def forward(self, x: Tensor, attend: Optional[Attend] = None, mask: Optional[Tensor] = None,
-                want_probs: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
-        context, probs = self.self(x, attend, mask, want_probs)
-        return self.output(context, x, fast=attend is not None), probs
+    def forward(self, x: Tensor, attend: Attend) -> Tensor:
+        return self.output(self.self(x, attend), x)
 
 
-def _dense_gelu(dense: nn.Linear, x: Tensor, approximate: str, fast: bool) -> Tensor:
-    """GELU(x @ W^T + b), the bias add fused into the GELU op on the fast path."""
-    if fast and _biased_linear(dense):
+def _dense_gelu(dense: nn.Linear, x: Tensor, approximate: str) -> Tensor:
+    """GELU(x @ W^T + b), the bias add fused into the GELU op."""
+    if _biased_linear(dense):
         return ops.bias_gelu(F.linear(x, dense.weight), dense.bias, approximate)
     return F.gelu(dense(x), approximate=approximate)
 
@@ -253,8 +236,8 @@ class BertIntermediate(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
         self.approximate = gelu_approximate(config)
 
-    def forward(self, x: Tensor, fast: bool = True) -> Tensor:
-        return _dense_gelu(self.dense, x, self.approximate, fast)
+    def forward(self, x: Tensor) -> Tensor:
+        return _dense_gelu(self.dense, x, self.approximate)
 
 
 class BertLayer(GradientCheckpointingLayer):
@@ -264,12 +247,10 @@ class BertLayer(GradientCheckpointingLayer):
         self.intermediate = BertIntermediate(config)
         self.output = BertOutput(config)
 
-    def forward(self, x: Tensor, attend: Optional[Attend] = None, mask: Optional[Tensor] = None,
-                want_probs: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
-        """x positional (gradient checkpointing re-runs the layer on it) -> (output, probabilities or None)."""
-        fast = attend is not None
-        h, probs = self.attention(x, attend, mask, want_probs)
-        return self.output(self.intermediate(h, fast), h, fast), probs
+    def forward(self, x: Tensor, attend: Attend) -> Tensor:
+        """x positional (gradient checkpointing re-runs the layer on it)."""
+        h = self.attention(x, attend)
+        return self.output(self.intermediate(h), h)
 
 
 class BertEncoder(nn.Module):
@@ -277,19 +258,15 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList([BertLayer(config) for _ in range(config.num_hidden_layers)])
 
-    def forward(self, x: Tensor, attend: Optional[Attend] = None, mask: Optional[Tensor] = None,
-                restore: Callable[[Tensor], Tensor] = lambda t: t, want_states: bool = False,
-                want_probs: bool = False) -> Tuple[Tensor, Optional[Tuple[Tensor, ...]], Optional[Tuple[Tensor, ...]]]:
-        """-> (last layer's x, hidden states padded by ``restore`` (embeddings first), probabilities)."""
+    def forward(self, x: Tensor, attend: Attend, restore: Callable[[Tensor], Tensor],
+                want_states: bool = False) -> Tuple[Tensor, Optional[Tuple[Tensor, ...]]]:
+        """-> (last layer's rows, hidden states padded by ``restore`` (embeddings first) when asked)."""
         states: Optional[List[Tensor]] = [restore(x)] if want_states else None
-        probs: Optional[List[Tensor]] = [] if want_probs else None
         for layer in self.layer:
-            x, p = layer(x, attend=attend, mask=mask, want_probs=want_probs)
+            x = layer(x, attend=attend)
             if states is not None:
                 states.append(restore(x))
-            if probs is not None:
-                probs.append(p)
-        return x, None if states is None else tuple(states), None if probs is None else tuple(probs)
+        return x, None if states is None else tuple(states)
 
 
 class BertPooler(nn.Module):
@@ -330,19 +307,6 @@ class BertPreTrainedModel(hf_bert.BertPreTrainedModel):
 
 
 # ================================================================= BertModel
-_IGNORED_KWARGS = ("num_items_in_batch",)  # a Trainer argument; losses here are means (see accepts_loss_kwargs)
-_DECODER_KWARGS = ("encoder_hidden_states", "encoder_attention_mask", "past_key_values", "use_cache")
-
-
-def _check_kwargs(kwargs: Dict[str, Any]) -> None:
-    given = {k for k, v in kwargs.items() if k not in _IGNORED_KWARGS and v is not None and v is not False}
-    if "head_mask" in given:
-        raise ValueError("head_mask is not supported by bertfast (the fused attention has no per-head mask)")
-    if given:
-        kind = "decoder/cross-attention arguments" if given <= set(_DECODER_KWARGS) else "arguments"
-        raise ValueError(f"bertfast's BERT is an encoder only; unsupported {kind}: {sorted(given)}")
-
-
 class BertModel(BertPreTrainedModel):
     _no_split_modules = ["BertEmbeddings", "BertLayer"]
 
@@ -360,75 +324,19 @@ class BertModel(BertPreTrainedModel):
     def set_input_embeddings(self, value: nn.Module) -> None:
         self.embeddings.word_embeddings = value
 
-    # ---------------------------------------------------------------- input checks
-    def _check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds) -> Tuple[int, int]:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("BertModel: give exactly one of input_ids or inputs_embeds")
-        cfg = self.config
-        if input_ids is not None:
-            if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-                raise ValueError(f"input_ids: expected an integer tensor, got dtype {input_ids.dtype}")
-            if input_ids.dim() != 2:
-                raise ValueError(f"input_ids: expected shape [batch, seq_len], got {tuple(input_ids.shape)}")
-            batch, seqlen = input_ids.shape
-        else:
-            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != cfg.hidden_size:
-                raise ValueError(f"inputs_embeds: expected [batch, seq_len, {cfg.hidden_size}], "
-                                 f"got {tuple(inputs_embeds.shape)}")
-            batch, seqlen = inputs_embeds.shape[:2]
-        if not _exporting() and seqlen > cfg.max_position_embeddings:
-            raise ValueError(f"sequence length {seqlen} exceeds max_position_embeddings "
-                             f"{cfg.max_position_embeddings}")
-        for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
-                        ("position_ids", position_ids)):
-            if t is not None and tuple(t.shape) != (batch, seqlen):
-                raise ValueError(f"{name}: expected shape [{batch}, {seqlen}], got {tuple(t.shape)}")
-        if not torch.compiler.is_compiling() and not _exporting():
-            self._check_values(input_ids, attention_mask, token_type_ids, position_ids)
-        return batch, seqlen
-
-    def _check_values(self, input_ids, attention_mask, token_type_ids, position_ids) -> None:
-        """Range checks, gathered into one host sync."""
-        cfg = self.config
-        checks: List[Tuple[str, Tensor]] = []
-        if input_ids is not None and input_ids.numel():
-            checks += [("input_ids_min", input_ids.min()), ("input_ids_max", input_ids.max())]
-        if token_type_ids is not None and token_type_ids.numel():
-            checks += [("tt_min", token_type_ids.min()), ("tt_max", token_type_ids.max())]
-        if position_ids is not None and position_ids.numel():
-            checks += [("pos_min", position_ids.min()), ("pos_max", position_ids.max())]
-        if attention_mask is not None and attention_mask.numel():
-            checks.append(("mask_bad", ((attention_mask != 0) & (attention_mask != 1)).sum()))
-        if not checks:
-            return
-        values = dict(zip([n for n, _ in checks], torch.stack([v.to(torch.float64) for _, v in checks]).tolist()))
-        vocab_size = self.embeddings.word_embeddings.num_embeddings  # after a resize, before the config is read
-        if values.get("input_ids_min", 0) < 0 or values.get("input_ids_max", 0) >= vocab_size:
-            raise ValueError(f"input_ids: expected values in [0, vocab_size={vocab_size}), got values in "
-                             f"[{int(values['input_ids_min'])}, {int(values['input_ids_max'])}]")
-        if values.get("tt_min", 0) < 0 or values.get("tt_max", 0) >= cfg.type_vocab_size:
-            raise ValueError(f"token_type_ids: expected values in [0, type_vocab_size={cfg.type_vocab_size}), "
-                             f"got values in [{int(values['tt_min'])}, {int(values['tt_max'])}]")
-        if values.get("pos_min", 0) < 0 or values.get("pos_max", 0) >= cfg.max_position_embeddings:
-            raise ValueError(f"position_ids: expected values in [0, max_position_embeddings="
-                             f"{cfg.max_position_embeddings}), got values in [{int(values['pos_min'])}, "
-                             f"{int(values['pos_max'])}]")
-        if values.get("mask_bad", 0):
-            raise ValueError(f"attention_mask: expected only 0 (padding) and 1 (token), got "
-                             f"{int(values['mask_bad'])} other values")
-
     # ---------------------------------------------------------------- forward
     def forward(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
                 token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
                 inputs_embeds: Optional[Tensor] = None, output_attentions: Optional[bool] = None,
                 output_hidden_states: Optional[bool] = None, return_dict: Optional[bool] = None,
                 **kwargs: Any):
-        _check_kwargs(kwargs)
+        model_inputs.check_kwargs(kwargs)
         cfg = self.config
         output_attentions = cfg.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
         return_dict = cfg.return_dict if return_dict is None else return_dict
-        batch, seqlen = self._check_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+        batch, seqlen = model_inputs.check_inputs(cfg, self.embeddings.word_embeddings.num_embeddings, input_ids,
+                                                   attention_mask, token_type_ids, position_ids, inputs_embeds)
         device = (input_ids if input_ids is not None else inputs_embeds).device
         if attention_mask is None:
             attention_mask = torch.ones((batch, seqlen), dtype=torch.long, device=device)
@@ -437,15 +345,15 @@ class BertModel(BertPreTrainedModel):
         if position_ids is None:
             position_ids = torch.arange(seqlen, device=device).expand(batch, seqlen)
         rows = token_rows = None
-        if self.execution == REFERENCE or _exporting():
-            x = self.embeddings(input_ids, position_ids, token_type_ids, inputs_embeds, fast=False)
-            sequence, states, probs = self.encoder(x, mask=attention_mask, want_states=bool(output_hidden_states),
-                                                   want_probs=bool(output_attentions))
+        if _reference(self):
+            sequence, states, probs = reference.encoder(self, input_ids, attention_mask, token_type_ids,
+                                                        position_ids, inputs_embeds, bool(output_hidden_states),
+                                                        bool(output_attentions))
         else:
             if output_attentions:
                 raise ValueError("output_attentions=True: the fused attention never materialises attention "
                                  "probabilities; run the model under bertfast.reference_execution(model) for them")
-            sequence, states, rows, token_rows = self._encode_fast(input_ids, attention_mask, token_type_ids,
+            sequence, states, rows, token_rows = self._encode(input_ids, attention_mask, token_type_ids,
                                                                    position_ids, inputs_embeds,
                                                                    bool(output_hidden_states))
             probs = None
@@ -455,7 +363,7 @@ class BertModel(BertPreTrainedModel):
         out = _with_extras(out, token_rows=token_rows, token_row_index=rows)
         return out if return_dict else out.to_tuple()
 
-    def _encode_fast(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+    def _encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                      want_states: bool):
         batch, seqlen = attention_mask.shape
         width = self.config.hidden_size
@@ -480,7 +388,7 @@ class BertModel(BertPreTrainedModel):
             gather = lambda t: None if t is None else flat(t).index_select(0, rows)  # noqa: E731
             restore = lambda x: pad_rows(x, rows, batch, seqlen)  # noqa: E731
         x = self.embeddings(gather(input_ids), gather(position_ids), gather(token_type_ids), gather(inputs_embeds))
-        x, states, _ = self.encoder(x, attend=attend, restore=restore, want_states=want_states)
+        x, states = self.encoder(x, attend=attend, restore=restore, want_states=want_states)
         return restore(x), states, rows, x
 
 
@@ -492,12 +400,8 @@ class BertPredictionHeadTransform(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.approximate = gelu_approximate(config)
 
-    def forward(self, h: Tensor, fast: bool = True) -> Tensor:
-        h = _dense_gelu(self.dense, h, self.approximate, fast)
-        ln = self.LayerNorm
-        if fast and fusable(ln):  # a plain LayerNorm through the fused op
-            return ops.bias_dropout_residual_layernorm(h, None, None, ln.weight, ln.bias, ln.eps)
-        return ln(h)
+    def forward(self, h: Tensor) -> Tensor:
+        return _layer_norm(self.LayerNorm, _dense_gelu(self.dense, h, self.approximate))
 
 
 class BertLMPredictionHead(nn.Module):
@@ -508,52 +412,26 @@ class BertLMPredictionHead(nn.Module):
         self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=True)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
-    def forward(self, h: Tensor, fast: bool = True) -> Tensor:
+    def forward(self, h: Tensor) -> Tensor:
         """Full logits [..., V] (the no-labels path, as transformers)."""
-        return self.decoder(self.transform(h, fast))
+        return self.decoder(self.transform(h))
 
-    def loss(self, encoded: BertModelOutput, labels: Tensor, attention_mask: Optional[Tensor], fast: bool,
-             max_predictions_per_seq: Optional[int]) -> ops.MLMHeadLoss:
-        """Mean CE over labelled real tokens (labels at padded positions are ignored on every path);
-        the fused path runs the head on those rows only."""
-        sequence = encoded.last_hidden_state
-        if labels.shape != sequence.shape[:2]:
-            raise ValueError(f"labels: expected shape {tuple(sequence.shape[:2])}, got {tuple(labels.shape)}")
-        _check_labels("labels", labels, self.decoder.out_features)
-        if attention_mask is not None:
-            labels = labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
-        unpadded = fast and encoded.token_row_index is not None
+    def loss(self, encoded: BertModelOutput, labels: Tensor, max_predictions_per_seq: Optional[int]) -> ops.MLMHeadLoss:
+        """Mean CE over labels [B, S] (checked, -100 at padding); the fused head runs on the labelled rows only."""
+        unpadded = encoded.token_row_index is not None
         t = self.transform
-        if not fast or hooked(self) or not (_biased_linear(t.dense, self.decoder) and fusable(t.LayerNorm)):
-            hidden, flat = sequence, labels.reshape(-1)
+        if hooked(self) or not (_biased_linear(t.dense, self.decoder) and fusable(t.LayerNorm)):
+            hidden, flat = encoded.last_hidden_state, labels
             if unpadded:
-                hidden, flat = encoded.token_rows, flat.index_select(0, encoded.token_row_index)
-            logits = self(hidden, fast).float()
-            logits = logits.reshape(-1, logits.shape[-1])
-            loss = F.cross_entropy(logits, flat, ignore_index=IGNORE_INDEX)
-            valid = flat != IGNORE_INDEX
-            correct = ((logits.argmax(-1) == flat) & valid).sum()
-            return ops.MLMHeadLoss(torch.nan_to_num(loss, nan=0.0), correct, valid.sum())
+                hidden, flat = encoded.token_rows, labels.reshape(-1).index_select(0, encoded.token_row_index)
+            return ops.MLMHeadLoss(*reference.classification_loss(self(hidden), flat))
         if unpadded and max_predictions_per_seq is None:
             hidden, row_labels = encoded.token_rows, labels.reshape(-1).index_select(0, encoded.token_row_index)
         else:
-            hidden, row_labels = sequence, labels
+            hidden, row_labels = encoded.last_hidden_state, labels
         return ops.mlm_head_loss(hidden, row_labels, t.dense.weight, t.dense.bias, t.LayerNorm.weight,
                                  t.LayerNorm.bias, t.LayerNorm.eps, self.decoder.weight, self.decoder.bias,
                                  t.approximate, max_predictions_per_seq)
-
-
-def _check_labels(name: str, labels: Tensor, num_classes: int) -> None:
-    if labels.is_floating_point():
-        raise ValueError(f"{name}: expected integer class labels, got dtype {labels.dtype}")
-    if torch.compiler.is_compiling() or _exporting() or labels.numel() == 0:
-        return
-    valid = labels[labels != IGNORE_INDEX]
-    if valid.numel():
-        lo, hi = torch.stack([valid.min(), valid.max()]).tolist()
-        if lo < 0 or hi >= num_classes:
-            raise ValueError(f"{name}: expected values in [0, {num_classes}) or -100 (ignored), got values in "
-                             f"[{lo}, {hi}]")
 
 
 class BertPreTrainingHeads(nn.Module):
@@ -569,8 +447,8 @@ class BertOnlyMLMHead(nn.Module):
         self.predictions = BertLMPredictionHead(config)
 
 
-def _is_fast(bert: BertModel) -> bool:
-    return bert.execution == FAST and not _exporting()
+def _reference(bert: BertModel) -> bool:
+    return bert.execution == REFERENCE or model_inputs.exporting()
 
 
 def _return(model: BertPreTrainedModel, result, return_dict: Optional[bool]):
@@ -590,6 +468,23 @@ class _WithMLMHead(BertPreTrainedModel):
     def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
         self.cls.predictions.decoder = new_embeddings
         self.cls.predictions.bias = new_embeddings.bias
+
+    def _mlm_logits(self, sequence: Tensor) -> Tensor:
+        head = self.cls.predictions
+        return reference.mlm_head(head, sequence) if _reference(self.bert) else head(sequence)
+
+    def _mlm_loss(self, encoded: BertModelOutput, labels: Tensor, attention_mask: Optional[Tensor],
+                  max_predictions_per_seq: Optional[int]) -> ops.MLMHeadLoss:
+        """Mean CE over labelled real tokens (labels at padded positions are ignored on every path)."""
+        head, sequence = self.cls.predictions, encoded.last_hidden_state
+        if labels.shape != sequence.shape[:2]:
+            raise ValueError(f"labels: expected shape {tuple(sequence.shape[:2])}, got {tuple(labels.shape)}")
+        model_inputs.check_labels("labels", labels, head.decoder.out_features)
+        if attention_mask is not None:
+            labels = labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
+        if _reference(self.bert):
+            return ops.MLMHeadLoss(*reference.classification_loss(reference.mlm_head(head, sequence), labels))
+        return head.loss(encoded, labels, max_predictions_per_seq)
 
 
 class BertForPreTraining(_WithMLMHead):
@@ -614,11 +509,11 @@ class BertForPreTraining(_WithMLMHead):
         nsp_logits = self.cls.seq_relationship(pooled)
         prediction_logits = mlm = nsp_loss = None
         if labels is not None:
-            mlm = self.cls.predictions.loss(out, labels, attention_mask, _is_fast(self.bert), max_predictions_per_seq)
+            mlm = self._mlm_loss(out, labels, attention_mask, max_predictions_per_seq)
         else:
-            prediction_logits = self.cls.predictions(sequence, _is_fast(self.bert))
+            prediction_logits = self._mlm_logits(sequence)
         if next_sentence_label is not None:
-            _check_labels("next_sentence_label", next_sentence_label, 2)
+            model_inputs.check_labels("next_sentence_label", next_sentence_label, 2)
             nsp_loss = F.cross_entropy(nsp_logits.view(-1, 2).float(), next_sentence_label.view(-1))
         loss = mlm.loss + nsp_loss if mlm is not None and nsp_loss is not None else None
         result = BertForPreTrainingOutput(loss=loss, prediction_logits=prediction_logits,
@@ -648,11 +543,11 @@ class BertForMaskedLM(_WithMLMHead):
                         output_attentions=output_attentions, output_hidden_states=output_hidden_states,
                         return_dict=True, **kwargs)
         if labels is not None:
-            mlm = self.cls.predictions.loss(out, labels, attention_mask, _is_fast(self.bert), max_predictions_per_seq)
+            mlm = self._mlm_loss(out, labels, attention_mask, max_predictions_per_seq)
             result = BertMaskedLMOutput(loss=mlm.loss, hidden_states=out.hidden_states, attentions=out.attentions)
             _with_extras(result, mlm_num_correct=mlm.num_correct, mlm_num_predictions=mlm.num_predictions)
         else:
-            logits = self.cls.predictions(out.last_hidden_state, _is_fast(self.bert))
+            logits = self._mlm_logits(out.last_hidden_state)
             result = BertMaskedLMOutput(logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
         return _return(self, result, return_dict)
 
@@ -698,7 +593,7 @@ class BertForSequenceClassification(BertPreTrainedModel):
                 return F.mse_loss(logits.squeeze().float(), labels.squeeze().float())
             return F.mse_loss(logits.float(), labels.float())
         if cfg.problem_type == "single_label_classification":
-            _check_labels("labels", labels, self.num_labels)
+            model_inputs.check_labels("labels", labels, self.num_labels)
             return F.cross_entropy(logits.view(-1, self.num_labels).float(), labels.view(-1))
         return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
 
@@ -723,7 +618,7 @@ class BertForTokenClassification(BertPreTrainedModel):
         logits = self.classifier(self.dropout(out.last_hidden_state))
         loss = None
         if labels is not None:
-            _check_labels("labels", labels, self.num_labels)
+            model_inputs.check_labels("labels", labels, self.num_labels)
             if attention_mask is not None:
                 labels = labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
             loss = F.cross_entropy(logits.view(-1, self.num_labels).float(), labels.view(-1),
@@ -793,7 +688,7 @@ class BertForMultipleChoice(BertPreTrainedModel):
         logits = self.classifier(self.dropout(out.pooler_output)).view(-1, num_choices)
         loss = None
         if labels is not None:
-            _check_labels("labels", labels, num_choices)
+            model_inputs.check_labels("labels", labels, num_choices)
             loss = F.cross_entropy(logits.float(), labels)
         result = MultipleChoiceModelOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
                                            attentions=out.attentions)

@@ -1,9 +1,11 @@
-"""The oracle: plain, readable PyTorch for every fused op and for the BERT encoder.
+"""The oracle: plain, readable PyTorch for every fused op and for the BERT encoder and heads.
 
 Nothing here is fast. Every backend of every op (``bertfast.ops``) and the fast model are
 checked against these functions, which compute in the dtype they are given (tests run them
 in fp32, or fp64). Dropout takes an explicit boolean keep-mask so a kernel's own mask can
 be fed in and compared exactly; without one, a mask is drawn from ``generator``.
+The encoder and MLM head below run a model's own modules; ``bertfast.reference_execution(model)``
+makes a model's forward run them.
 
 Conventions shared with the kernels:
   * attention_mask / key_padding_mask: 1 = token, 0 = padding.
@@ -18,6 +20,7 @@ import math
 from typing import Optional, Tuple
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from bertfast.contract import IGNORE_INDEX
@@ -35,6 +38,21 @@ def dropout(x: torch.Tensor, p: float, keep_mask: Optional[torch.Tensor] = None,
 
 
 # --------------------------------------------------------------------------- attention
+def attention_probs(q: torch.Tensor, k: torch.Tensor, key_padding_mask: Optional[torch.Tensor] = None,
+                    softmax_scale: Optional[float] = None) -> torch.Tensor:
+    """softmax(q k^T * scale) over the valid keys: q, k [B, S, A, D] -> [B, A, S, S] (rows with no key: 0)."""
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = torch.einsum("bqad,bkad->baqk", q, k) * scale  # [B, A, S, S]
+    if key_padding_mask is None:
+        return torch.softmax(scores, dim=-1)
+    keep = key_padding_mask.bool()[:, None, None, :]
+    scores = scores.masked_fill(~keep, float("-inf"))
+    # A row with no valid key would be softmax(-inf, ..., -inf) = NaN: make it all zero.
+    any_key = keep.any(dim=-1, keepdim=True)
+    scores = torch.where(any_key, scores, torch.zeros_like(scores))
+    return torch.softmax(scores, dim=-1) * any_key.to(scores.dtype)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               key_padding_mask: Optional[torch.Tensor] = None,
               softmax_scale: Optional[float] = None, dropout_p: float = 0.0,
@@ -44,18 +62,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q, k, v: [B, S, A, D]; key_padding_mask: [B, S] (1 = token); dropout_mask: [B, A, S, S] keep.
     Returns [B, S, A, D].
     """
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    scores = torch.einsum("bqad,bkad->baqk", q, k) * scale  # [B, A, S, S]
-    if key_padding_mask is not None:
-        keep = key_padding_mask.bool()[:, None, None, :]
-        scores = scores.masked_fill(~keep, float("-inf"))
-        # A row with no valid key would be softmax(-inf, ..., -inf) = NaN: make it all zero.
-        any_key = keep.any(dim=-1, keepdim=True)
-        scores = torch.where(any_key, scores, torch.zeros_like(scores))
-        probs = torch.softmax(scores, dim=-1) * any_key.to(scores.dtype)
-    else:
-        probs = torch.softmax(scores, dim=-1)
-    probs = dropout(probs, dropout_p, dropout_mask)
+    probs = dropout(attention_probs(q, k, key_padding_mask, softmax_scale), dropout_p, dropout_mask)
     return torch.einsum("baqk,bkad->bqad", probs, v)
 
 
@@ -126,3 +133,72 @@ def mlm_head_loss_decoder(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     valid = labels != IGNORE_INDEX
     n_correct = ((logits.argmax(dim=-1) == labels) & valid).sum()
     return loss_sum, n_correct
+
+
+def classification_loss(logits: torch.Tensor, labels: torch.Tensor
+                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [..., C], labels [...] -> (mean fp32 CE over labels != -100, 0 when there are none;
+    number of those whose argmax logit is the label; number of those)."""
+    logits = logits.float().reshape(-1, logits.shape[-1])
+    labels = labels.reshape(-1)
+    loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
+    valid = labels != IGNORE_INDEX
+    n_correct = ((logits.argmax(dim=-1) == labels) & valid).sum()
+    return torch.nan_to_num(loss, nan=0.0), n_correct, valid.sum()
+
+
+# --------------------------------------------------------------------------- the encoder
+# These run a bertfast model's own modules (transformers' BERT module tree and names): each
+# Linear, LayerNorm, Embedding and Dropout is called as a module, so LoRA layers, quantized
+# Linears and hooks on those modules act here too. The containers above them (BertLayer and so
+# on) are not called: their forwards are the fast path.
+def encoder(bert: nn.Module, input_ids: Optional[torch.Tensor], attention_mask: torch.Tensor,
+            token_type_ids: torch.Tensor, position_ids: torch.Tensor, inputs_embeds: Optional[torch.Tensor],
+            want_states: bool = False, want_probs: bool = False
+            ) -> Tuple[torch.Tensor, Optional[Tuple[torch.Tensor, ...]], Optional[Tuple[torch.Tensor, ...]]]:
+    """The padded BERT encoder of ``bert`` (a BertModel). Inputs [B, S] (inputs_embeds [B, S, H]),
+    attention_mask 1 = token. Padded positions are computed like tokens (they attend to the
+    tokens), as in transformers. Returns (last hidden state [B, S, H], hidden states with the
+    embeddings first or None, attention probabilities [B, A, S, S] per layer or None)."""
+    emb = bert.embeddings
+    words = emb.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+    h = words + emb.token_type_embeddings(token_type_ids) + emb.position_embeddings(position_ids)
+    x = emb.dropout(emb.LayerNorm(h))
+    states = [x] if want_states else None
+    probs = [] if want_probs else None
+    for layer in bert.encoder.layer:
+        x, layer_probs = encoder_layer(layer, x, attention_mask, want_probs)
+        if states is not None:
+            states.append(x)
+        if probs is not None:
+            probs.append(layer_probs)
+    return x, None if states is None else tuple(states), None if probs is None else tuple(probs)
+
+
+def encoder_layer(layer: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor, want_probs: bool = False
+                  ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One BertLayer on x [B, S, H] -> (output [B, S, H], attention probabilities when asked)."""
+    self_attention = layer.attention.self
+    batch, seqlen, _ = x.shape
+    heads = self_attention.num_attention_heads
+    split = lambda t: t.view(batch, seqlen, heads, self_attention.attention_head_size)  # noqa: E731
+    q, k, v = split(self_attention.query(x)), split(self_attention.key(x)), split(self_attention.value(x))
+    p = self_attention.dropout.p if self_attention.training else 0.0
+    keep = torch.rand((batch, heads, seqlen, seqlen), device=x.device) >= p if p > 0 else None
+    context = attention(q, k, v, attention_mask, None, p, keep).reshape(x.shape)
+    probs = attention_probs(q, k, attention_mask) if want_probs else None
+    h = _add_and_norm(layer.attention.output, context, x)
+    ffn = layer.intermediate
+    return _add_and_norm(layer.output, F.gelu(ffn.dense(h), approximate=ffn.approximate), h), probs
+
+
+def _add_and_norm(output: nn.Module, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """BertSelfOutput / BertOutput: LayerNorm(Dropout(dense(h)) + residual)."""
+    return output.LayerNorm(output.dropout(output.dense(h)) + residual)
+
+
+def mlm_head(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """BertLMPredictionHead: hidden [..., H] -> logits [..., V]."""
+    transform = head.transform
+    h = F.gelu(transform.dense(hidden), approximate=transform.approximate)
+    return head.decoder(transform.LayerNorm(h))

@@ -81,6 +81,25 @@ def test_bert_model_matches_transformers(config_name, mode):
     torch.testing.assert_close(ref.last_hidden_state[valid], theirs.last_hidden_state[valid], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("mode", ["none", "random", "one"])
+def test_reference_encoder_matches_transformers_everywhere(mode):
+    """bertfast.reference.encoder (reference_execution) is transformers' padded encoder: hidden
+    states and attention probabilities match at every position, padded ones included."""
+    torch.manual_seed(0)
+    config = make_config("odd")
+    model = bertfast.BertModel(config).eval()
+    hf = hf_twin(model, "BertModel")
+    ids, mask, tt = make_inputs(config, mode)
+    with bertfast.reference_execution(model):
+        ours = model(ids, attention_mask=mask, token_type_ids=tt, output_hidden_states=True, output_attentions=True)
+    theirs = hf(input_ids=ids, attention_mask=mask, token_type_ids=tt, output_hidden_states=True,
+                output_attentions=True)
+    assert len(ours.attentions) == len(theirs.attentions) == config.num_hidden_layers
+    for a, b in zip(ours.hidden_states + ours.attentions, theirs.hidden_states + theirs.attentions):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours.pooler_output, theirs.pooler_output, atol=1e-5, rtol=0)
+
+
 def _pretraining_labels(ids, mask, gen, fraction=0.3):
     labels = torch.where((torch.rand(ids.shape, generator=gen) < fraction) & mask.bool(), ids, -100)
     labels[0, 0] = ids[0, 0] if mask[0, 0] else -100
