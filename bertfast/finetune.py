@@ -34,13 +34,19 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from bertfast import train_utils as tu
+from bertfast import parity
 from bertfast.config import BertConfig
 from bertfast.data import metrics as M
 from bertfast.data.tasks import (DataFormatError, SquadExample, column, encode_pair, pad_batch,
                                  qa_features, qa_predictions, read_conll, read_squad, read_table,
                                  token_classification_features)
 from bertfast.data.tokenization import WordPiece
+from bertfast.training.checkpoints import seed_everything
+from bertfast.training.optim import build_optimizer, warmup_linear_decay
+from bertfast.training.options import apply_config_file, parse_overrides
+from bertfast.training.precision import autocast_context, resolve_precision
+from bertfast.training.records import MetricsLogger
+from bertfast.training.step import TrainStep
 
 TASKS = ("classification", "regression", "token-classification", "qa", "multiple-choice")
 TEXT_A_CANDIDATES = ("sentence1", "sentence", "text", "question1", "premise", "text_a", "question")
@@ -77,7 +83,7 @@ class Task:
         for i in range(0, len(features), bs):
             batch = pad_batch(features[i:i + bs], self.tok.pad_id, keys=keys)
             batch = {k: v.to(device) for k, v in batch.items()}
-            with tu.autocast_context(device, self.args.resolved_precision):
+            with autocast_context(device, self.args.resolved_precision):
                 res = model(**batch)
             for k in outputs:
                 out[k].append(getattr(res, k).float().cpu().numpy())
@@ -338,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = tu.apply_config_file(build_parser(), argv)
+    args = apply_config_file(build_parser(), argv)
     if not args.task or not args.train_file:
         raise ValueError("--task and --train-file are required")
     if not args.model and not (args.preset and args.vocab):
@@ -350,7 +356,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def load_model(args, task: Task, tok: WordPiece):
     import bertfast.modeling as modeling
     cls = getattr(modeling, task.model_class_name)
-    overrides = tu.parse_overrides(args.config_overrides)
+    overrides = parse_overrides(args.config_overrides)
     overrides.update(task.config_overrides())
     if args.model:
         model = cls.from_pretrained(args.model, **overrides)
@@ -370,7 +376,7 @@ def load_model(args, task: Task, tok: WordPiece):
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     """Fine-tune with parsed arguments; returns {"eval": metrics, "history": [...], "output_dir": ...}."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    args.resolved_precision = tu.resolve_precision(args.precision, device)
+    args.resolved_precision = resolve_precision(args.precision, device)
     tok = WordPiece.from_pretrained(args.vocab or args.model)
     task = make_task(args, tok)
     _, train_features = task.load(args.train_file, train=True)
@@ -378,30 +384,32 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     if args.eval_file:
         eval_examples, eval_features = task.load(args.eval_file, train=False)
 
-    tu.seed_everything(args.seed)
+    seed_everything(args.seed)
     model = load_model(args, task, tok).to(device)
     model.train()
-    optimizer = tu.build_optimizer(model, "adamw", args.lr, args.weight_decay, eps=args.adam_eps)
+    optimizer = build_optimizer(model, "adamw", args.lr, args.weight_decay, eps=args.adam_eps)
     steps_per_epoch = math.ceil(len(train_features) / args.batch_size)
     total = max(1, int(math.ceil(steps_per_epoch * args.epochs)))
-    scheduler = tu.warmup_linear_decay(optimizer, int(round(args.warmup_fraction * total)), total)
-    scaler = torch.amp.GradScaler("cuda") if args.resolved_precision == "fp16" else None
+    train_step = TrainStep(model, optimizer, warmup_linear_decay(optimizer, int(round(args.warmup_fraction * total)),
+                                                                 total),
+                           device, args.resolved_precision, args.max_grad_norm)
     say = print
     say(f"[finetune] {args.task}: {len(train_features)} training features, {total} steps "
         f"({args.epochs:g} epochs of {steps_per_epoch}), model {model.num_parameters() / 1e6:.2f}M parameters, "
         f"{device}, {args.resolved_precision}")
     keys = [k for k in train_features[0] if not k.startswith("_")]
     history: List[Dict[str, Any]] = []
-    parity: List[Dict[str, Any]] = []
+    checks: List[Dict[str, Any]] = []
     bar = None
     if not args.no_progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=total, desc="finetune", unit="step", dynamic_ncols=True)
+    tell = bar.write if bar is not None else say
     os.makedirs(args.output_dir, exist_ok=True)
-    logger = tu.MetricsLogger(os.path.join(args.output_dir, "metrics.jsonl"))
+    logger = MetricsLogger(os.path.join(args.output_dir, "metrics.jsonl"))
     step, epoch = 0, 0
     t0 = time.time()
-    losses: List[float] = []
+    losses: List[torch.Tensor] = []  # per step, on the device: read at the log interval
     metrics: Dict[str, Any] = {}
     try:
         while step < total:
@@ -411,47 +419,24 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                     break
                 batch = pad_batch([train_features[j] for j in order[i:i + args.batch_size]], tok.pad_id, keys=keys)
                 batch = {k: v.to(device) for k, v in batch.items()}
-                with tu.autocast_context(device, args.resolved_precision):
-                    out = model(**batch)
-                loss = out.loss
-                if scaler is not None:
-                    scaler.scale(loss).backward()
-                    scaler.unscale_(optimizer)
-                else:
-                    loss.backward()
-                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
-                if scaler is not None:
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                scheduler.step()
+                done = train_step([batch], lambda b: train_step.forward(model, b))
                 step += 1
-                losses.append(loss.item())
+                losses.append(done.outputs[0].loss.detach().float())
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{losses[-1]:.4f}")
-                if step % args.log_every == 0:
-                    rec = {"type": "train", "step": step, "epoch": epoch,
-                           "loss": float(np.mean(losses[-args.log_every:])), "lr": scheduler.get_last_lr()[0],
-                           "grad_norm": float(gnorm)}
+                if step % args.log_every == 0 or step == total:
+                    window = torch.stack(losses[-args.log_every:]).tolist()
+                    rec = {"type": "train", "step": step, "epoch": epoch, "loss": float(np.mean(window)),
+                           "lr": done.lr, "grad_norm": float(done.grad_norm)}
                     logger.log(rec)
                     history.append(rec)
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{window[-1]:.4f}")
                 if args.parity_every and step % args.parity_every == 0:
-                    rep = _parity(model, batch, args)
-                    rep.update(type="parity", step=step)
-                    parity.append(rep)
-                    logger.log(rep)
-                    msg = (f"[parity] step {step}: loss fast {rep['loss_fast']:.6f} ref {rep['loss_ref']:.6f} "
-                           f"(rel {rep['loss_rel_diff']:.2e}), grad-norm rel diff {rep['grad_norm_rel_diff']:.2e}"
-                           f" -> {'DIVERGED' if rep['diverged'] else 'ok'}")
-                    if rep["diverged"]:
-                        msg += f"; first divergent op: {rep['first_divergent_op']}"
-                    (bar.write if bar is not None else say)(msg)
-                    if rep["diverged"] and args.parity_strict:
-                        from bertfast.pretrain import ParityError
-                        raise ParityError(step, rep)
+                    report = parity.check_during_training(model, batch, step, args.parity_threshold,
+                                                          args.parity_strict, tell)
+                    checks.append(report)
+                    logger.log(report)
             epoch += 1
             if eval_features is not None:
                 metrics = task.evaluate(model, eval_examples, eval_features)
@@ -459,14 +444,15 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 rec = {"type": "eval", "step": step, "epoch": epoch, **shown}
                 logger.log(rec)
                 history.append(rec)
-                (bar.write if bar is not None else say)(f"[eval] epoch {epoch}: {task.main_metric} "
-                                                        f"{metrics.get(task.main_metric, float('nan')):.4f} {shown}")
+                tell(f"[eval] epoch {epoch}: {task.main_metric} {metrics.get(task.main_metric, float('nan')):.4f} "
+                     f"{shown}")
     finally:
         if bar is not None:
             bar.close()
         logger.close()
+    losses = torch.stack(losses).tolist() if losses else []
     result = {"eval": {k: v for k, v in metrics.items() if not k.startswith("_")}, "history": history,
-              "parity": parity, "train_loss": losses, "output_dir": args.output_dir, "steps": step,
+              "parity": checks, "train_loss": losses, "output_dir": args.output_dir, "steps": step,
               "main_metric": task.main_metric, "time_s": time.time() - t0}
     if not args.no_save:
         model.save_pretrained(args.output_dir)
@@ -482,14 +468,6 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
-def _parity(model, batch: Dict[str, torch.Tensor], args) -> Dict[str, Any]:
-    from bertfast.parity import check_batch
-    rep = check_batch(model, batch, tol=args.parity_threshold).to_dict()
-    worst = rep["worst_rel_diff"]  # loss, logits and gradient norm, relative
-    rep["diverged"] = bool(not math.isfinite(worst) or worst > args.parity_threshold)
-    return rep
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args = parse_args(argv)
@@ -497,12 +475,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (DataFormatError, FileNotFoundError, ValueError) as e:
         print(f"bertfast finetune: error: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:
-        from bertfast.pretrain import ParityError
-        if isinstance(e, ParityError):
-            print(f"bertfast finetune: {e}", file=sys.stderr)
-            return 3
-        raise
+    except parity.ParityError as e:
+        print(f"bertfast finetune: {e}", file=sys.stderr)
+        return 3
     return 0
 
 

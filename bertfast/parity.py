@@ -5,15 +5,17 @@ on the same weights, in fp32 with dropout off, and reports the divergence of los
 and gradient norm. When they diverge, ``first_divergent_op`` names the first op (in forward
 order) that alone, on its selected backend with every other op on the torch backend, moves
 the output away from the all-torch run. The model's mode and gradients are left untouched.
-`bertfast parity` prints such a report for a small model.
+`bertfast parity` prints such a report for a small model; ``check_during_training`` is the
+check ``--parity-every`` runs in pretrain and finetune.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import sys
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -142,6 +144,37 @@ def first_divergent_op(model: torch.nn.Module, batch: Dict[str, torch.Tensor], t
         if moved > tol:
             return op
     return "reference encoder (no single op diverges: check the unpadded path)"
+
+
+class ParityError(RuntimeError):
+    """Raised under --parity-strict when the fast path diverges from the reference."""
+
+    def __init__(self, step: int, report: Dict[str, Any]):
+        self.step, self.report = step, report
+        super().__init__(f"parity check failed at step {step}: loss fast {report.get('loss_fast'):.6g} vs "
+                         f"reference {report.get('loss_ref'):.6g} (abs diff {report.get('loss_abs_diff'):.3g}), "
+                         f"grad-norm rel diff {report.get('grad_norm_rel_diff'):.3g}; first divergent op: "
+                         f"{report.get('first_divergent_op')}")
+
+
+def check_during_training(model: torch.nn.Module, batch: Dict[str, torch.Tensor], step: int, threshold: float,
+                          strict: bool, say: Callable[[str], None],
+                          max_over_ranks: Optional[Callable[[float], float]] = None) -> Dict[str, Any]:
+    """``check_batch`` on a training batch: the report as a record (type 'parity', step, diverged:
+    the worst relative difference over all ranks is past ``threshold``), said in one line; under
+    ``strict`` a divergence raises ParityError."""
+    report = check_batch(model, batch, tol=threshold).to_dict()
+    worst = report["worst_rel_diff"]  # loss, logits and gradient norm, relative
+    worst = worst if math.isfinite(worst) else float("inf")
+    worst_all = max_over_ranks(worst) if max_over_ranks is not None else worst
+    report.update(type="parity", step=step, diverged=bool(worst_all > threshold), max_rel_diff_all_ranks=worst_all)
+    say(f"[parity] step {step}: loss fast {report['loss_fast']:.6f} ref {report['loss_ref']:.6f} "
+        f"(rel {report['loss_rel_diff']:.2e}), grad-norm rel diff {report['grad_norm_rel_diff']:.2e}, logits max "
+        f"diff {report['logits_max_abs_diff']:.2e} (rel {report['logits_rel_diff']:.2e}) -> "
+        + (f"DIVERGED; first divergent op: {report['first_divergent_op']}" if report["diverged"] else "ok"))
+    if report["diverged"] and strict:
+        raise ParityError(step, report)
+    return report
 
 
 def main(argv: Optional[List[str]] = None) -> int:

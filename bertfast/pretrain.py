@@ -47,11 +47,21 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from bertfast import train_utils as tu
+from bertfast import flops, parity
 from bertfast.config import BertConfig
+from bertfast.contract import IGNORE_INDEX
 from bertfast.data.loader import BatchSpec, PretrainingBatches, Prefetcher, masking_config_for
 from bertfast.data.shards import PretrainingData
 from bertfast.data.tokenization import read_vocab
+from bertfast.parity import ParityError
+from bertfast.training import checkpoints as ckpt
+from bertfast.training.distributed import (DistInfo, all_reduce_max, all_reduce_sum, any_rank, broadcast_object,
+                                           gather_objects, init_distributed)
+from bertfast.training.optim import build_optimizer, warmup_linear_decay
+from bertfast.training.options import load_json_config, parse_overrides, set_parser_defaults
+from bertfast.training.precision import resolve_precision
+from bertfast.training.records import MetricsLogger, RunningSums, format_duration, plot_loss_curve, read_jsonl
+from bertfast.training.step import StepResult, TrainStep
 
 TOKENIZER_FILES = ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -65,17 +75,6 @@ DEMO = dict(preset="demo", output_dir=os.path.join("runs", "demo"), phase1_steps
             global_batch_size=32, micro_batch_size=32, phase2_global_batch_size=8, phase2_micro_batch_size=8, lr=1e-3,
             warmup_steps=30, log_every=10, eval_every=100, eval_batches=4, save_every=100, parity_every=100,
             keep_last=2, demo_vocab_size=DEMO_VOCAB_SIZE, threads=1)
-
-
-class ParityError(RuntimeError):
-    """Raised under --parity-strict when the fast path diverges from the reference."""
-
-    def __init__(self, step: int, report: Dict[str, Any]):
-        self.step, self.report = step, report
-        op = report.get("first_divergent_op")
-        super().__init__(f"parity check failed at step {step}: loss fast {report.get('loss_fast'):.6g} vs "
-                         f"reference {report.get('loss_ref'):.6g} (abs diff {report.get('loss_abs_diff'):.3g}), "
-                         f"grad-norm rel diff {report.get('grad_norm_rel_diff'):.3g}; first divergent op: {op}")
 
 
 # ============================================================================ arguments
@@ -166,18 +165,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     pre, _ = parser.parse_known_args(argv)
-    values = tu.load_json_config(pre.config) if pre.config else {}
+    values = load_json_config(pre.config) if pre.config else {}
     no_data = not (pre.data or pre.data_phase2 or pre.config)
     if pre.demo or values.get("demo") or no_data:
         parser.set_defaults(**DEMO)
         parser.set_defaults(demo=True)
     if values:
-        tu.set_parser_defaults(parser, values, pre.config)
+        set_parser_defaults(parser, values, pre.config)
     return parser.parse_args(argv)
 
 
 # ============================================================================ set-up
-def prepare_demo_data(args: argparse.Namespace, info: tu.DistInfo, log) -> None:
+def prepare_demo_data(args: argparse.Namespace, info: DistInfo, log) -> None:
     """Prepare the two demo datasets (seq 128 and 512) from the embedded corpus (rank 0 only)."""
     from bertfast.data.prepare import prepare_dataset
 
@@ -224,7 +223,7 @@ def resolve_steps(args: argparse.Namespace) -> None:
 
 
 def build_config(args: argparse.Namespace, vocab_size: int, max_seq_len: int) -> BertConfig:
-    overrides = tu.parse_overrides(args.config_overrides)
+    overrides = parse_overrides(args.config_overrides)
     if args.init_checkpoint:
         config = BertConfig.from_pretrained(args.init_checkpoint, **overrides)
     elif args.model_config:
@@ -261,7 +260,7 @@ class Phase:
         return self.start + self.steps
 
 
-def build_phases(args, info: tu.DistInfo, vocab_tokens: Optional[List[str]]) -> List[Phase]:
+def build_phases(args, info: DistInfo, vocab_tokens: Optional[List[str]]) -> List[Phase]:
     phases: List[Phase] = []
     start = 0
     specs = [(args.data, args.phase1_steps, args.global_batch_size, args.micro_batch_size),
@@ -301,7 +300,7 @@ def build_phases(args, info: tu.DistInfo, vocab_tokens: Optional[List[str]]) -> 
     return phases
 
 
-def wrap_model(model: torch.nn.Module, args, info: tu.DistInfo) -> torch.nn.Module:
+def wrap_model(model: torch.nn.Module, args, info: DistInfo) -> torch.nn.Module:
     if args.fsdp:
         from torch.distributed.fsdp import fully_shard
         # One shard group per encoder layer (gathered only while that layer runs), and the root
@@ -331,11 +330,15 @@ class RunResult:
 
 
 class Pretrainer:
-    def __init__(self, args: argparse.Namespace, info: tu.DistInfo):
+    # What a log window adds up on the device (one host read per window).
+    WINDOW = ("loss", "mlm_loss", "nsp_loss", "mlm_correct", "nsp_correct", "tokens", "sum_len_sq", "predictions",
+              "sequences")
+
+    def __init__(self, args: argparse.Namespace, info: DistInfo):
         self.args, self.info = args, info
         self.device = info.device
-        self.precision = tu.resolve_precision(args.precision, self.device)
-        self.log_records: Optional[tu.MetricsLogger] = None  # opened in setup(): a resumed run appends
+        self.precision = resolve_precision(args.precision, self.device)
+        self.log_records: Optional[MetricsLogger] = None  # opened in setup(): a resumed run appends
         self.ckpt_dir = os.path.join(args.output_dir, "checkpoints")
         self._stop_signal = False
 
@@ -349,7 +352,7 @@ class Pretrainer:
         args, info = self.args, self.info
         resume_from = None
         if args.resume:
-            resume_from = tu.latest_checkpoint(self.ckpt_dir) if args.resume == "auto" else args.resume
+            resume_from = ckpt.latest_checkpoint(self.ckpt_dir) if args.resume == "auto" else args.resume
             if resume_from is None:
                 self.say(f"[pretrain] --resume auto: no checkpoint in {self.ckpt_dir}; starting fresh")
             elif not os.path.isfile(os.path.join(resume_from, "training_state.pt")):
@@ -357,10 +360,10 @@ class Pretrainer:
         self.resume_from = resume_from
         if info.is_main:
             os.makedirs(args.output_dir, exist_ok=True)
-            tu.remove_stale_temp(self.ckpt_dir)
-        self.log_records = tu.MetricsLogger(os.path.join(args.output_dir, "metrics.jsonl"),
-                                            os.path.join(args.output_dir, "tensorboard") if args.tensorboard else None,
-                                            enabled=info.is_main, append=bool(resume_from))
+            ckpt.remove_stale_temp(self.ckpt_dir)
+        self.log_records = MetricsLogger(os.path.join(args.output_dir, "metrics.jsonl"),
+                                         os.path.join(args.output_dir, "tensorboard") if args.tensorboard else None,
+                                         enabled=info.is_main, append=bool(resume_from))
 
         first_data = args.data if args.phase1_steps else args.data_phase2
         self.tokenizer_dir = first_data
@@ -371,7 +374,7 @@ class Pretrainer:
         vocab_size = max(ph.data.vocab_size for ph in self.phases)
 
         # The same initial weights on every rank (FSDP shards them without a broadcast) ...
-        tu.seed_everything(args.seed)
+        ckpt.seed_everything(args.seed)
         from bertfast.modeling import BertForPreTraining
         if resume_from:
             model = BertForPreTraining.from_pretrained(resume_from)
@@ -383,17 +386,18 @@ class Pretrainer:
             model.bert.execution = "reference"
         self.config = model.config
         # ... and a different dropout stream on each rank.
-        tu.seed_everything(args.seed + 1_000_003 * info.rank)
+        ckpt.seed_everything(args.seed + 1_000_003 * info.rank)
         self.raw_model = model.to(self.device)
         self.model = wrap_model(self.raw_model, args, info)
         self.forward_model = torch.compile(self.model) if args.compile else self.model
-        self.optimizer = tu.build_optimizer(self.model, args.optimizer, args.lr, args.weight_decay,
-                                            (args.beta1, args.beta2), args.adam_eps)
+        self.optimizer = build_optimizer(self.model, args.optimizer, args.lr, args.weight_decay,
+                                         (args.beta1, args.beta2), args.adam_eps)
         self.total_steps = sum(ph.steps for ph in self.phases)
-        self.scheduler = tu.warmup_linear_decay(self.optimizer, args.warmup_steps, self.total_steps)
-        self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
-        self.flops = tu.FlopCounter(self.config)
-        self.peak = tu.peak_bf16_flops(self.device)
+        self.train_step = TrainStep(self.model, self.optimizer,
+                                    warmup_linear_decay(self.optimizer, args.warmup_steps, self.total_steps),
+                                    self.device, self.precision, args.max_grad_norm,
+                                    self._no_sync if info.distributed else None)
+        self.peak = flops.peak_bf16_flops(self.device)
         self.step = 0
         if resume_from:
             self._load_training_state(resume_from)
@@ -432,13 +436,12 @@ class Pretrainer:
 
     def save_checkpoint(self) -> Optional[str]:
         args, info = self.args, self.info
-        rng = tu.gather_objects(tu.capture_rng_state(self.device), info)
+        rng = gather_objects(ckpt.capture_rng_state(self.device), info)
         model_to_save, optim_state = self._model_state_for_saving()
         path = None
         if info.is_main:
             phase = self._phase_of(max(self.step - 1, 0))
-            state = {"step": self.step, "optimizer": optim_state, "scheduler": self.scheduler.state_dict(),
-                     "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            state = {"step": self.step, "optimizer": optim_state, **self.train_step.state_dict(),
                      "rng": rng, "world_size": info.world_size,
                      "data": {"phase": phase.index, "phase_step": self.step - phase.start,
                               "samples_seen_in_phase": (self.step - phase.start) * phase.spec.global_batch_size},
@@ -456,9 +459,9 @@ class Pretrainer:
                     json.dump({"step": self.step, "total_steps": self.total_steps, **state["data"],
                                "world_size": info.world_size, "time": time.time()}, f, indent=2)
 
-            path = tu.atomic_checkpoint(self.ckpt_dir, self.step, write, keep_last=args.keep_last)
+            path = ckpt.atomic_checkpoint(self.ckpt_dir, self.step, write, keep_last=args.keep_last)
         info.barrier()
-        return tu.broadcast_object(path, info)
+        return broadcast_object(path, info)
 
     def _load_training_state(self, path: str) -> None:
         state = torch.load(os.path.join(path, "training_state.pt"), map_location="cpu", weights_only=False)
@@ -468,15 +471,13 @@ class Pretrainer:
                                      options=StateDictOptions(full_state_dict=True))
         else:
             self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
+        self.train_step.load_state_dict(state)
         self.step = int(state["step"])
         rngs = state["rng"]
         if state.get("world_size") != self.info.world_size:
             self.say(f"[pretrain] warning: checkpoint written by {state.get('world_size')} rank(s), resuming on "
                      f"{self.info.world_size}: data order is kept, dropout RNG streams are not")
-        tu.restore_rng_state(rngs[self.info.rank % len(rngs)], self.device)
+        ckpt.restore_rng_state(rngs[self.info.rank % len(rngs)], self.device)
 
     # ------------------------------------------------------------------ helpers
     def _phase_of(self, step: int) -> Phase:
@@ -489,24 +490,12 @@ class Pretrainer:
         nb = self.device.type == "cuda"
         return {k: v.to(self.device, non_blocking=nb) for k, v in mb.items()}
 
-    def _forward(self, model, mb: Dict[str, torch.Tensor], max_pred: Optional[int]):
-        with tu.autocast_context(self.device, self.precision):
-            if max_pred is not None:
-                return model(**mb, max_predictions_per_seq=max_pred)
-            return model(**mb)
+    def _forward(self, mb: Dict[str, torch.Tensor], phase: Phase):
+        extra = {} if phase.max_predictions is None else {"max_predictions_per_seq": phase.max_predictions}
+        return self.train_step.forward(self.forward_model, mb, **extra)
 
-    def _no_sync(self, last: bool):
-        if last or not self.info.distributed:
-            return contextlib.nullcontext()
-        if self.args.fsdp:
-            return _fsdp_no_sync(self.model)
-        return self.model.no_sync()
-
-    @staticmethod
-    def _batch_stats(mb: Dict[str, torch.Tensor]) -> torch.Tensor:
-        lengths = mb["attention_mask"].sum(1).double()
-        return torch.stack([lengths.sum(), (lengths ** 2).sum(), (mb["labels"] != -100).sum().double(),
-                            torch.tensor(float(lengths.numel()), dtype=torch.float64, device=lengths.device)])
+    def _no_sync(self):
+        return _fsdp_no_sync(self.model) if self.args.fsdp else self.model.no_sync()
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -516,48 +505,34 @@ class Pretrainer:
         was_training = self.raw_model.training
         self.model.eval()
         n_avail = max(1, int(len(phase.eval_batches.data) // phase.eval_batches.spec.global_batch_size))
-        sums = torch.zeros(6, dtype=torch.float64, device=self.device)
+        sums = RunningSums(("loss", "mlm_loss", "mlm_correct", "predictions", "nsp_correct", "sequences"),
+                           self.device)
         for j in range(self.info.rank, min(self.args.eval_batches, n_avail), self.info.world_size):
             mb = self._to_device(phase.eval_batches.micro_batches(j)[0])
-            out = self._forward(self.forward_model, mb, phase.max_predictions)
-            nsp_ok = (out.seq_relationship_logits.argmax(-1) == mb["next_sentence_label"]).sum()
+            out = self._forward(mb, phase)
             b = mb["input_ids"].shape[0]
-            sums += torch.stack([out.loss.detach().double() * b, out.mlm_loss.detach().double() * b,
-                                 out.mlm_num_correct.double(), out.mlm_num_predictions.double(),
-                                 nsp_ok.double(), torch.tensor(float(b), dtype=torch.float64, device=self.device)])
-        sums = tu.all_reduce_sum(sums, self.info).tolist()
+            sums.add(loss=out.loss * b, mlm_loss=out.mlm_loss * b, mlm_correct=out.mlm_num_correct,
+                     predictions=out.mlm_num_predictions, nsp_correct=_nsp_correct(out, mb), sequences=b)
+        total = sums.read(self._sum_over_ranks)
         self.model.train(was_training)
-        n = max(sums[5], 1.0)
-        return {"loss": sums[0] / n, "mlm_loss": sums[1] / n, "mlm_acc": sums[2] / max(sums[3], 1.0),
-                "nsp_acc": sums[4] / n, "sequences": int(sums[5])}
+        n = max(total["sequences"], 1.0)
+        return {"loss": total["loss"] / n, "mlm_loss": total["mlm_loss"] / n,
+                "mlm_acc": total["mlm_correct"] / max(total["predictions"], 1.0),
+                "nsp_acc": total["nsp_correct"] / n, "sequences": int(total["sequences"])}
 
-    # ------------------------------------------------------------------ parity
-    def parity_check(self, mb: Dict[str, torch.Tensor]) -> Dict[str, Any]:
-        from bertfast.parity import check_batch
-        report = check_batch(self.raw_model, mb, tol=self.args.parity_threshold).to_dict()
-        worst = report["worst_rel_diff"]  # loss, logits and gradient norm, relative
-        if not math.isfinite(worst):
-            worst = float("inf")
-        worst_all = worst
-        if self.info.distributed:
-            t = torch.tensor([worst if math.isfinite(worst) else 1e30], dtype=torch.float64, device=self.device)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            worst_all = t.item()
-        report["diverged"] = bool(worst_all > self.args.parity_threshold)
-        report["max_rel_diff_all_ranks"] = worst_all
-        return report
+    def _sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(values, self.info)
 
     # ------------------------------------------------------------------ training
     def train(self) -> RunResult:
         args, info = self.args, self.info
         result = RunResult(output_dir=args.output_dir)
         self._install_signal_handlers()
-        total = self.total_steps
-        stop_at = min(total, args.stop_at_step) if args.stop_at_step else total
+        stop_at = min(self.total_steps, args.stop_at_step) if args.stop_at_step else self.total_steps
         bar = None
         if info.is_main and not args.no_progress:
             from tqdm.auto import tqdm
-            bar = tqdm(total=total, initial=self.step, desc="pretrain", unit="step", dynamic_ncols=True)
+            bar = tqdm(total=self.total_steps, initial=self.step, desc="pretrain", unit="step", dynamic_ncols=True)
 
         def batches_for(step: int):
             ph = self._phase_of(step)
@@ -565,126 +540,32 @@ class Pretrainer:
 
         prefetch = (Prefetcher(batches_for, self.step, depth=args.prefetch, pin_memory=self.device.type == "cuda")
                     if args.prefetch > 0 and self.step < stop_at else None)
-        window = torch.zeros(9, dtype=torch.float64, device=self.device)
-        window_t0 = time.perf_counter()
-        window_steps = 0
-        step_losses: List[torch.Tensor] = []
+        window = _Window(RunningSums(self.WINDOW, self.device))
         last_phase = None
         self.model.train()
         try:
             while self.step < stop_at:
-                step = self.step
-                phase = self._phase_of(step)
+                phase = self._phase_of(self.step)
                 if last_phase is not None and phase.index != last_phase:
                     self.say(f"[pretrain] phase {phase.index}: sequence length {phase.data.max_seq_len}")
                 last_phase = phase.index
-                micro = prefetch.get(step) if prefetch is not None else batches_for(step)
+                micro = prefetch.get(self.step) if prefetch is not None else batches_for(self.step)
                 micro = [self._to_device(mb) for mb in micro]
-                accum = len(micro)
-                stats = torch.zeros(9, dtype=torch.float64, device=self.device)
-                for j, mb in enumerate(micro):
-                    with self._no_sync(j == accum - 1):
-                        out = self._forward(self.forward_model, mb, phase.max_predictions)
-                        loss = out.loss / accum
-                        if self.scaler is not None:
-                            self.scaler.scale(loss).backward()
-                        else:
-                            loss.backward()
-                    nsp_ok = (out.seq_relationship_logits.detach().argmax(-1) == mb["next_sentence_label"]).sum()
-                    stats[0] += out.loss.detach().double() / accum
-                    stats[1] += out.mlm_loss.detach().double() / accum
-                    stats[2] += out.nsp_loss.detach().double() / accum
-                    stats[3] += out.mlm_num_correct.double()
-                    stats[4] += nsp_ok.double()
-                    stats[5:9] += self._batch_stats(mb)
-                if self.scaler is not None:
-                    self.scaler.unscale_(self.optimizer)
-                if args.max_grad_norm and args.max_grad_norm > 0:
-                    gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
-                else:
-                    gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float("inf"))
-                if hasattr(gnorm, "full_tensor"):
-                    gnorm = gnorm.full_tensor()
-                lr = self.scheduler.get_last_lr()[0]
-                if self.scaler is not None:
-                    self.scaler.step(self.optimizer)
-                    self.scaler.update()
-                else:
-                    self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                self.scheduler.step()
+                done = self.train_step(micro, lambda mb: self._forward(mb, phase))
+                window.add(done, micro)
                 self.step += 1
-                window += stats
-                window_steps += 1
-                step_losses.append(stats[0].clone())
                 if bar is not None:
                     bar.update(1)
-
                 # A log window never straddles two phases (their sequence lengths differ).
                 if self.step % args.log_every == 0 or self.step in (stop_at, phase.end):
-                    red = tu.all_reduce_sum(window, info).tolist()
-                    per_step = (tu.all_reduce_sum(torch.stack(step_losses), info) / info.world_size).tolist()
-                    for k, value in enumerate(per_step):
-                        result.losses[self.step - len(per_step) + 1 + k] = value
-                    step_losses.clear()
-                    elapsed = time.perf_counter() - window_t0
-                    n_ranks = info.world_size
-                    per_step_loss = red[0] / (n_ranks * window_steps)
-                    record = {"type": "train", "step": self.step, "phase": phase.index,
-                              "seq_len": phase.data.max_seq_len, "loss": per_step_loss,
-                              "mlm_loss": red[1] / (n_ranks * window_steps),
-                              "nsp_loss": red[2] / (n_ranks * window_steps),
-                              "mlm_acc": red[3] / max(red[7], 1.0), "nsp_acc": red[4] / max(red[8], 1.0),
-                              "lr": lr, "grad_norm": float(gnorm),
-                              "tokens_per_s": red[5] / elapsed, "seq_per_s": red[8] / elapsed,
-                              "step_time_s": elapsed / window_steps}
-                    flops = self.flops(red[5], red[7], red[6])
-                    record["tflops_per_s"] = flops / elapsed / 1e12
-                    record["mfu"] = (flops / elapsed / (self.peak * n_ranks)) if self.peak else None
-                    self.log_records.log(record)
-                    if bar is not None:
-                        bar.set_postfix(loss=f"{per_step_loss:.3f}", mlm=f"{record['mlm_acc']:.2f}",
-                                        nsp=f"{record['nsp_acc']:.2f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                                        mfu="n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%")
-                    elif info.is_main:
-                        mfu = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
-                        print(f"step {self.step}/{total} loss {per_step_loss:.4f} mlm_acc {record['mlm_acc']:.3f} "
-                              f"nsp_acc {record['nsp_acc']:.3f} lr {lr:.3g} gnorm {float(gnorm):.3f} "
-                              f"tok/s {record['tokens_per_s']:.0f} seq/s {record['seq_per_s']:.1f} MFU {mfu}",
-                              flush=True)
-                    window.zero_()
-                    window_steps = 0
-                    window_t0 = time.perf_counter()
-
-                if args.parity_every and self.step % args.parity_every == 0 and args.fsdp:
-                    if self.step == args.parity_every:
-                        self.say("[parity] skipped under --fsdp: the reference needs whole (unsharded) "
-                                 "parameters; run the parity check without --fsdp")
-                elif args.parity_every and self.step % args.parity_every == 0:
-                    rep = self.parity_check(micro[0])
-                    rep["step"] = self.step
-                    rep["type"] = "parity"
-                    result.parity.append(rep)
-                    self.log_records.log(rep)
-                    status = "DIVERGED" if rep["diverged"] else "ok"
-                    self.say(f"[parity] step {self.step}: loss fast {rep['loss_fast']:.6f} ref {rep['loss_ref']:.6f}"
-                             f" (rel {rep['loss_rel_diff']:.2e}), grad-norm rel diff {rep['grad_norm_rel_diff']:.2e}, "
-                             f"logits max diff {rep['logits_max_abs_diff']:.2e} (rel {rep['logits_rel_diff']:.2e}) -> {status}"
-                             + (f"; first divergent op: {rep['first_divergent_op']}" if rep["diverged"] else ""))
-                    if rep["diverged"] and args.parity_strict:
-                        raise ParityError(self.step, rep)
-
-                if args.eval_every and (self.step % args.eval_every == 0 or self.step == total):
-                    ev = self.evaluate(phase)
-                    if ev is not None:
-                        ev.update(type="eval", step=self.step, phase=phase.index)
-                        result.evals.append(ev)
-                        self.log_records.log(ev)
-                        self.say(f"[eval] step {self.step}: loss {ev['loss']:.4f} mlm_acc {ev['mlm_acc']:.3f} "
-                                 f"nsp_acc {ev['nsp_acc']:.3f} ({ev['sequences']} held-out sequences)")
-
-                stop_now = self._stop_signal_all()
-                if (args.save_every and self.step % args.save_every == 0) or self.step in (stop_at, total) or stop_now:
+                    self._log_window(window, phase, done, result, bar)
+                if args.parity_every and self.step % args.parity_every == 0:
+                    self._check_parity(micro[0], result)
+                if args.eval_every and (self.step % args.eval_every == 0 or self.step == self.total_steps):
+                    self._evaluate(phase, result)
+                stop_now = any_rank(self._stop_signal, info)
+                if ((args.save_every and self.step % args.save_every == 0) or self.step in (stop_at, self.total_steps)
+                        or stop_now):
                     result.checkpoint = self.save_checkpoint()
                 if stop_now:
                     self.say(f"[pretrain] stopped by signal after step {self.step}; resume with --resume")
@@ -696,9 +577,64 @@ class Pretrainer:
             if bar is not None:
                 bar.close()
         result.final_step = self.step
-        if self.step < total:
+        if self.step < self.total_steps:
             result.stopped_early = True
         return result
+
+    def _log_window(self, window: _Window, phase: Phase, done: StepResult, result: RunResult, bar) -> None:
+        """Reduce the window's sums over ranks (the one host sync of the window) and log them."""
+        info = self.info
+        total = window.sums.read(self._sum_over_ranks)
+        per_step = (all_reduce_sum(torch.stack(window.losses), info) / info.world_size).tolist()
+        for k, value in enumerate(per_step):
+            result.losses[self.step - len(per_step) + 1 + k] = value
+        elapsed = time.perf_counter() - window.t0
+        steps = info.world_size * window.steps  # the losses are per-rank means of each step
+        grad_norm = float(done.grad_norm)
+        record = {"type": "train", "step": self.step, "phase": phase.index, "seq_len": phase.data.max_seq_len,
+                  "loss": total["loss"] / steps, "mlm_loss": total["mlm_loss"] / steps,
+                  "nsp_loss": total["nsp_loss"] / steps,
+                  "mlm_acc": total["mlm_correct"] / max(total["predictions"], 1.0),
+                  "nsp_acc": total["nsp_correct"] / max(total["sequences"], 1.0),
+                  "lr": done.lr, "grad_norm": grad_norm, "tokens_per_s": total["tokens"] / elapsed,
+                  "seq_per_s": total["sequences"] / elapsed, "step_time_s": elapsed / window.steps}
+        work = flops.training_step_flops(flops.bert_forward_flops_from_counts(
+            self.config, total["tokens"], total["sum_len_sq"], total["sequences"], "pretraining",
+            total["predictions"]))
+        record["tflops_per_s"] = work / elapsed / 1e12
+        record["mfu"] = flops.mfu(work, elapsed, self.peak * info.world_size) if self.peak else None
+        self.log_records.log(record)
+        mfu = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
+        if bar is not None:
+            bar.set_postfix(loss=f"{record['loss']:.3f}", mlm=f"{record['mlm_acc']:.2f}",
+                            nsp=f"{record['nsp_acc']:.2f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=mfu)
+        elif info.is_main:
+            print(f"step {self.step}/{self.total_steps} loss {record['loss']:.4f} mlm_acc {record['mlm_acc']:.3f} "
+                  f"nsp_acc {record['nsp_acc']:.3f} lr {done.lr:.3g} gnorm {grad_norm:.3f} "
+                  f"tok/s {record['tokens_per_s']:.0f} seq/s {record['seq_per_s']:.1f} MFU {mfu}", flush=True)
+        window.reset()
+
+    def _check_parity(self, batch: Dict[str, torch.Tensor], result: RunResult) -> None:
+        if self.args.fsdp:
+            if self.step == self.args.parity_every:
+                self.say("[parity] skipped under --fsdp: the reference needs whole (unsharded) "
+                         "parameters; run the parity check without --fsdp")
+            return
+        report = parity.check_during_training(self.raw_model, batch, self.step, self.args.parity_threshold,
+                                              self.args.parity_strict, self.say,
+                                              lambda worst: all_reduce_max(worst, self.info))
+        result.parity.append(report)
+        self.log_records.log(report)
+
+    def _evaluate(self, phase: Phase, result: RunResult) -> None:
+        ev = self.evaluate(phase)
+        if ev is None:
+            return
+        ev.update(type="eval", step=self.step, phase=phase.index)
+        result.evals.append(ev)
+        self.log_records.log(ev)
+        self.say(f"[eval] step {self.step}: loss {ev['loss']:.4f} mlm_acc {ev['mlm_acc']:.3f} "
+                 f"nsp_acc {ev['nsp_acc']:.3f} ({ev['sequences']} held-out sequences)")
 
     # ------------------------------------------------------------------ signals
     def _install_signal_handlers(self) -> None:
@@ -717,20 +653,45 @@ class Pretrainer:
             except (ValueError, OSError):
                 pass
 
-    def _stop_signal_all(self) -> bool:
-        if not self.info.distributed:
-            return self._stop_signal
-        t = torch.tensor([1.0 if self._stop_signal else 0.0], device=self.device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return bool(t.item() > 0)
-
     def finish(self, result: RunResult) -> None:
         self.log_records.close()
         if self.info.is_main and not self.args.no_plot:
-            png = tu.plot_loss_curve(os.path.join(self.args.output_dir, "metrics.jsonl"),
-                                     os.path.join(self.args.output_dir, "loss.png"))
+            png = plot_loss_curve(os.path.join(self.args.output_dir, "metrics.jsonl"),
+                                  os.path.join(self.args.output_dir, "loss.png"))
             if png:
                 self.say(f"[pretrain] loss curve: {png}")
+
+
+def _nsp_correct(out, mb: Dict[str, torch.Tensor]) -> torch.Tensor:
+    return (out.seq_relationship_logits.detach().argmax(-1) == mb["next_sentence_label"]).sum()
+
+
+class _Window:
+    """A log window: sums of the steps since the last log line, their per-step losses and start time."""
+
+    def __init__(self, sums: RunningSums):
+        self.sums = sums
+        self.reset()
+
+    def add(self, done: StepResult, micro: List[Dict[str, torch.Tensor]]) -> None:
+        count = len(micro)
+        step_loss = torch.zeros((), dtype=torch.float64, device=self.sums.values.device)
+        for out, mb in zip(done.outputs, micro):
+            lengths = mb["attention_mask"].sum(1).double()
+            loss = out.loss.detach().double() / count
+            step_loss += loss
+            self.sums.add(loss=loss, mlm_loss=out.mlm_loss.detach() / count, nsp_loss=out.nsp_loss.detach() / count,
+                          mlm_correct=out.mlm_num_correct, nsp_correct=_nsp_correct(out, mb),
+                          tokens=lengths.sum(), sum_len_sq=(lengths ** 2).sum(),
+                          predictions=(mb["labels"] != IGNORE_INDEX).sum(), sequences=lengths.numel())
+        self.losses.append(step_loss)
+        self.steps += 1
+
+    def reset(self) -> None:
+        self.sums.reset()
+        self.losses: List[torch.Tensor] = []
+        self.steps = 0
+        self.t0 = time.perf_counter()
 
 
 @contextlib.contextmanager
@@ -747,7 +708,7 @@ def run(args: argparse.Namespace) -> RunResult:
     """Pre-train with parsed arguments (see ``build_parser``); returns the losses and evaluations."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    info = tu.init_distributed(args.device)
+    info = init_distributed(args.device)
     try:
         log = (lambda m: print(m, flush=True)) if info.is_main else (lambda m: None)
         if args.demo:
@@ -759,14 +720,14 @@ def run(args: argparse.Namespace) -> RunResult:
         result = trainer.train()
         trainer.finish(result)
         if info.is_main:
-            records = tu.read_jsonl(os.path.join(args.output_dir, "metrics.jsonl"))
+            records = read_jsonl(os.path.join(args.output_dir, "metrics.jsonl"))
             train = [r for r in records if r.get("type") == "train"]
             if train:
                 last = train[-1]
                 tok_s = sum(r["tokens_per_s"] for r in train[-5:]) / len(train[-5:])
                 mfu = last.get("mfu")
                 print(f"[pretrain] done: step {result.final_step}/{trainer.total_steps} in "
-                      f"{tu.format_duration(time.time() - t0)}; last loss {last['loss']:.4f} (first logged "
+                      f"{format_duration(time.time() - t0)}; last loss {last['loss']:.4f} (first logged "
                       f"{train[0]['loss']:.4f}); {tok_s:.0f} real tokens/s; MFU "
                       f"{'n/a (no GPU peak known)' if mfu is None else f'{100 * mfu:.1f}%'}", flush=True)
             if result.parity:

@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 
+from bertfast import flops as bert_flops
 from bertfast.bench import cli, device as devmod, flops as W, report
 from bertfast.bench.common import SuiteContext, sequence_lengths
 from bertfast.bench.gate import compare
@@ -86,14 +87,16 @@ def test_model_flops_and_mfu_hand_computed():
     cfg = types.SimpleNamespace(hidden_size=4, num_hidden_layers=2, intermediate_size=8, vocab_size=10)
     # per layer: linear 2 * 5 tokens * (4*16 + 2*4*8) = 1280, attention 4 * (2^2 + 3^2) * 4 = 208
     # -> 2 layers 2976; pooler 2 * 2 * 16 = 64; MLM head at 1 row 2 * 4 * (4 + 10) = 112; NSP 2 * 2 * 4 * 2 = 32
-    fwd = W.bert_forward_flops(cfg, [2, 3], "pretraining", n_predictions=1)
+    fwd = bert_flops.bert_forward_flops(cfg, [2, 3], "pretraining", n_predictions=1)
     assert fwd == 2976 + 64 + 112 + 32
-    assert W.bert_forward_flops(cfg, [2, 3], "none") == 2976 + 64
-    assert W.bert_forward_flops(cfg, [2, 3], "classification", num_labels=3) == 2976 + 64 + 2 * 2 * 4 * 3
-    step = W.training_step_flops(fwd)
+    assert bert_flops.bert_forward_flops(cfg, [2, 3], "none") == 2976 + 64
+    assert bert_flops.bert_forward_flops(cfg, [2, 3], "classification", num_labels=3) == 2976 + 64 + 2 * 2 * 4 * 3
+    step = bert_flops.training_step_flops(fwd)
     assert step == 3 * 3184
     # 9552 flops in 1 ms on a 1e7 flop/s peak = 95.52% MFU
-    assert W.mfu(step, 1e-3, 1e7) == pytest.approx(0.9552)
+    assert bert_flops.mfu(step, 1e-3, 1e7) == pytest.approx(0.9552)
+    # pretrain counts the same model from sums it keeps on the device: tokens, sum of squares, sequences
+    assert bert_flops.bert_forward_flops_from_counts(cfg, 5, 13, 2, "pretraining", 1) == fwd
     assert W.gbps(2e9, 1000.0) == pytest.approx(2.0)
     assert W.tflops(3e12, 500.0) == pytest.approx(6.0)
 
@@ -102,8 +105,8 @@ def test_bert_base_linear_flops_are_two_per_weight():
     from bertfast import BertConfig
     cfg = BertConfig.preset("bert-base")
     per_layer_weights = 4 * 768 * 768 + 2 * 768 * 3072
-    enc = W.encoder_forward_flops(768, 12, 3072, [1])  # one token: attention 4 * 1 * 768 per layer
-    assert enc == 12 * (2 * per_layer_weights + 4 * 768)
+    # one token: attention 4 * 1 * 768 per layer; the pooler 2 * 768^2
+    assert bert_flops.bert_forward_flops(cfg, [1], "none") == 12 * (2 * per_layer_weights + 4 * 768) + 2 * 768 * 768
     assert cfg.num_hidden_layers == 12
 
 
@@ -535,10 +538,14 @@ def test_merge_runs_and_readme_table(tmp_path):
 
 
 def test_datasheet_peaks_and_mfu_against_them():
-    assert devmod.datasheet_bf16_tflops("NVIDIA H100 80GB HBM3") == 989.4
-    assert devmod.datasheet_bf16_tflops("NVIDIA H100 PCIe") == 756.0
-    assert devmod.datasheet_bf16_tflops("NVIDIA H200") == 989.4
-    assert devmod.datasheet_bf16_tflops("AMD EPYC") is None
+    assert bert_flops.datasheet_bf16_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert bert_flops.datasheet_bf16_tflops("NVIDIA H100 PCIe") == 756.0
+    assert bert_flops.datasheet_bf16_tflops("NVIDIA H200") == 989.4
+    assert bert_flops.datasheet_bf16_tflops("NVIDIA H100 NVL") == 835.0
+    assert bert_flops.datasheet_bf16_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert bert_flops.datasheet_bf16_tflops("NVIDIA A10G") == 125.0
+    assert bert_flops.datasheet_bf16_tflops("NVIDIA L40S") == 362.0
+    assert bert_flops.datasheet_bf16_tflops("AMD EPYC") is None
     from bertfast.bench import model_suite
     info = _fake_device("cuda")
     info.datasheet_bf16_tflops = 1000.0

@@ -12,10 +12,13 @@ import pytest
 import torch
 
 from bertfast import pretrain
-from bertfast import train_utils as tu
 from bertfast.data.loader import BatchSpec, PretrainingBatches, masking_config_for
 from bertfast.data.prepare import prepare_dataset
 from bertfast.data.shards import PretrainingData
+from bertfast.parity import ParityError
+from bertfast.training import checkpoints
+from bertfast.training import optim
+from bertfast.training.records import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,7 +46,7 @@ def _args(datasets, out, *extra):
 
 
 def _records(out, kind):
-    return [r for r in tu.read_jsonl(os.path.join(str(out), "metrics.jsonl")) if r.get("type") == kind]
+    return [r for r in read_jsonl(os.path.join(str(out), "metrics.jsonl")) if r.get("type") == kind]
 
 
 # --------------------------------------------------------------------------- end to end
@@ -69,7 +72,7 @@ def test_two_phase_run_logs_checkpoints_and_hf_layout(datasets, tmp_path):
     assert all(not p["diverged"] and p["loss_abs_diff"] < 1e-5 for p in parity)
     assert os.path.isfile(out / "loss.png")
     # Every 2 steps, keep the last 2.
-    assert [s for s, _ in tu.list_checkpoints(str(out / "checkpoints"))] == [4, 6]
+    assert [s for s, _ in checkpoints.list_checkpoints(str(out / "checkpoints"))] == [4, 6]
     ckpt = res.checkpoint
     assert ckpt.endswith("step_00000006")
     for name in ("config.json", "model.safetensors", "vocab.txt", "training_state.pt", "trainer_state.json"):
@@ -113,7 +116,7 @@ def test_resume_is_bit_exact(datasets, tmp_path):
     ckpt_dir = tmp_path / "split" / "checkpoints"
     # Debris of a run killed while saving: ignored, then cleaned up.
     os.makedirs(ckpt_dir / ".tmp_step_00000004_999")
-    assert [s for s, _ in tu.list_checkpoints(str(ckpt_dir))] == [3]
+    assert [s for s, _ in checkpoints.list_checkpoints(str(ckpt_dir))] == [3]
     second = pretrain.run(_args(datasets, tmp_path / "split", *dropout, "--resume"))
     assert not os.path.exists(ckpt_dir / ".tmp_step_00000004_999")
     resumed = {**first.losses, **second.losses}
@@ -134,19 +137,19 @@ def test_atomic_checkpoint_keeps_previous_on_failure(tmp_path):
     def good(tmp):
         open(os.path.join(tmp, "training_state.pt"), "w").write("x")
 
-    tu.atomic_checkpoint(d, 1, good)
+    checkpoints.atomic_checkpoint(d, 1, good)
 
     def crash(tmp):
         open(os.path.join(tmp, "training_state.pt"), "w").write("partial")
         raise KeyboardInterrupt("killed while saving")
 
     with pytest.raises(KeyboardInterrupt):
-        tu.atomic_checkpoint(d, 2, crash)
-    assert [s for s, _ in tu.list_checkpoints(d)] == [1]                  # the half-written one is invisible
-    assert tu.latest_checkpoint(d).endswith("step_00000001")
+        checkpoints.atomic_checkpoint(d, 2, crash)
+    assert [s for s, _ in checkpoints.list_checkpoints(d)] == [1]                  # the half-written one is invisible
+    assert checkpoints.latest_checkpoint(d).endswith("step_00000001")
     for step in (2, 3, 4):
-        tu.atomic_checkpoint(d, step, good, keep_last=2)
-    assert [s for s, _ in tu.list_checkpoints(d)] == [3, 4]
+        checkpoints.atomic_checkpoint(d, step, good, keep_last=2)
+    assert [s for s, _ in checkpoints.list_checkpoints(d)] == [3, 4]
 
 
 # --------------------------------------------------------------------------- DDP on CPU
@@ -211,7 +214,7 @@ def test_parity_strict_stops_and_names_the_divergent_op(datasets, tmp_path, monk
         assert res.parity[0]["first_divergent_op"] == "bias_gelu" and res.final_step == 6
         assert "DIVERGED" in capsys.readouterr().out
         # With it: the run stops at the first check and names the op.
-        with pytest.raises(pretrain.ParityError) as info:
+        with pytest.raises(ParityError) as info:
             pretrain.run(_args(datasets, tmp_path / "p", "--parity-every", "2", "--parity-strict"))
         assert info.value.step == 2 and info.value.report["first_divergent_op"] == "bias_gelu"
         assert "first divergent op: bias_gelu" in str(info.value)
@@ -228,7 +231,7 @@ def test_lamb_matches_its_formula_and_param_groups():
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(5, 4))
     b = torch.nn.Parameter(torch.randn(4))
-    opt = tu.Lamb([{"params": [w], "weight_decay": 0.01}, {"params": [b], "weight_decay": 0.0}],
+    opt = optim.Lamb([{"params": [w], "weight_decay": 0.01}, {"params": [b], "weight_decay": 0.0}],
                   lr=0.1, betas=(0.9, 0.99), eps=1e-6)
     w0, b0 = w.detach().clone(), b.detach().clone()
     m = v = None
@@ -246,7 +249,7 @@ def test_lamb_matches_its_formula_and_param_groups():
 
     import bertfast
     model = bertfast.BertForPreTraining(bertfast.BertConfig.preset("tiny"))
-    decay, no_decay = tu.parameter_groups(model, 0.01)
+    decay, no_decay = optim.parameter_groups(model, 0.01)
     names = {id(p): n for n, p in model.named_parameters()}
     assert no_decay["weight_decay"] == 0.0 and decay["weight_decay"] == 0.01
     assert all(n.endswith("bias") or "LayerNorm" in n for n in (names[id(p)] for p in no_decay["params"]))

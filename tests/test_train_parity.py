@@ -10,7 +10,7 @@ import torch
 
 import bertfast
 from bertfast import pretrain
-from bertfast import train_utils as tu
+from bertfast.training.optim import build_optimizer, warmup_linear_decay
 from bertfast.data.loader import BatchSpec, PretrainingBatches, masking_config_for
 from bertfast.data.prepare import prepare_dataset
 from bertfast.data.shards import PretrainingData
@@ -28,8 +28,8 @@ def data_dir(tmp_path_factory):
 
 def _train(model, batches, steps=STEPS, lr=1e-3):
     torch.manual_seed(1)
-    opt = tu.build_optimizer(model, "adamw", lr, 0.01)
-    sched = tu.warmup_linear_decay(opt, 5, steps)
+    opt = build_optimizer(model, "adamw", lr, 0.01)
+    sched = warmup_linear_decay(opt, 5, steps)
     model.train()
     losses = []
     for step in range(steps):

@@ -22,6 +22,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from bertfast.bench.timing import Stat, TimingPolicy, time_fn
+from bertfast.flops import datasheet_bf16_tflops
 
 
 def slugify(name: str) -> str:
@@ -57,23 +58,6 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "cpu"
-
-
-# Dense bf16 tensor-core peaks from the vendor's datasheets, TFLOP/s (no sparsity), matched on the
-# device name in order: the first pattern that is a substring of the lower-cased name wins.
-DATASHEET_BF16_TFLOPS = (
-    ("h200", 989.4),
-    ("h100 nvl", 835.0),
-    ("h100 pcie", 756.0),
-    ("h100", 989.4),  # SXM ("NVIDIA H100 80GB HBM3")
-    ("a100", 312.0),
-)
-
-
-def datasheet_bf16_tflops(name: str) -> Optional[float]:
-    """The datasheet dense bf16 peak of a GPU by name; None for an unknown GPU or a CPU."""
-    lowered = name.lower()
-    return next((peak for pattern, peak in DATASHEET_BF16_TFLOPS if pattern in lowered), None)
 
 
 def compiler_status() -> Dict[str, Any]:

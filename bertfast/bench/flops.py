@@ -15,16 +15,15 @@ Conventions (stated in every report):
   comparable across them; % of the copy bandwidth measured in the same run.
 * GEMM-bound ops (mlm_head_loss_decoder / MLM head): 2 flops per multiply-add; backward = 2 x
   forward (grad input and grad weight).
-* Model: training-step FLOPs = 3 x forward FLOPs (backward = 2 x forward; the model's FLOPs,
-  no recomputation counted), counted on real tokens only: per layer
-  2 * T * (4 H^2 + 2 H I) for the linear layers plus 4 * sum_b(len_b^2) * H for attention,
-  the pooler and NSP classifier per sequence, the MLM head (transform + decoder) at the
-  labelled positions only (the work the loss needs). Embedding gathers, LayerNorm, softmax
-  and the optimizer are not counted. MFU = model FLOPs / time / measured peak matmul rate.
+* Model: ``bertfast.flops``, the model FLOPs ``bertfast pretrain`` reports MFU with too
+  (real tokens only, training step = 3 x forward); MFU = model FLOPs / time / the measured
+  peak matmul rate, and against the datasheet dense bf16 peak.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Sequence
+
+from bertfast.flops import mlm_head_flops
 
 ATTENTION_BWD_FACTOR = 2.5
 DIRECTIONS = ("fwd", "bwd", "fwd+bwd")
@@ -99,49 +98,8 @@ def mlm_head_loss_decoder_flops(m: int, h: int, vocab: int, direction: str) -> f
 def mlm_head_loss_flops(m: int, h: int, vocab: int, direction: str) -> float:
     """MLM head at M rows: transform dense [H,H] + decoder [V,H] (GELU/LN not counted)."""
     _check_direction(direction)
-    fwd = 2.0 * m * h * (h + vocab)
+    fwd = mlm_head_flops(m, h, vocab)
     return {"fwd": fwd, "bwd": 2 * fwd, "fwd+bwd": 3 * fwd}[direction]
-
-
-# --------------------------------------------------------------------------- model
-def encoder_forward_flops(hidden: int, layers: int, intermediate: int, lengths: Sequence[int]) -> float:
-    tokens = sum(int(n) for n in lengths)
-    linear = 2.0 * tokens * (4 * hidden * hidden + 2 * hidden * intermediate)
-    attn = 4.0 * _sum_squares(lengths) * hidden
-    return layers * (linear + attn)
-
-
-def bert_forward_flops(config, lengths: Sequence[int], head: str = "pretraining",
-                       n_predictions: Optional[int] = None, num_labels: int = 2) -> float:
-    """Forward FLOPs of a BERT model on real tokens.
-
-    head: 'none' (BertModel: encoder + pooler), 'pretraining' (+ MLM head at ``n_predictions``
-    labelled positions + NSP), 'classification' (+ [CLS] classifier with ``num_labels``).
-    """
-    h, b = config.hidden_size, len(lengths)
-    flops = encoder_forward_flops(h, config.num_hidden_layers, config.intermediate_size, lengths)
-    flops += 2.0 * b * h * h  # pooler on [CLS]
-    if head == "none":
-        return flops
-    if head == "pretraining":
-        if n_predictions is None:
-            raise ValueError("head='pretraining' needs n_predictions (the number of labelled MLM positions)")
-        return flops + mlm_head_loss_flops(n_predictions, h, config.vocab_size, "fwd") + 2.0 * b * h * 2
-    if head == "classification":
-        return flops + 2.0 * b * h * num_labels
-    raise ValueError(f"head must be 'none', 'pretraining' or 'classification', got {head!r}")
-
-
-def training_step_flops(forward_flops: float) -> float:
-    """Forward + backward (= 2 x forward) model FLOPs."""
-    return 3.0 * forward_flops
-
-
-def mfu(model_flops: float, seconds: float, peak_flops_per_s: float) -> float:
-    """Model FLOPs utilisation as a fraction (0.5 = 50%)."""
-    if seconds <= 0 or peak_flops_per_s <= 0:
-        raise ValueError(f"seconds and peak must be > 0, got {seconds}, {peak_flops_per_s}")
-    return model_flops / seconds / peak_flops_per_s
 
 
 def gbps(nbytes: float, ms: float) -> float:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from bertfast.bench import flops as W
+from bertfast import flops as bert_flops
 from bertfast.bench.common import (SuiteContext, compile_skip_reason, describe_lengths, free_memory, generator_for,
                                    mask_from, sequence_lengths, short_error, strict_fp32)
 from bertfast.bench.results import (BERTFAST, BERTFAST_REFERENCE, ERROR, FAILED_PARITY, HF_COMPILED, HF_EAGER, Row,
@@ -409,7 +409,8 @@ def run(ctx: SuiteContext) -> List[Row]:
             gen = generator_for("pretrain", preset, seqlen, batch_size)
             lengths = sequence_lengths("pretrain", batch_size, seqlen, gen)
             batch, n_pred = pretrain_batch(config, lengths, seqlen, gen, dev)
-            flops = W.training_step_flops(W.bert_forward_flops(config, lengths, "pretraining", n_pred))
+            flops = bert_flops.training_step_flops(
+                bert_flops.bert_forward_flops(config, lengths, "pretraining", n_pred))
             case = {"model": preset, "seqlen": seqlen, "batch": batch_size, "lengths": "pretrain",
                     **describe_lengths(lengths, seqlen), "predictions": n_pred}
             rows += bench_or_skip("pretrain_step", case, "step", "pretrain", batch, lengths, flops, policy)
@@ -424,8 +425,8 @@ def run(ctx: SuiteContext) -> List[Row]:
             for label, lengths in (("padded", padded), ("no-padding", full)):
                 ctx.log(f"[model] finetune {preset} seq {seqlen} {label} batch {len(lengths)}")
                 batch = classification_batch(config, lengths, seqlen, gen, dev)
-                flops = W.training_step_flops(W.bert_forward_flops(config, lengths, "classification",
-                                                                   num_labels=config.num_labels))
+                flops = bert_flops.training_step_flops(
+                    bert_flops.bert_forward_flops(config, lengths, "classification", num_labels=config.num_labels))
                 case = {"model": preset, "seqlen": seqlen, "batch": len(lengths), "lengths": label,
                         **describe_lengths(lengths, seqlen)}
                 rows += bench_or_skip("finetune_step", case, "step", "finetune", batch, lengths, flops, policy)
@@ -437,7 +438,7 @@ def run(ctx: SuiteContext) -> List[Row]:
             gen = generator_for("inference", preset, seqlen, batch_size)
             lengths = sequence_lengths("none", batch_size, seqlen, gen)
             batch = inference_batch(config, lengths, seqlen, gen, dev)
-            flops = W.bert_forward_flops(config, lengths, "none")
+            flops = bert_flops.bert_forward_flops(config, lengths, "none")
             case = {"model": preset, "seqlen": seqlen, "batch": batch_size, "lengths": "none",
                     **describe_lengths(lengths, seqlen)}
             rows += bench_or_skip("inference", case, "inference", "inference", batch, lengths, flops, policy)

@@ -1,0 +1,84 @@
+"""The optimizer step both ``bertfast pretrain`` and ``bertfast finetune`` run.
+
+One step = the micro-batches of one global batch: each forward runs under the run's
+precision (``training.precision``), each loss is divided by the number of micro-batches and
+back-propagated (scaled under fp16), gradients are synchronised across ranks on the last
+micro-batch only (``no_sync``), then clipped, and the optimizer and the schedule advance.
+Nothing here reads a value back to the host: the gradient norm stays a device tensor.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Dict, Optional, Sequence
+
+import torch
+
+from bertfast.training.precision import autocast_context
+
+Batch = Dict[str, torch.Tensor]
+
+
+@dataclass
+class StepResult:
+    outputs: list            # the model output of each micro-batch (losses not detached)
+    grad_norm: torch.Tensor  # before clipping, a device scalar
+    lr: float                # the learning rate the step used
+
+
+class TrainStep:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, device: torch.device, precision: str,
+                 max_grad_norm: Optional[float] = None,
+                 no_sync: Optional[Callable[[], ContextManager[Any]]] = None):
+        """``model`` holds the parameters that are clipped; ``no_sync()`` (DDP/FSDP) suspends the
+        gradient all-reduce on all but the last micro-batch."""
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.device, self.precision = device, precision
+        self.max_grad_norm = max_grad_norm if max_grad_norm and max_grad_norm > 0 else float("inf")
+        self.no_sync = no_sync
+        self.scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+
+    def autocast(self) -> ContextManager[Any]:
+        return autocast_context(self.device, self.precision)
+
+    def forward(self, model: Callable[..., Any], batch: Batch, **kwargs: Any) -> Any:
+        with self.autocast():
+            return model(**batch, **kwargs)
+
+    def __call__(self, micro_batches: Sequence[Batch], forward: Callable[[Batch], Any]) -> StepResult:
+        """Run one step; ``forward(batch)`` returns a model output with ``.loss`` (call ``self.forward``)."""
+        count = len(micro_batches)
+        outputs = []
+        for j, batch in enumerate(micro_batches):
+            last = j == count - 1
+            sync = self.no_sync() if (self.no_sync is not None and not last) else contextlib.nullcontext()
+            with sync:
+                out = forward(batch)
+                loss = out.loss / count
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            outputs.append(out)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
+            grad_norm = grad_norm.full_tensor()
+        lr = self.scheduler.get_last_lr()[0]
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return StepResult(outputs, grad_norm, lr)
+
+    # The optimizer's state is saved by the caller (FSDP gathers it); these are the rest.
+    def state_dict(self) -> Dict[str, Any]:
+        return {"scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
