@@ -29,12 +29,14 @@ and LayerNorm, 10k warm-up steps then linear decay; batch 256. Here:
 ``bertfast pretrain`` with no arguments (or ``--demo``) runs a short demonstration: a small
 BERT on the embedded corpus (the standard library's docstrings, prepared on the fly into
 ``runs/demo``), with throughput and parity checks printed; a few minutes on a 2-core CPU.
-Options can also come from a JSON file: ``--config run.json`` (keys are option names).
+Options can also come from a JSON file: ``--config run.json`` (keys are option names). Every
+option is a typed, checked field of ``training.config.PretrainConfig``; the resolved settings are
+saved as ``OUTPUT_DIR/run_config.json``, and ``--resume`` starts from them.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -57,126 +59,48 @@ from bertfast.parity import ParityError
 from bertfast.training import checkpoints as ckpt
 from bertfast.training.distributed import (DistInfo, all_reduce_max, all_reduce_sum, any_rank, broadcast_object,
                                            gather_objects, init_distributed)
+from bertfast.training.config import DEMO_MODEL, DEMO_VOCAB_SIZE, PretrainConfig, load_json
 from bertfast.training.optim import build_optimizer, warmup_linear_decay
-from bertfast.training.options import load_json_config, parse_overrides, set_parser_defaults
+from bertfast.training.options import parse_overrides
 from bertfast.training.precision import resolve_precision
 from bertfast.training.records import MetricsLogger, RunningSums, format_duration, plot_loss_curve, read_jsonl
 from bertfast.training.step import StepResult, TrainStep
 
 TOKENIZER_FILES = ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
 
-# The demonstration run: a small BERT that trains in minutes on a laptop CPU.
-# Its vocabulary, made by WordPiece.train(embedded corpus, 4096) and shipped with the package.
+# The demonstration run's vocabulary, made by WordPiece.train(embedded corpus, 4096) and shipped
+# with the package (the run's settings: the "demo" preset of PretrainConfig).
 DEMO_VOCAB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo_vocab.txt")
-DEMO_VOCAB_SIZE = 4096
-DEMO_MODEL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512,
-                  max_position_embeddings=512)
-DEMO = dict(preset="demo", output_dir=os.path.join("runs", "demo"), phase1_steps=270, phase2_steps=30,
-            global_batch_size=32, micro_batch_size=32, phase2_global_batch_size=8, phase2_micro_batch_size=8, lr=1e-3,
-            warmup_steps=30, log_every=10, eval_every=100, eval_batches=4, save_every=100, parity_every=100,
-            keep_last=2, demo_vocab_size=DEMO_VOCAB_SIZE, threads=1)
 
 
 # ============================================================================ arguments
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bertfast pretrain", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config", help="JSON file of options (keys = option names); flags override it")
-    p.add_argument("--demo", action="store_true", help="short demonstration run on the embedded corpus")
-    g = p.add_argument_group("model")
-    g.add_argument("--preset", default="bert-base",
-                   help="tiny | small | bert-base | bert-large | demo (the --demo model: L=2 H=128 A=2)")
-    g.add_argument("--model-config", help="a config.json (or a directory holding one) instead of --preset")
-    g.add_argument("--init-checkpoint", help="start from the weights of this checkpoint directory")
-    g.add_argument("--set", dest="config_overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a BertConfig field, e.g. --set hidden_dropout_prob=0.0 (repeatable)")
-    g.add_argument("--vocab-multiple", type=int, default=8,
-                   help="round the vocabulary size up to this multiple (tensor-core friendly)")
-    g.add_argument("--execution", choices=("fast", "reference"), default="fast",
-                   help="train through the fast unpadded path or the plain reference encoder")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model")
-    g = p.add_argument_group("data")
-    g.add_argument("--data", help="phase-1 dataset directory (bertfast prepare, e.g. --max-seq-len 128)")
-    g.add_argument("--data-phase2", help="phase-2 dataset directory (e.g. --max-seq-len 512)")
-    g.add_argument("--eval-data", help="dataset whose 'eval' split is the held-out set (default: the phase's)")
-    g.add_argument("--static-shapes", action="store_true",
-                   help="pad every batch to max_seq_len and gather a fixed max_predictions_per_seq")
-    g.add_argument("--max-predictions-per-seq", type=int, default=None,
-                   help="cap on masked tokens per sequence (default: none; ceil(0.15*L) with --static-shapes)")
-    g.add_argument("--masked-lm-prob", type=float, default=None, help="default: the dataset's (0.15)")
-    g.add_argument("--pad-to-multiple-of", type=int, default=8)
-    g.add_argument("--prefetch", type=int, default=2, help="micro-batch sets built ahead in a thread (0: off)")
-    g = p.add_argument_group("schedule")
-    g.add_argument("--phase1-steps", type=int, default=None)
-    g.add_argument("--phase2-steps", type=int, default=None)
-    g.add_argument("--total-steps", type=int, default=None, help="with --phase2-fraction, instead of phase steps")
-    g.add_argument("--phase2-fraction", type=float, default=0.1)
-    g.add_argument("--global-batch-size", type=int, default=256)
-    g.add_argument("--micro-batch-size", type=int, default=32)
-    g.add_argument("--phase2-global-batch-size", type=int, default=None)
-    g.add_argument("--phase2-micro-batch-size", type=int, default=None)
-    g.add_argument("--optimizer", choices=("adamw", "lamb"), default="adamw")
-    g.add_argument("--lr", type=float, default=1e-4)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--beta1", type=float, default=0.9)
-    g.add_argument("--beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-6)
-    g.add_argument("--warmup-steps", type=int, default=None, help="default: 1%% of the steps (10k of 1M)")
-    g.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping")
-    g.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
-                   help="auto: bf16 autocast on CUDA, fp32 on CPU")
-    g.add_argument("--seed", type=int, default=42)
-    g = p.add_argument_group("distributed")
-    g.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
-    g.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP, for large models")
-    g.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's; the demo uses 1, which is fastest on a shared CPU)")
-    g = p.add_argument_group("checkpoints and logging")
-    g.add_argument("--output-dir", default=os.path.join("runs", "pretrain"))
-    g.add_argument("--save-every", type=int, default=1000)
-    g.add_argument("--keep-last", type=int, default=3)
-    g.add_argument("--resume", nargs="?", const="auto", default=None,
-                   help="resume from a checkpoint directory, or 'auto' (the latest in OUTPUT_DIR/checkpoints)")
-    g.add_argument("--stop-at-step", type=int, default=None,
-                   help="save a checkpoint and stop after this step (the run can be resumed)")
-    g.add_argument("--log-every", type=int, default=10)
-    g.add_argument("--eval-every", type=int, default=500, help="0 disables")
-    g.add_argument("--eval-batches", type=int, default=20, help="micro-batches per evaluation (over all ranks)")
-    g.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard (if installed)")
-    g.add_argument("--no-progress", action="store_true")
-    g.add_argument("--no-plot", action="store_true")
-    g = p.add_argument_group("parity")
-    g.add_argument("--parity-every", type=int, default=0, help="0 disables")
-    g.add_argument("--parity-threshold", type=float, default=1e-3,
-                   help="relative difference of loss, logits or gradient norm that counts as divergence (the check runs "
-                        "in fp32 with dropout off, where fast and reference agree to ~1e-6)")
-    g.add_argument("--parity-strict", action="store_true", help="stop at the first divergence")
-    g.add_argument("--demo-vocab-size", type=int, default=DEMO_VOCAB_SIZE, help=argparse.SUPPRESS)
-    g.add_argument("--demo-corpus-max-docs", type=int, default=None, help=argparse.SUPPRESS)
-    return p
-
-
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Flags over the JSON ``--config`` file over the demo settings over the defaults.
+def parse_args(argv: Optional[Sequence[str]] = None) -> PretrainConfig:
+    """Flags over the JSON ``--config`` file over the saved run (``--resume``) over the demo preset
+    over the defaults.
 
     The demo runs with ``--demo``, and also when neither ``--data``, ``--data-phase2`` nor
-    ``--config`` is given (so ``bertfast pretrain`` alone runs it).
+    ``--config`` is given (so ``bertfast pretrain`` alone runs it). A resumed run starts from the
+    run_config.json its output directory holds.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    pre, _ = parser.parse_known_args(argv)
-    values = load_json_config(pre.config) if pre.config else {}
-    no_data = not (pre.data or pre.data_phase2 or pre.config)
-    if pre.demo or values.get("demo") or no_data:
-        parser.set_defaults(**DEMO)
-        parser.set_defaults(demo=True)
-    if values:
-        set_parser_defaults(parser, values, pre.config)
-    return parser.parse_args(argv)
+    parser = PretrainConfig.parser("bertfast pretrain", __doc__.split("\n\n")[0])
+    flags = vars(parser.parse_args(argv))
+    path = flags.pop("config", None)
+    from_file = load_json(path) if path else {}
+    demo = flags.get("demo") or from_file.get("demo") or not (flags.get("data") or flags.get("data_phase2") or path)
+    config = PretrainConfig.from_preset("demo") if demo else PretrainConfig()
+    if from_file:
+        config = PretrainConfig.from_dict(from_file, path, base=config)
+    config = PretrainConfig.from_dict(flags, "the command line", base=config)
+    if config.resume:
+        saved = PretrainConfig.load(config.output_dir)
+        if saved is not None:
+            config = config.over_saved(saved, {**from_file, **flags})
+    return config
 
 
 # ============================================================================ set-up
-def prepare_demo_data(args: argparse.Namespace, info: DistInfo, log) -> None:
+def prepare_demo_data(args: PretrainConfig, info: DistInfo, log) -> PretrainConfig:
     """Prepare the two demo datasets (seq 128 and 512) from the embedded corpus (rank 0 only)."""
     from bertfast.data.prepare import prepare_dataset
 
@@ -194,35 +118,31 @@ def prepare_demo_data(args: argparse.Namespace, info: DistInfo, log) -> None:
         prepare_dataset([], d2, vocab=d1, max_seq_len=512, workers=None, progress=not args.no_progress, log=log,
                         corpus_cache=cache, corpus_max_docs=args.demo_corpus_max_docs)
     info.barrier()
-    args.data = args.data or d1
-    args.data_phase2 = args.data_phase2 or d2
+    return dataclasses.replace(args, data=args.data or d1, data_phase2=args.data_phase2 or d2)
 
 
-def resolve_steps(args: argparse.Namespace) -> None:
-    if args.phase1_steps is None and args.phase2_steps is None:
+def resolve_steps(args: PretrainConfig) -> PretrainConfig:
+    """The configuration with its derived values filled in: phase steps, phase-2 batch sizes, warm-up."""
+    phase1, phase2 = args.phase1_steps, args.phase2_steps
+    if phase1 is None and phase2 is None:
         if args.total_steps is None:
             raise ValueError("give --phase1-steps/--phase2-steps or --total-steps (with --phase2-fraction)")
-        if not 0.0 <= args.phase2_fraction < 1.0:
-            raise ValueError(f"--phase2-fraction must be in [0, 1), got {args.phase2_fraction}")
-        args.phase2_steps = int(round(args.total_steps * args.phase2_fraction))
-        args.phase1_steps = args.total_steps - args.phase2_steps
-    args.phase1_steps = args.phase1_steps or 0
-    args.phase2_steps = args.phase2_steps or 0
-    if args.phase1_steps < 0 or args.phase2_steps < 0 or args.phase1_steps + args.phase2_steps == 0:
-        raise ValueError(f"need a positive number of steps, got phase1={args.phase1_steps} "
-                         f"phase2={args.phase2_steps}")
-    if args.phase2_steps and not args.data_phase2:
+        phase2 = int(round(args.total_steps * args.phase2_fraction))
+        phase1 = args.total_steps - phase2
+    phase1, phase2 = phase1 or 0, phase2 or 0
+    if phase1 + phase2 == 0:
+        raise ValueError(f"need a positive number of steps, got phase1={phase1} phase2={phase2}")
+    if phase2 and not args.data_phase2:
         raise ValueError("phase 2 needs --data-phase2 (a dataset prepared with --max-seq-len 512)")
-    if args.phase1_steps and not args.data:
+    if phase1 and not args.data:
         raise ValueError("phase 1 needs --data (a dataset from `bertfast prepare`)")
-    args.phase2_global_batch_size = args.phase2_global_batch_size or args.global_batch_size
-    args.phase2_micro_batch_size = args.phase2_micro_batch_size or args.micro_batch_size
-    total = args.phase1_steps + args.phase2_steps
-    if args.warmup_steps is None:
-        args.warmup_steps = max(1, int(round(0.01 * total)))
+    warmup = args.warmup_steps if args.warmup_steps is not None else max(1, int(round(0.01 * (phase1 + phase2))))
+    return dataclasses.replace(args, phase1_steps=phase1, phase2_steps=phase2, warmup_steps=warmup,
+                               phase2_global_batch_size=args.phase2_global_batch_size or args.global_batch_size,
+                               phase2_micro_batch_size=args.phase2_micro_batch_size or args.micro_batch_size)
 
 
-def build_config(args: argparse.Namespace, vocab_size: int, max_seq_len: int) -> BertConfig:
+def build_config(args: PretrainConfig, vocab_size: int, max_seq_len: int) -> BertConfig:
     overrides = parse_overrides(args.config_overrides)
     if args.init_checkpoint:
         config = BertConfig.from_pretrained(args.init_checkpoint, **overrides)
@@ -334,7 +254,7 @@ class Pretrainer:
     WINDOW = ("loss", "mlm_loss", "nsp_loss", "mlm_correct", "nsp_correct", "tokens", "sum_len_sq", "predictions",
               "sequences")
 
-    def __init__(self, args: argparse.Namespace, info: DistInfo):
+    def __init__(self, args: PretrainConfig, info: DistInfo):
         self.args, self.info = args, info
         self.device = info.device
         self.precision = resolve_precision(args.precision, self.device)
@@ -361,6 +281,7 @@ class Pretrainer:
         if info.is_main:
             os.makedirs(args.output_dir, exist_ok=True)
             ckpt.remove_stale_temp(self.ckpt_dir)
+            args.save(args.output_dir)  # the resolved settings: --resume reads them back
         self.log_records = MetricsLogger(os.path.join(args.output_dir, "metrics.jsonl"),
                                          os.path.join(args.output_dir, "tensorboard") if args.tensorboard else None,
                                          enabled=info.is_main, append=bool(resume_from))
@@ -445,8 +366,7 @@ class Pretrainer:
                      "rng": rng, "world_size": info.world_size,
                      "data": {"phase": phase.index, "phase_step": self.step - phase.start,
                               "samples_seen_in_phase": (self.step - phase.start) * phase.spec.global_batch_size},
-                     "args": {k: v for k, v in vars(args).items()
-                              if isinstance(v, (int, float, str, bool, type(None), list))}}
+                     "args": args.to_dict()}
 
             def write(tmp: str) -> None:
                 model_to_save.save_pretrained(tmp)
@@ -704,16 +624,16 @@ def _fsdp_no_sync(model):
 
 
 # ============================================================================ entry points
-def run(args: argparse.Namespace) -> RunResult:
-    """Pre-train with parsed arguments (see ``build_parser``); returns the losses and evaluations."""
+def run(args: PretrainConfig) -> RunResult:
+    """Pre-train with a configuration (``parse_args`` or ``PretrainConfig``); returns the losses and evaluations."""
     if args.threads:
         torch.set_num_threads(args.threads)
     info = init_distributed(args.device)
     try:
         log = (lambda m: print(m, flush=True)) if info.is_main else (lambda m: None)
         if args.demo:
-            prepare_demo_data(args, info, log)
-        resolve_steps(args)
+            args = prepare_demo_data(args, info, log)
+        args = resolve_steps(args)
         trainer = Pretrainer(args, info)
         trainer.setup()
         t0 = time.time()

@@ -18,6 +18,7 @@ from bertfast.data.shards import PretrainingData
 from bertfast.parity import ParityError
 from bertfast.training import checkpoints
 from bertfast.training import optim
+from bertfast.training.config import PretrainConfig
 from bertfast.training.records import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,7 +118,11 @@ def test_resume_is_bit_exact(datasets, tmp_path):
     # Debris of a run killed while saving: ignored, then cleaned up.
     os.makedirs(ckpt_dir / ".tmp_step_00000004_999")
     assert [s for s, _ in checkpoints.list_checkpoints(str(ckpt_dir))] == [3]
-    second = pretrain.run(_args(datasets, tmp_path / "split", *dropout, "--resume"))
+    # The run directory holds the run's settings: --resume needs nothing else (where to stop is not kept).
+    again = pretrain.parse_args(["--output-dir", str(tmp_path / "split"), "--resume", "--no-progress"])
+    assert again.stop_at_step is None and again.resume == "auto"
+    assert again.data == datasets[0] and again.lr == 1e-3 and again.config_overrides == dropout[1::2]
+    second = pretrain.run(again)
     assert not os.path.exists(ckpt_dir / ".tmp_step_00000004_999")
     resumed = {**first.losses, **second.losses}
     assert resumed == full.losses                                         # exactly equal floats
@@ -272,6 +277,42 @@ def test_config_file_and_errors(datasets, tmp_path):
                           "--no-progress", "--output-dir", str(tmp_path / "x")]) == 2
     with pytest.raises(ValueError, match="global batch size 6 must be a multiple"):
         BatchSpec(6, 4)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"lr": None}, r"--lr expects a number, got None"),
+    ({"global_batch_size": "32"}, r"--global-batch-size expects an integer, got '32'"),
+    ({"phase1_steps": 2.5}, r"--phase1-steps expects an integer or null, got 2.5"),
+    ({"static_shapes": "yes"}, r"--static-shapes expects true or false, got 'yes'"),
+    ({"set": "hidden_dropout_prob=0"}, r"--set expects a list of strings"),
+    ({"optimizer": "sgd"}, r"--optimizer must be one of \['adamw', 'lamb'\], got 'sgd'"),
+    ({"micro_batch_size": 0}, r"--micro-batch-size must be > 0, got 0"),
+    ({"max_predictions_per_seq": 0}, r"--max-predictions-per-seq must be > 0, got 0"),
+    ({"phase2_fraction": 2}, r"--phase2-fraction must be in \[0, 1\), got 2"),
+    ({"lr": -1}, r"--lr must be > 0, got -1"),
+    ({"typo_option": 1}, r"unknown option 'typo_option'"),
+])
+def test_a_config_file_with_a_bad_value_names_the_option(tmp_path, values, message):
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps({"data": "d", **values}))
+    with pytest.raises(ValueError, match=f"{cfg}: {message}"):
+        pretrain.parse_args(["--config", str(cfg)])
+
+
+def test_a_bad_flag_value_names_the_option_and_the_saved_config_round_trips(tmp_path):
+    with pytest.raises(ValueError, match=r"the command line: --eval-batches must be > 0, got 0"):
+        pretrain.parse_args(["--data", "d", "--eval-batches", "0"])
+    config = pretrain.parse_args(["--data", "d", "--lr", "2e-4", "--set", "a=1", "--set", "b=2"])
+    config.save(str(tmp_path))
+    assert PretrainConfig.load(str(tmp_path)) == config
+    assert PretrainConfig.load(str(tmp_path / "nothing")) is None
+    (tmp_path / "run_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a JSON object of option names to values, got list"):
+        PretrainConfig.load(str(tmp_path))
+    demo = PretrainConfig.from_preset("demo")
+    assert demo.demo and demo.preset == "demo" and demo.phase1_steps == 270
+    with pytest.raises(ValueError, match="unknown preset 'paper'"):
+        PretrainConfig.from_preset("paper")
 
 
 def test_demo_entry_point(tmp_path, capsys):

@@ -7,7 +7,9 @@
   distributed  torchrun's process group and the collectives a run needs
   records      metrics.jsonl (and TensorBoard), named device-side sums, the loss plot
   precision    fp32 / bf16 / fp16 and the autocast context
-  options      JSON option files and ``--set KEY=VALUE`` overrides
+  config       typed, validated run configurations (``PretrainConfig``) with presets, their
+               command line, and run_config.json in the run directory
+  options      ``--set KEY=VALUE`` overrides and JSON option files (finetune's argparse)
 
 The MFU model is ``bertfast.flops``; the parity check during training is
 ``bertfast.parity.check_during_training``.

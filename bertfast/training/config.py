@@ -1,0 +1,324 @@
+"""Typed, validated run configurations: one dataclass per command (``PretrainConfig``), its command line built from
+its fields, named presets, and the resolved configuration saved in the run directory.
+
+A value comes from, highest first: the command line, a JSON file (``--config run.json``, keys
+are option names with ``-`` or ``_``), a preset, the field's default. Every value is checked
+against the field's type and choices before a run starts (a JSON ``null``, a string where a
+number belongs, an unknown key: an error naming the option, what was expected and what was
+given), then against the command's own rules (``check``).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import typing
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
+
+C = TypeVar("C", bound="RunConfig")
+
+
+def option(default: Any, help: str = "", *, group: str = "options", choices: Optional[Sequence[Any]] = None,
+           flag: Optional[str] = None, nargs: Optional[str] = None, const: Any = None, hidden: bool = False,
+           per_run: bool = True) -> Any:
+    """A dataclass field that is also a command-line option (``--field-name`` unless ``flag``).
+    ``per_run=False``: a setting of one invocation (where to stop, a progress bar), which a resumed
+    run does not take from the saved configuration."""
+    meta = {"help": help, "group": group, "choices": tuple(choices) if choices else None, "flag": flag,
+            "nargs": nargs, "const": const, "hidden": hidden, "per_run": per_run}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _describe(kind: Any) -> str:
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is typing.Union:
+        return " or ".join("null" if a is type(None) else _describe(a) for a in args)
+    if origin in (list, List):
+        return "a list of " + {int: "integers", float: "numbers", str: "strings"}.get(args[0], str(args[0]))
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(kind, str(kind))
+
+
+def _conforms(value: Any, kind: Any) -> bool:
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is typing.Union:
+        return any(_conforms(value, a) for a in args)
+    if kind is type(None):
+        return value is None
+    if origin in (list, List):
+        return isinstance(value, list) and all(_conforms(v, args[0]) for v in value)
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+class RunConfig:
+    """Base of the run configuration dataclasses (``PretrainConfig``, ``FinetuneConfig``)."""
+
+    PRESETS: ClassVar[Dict[str, Dict[str, Any]]] = {}
+    FILE: ClassVar[str] = "run_config.json"
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def fields(cls) -> Tuple[dataclasses.Field, ...]:
+        return dataclasses.fields(cls)
+
+    @classmethod
+    def types(cls) -> Dict[str, Any]:
+        return typing.get_type_hints(cls)
+
+    @classmethod
+    def from_dict(cls: Type[C], values: Dict[str, Any], source: str = "the configuration",
+                  base: Optional[C] = None) -> C:
+        """``base`` (or the defaults) with ``values`` (option names with '-' or '_') over it, checked."""
+        names = {f.name: f.name for f in cls.fields()}  # field names and flag names (``set``)
+        names.update({f.metadata["flag"].lstrip("-").replace("-", "_"): f.name
+                      for f in cls.fields() if f.metadata.get("flag")})
+        given = {}
+        for key, value in values.items():
+            name = names.get(key.lstrip("-").replace("-", "_"))
+            if name is None:
+                raise ValueError(f"{source}: unknown option {key!r}")
+            given[name] = value
+        config = dataclasses.replace(base, **given) if base is not None else cls(**given)
+        config.validate(source)
+        return config
+
+    @classmethod
+    def from_preset(cls: Type[C], name: str, **overrides: Any) -> C:
+        if name not in cls.PRESETS:
+            raise ValueError(f"unknown preset {name!r}; expected one of {sorted(cls.PRESETS)}")
+        return cls.from_dict({**cls.PRESETS[name], **overrides}, f"preset {name!r}")
+
+    # ------------------------------------------------------------------ checking
+    def validate(self, source: str = "the configuration") -> None:
+        types = self.types()
+        for f in self.fields():
+            value, kind = getattr(self, f.name), types[f.name]
+            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            if not _conforms(value, kind):
+                raise ValueError(f"{source}: {flag} expects {_describe(kind)}, got {value!r}")
+            choices = f.metadata.get("choices")
+            if choices and value is not None and value not in choices:
+                raise ValueError(f"{source}: {flag} must be one of {list(choices)}, got {value!r}")
+        try:
+            self.check()
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+    def check(self) -> None:
+        """The command's own rules (ranges, combinations); raise ValueError naming the option."""
+
+    # ------------------------------------------------------------------ the command line
+    @classmethod
+    def parser(cls, prog: str, description: str) -> argparse.ArgumentParser:
+        """Every field as an option; an option not given is absent from the parsed namespace."""
+        parser = argparse.ArgumentParser(prog=prog, description=description, argument_default=argparse.SUPPRESS)
+        parser.add_argument("--config", help="JSON file of options (keys = option names); flags override it")
+        groups: Dict[str, Any] = {}
+        types = cls.types()
+        for f in cls.fields():
+            meta = f.metadata
+            group = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
+            flag = meta.get("flag") or "--" + f.name.replace("_", "-")
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            text = argparse.SUPPRESS if meta.get("hidden") else f"{meta['help']} (default: {default})".lstrip()
+            kind = types[f.name]
+            base = kind  # Optional[X] -> X
+            if typing.get_origin(kind) is typing.Union:
+                base = next(a for a in typing.get_args(kind) if a is not type(None))
+            kwargs: Dict[str, Any] = {"dest": f.name, "help": text}
+            if kind is bool:
+                kwargs["action"] = "store_true"
+            elif typing.get_origin(base) in (list, List):
+                kwargs.update(action="append", metavar="VALUE")
+            else:
+                kwargs["type"] = base
+                if meta.get("choices"):
+                    kwargs["choices"] = meta["choices"]
+                if meta.get("nargs"):
+                    kwargs.update(nargs=meta["nargs"], const=meta["const"])
+            group.add_argument(flag, **kwargs)
+        return parser
+
+    @classmethod
+    def parse(cls: Type[C], parser: argparse.ArgumentParser, argv: Sequence[str],
+              base: Optional[C] = None) -> C:
+        """``base`` (or the defaults) under the JSON ``--config`` file under the flags."""
+        flags = vars(parser.parse_args(list(argv)))
+        path = flags.pop("config", None)
+        config = base if base is not None else cls.from_dict({})
+        if path:
+            config = cls.from_dict(load_json(path), path, base=config)
+        return cls.from_dict(flags, "the command line", base=config)
+
+    # ------------------------------------------------------------------ the run directory
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def save(self, directory: str) -> str:
+        """Write the configuration to ``directory/run_config.json`` (atomically)."""
+        path = os.path.join(directory, self.FILE)
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+        return path
+
+    def over_saved(self: C, saved: C, given: Dict[str, Any], source: str = "the command line") -> C:
+        """A resumed run: the ``saved`` run's settings, this invocation's own (``per_run=False``)
+        settings, and what ``given`` (this command line and file) changes."""
+        own = {f.name: getattr(self, f.name) for f in self.fields() if not f.metadata["per_run"]}
+        return self.from_dict(given, source, base=dataclasses.replace(saved, **own))
+
+    @classmethod
+    def load(cls: Type[C], directory: str) -> Optional[C]:
+        """The configuration saved in ``directory``, or None when it holds none."""
+        path = os.path.join(directory, cls.FILE)
+        if not os.path.isfile(path):
+            return None
+        return cls.from_dict(load_json(path), path)
+
+
+def load_json(path: str) -> Dict[str, Any]:
+    """A JSON object of options; errors name the file and line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a JSON object of option names to values, got {type(values).__name__}")
+    return values
+
+
+# --------------------------------------------------------------------------- bertfast pretrain
+# The demonstration run: a small BERT (DEMO_MODEL) that trains in minutes on a laptop CPU, with the
+# shipped demo_vocab.txt of DEMO_VOCAB_SIZE word pieces.
+DEMO_VOCAB_SIZE = 4096
+DEMO_MODEL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512,
+                  max_position_embeddings=512)
+DEMO = dict(demo=True, preset="demo", output_dir=os.path.join("runs", "demo"), phase1_steps=270, phase2_steps=30,
+            global_batch_size=32, micro_batch_size=32, phase2_global_batch_size=8, phase2_micro_batch_size=8, lr=1e-3,
+            warmup_steps=30, log_every=10, eval_every=100, eval_batches=4, save_every=100, parity_every=100,
+            keep_last=2, demo_vocab_size=DEMO_VOCAB_SIZE, threads=1)
+
+MODEL, DATA, SCHEDULE, DIST, LOGS, PARITY = ("model", "data", "schedule", "distributed", "checkpoints and logging",
+                                             "parity")
+
+
+@dataclass
+class PretrainConfig(RunConfig):
+    """Every option of ``bertfast pretrain``; saved as run_config.json in the output directory."""
+
+    demo: bool = option(False, "short demonstration run on the embedded corpus", group=MODEL)
+    preset: str = option("bert-base", "tiny | small | bert-base | bert-large | demo (the --demo model: L=2 H=128 "
+                                      "A=2)", group=MODEL)
+    model_config: Optional[str] = option(None, "a config.json (or a directory holding one) instead of --preset",
+                                         group=MODEL)
+    init_checkpoint: Optional[str] = option(None, "start from the weights of this checkpoint directory", group=MODEL)
+    config_overrides: List[str] = option([], "override a BertConfig field, e.g. --set hidden_dropout_prob=0.0 "
+                                             "(repeatable)", group=MODEL, flag="--set")
+    vocab_multiple: int = option(8, "round the vocabulary size up to this multiple (tensor-core friendly)",
+                                 group=MODEL)
+    execution: str = option("fast", "train through the fast unpadded path or the plain reference encoder",
+                            group=MODEL, choices=("fast", "reference"))
+    compile: bool = option(False, "torch.compile the model", group=MODEL)
+
+    data: Optional[str] = option(None, "phase-1 dataset directory (bertfast prepare, e.g. --max-seq-len 128)",
+                                 group=DATA)
+    data_phase2: Optional[str] = option(None, "phase-2 dataset directory (e.g. --max-seq-len 512)", group=DATA)
+    eval_data: Optional[str] = option(None, "dataset whose 'eval' split is the held-out set (default: the phase's)",
+                                      group=DATA)
+    static_shapes: bool = option(False, "pad every batch to max_seq_len and gather a fixed max_predictions_per_seq",
+                                 group=DATA)
+    max_predictions_per_seq: Optional[int] = option(None, "cap on masked tokens per sequence (default: none; "
+                                                          "ceil(0.15*L) with --static-shapes)", group=DATA)
+    masked_lm_prob: Optional[float] = option(None, "default: the dataset's (0.15)", group=DATA)
+    pad_to_multiple_of: int = option(8, group=DATA)
+    prefetch: int = option(2, "micro-batch sets built ahead in a thread (0: off)", group=DATA)
+
+    phase1_steps: Optional[int] = option(None, group=SCHEDULE)
+    phase2_steps: Optional[int] = option(None, group=SCHEDULE)
+    total_steps: Optional[int] = option(None, "with --phase2-fraction, instead of phase steps", group=SCHEDULE)
+    phase2_fraction: float = option(0.1, group=SCHEDULE)
+    global_batch_size: int = option(256, group=SCHEDULE)
+    micro_batch_size: int = option(32, group=SCHEDULE)
+    phase2_global_batch_size: Optional[int] = option(None, group=SCHEDULE)
+    phase2_micro_batch_size: Optional[int] = option(None, group=SCHEDULE)
+    optimizer: str = option("adamw", group=SCHEDULE, choices=("adamw", "lamb"))
+    lr: float = option(1e-4, group=SCHEDULE)
+    weight_decay: float = option(0.01, group=SCHEDULE)
+    beta1: float = option(0.9, group=SCHEDULE)
+    beta2: float = option(0.999, group=SCHEDULE)
+    adam_eps: float = option(1e-6, group=SCHEDULE)
+    warmup_steps: Optional[int] = option(None, "default: 1% of the steps (10k of 1M)", group=SCHEDULE)
+    max_grad_norm: float = option(1.0, "0 disables clipping", group=SCHEDULE)
+    precision: str = option("auto", "auto: bf16 autocast on CUDA, fp32 on CPU", group=SCHEDULE,
+                            choices=("auto", "fp32", "bf16", "fp16"))
+    seed: int = option(42, group=SCHEDULE)
+
+    device: Optional[str] = option(None, "default: cuda when available", group=DIST, choices=("cuda", "cpu"))
+    fsdp: bool = option(False, "FSDP2 (fully_shard) instead of DDP, for large models", group=DIST)
+    threads: Optional[int] = option(None, "torch CPU threads (default: torch's; the demo uses 1, which is fastest "
+                                          "on a shared CPU)", group=DIST, per_run=False)
+
+    output_dir: str = option(os.path.join("runs", "pretrain"), group=LOGS)
+    save_every: int = option(1000, group=LOGS)
+    keep_last: int = option(3, group=LOGS)
+    resume: Optional[str] = option(None, "resume from a checkpoint directory, or 'auto' (the latest in "
+                                         "OUTPUT_DIR/checkpoints)", group=LOGS, nargs="?", const="auto",
+                                 per_run=False)
+    stop_at_step: Optional[int] = option(None, "save a checkpoint and stop after this step (the run can be "
+                                               "resumed)", group=LOGS, per_run=False)
+    log_every: int = option(10, group=LOGS)
+    eval_every: int = option(500, "0 disables", group=LOGS)
+    eval_batches: int = option(20, "micro-batches per evaluation (over all ranks)", group=LOGS)
+    tensorboard: bool = option(False, "also log to TensorBoard (if installed)", group=LOGS)
+    no_progress: bool = option(False, group=LOGS, per_run=False)
+    no_plot: bool = option(False, group=LOGS, per_run=False)
+
+    parity_every: int = option(0, "0 disables", group=PARITY)
+    parity_threshold: float = option(1e-3, "relative difference of loss, logits or gradient norm that counts as "
+                                           "divergence (the check runs in fp32 with dropout off, where fast and "
+                                           "reference agree to ~1e-6)", group=PARITY)
+    parity_strict: bool = option(False, "stop at the first divergence", group=PARITY)
+    demo_vocab_size: int = option(DEMO_VOCAB_SIZE, group=PARITY, hidden=True)
+    demo_corpus_max_docs: Optional[int] = option(None, group=PARITY, hidden=True)
+
+    PRESETS: ClassVar[Dict[str, Dict[str, Any]]] = {"demo": DEMO}
+
+    def check(self) -> None:
+        positive = ("vocab_multiple", "pad_to_multiple_of", "global_batch_size", "micro_batch_size",
+                    "phase2_global_batch_size", "phase2_micro_batch_size", "log_every", "eval_batches",
+                    "max_predictions_per_seq", "threads", "demo_vocab_size", "stop_at_step")
+        at_least_zero = ("prefetch", "phase1_steps", "phase2_steps", "total_steps", "warmup_steps", "save_every",
+                         "keep_last", "eval_every", "parity_every", "weight_decay", "adam_eps", "max_grad_norm")
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+        for name in at_least_zero:
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"--beta1 and --beta2 must be in [0, 1), got {self.beta1} and {self.beta2}")
+        if not 0.0 <= self.phase2_fraction < 1.0:
+            raise ValueError(f"--phase2-fraction must be in [0, 1), got {self.phase2_fraction}")
+        if self.masked_lm_prob is not None and not 0.0 < self.masked_lm_prob < 1.0:
+            raise ValueError(f"--masked-lm-prob must be in (0, 1), got {self.masked_lm_prob}")
+        if not self.parity_threshold > 0:
+            raise ValueError(f"--parity-threshold must be > 0, got {self.parity_threshold}")
