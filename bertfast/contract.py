@@ -95,6 +95,15 @@ def check_approximate(approximate) -> str:
     return approximate
 
 
+def check_bias_gelu(x, bias, approximate):
+    """The bias_gelu launchers' arguments: rows x [N, F], bias [F] on x's device, a known GELU.
+    Returns (N, F)."""
+    n, f = check_rows("x", x)
+    check_vector("bias", bias, f, x.device)
+    check_approximate(approximate)
+    return n, f
+
+
 def check_eps(eps) -> float:
     eps = float(eps)
     if not (eps >= 0.0 and math.isfinite(eps)):

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bertfast.contract import check_approximate, check_rows, check_vector, row_stride
+from bertfast.contract import check_bias_gelu, check_rows, row_stride
 
 from ._common import autotune, launch
 from ._rows import MAX_ROWS_PER_TILE, n_bucket
@@ -169,17 +169,10 @@ def _row_groups(n: int, device: torch.device):
     return triton.cdiv(n, rpp), rpp
 
 
-def _check(x: torch.Tensor, bias: torch.Tensor, approximate: str):
-    n, f = check_rows("x", x)
-    check_vector("bias", bias, f, x.device)
-    check_approximate(approximate)
-    return n, f
-
-
 # --------------------------------------------------------------------------- launchers
 def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """y = GELU(x + bias): x [N, F], bias [F] -> y [N, F] in x's dtype."""
-    n, f = _check(x, bias, approximate)
+    n, f = check_bias_gelu(x, bias, approximate)
     y = torch.empty((n, f), dtype=x.dtype, device=x.device)
     if n == 0 or f == 0:
         return y
@@ -193,7 +186,7 @@ def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none"
 
 def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, approximate: str = "none"):
     """(dx [N, F] in x's dtype, dbias [F] in bias's dtype, summed in fp32) for y = GELU(x + bias)."""
-    n, f = _check(x, bias, approximate)
+    n, f = check_bias_gelu(x, bias, approximate)
     check_rows("dy", dy, n, f, dtypes=(x.dtype,), device=x.device)
     dx = torch.empty((n, f), dtype=x.dtype, device=x.device)
     if n == 0 or f == 0:

@@ -5,7 +5,7 @@ from typing import Tuple
 
 import torch
 
-from bertfast.contract import GELU_APPROXIMATIONS, check_approximate, check_rows, check_vector, row_stride
+from bertfast.contract import GELU_APPROXIMATIONS, check_bias_gelu, check_rows, row_stride
 from bertfast.cuda import _common as C
 
 _APPROX = {name: code for code, name in enumerate(GELU_APPROXIMATIONS)}  # the launcher's codes: 0 erf, 1 tanh
@@ -18,10 +18,7 @@ def unsupported(inputs) -> list:
 
 def _check(x, bias, approximate) -> Tuple[int, int]:
     C.on_device(x=x, bias=bias)
-    n, f = check_rows("x", x)
-    check_vector("bias", bias, f, x.device)
-    check_approximate(approximate)
-    return n, f
+    return check_bias_gelu(x, bias, approximate)
 
 
 def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
