@@ -15,15 +15,21 @@ Tasks (``--task``) and their heads, inputs and metrics:
 
 The model comes from a local checkpoint directory (``--model``: config.json, weights and
 vocab.txt, e.g. a ``bertfast pretrain`` checkpoint or a Hugging Face BERT directory), or is
-built fresh from ``--preset`` with ``--vocab`` (tests). Defaults follow the paper: batch 32,
-lr 3e-5 (the paper searches {5e-5, 3e-5, 2e-5}), 3 epochs, 10% linear warm-up then linear
-decay, AdamW with weight decay 0.01 (none on biases and LayerNorm), dropout 0.1. The
-fine-tuned model is saved in HF layout with the tokenizer files and the metrics.
-``--parity-every N`` checks the fast path against the reference on training batches.
+built fresh from ``--preset`` with ``--vocab`` (tests). Defaults follow the paper's GLUE
+settings: batch 32, lr 3e-5 (the paper picks among 5e-5, 4e-5, 3e-5 and 2e-5), 3 epochs, 10%
+linear warm-up then linear decay, AdamW with weight decay 0.01 (none on biases and LayerNorm),
+dropout 0.1; ``--recipe glue|squad-v1.1|squad-v2.0|swag`` takes the paper's settings for that
+benchmark. Every option is a typed, checked field of ``training.config.FinetuneConfig``.
+
+The run directory (``--output-dir``) holds run_config.json (the resolved settings), metrics.jsonl,
+a checkpoint at the end of every epoch (and every ``--save-every`` steps; SIGTERM or Ctrl-C
+saves one and stops) under checkpoints/, and at the end the fine-tuned model in HF layout with
+the tokenizer files, eval_results.json and, for SQuAD, predictions.json. ``--output-dir DIR
+--resume`` continues a stopped run exactly. ``--parity-every N`` checks the fast path against the
+reference on training batches.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -41,14 +47,14 @@ from bertfast.data.tasks import (DataFormatError, SquadExample, column, encode_p
                                  qa_features, qa_predictions, read_conll, read_squad, read_table,
                                  token_classification_features)
 from bertfast.data.tokenization import WordPiece
-from bertfast.training.checkpoints import seed_everything
+from bertfast.training import checkpoints as ckpt
+from bertfast.training.config import FinetuneConfig, parse_overrides
 from bertfast.training.optim import build_optimizer, warmup_linear_decay
-from bertfast.training.options import apply_config_file, parse_overrides
 from bertfast.training.precision import autocast_context, resolve_precision
-from bertfast.training.records import MetricsLogger
+from bertfast.training.records import MetricsLogger, read_jsonl
+from bertfast.training.signals import StopRequest
 from bertfast.training.step import TrainStep
 
-TASKS = ("classification", "regression", "token-classification", "qa", "multiple-choice")
 TEXT_A_CANDIDATES = ("sentence1", "sentence", "text", "question1", "premise", "text_a", "question")
 TEXT_B_CANDIDATES = ("sentence2", "question2", "hypothesis", "text_b")
 
@@ -60,8 +66,8 @@ class Task:
     model_class_name = ""
     main_metric = ""
 
-    def __init__(self, args: argparse.Namespace, tok: WordPiece):
-        self.args, self.tok = args, tok
+    def __init__(self, args: FinetuneConfig, tok: WordPiece, precision: str):
+        self.args, self.tok, self.precision = args, tok, precision
 
     def config_overrides(self) -> Dict[str, Any]:
         return {}
@@ -83,7 +89,7 @@ class Task:
         for i in range(0, len(features), bs):
             batch = pad_batch(features[i:i + bs], self.tok.pad_id, keys=keys)
             batch = {k: v.to(device) for k, v in batch.items()}
-            with autocast_context(device, self.args.resolved_precision):
+            with autocast_context(device, self.precision):
                 res = model(**batch)
             for k in outputs:
                 out[k].append(getattr(res, k).float().cpu().numpy())
@@ -94,8 +100,8 @@ class Task:
 class SequenceTask(Task):
     model_class_name = "BertForSequenceClassification"
 
-    def __init__(self, args, tok):
-        super().__init__(args, tok)
+    def __init__(self, args, tok, precision):
+        super().__init__(args, tok, precision)
         self.regression = args.task == "regression"
         self.main_metric = args.metric or ("pearson_spearman" if self.regression else "accuracy")
         self.labels: Optional[List[str]] = args.labels.split(",") if args.labels else None
@@ -166,8 +172,8 @@ class TokenTask(Task):
     model_class_name = "BertForTokenClassification"
     main_metric = "f1"
 
-    def __init__(self, args, tok):
-        super().__init__(args, tok)
+    def __init__(self, args, tok, precision):
+        super().__init__(args, tok, precision)
         self.labels: Optional[List[str]] = args.labels.split(",") if args.labels else None
 
     def load(self, path: str, train: bool):
@@ -207,12 +213,16 @@ class QATask(Task):
     model_class_name = "BertForQuestionAnswering"
     main_metric = "f1"
 
+    def __init__(self, args, tok, precision):
+        super().__init__(args, tok, precision)
+        self.version_2 = args.version_2  # None: v2.0 when the training file has unanswerable questions
+
     def load(self, path: str, train: bool):
         examples = read_squad(path)
         if not examples:
             raise DataFormatError(path, None, "no questions")
-        if self.args.version_2 is None and any(e.is_impossible for e in examples):
-            self.args.version_2 = True
+        if self.version_2 is None and any(e.is_impossible for e in examples):
+            self.version_2 = True
         feats = qa_features(self.tok, examples, self.args.max_seq_len, self.args.doc_stride,
                             self.args.max_query_length)
         features = []
@@ -229,7 +239,7 @@ class QATask(Task):
         out = self.predict(model, features, ("input_ids", "token_type_ids"), ("start_logits", "end_logits"))
         preds, diffs = qa_predictions(examples, [f["_qa"] for f in features], out["start_logits"],
                                       out["end_logits"], self.args.n_best, self.args.max_answer_length,
-                                      bool(self.args.version_2), self.args.null_score_diff_threshold)
+                                      bool(self.version_2), self.args.null_score_diff_threshold)
         golds = {e.qid: ([a for a, _ in e.answers] if not e.is_impossible else [""]) for e in examples}
         result = M.squad_em_f1(preds, golds)
         result["_predictions"] = preds
@@ -279,86 +289,29 @@ def _label_sort_key(label: str):
         return (1, 0.0, label)
 
 
-def make_task(args, tok) -> Task:
+def make_task(args: FinetuneConfig, tok: WordPiece, precision: str) -> Task:
     return {"classification": SequenceTask, "regression": SequenceTask, "token-classification": TokenTask,
-            "qa": QATask, "multiple-choice": MultipleChoiceTask}[args.task](args, tok)
+            "qa": QATask, "multiple-choice": MultipleChoiceTask}[args.task](args, tok, precision)
 
 
 # =========================================================================== arguments
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bertfast finetune", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config", help="JSON file of options (keys = option names); flags override it")
-    p.add_argument("--task", choices=TASKS, required=False)
-    p.add_argument("--train-file")
-    p.add_argument("--eval-file", help="evaluated after every epoch and at the end")
-    g = p.add_argument_group("model")
-    g.add_argument("--model", help="local checkpoint directory (config.json, weights, vocab.txt)")
-    g.add_argument("--preset", help="build a fresh model of this size instead (needs --vocab)")
-    g.add_argument("--vocab", help="vocab.txt (or a directory with one); default: the --model directory's")
-    g.add_argument("--set", dest="config_overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a BertConfig field, e.g. --set hidden_dropout_prob=0.0")
-    g.add_argument("--output-dir", default=os.path.join("runs", "finetune"))
-    g.add_argument("--no-save", action="store_true", help="do not write the fine-tuned model")
-    g = p.add_argument_group("training")
-    g.add_argument("--max-seq-len", type=int, default=128)
-    g.add_argument("--batch-size", type=int, default=32)
-    g.add_argument("--eval-batch-size", type=int, default=64)
-    g.add_argument("--lr", type=float, default=3e-5)
-    g.add_argument("--epochs", type=float, default=3.0)
-    g.add_argument("--warmup-fraction", type=float, default=0.1)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-eps", type=float, default=1e-6)
-    g.add_argument("--max-grad-norm", type=float, default=1.0)
-    g.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto")
-    g.add_argument("--device", choices=("cuda", "cpu"), default=None)
-    g.add_argument("--seed", type=int, default=42)
-    g.add_argument("--log-every", type=int, default=50)
-    g.add_argument("--no-progress", action="store_true")
-    g = p.add_argument_group("classification / regression / multiple choice columns")
-    g.add_argument("--text-a", help="first text column (default: sentence1, sentence, text, ...)")
-    g.add_argument("--text-b", help="second text column of sentence pairs (default: sentence2, ... if present)")
-    g.add_argument("--label-column", default="label")
-    g.add_argument("--labels", help="comma-separated label names in id order (default: sorted from training)")
-    g.add_argument("--metric", help="metric that selects nothing but is printed first (default per task)")
-    g.add_argument("--no-header", action="store_true", help="CSV/TSV without a header: columns are 0,1,2,...")
-    g.add_argument("--context-column", default="sent1")
-    g.add_argument("--question-column", default="sent2")
-    g.add_argument("--choice-columns", default="ending0,ending1,ending2,ending3")
-    g = p.add_argument_group("question answering")
-    g.add_argument("--doc-stride", type=int, default=128)
-    g.add_argument("--max-query-length", type=int, default=64)
-    g.add_argument("--max-answer-length", type=int, default=30)
-    g.add_argument("--n-best", type=int, default=20)
-    g.add_argument("--version-2", dest="version_2", action="store_true", default=None,
-                   help="SQuAD v2.0 (default: detected from is_impossible questions)")
-    g.add_argument("--null-score-diff-threshold", type=float, default=0.0)
-    g = p.add_argument_group("parity")
-    g.add_argument("--parity-every", type=int, default=0)
-    g.add_argument("--parity-threshold", type=float, default=1e-3,
-                   help="relative difference of loss, logits or gradient norm that counts as divergence (the check runs "
-                        "in fp32 with dropout off, where fast and reference agree to ~1e-6)")
-    g.add_argument("--parity-strict", action="store_true")
-    return p
-
-
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Optional[Sequence[str]] = None) -> FinetuneConfig:
+    """Flags over the JSON ``--config`` file over the saved run (``--resume``) over ``--recipe``
+    over the defaults."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = apply_config_file(build_parser(), argv)
-    if not args.task or not args.train_file:
-        raise ValueError("--task and --train-file are required")
-    if not args.model and not (args.preset and args.vocab):
-        raise ValueError("give --model DIR (a checkpoint directory), or --preset NAME with --vocab")
-    return args
+    return FinetuneConfig.from_command_line(argv, "bertfast finetune", __doc__.split("\n\n")[0],
+                                            lambda given: given.get("recipe"))
 
 
 # =========================================================================== run
-def load_model(args, task: Task, tok: WordPiece):
+def load_model(args: FinetuneConfig, task: Task, tok: WordPiece, resume_from: Optional[str] = None):
     import bertfast.modeling as modeling
     cls = getattr(modeling, task.model_class_name)
     overrides = parse_overrides(args.config_overrides)
     overrides.update(task.config_overrides())
-    if args.model:
+    if resume_from:
+        model = cls.from_pretrained(resume_from)
+    elif args.model:
         model = cls.from_pretrained(args.model, **overrides)
     else:
         vocab_size = -(-tok.vocab_size // 8) * 8
@@ -373,105 +326,180 @@ def load_model(args, task: Task, tok: WordPiece):
     return model
 
 
-def run(args: argparse.Namespace) -> Dict[str, Any]:
-    """Fine-tune with parsed arguments; returns {"eval": metrics, "history": [...], "output_dir": ...}."""
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    args.resolved_precision = resolve_precision(args.precision, device)
-    tok = WordPiece.from_pretrained(args.vocab or args.model)
-    task = make_task(args, tok)
-    _, train_features = task.load(args.train_file, train=True)
-    eval_examples = eval_features = None
-    if args.eval_file:
-        eval_examples, eval_features = task.load(args.eval_file, train=False)
+class Finetuner:
+    """One fine-tuning run: data, model and optimizer (``setup``), the step loop with logging,
+    per-epoch evaluation and checkpoints (``train``), and the fine-tuned model (``finish``)."""
 
-    seed_everything(args.seed)
-    model = load_model(args, task, tok).to(device)
-    model.train()
-    optimizer = build_optimizer(model, "adamw", args.lr, args.weight_decay, eps=args.adam_eps)
-    steps_per_epoch = math.ceil(len(train_features) / args.batch_size)
-    total = max(1, int(math.ceil(steps_per_epoch * args.epochs)))
-    train_step = TrainStep(model, optimizer, warmup_linear_decay(optimizer, int(round(args.warmup_fraction * total)),
-                                                                 total),
-                           device, args.resolved_precision, args.max_grad_norm)
-    say = print
-    say(f"[finetune] {args.task}: {len(train_features)} training features, {total} steps "
-        f"({args.epochs:g} epochs of {steps_per_epoch}), model {model.num_parameters() / 1e6:.2f}M parameters, "
-        f"{device}, {args.resolved_precision}")
-    keys = [k for k in train_features[0] if not k.startswith("_")]
-    history: List[Dict[str, Any]] = []
-    checks: List[Dict[str, Any]] = []
-    bar = None
-    if not args.no_progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=total, desc="finetune", unit="step", dynamic_ncols=True)
-    tell = bar.write if bar is not None else say
-    os.makedirs(args.output_dir, exist_ok=True)
-    logger = MetricsLogger(os.path.join(args.output_dir, "metrics.jsonl"))
-    step, epoch = 0, 0
-    t0 = time.time()
-    losses: List[torch.Tensor] = []  # per step, on the device: read at the log interval
-    metrics: Dict[str, Any] = {}
-    try:
-        while step < total:
-            order = np.random.default_rng([args.seed, epoch]).permutation(len(train_features))
-            for i in range(0, len(order), args.batch_size):
-                if step >= total:
-                    break
-                batch = pad_batch([train_features[j] for j in order[i:i + args.batch_size]], tok.pad_id, keys=keys)
-                batch = {k: v.to(device) for k, v in batch.items()}
-                done = train_step([batch], lambda b: train_step.forward(model, b))
-                step += 1
+    def __init__(self, args: FinetuneConfig):
+        args.check_runnable()
+        self.args = args
+        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.precision = resolve_precision(args.precision, self.device)
+        self.ckpt_dir = os.path.join(args.output_dir, "checkpoints")
+        self.stop_request = StopRequest()
+        self.say = print
+
+    def setup(self) -> None:
+        args = self.args
+        self.tok = WordPiece.from_pretrained(args.vocab or args.model)
+        self.task = make_task(args, self.tok, self.precision)
+        _, self.train_features = self.task.load(args.train_file, train=True)
+        self.eval_examples = self.eval_features = None
+        if args.eval_file:
+            self.eval_examples, self.eval_features = self.task.load(args.eval_file, train=False)
+        self.keys = [k for k in self.train_features[0] if not k.startswith("_")]
+
+        resume_from = ckpt.find_resume_checkpoint(args.resume, self.ckpt_dir)
+        if args.resume and resume_from is None:
+            self.say(f"[finetune] --resume auto: no checkpoint in {self.ckpt_dir}; starting fresh")
+        state = ckpt.load_training_state(resume_from) if resume_from else None
+        ckpt.seed_everything(args.seed)
+        self.model = load_model(args, self.task, self.tok, resume_from).to(self.device)
+        self.model.train()
+        self.optimizer = build_optimizer(self.model, "adamw", args.lr, args.weight_decay, eps=args.adam_eps)
+        self.steps_per_epoch = math.ceil(len(self.train_features) / args.batch_size)
+        self.total_steps = max(1, int(math.ceil(self.steps_per_epoch * args.epochs)))
+        schedule = warmup_linear_decay(self.optimizer, int(round(args.warmup_fraction * self.total_steps)),
+                                       self.total_steps)
+        self.train_step = TrainStep(self.model, self.optimizer, schedule, self.device, self.precision,
+                                    args.max_grad_norm)
+        self.step = 0
+        if state is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.train_step.load_state_dict(state)
+            self.step = int(state["step"])
+            ckpt.restore_rng_state(state["rng"], self.device)
+        os.makedirs(args.output_dir, exist_ok=True)
+        ckpt.remove_stale_temp(self.ckpt_dir)
+        args.save(args.output_dir)  # the resolved settings: --resume reads them back
+        metrics_file = os.path.join(args.output_dir, "metrics.jsonl")
+        self.history = [r for r in read_jsonl(metrics_file) if r.get("step", 0) <= self.step] if state else []
+        self.log_records = MetricsLogger(metrics_file, resumed_at=self.step if state else None)
+        self.say(f"[finetune] {args.task}: {len(self.train_features)} training features, {self.total_steps} steps "
+                 f"({args.epochs:g} epochs of {self.steps_per_epoch}), model "
+                 f"{self.model.num_parameters() / 1e6:.2f}M parameters, {self.device}, {self.precision}"
+                 + (f"; resumed from {resume_from} at step {self.step}" if state else ""))
+
+    def _batch(self, step: int) -> Dict[str, torch.Tensor]:
+        """Step ``step``'s batch: epoch e visits the features in a permutation seeded by (seed, e)."""
+        epoch, k = divmod(step, self.steps_per_epoch)
+        if getattr(self, "_order_epoch", None) != epoch:
+            self._order = np.random.default_rng([self.args.seed, epoch]).permutation(len(self.train_features))
+            self._order_epoch = epoch
+        bs = self.args.batch_size
+        chosen = [self.train_features[j] for j in self._order[k * bs:(k + 1) * bs]]
+        batch = pad_batch(chosen, self.tok.pad_id, keys=self.keys)
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    def train(self) -> Dict[str, Any]:
+        args = self.args
+        stop_at = min(self.total_steps, args.stop_at_step or self.total_steps)
+        self.stop_request.install()
+        bar = None
+        if not args.no_progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=self.total_steps, initial=self.step, desc="finetune", unit="step", dynamic_ncols=True)
+        tell = bar.write if bar is not None else self.say
+        losses: List[torch.Tensor] = []  # per step, on the device: read at the log interval
+        logged = 0
+        checks: List[Dict[str, Any]] = []
+        metrics: Dict[str, Any] = {}
+        checkpoint = None
+        t0 = time.time()
+        try:
+            while self.step < stop_at:
+                epoch = self.step // self.steps_per_epoch
+                batch = self._batch(self.step)
+                done = self.train_step([batch], lambda b: self.train_step.forward(self.model, b))
+                self.step += 1
                 losses.append(done.outputs[0].loss.detach().float())
                 if bar is not None:
                     bar.update(1)
-                if step % args.log_every == 0 or step == total:
-                    window = torch.stack(losses[-args.log_every:]).tolist()
-                    rec = {"type": "train", "step": step, "epoch": epoch, "loss": float(np.mean(window)),
-                           "lr": done.lr, "grad_norm": float(done.grad_norm)}
-                    logger.log(rec)
-                    history.append(rec)
+                if self.step % args.log_every == 0 or self.step == stop_at:
+                    window = torch.stack(losses[logged:]).tolist()
+                    logged = len(losses)
+                    self._record({"type": "train", "step": self.step, "epoch": epoch,
+                                  "loss": float(np.mean(window)), "lr": done.lr, "grad_norm": float(done.grad_norm)})
                     if bar is not None:
                         bar.set_postfix(loss=f"{window[-1]:.4f}")
-                if args.parity_every and step % args.parity_every == 0:
-                    report = parity.check_during_training(model, batch, step, args.parity_threshold,
+                if args.parity_every and self.step % args.parity_every == 0:
+                    report = parity.check_during_training(self.model, batch, self.step, args.parity_threshold,
                                                           args.parity_strict, tell)
                     checks.append(report)
-                    logger.log(report)
-            epoch += 1
-            if eval_features is not None:
-                metrics = task.evaluate(model, eval_examples, eval_features)
-                shown = {k: round(v, 4) for k, v in metrics.items() if not k.startswith("_") and isinstance(v, float)}
-                rec = {"type": "eval", "step": step, "epoch": epoch, **shown}
-                logger.log(rec)
-                history.append(rec)
-                tell(f"[eval] epoch {epoch}: {task.main_metric} {metrics.get(task.main_metric, float('nan')):.4f} "
-                     f"{shown}")
-    finally:
-        if bar is not None:
-            bar.close()
-        logger.close()
-    losses = torch.stack(losses).tolist() if losses else []
-    result = {"eval": {k: v for k, v in metrics.items() if not k.startswith("_")}, "history": history,
-              "parity": checks, "train_loss": losses, "output_dir": args.output_dir, "steps": step,
-              "main_metric": task.main_metric, "time_s": time.time() - t0}
-    if not args.no_save:
-        model.save_pretrained(args.output_dir)
-        tok.save(args.output_dir)
+                    self.log_records.log(report)
+                end_of_epoch = self.step % self.steps_per_epoch == 0 or self.step == self.total_steps
+                if end_of_epoch and self.eval_features is not None:
+                    metrics = self._evaluate(epoch + 1, tell)
+                stop = self.stop_request.requested
+                if not args.no_save and (end_of_epoch or stop or self.step == stop_at
+                                         or (args.save_every and self.step % args.save_every == 0)):
+                    checkpoint = self.save_checkpoint()
+                if stop:
+                    tell(f"[finetune] stopped by signal after step {self.step}; resume with --resume")
+                    break
+        finally:
+            if bar is not None:
+                bar.close()
+            self.log_records.close()
+        if not metrics and self.eval_features is not None and self.step == self.total_steps:
+            metrics = self._evaluate(math.ceil(args.epochs), tell)  # a finished run resumed: evaluate it again
+        return {"eval": {k: v for k, v in metrics.items() if not k.startswith("_")}, "history": self.history,
+                "parity": checks, "train_loss": torch.stack(losses).tolist() if losses else [],
+                "output_dir": args.output_dir, "steps": self.step, "checkpoint": checkpoint,
+                "stopped_early": self.step < self.total_steps, "main_metric": self.task.main_metric,
+                "time_s": time.time() - t0, "_predictions": metrics.get("_predictions")}
+
+    def _record(self, record: Dict[str, Any]) -> None:
+        self.log_records.log(record)
+        self.history.append(record)
+
+    def _evaluate(self, epoch: int, tell) -> Dict[str, Any]:
+        metrics = self.task.evaluate(self.model, self.eval_examples, self.eval_features)
+        shown = {k: round(v, 4) for k, v in metrics.items() if not k.startswith("_") and isinstance(v, float)}
+        self._record({"type": "eval", "step": self.step, "epoch": epoch, **shown})
+        tell(f"[eval] epoch {epoch}: {self.task.main_metric} {metrics.get(self.task.main_metric, float('nan')):.4f} "
+             f"{shown}")
+        return metrics
+
+    def save_checkpoint(self) -> str:
+        state = {"step": self.step, "optimizer": self.optimizer.state_dict(), **self.train_step.state_dict(),
+                 "rng": ckpt.capture_rng_state(self.device), "args": self.args.to_dict()}
+        summary = {"step": self.step, "total_steps": self.total_steps, "epoch": self.step / self.steps_per_epoch,
+                   "time": time.time()}
+        return ckpt.save_training_checkpoint(self.ckpt_dir, self.step, self.model, state, summary,
+                                             self.args.keep_last, self.tok.save)
+
+    def finish(self, result: Dict[str, Any]) -> None:
+        """Save the fine-tuned model (HF layout), its tokenizer, the metrics and the predictions."""
+        args, predictions = self.args, result.pop("_predictions")
+        if args.no_save or result["stopped_early"]:
+            return
+        self.model.save_pretrained(args.output_dir)
+        self.tok.save(args.output_dir)
         with open(os.path.join(args.output_dir, "eval_results.json"), "w", encoding="utf-8") as f:
-            json.dump({"task": args.task, "steps": step, **result["eval"]}, f, indent=2)
-        if "_predictions" in metrics:
+            json.dump({"task": args.task, "steps": self.step, **result["eval"]}, f, indent=2)
+        if predictions is not None:
             with open(os.path.join(args.output_dir, "predictions.json"), "w", encoding="utf-8") as f:
-                json.dump(metrics["_predictions"], f, indent=2)
-        say(f"[finetune] saved the fine-tuned model to {args.output_dir}")
-    if metrics:
-        say(f"[finetune] final {task.main_metric}: {metrics.get(task.main_metric, float('nan')):.4f}")
+                json.dump(predictions, f, indent=2)
+        self.say(f"[finetune] saved the fine-tuned model to {args.output_dir}")
+
+
+def run(args: FinetuneConfig) -> Dict[str, Any]:
+    """Fine-tune with a configuration (``parse_args`` or ``FinetuneConfig``); returns {"eval": metrics,
+    "history": [...], "train_loss": [...], "output_dir": ..., ...}."""
+    trainer = Finetuner(args)
+    trainer.setup()
+    result = trainer.train()
+    trainer.finish(result)
+    if result["eval"]:
+        trainer.say(f"[finetune] final {result['main_metric']}: "
+                    f"{result['eval'].get(result['main_metric'], float('nan')):.4f}")
     return result
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
-        args = parse_args(argv)
-        run(args)
+        run(parse_args(argv))
     except (DataFormatError, FileNotFoundError, ValueError) as e:
         print(f"bertfast finetune: error: {e}", file=sys.stderr)
         return 2

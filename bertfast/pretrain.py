@@ -41,7 +41,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -57,13 +56,13 @@ from bertfast.data.shards import PretrainingData
 from bertfast.data.tokenization import read_vocab
 from bertfast.parity import ParityError
 from bertfast.training import checkpoints as ckpt
+from bertfast.training.config import DEMO_MODEL, DEMO_VOCAB_SIZE, PretrainConfig, parse_overrides
 from bertfast.training.distributed import (DistInfo, all_reduce_max, all_reduce_sum, any_rank, broadcast_object,
                                            gather_objects, init_distributed)
-from bertfast.training.config import DEMO_MODEL, DEMO_VOCAB_SIZE, PretrainConfig, load_json
 from bertfast.training.optim import build_optimizer, warmup_linear_decay
-from bertfast.training.options import parse_overrides
 from bertfast.training.precision import resolve_precision
 from bertfast.training.records import MetricsLogger, RunningSums, format_duration, plot_loss_curve, read_jsonl
+from bertfast.training.signals import StopRequest
 from bertfast.training.step import StepResult, TrainStep
 
 TOKENIZER_FILES = ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
@@ -82,21 +81,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> PretrainConfig:
     ``--config`` is given (so ``bertfast pretrain`` alone runs it). A resumed run starts from the
     run_config.json its output directory holds.
     """
+    def preset(given: Dict[str, Any]) -> Optional[str]:
+        wants_demo = given.get("demo") or not (given.get("data") or given.get("data_phase2") or given.get("config"))
+        return "demo" if wants_demo else None
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = PretrainConfig.parser("bertfast pretrain", __doc__.split("\n\n")[0])
-    flags = vars(parser.parse_args(argv))
-    path = flags.pop("config", None)
-    from_file = load_json(path) if path else {}
-    demo = flags.get("demo") or from_file.get("demo") or not (flags.get("data") or flags.get("data_phase2") or path)
-    config = PretrainConfig.from_preset("demo") if demo else PretrainConfig()
-    if from_file:
-        config = PretrainConfig.from_dict(from_file, path, base=config)
-    config = PretrainConfig.from_dict(flags, "the command line", base=config)
-    if config.resume:
-        saved = PretrainConfig.load(config.output_dir)
-        if saved is not None:
-            config = config.over_saved(saved, {**from_file, **flags})
-    return config
+    return PretrainConfig.from_command_line(argv, "bertfast pretrain", __doc__.split("\n\n")[0], preset)
 
 
 # ============================================================================ set-up
@@ -260,7 +250,7 @@ class Pretrainer:
         self.precision = resolve_precision(args.precision, self.device)
         self.log_records: Optional[MetricsLogger] = None  # opened in setup(): a resumed run appends
         self.ckpt_dir = os.path.join(args.output_dir, "checkpoints")
-        self._stop_signal = False
+        self.stop_request = StopRequest()
 
     def say(self, msg: str) -> None:
         if self.info.is_main:
@@ -270,21 +260,18 @@ class Pretrainer:
     # ------------------------------------------------------------------ set-up
     def setup(self) -> None:
         args, info = self.args, self.info
-        resume_from = None
-        if args.resume:
-            resume_from = ckpt.latest_checkpoint(self.ckpt_dir) if args.resume == "auto" else args.resume
-            if resume_from is None:
-                self.say(f"[pretrain] --resume auto: no checkpoint in {self.ckpt_dir}; starting fresh")
-            elif not os.path.isfile(os.path.join(resume_from, "training_state.pt")):
-                raise FileNotFoundError(f"{resume_from!r} is not a complete bertfast pre-training checkpoint")
-        self.resume_from = resume_from
+        resume_from = ckpt.find_resume_checkpoint(args.resume, self.ckpt_dir)
+        if args.resume and resume_from is None:
+            self.say(f"[pretrain] --resume auto: no checkpoint in {self.ckpt_dir}; starting fresh")
+        resume_state = ckpt.load_training_state(resume_from) if resume_from else None
         if info.is_main:
             os.makedirs(args.output_dir, exist_ok=True)
             ckpt.remove_stale_temp(self.ckpt_dir)
             args.save(args.output_dir)  # the resolved settings: --resume reads them back
         self.log_records = MetricsLogger(os.path.join(args.output_dir, "metrics.jsonl"),
                                          os.path.join(args.output_dir, "tensorboard") if args.tensorboard else None,
-                                         enabled=info.is_main, append=bool(resume_from))
+                                         enabled=info.is_main,
+                                         resumed_at=resume_state["step"] if resume_state else None)
 
         first_data = args.data if args.phase1_steps else args.data_phase2
         self.tokenizer_dir = first_data
@@ -320,8 +307,8 @@ class Pretrainer:
                                     self._no_sync if info.distributed else None)
         self.peak = flops.peak_bf16_flops(self.device)
         self.step = 0
-        if resume_from:
-            self._load_training_state(resume_from)
+        if resume_state:
+            self._load_training_state(resume_state)
 
         n_params = self.raw_model.num_parameters()
         accum = ", ".join(f"phase {ph.index}: seq {ph.data.max_seq_len}, {ph.steps} steps, global batch "
@@ -368,23 +355,20 @@ class Pretrainer:
                               "samples_seen_in_phase": (self.step - phase.start) * phase.spec.global_batch_size},
                      "args": args.to_dict()}
 
-            def write(tmp: str) -> None:
-                model_to_save.save_pretrained(tmp)
+            def tokenizer_files(tmp: str) -> None:
                 for name in TOKENIZER_FILES:
                     src = os.path.join(self.tokenizer_dir, name)
                     if os.path.isfile(src):
                         shutil.copyfile(src, os.path.join(tmp, name))
-                torch.save(state, os.path.join(tmp, "training_state.pt"))
-                with open(os.path.join(tmp, "trainer_state.json"), "w", encoding="utf-8") as f:
-                    json.dump({"step": self.step, "total_steps": self.total_steps, **state["data"],
-                               "world_size": info.world_size, "time": time.time()}, f, indent=2)
 
-            path = ckpt.atomic_checkpoint(self.ckpt_dir, self.step, write, keep_last=args.keep_last)
+            summary = {"step": self.step, "total_steps": self.total_steps, **state["data"],
+                       "world_size": info.world_size, "time": time.time()}
+            path = ckpt.save_training_checkpoint(self.ckpt_dir, self.step, model_to_save, state, summary,
+                                                 args.keep_last, tokenizer_files)
         info.barrier()
         return broadcast_object(path, info)
 
-    def _load_training_state(self, path: str) -> None:
-        state = torch.load(os.path.join(path, "training_state.pt"), map_location="cpu", weights_only=False)
+    def _load_training_state(self, state: Dict[str, Any]) -> None:
         if self.args.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
@@ -447,7 +431,7 @@ class Pretrainer:
     def train(self) -> RunResult:
         args, info = self.args, self.info
         result = RunResult(output_dir=args.output_dir)
-        self._install_signal_handlers()
+        self.stop_request.install()
         stop_at = min(self.total_steps, args.stop_at_step) if args.stop_at_step else self.total_steps
         bar = None
         if info.is_main and not args.no_progress:
@@ -483,7 +467,7 @@ class Pretrainer:
                     self._check_parity(micro[0], result)
                 if args.eval_every and (self.step % args.eval_every == 0 or self.step == self.total_steps):
                     self._evaluate(phase, result)
-                stop_now = any_rank(self._stop_signal, info)
+                stop_now = any_rank(self.stop_request.requested, info)
                 if ((args.save_every and self.step % args.save_every == 0) or self.step in (stop_at, self.total_steps)
                         or stop_now):
                     result.checkpoint = self.save_checkpoint()
@@ -556,23 +540,7 @@ class Pretrainer:
         self.say(f"[eval] step {self.step}: loss {ev['loss']:.4f} mlm_acc {ev['mlm_acc']:.3f} "
                  f"nsp_acc {ev['nsp_acc']:.3f} ({ev['sequences']} held-out sequences)")
 
-    # ------------------------------------------------------------------ signals
-    def _install_signal_handlers(self) -> None:
-        import threading
-        if threading.current_thread() is not threading.main_thread():
-            return
-
-        def handler(signum, frame):  # save at the end of the current step, then stop
-            if self._stop_signal:
-                raise KeyboardInterrupt
-            self._stop_signal = True
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                signal.signal(sig, handler)
-            except (ValueError, OSError):
-                pass
-
+    # ------------------------------------------------------------------ the end
     def finish(self, result: RunResult) -> None:
         self.log_records.close()
         if self.info.is_main and not self.args.no_plot:

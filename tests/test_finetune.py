@@ -228,3 +228,101 @@ def test_parity_checks_during_finetuning(tmp_path, vocab_dir):
              "--max-seq-len", "32", "--parity-every", "2", epochs=1)
     assert len(r["parity"]) == 1 and not r["parity"][0]["diverged"]
     assert r["parity"][0]["loss_abs_diff"] < 1e-5
+
+
+# --------------------------------------------------------------------------- configuration, checkpoints, resume
+def test_recipes_flags_and_errors_name_the_option(tmp_path):
+    squad = finetune.parse_args(["--recipe", "squad-v2.0", "--train-file", "t.json", "--model", "m"])
+    assert (squad.task, squad.batch_size, squad.epochs, squad.lr, squad.max_seq_len, squad.version_2) == \
+        ("qa", 48, 2.0, 5e-5, 384, True)
+    glue = finetune.parse_args(["--recipe", "glue", "--task", "regression", "--lr", "2e-5"])   # flags win
+    assert (glue.task, glue.lr, glue.batch_size, glue.epochs) == ("regression", 2e-5, 32, 3.0)
+    swag = finetune.parse_args(["--recipe", "swag"])
+    assert (swag.task, swag.batch_size, swag.lr) == ("multiple-choice", 16, 2e-5)
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps({"recipe": "squad-v1.1", "epochs": 1}))
+    from_file = finetune.parse_args(["--config", str(cfg), "--batch-size", "8"])
+    assert (from_file.task, from_file.epochs, from_file.batch_size, from_file.version_2) == ("qa", 1.0, 8, False)
+    for argv, message in [(["--batch-size", "0"], "the command line: --batch-size must be > 0, got 0"),
+                          (["--epochs", "0"], "--epochs must be > 0, got 0.0"),
+                          (["--warmup-fraction", "2"], r"--warmup-fraction must be in \[0, 1\], got 2.0"),
+                          (["--max-seq-len", "2"], "--max-seq-len must be >= 4"),
+                          (["--config", str(tmp_path / "bad.json")], r"bad.json: --eval-batch-size expects an "
+                                                                     r"integer, got '8'")]:
+        (tmp_path / "bad.json").write_text(json.dumps({"eval_batch_size": "8"}))
+        with pytest.raises(ValueError, match=message):
+            finetune.parse_args(argv)
+    with pytest.raises(ValueError, match="--task and --train-file are required"):
+        finetune.run(finetune.parse_args(["--preset", "tiny", "--vocab", "v"]))
+    with pytest.raises(ValueError, match="cannot be used with --no-save"):
+        finetune.run(finetune.parse_args(["--task", "qa", "--train-file", "t", "--preset", "tiny", "--vocab", "v",
+                                          "--stop-at-step", "2", "--no-save"]))
+
+
+def test_finetune_resume_is_bit_exact(tmp_path, vocab_dir):
+    """Stopped mid-epoch and resumed with nothing but --output-dir and --resume, a run (dropout on)
+    takes the same steps, evaluations and weights as one that never stopped."""
+    S.write_classification(str(tmp_path / "train.csv"), 40, seed=0, neutral=False)
+    S.write_classification(str(tmp_path / "dev.csv"), 16, seed=1, neutral=False)
+
+    def argv(out, *extra):
+        return ["--task", "classification", "--train-file", str(tmp_path / "train.csv"), "--eval-file",
+                str(tmp_path / "dev.csv"), "--preset", "tiny", "--vocab", vocab_dir, "--max-seq-len", "32",
+                "--batch-size", "8", "--epochs", "2", "--lr", "1e-3", "--log-every", "2", "--no-progress",
+                "--output-dir", str(tmp_path / out), *extra]
+
+    full = finetune.run(finetune.parse_args(argv("full")))
+    assert full["steps"] == 10 and full["checkpoint"].endswith("step_00000010")
+    first = finetune.run(finetune.parse_args(argv("split", "--stop-at-step", "7")))
+    assert first["stopped_early"] and first["steps"] == 7
+    assert not os.path.exists(tmp_path / "split" / "config.json")        # no final model from a stopped run
+    from bertfast.training import checkpoints
+    assert [s for s, _ in checkpoints.list_checkpoints(str(tmp_path / "split" / "checkpoints"))] == [5, 7]
+    again = finetune.parse_args(["--output-dir", str(tmp_path / "split"), "--resume", "--no-progress"])
+    assert again.stop_at_step is None and again.train_file == str(tmp_path / "train.csv") and again.lr == 1e-3
+    second = finetune.run(again)
+    assert first["train_loss"] + second["train_loss"] == full["train_loss"]   # exactly equal floats
+    assert second["eval"] == full["eval"]
+    assert [r for r in second["history"] if r["type"] == "eval"] == [r for r in full["history"]
+                                                                    if r["type"] == "eval"]
+    from safetensors.torch import load_file
+    a, b = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(tmp_path / "split" /
+                                                                                   "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # A checkpoint is a fine-tuning starting point in its own right (model, vocabulary).
+    assert os.path.isfile(os.path.join(second["checkpoint"], "vocab.txt"))
+    steps = [r["step"] for r in json_lines(tmp_path / "split" / "metrics.jsonl") if r["type"] == "train"]
+    assert steps == [2, 4, 6, 7, 8, 10]
+
+
+def json_lines(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def test_a_resumed_run_drops_the_records_written_after_its_checkpoint(tmp_path):
+    from bertfast.training.records import MetricsLogger
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"type": "train", "step": 2}\n{"type": "eval", "step": 4}\n{"type": "train", "step": 6}\n'
+                    '{"type": "train", "st', encoding="utf-8")                # the last write cut by a kill
+    MetricsLogger(str(path), resumed_at=4).close()
+    assert [r["step"] for r in json_lines(path)] == [2, 4]
+    path.write_text('{"step": 1}\nnot json\n{"step": 2}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON record"):
+        MetricsLogger(str(path), resumed_at=1)
+
+
+def test_a_stop_signal_is_a_request_to_checkpoint_and_stop():
+    import signal
+    from bertfast.training.signals import StopRequest
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stop = StopRequest().install()
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested
+        with pytest.raises(KeyboardInterrupt):                           # a second signal interrupts at once
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)

@@ -371,7 +371,7 @@ def _bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, 
         free_memory()
     order = {name: i for i, name in enumerate(IMPLS)}
     rows.sort(key=lambda r: order.get(r.impl, len(order)))
-    del model, hf
+    model = hf = None  # drop the models (the plans' closures share these cells) before freeing memory
     free_memory()
     return rows
 

@@ -3,13 +3,15 @@
   step         the optimizer step: micro-batch accumulation, autocast, fp16 loss scaling,
                gradient sync on the last micro-batch, clipping, optimizer and schedule
   optim        parameter groups, AdamW / LAMB, warm-up + linear decay
-  checkpoints  RNG state capture/restore, atomic checkpoint directories with keep-last-K
+  checkpoints  RNG state capture/restore, atomic checkpoint directories with keep-last-K, the
+               training checkpoint (model, tokenizer, training_state.pt) and ``--resume``
+  signals      SIGTERM / SIGINT: checkpoint at the end of the step, then stop
   distributed  torchrun's process group and the collectives a run needs
   records      metrics.jsonl (and TensorBoard), named device-side sums, the loss plot
   precision    fp32 / bf16 / fp16 and the autocast context
-  config       typed, validated run configurations (``PretrainConfig``) with presets, their
-               command line, and run_config.json in the run directory
-  options      ``--set KEY=VALUE`` overrides and JSON option files (finetune's argparse)
+  config       typed, validated run configurations (``PretrainConfig``, ``FinetuneConfig``)
+               with presets, their command line, run_config.json in the run directory, and
+               ``--set KEY=VALUE`` model overrides
 
 The MFU model is ``bertfast.flops``; the parity check during training is
 ``bertfast.parity.check_during_training``.

@@ -1,7 +1,11 @@
-"""Exact resumption: RNG states (python, numpy, torch CPU and CUDA) and atomic checkpoint
-directories (written to a temp dir, fsynced, renamed into place) with keep-last-K pruning."""
+"""Exact resumption: RNG states (python, numpy, torch CPU and CUDA), atomic checkpoint
+directories (written to a temp dir, fsynced, renamed into place) with keep-last-K pruning, and
+the training checkpoint both commands write: the model in Hugging Face layout (with its
+tokenizer files, so a checkpoint is a starting point for ``--model``), ``training_state.pt``
+(step, optimizer, schedule, loss scaler, RNG states, ...) and a readable ``trainer_state.json``."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -36,6 +40,8 @@ def restore_rng_state(state: Dict[str, Any], device: Optional[torch.device] = No
 
 
 CKPT_RE = re.compile(r"^step_(\d+)$")
+STATE_FILE = "training_state.pt"
+SUMMARY_FILE = "trainer_state.json"
 
 
 def fsync_tree(path: str) -> None:
@@ -53,7 +59,7 @@ def list_checkpoints(directory: str) -> List[Tuple[int, str]]:
     out = []
     for name in os.listdir(directory):
         m = CKPT_RE.match(name)
-        if m and os.path.isfile(os.path.join(directory, name, "training_state.pt")):
+        if m and os.path.isfile(os.path.join(directory, name, STATE_FILE)):
             out.append((int(m.group(1)), os.path.join(directory, name)))
     return sorted(out)
 
@@ -88,6 +94,36 @@ def atomic_checkpoint(directory: str, step: int, write: Callable[[str], None], k
         for _step, path in list_checkpoints(directory)[:-keep_last]:
             shutil.rmtree(path, ignore_errors=True)
     return final
+
+
+def save_training_checkpoint(directory: str, step: int, model, state: Dict[str, Any], summary: Dict[str, Any],
+                             keep_last: Optional[int], extra: Optional[Callable[[str], None]] = None) -> str:
+    """``directory/step_<step>``: ``model.save_pretrained``, ``extra(dir)`` (tokenizer files), the
+    training ``state`` and a JSON ``summary``; written atomically, then pruned to ``keep_last``."""
+    def write(tmp: str) -> None:
+        model.save_pretrained(tmp)
+        if extra is not None:
+            extra(tmp)
+        torch.save(state, os.path.join(tmp, STATE_FILE))
+        with open(os.path.join(tmp, SUMMARY_FILE), "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2)
+
+    return atomic_checkpoint(directory, step, write, keep_last=keep_last)
+
+
+def find_resume_checkpoint(resume: Optional[str], directory: str) -> Optional[str]:
+    """The checkpoint ``--resume`` names: a directory, or 'auto' for the latest in ``directory``
+    (None when there is none yet: the run starts fresh)."""
+    if not resume:
+        return None
+    path = latest_checkpoint(directory) if resume == "auto" else resume
+    if path is not None and not os.path.isfile(os.path.join(path, STATE_FILE)):
+        raise FileNotFoundError(f"{path!r} is not a complete bertfast checkpoint (no {STATE_FILE} in it)")
+    return path
+
+
+def load_training_state(path: str) -> Dict[str, Any]:
+    return torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=False)
 
 
 def remove_stale_temp(directory: str) -> None:

@@ -1,5 +1,7 @@
-"""Typed, validated run configurations: one dataclass per command (``PretrainConfig``), its command line built from
-its fields, named presets, and the resolved configuration saved in the run directory.
+"""Typed, validated run configurations: one dataclass per command (``PretrainConfig``,
+``FinetuneConfig``), its command line built from its fields, named presets (the pre-training
+demo; the paper's GLUE, SQuAD and SWAG fine-tuning recipes), and the resolved configuration
+saved in the run directory (run_config.json), where ``--resume`` reads it back.
 
 A value comes from, highest first: the command line, a JSON file (``--config run.json``, keys
 are option names with ``-`` or ``_``), a preset, the field's default. Every value is checked
@@ -15,7 +17,7 @@ import json
 import os
 import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
 
 C = TypeVar("C", bound="RunConfig")
 
@@ -135,7 +137,7 @@ class RunConfig:
             if typing.get_origin(kind) is typing.Union:
                 base = next(a for a in typing.get_args(kind) if a is not type(None))
             kwargs: Dict[str, Any] = {"dest": f.name, "help": text}
-            if kind is bool:
+            if base is bool:  # Optional[bool]: None (not given) means "decide from the data"
                 kwargs["action"] = "store_true"
             elif typing.get_origin(base) in (list, List):
                 kwargs.update(action="append", metavar="VALUE")
@@ -149,15 +151,26 @@ class RunConfig:
         return parser
 
     @classmethod
-    def parse(cls: Type[C], parser: argparse.ArgumentParser, argv: Sequence[str],
-              base: Optional[C] = None) -> C:
-        """``base`` (or the defaults) under the JSON ``--config`` file under the flags."""
-        flags = vars(parser.parse_args(list(argv)))
+    def from_command_line(cls: Type[C], argv: Sequence[str], prog: str, description: str,
+                          preset: Callable[[Dict[str, Any]], Optional[str]] = lambda given: None) -> C:
+        """The flags over the JSON ``--config`` file over the saved run (``--resume``, when the
+        output directory holds one) over a preset over the defaults. ``preset(given)`` names the
+        preset from what the flags and file give (merged, flags winning; ``config``: the file's
+        path), or returns None."""
+        flags = vars(cls.parser(prog, description).parse_args(list(argv)))
         path = flags.pop("config", None)
-        config = base if base is not None else cls.from_dict({})
-        if path:
-            config = cls.from_dict(load_json(path), path, base=config)
-        return cls.from_dict(flags, "the command line", base=config)
+        from_file = load_json(path) if path else {}
+        given = {**{k.lstrip("-").replace("-", "_"): v for k, v in from_file.items()}, **flags}
+        name = preset({**given, "config": path} if path else given)
+        config = cls.from_preset(name) if name else cls()
+        if from_file:
+            config = cls.from_dict(from_file, path, base=config)
+        config = cls.from_dict(flags, "the command line", base=config)
+        if getattr(config, "resume", None):
+            saved = cls.load(config.output_dir)
+            if saved is not None:
+                config = config.over_saved(saved, {**from_file, **flags})
+        return config
 
     # ------------------------------------------------------------------ the run directory
     def to_dict(self) -> Dict[str, Any]:
@@ -186,6 +199,20 @@ class RunConfig:
         if not os.path.isfile(path):
             return None
         return cls.from_dict(load_json(path), path)
+
+
+def parse_overrides(items: Sequence[str]) -> Dict[str, Any]:
+    """``--set KEY=VALUE`` flags -> BertConfig overrides; VALUE is read as JSON when it parses, else as a string."""
+    out: Dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
 
 
 def load_json(path: str) -> Dict[str, Any]:
@@ -322,3 +349,124 @@ class PretrainConfig(RunConfig):
             raise ValueError(f"--masked-lm-prob must be in (0, 1), got {self.masked_lm_prob}")
         if not self.parity_threshold > 0:
             raise ValueError(f"--parity-threshold must be > 0, got {self.parity_threshold}")
+
+
+# --------------------------------------------------------------------------- bertfast finetune
+TASKS = ("classification", "regression", "token-classification", "qa", "multiple-choice")
+
+# The paper's fine-tuning settings (section 4): GLUE batch 32 for 3 epochs, the learning rate
+# picked on dev among 5e-5, 4e-5, 3e-5 and 2e-5; SQuAD v1.1 3 epochs at 5e-5, batch 32; SQuAD
+# v2.0 2 epochs at 5e-5, batch 48; SWAG 3 epochs at 2e-5, batch 16. Sequence lengths, the
+# document stride and the query length are those of the paper's released code.
+_GLUE = dict(task="classification", max_seq_len=128, batch_size=32, epochs=3.0, lr=3e-5)
+_SQUAD = dict(task="qa", max_seq_len=384, doc_stride=128, max_query_length=64, batch_size=32, epochs=3.0, lr=5e-5)
+FINETUNE_RECIPES: Dict[str, Dict[str, Any]] = {
+    "glue": _GLUE,
+    "squad-v1.1": {**_SQUAD, "version_2": False},
+    "squad-v2.0": {**_SQUAD, "version_2": True, "batch_size": 48, "epochs": 2.0},
+    "swag": dict(task="multiple-choice", max_seq_len=128, batch_size=16, epochs=3.0, lr=2e-5),
+}
+TASK, FT_MODEL, TRAINING, COLUMNS, QA = ("task", "model", "training", "classification / regression / multiple "
+                                         "choice columns", "question answering")
+
+
+@dataclass
+class FinetuneConfig(RunConfig):
+    """Every option of ``bertfast finetune``; saved as run_config.json in the output directory."""
+
+    recipe: Optional[str] = option(None, "start from the paper's settings for a benchmark (flags override them)",
+                                   group=TASK, choices=tuple(FINETUNE_RECIPES))
+    task: Optional[str] = option(None, "required (or from --recipe)", group=TASK, choices=TASKS)
+    train_file: Optional[str] = option(None, "required", group=TASK)
+    eval_file: Optional[str] = option(None, "evaluated after every epoch and at the end", group=TASK)
+
+    model: Optional[str] = option(None, "local checkpoint directory (config.json, weights, vocab.txt)",
+                                  group=FT_MODEL)
+    preset: Optional[str] = option(None, "build a fresh model of this size instead (needs --vocab)", group=FT_MODEL)
+    vocab: Optional[str] = option(None, "vocab.txt (or a directory with one); default: the --model directory's",
+                                  group=FT_MODEL)
+    config_overrides: List[str] = option([], "override a BertConfig field, e.g. --set hidden_dropout_prob=0.0 "
+                                             "(repeatable)", group=FT_MODEL, flag="--set")
+    output_dir: str = option(os.path.join("runs", "finetune"), group=FT_MODEL)
+    no_save: bool = option(False, "write neither the fine-tuned model nor checkpoints", group=FT_MODEL)
+
+    max_seq_len: int = option(128, group=TRAINING)
+    batch_size: int = option(32, group=TRAINING)
+    eval_batch_size: int = option(64, group=TRAINING)
+    lr: float = option(3e-5, "0 keeps the pre-trained weights (a baseline)", group=TRAINING)
+    epochs: float = option(3.0, group=TRAINING)
+    warmup_fraction: float = option(0.1, group=TRAINING)
+    weight_decay: float = option(0.01, group=TRAINING)
+    adam_eps: float = option(1e-6, group=TRAINING)
+    max_grad_norm: float = option(1.0, "0 disables clipping", group=TRAINING)
+    precision: str = option("auto", "auto: bf16 autocast on CUDA, fp32 on CPU", group=TRAINING,
+                            choices=("auto", "fp32", "bf16", "fp16"))
+    device: Optional[str] = option(None, "default: cuda when available", group=TRAINING, choices=("cuda", "cpu"))
+    seed: int = option(42, group=TRAINING)
+    log_every: int = option(50, group=TRAINING)
+    save_every: int = option(0, "also checkpoint every N steps (checkpoints are written at the end of every "
+                                "epoch)", group=TRAINING)
+    keep_last: int = option(2, "checkpoints kept in OUTPUT_DIR/checkpoints", group=TRAINING)
+    resume: Optional[str] = option(None, "resume from a checkpoint directory, or 'auto' (the latest in "
+                                         "OUTPUT_DIR/checkpoints)", group=TRAINING, nargs="?", const="auto",
+                                   per_run=False)
+    stop_at_step: Optional[int] = option(None, "save a checkpoint and stop after this step (the run can be "
+                                               "resumed)", group=TRAINING, per_run=False)
+    no_progress: bool = option(False, group=TRAINING, per_run=False)
+
+    text_a: Optional[str] = option(None, "first text column (default: sentence1, sentence, text, ...)",
+                                   group=COLUMNS)
+    text_b: Optional[str] = option(None, "second text column of sentence pairs (default: sentence2, ... if "
+                                         "present)", group=COLUMNS)
+    label_column: str = option("label", group=COLUMNS)
+    labels: Optional[str] = option(None, "comma-separated label names in id order (default: sorted from training)",
+                                   group=COLUMNS)
+    metric: Optional[str] = option(None, "metric printed first (default per task)", group=COLUMNS)
+    no_header: bool = option(False, "CSV/TSV without a header: columns are 0,1,2,...", group=COLUMNS)
+    context_column: str = option("sent1", group=COLUMNS)
+    question_column: str = option("sent2", group=COLUMNS)
+    choice_columns: str = option("ending0,ending1,ending2,ending3", group=COLUMNS)
+
+    doc_stride: int = option(128, group=QA)
+    max_query_length: int = option(64, group=QA)
+    max_answer_length: int = option(30, group=QA)
+    n_best: int = option(20, group=QA)
+    version_2: Optional[bool] = option(None, "SQuAD v2.0 (default: detected from is_impossible questions)",
+                                       group=QA)
+    null_score_diff_threshold: float = option(0.0, group=QA)
+
+    parity_every: int = option(0, "0 disables", group=PARITY)
+    parity_threshold: float = option(1e-3, "relative difference of loss, logits or gradient norm that counts as "
+                                           "divergence (the check runs in fp32 with dropout off, where fast and "
+                                           "reference agree to ~1e-6)", group=PARITY)
+    parity_strict: bool = option(False, "stop at the first divergence", group=PARITY)
+
+    PRESETS: ClassVar[Dict[str, Dict[str, Any]]] = {name: {**values, "recipe": name}
+                                                    for name, values in FINETUNE_RECIPES.items()}
+
+    def check(self) -> None:
+        for name in ("max_seq_len", "batch_size", "eval_batch_size", "log_every", "doc_stride", "max_query_length",
+                     "max_answer_length", "n_best", "stop_at_step"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+        for name in ("lr", "weight_decay", "adam_eps", "max_grad_norm", "save_every", "keep_last", "parity_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        for name in ("epochs", "parity_threshold"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if not 0.0 <= self.warmup_fraction <= 1.0:
+            raise ValueError(f"--warmup-fraction must be in [0, 1], got {self.warmup_fraction}")
+        if self.max_seq_len < 4:
+            raise ValueError(f"--max-seq-len must be >= 4 ([CLS], [SEP] and a word piece or two), got "
+                             f"{self.max_seq_len}")
+
+    def check_runnable(self) -> None:
+        """What a run needs beyond valid values: a task, data and a model."""
+        if not self.task or not self.train_file:
+            raise ValueError("--task and --train-file are required (--recipe sets --task)")
+        if not self.model and not (self.preset and self.vocab):
+            raise ValueError("give --model DIR (a checkpoint directory), or --preset NAME with --vocab")
+        if self.stop_at_step is not None and self.no_save:
+            raise ValueError("--stop-at-step writes a checkpoint to resume from; it cannot be used with --no-save")

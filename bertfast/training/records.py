@@ -14,7 +14,9 @@ class MetricsLogger:
     """JSON lines (one object per record) and, when installed and asked for, TensorBoard."""
 
     def __init__(self, path: Optional[str], tensorboard_dir: Optional[str] = None, enabled: bool = True,
-                 append: bool = False):
+                 append: bool = False, resumed_at: Optional[int] = None):
+        """``resumed_at``: the step of the checkpoint a run resumes from; the records the stopped
+        run wrote after it are dropped (the resumed run writes them again), then new ones append."""
         self.enabled = enabled
         self.path = path
         self._f = None
@@ -23,7 +25,9 @@ class MetricsLogger:
             return
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._f = open(path, "a" if append else "w", encoding="utf-8")
+            if resumed_at is not None:
+                _keep_through_step(path, resumed_at)
+            self._f = open(path, "a" if append or resumed_at is not None else "w", encoding="utf-8")
         if tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -60,6 +64,33 @@ def _json_default(o):
     if isinstance(o, torch.Tensor):
         return o.item() if o.numel() == 1 else o.tolist()
     return str(o)
+
+
+def _keep_through_step(path: str, step: int) -> None:
+    """Rewrite ``path`` without the records after ``step`` (and without a last line cut short by
+    a kill); any other line that is not a JSON object is an error naming the file and line."""
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    kept = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if lineno == len(lines) and not line.endswith("\n"):
+                break  # a write cut short by a kill
+            raise ValueError(f"{path}:{lineno}: not a JSON record; move the file aside to resume") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+        if record.get("step", 0) <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
 
 
 def read_jsonl(path: str) -> List[Dict[str, Any]]:
