@@ -5,7 +5,7 @@
     pytest benchmarks/ --benchmark-only --benchmark-autosave   # then --benchmark-compare
 
 The cases, implementations and parity gate are those of ``python -m bertfast.bench``
-(bertfast/bench/kernels_suite.py, first quick case of each op): an implementation that does not
+(bertfast/bench/kernel_cases.py, first quick case of each op): an implementation that does not
 match the reference FAILS its test and is never timed; one that cannot run here is skipped
 with the reason. GPU calls end with torch.cuda.synchronize() so pytest-benchmark's wall-clock
 timer measures the kernels; extra_info carries the case, GB/s, % of the measured copy bandwidth
@@ -27,6 +27,7 @@ import torch
 pytest.importorskip("pytest_benchmark")
 
 from bertfast.bench import device as devmod  # noqa: E402
+from bertfast.bench import kernel_cases as kc  # noqa: E402
 from bertfast.bench import kernels_suite as ks  # noqa: E402
 from bertfast.bench.common import SuiteContext  # noqa: E402
 from bertfast.bench.gate import compare  # noqa: E402
@@ -45,7 +46,7 @@ def _impl_names(op: str) -> List[str]:
     return names + ([FULL_HEAD, GEMM_FLOOR] if op == "mlm_head_loss" else [])
 
 
-PARAMS = [(op, impl) for op in ks.OPS for impl in _impl_names(op)]
+PARAMS = [(op, impl) for op in kc.OPS for impl in _impl_names(op)]
 
 
 @functools.lru_cache(maxsize=1)
@@ -57,15 +58,15 @@ def _ctx() -> SuiteContext:
 
 
 @functools.lru_cache(maxsize=None)
-def _case(op: str) -> Tuple[ks.OpCase, Dict[str, torch.Tensor], object]:
+def _case(op: str) -> Tuple[kc.OpCase, Dict[str, torch.Tensor], object]:
     ctx = _ctx()
-    oc = ks.CASE_BUILDERS[op](ctx)[0]
+    oc = kc.CASE_BUILDERS[op](ctx)[0]
     ref32 = oc.reference(torch.float32).run_once()
     ref_lowp = oc.reference(ctx.dtype).run_once() if ctx.dtype != torch.float32 else None
     return oc, ref32, ref_lowp
 
 
-@pytest.mark.parametrize("direction", ks.ALL_DIRECTIONS)
+@pytest.mark.parametrize("direction", kc.ALL_DIRECTIONS)
 @pytest.mark.parametrize("op,impl", PARAMS, ids=[f"{op}-{impl}" for op, impl in PARAMS])
 def test_kernel(benchmark, op: str, impl: str, direction: str) -> None:
     from bertfast.dispatch import NoBackendError

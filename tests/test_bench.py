@@ -495,11 +495,11 @@ def wrong_bdrln_backend(monkeypatch):
 
 
 def test_parameter_modes_and_their_bytes():
-    from bertfast.bench import kernels_suite
+    from bertfast.bench import kernel_cases
     gpu = SuiteContext(device=_fake_device("cuda"), quick=True, dtype=torch.bfloat16)
-    assert kernels_suite._param_modes(gpu) == ("act", "fp32")
-    assert kernels_suite._sizes(gpu, "fp32") == (2, 4) and kernels_suite._sizes(gpu, "act") == (2, 2)
-    assert kernels_suite._param_modes(_cpu_ctx()) == ("act",)
+    assert kernel_cases._param_modes(gpu) == ("act", "fp32")
+    assert kernel_cases._sizes(gpu, "fp32") == (2, 4) and kernel_cases._sizes(gpu, "act") == (2, 2)
+    assert kernel_cases._param_modes(_cpu_ctx()) == ("act",)
 
 
 def test_merge_runs_and_readme_table(tmp_path):
