@@ -223,7 +223,6 @@ def _autocast_dtype(ctx: SuiteContext) -> Optional[torch.dtype]:
 def make_train_step(ctx: SuiteContext, module: torch.nn.Module, batch: Dict[str, torch.Tensor],
                     forward: Optional[Callable] = None, reference: bool = False) -> Callable[[], None]:
     """One optimizer step: zero grads, forward (autocast on GPU), backward, AdamW."""
-    from bertfast import reference_execution
 
     fused = {"fused": True} if ctx.device.is_cuda else {}
     opt = torch.optim.AdamW(module.parameters(), lr=1e-5, weight_decay=0.01, **fused)
@@ -239,17 +238,11 @@ def make_train_step(ctx: SuiteContext, module: torch.nn.Module, batch: Dict[str,
         loss.backward()
         opt.step()
 
-    if reference:
-        def ref_step() -> None:
-            with reference_execution(module):
-                step()
-        return ref_step
-    return step
+    return _through_reference(step, module) if reference else step
 
 
 def make_infer_step(ctx: SuiteContext, module: torch.nn.Module, batch: Dict[str, torch.Tensor],
                     reference: bool = False) -> Callable[[], None]:
-    from bertfast import reference_execution
 
     dtype = _autocast_dtype(ctx)
     dev_type = ctx.torch_device.type
@@ -259,12 +252,17 @@ def make_infer_step(ctx: SuiteContext, module: torch.nn.Module, batch: Dict[str,
                                                     enabled=dtype is not None):
             module(**batch)
 
-    if reference:
-        def ref_step() -> None:
-            with reference_execution(module):
-                step()
-        return ref_step
-    return step
+    return _through_reference(step, module) if reference else step
+
+
+def _through_reference(step: Callable[[], None], module: torch.nn.Module) -> Callable[[], None]:
+    """``step`` with ``module`` run by the plain reference encoder."""
+    from bertfast import reference_execution
+
+    def ref_step() -> None:
+        with reference_execution(module):
+            step()
+    return ref_step
 
 
 # --------------------------------------------------------------------------- one benchmark
