@@ -326,3 +326,13 @@ def test_a_stop_signal_is_a_request_to_checkpoint_and_stop():
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
+
+
+def test_a_stop_request_saves_a_checkpoint_and_stops(tmp_path, vocab_dir, monkeypatch):
+    from bertfast.training.signals import StopRequest
+    monkeypatch.setattr(StopRequest, "install", lambda self: setattr(self, "requested", True) or self)  # SIGTERM
+    S.write_classification(str(tmp_path / "train.csv"), 32, seed=0)
+    r = _run(tmp_path, vocab_dir, "--task", "classification", "--train-file", str(tmp_path / "train.csv"),
+             "--max-seq-len", "32", epochs=1, batch_size=8, save=True)
+    assert r["stopped_early"] and r["steps"] == 1 and r["checkpoint"].endswith("step_00000001")
+    assert not os.path.exists(tmp_path / "out" / "config.json")        # no final model: the run is not done
