@@ -1,0 +1,175 @@
+"""attention: what is particular to the fused backends (Triton, CUDA), beyond the contract.
+
+The contract on every backend, and at GPU sizes, is tests/ops/test_attention.py; this file takes its
+inputs and its checks against the reference (check_varlen, check_padded: fed the backend's own dropout
+mask) from there. Here: the Triton and CUDA launchers validate their own arguments (the torch backend's
+are reached only through the op, which validates); without a GPU, Triton's autotuned launch path runs
+under the interpreter and its dropout mask does not depend on block sizes; CUDA runs bf16 on the CPU
+emulator (the interpreter's bf16 is wrong), and the CUDA wrappers' validation runs on CPU tensors
+(cuda_on_cpu, tests/ops/conftest.py).
+"""
+import pytest
+import torch
+
+from bertfast.testing import BackendUnderTest
+from test_attention import (A, BF16, FP16, PADDED, VARLEN, check_padded, check_varlen, key_mask, padded_inputs,
+                            seed_of, varlen_inputs)
+
+GPU = torch.cuda.is_available()
+
+
+# =========================================================================== launchers (Triton and CUDA)
+def test_launcher_errors_are_clear(fused_backend):
+    impl = fused_backend.module(VARLEN)
+    dev = fused_backend.device
+    q = torch.randn(10, A, 32, device=dev)
+    cu = torch.tensor([0, 10], dtype=torch.int32, device=dev)
+    with pytest.raises(ValueError, match="head dim"):
+        impl.attention_varlen_fwd(q[..., :24], q[..., :24], q[..., :24], cu, 10, 0.1, 0.0, None)
+    with pytest.raises(ValueError, match="k: expected dtype"):
+        impl.attention_varlen_fwd(q, q.half(), q, cu, 10, 0.1, 0.0, None)
+    with pytest.raises(ValueError, match="cu_seqlens: expected dtype"):
+        impl.attention_varlen_fwd(q, q, q, cu.long(), 10, 0.1, 0.0, None)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        impl.attention_varlen_fwd(q, q, q, cu, 10.0, 0.1, 0.0, None)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        impl.attention_varlen_fwd(q, q, q, cu, 10, 0.0, 0.0, None)
+    with pytest.raises(ValueError, match="dropout_p"):
+        impl.attention_varlen_fwd(q, q, q, cu, 10, 0.1, 1.0, torch.tensor([1], device=dev))
+    with pytest.raises(ValueError, match="seed"):
+        impl.attention_varlen_fwd(q, q, q, cu, 10, 0.1, 0.1, None)
+    qt = torch.randn(10, 32, A, device=dev).transpose(1, 2)
+    with pytest.raises(ValueError, match="contiguous last"):
+        impl.attention_varlen_fwd(qt, qt, qt, cu, 10, 0.1, 0.0, None)
+    with pytest.raises(ValueError, match=r"lse: expected shape \(2, 10\)"):
+        impl.attention_varlen_bwd(q, q, q, q, q, torch.zeros(10, A, device=dev), cu, 10, 0.1, 0.0, None)
+    qp = torch.randn(2, 5, A, 32, device=dev)
+    padded = fused_backend.module(PADDED)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        padded.attention_padded_fwd(qp, qp, qp, torch.ones(2, 4, device=dev), 0.1, 0.0, None)
+    with pytest.raises(ValueError, match="bool or integer"):
+        padded.attention_padded_fwd(qp, qp, qp, torch.ones(2, 5, device=dev), 0.1, 0.0, None)
+    with pytest.raises(ValueError, match="num_heads"):
+        padded.attention_padded_dropout_mask(2, 5, -1, 0.1, torch.tensor([1], device=dev))
+
+
+# =========================================================================== Triton
+@pytest.mark.skipif(GPU, reason="on a GPU every Triton attention test takes this path")
+def test_triton_autotuned_launch_path_under_interpreter(stand_in_tuner):
+    """Each pruned candidate runs once on the real buffers (pure outputs) and the best is relaunched."""
+    from bertfast.kernels import attention as K
+
+    stand_in_tuner(K._fwd_tuned, K._bwd_dkdv_tuned, K._bwd_dq_tuned)
+    triton = BackendUnderTest("triton", torch.device("cpu"))
+    lengths = torch.tensor([9, 20])
+    q, k, v, dout, cu = varlen_inputs(triton, lengths, seed=18)
+    check_varlen(triton, q, k, v, dout, cu, 20, p=0.2, seed=seed_of(triton, 5))
+    q, k, v, dout = padded_inputs(triton, 2, 20, seed=18)
+    check_padded(triton, q, k, v, dout, key_mask("scattered", 2, 20, seed=18))
+    for kernel in (K._fwd_tuned, K._bwd_dkdv_tuned, K._bwd_dq_tuned):
+        assert len(kernel.cache) == 2  # one tuning key per form
+
+
+@pytest.mark.skipif(GPU, reason="sets the interpreter's block sizes")
+def test_triton_dropout_does_not_depend_on_block_sizes(monkeypatch):
+    """The mask is a pure function of (seed, sequence, head, row, column): other blocks, same mask."""
+    from bertfast.kernels import attention as K
+
+    triton = BackendUnderTest("triton", torch.device("cpu"))
+    seed, p = seed_of(triton, 99), 0.3
+    q, k, v, _, cu = varlen_inputs(triton, torch.tensor([37, 6]), seed=19)
+    keep = K.attention_varlen_dropout_mask(cu, 37, A, p, seed)
+    out, lse = K.attention_varlen_fwd(q, k, v, cu, 37, None, p, seed)
+    monkeypatch.setitem(K._INTERP, "mask", {"BLOCK_M": 32, "BLOCK_N": 16})
+    monkeypatch.setitem(K._INTERP, "fwd", {"BLOCK_M": 32, "BLOCK_N": 64})
+    assert torch.equal(keep, K.attention_varlen_dropout_mask(cu, 37, A, p, seed))
+    out2, lse2 = K.attention_varlen_fwd(q, k, v, cu, 37, None, p, seed)
+    # Other blocks round differently; one mask bit flipped would move an output by ~0.1.
+    torch.testing.assert_close(out2, out, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lse2, lse, atol=1e-6, rtol=1e-6)
+
+
+# =========================================================================== CUDA
+@pytest.mark.skipif(GPU, reason="bf16 runs in the GPU tests there")
+def test_cuda_bf16_on_the_emulator(fused_backend):
+    # The emulator runs bf16 correctly (the interpreter does not): the bf16 tensor-core path on CPU.
+    if fused_backend.name != "cuda":
+        pytest.skip("the interpreter's bf16 is wrong: Triton bf16 runs in the GPU tests")
+    lengths = torch.tensor([70, 0, 9])  # 70 > one 64-query block; a zero-length sequence
+    q, k, v, dout, cu = varlen_inputs(fused_backend, lengths, BF16, 64, heads=1, seed=20)
+    check_varlen(fused_backend, q, k, v, dout, cu, 70, p=0.1, seed=seed_of(fused_backend, 3))
+    q, k, v, dout = padded_inputs(fused_backend, dtype=BF16, head_dim=128, seed=20)
+    check_padded(fused_backend, q, k, v, dout, key_mask("scattered", seed=20))
+
+
+# --------------------------------------------------------------------------- wrapper validation (no GPU)
+def test_cuda_validation(cuda_on_cpu):
+    from bertfast.cuda import attention as C
+
+    t, a, d = 9, 2, 32
+    q, k, v = torch.randn(t, 3, a, d, dtype=FP16).unbind(1)  # packed views: row stride 3 A D, head stride D
+    cu = torch.tensor([0, 4, 4, 9], dtype=torch.int32)
+    seed = torch.tensor([11])
+    lse = torch.zeros(a, t)
+    cuda_on_cpu.reaches(C.attention_varlen_fwd, q, k, v, cu, 5, 0.2, 0.1, seed)
+    cuda_on_cpu.reaches(C.attention_varlen_fwd, q, k, v, cu, 5, None, 0.0, None)  # None: 1/sqrt(D)
+    cuda_on_cpu.reaches(C.attention_varlen_bwd, torch.randn(t, a, d, dtype=FP16), q, k, v,
+                        torch.randn(t, a, d, dtype=FP16), lse, cu, 5, 0.2, 0.0, None)
+    cuda_on_cpu.rejects("head dim in", C.attention_varlen_fwd, q[..., :24], k[..., :24], v[..., :24], cu, 5, 0.2,
+                        0.0, None)
+    cuda_on_cpu.rejects("16-byte aligned data pointer", C.attention_varlen_fwd, cuda_on_cpu.misaligned((t, a, d), FP16),
+                        k, v, cu, 5, 0.2, 0.0, None)
+    odd = torch.randn(t, a * d + 1, dtype=FP16)[:, : a * d].view(t, a, d)  # row stride 65 elements
+    cuda_on_cpu.rejects("multiples of 8 elements", C.attention_varlen_fwd, odd, k, v, cu, 5, 0.2, 0.0, None)
+    head_strided = torch.randn(t, d, a, dtype=FP16).transpose(1, 2)  # stride(-1) == A
+    cuda_on_cpu.rejects("contiguous last", C.attention_varlen_fwd, head_strided, k, v, cu, 5, 0.2, 0.0, None)
+    cuda_on_cpu.rejects("k: expected dtype", C.attention_varlen_fwd, q, k.float(), v, cu, 5, 0.2, 0.0, None)
+    cuda_on_cpu.rejects(r"v: expected shape \(9, 2, 32\)", C.attention_varlen_fwd, q, k, v[:8], cu, 5, 0.2, 0.0,
+                        None)
+    cuda_on_cpu.rejects("cu_seqlens: expected dtype", C.attention_varlen_fwd, q, k, v, cu.long(), 5, 0.2, 0.0, None)
+    cuda_on_cpu.rejects("max_seqlen: expected a python int", C.attention_varlen_fwd, q, k, v, cu, 5.0, 0.2, 0.0,
+                        None)
+    cuda_on_cpu.rejects("seed: expected an int64 tensor", C.attention_varlen_fwd, q, k, v, cu, 5, 0.2, 0.1, None)
+    cuda_on_cpu.rejects(r"lse: expected shape \(2, 9\)", C.attention_varlen_bwd, q, q, k, v, q, lse.t(), cu, 5, 0.2,
+                        0.0, None)
+    cuda_on_cpu.rejects("softmax_scale", C.attention_varlen_fwd, q, k, v, cu, 5, float("inf"), 0.0, None)
+
+    b, s = 2, 5
+    qp = torch.randn(b, s, a, d, dtype=BF16)
+    mask = torch.tensor([[1, 1, 0, 1, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    cuda_on_cpu.reaches(C.attention_padded_fwd, qp, qp, qp, mask, 0.2, 0.0, None)
+    cuda_on_cpu.reaches(C.attention_padded_fwd, qp, qp, qp, mask.long(), 0.2, 0.0, None)
+    cuda_on_cpu.reaches(C.attention_padded_bwd, qp, qp, qp, qp, qp, torch.zeros(b, a, s), None, 0.2, 0.0, None)
+    cuda_on_cpu.rejects(r"key_padding_mask: expected shape \(2, 5\)", C.attention_padded_fwd, qp, qp, qp,
+                        mask[:, :4], 0.2, 0.0, None)
+    cuda_on_cpu.rejects("bool or integer", C.attention_padded_fwd, qp, qp, qp, mask.float(), 0.2, 0.0, None)
+    cuda_on_cpu.rejects("expected 4 dimensions", C.attention_padded_fwd, qp[0], qp[0], qp[0], None, 0.2, 0.0, None)
+    cuda_on_cpu.rejects(r"lse: expected shape \(2, 2, 5\)", C.attention_padded_bwd, qp, qp, qp, qp, qp,
+                        torch.zeros(b, s, a), None, 0.2, 0.0, None)
+
+    cuda_on_cpu.reaches(C.attention_padded_dropout_mask, 2, 5, 2, 0.1, seed)
+    cuda_on_cpu.reaches(C.attention_varlen_dropout_mask, cu, 5, 2, 0.1, seed)
+    cuda_on_cpu.rejects("num_heads: expected a python int", C.attention_padded_dropout_mask, 2, 5, -1, 0.1, seed)
+    assert cuda_on_cpu.calls == ["attention_fwd", "attention_fwd", "attention_bwd", "attention_fwd", "attention_fwd",
+                                 "attention_bwd", "attention_dropout_mask", "attention_dropout_mask"]
+
+
+def test_cuda_rejects_cpu_tensors():
+    from bertfast.cuda import attention as C
+
+    q = torch.randn(6, 2, 16)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="expected a CUDA tensor, got device cpu"):
+        C.attention_varlen_fwd(q, q, q, cu, 6, 0.25, 0.0, None)
+    qp = torch.randn(1, 6, 2, 16)
+    with pytest.raises(ValueError, match="expected a CUDA tensor"):
+        C.attention_padded_fwd(qp, qp, qp, None, 0.25, 0.0, None)
+    with pytest.raises(ValueError, match="expected a CUDA tensor"):
+        C.attention_padded_dropout_mask(1, 4, 2, 0.1, torch.zeros(1, dtype=torch.long))
+
+
+def test_cuda_dropout_mask_without_dropout_needs_no_gpu():
+    from bertfast.cuda import attention as C
+
+    keep = C.attention_padded_dropout_mask(2, 3, 4, 0.0, None)
+    assert keep.shape == (2, 4, 3, 3) and keep.dtype == torch.bool and keep.all()
