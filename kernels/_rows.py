@@ -1,6 +1,6 @@
 """What the Triton row kernels share (bias_gelu, bias_dropout_residual_layernorm, embeddings):
-the row-tile launch configurations, the row groups of backward reductions, and the row-op
-dropout RNG.
+the row-tile launch configurations, the row groups of backward reductions, the row-op
+dropout RNG, and the LayerNorm row math of both LayerNorm kernels (jit helpers, inlined).
 
 Dropout RNG of the row ops (``row_dropout_keep``): element (row, col) takes 16 bits of
 Philox4x32-10 keyed by the int64 seed tensor, at counter row * ceil(H / 8) + col // 8 (one
@@ -42,6 +42,59 @@ def row_dropout_keep(seed, rows, H, p, BLOCK_M: tl.constexpr, BLOCK_H: tl.conste
     k3 = tl.join((r3 & 0xFFFF) >= thr, (r3 >> 16) >= thr)
     keep = tl.join(tl.join(k0, k1), tl.join(k2, k3))              # [BLOCK_M, GROUPS, 2, 2, 2]
     return tl.reshape(keep, (BLOCK_M, BLOCK_H))                   # column = 8 * group + lane
+
+
+@triton.jit
+def row_dropout(x, seed, rows, H, p, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """(x * keep / (1 - p), keep) for an fp32 [BLOCK_M, BLOCK_H] tile of the given rows."""
+    keep = row_dropout_keep(seed, rows, H, p, BLOCK_M, BLOCK_H)
+    return tl.where(keep, x * (1.0 / (1.0 - p)), 0.0), keep
+
+
+@triton.jit
+def load_cols(PTR, cols, col_ok):
+    """An [H] vector (weight, bias) as fp32 [BLOCK_H], 0 in padded columns."""
+    return tl.load(PTR + cols, mask=col_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def layernorm_rows(z, mask, W, B, cols, col_ok, H, eps):
+    """(y, mean, rstd): LayerNorm of each row of the fp32 tile z (padded entries 0), statistics in fp32."""
+    mean = tl.sum(z, axis=1) / H                                   # [BLOCK_M]
+    zc = tl.where(mask, z - mean[:, None], 0.0)                    # padded columns out of the variance
+    rstd = tl.rsqrt(tl.sum(zc * zc, axis=1) / H + eps)             # [BLOCK_M]
+    w = load_cols(W, cols, col_ok)
+    b = load_cols(B, cols, col_ok)
+    return zc * rstd[:, None] * w[None, :] + b[None, :], mean, rstd
+
+
+@triton.jit
+def program_rows(N, rows_per_program):
+    """(pid, row_start, row_end): the contiguous rows this program of a row_groups launch walks."""
+    pid = tl.program_id(0)
+    row_start = pid * rows_per_program
+    return pid, row_start, tl.minimum(row_start + rows_per_program, N)
+
+
+@triton.jit
+def layernorm_bwd_rows(dy, x, mean, rstd, w, acc_dw, acc_db, H):
+    """LayerNorm backward of an fp32 row tile (dy: gradient of y = zhat * w + b, x: the input):
+    (dx, acc_dw + dy * zhat, acc_db + dy)."""
+    # Padded rows and columns have dy = 0, hence g = 0: they add nothing to the sums, and callers
+    # mask dx there out of their stores, so zhat needs no masking.
+    zhat = x * rstd[:, None] - (mean * rstd)[:, None]
+    acc_dw += dy * zhat
+    acc_db += dy
+    g = dy * w[None, :]
+    a = tl.sum(g * zhat, axis=1) * rstd / H
+    c = tl.sum(g, axis=1) * rstd / H
+    return g * rstd[:, None] - (zhat * a[:, None] + c[:, None]), acc_dw, acc_db
+
+
+@triton.jit
+def store_col_sums(PART, acc, pid, H, cols, col_ok):
+    """Row pid of a [G, H] fp32 partial buffer: the column sums of the tile accumulator acc."""
+    tl.store(PART + pid * H + cols, tl.sum(acc, axis=0), mask=col_ok)
 
 
 def row_tile_configs(max_rows: int = 64):

@@ -51,7 +51,8 @@ from bertfast.contract import check_dropout, check_eps, check_rows, check_tensor
 
 from ._common import autotune, launch
 from ._rows import (BWD_PER_THREAD, FWD_PER_THREAD, MAX_ROWS_PER_TILE, block_h_for, check_hidden, hidden_reasons,
-                    interpreter_rows, n_bucket, row_config_pruner, row_dropout_keep, row_groups, row_tile_configs)
+                    interpreter_rows, layernorm_bwd_rows, layernorm_rows, load_cols, n_bucket, program_rows,
+                    row_config_pruner, row_dropout, row_groups, row_tile_configs, store_col_sums)
 
 
 def unsupported(inputs) -> list:
@@ -89,10 +90,9 @@ def _bias_dropout_residual_layernorm_fwd_kernel(
 
     z = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        z += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        z += load_cols(BIAS, cols, col_ok)[None, :]
     if HAS_DROPOUT:
-        keep = row_dropout_keep(tl.load(SEED), rows, H, p, BLOCK_M, BLOCK_H)
-        z = tl.where(keep, z * (1.0 / (1.0 - p)), 0.0)
+        z, keep = row_dropout(z, tl.load(SEED), rows, H, p, BLOCK_M, BLOCK_H)
         if STORE_KEEP:
             tl.store(KEEP + out_offs, keep, mask=mask)
     if HAS_RES:
@@ -101,14 +101,7 @@ def _bias_dropout_residual_layernorm_fwd_kernel(
     z = z.to(PRE.dtype.element_ty).to(tl.float32)
     if STORE_PRE:
         tl.store(PRE + out_offs, z.to(PRE.dtype.element_ty), mask=mask)
-
-    # Statistics in fp32; padded columns hold 0 and are masked out of the variance.
-    mean = tl.sum(z, axis=1) / H                                   # [BLOCK_M]
-    zc = tl.where(mask, z - mean[:, None], 0.0)
-    rstd = tl.rsqrt(tl.sum(zc * zc, axis=1) / H + eps)             # [BLOCK_M]
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-    b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
-    y = zc * rstd[:, None] * w[None, :] + b[None, :]
+    y, mean, rstd = layernorm_rows(z, mask, W, B, cols, col_ok, H, eps)
     tl.store(Y + out_offs, y.to(Y.dtype.element_ty), mask=mask)
     tl.store(MEAN + rows, mean, mask=row_ok)
     tl.store(RSTD + rows, rstd, mask=row_ok)
@@ -145,12 +138,10 @@ def _bias_dropout_residual_layernorm_bwd_kernel(
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    pid, row_start, row_end = program_rows(N, rows_per_program)
     cols = tl.arange(0, BLOCK_H)
     col_ok = cols < H
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-    row_start = pid * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, N)
+    w = load_cols(W, cols, col_ok)
     if HAS_DROPOUT:
         seed = tl.load(SEED)
     # Per-element accumulators, reduced over rows once at the end.
@@ -172,28 +163,19 @@ def _bias_dropout_residual_layernorm_bwd_kernel(
         rstd = rstd_next
         dy_next, z_next, mean_next, rstd_next = _load_bwd_tile(
             DY, PRE, MEAN, RSTD, rows + BLOCK_M, row_end, cols, col_ok, stride_dy, stride_pre)
-        # Padded columns and rows have dy = 0, hence g = 0: they add nothing to the sums below
-        # and are never stored, so zhat needs no masking there.
-        zhat = z * rstd[:, None] - (mean * rstd)[:, None]
-        g = dy * w[None, :]
-        a = tl.sum(g * zhat, axis=1) * rstd / H
-        c = tl.sum(g, axis=1) * rstd / H
-        dz = g * rstd[:, None] - (zhat * a[:, None] + c[:, None])
-        acc_dw += dy * zhat
-        acc_db += dy
+        dz, acc_dw, acc_db = layernorm_bwd_rows(dy, z, mean, rstd, w, acc_dw, acc_db, H)
         out_offs = rows64 * H + cols[None, :]
         if HAS_RES:
             tl.store(DRES + out_offs, dz.to(DRES.dtype.element_ty), mask=mask)
         if HAS_DROPOUT:
-            keep = row_dropout_keep(seed, rows, H, p, BLOCK_M, BLOCK_H)
-            dz = tl.where(keep, dz * (1.0 / (1.0 - p)), 0.0)
+            dz, _ = row_dropout(dz, seed, rows, H, p, BLOCK_M, BLOCK_H)
         tl.store(DX + out_offs, dz.to(DX.dtype.element_ty), mask=mask)
         if HAS_BIAS:
             acc_dbias += dz
-    tl.store(DW_PART + pid * H + cols, tl.sum(acc_dw, axis=0), mask=col_ok)
-    tl.store(DB_PART + pid * H + cols, tl.sum(acc_db, axis=0), mask=col_ok)
+    store_col_sums(DW_PART, acc_dw, pid, H, cols, col_ok)
+    store_col_sums(DB_PART, acc_db, pid, H, cols, col_ok)
     if HAS_BIAS:
-        tl.store(DBIAS_PART + pid * H + cols, tl.sum(acc_dbias, axis=0), mask=col_ok)
+        store_col_sums(DBIAS_PART, acc_dbias, pid, H, cols, col_ok)
 
 
 # --------------------------------------------------------------------------- launch configs

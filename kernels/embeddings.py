@@ -40,7 +40,8 @@ from bertfast.contract import (FLOAT_DTYPES, ID_DTYPES, check_dropout, check_eps
 
 from ._common import autotune, launch
 from ._rows import (BWD_PER_THREAD, FWD_PER_THREAD, MAX_ROWS_PER_TILE, block_h_for, check_hidden, hidden_reasons,
-                    interpreter_rows, n_bucket, row_config_pruner, row_dropout_keep, row_groups, row_tile_configs)
+                    interpreter_rows, layernorm_bwd_rows, layernorm_rows, load_cols, n_bucket, program_rows,
+                    row_config_pruner, row_dropout, row_groups, row_tile_configs, store_col_sums)
 
 _MAX_TYPES_IN_REGISTERS = 4
 
@@ -52,12 +53,16 @@ def unsupported(inputs) -> list:
 
 # --------------------------------------------------------------------------- kernels
 @triton.jit
-def _gather_sum(WORD, POS, TT, ids, pids, tids, cols, mask, stride_word, stride_pos, stride_tt):
-    """word[ids] + pos[pids] + tt[tids] as fp32 [BLOCK_M, BLOCK_H]; ids are int64 [BLOCK_M]."""
+def _gather_rows(IDS, PIDS, TIDS, WORD, POS, TT, rows, row_ok, cols, mask, stride_word, stride_pos, stride_tt):
+    """(h, ids, pids, tids): h = word[ids] + pos[pids] + tt[tids] as fp32 [BLOCK_M, BLOCK_H] for the
+    given rows, and the ids as int64 [BLOCK_M] (0 past the end)."""
+    ids = tl.load(IDS + rows, mask=row_ok, other=0).to(tl.int64)
+    pids = tl.load(PIDS + rows, mask=row_ok, other=0).to(tl.int64)
+    tids = tl.load(TIDS + rows, mask=row_ok, other=0).to(tl.int64)
     h = tl.load(WORD + ids[:, None] * stride_word + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     h += tl.load(POS + pids[:, None] * stride_pos + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     h += tl.load(TT + tids[:, None] * stride_tt + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    return h
+    return h, ids, pids, tids
 
 
 @triton.jit
@@ -85,21 +90,12 @@ def _embeddings_fwd_kernel(
     row_ok = rows < N
     col_ok = cols < H
     mask = row_ok[:, None] & col_ok[None, :]
-    ids = tl.load(IDS + rows, mask=row_ok, other=0).to(tl.int64)
-    pids = tl.load(PIDS + rows, mask=row_ok, other=0).to(tl.int64)
-    tids = tl.load(TIDS + rows, mask=row_ok, other=0).to(tl.int64)
-    h = _gather_sum(WORD, POS, TT, ids, pids, tids, cols, mask, stride_word, stride_pos, stride_tt)
-
-    mean = tl.sum(h, axis=1) / H                                    # [BLOCK_M]
-    hc = tl.where(mask, h - mean[:, None], 0.0)
-    rstd = tl.rsqrt(tl.sum(hc * hc, axis=1) / H + eps)              # [BLOCK_M]
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-    b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
-    y = hc * rstd[:, None] * w[None, :] + b[None, :]
+    h, _, _, _ = _gather_rows(IDS, PIDS, TIDS, WORD, POS, TT, rows, row_ok, cols, mask,
+                              stride_word, stride_pos, stride_tt)
+    y, mean, rstd = layernorm_rows(h, mask, W, B, cols, col_ok, H, eps)
     out_offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
     if HAS_DROPOUT:
-        keep = row_dropout_keep(tl.load(SEED), rows, H, p, BLOCK_M, BLOCK_H)
-        y = tl.where(keep, y * (1.0 / (1.0 - p)), 0.0)
+        y, keep = row_dropout(y, tl.load(SEED), rows, H, p, BLOCK_M, BLOCK_H)
         if STORE_KEEP:
             tl.store(KEEP + out_offs, keep, mask=mask)
     tl.store(Y + out_offs, y.to(Y.dtype.element_ty), mask=mask)
@@ -130,12 +126,10 @@ def _embeddings_bwd_kernel(
     HAS_DROPOUT: tl.constexpr, TT_IN_REGS: tl.constexpr, TT_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    pid, row_start, row_end = program_rows(N, rows_per_program)
     cols = tl.arange(0, BLOCK_H)
     col_ok = cols < H
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-    row_start = pid * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, N)
+    w = load_cols(W, cols, col_ok)
     if HAS_DROPOUT:
         seed = tl.load(SEED)
     acc_dw = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
@@ -146,24 +140,15 @@ def _embeddings_bwd_kernel(
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < row_end
         mask = row_ok[:, None] & col_ok[None, :]
-        ids = tl.load(IDS + rows, mask=row_ok, other=0).to(tl.int64)
-        pids = tl.load(PIDS + rows, mask=row_ok, other=0).to(tl.int64)
-        tids = tl.load(TIDS + rows, mask=row_ok, other=0).to(tl.int64)
-        h = _gather_sum(WORD, POS, TT, ids, pids, tids, cols, mask, stride_word, stride_pos, stride_tt)
+        h, ids, pids, tids = _gather_rows(IDS, PIDS, TIDS, WORD, POS, TT, rows, row_ok, cols, mask,
+                                          stride_word, stride_pos, stride_tt)
         mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-        zhat = h * rstd[:, None] - (mean * rstd)[:, None]   # padded entries meet dz = 0 below
         dz = tl.load(DY + rows.to(tl.int64)[:, None] * stride_dy + cols[None, :],
                      mask=mask, other=0.0).to(tl.float32)
         if HAS_DROPOUT:
-            keep = row_dropout_keep(seed, rows, H, p, BLOCK_M, BLOCK_H)
-            dz = tl.where(keep, dz * (1.0 / (1.0 - p)), 0.0)
-        acc_dw += dz * zhat
-        acc_db += dz
-        g = dz * w[None, :]
-        a = tl.sum(g * zhat, axis=1) * rstd / H
-        c = tl.sum(g, axis=1) * rstd / H
-        dh = g * rstd[:, None] - (zhat * a[:, None] + c[:, None])   # masked out of the stores below
+            dz, _ = row_dropout(dz, seed, rows, H, p, BLOCK_M, BLOCK_H)
+        dh, acc_dw, acc_db = layernorm_bwd_rows(dz, h, mean, rstd, w, acc_dw, acc_db, H)  # masked below
         tl.atomic_add(DWORD + ids[:, None] * H + cols[None, :], dh, mask=mask, sem="relaxed")
         tl.atomic_add(DPOS + pids[:, None] * H + cols[None, :], dh, mask=mask, sem="relaxed")
         if TT_IN_REGS:
@@ -172,8 +157,8 @@ def _embeddings_bwd_kernel(
                 acc_tt += tl.where((types == t)[:, None], s[None, :], 0.0)
         else:
             tl.atomic_add(DTT + tids[:, None] * H + cols[None, :], dh, mask=mask, sem="relaxed")
-    tl.store(DW_PART + pid * H + cols, tl.sum(acc_dw, axis=0), mask=col_ok)
-    tl.store(DB_PART + pid * H + cols, tl.sum(acc_db, axis=0), mask=col_ok)
+    store_col_sums(DW_PART, acc_dw, pid, H, cols, col_ok)
+    store_col_sums(DB_PART, acc_db, pid, H, cols, col_ok)
     if TT_IN_REGS:
         tt_offs = (pid * NUM_TYPES + types)[:, None] * H + cols[None, :]
         tl.store(DTT + tt_offs, acc_tt, mask=(types < NUM_TYPES)[:, None] & col_ok[None, :])
