@@ -18,7 +18,7 @@
 // dbias live in shared memory [3, H] (each thread owns its columns: no atomics) and are written
 // to the workspace [blocks, 3, H] at the end; column_sum.cu reduces them.
 // Limits: H up to 8192 (shared memory 12 H bytes in the backward).
-#include "common.cuh"
+#include "layernorm.cuh"
 
 namespace bertfast {
 namespace {
@@ -51,73 +51,35 @@ __global__ void bias_dropout_residual_layernorm_fwd_kernel(FwdArgs a) {
   const T* res = a.residual ? static_cast<const T*>(a.residual) + r * a.rs : nullptr;
   const P* bias = static_cast<const P*>(a.bias);
   T* pre = static_cast<T*>(a.pre) + r * h;
-  const bool dropout = a.p > 0.f;
-  const uint64_t seed = dropout ? static_cast<uint64_t>(*a.seed) : 0;
-  const float scale = dropout ? 1.f / (1.f - a.p) : 1.f;
-  const int64_t step = static_cast<int64_t>(blockDim.x) * VEC;
-
-  float sum = 0.f;
-  for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
-    float v[VEC];
-    load_f<T, VEC>(x + c, v);
-    if (bias) {
-      float b[VEC];
-      load_f<P, VEC>(bias + c, b);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) v[i] += b[i];
-    }
-    if (dropout) {
-      bool k[VEC];
-      keep_vec<VEC>(seed, r, c, a.p, k);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) v[i] = k[i] ? v[i] * scale : 0.f;
-      if (a.keep) {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) a.keep[r * h + c + i] = k[i];
-      }
-    } else if (a.keep) {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) a.keep[r * h + c + i] = true;
-    }
-    if (res) {
-      float rv[VEC];
-      load_f<T, VEC>(res + c, rv);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) v[i] += rv[i];
-    }
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      v[i] = round_to<T>(v[i]);
-      row_buf[c + i] = v[i];
-      sum += v[i];
-    }
-    store_f<T, VEC>(pre + c, v);
-  }
-  const float mean = block_sum(sum, red) / static_cast<float>(h);
-  float sq = 0.f;
-  for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      const float d = row_buf[c + i] - mean;
-      sq += d * d;
-    }
-  }
-  const float var = block_sum(sq, red) / static_cast<float>(h);
-  const float rstd = 1.f / sqrtf(var + a.eps);
-  const P* w = static_cast<const P*>(a.weight);
-  const P* lb = static_cast<const P*>(a.ln_bias);
   T* y = static_cast<T*>(a.y) + r * h;
-  for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
-    float wv[VEC], bv[VEC], out[VEC];
-    load_f<P, VEC>(w + c, wv);
-    load_f<P, VEC>(lb + c, bv);
+  bool* keep = a.keep ? a.keep + r * h : nullptr;
+  const RowDropout drop(a.p, a.seed);
+
+  const float2 stats = layernorm_fwd_row<P, VEC>(
+      row_buf, h, a.eps, static_cast<const P*>(a.weight), static_cast<const P*>(a.ln_bias), red,
+      [&](int64_t c, float (&v)[VEC]) {
+        load_f<T, VEC>(x + c, v);
+        if (bias) {
+          float b[VEC];
+          load_f<P, VEC>(bias + c, b);
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) out[i] = (row_buf[c + i] - mean) * rstd * wv[i] + bv[i];
-    store_f<T, VEC>(y + c, out);
-  }
+          for (int i = 0; i < VEC; ++i) v[i] += b[i];
+        }
+        drop.apply(r, c, v, keep);
+        if (res) {
+          float rv[VEC];
+          load_f<T, VEC>(res + c, rv);
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) v[i] += rv[i];
+        }
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) v[i] = round_to<T>(v[i]);  // the statistics see the stored pre
+        store_f<T, VEC>(pre + c, v);
+      },
+      [&](int64_t c, const float (&out)[VEC]) { store_f<T, VEC>(y + c, out); });
   if (threadIdx.x == 0) {
-    a.mean[r] = mean;
-    a.rstd[r] = rstd;
+    a.mean[r] = stats.x;
+    a.rstd[r] = stats.y;
   }
 }
 
@@ -141,85 +103,34 @@ __global__ void bias_dropout_residual_layernorm_bwd_kernel(BwdArgs a) {
   extern __shared__ float acc[];  // [3, h]: dweight, dln_bias, dbias partial sums of this block
   __shared__ float2 red[33];
   const int64_t h = a.h;
-  float* acc_w = acc;
-  float* acc_b = acc + h;
   float* acc_db = acc + 2 * h;
-  const int64_t step = static_cast<int64_t>(blockDim.x) * VEC;
-  for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) acc_w[c + i] = acc_b[c + i] = acc_db[c + i] = 0.f;
-  }
-  const int64_t per_block = (a.n + gridDim.x - 1) / gridDim.x;
-  const int64_t r0 = blockIdx.x * per_block;
-  const int64_t r1 = r0 + per_block < a.n ? r0 + per_block : a.n;
-  const bool dropout = a.p > 0.f;
-  const uint64_t seed = dropout ? static_cast<uint64_t>(*a.seed) : 0;
-  const float scale = dropout ? 1.f / (1.f - a.p) : 1.f;
+  zero_columns<VEC>(acc, 3, h);
+  const RowRange rows = block_rows(a.n);
+  const RowDropout drop(a.p, a.seed);
   const P* w = static_cast<const P*>(a.weight);
-  const float inv_h = 1.f / static_cast<float>(h);
 
-  for (int64_t r = r0; r < r1; ++r) {
+  for (int64_t r = rows.begin; r < rows.end; ++r) {
     const T* dy = static_cast<const T*>(a.dy) + r * a.dys;
     const T* pre = static_cast<const T*>(a.pre) + r * a.ps;
-    const float mean = a.mean[r], rstd = a.rstd[r];
-    float2 s = make_float2(0.f, 0.f);  // sum g, sum g * xhat
-    for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
-      float g[VEC], xh[VEC], wv[VEC];
-      load_f<T, VEC>(dy + c, g);
-      load_f<T, VEC>(pre + c, xh);
-      load_f<P, VEC>(w + c, wv);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        xh[i] = (xh[i] - mean) * rstd;
-        acc_w[c + i] += g[i] * xh[i];
-        acc_b[c + i] += g[i];
-        g[i] *= wv[i];
-        s.x += g[i];
-        s.y += g[i] * xh[i];
-      }
-    }
-    s = block_sum2(s, red);
-    const float mg = s.x * inv_h, mgx = s.y * inv_h;
     T* dx = static_cast<T*>(a.dx) + r * h;
     T* dres = a.dres ? static_cast<T*>(a.dres) + r * h : nullptr;
-    for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
-      float g[VEC], xh[VEC], wv[VEC];
-      load_f<T, VEC>(dy + c, g);
-      load_f<T, VEC>(pre + c, xh);
-      load_f<P, VEC>(w + c, wv);
+    layernorm_bwd_row<P, VEC>(
+        h, a.mean[r], a.rstd[r], w, acc, acc + h, red,
+        [&](int64_t c, float (&dz)[VEC], float (&x)[VEC]) {
+          load_f<T, VEC>(dy + c, dz);
+          load_f<T, VEC>(pre + c, x);
+        },
+        [&](int64_t c, float (&d)[VEC]) {  // d: dpre, then dx
+          if (dres) store_f<T, VEC>(dres + c, d);
+          drop.apply(r, c, d);
+          if (a.has_bias) {
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) g[i] = rstd * (g[i] * wv[i] - mg - (xh[i] - mean) * rstd * mgx);
-      if (dres) store_f<T, VEC>(dres + c, g);
-      if (dropout) {
-        bool k[VEC];
-        keep_vec<VEC>(seed, r, c, a.p, k);
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) g[i] = k[i] ? g[i] * scale : 0.f;
-      }
-      if (a.has_bias) {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) acc_db[c + i] += g[i];
-      }
-      store_f<T, VEC>(dx + c, g);
-    }
+            for (int i = 0; i < VEC; ++i) acc_db[c + i] += d[i];
+          }
+          store_f<T, VEC>(dx + c, d);
+        });
   }
-  float* out = a.ws + static_cast<int64_t>(blockIdx.x) * 3 * h;
-  for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      out[c + i] = acc_w[c + i];
-      out[h + c + i] = acc_b[c + i];
-      out[2 * h + c + i] = acc_db[c + i];
-    }
-  }
-}
-
-// Threads per row: one vector each up to 256 threads, a multiple of 32.
-int threads_for(int64_t h, int vec) {
-  int64_t t = (h / vec + 31) / 32 * 32;
-  if (t < 32) t = 32;
-  if (t > 256) t = 256;
-  return static_cast<int>(t);
+  copy_columns<VEC>(a.ws + static_cast<int64_t>(blockIdx.x) * 3 * h, acc, 3, h);
 }
 
 template <typename T, typename P>
@@ -232,9 +143,9 @@ int run_fwd(const FwdArgs& a, cudaStream_t stream) {
   const size_t smem = static_cast<size_t>(a.h) * sizeof(float);
   const dim3 grid(static_cast<unsigned>(a.n));
   if (vec) {
-    bias_dropout_residual_layernorm_fwd_kernel<T, P, V><<<grid, threads_for(a.h, V), smem, stream>>>(a);
+    bias_dropout_residual_layernorm_fwd_kernel<T, P, V><<<grid, layernorm_threads(a.h, V), smem, stream>>>(a);
   } else {
-    bias_dropout_residual_layernorm_fwd_kernel<T, P, 1><<<grid, threads_for(a.h, 1), smem, stream>>>(a);
+    bias_dropout_residual_layernorm_fwd_kernel<T, P, 1><<<grid, layernorm_threads(a.h, 1), smem, stream>>>(a);
   }
   BF_CHECK_LAUNCH("bias_dropout_residual_layernorm_fwd");
   return kOk;
@@ -251,10 +162,10 @@ int run_bwd(const BwdArgs& a, void* dbias, void* dweight, void* dln_bias, int pa
   const int64_t blocks = reduction_blocks(a.n);
   if (vec) {
     if (cudaError_t e = allow_smem(bias_dropout_residual_layernorm_bwd_kernel<T, P, V>, smem)) return fail_cuda("bias_dropout_residual_layernorm_bwd", e);
-    bias_dropout_residual_layernorm_bwd_kernel<T, P, V><<<static_cast<unsigned>(blocks), threads_for(a.h, V), smem, stream>>>(a);
+    bias_dropout_residual_layernorm_bwd_kernel<T, P, V><<<static_cast<unsigned>(blocks), layernorm_threads(a.h, V), smem, stream>>>(a);
   } else {
     if (cudaError_t e = allow_smem(bias_dropout_residual_layernorm_bwd_kernel<T, P, 1>, smem)) return fail_cuda("bias_dropout_residual_layernorm_bwd", e);
-    bias_dropout_residual_layernorm_bwd_kernel<T, P, 1><<<static_cast<unsigned>(blocks), threads_for(a.h, 1), smem, stream>>>(a);
+    bias_dropout_residual_layernorm_bwd_kernel<T, P, 1><<<static_cast<unsigned>(blocks), layernorm_threads(a.h, 1), smem, stream>>>(a);
   }
   BF_CHECK_LAUNCH("bias_dropout_residual_layernorm_bwd");
   if (int s = launch_column_sum(a.ws, blocks, 3, 0, a.h, dweight, param_dtype, stream)) return s;

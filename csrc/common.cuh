@@ -131,6 +131,33 @@ __device__ __forceinline__ void keep_vec(uint64_t seed, uint64_t row, int64_t co
     for (int i = 0; i < N; ++i) keep[i] = keep_scalar(seed, row, col + i, p);
   }
 }
+// A row op's dropout at rate p (the seed is only read, and needed, when p > 0).
+struct RowDropout {
+  bool on;
+  uint64_t seed;
+  float p, scale;
+  __device__ __forceinline__ RowDropout(float p_, const int64_t* seed_ptr)
+      : on(p_ > 0.f), seed(on ? static_cast<uint64_t>(*seed_ptr) : 0), p(p_),
+        scale(on ? 1.f / (1.f - p_) : 1.f) {}
+  // v[i] = keep ? v[i] * scale : 0 at columns col .. col+N-1 of `row`; keep_row (the row's
+  // debug mask, or null) gets the mask, all true when off.
+  template <int N>
+  __device__ __forceinline__ void apply(uint64_t row, int64_t col, float (&v)[N], bool* keep_row = nullptr) const {
+    if (on) {
+      bool k[N];
+      keep_vec<N>(seed, row, col, p, k);
+#pragma unroll
+      for (int i = 0; i < N; ++i) v[i] = k[i] ? v[i] * scale : 0.f;
+      if (keep_row) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) keep_row[col + i] = k[i];
+      }
+    } else if (keep_row) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) keep_row[col + i] = true;
+    }
+  }
+};
 
 // ------------------------------------------------------------------ reductions
 __device__ __forceinline__ float warp_sum(float v) {

@@ -17,7 +17,7 @@
 // atomics. Token-type partials are flushed with one atomicAdd per (block, type, column); the
 // LayerNorm partials go to the workspace [blocks, 2, H] and column_sum.cu reduces them.
 // Limits: H up to 8192.
-#include "common.cuh"
+#include "layernorm.cuh"
 
 namespace bertfast {
 namespace {
@@ -72,56 +72,19 @@ __global__ void embeddings_fwd_kernel(Args a) {
   const P* w = static_cast<const P*>(a.word) + load_id(a.ids, a.ids64, t) * h;
   const P* ps = static_cast<const P*>(a.pos) + load_id(a.pos_ids, a.pos64, t) * h;
   const P* ty = static_cast<const P*>(a.type) + load_id(a.type_ids, a.type64, t) * h;
-  const int64_t step = static_cast<int64_t>(blockDim.x) * VEC;
-  float sum = 0.f;
-  for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
-    float v[VEC];
-    gather<P, VEC>(w, ps, ty, c, v);
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      row_buf[c + i] = v[i];
-      sum += v[i];
-    }
-  }
-  const float mean = block_sum(sum, red) / static_cast<float>(h);
-  float sq = 0.f;
-  for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      const float d = row_buf[c + i] - mean;
-      sq += d * d;
-    }
-  }
-  const float rstd = 1.f / sqrtf(block_sum(sq, red) / static_cast<float>(h) + a.eps);
-  const bool dropout = a.p > 0.f;
-  const uint64_t seed = dropout ? static_cast<uint64_t>(*a.seed) : 0;
-  const float scale = dropout ? 1.f / (1.f - a.p) : 1.f;
-  const P* lw = static_cast<const P*>(a.ln_weight);
-  const P* lb = static_cast<const P*>(a.ln_bias);
   O* y = static_cast<O*>(a.y) + t * h;
-  for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
-    float wv[VEC], bv[VEC], out[VEC];
-    load_f<P, VEC>(lw + c, wv);
-    load_f<P, VEC>(lb + c, bv);
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) out[i] = (row_buf[c + i] - mean) * rstd * wv[i] + bv[i];
-    if (dropout) {
-      bool k[VEC];
-      keep_vec<VEC>(seed, t, c, a.p, k);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        out[i] = k[i] ? out[i] * scale : 0.f;
-        if (a.keep) a.keep[t * h + c + i] = k[i];
-      }
-    } else if (a.keep) {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) a.keep[t * h + c + i] = true;
-    }
-    store_f<O, VEC>(y + c, out);
-  }
+  bool* keep = a.keep ? a.keep + t * h : nullptr;
+  const RowDropout drop(a.p, a.seed);
+  const float2 stats = layernorm_fwd_row<P, VEC>(
+      row_buf, h, a.eps, static_cast<const P*>(a.ln_weight), static_cast<const P*>(a.ln_bias), red,
+      [&](int64_t c, float (&v)[VEC]) { gather<P, VEC>(w, ps, ty, c, v); },
+      [&](int64_t c, float (&out)[VEC]) {
+        drop.apply(t, c, out, keep);
+        store_f<O, VEC>(y + c, out);
+      });
   if (threadIdx.x == 0) {
-    a.mean[t] = mean;
-    a.rstd[t] = rstd;
+    a.mean[t] = stats.x;
+    a.rstd[t] = stats.y;
   }
 }
 
@@ -131,27 +94,13 @@ __global__ void embeddings_bwd_kernel(Args a) {
   extern __shared__ float acc[];
   __shared__ float2 red[33];
   const int64_t h = a.h;
-  float* acc_w = acc;
-  float* acc_b = acc + h;
   float* acc_t = acc + 2 * h;
-  const int64_t n_acc = 2 + (a.type_in_smem ? a.n_types : 0);
-  const int64_t step = static_cast<int64_t>(blockDim.x) * VEC;
-  for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
-    for (int64_t j = 0; j < n_acc; ++j) {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) acc[j * h + c + i] = 0.f;
-    }
-  }
-  const int64_t per_block = (a.t + gridDim.x - 1) / gridDim.x;
-  const int64_t t0 = blockIdx.x * per_block;
-  const int64_t t1 = t0 + per_block < a.t ? t0 + per_block : a.t;
-  const bool dropout = a.p > 0.f;
-  const uint64_t seed = dropout ? static_cast<uint64_t>(*a.seed) : 0;
-  const float scale = dropout ? 1.f / (1.f - a.p) : 1.f;
+  zero_columns<VEC>(acc, 2 + (a.type_in_smem ? a.n_types : 0), h);
+  const RowRange rows = block_rows(a.t);
+  const RowDropout drop(a.p, a.seed);
   const P* lw = static_cast<const P*>(a.ln_weight);
-  const float inv_h = 1.f / static_cast<float>(h);
 
-  for (int64_t t = t0; t < t1; ++t) {
+  for (int64_t t = rows.begin; t < rows.end; ++t) {
     const int64_t id = load_id(a.ids, a.ids64, t);
     const int64_t pid = load_id(a.pos_ids, a.pos64, t);
     const int64_t tid = load_id(a.type_ids, a.type64, t);
@@ -159,67 +108,33 @@ __global__ void embeddings_bwd_kernel(Args a) {
     const P* ps = static_cast<const P*>(a.pos) + pid * h;
     const P* ty = static_cast<const P*>(a.type) + tid * h;
     const O* dy = static_cast<const O*>(a.dy) + t * h;
-    const float mean = a.mean[t], rstd = a.rstd[t];
-    float2 s = make_float2(0.f, 0.f);  // sum g, sum g * xhat
-    for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
-      float xh[VEC], dz[VEC], wv[VEC];
-      gather<P, VEC>(w, ps, ty, c, xh);
-      load_f<O, VEC>(dy + c, dz);
-      load_f<P, VEC>(lw + c, wv);
-      if (dropout) {
-        bool k[VEC];
-        keep_vec<VEC>(seed, t, c, a.p, k);
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) dz[i] = k[i] ? dz[i] * scale : 0.f;
-      }
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        xh[i] = (xh[i] - mean) * rstd;
-        acc_w[c + i] += dz[i] * xh[i];
-        acc_b[c + i] += dz[i];
-        const float g = dz[i] * wv[i];
-        s.x += g;
-        s.y += g * xh[i];
-      }
-    }
-    s = block_sum2(s, red);
-    const float mg = s.x * inv_h, mgx = s.y * inv_h;
     float* dw = a.dword + id * h;
     float* dp = a.dpos + pid * h;
     float* dt = a.type_in_smem ? acc_t + tid * h : a.dtype + tid * h;
-    for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
-      float xh[VEC], dz[VEC], wv[VEC];
-      gather<P, VEC>(w, ps, ty, c, xh);
-      load_f<O, VEC>(dy + c, dz);
-      load_f<P, VEC>(lw + c, wv);
-      if (dropout) {
-        bool k[VEC];
-        keep_vec<VEC>(seed, t, c, a.p, k);
+    layernorm_bwd_row<P, VEC>(
+        h, a.mean[t], a.rstd[t], lw, acc, acc + h, red,
+        [&](int64_t c, float (&dz)[VEC], float (&x)[VEC]) {
+          gather<P, VEC>(w, ps, ty, c, x);
+          load_f<O, VEC>(dy + c, dz);
+          drop.apply(t, c, dz);
+        },
+        [&](int64_t c, const float (&dh)[VEC]) {
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) dz[i] = k[i] ? dz[i] * scale : 0.f;
-      }
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        const float xhat = (xh[i] - mean) * rstd;
-        const float dh = rstd * (dz[i] * wv[i] - mg - xhat * mgx);
-        atomicAdd(dw + c + i, dh);
-        atomicAdd(dp + c + i, dh);
-        if (a.type_in_smem) {
-          dt[c + i] += dh;  // this thread's own column: no race
-        } else {
-          atomicAdd(dt + c + i, dh);
-        }
-      }
-    }
+          for (int i = 0; i < VEC; ++i) {
+            atomicAdd(dw + c + i, dh[i]);
+            atomicAdd(dp + c + i, dh[i]);
+            if (a.type_in_smem) {
+              dt[c + i] += dh[i];  // this thread's own column: no race
+            } else {
+              atomicAdd(dt + c + i, dh[i]);
+            }
+          }
+        });
   }
-  float* out = a.ws + static_cast<int64_t>(blockIdx.x) * 2 * h;
-  for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      out[c + i] = acc_w[c + i];
-      out[h + c + i] = acc_b[c + i];
-    }
-    if (a.type_in_smem && t1 > t0) {
+  copy_columns<VEC>(a.ws + static_cast<int64_t>(blockIdx.x) * 2 * h, acc, 2, h);
+  if (a.type_in_smem && rows.end > rows.begin) {
+    const int64_t step = static_cast<int64_t>(blockDim.x) * VEC;
+    for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
       for (int64_t j = 0; j < a.n_types; ++j) {
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
@@ -229,13 +144,6 @@ __global__ void embeddings_bwd_kernel(Args a) {
       }
     }
   }
-}
-
-int threads_for(int64_t h, int vec) {
-  int64_t t = (h / vec + 31) / 32 * 32;
-  if (t < 32) t = 32;
-  if (t > 256) t = 256;
-  return static_cast<int>(t);
 }
 
 template <typename P, typename O>
@@ -251,9 +159,9 @@ int run_fwd(const Args& a, cudaStream_t stream) {
   constexpr int V = vec_width<P, O>();
   const size_t smem = static_cast<size_t>(a.h) * sizeof(float);
   if (use_vec<P, O>(a, V)) {
-    embeddings_fwd_kernel<P, O, V><<<static_cast<unsigned>(a.t), threads_for(a.h, V), smem, stream>>>(a);
+    embeddings_fwd_kernel<P, O, V><<<static_cast<unsigned>(a.t), layernorm_threads(a.h, V), smem, stream>>>(a);
   } else {
-    embeddings_fwd_kernel<P, O, 1><<<static_cast<unsigned>(a.t), threads_for(a.h, 1), smem, stream>>>(a);
+    embeddings_fwd_kernel<P, O, 1><<<static_cast<unsigned>(a.t), layernorm_threads(a.h, 1), smem, stream>>>(a);
   }
   BF_CHECK_LAUNCH("embeddings_fwd");
   return kOk;
@@ -266,10 +174,10 @@ int run_bwd(const Args& a, void* dln_weight, void* dln_bias, int table_dtype, cu
   const int64_t blocks = reduction_blocks(a.t);
   if (use_vec<P, O>(a, V)) {
     if (cudaError_t e = allow_smem(embeddings_bwd_kernel<P, O, V>, smem)) return fail_cuda("embeddings_bwd", e);
-    embeddings_bwd_kernel<P, O, V><<<static_cast<unsigned>(blocks), threads_for(a.h, V), smem, stream>>>(a);
+    embeddings_bwd_kernel<P, O, V><<<static_cast<unsigned>(blocks), layernorm_threads(a.h, V), smem, stream>>>(a);
   } else {
     if (cudaError_t e = allow_smem(embeddings_bwd_kernel<P, O, 1>, smem)) return fail_cuda("embeddings_bwd", e);
-    embeddings_bwd_kernel<P, O, 1><<<static_cast<unsigned>(blocks), threads_for(a.h, 1), smem, stream>>>(a);
+    embeddings_bwd_kernel<P, O, 1><<<static_cast<unsigned>(blocks), layernorm_threads(a.h, 1), smem, stream>>>(a);
   }
   BF_CHECK_LAUNCH("embeddings_bwd");
   if (int s = launch_column_sum(a.ws, blocks, 2, 0, a.h, dln_weight, table_dtype, stream)) return s;
