@@ -338,6 +338,7 @@ class Finetuner:
         self.ckpt_dir = os.path.join(args.output_dir, "checkpoints")
         self.stop_request = StopRequest()
         self.say = print
+        self._order, self._order_epoch = None, None  # the current epoch's visiting order (_batch)
 
     def setup(self) -> None:
         args = self.args
@@ -383,7 +384,7 @@ class Finetuner:
     def _batch(self, step: int) -> Dict[str, torch.Tensor]:
         """Step ``step``'s batch: epoch e visits the features in a permutation seeded by (seed, e)."""
         epoch, k = divmod(step, self.steps_per_epoch)
-        if getattr(self, "_order_epoch", None) != epoch:
+        if self._order_epoch != epoch:
             self._order = np.random.default_rng([self.args.seed, epoch]).permutation(len(self.train_features))
             self._order_epoch = epoch
         bs = self.args.batch_size
