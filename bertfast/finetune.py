@@ -51,7 +51,7 @@ from bertfast.training import checkpoints as ckpt
 from bertfast.training.config import FinetuneConfig, parse_overrides
 from bertfast.training.optim import build_optimizer, warmup_linear_decay
 from bertfast.training.precision import autocast_context, resolve_precision
-from bertfast.training.records import MetricsLogger, read_jsonl
+from bertfast.training.records import MetricsLogger
 from bertfast.training.signals import StopRequest
 from bertfast.training.step import TrainStep
 
@@ -374,8 +374,8 @@ class Finetuner:
         ckpt.remove_stale_temp(self.ckpt_dir)
         args.save(args.output_dir)  # the resolved settings: --resume reads them back
         metrics_file = os.path.join(args.output_dir, "metrics.jsonl")
-        self.history = [r for r in read_jsonl(metrics_file) if r.get("step", 0) <= self.step] if state else []
         self.log_records = MetricsLogger(metrics_file, resumed_at=self.step if state else None)
+        self.history = list(self.log_records.previous)  # a resumed run's records so far
         self.say(f"[finetune] {args.task}: {len(self.train_features)} training features, {self.total_steps} steps "
                  f"({args.epochs:g} epochs of {self.steps_per_epoch}), model "
                  f"{self.model.num_parameters() / 1e6:.2f}M parameters, {self.device}, {self.precision}"

@@ -305,8 +305,10 @@ def test_a_resumed_run_drops_the_records_written_after_its_checkpoint(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"type": "train", "step": 2}\n{"type": "eval", "step": 4}\n{"type": "train", "step": 6}\n'
                     '{"type": "train", "st', encoding="utf-8")                # the last write cut by a kill
-    MetricsLogger(str(path), resumed_at=4).close()
+    logger = MetricsLogger(str(path), resumed_at=4)
+    logger.close()
     assert [r["step"] for r in json_lines(path)] == [2, 4]
+    assert [r["step"] for r in logger.previous] == [2, 4]                # the resumed run's history so far
     path.write_text('{"step": 1}\nnot json\n{"step": 2}\n', encoding="utf-8")
     with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON record"):
         MetricsLogger(str(path), resumed_at=1)

@@ -14,11 +14,13 @@ class MetricsLogger:
     """JSON lines (one object per record) and, when installed and asked for, TensorBoard."""
 
     def __init__(self, path: Optional[str], tensorboard_dir: Optional[str] = None, enabled: bool = True,
-                 append: bool = False, resumed_at: Optional[int] = None):
+                 resumed_at: Optional[int] = None):
         """``resumed_at``: the step of the checkpoint a run resumes from; the records the stopped
-        run wrote after it are dropped (the resumed run writes them again), then new ones append."""
+        run wrote after it are dropped (the resumed run writes them again), the ones before it are
+        kept (``self.previous``), then new ones append."""
         self.enabled = enabled
         self.path = path
+        self.previous: List[Dict[str, Any]] = []
         self._f = None
         self._tb = None
         if not enabled:
@@ -26,8 +28,8 @@ class MetricsLogger:
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             if resumed_at is not None:
-                _keep_through_step(path, resumed_at)
-            self._f = open(path, "a" if append or resumed_at is not None else "w", encoding="utf-8")
+                self.previous = _keep_through_step(path, resumed_at)
+            self._f = open(path, "a" if resumed_at is not None else "w", encoding="utf-8")
         if tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -66,14 +68,15 @@ def _json_default(o):
     return str(o)
 
 
-def _keep_through_step(path: str, step: int) -> None:
+def _keep_through_step(path: str, step: int) -> List[Dict[str, Any]]:
     """Rewrite ``path`` without the records after ``step`` (and without a last line cut short by
-    a kill); any other line that is not a JSON object is an error naming the file and line."""
+    a kill) and return the records kept; any other line that is not a JSON object is an error
+    naming the file and line."""
     if not os.path.isfile(path):
-        return
+        return []
     with open(path, encoding="utf-8") as f:
         lines = f.readlines()
-    kept = []
+    kept, records = [], []
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -87,10 +90,12 @@ def _keep_through_step(path: str, step: int) -> None:
             raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
         if record.get("step", 0) <= step:
             kept.append(line if line.endswith("\n") else line + "\n")
+            records.append(record)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.writelines(kept)
     os.replace(tmp, path)
+    return records
 
 
 def read_jsonl(path: str) -> List[Dict[str, Any]]:
