@@ -104,7 +104,7 @@ class RunConfig:
         types = self.types()
         for f in self.fields():
             value, kind = getattr(self, f.name), types[f.name]
-            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            flag = self.flag_of(f)
             if not _conforms(value, kind):
                 raise ValueError(f"{source}: {flag} expects {_describe(kind)}, got {value!r}")
             choices = f.metadata.get("choices")
@@ -118,6 +118,25 @@ class RunConfig:
     def check(self) -> None:
         """The command's own rules (ranges, combinations); raise ValueError naming the option."""
 
+    @classmethod
+    def flag_of(cls, f: dataclasses.Field) -> str:
+        return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+    def require_positive(self, *names: str) -> None:
+        """Each named option, unless None, is > 0 (NaN is not)."""
+        self._require(names, lambda v: v > 0, "> 0")
+
+    def require_non_negative(self, *names: str) -> None:
+        """Each named option, unless None, is >= 0."""
+        self._require(names, lambda v: v >= 0, ">= 0")
+
+    def _require(self, names: Sequence[str], ok: Callable[[Any], bool], rule: str) -> None:
+        fields = {f.name: f for f in self.fields()}
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and not ok(value):
+                raise ValueError(f"{self.flag_of(fields[name])} must be {rule}, got {value}")
+
     # ------------------------------------------------------------------ the command line
     @classmethod
     def parser(cls, prog: str, description: str) -> argparse.ArgumentParser:
@@ -129,7 +148,7 @@ class RunConfig:
         for f in cls.fields():
             meta = f.metadata
             group = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
-            flag = meta.get("flag") or "--" + f.name.replace("_", "-")
+            flag = cls.flag_of(f)
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             text = argparse.SUPPRESS if meta.get("hidden") else f"{meta['help']} (default: {default})".lstrip()
             kind = types[f.name]
@@ -240,6 +259,8 @@ DEMO = dict(demo=True, preset="demo", output_dir=os.path.join("runs", "demo"), p
             warmup_steps=30, log_every=10, eval_every=100, eval_batches=4, save_every=100, parity_every=100,
             keep_last=2, demo_vocab_size=DEMO_VOCAB_SIZE, threads=1)
 
+PARITY_THRESHOLD_HELP = ("relative difference of loss, logits or gradient norm that counts as divergence (the check "
+                         "runs in fp32 with dropout off, where fast and reference agree to ~1e-6)")
 MODEL, DATA, SCHEDULE, DIST, LOGS, PARITY = ("model", "data", "schedule", "distributed", "checkpoints and logging",
                                              "parity")
 
@@ -316,9 +337,7 @@ class PretrainConfig(RunConfig):
     no_plot: bool = option(False, group=LOGS, per_run=False)
 
     parity_every: int = option(0, "0 disables", group=PARITY)
-    parity_threshold: float = option(1e-3, "relative difference of loss, logits or gradient norm that counts as "
-                                           "divergence (the check runs in fp32 with dropout off, where fast and "
-                                           "reference agree to ~1e-6)", group=PARITY)
+    parity_threshold: float = option(1e-3, PARITY_THRESHOLD_HELP, group=PARITY)
     parity_strict: bool = option(False, "stop at the first divergence", group=PARITY)
     demo_vocab_size: int = option(DEMO_VOCAB_SIZE, group=PARITY, hidden=True)
     demo_corpus_max_docs: Optional[int] = option(None, group=PARITY, hidden=True)
@@ -331,24 +350,16 @@ class PretrainConfig(RunConfig):
                     "max_predictions_per_seq", "threads", "demo_vocab_size", "stop_at_step")
         at_least_zero = ("prefetch", "phase1_steps", "phase2_steps", "total_steps", "warmup_steps", "save_every",
                          "keep_last", "eval_every", "parity_every", "weight_decay", "adam_eps", "max_grad_norm")
-        for name in positive:
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
-        for name in at_least_zero:
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        self.require_positive(*positive)
+        self.require_non_negative(*at_least_zero)
+        self.require_positive("lr")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ValueError(f"--beta1 and --beta2 must be in [0, 1), got {self.beta1} and {self.beta2}")
         if not 0.0 <= self.phase2_fraction < 1.0:
             raise ValueError(f"--phase2-fraction must be in [0, 1), got {self.phase2_fraction}")
         if self.masked_lm_prob is not None and not 0.0 < self.masked_lm_prob < 1.0:
             raise ValueError(f"--masked-lm-prob must be in (0, 1), got {self.masked_lm_prob}")
-        if not self.parity_threshold > 0:
-            raise ValueError(f"--parity-threshold must be > 0, got {self.parity_threshold}")
+        self.require_positive("parity_threshold")
 
 
 # --------------------------------------------------------------------------- bertfast finetune
@@ -436,26 +447,18 @@ class FinetuneConfig(RunConfig):
     null_score_diff_threshold: float = option(0.0, group=QA)
 
     parity_every: int = option(0, "0 disables", group=PARITY)
-    parity_threshold: float = option(1e-3, "relative difference of loss, logits or gradient norm that counts as "
-                                           "divergence (the check runs in fp32 with dropout off, where fast and "
-                                           "reference agree to ~1e-6)", group=PARITY)
+    parity_threshold: float = option(1e-3, PARITY_THRESHOLD_HELP, group=PARITY)
     parity_strict: bool = option(False, "stop at the first divergence", group=PARITY)
 
     PRESETS: ClassVar[Dict[str, Dict[str, Any]]] = {name: {**values, "recipe": name}
                                                     for name, values in FINETUNE_RECIPES.items()}
 
     def check(self) -> None:
-        for name in ("max_seq_len", "batch_size", "eval_batch_size", "log_every", "doc_stride", "max_query_length",
-                     "max_answer_length", "n_best", "stop_at_step"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
-        for name in ("lr", "weight_decay", "adam_eps", "max_grad_norm", "save_every", "keep_last", "parity_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        for name in ("epochs", "parity_threshold"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        self.require_positive("max_seq_len", "batch_size", "eval_batch_size", "log_every", "doc_stride",
+                              "max_query_length", "max_answer_length", "n_best", "stop_at_step", "epochs",
+                              "parity_threshold")
+        self.require_non_negative("lr", "weight_decay", "adam_eps", "max_grad_norm", "save_every", "keep_last",
+                                  "parity_every")
         if not 0.0 <= self.warmup_fraction <= 1.0:
             raise ValueError(f"--warmup-fraction must be in [0, 1], got {self.warmup_fraction}")
         if self.max_seq_len < 4:
