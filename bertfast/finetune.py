@@ -370,9 +370,7 @@ class Finetuner:
             self.train_step.load_state_dict(state)
             self.step = int(state["step"])
             ckpt.restore_rng_state(state["rng"], self.device)
-        os.makedirs(args.output_dir, exist_ok=True)
-        ckpt.remove_stale_temp(self.ckpt_dir)
-        args.save(args.output_dir)  # the resolved settings: --resume reads them back
+        ckpt.prepare_run_directory(args, self.ckpt_dir)
         metrics_file = os.path.join(args.output_dir, "metrics.jsonl")
         self.log_records = MetricsLogger(metrics_file, resumed_at=self.step if state else None)
         self.history = list(self.log_records.previous)  # a resumed run's records so far

@@ -265,9 +265,7 @@ class Pretrainer:
             self.say(f"[pretrain] --resume auto: no checkpoint in {self.ckpt_dir}; starting fresh")
         resume_state = ckpt.load_training_state(resume_from) if resume_from else None
         if info.is_main:
-            os.makedirs(args.output_dir, exist_ok=True)
-            ckpt.remove_stale_temp(self.ckpt_dir)
-            args.save(args.output_dir)  # the resolved settings: --resume reads them back
+            ckpt.prepare_run_directory(args, self.ckpt_dir)
         self.log_records = MetricsLogger(os.path.join(args.output_dir, "metrics.jsonl"),
                                          os.path.join(args.output_dir, "tensorboard") if args.tensorboard else None,
                                          enabled=info.is_main,

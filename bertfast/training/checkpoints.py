@@ -126,6 +126,14 @@ def load_training_state(path: str) -> Dict[str, Any]:
     return torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=False)
 
 
+def prepare_run_directory(config, checkpoint_dir: str) -> None:
+    """Create the run's output directory, clear what a run killed while saving left in
+    ``checkpoint_dir``, and save the resolved settings there (``--resume`` reads them back)."""
+    os.makedirs(config.output_dir, exist_ok=True)
+    remove_stale_temp(checkpoint_dir)
+    config.save(config.output_dir)
+
+
 def remove_stale_temp(directory: str) -> None:
     """Delete temp directories left by a run killed while saving."""
     if os.path.isdir(directory):
