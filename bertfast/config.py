@@ -6,6 +6,8 @@ when a model is built and names any setting the fused encoder does not serve.
 """
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, Dict
 
 import transformers
@@ -26,6 +28,38 @@ class BertConfig(transformers.BertConfig):
         check_supported(config)
         return config
 
+    @classmethod
+    def _dict_from_json_file(cls, json_file: "str | os.PathLike") -> Dict[str, Any]:
+        """transformers' reader of config.json (used by from_pretrained and from_json_file), with errors
+        that name the file: not JSON, not a JSON object, or a field transformers' validators refuse
+        (``"hidden_size": null`` or ``"3"``), which would otherwise fail later without the file's name."""
+        try:
+            values = super()._dict_from_json_file(json_file)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise OSError(f"{json_file}: not a valid JSON config file ({e})") from e
+        if not isinstance(values, dict):
+            raise OSError(f"{json_file}: expected a JSON object of config fields, got a JSON "
+                          f"{_JSON_TYPES.get(type(values), type(values).__name__)}")
+        validators = getattr(cls, "__validators__", {})  # transformers' strict-dataclass field checks
+        for name, value in values.items():
+            for validate in validators.get(name, ()):
+                try:
+                    validate(value)
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"{json_file}: invalid value for {name!r}: {e}") from e
+            if name in POSITIVE_INT_FIELDS and not _positive_int(value):
+                raise ValueError(f"{json_file}: {name} must be a positive int, got {value!r}")
+        return values
+
+
+_JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                       "intermediate_size", "max_position_embeddings", "type_vocab_size")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
 
 def head_dim(config: transformers.PretrainedConfig) -> int:
     return config.hidden_size // config.num_attention_heads
@@ -42,14 +76,10 @@ def check_supported(config: transformers.PretrainedConfig) -> None:
         raise ValueError(f"expected a transformers BertConfig (or bertfast.BertConfig), got "
                          f"{type(config).__module__}.{type(config).__name__}")
 
-    def positive(name: str) -> None:
+    for name in POSITIVE_INT_FIELDS:
         value = getattr(config, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        if not _positive_int(value):
             raise ValueError(f"BertConfig.{name} must be a positive int, got {value!r}")
-
-    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                 "intermediate_size", "max_position_embeddings", "type_vocab_size"):
-        positive(name)
     if config.hidden_size % config.num_attention_heads:
         raise ValueError(f"BertConfig.hidden_size ({config.hidden_size}) must be divisible by "
                          f"num_attention_heads ({config.num_attention_heads})")

@@ -1,7 +1,8 @@
 """The fast BERT models: transformers BERT models whose forward runs the fused ops.
 
 Each class subclasses transformers' ``BertPreTrainedModel`` and takes transformers'
-``BertConfig``: loading, saving, dtype and device handling, gradient checkpointing,
+``BertConfig``: loading, saving (wrapped by ``bertfast.saving``: checked files and weights,
+atomic saves), dtype and device handling, gradient checkpointing,
 embedding resize, weight tying and the output classes are transformers'. Same class
 names, parameter names (state-dict keys), forward keywords, outputs and losses as
 transformers' BERT; the deliberate differences are listed in the README's drop-in table.
@@ -38,10 +39,11 @@ from transformers.modeling_outputs import (BaseModelOutputWithPoolingAndCrossAtt
                                            SequenceClassifierOutput, TokenClassifierOutput)
 from transformers.models.bert import modeling_bert as hf_bert
 
-from bertfast import model_inputs, ops, reference
+from bertfast import losses, model_inputs, ops, reference, saving
 from bertfast.config import BertConfig, check_supported, gelu_approximate, head_dim
 from bertfast.padding import pad_rows, unpad_mask
 from bertfast.contract import IGNORE_INDEX
+from bertfast.ops.mlm_head_loss import check_max_predictions_per_seq
 
 Tensor = torch.Tensor
 
@@ -299,6 +301,15 @@ class BertPreTrainedModel(hf_bert.BertPreTrainedModel):
         check_supported(config)
         super().__init__(config, *inputs, **kwargs)
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any):
+        """transformers' loading; a truncated weight file or NaN/inf weights get an error naming them."""
+        return saving.load_checked(super().from_pretrained, pretrained_model_name_or_path, *args, **kwargs)
+
+    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> None:
+        """transformers' saving, made atomic: written next to ``save_directory``, then moved in."""
+        return saving.save_atomically(self, super().save_pretrained, save_directory, *args, **kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         PreTrainedModel._init_weights(self, module)  # Linear, Embedding (pad row 0), LayerNorm
@@ -335,15 +346,8 @@ class BertModel(BertPreTrainedModel):
         output_attentions = cfg.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
         return_dict = cfg.return_dict if return_dict is None else return_dict
-        batch, seqlen = model_inputs.check_inputs(cfg, self.embeddings.word_embeddings.num_embeddings, input_ids,
-                                                   attention_mask, token_type_ids, position_ids, inputs_embeds)
-        device = (input_ids if input_ids is not None else inputs_embeds).device
-        if attention_mask is None:
-            attention_mask = torch.ones((batch, seqlen), dtype=torch.long, device=device)
-        if token_type_ids is None:
-            token_type_ids = torch.zeros((batch, seqlen), dtype=torch.long, device=device)
-        if position_ids is None:
-            position_ids = torch.arange(seqlen, device=device).expand(batch, seqlen)
+        attention_mask, token_type_ids, position_ids = model_inputs.prepare_inputs(
+            cfg, self.embeddings.word_embeddings, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         rows = token_rows = None
         if _reference(self):
             sequence, states, probs = reference.encoder(self, input_ids, attention_mask, token_type_ids,
@@ -480,6 +484,7 @@ class _WithMLMHead(BertPreTrainedModel):
         if labels.shape != sequence.shape[:2]:
             raise ValueError(f"labels: expected shape {tuple(sequence.shape[:2])}, got {tuple(labels.shape)}")
         model_inputs.check_labels("labels", labels, head.decoder.out_features)
+        check_max_predictions_per_seq(max_predictions_per_seq)  # on every path, not only the fused head's
         if attention_mask is not None:
             labels = labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
         if _reference(self.bert):
@@ -514,7 +519,7 @@ class BertForPreTraining(_WithMLMHead):
             prediction_logits = self._mlm_logits(sequence)
         if next_sentence_label is not None:
             model_inputs.check_labels("next_sentence_label", next_sentence_label, 2)
-            nsp_loss = F.cross_entropy(nsp_logits.view(-1, 2).float(), next_sentence_label.view(-1))
+            nsp_loss = losses.cross_entropy(nsp_logits.view(-1, 2), next_sentence_label.view(-1))
         loss = mlm.loss + nsp_loss if mlm is not None and nsp_loss is not None else None
         result = BertForPreTrainingOutput(loss=loss, prediction_logits=prediction_logits,
                                           seq_relationship_logits=nsp_logits, hidden_states=out.hidden_states,
@@ -573,29 +578,10 @@ class BertForSequenceClassification(BertPreTrainedModel):
                         output_attentions=output_attentions, output_hidden_states=output_hidden_states,
                         return_dict=True, **kwargs)
         logits = self.classifier(self.dropout(out.pooler_output))
-        loss = self._loss(logits, labels) if labels is not None else None
+        loss = losses.sequence_classification(self, logits, labels) if labels is not None else None
         result = SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
                                           attentions=out.attentions)
         return _return(self, result, return_dict)
-
-    def _loss(self, logits: Tensor, labels: Tensor) -> Tensor:
-        """transformers' problem_type rules (the type is inferred once and stored in the config)."""
-        cfg = self.config
-        if cfg.problem_type is None:
-            if self.num_labels == 1:
-                cfg.problem_type = "regression"
-            elif labels.dtype in (torch.long, torch.int):
-                cfg.problem_type = "single_label_classification"
-            else:
-                cfg.problem_type = "multi_label_classification"
-        if cfg.problem_type == "regression":
-            if self.num_labels == 1:
-                return F.mse_loss(logits.squeeze().float(), labels.squeeze().float())
-            return F.mse_loss(logits.float(), labels.float())
-        if cfg.problem_type == "single_label_classification":
-            model_inputs.check_labels("labels", labels, self.num_labels)
-            return F.cross_entropy(logits.view(-1, self.num_labels).float(), labels.view(-1))
-        return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
 
 
 class BertForTokenClassification(BertPreTrainedModel):
@@ -621,8 +607,7 @@ class BertForTokenClassification(BertPreTrainedModel):
             model_inputs.check_labels("labels", labels, self.num_labels)
             if attention_mask is not None:
                 labels = labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
-            loss = F.cross_entropy(logits.view(-1, self.num_labels).float(), labels.view(-1),
-                                   ignore_index=IGNORE_INDEX)
+            loss = losses.cross_entropy(logits.view(-1, self.num_labels), labels.view(-1))
         result = TokenClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
                                        attentions=out.attentions)
         return _return(self, result, return_dict)
@@ -649,16 +634,7 @@ class BertForQuestionAnswering(BertPreTrainedModel):
         start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))
         loss = None
         if start_positions is not None and end_positions is not None:
-            # transformers: positions outside the sequence are clamped to seq_len and ignored.
-            if start_positions.dim() > 1:
-                start_positions = start_positions.squeeze(-1)
-            if end_positions.dim() > 1:
-                end_positions = end_positions.squeeze(-1)
-            ignored = start_logits.size(1)
-            start_positions = start_positions.clamp(0, ignored)
-            end_positions = end_positions.clamp(0, ignored)
-            loss = (F.cross_entropy(start_logits.float(), start_positions, ignore_index=ignored)
-                    + F.cross_entropy(end_logits.float(), end_positions, ignore_index=ignored)) / 2
+            loss = losses.span(start_logits, end_logits, start_positions, end_positions)
         result = QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
                                               hidden_states=out.hidden_states, attentions=out.attentions)
         return _return(self, result, return_dict)
@@ -677,19 +653,19 @@ class BertForMultipleChoice(BertPreTrainedModel):
                 return_dict=None, **kwargs):
         """Inputs [B, C, S] (C choices); logits [B, C]."""
         source = input_ids if input_ids is not None else inputs_embeds
-        if source is None or source.dim() < 3:
-            raise ValueError(f"BertForMultipleChoice: expected inputs of shape [batch, num_choices, seq_len], got "
-                             f"{None if source is None else tuple(source.shape)}")
+        if source is None or source.dim() < 3 or source.shape[1] == 0:
+            raise ValueError(f"BertForMultipleChoice: expected inputs of shape [batch, num_choices >= 1, seq_len], "
+                             f"got {None if source is None else tuple(source.shape)}")
         num_choices = source.shape[1]
-        flat = lambda t: None if t is None else t.reshape(-1, *t.shape[2:])  # noqa: E731
+        flat = lambda t, k=1: None if t is None else t.reshape(-1, *t.shape[-k:])  # noqa: E731  (as transformers)
         out = self.bert(flat(input_ids), flat(attention_mask), flat(token_type_ids), flat(position_ids),
-                        flat(inputs_embeds), output_attentions=output_attentions,
+                        flat(inputs_embeds, 2), output_attentions=output_attentions,
                         output_hidden_states=output_hidden_states, return_dict=True, **kwargs)
         logits = self.classifier(self.dropout(out.pooler_output)).view(-1, num_choices)
         loss = None
         if labels is not None:
             model_inputs.check_labels("labels", labels, num_choices)
-            loss = F.cross_entropy(logits.float(), labels)
+            loss = losses.cross_entropy(logits, labels)
         result = MultipleChoiceModelOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
                                            attentions=out.attentions)
         return _return(self, result, return_dict)

@@ -251,6 +251,77 @@ def test_problem_types_match_transformers(problem_type, labels, tmp_path):
     torch.testing.assert_close(model(**kw, labels=labels).loss, hf(**kw, labels=labels).loss, atol=1e-5, rtol=0)
 
 
+# ---------------------------------------------------------------- batches with nothing to learn from (issue 16)
+def _nothing_to_learn(cls_name, case):
+    """(model, forward keywords): every label ignored, or an empty batch with labels."""
+    extra = {}
+    if cls_name.endswith(("regression", "multi_label")):
+        cls_name, problem = cls_name.split(":")
+        extra = dict(num_labels=1 if problem == "regression" else 3, problem_type=problem + (
+            "_classification" if problem == "multi_label" else ""))
+    model = build(cls_name, **extra).train()
+    kw = inputs(cls_name, labels=True, cfg=config(**extra))
+    if "problem_type" in extra:
+        kw["labels"] = torch.rand(3, extra["num_labels"]).round()
+    if case == "empty batch":
+        return model, {k: v[:0] for k, v in kw.items()}
+    for key in ("labels", "next_sentence_label"):
+        if key in kw:
+            kw[key] = torch.full_like(kw[key], -100)
+    if cls_name == "BertForQuestionAnswering":  # positions past the sequence are ignored (transformers' rule)
+        kw["start_positions"], kw["end_positions"] = torch.full((3,), SEQ + 4), torch.full((3,), SEQ + 1)
+    return model, kw
+
+
+LOSS_CLASSES = [c for c in CLASSES if c != "BertModel"]
+
+
+@pytest.mark.parametrize("case, cls_name", [("all ignored", c) for c in LOSS_CLASSES] + [
+    ("empty batch", c) for c in LOSS_CLASSES + ["BertForSequenceClassification:regression",
+                                                 "BertForSequenceClassification:multi_label"]])
+def test_a_batch_with_nothing_to_learn_from_gives_zero_loss_and_zero_gradients(case, cls_name):
+    """bertfast's choice (README, drop-in table): transformers' loss is NaN here, bertfast's 0, so
+    an optimizer step on such a batch changes nothing instead of writing NaN into the weights."""
+    model, kw = _nothing_to_learn(cls_name, case)
+    out = model(**kw)
+    assert out.loss.item() == 0.0
+    for extra in ("mlm_loss", "nsp_loss"):
+        if getattr(out, extra, None) is not None:
+            assert getattr(out, extra).item() == 0.0
+    out.loss.backward()
+    nonzero = [n for n, p in model.named_parameters() if p.grad is not None and torch.count_nonzero(p.grad)]
+    assert not nonzero, nonzero
+
+
+def test_some_ignored_labels_give_transformers_mean(tmp_path):
+    """The zero-safe means equal transformers' wherever transformers' loss is finite."""
+    model = build("BertForPreTraining")
+    model.save_pretrained(tmp_path)
+    hf = transformers.BertForPreTraining.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    kw = dict(input_ids=inputs("BertForPreTraining")["input_ids"], labels=torch.full((3, SEQ), -100),
+              next_sentence_label=torch.tensor([1, -100, 0]))
+    kw["labels"][0, 2], kw["labels"][2, 5] = 7, 11
+    with torch.no_grad():
+        torch.testing.assert_close(model(**kw).loss, hf(**kw).loss, atol=2e-5, rtol=0)
+
+
+# ---------------------------------------------------------------- ids of one row broadcast (issue 16)
+@pytest.mark.parametrize("cls_name", ["BertModel", "BertForMultipleChoice"])
+def test_position_and_token_type_ids_of_one_row_broadcast_as_in_transformers(cls_name, tmp_path):
+    model = build(cls_name)
+    model.save_pretrained(tmp_path)
+    hf = getattr(transformers, cls_name).from_pretrained(tmp_path, attn_implementation="eager").eval()
+    kw = inputs(cls_name)
+    del kw["attention_mask"], kw["token_type_ids"]  # no padding: transformers' padded rows differ by design
+    row = dict(position_ids=torch.arange(SEQ).flip(0)[None] + 3, token_type_ids=(torch.arange(SEQ)[None] > 4).long())
+    full = {k: v.expand(kw["input_ids"].shape) for k, v in row.items()}
+    with torch.no_grad():
+        ours, expanded, theirs = model(**kw, **row), model(**kw, **full), hf(**kw, **row)
+    for key in ours.keys():
+        torch.testing.assert_close(ours[key], expanded[key], atol=0, rtol=0)
+        torch.testing.assert_close(ours[key], theirs[key], atol=2e-5, rtol=0)
+
+
 @pytest.mark.parametrize("cls_name", CLASSES)
 def test_training_steps_lower_the_loss_and_reach_every_used_weight(cls_name):
     if cls_name == "BertModel":

@@ -109,7 +109,9 @@ def masked_positions(labels: Tensor, max_predictions_per_seq: Optional[int] = No
     Without max_predictions_per_seq the count is data-dependent. With it, exactly
     B * max_predictions_per_seq indices come back (static shape): each sequence's labelled
     positions first, then unlabelled ones as filler (their label is -100, so they add nothing).
-    Labelled positions beyond the limit raise an error rather than being dropped silently.
+    Labelled positions beyond the limit raise an error rather than being dropped silently: a
+    ValueError on CPU; elsewhere, and under torch.compile, torch._assert_async (no host sync:
+    on CUDA a device-side assert, reported at the next sync).
     """
     if max_predictions_per_seq is None:
         if torch.compiler.is_compiling() and not torch._dynamo.config.capture_dynamic_output_shape_ops:
@@ -118,11 +120,36 @@ def masked_positions(labels: Tensor, max_predictions_per_seq: Optional[int] = No
             # ones add nothing). max_predictions_per_seq gives the sparse static form.
             return torch.arange(labels.numel(), device=labels.device)
         return (labels.reshape(-1) != IGNORE_INDEX).nonzero().flatten()
+    k = check_max_predictions_per_seq(max_predictions_per_seq)
     batch, seqlen = labels.shape
-    limit = min(max_predictions_per_seq, seqlen)
+    limit = min(k, seqlen)
     unlabelled = (labels == IGNORE_INDEX).to(torch.int8)
+    if k < seqlen and labels.numel():  # otherwise no sequence can hold more than the limit
+        _check_predictions_per_seq(seqlen - unlabelled.sum(1, dtype=torch.int32), k)
     order = torch.sort(unlabelled, dim=1, stable=True).indices[:, :limit]  # labelled first, in order
     return (order + torch.arange(batch, device=labels.device)[:, None] * seqlen).flatten()
+
+
+def check_max_predictions_per_seq(k: Optional[int]) -> Optional[int]:
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+        raise ValueError(f"max_predictions_per_seq: expected a positive int or None, got {k!r}")
+    return k
+
+
+def _check_predictions_per_seq(counts: Tensor, limit: int) -> None:
+    """counts [B]: labelled positions per sequence, each at most ``limit``."""
+    def message(which: str) -> str:
+        return (f"mlm_head_loss: {which} labelled positions (labels != {IGNORE_INDEX}), more than "
+                f"max_predictions_per_seq={limit}; the extra ones would be dropped: raise the limit or mask fewer "
+                f"tokens")
+    if counts.device.type == "cpu" and not torch.compiler.is_compiling():
+        over = (counts > limit).nonzero().flatten()
+        if over.numel():  # on the host already: name the sequence
+            i = int(over[0])
+            raise ValueError(message(f"sequence {i} has {int(counts[i])}"))
+        return
+    # No host sync on an accelerator (this path serves CUDA graphs): checked on the device.
+    torch._assert_async(counts.max() <= limit, message("a sequence has too many"))
 
 
 def mlm_head_loss(hidden: Tensor, labels: Tensor, dense_weight: Tensor, dense_bias: Tensor, ln_weight: Tensor,

@@ -354,6 +354,45 @@ def test_masked_positions_put_labelled_positions_first():
     assert ops.masked_positions(labels, 3).tolist() == [0, 1, 2, 8, 11, 6]
 
 
+def test_masked_positions_at_the_limit_keep_every_label():
+    labels = torch.full((2, 6), IGNORE)
+    labels[0, [0, 3]] = 1
+    labels[1, [1, 5]] = 2
+    assert ops.masked_positions(labels, 2).tolist() == [0, 3, 7, 11]
+
+
+# issue 16: labelled positions beyond max_predictions_per_seq were dropped silently (and a limit of 0 gave loss 0).
+@pytest.mark.parametrize("per_seq, limit, error, message", [
+    ([2, 3], 2, ValueError, r"sequence 1 has 3 labelled positions \(labels != -100\), more than "
+                            r"max_predictions_per_seq=2; the extra ones would be dropped"),
+    ([7, 6], 2, ValueError, "sequence 0 has 7 labelled positions"),
+    ([1, 0], 0, ValueError, "max_predictions_per_seq: expected a positive int or None, got 0"),
+    ([1, 0], -1, ValueError, "max_predictions_per_seq: expected a positive int or None, got -1"),
+    ([1, 0], 2.0, ValueError, "max_predictions_per_seq: expected a positive int or None, got 2.0"),
+])
+def test_labels_beyond_max_predictions_per_seq_raise(per_seq, limit, error, message):
+    labels = torch.full((2, 8), IGNORE)
+    for row, n in enumerate(per_seq):
+        labels[row, :n] = 3
+    with pytest.raises(error, match=message):
+        ops.masked_positions(labels, limit)
+    hidden, decoder = torch.randn(2, 8, 4), torch.randn(11, 4)
+    with pytest.raises(error, match=message):
+        ops.mlm_head_loss(hidden, labels, torch.eye(4), torch.zeros(4), torch.ones(4), torch.zeros(4), 1e-12,
+                          decoder, None, max_predictions_per_seq=limit)
+
+
+def test_labels_beyond_max_predictions_per_seq_raise_under_torch_compile():
+    """No host sync in the graph: torch._assert_async, a RuntimeError with the message on CPU."""
+    labels = torch.full((2, 6), IGNORE)
+    labels[1, :4] = 3
+    torch._dynamo.reset()
+    positions = torch.compile(lambda lab: ops.masked_positions(lab, 3), fullgraph=True, backend="aot_eager")
+    assert positions(torch.full((2, 6), IGNORE)).shape == (6,)
+    with pytest.raises(RuntimeError, match="a sequence has too many labelled positions .* max_predictions_per_seq=3"):
+        positions(labels)
+
+
 @pytest.mark.parametrize("form", ["static", "dynamic"])
 def test_head_under_torch_compile_matches_eager(form):
     """max_predictions_per_seq (static shapes), or a data-dependent count captured by Dynamo."""
