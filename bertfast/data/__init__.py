@@ -10,4 +10,5 @@
   tasks         fine-tuning readers and features (GLUE-style, CoNLL, SQuAD, SWAG)
   metrics       accuracy, F1, Matthews, Pearson/Spearman, entity F1, SQuAD EM/F1 (numpy)
   synthetic     small learnable datasets in each fine-tuning format (tests, trying things out)
+  textfile      where a file stops being UTF-8 (the readers' errors name path:line)
 """

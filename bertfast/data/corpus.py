@@ -27,6 +27,8 @@ import sys
 import sysconfig
 from typing import Iterable, Iterator, List, Optional, Sequence
 
+from bertfast.data.textfile import non_utf8_error
+
 Document = List[str]
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9(\"'`])")
@@ -109,8 +111,9 @@ def read_documents(files: Sequence[str], doc_split: str = "blank",
                     doc = _lines_to_segments(block, max_segment_chars)
                     if doc:
                         yield doc
-        except UnicodeDecodeError as e:
-            raise CorpusError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except UnicodeDecodeError:
+            line, message = non_utf8_error(path)
+            raise CorpusError(f"{path}:{line}: {message}" if line else f"{path}: {message}") from None
         except OSError as e:
             raise CorpusError(f"{path}: cannot read ({e.strerror})") from None
 

@@ -16,6 +16,10 @@ A micro-batch is a dict of torch tensors, the keyword arguments of ``BertForPreT
 input_ids, token_type_ids, attention_mask [B, L] (L = longest sequence rounded up to
 ``pad_to_multiple_of``, or the dataset's max_seq_len with ``static_shapes``), labels [B, L]
 (-100 except at masked positions) and next_sentence_label [B].
+
+``max_predictions`` (the model's static MLM gather size, ``--static-shapes``) is checked here,
+on the host: a sequence with more masked labels is a ValueError naming the shard and
+sequence (stored masks are checked when the batches are built), never labels dropped.
 """
 from __future__ import annotations
 
@@ -58,7 +62,9 @@ class PretrainingBatches:
 
     def __init__(self, data: PretrainingData, spec: BatchSpec, seed: int = 0,
                  masking: Optional[MaskingConfig] = None, pad_to_multiple_of: int = 8,
-                 static_shapes: bool = False, shuffle: bool = True):
+                 static_shapes: bool = False, shuffle: bool = True, max_predictions: Optional[int] = None):
+        """``max_predictions``: the masked labels per sequence the model will gather (its static
+        MLM shape); a sequence with more is an error, not labels silently dropped."""
         if len(data) == 0:
             raise ValueError(f"{data.directory!r} split {data.split!r} has no examples")
         if not data.static_masking and masking is None:
@@ -72,6 +78,40 @@ class PretrainingBatches:
         self.shuffle = shuffle
         self.pad_id = int(data.special_ids["pad"])
         self._perm_cache: Dict[int, np.ndarray] = {}
+        self.max_predictions = None if max_predictions is None else int(max_predictions)
+        if self.max_predictions is not None:
+            if self.max_predictions < 1:
+                raise ValueError(f"max_predictions must be >= 1, got {self.max_predictions}")
+            if data.static_masking:
+                self._check_static_counts()
+
+    def _too_many_labels(self, index: int, count: int, most: Optional[int] = None) -> ValueError:
+        shard, j = self.data.locate(index)
+        if self.data.static_masking:
+            most = most or int(self.data.index.get("max_predictions_per_seq") or count)
+            fix = (f"raise --max-predictions-per-seq to {most} or more, or re-prepare the data with "
+                   f"`bertfast prepare --static-masking --max-predictions-per-seq {self.max_predictions}`")
+        else:
+            fix = f"cap the masking at MaskingConfig(max_predictions_per_seq={self.max_predictions})"
+        return ValueError(
+            f"{self.data.directory}: split {self.data.split!r} shard {shard.name} sequence {j} (example {index}) "
+            f"has {count} masked labels, more than the {self.max_predictions} predictions per sequence the model "
+            f"gathers (max_predictions_per_seq); the rest would be dropped silently: {fix}")
+
+    def _check_static_counts(self) -> None:
+        """Stored masks over the limit fail here, before training (read only when the cap the data
+        was prepared with is above the limit: the counts are one small array per shard)."""
+        prepared = self.data.index.get("max_predictions_per_seq")
+        if prepared is not None and int(prepared) <= self.max_predictions:
+            return
+        for k, shard in enumerate(self.data.shards):
+            if shard.mlm_count is None or not len(shard):
+                continue
+            over = np.flatnonzero(np.asarray(shard.mlm_count) > self.max_predictions)
+            if len(over):
+                most = max(int(np.max(s.mlm_count)) for s in self.data.shards if s.mlm_count is not None and len(s))
+                first = int(over[0])
+                raise self._too_many_labels(int(self.data.starts[k]) + first, int(shard.mlm_count[first]), most)
 
     @property
     def steps_per_epoch(self) -> float:
@@ -115,6 +155,9 @@ class PretrainingBatches:
             positions, labels = static
         else:
             ids, positions, labels = mask_sequence(ids, self.masking, example_rng(self.seed, epoch, index))
+        # Host-side (numpy) check of what the model's fixed-size gather would drop: no device sync.
+        if self.max_predictions is not None and len(positions) > self.max_predictions:
+            raise self._too_many_labels(index, len(positions))
         return ids, a_len, nsp, positions, labels
 
     def collate(self, items) -> Dict[str, torch.Tensor]:

@@ -198,13 +198,26 @@ def prepare_dataset(inputs: Sequence[str], output: str, *, vocab: Optional[str] 
                     progress: bool = True, log=print) -> str:
     """The whole pipeline (see the module docstring); returns ``output``. Library form of ``main``."""
     t0 = time.time()
-    os.makedirs(output, exist_ok=True)
     if max_seq_len < 8:
         raise ValueError(f"max_seq_len must be >= 8, got {max_seq_len}")
     if not 0.0 <= short_seq_prob <= 1.0:
         raise ValueError(f"short_seq_prob must be in [0, 1], got {short_seq_prob}")
     if dupe_factor < 1:
         raise ValueError(f"dupe_factor must be >= 1, got {dupe_factor}")
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction (--eval-fraction) must be a fraction in [0, 1), got {eval_fraction}")
+    if eval_docs is not None and eval_docs < 0:
+        raise ValueError(f"eval_docs (--eval-docs) must be >= 0, got {eval_docs}")
+    if not 0.0 < masked_lm_prob < 1.0:
+        raise ValueError(f"masked_lm_prob (--masked-lm-prob) must be in (0, 1), got {masked_lm_prob}")
+    # Recorded in the index and used as the model's static MLM shape: 0 would mask nothing.
+    if max_predictions_per_seq < 1:
+        raise ValueError(f"max_predictions_per_seq (--max-predictions-per-seq) must be >= 1, "
+                         f"got {max_predictions_per_seq}")
+    for name, value in (("num_shards", num_shards), ("workers", workers), ("docs_per_shard", docs_per_shard)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} (--{name.replace('_', '-')}) must be >= 1, got {value}")
+    os.makedirs(output, exist_ok=True)
 
     # 1. corpus
     if inputs:

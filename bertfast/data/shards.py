@@ -29,6 +29,8 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from bertfast.data.textfile import non_utf8_error
+
 FORMAT = "bertfast-pretraining-v1"
 INDEX_FILE = "index.json"
 
@@ -123,14 +125,86 @@ class Shard:
                     raise FileNotFoundError(f"shard {directory!r} lacks {name}.npy (incomplete or "
                                             f"not a bertfast shard; rerun `bertfast prepare`)")
                 return None
-            return np.load(path, mmap_mode="r", allow_pickle=False)
+            try:
+                return np.load(path, mmap_mode="r", allow_pickle=False)
+            except (ValueError, OSError, EOFError) as e:
+                raise ValueError(f"{path}: expected a numpy .npy array, cannot read it ({e}); "
+                                 f"rerun `bertfast prepare`") from None
 
-        return cls(os.path.basename(directory), load("input_ids"), load("offsets"), load("a_len"),
-                   load("nsp"), load("mlm_positions", False), load("mlm_labels", False),
-                   load("mlm_count", False))
+        shard = cls(os.path.basename(directory), load("input_ids"), load("offsets"), load("a_len"),
+                    load("nsp"), load("mlm_positions", False), load("mlm_labels", False),
+                    load("mlm_count", False))
+        n = len(shard.nsp)
+        sizes = {"offsets": (len(shard.offsets), n + 1), "a_len": (len(shard.a_len), n)}
+        if shard.mlm_count is not None:
+            sizes.update(mlm_count=(len(shard.mlm_count), n), mlm_positions=(len(shard.mlm_positions), n),
+                         mlm_labels=(len(shard.mlm_labels), n))
+        for name, (got, expected) in sizes.items():
+            if got != expected:
+                raise ValueError(f"{os.path.join(directory, name + '.npy')}: expected {expected} entries for the "
+                                 f"{n} examples of nsp.npy, found {got} (a damaged shard: rerun `bertfast prepare`)")
+        if n and int(shard.offsets[-1]) != len(shard.input_ids):
+            raise ValueError(f"{os.path.join(directory, 'offsets.npy')}: the last offset {int(shard.offsets[-1])} "
+                             f"is not the {len(shard.input_ids)} tokens of input_ids.npy (a damaged shard)")
+        return shard
 
     def __len__(self) -> int:
         return len(self.nsp)
+
+
+class MissingSplitError(ValueError):
+    """The dataset has no shards for the split asked for (a held-out set is optional)."""
+
+
+def _line_of_key(text: str, key: str) -> Optional[int]:
+    """Line of the first ``"key":`` in ``text`` (the index is written one key per line)."""
+    needle = json.dumps(key) + ":"
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if needle in line:
+            return lineno
+    return None
+
+
+def read_index(index_path: str) -> dict:
+    """A prepared dataset's index.json, checked; errors name ``path:line`` and what was expected."""
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        line, message = non_utf8_error(index_path, "the JSON index written by `bertfast prepare`")
+        raise ValueError(f"{index_path}:{line}: {message}") from None
+    try:
+        index = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{index_path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno}); expected the "
+                         f"index written by `bertfast prepare` (rerun it)") from None
+    if not isinstance(index, dict):
+        raise ValueError(f"{index_path}: expected a JSON object (the index written by `bertfast prepare`), "
+                         f"got a JSON {type(index).__name__}")
+    if index.get("format") != FORMAT:
+        raise ValueError(f"{index_path}: unknown format {index.get('format')!r}, expected {FORMAT!r}")
+
+    def bad(key: str, expected: str):
+        line = _line_of_key(text, key)
+        where = f"{index_path}:{line}" if line else index_path
+        got = f"got {index[key]!r}" if key in index else "it is missing"
+        return ValueError(f"{where}: {key!r}: expected {expected}, {got}")
+
+    splits = index.get("splits")
+    if not isinstance(splits, dict) or not all(
+            isinstance(v, list) and all(isinstance(n, str) for n in v) for v in splits.values()):
+        raise bad("splits", "an object of split name -> list of shard directory names")
+    for key in ("max_seq_len", "vocab_size"):
+        if not isinstance(index.get(key), int) or isinstance(index[key], bool) or index[key] < 1:
+            raise bad(key, "a positive integer")
+    special = index.get("special_ids")
+    names = ("pad", "unk", "cls", "sep", "mask")
+    if not isinstance(special, dict) or not all(isinstance(special.get(k), int) for k in names):
+        raise bad("special_ids", f"an object with integer ids for {', '.join(names)}")
+    cap = index.get("max_predictions_per_seq")
+    if index.get("static_masking") and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+        raise bad("max_predictions_per_seq", "a positive integer (the dataset is statically masked)")
+    return index
 
 
 class PretrainingData:
@@ -141,13 +215,10 @@ class PretrainingData:
         if not os.path.isfile(index_path):
             raise FileNotFoundError(f"{directory!r} is not a prepared pre-training dataset "
                                     f"(no {INDEX_FILE}); run `bertfast prepare` first")
-        with open(index_path, encoding="utf-8") as f:
-            self.index = json.load(f)
-        if self.index.get("format") != FORMAT:
-            raise ValueError(f"{index_path}: unknown format {self.index.get('format')!r}, expected {FORMAT!r}")
+        self.index = read_index(index_path)
         names: List[str] = self.index["splits"].get(split, [])
         if not names:
-            raise ValueError(f"{directory!r} has no shards for split {split!r}")
+            raise MissingSplitError(f"{directory!r} has no shards for split {split!r}")
         self.directory = directory
         self.split = split
         self.shards = [Shard.open(os.path.join(directory, n)) for n in names]
@@ -156,6 +227,9 @@ class PretrainingData:
         self.max_seq_len: int = int(self.index["max_seq_len"])
         self.vocab_size: int = int(self.index["vocab_size"])
         self.static_masking: bool = bool(self.index.get("static_masking", False))
+        if self.static_masking and any(s.mlm_count is None for s in self.shards):
+            raise ValueError(f"{index_path}: the index says static_masking but a shard of split {split!r} has no "
+                             f"stored masks (mlm_*.npy); rerun `bertfast prepare`")
 
     def __len__(self) -> int:
         return int(self.starts[-1])

@@ -7,7 +7,14 @@ Formats
   * CoNLL (token classification): one token per line, its tag in the last column, blank
     lines between sentences, ``-DOCSTART-`` lines skipped;
   * SQuAD v1.1 / v2.0 JSON (extractive QA): data[].paragraphs[].{context, qas[]} with
-    answers[].{text, answer_start} and, for v2.0, is_impossible.
+    answers[].{text, answer_start} and, for v2.0, is_impossible;
+  * Hugging Face ``datasets`` exports (``Dataset.to_json``: JSON lines, one example a line):
+    GLUE-style tables read as JSON lines; SQuAD rows {id, context, question, answers: {text:
+    [...], answer_start: [...]}} (no answer: v2.0 unanswerable); CoNLL rows {tokens: [...],
+    ner_tags: [...]} with tag strings, or tag ids named by ``tag_names`` in id order.
+
+Files must be UTF-8 (a byte-order mark is allowed); every error names ``path:line`` (or the
+path, for whole-file problems) and what was expected.
 
 Features are model keyword arguments as Python lists; ``pad_batch`` turns a list of them into
 tensors padded to the longest sequence. BERT's input layout is kept: [CLS] A [SEP] (B [SEP]),
@@ -26,6 +33,7 @@ import numpy as np
 import torch
 
 from bertfast.contract import IGNORE_INDEX
+from bertfast.data.textfile import non_utf8_error
 from bertfast.data.tokenization import WordPiece
 
 
@@ -50,14 +58,21 @@ def table_format(path: str) -> str:
     raise DataFormatError(path, None, f"unknown table format {ext!r}: use .csv, .tsv or .jsonl")
 
 
-def read_table(path: str, header: bool = True) -> List[Tuple[int, Dict[str, Any]]]:
-    """Rows as (line number, {column: value}); without a header the keys are "0", "1", ..."""
+def _not_utf8(path: str) -> DataFormatError:
+    line, message = non_utf8_error(path)
+    return DataFormatError(path, line, message)
+
+
+def _require_file(path: str) -> None:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such file")
-    fmt = table_format(path)
+
+
+def _read_jsonl(path: str) -> List[Tuple[int, Dict[str, Any]]]:
+    """Non-blank lines of a JSON-lines file as (line number, object)."""
     rows: List[Tuple[int, Dict[str, Any]]] = []
-    with open(path, encoding="utf-8", newline="") as f:
-        if fmt == "jsonl":
+    try:
+        with open(path, encoding="utf-8-sig") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -66,31 +81,84 @@ def read_table(path: str, header: bool = True) -> List[Tuple[int, Dict[str, Any]
                 except json.JSONDecodeError as e:
                     raise DataFormatError(path, lineno, f"invalid JSON ({e.msg} at column {e.colno})") from None
                 if not isinstance(obj, dict):
-                    raise DataFormatError(path, lineno, f"expected a JSON object, got {type(obj).__name__}")
+                    raise DataFormatError(path, lineno, f"expected a JSON object, got {_json_type(obj)}")
                 rows.append((lineno, obj))
-            return rows
-        if fmt == "csv":
-            reader = csv.reader(f)
-        else:
-            reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        names: Optional[List[str]] = None
-        try:
-            for record in reader:
-                lineno = reader.line_num
-                if not record or all(not c.strip() for c in record):
-                    continue
-                if header and names is None:
-                    names = [c.strip() for c in record]
-                    continue
-                if names is None:
-                    rows.append((lineno, {str(i): v for i, v in enumerate(record)}))
-                    continue
-                if len(record) != len(names):
-                    raise DataFormatError(path, lineno, f"expected {len(names)} fields ({', '.join(names)}), "
-                                                        f"found {len(record)}")
-                rows.append((lineno, dict(zip(names, record))))
-        except csv.Error as e:
-            raise DataFormatError(path, reader.line_num, f"malformed {fmt.upper()} ({e})") from None
+    except UnicodeDecodeError:
+        raise _not_utf8(path) from None
+    return rows
+
+
+def is_json_lines(path: str) -> bool:
+    """True when the first non-blank line of ``path`` is a JSON object on its own (a JSON-lines file)."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            for line in f:
+                if line.strip():
+                    if not line.lstrip().startswith("{"):
+                        return False
+                    try:
+                        return isinstance(json.loads(line), dict)
+                    except json.JSONDecodeError:
+                        return False
+    except UnicodeDecodeError:
+        raise _not_utf8(path) from None
+    return False
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a JSON boolean"
+    if isinstance(value, (int, float)):
+        return "a JSON number"
+    if isinstance(value, str):
+        return "a JSON string"
+    if value is None:
+        return "JSON null"
+    return "a JSON array" if isinstance(value, list) else "a JSON object"
+
+
+def read_table(path: str, header: bool = True) -> List[Tuple[int, Dict[str, Any]]]:
+    """Rows as (line number, {column: value}); without a header the keys are "0", "1", ...
+
+    A CSV record may span lines (a quoted field with newlines): its line is the first one.
+    """
+    _require_file(path)
+    fmt = table_format(path)
+    if fmt == "jsonl":
+        return _read_jsonl(path)
+    rows: List[Tuple[int, Dict[str, Any]]] = []
+    names: Optional[List[str]] = None
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            if fmt == "csv":
+                # strict: an unclosed quote or text after a closing quote is an error, not a merged field
+                reader = csv.reader(f, strict=True)
+            else:
+                reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+            end = 0  # last line of the previous record
+            try:
+                for record in reader:
+                    lineno, end = end + 1, reader.line_num
+                    if not record or all(not c.strip() for c in record):
+                        continue
+                    if header and names is None:
+                        names = [c.strip() for c in record]
+                        continue
+                    if names is None:
+                        rows.append((lineno, {str(i): v for i, v in enumerate(record)}))
+                        continue
+                    if len(record) != len(names):
+                        spans = f" (the record runs to line {end}: a stray quote?)" if end > lineno else ""
+                        raise DataFormatError(path, lineno, f"expected {len(names)} fields ({', '.join(names)}), "
+                                                            f"found {len(record)}{spans}")
+                    rows.append((lineno, dict(zip(names, record))))
+            except csv.Error as e:
+                if "unexpected end of data" in str(e):
+                    raise DataFormatError(path, end + 1, "malformed CSV: a quoted field opened in the record "
+                                                         "starting here is never closed (unclosed quote)") from None
+                raise DataFormatError(path, reader.line_num, f"malformed {fmt.upper()} ({e})") from None
+    except UnicodeDecodeError:
+        raise _not_utf8(path) from None
     return rows
 
 
@@ -105,31 +173,117 @@ def column(row: Dict[str, Any], name: str, path: str, lineno: int, required: boo
     return value
 
 
-def read_conll(path: str) -> List[Tuple[int, List[str], List[str]]]:
-    """Sentences as (line of the first token, words, tags)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no such file")
+def text_column(row: Dict[str, Any], name: str, path: str, lineno: int, required: bool = True) -> Optional[str]:
+    """A text field as a string; a JSON array or object (e.g. a token list) is refused, not str()-ed."""
+    value = column(row, name, path, lineno, required)
+    if value is None:
+        return None
+    if isinstance(value, (list, dict, bool)):
+        raise DataFormatError(path, lineno, f"column {name!r}: expected text (a string), got {_json_type(value)}"
+                                            f" {json.dumps(value)[:60]}")
+    return str(value)
+
+
+def label_names(labels: Sequence[Tuple[int, Any]], path: str) -> List[str]:
+    """Classification labels (line, value) as names: strings stripped of surrounding whitespace
+    (" 1" is "1"), integral numbers as integers (1.0 is "1"). Values of mixed JSON types (true
+    and 1, 1 and "1") are refused: they would be distinct classes that look alike."""
+    out: List[str] = []
+    first: Optional[Tuple[int, Any]] = None
+    for lineno, value in labels:
+        if isinstance(value, (list, dict)):
+            raise DataFormatError(path, lineno, f"label: expected one class (a string or number), got "
+                                                f"{_json_type(value)} {json.dumps(value)[:60]}")
+        if first is None:
+            first = (lineno, value)
+        elif _json_type(value) != _json_type(first[1]):
+            raise DataFormatError(path, lineno, f"label {json.dumps(value)} is {_json_type(value)} but line "
+                                                f"{first[0]} has {_json_type(first[1])} ({json.dumps(first[1])});"
+                                                f" expected one type for all labels")
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        out.append(value.strip() if isinstance(value, str) else str(value))
+    return out
+
+
+TAG_COLUMNS = ("ner_tags", "tags", "labels", "label")  # the tag list of a JSON-lines row
+
+
+def read_conll(path: str, tag_names: Optional[Sequence[str]] = None,
+               tag_column: Optional[str] = None) -> List[Tuple[int, List[str], List[str]]]:
+    """Sentences as (line of the first token, words, tags).
+
+    CoNLL text, or JSON lines as ``datasets`` exports them: {"tokens": [...], "ner_tags": [...]}
+    (``tag_column`` names another tag list); tag ids are mapped through ``tag_names`` (the
+    names in id order), and refused without them (their names are not in the file).
+    """
+    _require_file(path)
+    if is_json_lines(path):
+        return _read_token_rows(path, tag_names, tag_column)
     out: List[Tuple[int, List[str], List[str]]] = []
     words: List[str] = []
     tags: List[str] = []
     start = 0
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line or line.startswith("-DOCSTART-"):
-                if words:
-                    out.append((start, words, tags))
-                    words, tags = [], []
-                continue
-            parts = line.split()
-            if len(parts) < 2:
-                raise DataFormatError(path, lineno, f"expected 'token ... tag' (2 or more columns), got {line!r}")
-            if not words:
-                start = lineno
-            words.append(parts[0])
-            tags.append(parts[-1])
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            for lineno, line in enumerate(f, 1):
+                line = line.strip()
+                if not line or line.startswith("-DOCSTART-"):
+                    if words:
+                        out.append((start, words, tags))
+                        words, tags = [], []
+                    continue
+                parts = line.split()
+                if len(parts) < 2:
+                    raise DataFormatError(path, lineno, f"expected 'token ... tag' (2 or more columns), got {line!r}")
+                if not words:
+                    start = lineno
+                words.append(parts[0])
+                tags.append(parts[-1])
+    except UnicodeDecodeError:
+        raise _not_utf8(path) from None
     if words:
         out.append((start, words, tags))
+    return out
+
+
+def _read_token_rows(path: str, tag_names: Optional[Sequence[str]],
+                     tag_column: Optional[str]) -> List[Tuple[int, List[str], List[str]]]:
+    out: List[Tuple[int, List[str], List[str]]] = []
+    first: Optional[Tuple[int, Any]] = None  # the first tag: all must be names, or all ids
+    for lineno, row in _read_jsonl(path):
+        key = tag_column if tag_column in row else next((c for c in TAG_COLUMNS if c in row), None)
+        if "tokens" not in row or key is None:
+            raise DataFormatError(path, lineno, f"expected a token-classification row with 'tokens' and a tag list "
+                                                f"({' or '.join(TAG_COLUMNS)}), found keys {', '.join(row)}")
+        words, tags = row["tokens"], row[key]
+        if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+            raise DataFormatError(path, lineno, f"'tokens': expected a list of strings, got {json.dumps(words)[:60]}")
+        if not isinstance(tags, list) or len(tags) != len(words):
+            raise DataFormatError(path, lineno, f"{key!r}: expected a list of {len(words)} tags (one per token), "
+                                                f"got {json.dumps(tags)[:60]}")
+        if not words or words == ["-DOCSTART-"]:
+            continue
+        names: List[str] = []
+        for k, t in enumerate(tags):
+            if isinstance(t, bool) or not isinstance(t, (int, str)):
+                raise DataFormatError(path, lineno, f"{key}[{k}]: expected a tag name or id, got {_json_type(t)}")
+            if first is None:
+                first = (lineno, t)
+            elif isinstance(t, str) != isinstance(first[1], str):
+                raise DataFormatError(path, lineno, f"{key}[{k}]: tag {json.dumps(t)} is {_json_type(t)} but line "
+                                                    f"{first[0]} has {_json_type(first[1])}; expected all tag names "
+                                                    f"or all tag ids")
+            if isinstance(t, int):
+                if tag_names is None:
+                    raise DataFormatError(path, lineno, f"{key!r} holds tag ids ({t}, ...), whose names are not in the "
+                                                        f"file: give the tag names in id order (--labels O,B-PER,...)")
+                if not 0 <= t < len(tag_names):
+                    raise DataFormatError(path, lineno, f"{key}[{k}]: tag id {t} is out of range for the "
+                                                        f"{len(tag_names)} tag names {list(tag_names)}")
+                t = tag_names[t]
+            names.append(t)
+        out.append((lineno, words, names))
     return out
 
 
@@ -142,16 +296,40 @@ class SquadExample:
     is_impossible: bool
 
 
+def _squad_answer(path: str, lineno: Optional[int], where: str, qid: Any, context: str,
+                  text: Any, start: Any) -> Tuple[str, int]:
+    try:
+        if not isinstance(text, str) or isinstance(start, bool):
+            raise TypeError
+        start = int(start)
+    except (TypeError, ValueError):
+        raise DataFormatError(path, lineno, f"{where}: expected a text string and an integer answer_start, "
+                                            f"got {text!r} and {start!r}") from None
+    if context[start:start + len(text)] != text:
+        raise DataFormatError(path, lineno, f"{where} (id {qid}): answer text {text!r} "
+                                            f"is not at answer_start {start} of the context")
+    return text, start
+
+
 def read_squad(path: str) -> List[SquadExample]:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no such file")
-    with open(path, encoding="utf-8") as f:
-        try:
-            doc = json.load(f)
-        except json.JSONDecodeError as e:
-            raise DataFormatError(path, e.lineno, f"invalid JSON ({e.msg})") from None
+    """SQuAD JSON, or JSON lines of questions as ``datasets`` exports SQuAD (see the module docstring)."""
+    _require_file(path)
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        raise _not_utf8(path) from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        if is_json_lines(path):
+            return _read_squad_rows(path)
+        raise DataFormatError(path, e.lineno, f"invalid JSON ({e.msg})") from None
+    if isinstance(doc, dict) and "data" not in doc and "question" in doc:  # JSON lines of one question
+        return _read_squad_rows(path)
     if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
-        raise DataFormatError(path, None, "expected SQuAD JSON: an object with a 'data' list")
+        raise DataFormatError(path, None, "expected SQuAD JSON (an object with a 'data' list) or JSON lines "
+                                          "of {id, context, question, answers} objects")
     out: List[SquadExample] = []
     for a, article in enumerate(doc["data"]):
         for p, para in enumerate(article.get("paragraphs", [])):
@@ -167,17 +345,44 @@ def read_squad(path: str) -> List[SquadExample]:
                 impossible = bool(qa.get("is_impossible", False))
                 answers = []
                 for k, ans in enumerate(qa.get("answers", [])):
-                    try:
-                        text, start = ans["text"], int(ans["answer_start"])
-                    except (KeyError, TypeError, ValueError):
-                        raise DataFormatError(path, None, f"{w}.answers[{k}]: expected text and answer_start") from None
-                    if context[start:start + len(text)] != text:
-                        raise DataFormatError(path, None, f"{w}.answers[{k}] (id {qa['id']}): answer text {text!r} "
-                                                          f"is not at answer_start {start} of the context")
-                    answers.append((text, start))
+                    if not isinstance(ans, dict):
+                        raise DataFormatError(path, None, f"{w}.answers[{k}]: expected text and answer_start")
+                    answers.append(_squad_answer(path, None, f"{w}.answers[{k}]", qa["id"], context,
+                                                 ans.get("text"), ans.get("answer_start")))
                 if not answers and not impossible:
                     raise DataFormatError(path, None, f"{w} (id {qa['id']}): no answers and not is_impossible")
                 out.append(SquadExample(str(qa["id"]), qa["question"], context, answers, impossible))
+    return out
+
+
+def _read_squad_rows(path: str) -> List[SquadExample]:
+    """One question a line: {id, context, question, answers: {text: [...], answer_start: [...]}}
+    (``datasets``' layout; a list of {text, answer_start} is read too); no answers: unanswerable."""
+    out: List[SquadExample] = []
+    for lineno, row in _read_jsonl(path):
+        for key in ("id", "context", "question", "answers"):
+            if key not in row:
+                raise DataFormatError(path, lineno, f"missing {key!r}: expected a SQuAD row {{id, context, question, "
+                                                    f"answers: {{text: [...], answer_start: [...]}}}}")
+        for key in ("context", "question"):
+            if not isinstance(row[key], str):
+                raise DataFormatError(path, lineno, f"{key!r}: expected a string, got {_json_type(row[key])}")
+        answers = row["answers"]
+        if isinstance(answers, dict) and isinstance(answers.get("text"), list) \
+                and isinstance(answers.get("answer_start"), list) \
+                and len(answers["text"]) == len(answers["answer_start"]):
+            pairs = list(zip(answers["text"], answers["answer_start"]))
+        elif isinstance(answers, list) and all(isinstance(a, dict) for a in answers):
+            pairs = [(a.get("text"), a.get("answer_start")) for a in answers]
+        else:
+            raise DataFormatError(path, lineno, f"'answers': expected {{text: [...], answer_start: [...]}} (lists of "
+                                                f"equal length), got {json.dumps(answers)[:80]}")
+        parsed = [_squad_answer(path, lineno, f"answers[{k}]", row["id"], row["context"], t, s)
+                  for k, (t, s) in enumerate(pairs)]
+        impossible = bool(row.get("is_impossible", not parsed))
+        if not parsed and not impossible:
+            raise DataFormatError(path, lineno, f"(id {row['id']}): no answers and not is_impossible")
+        out.append(SquadExample(str(row["id"]), row["question"], row["context"], parsed, impossible))
     return out
 
 

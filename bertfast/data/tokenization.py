@@ -12,6 +12,8 @@ import json
 import os
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence
 
+from bertfast.data.textfile import non_utf8_error
+
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
@@ -37,11 +39,27 @@ def find_vocab_file(path: str) -> str:
     return path
 
 
+VOCAB_FORMAT = "UTF-8 text, one word piece per line"
+
+
 def read_vocab(vocab_file: str) -> List[str]:
-    with open(vocab_file, encoding="utf-8") as f:
-        tokens = [line.rstrip("\n") for line in f]
+    """The word pieces of a vocab.txt in id order; a ValueError naming ``path:line`` when it is
+    not one (binary data, not UTF-8, empty)."""
+    try:
+        with open(vocab_file, encoding="utf-8") as f:
+            tokens = [line.rstrip("\n") for line in f]
+    except UnicodeDecodeError:
+        line, message = non_utf8_error(vocab_file, VOCAB_FORMAT)
+        raise ValueError(f"{vocab_file}:{line}: not a vocabulary file: {message}") from None
+    for lineno, tok in enumerate(tokens, 1):
+        if "\x00" in tok:  # valid UTF-8, but no text file holds NUL bytes
+            raise ValueError(f"{vocab_file}:{lineno}: not a vocabulary file: expected {VOCAB_FORMAT}, "
+                             f"found binary data (NUL bytes)")
     while tokens and tokens[-1] == "":
         tokens.pop()
+    if not tokens:
+        raise ValueError(f"{vocab_file}: empty vocabulary: expected {VOCAB_FORMAT}, "
+                         f"including {' '.join(SPECIAL_TOKENS)}")
     return tokens
 
 
@@ -68,11 +86,15 @@ class WordPiece:
     @classmethod
     def from_pretrained(cls, path: str, lowercase: Optional[bool] = None) -> "WordPiece":
         vocab_file = find_vocab_file(path)
+        tokens = read_vocab(vocab_file)  # checked here: the backend's errors name no file
+        missing = [t for t in SPECIAL_TOKENS if t not in set(tokens)]
+        if missing:
+            raise ValueError(f"{vocab_file}: the vocabulary lacks the special tokens {' '.join(missing)} "
+                             f"(expected a BERT vocab.txt: {VOCAB_FORMAT}, {len(tokens)} lines found)")
         if lowercase is None:
             lowercase = _lowercase_from_config(os.path.dirname(os.path.abspath(vocab_file)))
         if lowercase is None:
             # No config: a vocabulary without upper-case word pieces is an uncased one.
-            tokens = read_vocab(vocab_file)
             lowercase = not any(t.strip("#")[:1].isupper() for t in tokens
                                 if not (t.startswith("[") and t.endswith("]")))
         BertWordPieceTokenizer = _require_tokenizers()
