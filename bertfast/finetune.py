@@ -43,20 +43,32 @@ import torch
 from bertfast import parity
 from bertfast.config import BertConfig
 from bertfast.data import metrics as M
-from bertfast.data.tasks import (DataFormatError, SquadExample, column, encode_pair, pad_batch,
-                                 qa_features, qa_predictions, read_conll, read_squad, read_table,
-                                 token_classification_features)
+from bertfast.data.tasks import (DataFormatError, SquadExample, column, encode_pair, is_json_lines, label_names,
+                                 pad_batch, qa_features, qa_predictions, read_conll, read_squad, read_table,
+                                 text_column, token_classification_features)
 from bertfast.data.tokenization import WordPiece
 from bertfast.training import checkpoints as ckpt
+from bertfast.training import exits
 from bertfast.training.config import FinetuneConfig, parse_overrides
+from bertfast.training.nonfinite import NonFiniteWatch
 from bertfast.training.optim import build_optimizer, warmup_linear_decay
 from bertfast.training.precision import autocast_context, resolve_precision
 from bertfast.training.records import MetricsLogger
+from bertfast.training.rundir import RunDirectory
 from bertfast.training.signals import StopRequest
 from bertfast.training.step import TrainStep
 
 TEXT_A_CANDIDATES = ("sentence1", "sentence", "text", "question1", "premise", "text_a", "question")
 TEXT_B_CANDIDATES = ("sentence2", "question2", "hypothesis", "text_b")
+# Pairs as GLUE (and its Hugging Face export) names them, checked first: QNLI's (question,
+# sentence) would otherwise be read as "sentence" alone.
+TEXT_PAIRS = (("sentence1", "sentence2"), ("question1", "question2"), ("premise", "hypothesis"),
+              ("question", "sentence"), ("text_a", "text_b"))
+
+
+def _names(arg: Optional[str]) -> Optional[List[str]]:
+    """--labels "a, b" as ["a", "b"]."""
+    return [x.strip() for x in arg.split(",")] if arg else None
 
 
 # =========================================================================== tasks
@@ -104,9 +116,13 @@ class SequenceTask(Task):
         super().__init__(args, tok, precision)
         self.regression = args.task == "regression"
         self.main_metric = args.metric or ("pearson_spearman" if self.regression else "accuracy")
-        self.labels: Optional[List[str]] = args.labels.split(",") if args.labels else None
+        self.labels: Optional[List[str]] = _names(args.labels)
 
     def _columns(self, row: Dict[str, Any], path: str, lineno: int) -> Tuple[str, Optional[str], str]:
+        if self.args.text_a is None:
+            pair = next(((a, b) for a, b in TEXT_PAIRS if a in row and b in row), None)
+            if pair is not None:
+                return pair[0], self.args.text_b or pair[1], self.args.label_column
         a = self.args.text_a or next((c for c in TEXT_A_CANDIDATES if c in row), None)
         if a is None:
             raise DataFormatError(path, lineno, f"no text column found (tried {', '.join(TEXT_A_CANDIDATES)}); "
@@ -123,30 +139,33 @@ class SequenceTask(Task):
         a_col, b_col, label_col = self._columns(rows[0][1], path, rows[0][0])
         raw: List[Tuple[int, str, Optional[str], Any]] = []
         for lineno, row in rows:
-            text_a = str(column(row, a_col, path, lineno))
-            text_b = str(column(row, b_col, path, lineno)) if b_col else None
+            text_a = text_column(row, a_col, path, lineno)
+            text_b = text_column(row, b_col, path, lineno) if b_col else None
             label = column(row, label_col, path, lineno)
             raw.append((lineno, text_a, text_b, label))
         if self.regression:
             labels = []
             for lineno, _, _, label in raw:
                 try:
+                    if isinstance(label, (bool, list, dict)):
+                        raise TypeError  # float(true) would be 1.0
                     labels.append(float(label))
                 except (TypeError, ValueError):
                     raise DataFormatError(path, lineno, f"regression label {label!r} is not a number") from None
         else:
+            # " 1" is "1"; true next to 1 is an error (see label_names)
+            names = label_names([(r[0], r[3]) for r in raw], path)
             if self.labels is None:
                 if not train:
                     raise RuntimeError("the label set comes from the training file; load it first")
-                found = sorted({str(r[3]) for r in raw}, key=_label_sort_key)
-                self.labels = found
+                self.labels = sorted(set(names), key=_label_sort_key)
             index = {name: i for i, name in enumerate(self.labels)}
             labels = []
-            for lineno, _, _, label in raw:
-                if str(label) not in index:
+            for (lineno, _, _, label), name in zip(raw, names):
+                if name not in index:
                     raise DataFormatError(path, lineno, f"label {label!r} is not one of the known labels "
                                                         f"{self.labels}")
-                labels.append(index[str(label)])
+                labels.append(index[name])
         features = []
         for (lineno, a, b, _), y in zip(raw, labels):
             f = encode_pair(self.tok, a, b, self.args.max_seq_len)
@@ -174,12 +193,16 @@ class TokenTask(Task):
 
     def __init__(self, args, tok, precision):
         super().__init__(args, tok, precision)
-        self.labels: Optional[List[str]] = args.labels.split(",") if args.labels else None
+        self.labels: Optional[List[str]] = _names(args.labels)
+        # Only names the user gave map tag ids (JSON lines): a label set sorted from the training
+        # file has no relation to the ids of the dataset that wrote them.
+        self.tag_names = _names(args.labels)
 
     def load(self, path: str, train: bool):
-        sentences = read_conll(path)
+        sentences = read_conll(path, self.tag_names, self.args.label_column)
         if not sentences:
             raise DataFormatError(path, None, "no sentences")
+        one_line = is_json_lines(path)  # a sentence is one line; in CoNLL text, one token a line
         if self.labels is None:
             tags = sorted({t for _, _, ts in sentences for t in ts}, key=lambda t: (t != "O", t[2:], t))
             self.labels = tags
@@ -188,7 +211,8 @@ class TokenTask(Task):
         for lineno, words, tags in sentences:
             for k, t in enumerate(tags):
                 if t not in index:
-                    raise DataFormatError(path, lineno + k, f"tag {t!r} is not one of the known tags {self.labels}")
+                    raise DataFormatError(path, lineno if one_line else lineno + k,
+                                          f"tag {t!r} is not one of the known tags {self.labels}")
             features.append(token_classification_features(self.tok, words, [index[t] for t in tags],
                                                           self.args.max_seq_len))
         return sentences, features
@@ -257,11 +281,13 @@ class MultipleChoiceTask(Task):
         choices = self.args.choice_columns.split(",")
         examples, features = [], []
         for lineno, row in rows:
-            context = str(column(row, self.args.context_column, path, lineno))
-            start = column(row, self.args.question_column, path, lineno, required=False) or ""
-            endings = [str(column(row, c, path, lineno)) for c in choices]
+            context = text_column(row, self.args.context_column, path, lineno)
+            start = text_column(row, self.args.question_column, path, lineno, required=False) or ""
+            endings = [text_column(row, c, path, lineno) for c in choices]
             label = column(row, self.args.label_column, path, lineno)
             try:
+                if isinstance(label, bool) or (isinstance(label, float) and not label.is_integer()):
+                    raise TypeError  # int() would take true as 1 and 1.7 as 1
                 y = int(label)
             except (TypeError, ValueError):
                 raise DataFormatError(path, lineno, f"label {label!r} is not a choice index") from None
@@ -338,10 +364,15 @@ class Finetuner:
         self.ckpt_dir = os.path.join(args.output_dir, "checkpoints")
         self.stop_request = StopRequest()
         self.say = print
+        self.run_dir = RunDirectory(args.output_dir, self.ckpt_dir, self.say)
+        self.watch = NonFiniteWatch(self.device, args.on_nonfinite == "skip", args.max_skipped_steps)
+        self.log_records: Optional[MetricsLogger] = None
         self._order, self._order_epoch = None, None  # the current epoch's visiting order (_batch)
 
     def setup(self) -> None:
         args = self.args
+        resume_from = self.run_dir.open(args, args.resume, args.overwrite)
+        self.watch.checkpoint = resume_from
         self.tok = WordPiece.from_pretrained(args.vocab or args.model)
         self.task = make_task(args, self.tok, self.precision)
         _, self.train_features = self.task.load(args.train_file, train=True)
@@ -350,9 +381,6 @@ class Finetuner:
             self.eval_examples, self.eval_features = self.task.load(args.eval_file, train=False)
         self.keys = [k for k in self.train_features[0] if not k.startswith("_")]
 
-        resume_from = ckpt.find_resume_checkpoint(args.resume, self.ckpt_dir)
-        if args.resume and resume_from is None:
-            self.say(f"[finetune] --resume auto: no checkpoint in {self.ckpt_dir}; starting fresh")
         state = ckpt.load_training_state(resume_from) if resume_from else None
         ckpt.seed_everything(args.seed)
         self.model = load_model(args, self.task, self.tok, resume_from).to(self.device)
@@ -363,14 +391,13 @@ class Finetuner:
         schedule = warmup_linear_decay(self.optimizer, int(round(args.warmup_fraction * self.total_steps)),
                                        self.total_steps)
         self.train_step = TrainStep(self.model, self.optimizer, schedule, self.device, self.precision,
-                                    args.max_grad_norm)
+                                    args.max_grad_norm, skip_nonfinite=args.on_nonfinite == "skip")
         self.step = 0
         if state is not None:
             self.optimizer.load_state_dict(state["optimizer"])
             self.train_step.load_state_dict(state)
             self.step = int(state["step"])
             ckpt.restore_rng_state(state["rng"], self.device)
-        ckpt.prepare_run_directory(args, self.ckpt_dir)
         metrics_file = os.path.join(args.output_dir, "metrics.jsonl")
         self.log_records = MetricsLogger(metrics_file, resumed_at=self.step if state else None)
         self.history = list(self.log_records.previous)  # a resumed run's records so far
@@ -411,28 +438,37 @@ class Finetuner:
                 batch = self._batch(self.step)
                 done = self.train_step([batch], lambda b: self.train_step.forward(self.model, b))
                 self.step += 1
+                self.watch.observe(self.step, done)
                 losses.append(done.outputs[0].loss.detach().float())
                 if bar is not None:
                     bar.update(1)
+                # What reads values back first makes sure the steps so far were finite.
                 if self.step % args.log_every == 0 or self.step == stop_at:
                     window = torch.stack(losses[logged:]).tolist()
                     logged = len(losses)
-                    self._record({"type": "train", "step": self.step, "epoch": epoch,
-                                  "loss": float(np.mean(window)), "lr": done.lr, "grad_norm": float(done.grad_norm)})
+                    record = {"type": "train", "step": self.step, "epoch": epoch, "loss": float(np.mean(window)),
+                              "lr": done.lr, "grad_norm": float(done.grad_norm)}
+                    if self.watch.skip:
+                        record["skipped_steps"] = self.watch.skipped
+                    self._record(record)
                     if bar is not None:
                         bar.set_postfix(loss=f"{window[-1]:.4f}")
+                    self.watch.check()
                 if args.parity_every and self.step % args.parity_every == 0:
+                    self.watch.check()
                     report = parity.check_during_training(self.model, batch, self.step, args.parity_threshold,
                                                           args.parity_strict, tell)
                     checks.append(report)
                     self.log_records.log(report)
                 end_of_epoch = self.step % self.steps_per_epoch == 0 or self.step == self.total_steps
                 if end_of_epoch and self.eval_features is not None:
+                    self.watch.check()
                     metrics = self._evaluate(epoch + 1, tell)
                 stop = self.stop_request.requested
                 if not args.no_save and (end_of_epoch or stop or self.step == stop_at
                                          or (args.save_every and self.step % args.save_every == 0)):
-                    checkpoint = self.save_checkpoint()
+                    self.watch.check(self.model, self.step)
+                    checkpoint = self.watch.checkpoint = self.save_checkpoint()
                 if stop:
                     tell(f"[finetune] stopped by signal after step {self.step}; resume with --resume")
                     break
@@ -445,7 +481,8 @@ class Finetuner:
         return {"eval": {k: v for k, v in metrics.items() if not k.startswith("_")}, "history": self.history,
                 "parity": checks, "train_loss": torch.stack(losses).tolist() if losses else [],
                 "output_dir": args.output_dir, "steps": self.step, "checkpoint": checkpoint,
-                "stopped_early": self.step < self.total_steps, "main_metric": self.task.main_metric,
+                "stopped_early": self.step < self.total_steps, "stopped_by_signal": self.stop_request.requested,
+                "main_metric": self.task.main_metric,
                 "time_s": time.time() - t0, "_predictions": metrics.get("_predictions")}
 
     def _record(self, record: Dict[str, Any]) -> None:
@@ -466,13 +503,14 @@ class Finetuner:
         summary = {"step": self.step, "total_steps": self.total_steps, "epoch": self.step / self.steps_per_epoch,
                    "time": time.time()}
         return ckpt.save_training_checkpoint(self.ckpt_dir, self.step, self.model, state, summary,
-                                             self.args.keep_last, self.tok.save)
+                                             self.args.keep_last, self.tok.save, self.run_dir.run_id)
 
     def finish(self, result: Dict[str, Any]) -> None:
         """Save the fine-tuned model (HF layout), its tokenizer, the metrics and the predictions."""
         args, predictions = self.args, result.pop("_predictions")
         if args.no_save or result["stopped_early"]:
             return
+        self.watch.check(self.model, self.step)
         self.model.save_pretrained(args.output_dir)
         self.tok.save(args.output_dir)
         with open(os.path.join(args.output_dir, "eval_results.json"), "w", encoding="utf-8") as f:
@@ -487,9 +525,12 @@ def run(args: FinetuneConfig) -> Dict[str, Any]:
     """Fine-tune with a configuration (``parse_args`` or ``FinetuneConfig``); returns {"eval": metrics,
     "history": [...], "train_loss": [...], "output_dir": ..., ...}."""
     trainer = Finetuner(args)
-    trainer.setup()
-    result = trainer.train()
-    trainer.finish(result)
+    try:
+        trainer.setup()
+        result = trainer.train()
+        trainer.finish(result)
+    finally:
+        trainer.run_dir.release()
     if result["eval"]:
         trainer.say(f"[finetune] final {result['main_metric']}: "
                     f"{result['eval'].get(result['main_metric'], float('nan')):.4f}")
@@ -497,15 +538,8 @@ def run(args: FinetuneConfig) -> Dict[str, Any]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    try:
-        run(parse_args(argv))
-    except (DataFormatError, FileNotFoundError, ValueError) as e:
-        print(f"bertfast finetune: error: {e}", file=sys.stderr)
-        return 2
-    except parity.ParityError as e:
-        print(f"bertfast finetune: {e}", file=sys.stderr)
-        return 3
-    return 0
+    """The command line; the exit code says how the run ended (``training.exits``)."""
+    return exits.run_command("bertfast finetune", lambda: run(parse_args(argv))["stopped_by_signal"])
 
 
 if __name__ == "__main__":

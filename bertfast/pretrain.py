@@ -17,7 +17,10 @@ and LayerNorm, 10k warm-up steps then linear decay; batch 256. Here:
   * checkpoints every ``--save-every`` steps: the model in HF layout (plus the vocabulary,
     so a checkpoint is a fine-tuning starting point), optimizer, scheduler, loss scaler,
     step (= data position) and every rank's RNG states; written atomically (temp dir, fsync,
-    rename); the last ``--keep-last`` kept. ``--resume`` continues bit-for-bit;
+    rename, with a SHA-256 manifest); the last ``--keep-last`` kept. ``--resume`` continues
+    bit-for-bit; the output directory is locked, and holds one run (``--overwrite`` replaces
+    an earlier one); a NaN/inf loss or gradient norm stops the run (``--on-nonfinite``);
+    docs/training.md;
   * logging: a tqdm bar; loss, MLM/NSP accuracy, lr, grad norm, real tokens/s, sequences/s
     and MFU in ``metrics.jsonl`` (and TensorBoard when installed, ``--tensorboard``), a
     held-out evaluation every ``--eval-every`` steps, ``loss.png`` at the end;
@@ -37,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -52,16 +54,18 @@ from bertfast import flops, parity
 from bertfast.config import BertConfig
 from bertfast.contract import IGNORE_INDEX
 from bertfast.data.loader import BatchSpec, PretrainingBatches, Prefetcher, masking_config_for
-from bertfast.data.shards import PretrainingData
+from bertfast.data.shards import MissingSplitError, PretrainingData
 from bertfast.data.tokenization import read_vocab
-from bertfast.parity import ParityError
 from bertfast.training import checkpoints as ckpt
+from bertfast.training import exits
 from bertfast.training.config import DEMO_MODEL, DEMO_VOCAB_SIZE, PretrainConfig, parse_overrides
 from bertfast.training.distributed import (DistInfo, all_reduce_max, all_reduce_sum, any_rank, broadcast_object,
                                            gather_objects, init_distributed)
+from bertfast.training.nonfinite import NonFiniteWatch
 from bertfast.training.optim import build_optimizer, warmup_linear_decay
 from bertfast.training.precision import resolve_precision
 from bertfast.training.records import MetricsLogger, RunningSums, format_duration, plot_loss_curve, read_jsonl
+from bertfast.training.rundir import RunDirectory
 from bertfast.training.signals import StopRequest
 from bertfast.training.step import StepResult, TrainStep
 
@@ -186,14 +190,18 @@ def build_phases(args, info: DistInfo, vocab_tokens: Optional[List[str]]) -> Lis
             max_pred = int(math.ceil(0.15 * data.max_seq_len))
         masking = None if data.static_masking else masking_config_for(
             data, vocab_tokens, mlm_prob=args.masked_lm_prob, max_predictions_per_seq=max_pred)
+        # With static shapes the model gathers max_pred labelled positions per sequence: the
+        # loader refuses (on the host) a sequence with more, instead of its extra labels being dropped.
+        limit = max_pred if args.static_shapes else None
         spec = BatchSpec(gbs, mbs, info.world_size, info.rank)
         batches = PretrainingBatches(data, spec, seed=args.seed + 1000 * i, masking=masking,
-                                     pad_to_multiple_of=args.pad_to_multiple_of, static_shapes=args.static_shapes)
+                                     pad_to_multiple_of=args.pad_to_multiple_of, static_shapes=args.static_shapes,
+                                     max_predictions=limit)
         eval_batches = None
         eval_dir = args.eval_data or directory
         try:
             eval_data = PretrainingData(eval_dir, "eval")
-        except (ValueError, FileNotFoundError):
+        except MissingSplitError:  # no held-out split: no evaluation (a damaged index is still an error)
             eval_data = None
         if eval_data is not None and len(eval_data):
             emask = None if eval_data.static_masking else masking_config_for(
@@ -203,9 +211,9 @@ def build_phases(args, info: DistInfo, vocab_tokens: Optional[List[str]]) -> Lis
             espec = BatchSpec(mbs, mbs, 1, 0)
             eval_batches = PretrainingBatches(eval_data, espec, seed=args.seed + 7, masking=emask,
                                               pad_to_multiple_of=args.pad_to_multiple_of,
-                                              static_shapes=args.static_shapes, shuffle=False)
-        phases.append(Phase(i, start, steps, data, batches, spec, eval_batches,
-                            max_pred if args.static_shapes else None))
+                                              static_shapes=args.static_shapes, shuffle=False,
+                                              max_predictions=limit)
+        phases.append(Phase(i, start, steps, data, batches, spec, eval_batches, limit))
         start += steps
     return phases
 
@@ -234,7 +242,8 @@ class RunResult:
     evals: List[Dict[str, Any]] = field(default_factory=list)
     parity: List[Dict[str, Any]] = field(default_factory=list)
     final_step: int = 0
-    stopped_early: bool = False
+    stopped_early: bool = False      # before the last step (--stop-at-step or a signal)
+    stopped_by_signal: bool = False
     checkpoint: Optional[str] = None
     output_dir: str = ""
 
@@ -250,7 +259,9 @@ class Pretrainer:
         self.precision = resolve_precision(args.precision, self.device)
         self.log_records: Optional[MetricsLogger] = None  # opened in setup(): a resumed run appends
         self.ckpt_dir = os.path.join(args.output_dir, "checkpoints")
+        self.run_dir = RunDirectory(args.output_dir, self.ckpt_dir, self.say)
         self.stop_request = StopRequest()
+        self.watch = NonFiniteWatch(self.device, args.on_nonfinite == "skip", args.max_skipped_steps)
 
     def say(self, msg: str) -> None:
         if self.info.is_main:
@@ -260,12 +271,19 @@ class Pretrainer:
     # ------------------------------------------------------------------ set-up
     def setup(self) -> None:
         args, info = self.args, self.info
-        resume_from = ckpt.find_resume_checkpoint(args.resume, self.ckpt_dir)
-        if args.resume and resume_from is None:
-            self.say(f"[pretrain] --resume auto: no checkpoint in {self.ckpt_dir}; starting fresh")
-        resume_state = ckpt.load_training_state(resume_from) if resume_from else None
+        # The main process locks and settles the output directory; every rank learns the outcome.
+        opened: Any = None
         if info.is_main:
-            ckpt.prepare_run_directory(args, self.ckpt_dir)
+            try:
+                opened = self.run_dir.open(args, args.resume, args.overwrite)
+            except (ValueError, FileNotFoundError) as e:
+                opened = e
+        opened = broadcast_object(opened, info)
+        if isinstance(opened, Exception):
+            raise opened
+        resume_from = opened
+        self.watch.checkpoint = resume_from
+        resume_state = ckpt.load_training_state(resume_from) if resume_from else None
         self.log_records = MetricsLogger(os.path.join(args.output_dir, "metrics.jsonl"),
                                          os.path.join(args.output_dir, "tensorboard") if args.tensorboard else None,
                                          enabled=info.is_main,
@@ -302,7 +320,8 @@ class Pretrainer:
         self.train_step = TrainStep(self.model, self.optimizer,
                                     warmup_linear_decay(self.optimizer, args.warmup_steps, self.total_steps),
                                     self.device, self.precision, args.max_grad_norm,
-                                    self._no_sync if info.distributed else None)
+                                    self._no_sync if info.distributed else None,
+                                    skip_nonfinite=args.on_nonfinite == "skip")
         self.peak = flops.peak_bf16_flops(self.device)
         self.step = 0
         if resume_state:
@@ -362,9 +381,11 @@ class Pretrainer:
             summary = {"step": self.step, "total_steps": self.total_steps, **state["data"],
                        "world_size": info.world_size, "time": time.time()}
             path = ckpt.save_training_checkpoint(self.ckpt_dir, self.step, model_to_save, state, summary,
-                                                 args.keep_last, tokenizer_files)
+                                                 args.keep_last, tokenizer_files, self.run_dir.run_id)
         info.barrier()
-        return broadcast_object(path, info)
+        path = broadcast_object(path, info)
+        self.watch.checkpoint = path
+        return path
 
     def _load_training_state(self, state: Dict[str, Any]) -> None:
         if self.args.fsdp:
@@ -456,22 +477,28 @@ class Pretrainer:
                 done = self.train_step(micro, lambda mb: self._forward(mb, phase))
                 window.add(done, micro)
                 self.step += 1
+                self.watch.observe(self.step, done)
                 if bar is not None:
                     bar.update(1)
-                # A log window never straddles two phases (their sequence lengths differ).
+                # A log window never straddles two phases (their sequence lengths differ). What
+                # reads values back first makes sure the steps so far were finite.
                 if self.step % args.log_every == 0 or self.step in (stop_at, phase.end):
                     self._log_window(window, phase, done, result, bar)
+                    self._check_finite()
                 if args.parity_every and self.step % args.parity_every == 0:
+                    self._check_finite()
                     self._check_parity(micro[0], result)
                 if args.eval_every and (self.step % args.eval_every == 0 or self.step == self.total_steps):
+                    self._check_finite()
                     self._evaluate(phase, result)
                 stop_now = any_rank(self.stop_request.requested, info)
                 if ((args.save_every and self.step % args.save_every == 0) or self.step in (stop_at, self.total_steps)
                         or stop_now):
+                    self._check_finite(parameters=True)
                     result.checkpoint = self.save_checkpoint()
                 if stop_now:
                     self.say(f"[pretrain] stopped by signal after step {self.step}; resume with --resume")
-                    result.stopped_early = True
+                    result.stopped_early = result.stopped_by_signal = True
                     break
         finally:
             if prefetch is not None:
@@ -482,6 +509,11 @@ class Pretrainer:
         if self.step < self.total_steps:
             result.stopped_early = True
         return result
+
+    def _check_finite(self, parameters: bool = False) -> None:
+        """Stop if a step so far was not finite (and, before a checkpoint, if a parameter is not)."""
+        self.watch.check(self.raw_model if parameters else None, self.step,
+                         lambda value: all_reduce_max(value, self.info))
 
     def _log_window(self, window: _Window, phase: Phase, done: StepResult, result: RunResult, bar) -> None:
         """Reduce the window's sums over ranks (the one host sync of the window) and log them."""
@@ -505,6 +537,8 @@ class Pretrainer:
             total["predictions"]))
         record["tflops_per_s"] = work / elapsed / 1e12
         record["mfu"] = flops.mfu(work, elapsed, self.peak * info.world_size) if self.peak else None
+        if self.watch.skip:
+            record["skipped_steps"] = self.watch.skipped
         self.log_records.log(record)
         mfu = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
         if bar is not None:
@@ -547,6 +581,12 @@ class Pretrainer:
             if png:
                 self.say(f"[pretrain] loss curve: {png}")
 
+    def close(self) -> None:
+        """Whatever happened: close the records and unlock the output directory."""
+        if self.log_records is not None:
+            self.log_records.close()
+        self.run_dir.release()
+
 
 def _nsp_correct(out, mb: Dict[str, torch.Tensor]) -> torch.Tensor:
     return (out.seq_relationship_logits.detach().argmax(-1) == mb["next_sentence_label"]).sum()
@@ -561,16 +601,13 @@ class _Window:
 
     def add(self, done: StepResult, micro: List[Dict[str, torch.Tensor]]) -> None:
         count = len(micro)
-        step_loss = torch.zeros((), dtype=torch.float64, device=self.sums.values.device)
         for out, mb in zip(done.outputs, micro):
             lengths = mb["attention_mask"].sum(1).double()
-            loss = out.loss.detach().double() / count
-            step_loss += loss
-            self.sums.add(loss=loss, mlm_loss=out.mlm_loss.detach() / count, nsp_loss=out.nsp_loss.detach() / count,
+            self.sums.add(loss=out.loss.detach().double() / count, mlm_loss=out.mlm_loss.detach() / count, nsp_loss=out.nsp_loss.detach() / count,
                           mlm_correct=out.mlm_num_correct, nsp_correct=_nsp_correct(out, mb),
                           tokens=lengths.sum(), sum_len_sq=(lengths ** 2).sum(),
                           predictions=(mb["labels"] != IGNORE_INDEX).sum(), sequences=lengths.numel())
-        self.losses.append(step_loss)
+        self.losses.append(done.loss)
         self.steps += 1
 
     def reset(self) -> None:
@@ -601,10 +638,13 @@ def run(args: PretrainConfig) -> RunResult:
             args = prepare_demo_data(args, info, log)
         args = resolve_steps(args)
         trainer = Pretrainer(args, info)
-        trainer.setup()
-        t0 = time.time()
-        result = trainer.train()
-        trainer.finish(result)
+        try:
+            trainer.setup()
+            t0 = time.time()
+            result = trainer.train()
+            trainer.finish(result)
+        finally:
+            trainer.close()
         if info.is_main:
             records = read_jsonl(os.path.join(args.output_dir, "metrics.jsonl"))
             train = [r for r in records if r.get("type") == "train"]
@@ -628,24 +668,16 @@ def run(args: PretrainConfig) -> RunResult:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command line; the exit code says how the run ended (``training.exits``)."""
     try:
         args = parse_args(argv)
     except ValueError as e:
         print(f"bertfast pretrain: error: {e}", file=sys.stderr)
-        return 2
+        return exits.USAGE
     if args.demo:
         print("[pretrain] demonstration run: a small BERT on the embedded corpus (no --data given, or --demo)",
               flush=True)
-    try:
-        run(args)
-    except ParityError as e:
-        print(f"bertfast pretrain: {e}", file=sys.stderr)
-        print(json.dumps(e.report, indent=2, default=str), file=sys.stderr)
-        return 3
-    except (ValueError, FileNotFoundError) as e:
-        print(f"bertfast pretrain: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return exits.run_command("bertfast pretrain", lambda: run(args).stopped_by_signal)
 
 
 if __name__ == "__main__":

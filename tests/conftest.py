@@ -29,6 +29,19 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(scope="session")
+def datasets(tmp_path_factory):
+    """Two pre-training datasets from a slice of the embedded corpus: seq 64 and seq 128, one vocabulary."""
+    from bertfast.data.prepare import prepare_dataset
+    root = tmp_path_factory.mktemp("pretrain-data")
+    cache = str(root / "corpus")
+    d1, d2 = str(root / "p1"), str(root / "p2")
+    quiet = dict(progress=False, log=lambda m: None, corpus_cache=cache, corpus_max_docs=300, workers=1)
+    prepare_dataset([], d1, vocab_size=400, max_seq_len=64, **quiet)
+    prepare_dataset([], d2, vocab=d1, max_seq_len=128, **quiet)
+    return d1, d2
+
+
 @pytest.fixture
 def stand_in_tuner(monkeypatch):
     """The GPU launch path under the interpreter: launch() takes its autotuning branch (candidate

@@ -13,7 +13,6 @@ import torch
 
 from bertfast import pretrain
 from bertfast.data.loader import BatchSpec, PretrainingBatches, masking_config_for
-from bertfast.data.prepare import prepare_dataset
 from bertfast.data.shards import PretrainingData
 from bertfast.parity import ParityError
 from bertfast.training import checkpoints
@@ -22,18 +21,6 @@ from bertfast.training.config import PretrainConfig
 from bertfast.training.records import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def datasets(tmp_path_factory):
-    """Two phases of the embedded corpus (a slice of it): seq 64 and seq 128, one vocabulary."""
-    root = tmp_path_factory.mktemp("pretrain-data")
-    cache = str(root / "corpus")
-    d1, d2 = str(root / "p1"), str(root / "p2")
-    quiet = dict(progress=False, log=lambda m: None, corpus_cache=cache, corpus_max_docs=300, workers=1)
-    prepare_dataset([], d1, vocab_size=400, max_seq_len=64, **quiet)
-    prepare_dataset([], d2, vocab=d1, max_seq_len=128, **quiet)
-    return d1, d2
 
 
 def _args(datasets, out, *extra):

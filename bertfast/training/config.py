@@ -257,8 +257,13 @@ DEMO_MODEL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, i
 DEMO = dict(demo=True, preset="demo", output_dir=os.path.join("runs", "demo"), phase1_steps=270, phase2_steps=30,
             global_batch_size=32, micro_batch_size=32, phase2_global_batch_size=8, phase2_micro_batch_size=8, lr=1e-3,
             warmup_steps=30, log_every=10, eval_every=100, eval_batches=4, save_every=100, parity_every=100,
-            keep_last=2, demo_vocab_size=DEMO_VOCAB_SIZE, threads=1)
+            keep_last=2, demo_vocab_size=DEMO_VOCAB_SIZE, threads=1, overwrite=True)
 
+OVERWRITE_HELP = ("start afresh in an OUTPUT_DIR holding an earlier run, deleting its checkpoints and records "
+                  "(without it, such a run is refused: pass --resume to continue it)")
+NONFINITE_HELP = ("when a step's loss or gradient norm is NaN or inf: stop (keeping the last checkpoint, all of whose "
+                  "values are finite), or skip the step (one host read per step)")
+MAX_SKIPPED_HELP = "--on-nonfinite skip: stop after this many skipped steps in a row"
 PARITY_THRESHOLD_HELP = ("relative difference of loss, logits or gradient norm that counts as divergence (the check "
                          "runs in fp32 with dropout off, where fast and reference agree to ~1e-6)")
 MODEL, DATA, SCHEDULE, DIST, LOGS, PARITY = ("model", "data", "schedule", "distributed", "checkpoints and logging",
@@ -315,6 +320,8 @@ class PretrainConfig(RunConfig):
     precision: str = option("auto", "auto: bf16 autocast on CUDA, fp32 on CPU", group=SCHEDULE,
                             choices=("auto", "fp32", "bf16", "fp16"))
     seed: int = option(42, group=SCHEDULE)
+    on_nonfinite: str = option("stop", NONFINITE_HELP, group=SCHEDULE, choices=("stop", "skip"))
+    max_skipped_steps: int = option(10, MAX_SKIPPED_HELP, group=SCHEDULE)
 
     device: Optional[str] = option(None, "default: cuda when available", group=DIST, choices=("cuda", "cpu"))
     fsdp: bool = option(False, "FSDP2 (fully_shard) instead of DDP, for large models", group=DIST)
@@ -329,6 +336,7 @@ class PretrainConfig(RunConfig):
                                  per_run=False)
     stop_at_step: Optional[int] = option(None, "save a checkpoint and stop after this step (the run can be "
                                                "resumed)", group=LOGS, per_run=False)
+    overwrite: bool = option(False, OVERWRITE_HELP, group=LOGS, per_run=False)
     log_every: int = option(10, group=LOGS)
     eval_every: int = option(500, "0 disables", group=LOGS)
     eval_batches: int = option(20, "micro-batches per evaluation (over all ranks)", group=LOGS)
@@ -347,7 +355,7 @@ class PretrainConfig(RunConfig):
     def check(self) -> None:
         positive = ("vocab_multiple", "pad_to_multiple_of", "global_batch_size", "micro_batch_size",
                     "phase2_global_batch_size", "phase2_micro_batch_size", "log_every", "eval_batches",
-                    "max_predictions_per_seq", "threads", "demo_vocab_size", "stop_at_step")
+                    "max_predictions_per_seq", "threads", "demo_vocab_size", "stop_at_step", "max_skipped_steps")
         at_least_zero = ("prefetch", "phase1_steps", "phase2_steps", "total_steps", "warmup_steps", "save_every",
                          "keep_last", "eval_every", "parity_every", "weight_decay", "adam_eps", "max_grad_norm")
         self.require_positive(*positive)
@@ -423,6 +431,9 @@ class FinetuneConfig(RunConfig):
                                    per_run=False)
     stop_at_step: Optional[int] = option(None, "save a checkpoint and stop after this step (the run can be "
                                                "resumed)", group=TRAINING, per_run=False)
+    overwrite: bool = option(False, OVERWRITE_HELP, group=TRAINING, per_run=False)
+    on_nonfinite: str = option("stop", NONFINITE_HELP, group=TRAINING, choices=("stop", "skip"))
+    max_skipped_steps: int = option(10, MAX_SKIPPED_HELP, group=TRAINING)
     no_progress: bool = option(False, group=TRAINING, per_run=False)
 
     text_a: Optional[str] = option(None, "first text column (default: sentence1, sentence, text, ...)",
@@ -456,7 +467,7 @@ class FinetuneConfig(RunConfig):
     def check(self) -> None:
         self.require_positive("max_seq_len", "batch_size", "eval_batch_size", "log_every", "doc_stride",
                               "max_query_length", "max_answer_length", "n_best", "stop_at_step", "epochs",
-                              "parity_threshold")
+                              "parity_threshold", "max_skipped_steps")
         self.require_non_negative("lr", "weight_decay", "adam_eps", "max_grad_norm", "save_every", "keep_last",
                                   "parity_every")
         if not 0.0 <= self.warmup_fraction <= 1.0:

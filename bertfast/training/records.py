@@ -41,8 +41,13 @@ class MetricsLogger:
         if not self.enabled:
             return
         if self._f is not None:
-            self._f.write(json.dumps(record, default=_json_default) + "\n")
-            self._f.flush()
+            try:
+                self._f.write(json.dumps(record, default=_json_default) + "\n")
+                self._f.flush()
+            except OSError as e:  # a full disk: name the file and the free space
+                from bertfast.training.checkpoints import describe_write_failure
+                raise OSError(e.errno, describe_write_failure(self.path, os.path.dirname(os.path.abspath(self.path)),
+                                                              e)) from e
         if self._tb is not None and "step" in record:
             kind = record.get("type", "train")
             for k, v in record.items():

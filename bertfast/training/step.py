@@ -4,11 +4,16 @@ One step = the micro-batches of one global batch: each forward runs under the ru
 precision (``training.precision``), each loss is divided by the number of micro-batches and
 back-propagated (scaled under fp16), gradients are synchronised across ranks on the last
 micro-batch only (``no_sync``), then clipped, and the optimizer and the schedule advance.
-Nothing here reads a value back to the host: the gradient norm stays a device tensor.
+Nothing here reads a value back to the host: the step's loss, gradient norm and whether both
+are finite stay device tensors (``training.nonfinite`` reads them at the log interval). Only
+with ``skip_nonfinite`` does a step read its flag, to leave the parameters untouched when the
+loss or the gradient norm is not finite.
 """
 from __future__ import annotations
 
 import contextlib
+import re
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Dict, Optional, Sequence
 
@@ -22,22 +27,28 @@ Batch = Dict[str, torch.Tensor]
 @dataclass
 class StepResult:
     outputs: list            # the model output of each micro-batch (losses not detached)
+    loss: torch.Tensor       # the step's loss (mean over micro-batches), a float64 device scalar
     grad_norm: torch.Tensor  # before clipping, a device scalar
     lr: float                # the learning rate the step used
+    finite: torch.Tensor     # device bool: loss and gradient norm finite (under fp16: the loss; the scaler
+    #                          skips steps with inf gradients itself)
+    skipped: bool = False    # skip_nonfinite only: the update was not applied
 
 
 class TrainStep:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, device: torch.device, precision: str,
                  max_grad_norm: Optional[float] = None,
-                 no_sync: Optional[Callable[[], ContextManager[Any]]] = None):
+                 no_sync: Optional[Callable[[], ContextManager[Any]]] = None, skip_nonfinite: bool = False):
         """``model`` holds the parameters that are clipped; ``no_sync()`` (DDP/FSDP) suspends the
-        gradient all-reduce on all but the last micro-batch."""
+        gradient all-reduce on all but the last micro-batch; ``skip_nonfinite``: a step whose loss or
+        gradient norm is not finite changes nothing but the schedule (one host read per step)."""
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.device, self.precision = device, precision
         self.max_grad_norm = max_grad_norm if max_grad_norm and max_grad_norm > 0 else float("inf")
         self.no_sync = no_sync
         self.scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+        self.skip_nonfinite = skip_nonfinite
 
     def autocast(self) -> ContextManager[Any]:
         return autocast_context(self.device, self.precision)
@@ -50,6 +61,7 @@ class TrainStep:
         """Run one step; ``forward(batch)`` returns a model output with ``.loss`` (call ``self.forward``)."""
         count = len(micro_batches)
         outputs = []
+        step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for j, batch in enumerate(micro_batches):
             last = j == count - 1
             sync = self.no_sync() if (self.no_sync is not None and not last) else contextlib.nullcontext()
@@ -57,6 +69,7 @@ class TrainStep:
                 out = forward(batch)
                 loss = out.loss / count
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            step_loss += out.loss.detach().double() / count
             outputs.append(out)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
@@ -64,14 +77,22 @@ class TrainStep:
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
             grad_norm = grad_norm.full_tensor()
         lr = self.scheduler.get_last_lr()[0]
+        finite = torch.isfinite(step_loss)
+        if self.scaler is None:
+            finite = finite & torch.isfinite(grad_norm)
+        skipped = self.skip_nonfinite and not bool(finite)
         if self.scaler is not None:
-            self.scaler.step(self.optimizer)
+            if not skipped:
+                self.scaler.step(self.optimizer)
             self.scaler.update()
-        else:
+        elif not skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        return StepResult(outputs, grad_norm, lr)
+        with warnings.catch_warnings():
+            # A skipped first step makes the scheduler warn that it ran before the optimizer: it meant to.
+            warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"), UserWarning)
+            self.scheduler.step()
+        return StepResult(outputs, step_loss, grad_norm, lr, finite, skipped)
 
     # The optimizer's state is saved by the caller (FSDP gathers it); these are the rest.
     def state_dict(self) -> Dict[str, Any]:
