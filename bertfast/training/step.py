@@ -80,7 +80,7 @@ class TrainStep:
         finite = torch.isfinite(step_loss)
         if self.scaler is None:
             finite = finite & torch.isfinite(grad_norm)
-        skipped = self.skip_nonfinite and not bool(finite)
+        skipped = self.skip_nonfinite and not _on_every_rank(finite)
         if self.scaler is not None:
             if not skipped:
                 self.scaler.step(self.optimizer)
@@ -103,3 +103,12 @@ class TrainStep:
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+
+def _on_every_rank(flag: torch.Tensor) -> bool:
+    """``flag`` true on every rank (one host read): ranks see different losses, and must all skip
+    the same steps or their parameters part ways."""
+    value = flag.to(torch.float32).reshape(1)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
+    return bool(value)
