@@ -603,7 +603,8 @@ class _Window:
         count = len(micro)
         for out, mb in zip(done.outputs, micro):
             lengths = mb["attention_mask"].sum(1).double()
-            self.sums.add(loss=out.loss.detach().double() / count, mlm_loss=out.mlm_loss.detach() / count, nsp_loss=out.nsp_loss.detach() / count,
+            self.sums.add(loss=out.loss.detach().double() / count, mlm_loss=out.mlm_loss.detach() / count,
+                          nsp_loss=out.nsp_loss.detach() / count,
                           mlm_correct=out.mlm_num_correct, nsp_correct=_nsp_correct(out, mb),
                           tokens=lengths.sum(), sum_len_sq=(lengths ** 2).sum(),
                           predictions=(mb["labels"] != IGNORE_INDEX).sum(), sequences=lengths.numel())

@@ -259,6 +259,9 @@ DEMO = dict(demo=True, preset="demo", output_dir=os.path.join("runs", "demo"), p
             warmup_steps=30, log_every=10, eval_every=100, eval_batches=4, save_every=100, parity_every=100,
             keep_last=2, demo_vocab_size=DEMO_VOCAB_SIZE, threads=1, overwrite=True)
 
+# Help of the options both commands have.
+RESUME_HELP = "resume from a checkpoint directory, or 'auto' (the latest good one in OUTPUT_DIR/checkpoints)"
+STOP_AT_STEP_HELP = "save a checkpoint and stop after this step (the run can be resumed)"
 OVERWRITE_HELP = ("start afresh in an OUTPUT_DIR holding an earlier run, deleting its checkpoints and records "
                   "(without it, such a run is refused: pass --resume to continue it)")
 NONFINITE_HELP = ("when a step's loss or gradient norm is NaN or inf: stop (keeping the last checkpoint, all of whose "
@@ -331,11 +334,8 @@ class PretrainConfig(RunConfig):
     output_dir: str = option(os.path.join("runs", "pretrain"), group=LOGS)
     save_every: int = option(1000, group=LOGS)
     keep_last: int = option(3, group=LOGS)
-    resume: Optional[str] = option(None, "resume from a checkpoint directory, or 'auto' (the latest in "
-                                         "OUTPUT_DIR/checkpoints)", group=LOGS, nargs="?", const="auto",
-                                 per_run=False)
-    stop_at_step: Optional[int] = option(None, "save a checkpoint and stop after this step (the run can be "
-                                               "resumed)", group=LOGS, per_run=False)
+    resume: Optional[str] = option(None, RESUME_HELP, group=LOGS, nargs="?", const="auto", per_run=False)
+    stop_at_step: Optional[int] = option(None, STOP_AT_STEP_HELP, group=LOGS, per_run=False)
     overwrite: bool = option(False, OVERWRITE_HELP, group=LOGS, per_run=False)
     log_every: int = option(10, group=LOGS)
     eval_every: int = option(500, "0 disables", group=LOGS)
@@ -426,11 +426,8 @@ class FinetuneConfig(RunConfig):
     save_every: int = option(0, "also checkpoint every N steps (checkpoints are written at the end of every "
                                 "epoch)", group=TRAINING)
     keep_last: int = option(2, "checkpoints kept in OUTPUT_DIR/checkpoints", group=TRAINING)
-    resume: Optional[str] = option(None, "resume from a checkpoint directory, or 'auto' (the latest in "
-                                         "OUTPUT_DIR/checkpoints)", group=TRAINING, nargs="?", const="auto",
-                                   per_run=False)
-    stop_at_step: Optional[int] = option(None, "save a checkpoint and stop after this step (the run can be "
-                                               "resumed)", group=TRAINING, per_run=False)
+    resume: Optional[str] = option(None, RESUME_HELP, group=TRAINING, nargs="?", const="auto", per_run=False)
+    stop_at_step: Optional[int] = option(None, STOP_AT_STEP_HELP, group=TRAINING, per_run=False)
     overwrite: bool = option(False, OVERWRITE_HELP, group=TRAINING, per_run=False)
     on_nonfinite: str = option("stop", NONFINITE_HELP, group=TRAINING, choices=("stop", "skip"))
     max_skipped_steps: int = option(10, MAX_SKIPPED_HELP, group=TRAINING)
