@@ -286,6 +286,17 @@ def test_a_config_file_with_a_bad_value_names_the_option(tmp_path, values, messa
         pretrain.parse_args(["--config", str(cfg)])
 
 
+@pytest.mark.parametrize("command", ["pretrain", "finetune"])
+def test_help_lists_every_option(command, capsys):
+    module = importlib.import_module(f"bertfast.{command}")
+    with pytest.raises(SystemExit) as stop:
+        module.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert stop.value.code == 0 and "--resume" in out and "--on-nonfinite" in out
+    if command == "pretrain":
+        assert "1% of the steps" in out                                # a literal % in a help text
+
+
 def test_a_bad_flag_value_names_the_option_and_the_saved_config_round_trips(tmp_path):
     with pytest.raises(ValueError, match=r"the command line: --eval-batches must be > 0, got 0"):
         pretrain.parse_args(["--data", "d", "--eval-batches", "0"])

@@ -150,7 +150,9 @@ class RunConfig:
             group = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
             flag = cls.flag_of(f)
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            text = argparse.SUPPRESS if meta.get("hidden") else f"{meta['help']} (default: {default})".lstrip()
+            # argparse formats help with %: a literal one (e.g. "1% of the steps") is written %%.
+            text = (argparse.SUPPRESS if meta.get("hidden")
+                    else f"{meta['help']} (default: {default})".lstrip().replace("%", "%%"))
             kind = types[f.name]
             base = kind  # Optional[X] -> X
             if typing.get_origin(kind) is typing.Union:
