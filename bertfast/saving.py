@@ -78,19 +78,25 @@ def unreadable_weight_file(source: Any, subfolder: str = "") -> Optional[Tuple[s
     return None
 
 
-def check_finite_weights(model: torch.nn.Module, source: Any) -> None:
-    """ValueError naming the parameters (and buffers) holding NaN or inf. One host sync per device."""
-    named = [(n, t) for n, t in itertools.chain(model.named_parameters(), model.named_buffers())
-             if t.is_floating_point() and not t.is_meta and t.numel()]
-    bad: List[str] = []
+def nonfinite_weights(model: torch.nn.Module) -> List[str]:
+    """'name (k of n values)' for each floating parameter and buffer holding NaN or inf (this
+    process's shard under FSDP). One host read per device."""
     by_device: Dict[torch.device, List[Tuple[str, torch.Tensor]]] = {}
-    for name, t in named:
-        by_device.setdefault(t.device, []).append((name, t))
+    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if t.is_floating_point() and not t.is_meta and t.numel():
+            by_device.setdefault(t.device, []).append((name, t))
+    bad: List[str] = []
     with torch.no_grad():
         for group in by_device.values():
             finite = torch.stack([t.isfinite().all() for _, t in group]).tolist()
             bad += [f"{n} ({int(t.numel() - t.isfinite().sum())} of {t.numel()} values)"
                     for (n, t), ok in zip(group, finite) if not ok]
+    return bad
+
+
+def check_finite_weights(model: torch.nn.Module, source: Any) -> None:
+    """ValueError naming the parameters (and buffers) holding NaN or inf."""
+    bad = nonfinite_weights(model)
     if bad:
         raise ValueError(f"{source}: the loaded weights hold NaN or inf values: {', '.join(bad[:5])}"
                          + (f" and {len(bad) - 5} more" if len(bad) > 5 else ""))

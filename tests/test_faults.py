@@ -92,6 +92,19 @@ def test_skip_mode_skips_and_counts_then_stops_after_too_many_in_a_row(datasets,
     assert all(_all_finite(path) for _, path in checkpoints.list_checkpoints(str(out / "checkpoints")))
 
 
+def test_a_checkpoint_is_refused_while_a_parameter_is_not_finite():
+    from bertfast.training.nonfinite import NonFiniteError, NonFiniteWatch
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
+    watch = NonFiniteWatch(torch.device("cpu"))
+    watch.checkpoint = "runs/x/checkpoints/step_00000004"
+    watch.check(model, 5)                                             # finite: nothing to say
+    with torch.no_grad():
+        model[1].bias[2] = float("inf")
+    with pytest.raises(NonFiniteError, match=r"after step 5 the model holds NaN or inf \(1.bias \(1 of 3 values\)\)"
+                                             r".*runs/x/checkpoints/step_00000004"):
+        watch.check(model, 5)
+
+
 @pytest.fixture(scope="module")
 def vocab_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("vocab")

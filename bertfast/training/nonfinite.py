@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
+from bertfast.saving import nonfinite_weights
 from bertfast.training.step import StepResult
 
 
@@ -61,22 +62,14 @@ class NonFiniteWatch:
         if first >= 0:
             loss, grad_norm = self.first_values.tolist()
             raise NonFiniteError(describe(first, loss, grad_norm, self.checkpoint))
-        name = first_nonfinite_parameter(model) if model is not None else None
-        if name is not None:
-            raise NonFiniteError(f"training stopped: after step {step} the parameter {name} holds NaN or inf (the "
-                                 f"loss and gradient norm were finite); " + _where(self.checkpoint) + _ADVICE)
-
-
-def first_nonfinite_parameter(model: torch.nn.Module) -> Optional[str]:
-    """The name of the first parameter holding NaN or inf (one reduction per parameter, then one
-    host read), or None."""
-    named = [(n, p) for n, p in model.named_parameters() if p.is_floating_point()]
-    if not named:
-        return None
-    finite = torch.stack([torch.isfinite(p.detach()).all().to(named[0][1].device) for _, p in named])
-    if bool(finite.all()):
-        return None
-    return named[int((~finite).nonzero()[0])][0]
+        if model is None:
+            return
+        bad = nonfinite_weights(model)
+        # Under FSDP each rank holds a shard: all stop together, or the others would wait forever.
+        if bad if reduce_max is None else reduce_max(1.0 if bad else 0.0) > 0:
+            raise NonFiniteError(f"training stopped: after step {step} the model holds NaN or inf "
+                                 f"({', '.join(bad[:3]) or 'in a shard of another rank'}) although the loss and "
+                                 f"gradient norm were finite; " + _where(self.checkpoint) + _ADVICE)
 
 
 def describe(step: int, loss: float, grad_norm: float, checkpoint: Optional[str], skipped_in_a_row: int = 0) -> str:
