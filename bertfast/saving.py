@@ -83,6 +83,7 @@ def nonfinite_weights(model: torch.nn.Module) -> List[str]:
     process's shard under FSDP). One host read per device."""
     by_device: Dict[torch.device, List[Tuple[str, torch.Tensor]]] = {}
     for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+        t = t.to_local() if hasattr(t, "to_local") else t  # an FSDP DTensor: this rank's shard
         if t.is_floating_point() and not t.is_meta and t.numel():
             by_device.setdefault(t.device, []).append((name, t))
     bad: List[str] = []
