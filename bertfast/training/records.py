@@ -9,6 +9,8 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
+from bertfast.training.checkpoints import describe_write_failure
+
 
 class MetricsLogger:
     """JSON lines (one object per record) and, when installed and asked for, TensorBoard."""
@@ -45,7 +47,6 @@ class MetricsLogger:
                 self._f.write(json.dumps(record, default=_json_default) + "\n")
                 self._f.flush()
             except OSError as e:  # a full disk: name the file and the free space
-                from bertfast.training.checkpoints import describe_write_failure
                 raise OSError(e.errno, describe_write_failure(self.path, os.path.dirname(os.path.abspath(self.path)),
                                                               e)) from e
         if self._tb is not None and "step" in record:
