@@ -8,7 +8,7 @@ given. Torch only: importing this pulls in neither triton nor the CUDA extension
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -16,6 +16,9 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ID_DTYPES = (torch.int32, torch.int64)
 IGNORE_INDEX = -100  # labels equal to it add nothing to any loss (transformers' convention)
 GELU_APPROXIMATIONS = ("none", "tanh")  # the exact erf form (BERT's), or the tanh approximation
+# Head dims the fused attention backends serve, power of two or not (the torch backend serves any):
+# the kernels pad the head dim to their tile and mask the extra columns.
+MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 256
 
 
 def check_tensor(name: str, t: torch.Tensor, *, dtypes=None, ndim=None, shape=None, device=None) -> None:
@@ -121,6 +124,18 @@ def softmax_scale(scale: Optional[float], head_dim: int) -> float:
     if not (math.isfinite(scale) and scale > 0.0):
         raise ValueError(f"softmax_scale: expected a finite float > 0 or None, got {scale}")
     return scale
+
+
+def head_dim_reasons(head_dim: int) -> List[str]:
+    """The fused attention backends' head-dim limit, as dispatch reasons ([] when served)."""
+    if MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        return []
+    return [f"head dim {head_dim} is outside [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]"]
+
+
+def check_head_dim(name: str, head_dim: int) -> None:
+    if head_dim_reasons(head_dim):
+        raise ValueError(f"{name}: expected a head dim in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {head_dim}")
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, max_seqlen, device=None) -> Tuple[int, int]:

@@ -24,12 +24,12 @@ __global__ void attention_dropout_mask_kernel(bool* __restrict__ keep, int64_t r
 
 template <typename T, int D>
 struct Fwd {
-  static int run(const AttentionParams& p, cudaStream_t stream) {
+  static int run(const Params& p, cudaStream_t stream) {
     using C = Cfg<T, D>;
     using L = FwdSmem<T, D, C::kFwdBM, C::kFwdBN>;
-    auto kernel = attention_fwd_kernel<T, D, C::kFwdBM, C::kFwdBN>;
+    auto kernel = attention_fwd_kernel<T, D, C::kFwdBM, C::kFwdBN, C::kFwdWN>;
     if (int s = prepare(kernel, L::bytes, "attention_fwd")) return s;
-    kernel<<<grid_for(p, C::kFwdBM), C::kFwdBM / 16 * 32, L::bytes, stream>>>(p);
+    kernel<<<grid_for(p, C::kFwdBM), C::kFwdBM / 16 * C::kFwdWN * 32, L::bytes, stream>>>(p);
     BF_CHECK_LAUNCH("attention_fwd");
     return kOk;
   }

@@ -1,5 +1,6 @@
 // Host-side helpers shared by the attention launchers (attention_fwd.cu, attention_bwd.cu):
-// shared-memory opt-in with a clear error, the grid, and argument checks.
+// shared-memory opt-in with a clear error, the grid, argument checks, the per-tensor choice of
+// 16-byte row accesses, and the dispatch onto a tile head dim.
 #pragma once
 #include "attention.cuh"
 
@@ -29,41 +30,58 @@ inline dim3 grid_for(const AttentionParams& p, int rows_per_block) {
               static_cast<unsigned>(p.heads), static_cast<unsigned>(p.batch));
 }
 
-inline bool aligned16(const void* ptr, const Strides& s, int elem) {
-  const int64_t e = 16 / elem;
-  return aligned_to(ptr, 16) && s.batch % e == 0 && s.row % e == 0 && s.head % e == 0;
-}
+constexpr int kMinHeadDim = 8, kMaxHeadDim = 256;  // bertfast.contract's MIN_HEAD_DIM, MAX_HEAD_DIM
 
 inline int check(const AttentionParams& p, bool backward, const char* name) {
   if (p.batch < 0 || p.batch > 65535 || p.heads < 1 || p.heads > 65535 || p.max_seqlen < 0)
     return fail(kErrArgument, "%s: expected 0 <= batch <= 65535, 1 <= heads <= 65535, max_seqlen >= 0; got %d, %d, %d",
                 name, p.batch, p.heads, p.max_seqlen);
-  if (p.head_dim != 16 && p.head_dim != 32 && p.head_dim != 64 && p.head_dim != 128)
-    return fail(kErrUnsupported, "%s: head_dim must be 16, 32, 64 or 128, got %d", name, p.head_dim);
+  if (p.head_dim < kMinHeadDim || p.head_dim > kMaxHeadDim)
+    return fail(kErrUnsupported, "%s: head_dim must be in [%d, %d], got %d", name, kMinHeadDim, kMaxHeadDim,
+                p.head_dim);
   if (!(p.dropout_p >= 0.f && p.dropout_p < 1.f))
     return fail(kErrArgument, "%s: dropout_p must be in [0, 1), got %g", name, p.dropout_p);
   if (p.dropout_p > 0.f && p.seed == nullptr) return fail(kErrArgument, "%s: dropout needs a seed", name);
   const int elem = p.dtype == kFloat32 ? 4 : 2;
-  bool ok = aligned16(p.q, p.sq, elem) && aligned16(p.k, p.sk, elem) && aligned16(p.v, p.sv, elem) &&
-            aligned16(p.out, p.so, elem);
+  bool ok = aligned_to(p.q, elem) && aligned_to(p.k, elem) && aligned_to(p.v, elem) && aligned_to(p.out, elem);
   if (backward)
-    ok = ok && aligned16(p.dout, p.sdo, elem) && aligned16(p.dq, p.sdq, elem) && aligned16(p.dk, p.sdk, elem) &&
-         aligned16(p.dv, p.sdv, elem);
-  if (!ok) return fail(kErrArgument, "%s: every q/k/v/out/dout/grad pointer and stride must be 16-byte aligned", name);
+    ok = ok && aligned_to(p.dout, elem) && aligned_to(p.dq, elem) && aligned_to(p.dk, elem) && aligned_to(p.dv, elem);
+  if (!ok) return fail(kErrArgument, "%s: every q/k/v/out/dout/grad pointer must be aligned to its element size", name);
   return kOk;
 }
 
-// Runs F<T, D>::run(p, stream) for the runtime dtype and head dim.
+// Whether a tensor's rows allow 16-byte accesses: a 16-byte aligned start, strides and a row
+// width (head_dim) of whole 16-byte vectors. Any other tensor moves element by element.
+inline bool vec16(const void* ptr, const Strides& s, int head_dim, int elem) {
+  const int64_t e = 16 / elem;
+  return aligned_to(ptr, 16) && head_dim % e == 0 && s.batch % e == 0 && s.row % e == 0 && s.head % e == 0;
+}
+
+inline Params with_vec(const AttentionParams& p) {
+  const int elem = p.dtype == kFloat32 ? 4 : 2;
+  const auto bit = [&](const void* ptr, const Strides& s, unsigned b) {
+    return vec16(ptr, s, p.head_dim, elem) ? b : 0u;
+  };
+  return Params{p, bit(p.q, p.sq, kVecQ) | bit(p.k, p.sk, kVecK) | bit(p.v, p.sv, kVecV) | bit(p.out, p.so, kVecO) |
+                       bit(p.dout, p.sdo, kVecDO) | bit(p.dq, p.sdq, kVecDQ) | bit(p.dk, p.sdk, kVecDK) |
+                       bit(p.dv, p.sdv, kVecDV)};
+}
+
+// Runs F<T, D>::run(p, stream) for the runtime dtype on the tile head dim D: the smallest tier
+// >= head_dim, its extra columns zero. The tiers: 16, 32, 64 and 128 hold the common head dims
+// exactly (BERT's 64), 96 keeps 80 and 96 from padding to 128, 256 is the largest served; a head
+// dim pays at most twice its work (17 in 32, 129 in 256). Few tiers, since each is compiled for
+// every dtype and arch (and for the CPU emulator).
 template <template <typename, int> class F>
-inline int dispatch(const AttentionParams& p, cudaStream_t stream) {
+inline int dispatch(const AttentionParams& args, cudaStream_t stream) {
+  const Params p = with_vec(args);
   BF_DISPATCH_T(p.dtype, T, {
-    switch (p.head_dim) {
-      case 16: return F<T, 16>::run(p, stream);
-      case 32: return F<T, 32>::run(p, stream);
-      case 64: return F<T, 64>::run(p, stream);
-      case 128: return F<T, 128>::run(p, stream);
-      default: return fail(kErrUnsupported, "attention: head_dim %d", p.head_dim);
-    }
+    if (p.head_dim <= 16) return F<T, 16>::run(p, stream);
+    if (p.head_dim <= 32) return F<T, 32>::run(p, stream);
+    if (p.head_dim <= 64) return F<T, 64>::run(p, stream);
+    if (p.head_dim <= 96) return F<T, 96>::run(p, stream);
+    if (p.head_dim <= 128) return F<T, 128>::run(p, stream);
+    return F<T, 256>::run(p, stream);
   });
   return kOk;
 }

@@ -108,7 +108,7 @@ struct AttentionParams {
   const int32_t* cu_seqlens;       // [batch + 1] for varlen; null for padded
   const uint8_t* key_mask;         // padded: [batch, seqlen] 1 = token (null: all tokens)
   int64_t key_mask_batch;          // batch stride of key_mask
-  int batch, heads, head_dim;
+  int batch, heads, head_dim;      // head_dim in [8, 256]; rows need no alignment beyond their dtype's
   int max_seqlen;                  // varlen: max_seqlen; padded: seqlen
   float softmax_scale, dropout_p;
   const int64_t* seed;

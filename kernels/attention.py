@@ -44,9 +44,13 @@ Launch: on GPU each kernel is autotuned (key: next power of two of the sequence 
 dim, varlen/mask/dropout flags, dtype); tuning runs on the first call of each key, so warm up
 before capturing a CUDA graph. Under the interpreter a fixed small configuration is used.
 
-Limits: head dim a power of two in 16..128; any sequence length (the dropout counter keeps
-rows independent up to 65536 positions); fp32, fp16, bf16 (bf16 only on GPU: the
-interpreter's bf16 dot is wrong, so under TRITON_INTERPRET=1 bf16 operands are upcast).
+Head dims: any from 8 to 256 (contract.MIN_HEAD_DIM..MAX_HEAD_DIM). The kernels work on a tile
+BLOCK_D, the next power of two >= max(head dim, 16) (block_d): columns past the head dim load as 0,
+so they add nothing to any dot product, and are never stored (as FlashAttention pads).
+
+Limits: any sequence length (the dropout counter keeps rows independent up to 65536 positions);
+fp32, fp16, bf16 (bf16 only on GPU: the interpreter's bf16 dot is wrong, so under
+TRITON_INTERPRET=1 bf16 operands are upcast).
 A query row with no valid key (a fully padded sequence) gives out = 0, lse = +inf and zero
 gradients; sequences of length 0 contribute nothing. fp32 dots use IEEE precision (no TF32).
 """
@@ -58,12 +62,11 @@ import torch
 import triton
 import triton.language as tl
 
-from bertfast.contract import (check_cu_seqlens, check_dropout, check_key_padding_mask, check_qkv, check_tensor,
-                               softmax_scale as _softmax_scale)
+from bertfast.contract import (check_cu_seqlens, check_dropout, check_head_dim, check_key_padding_mask, check_qkv,
+                               check_tensor, head_dim_reasons, softmax_scale as _softmax_scale)
 
 from ._common import autotune, interpreting, launch
 
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 _LOG2E = 1.4426950408889634
 
 
@@ -86,6 +89,33 @@ def _dropout_keep(seed_bh, offs_m, start_n, dropout_p, BLOCK_M: tl.constexpr, BL
     k01 = tl.join(_keep_bits(r0, dropout_p), _keep_bits(r1, dropout_p))
     k23 = tl.join(_keep_bits(r2, dropout_p), _keep_bits(r3, dropout_p))
     return tl.reshape(tl.join(k01, k23), (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
+def _load_tile(ptrs, row_ok, MASK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A [rows, BLOCK_D] tile: rows outside row_ok (when MASK_ROWS) and columns >= HEAD_DIM read 0,
+    so the padded columns add nothing to any dot product."""
+    if HEAD_DIM == BLOCK_D:
+        if MASK_ROWS:
+            x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs)
+    else:
+        col_ok = tl.arange(0, BLOCK_D) < HEAD_DIM
+        if MASK_ROWS:
+            x = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=col_ok[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def _store_tile(ptrs, x, row_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Store the rows in row_ok and the HEAD_DIM real columns of a [rows, BLOCK_D] tile."""
+    if HEAD_DIM == BLOCK_D:
+        tl.store(ptrs, x, mask=row_ok[:, None])
+    else:
+        tl.store(ptrs, x, mask=row_ok[:, None] & (tl.arange(0, BLOCK_D) < HEAD_DIM)[None, :])
 
 
 @triton.jit
@@ -117,14 +147,11 @@ def _rng_key(SEED, b, h, num_heads, HAS_DROPOUT: tl.constexpr):
 def _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len, offs_m, offs_n,
                stride_ks, stride_vs, stride_ms, qk_scale, seed_bh, dropout_p,
                MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-               UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+               UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One key block of the online softmax; MASKED handles the tail block and key padding."""
-    if MASKED:
-        key_ok = (start_n + offs_n) < seq_len  # [BN]
-        k = tl.load(k_ptrs + start_n * stride_ks, mask=key_ok[:, None], other=0.0)
-    else:
-        k = tl.load(k_ptrs + start_n * stride_ks)
+    key_ok = (start_n + offs_n) < seq_len  # [BN]; read only when MASKED
+    k = _load_tile(k_ptrs + start_n * stride_ks, key_ok, MASKED, HEAD_DIM, BLOCK_D)
     if UPCAST:
         k = k.to(tl.float32)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BM, BN] unscaled scores
@@ -148,10 +175,7 @@ def _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len, o
         # l_i sums the undropped probabilities; only the product with V sees the 0/1 mask
         # (the 1 / (1 - p) is applied once, at the end).
         p = tl.where(_dropout_keep(seed_bh, offs_m, start_n, dropout_p, BLOCK_M, BLOCK_N) != 0, p, 0.0)
-    if MASKED:
-        v = tl.load(v_ptrs + start_n * stride_vs, mask=key_ok[:, None], other=0.0)
-    else:
-        v = tl.load(v_ptrs + start_n * stride_vs)
+    v = _load_tile(v_ptrs + start_n * stride_vs, key_ok, MASKED, HEAD_DIM, BLOCK_D)
     if UPCAST:
         v = v.to(tl.float32)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
@@ -175,7 +199,7 @@ def _attention_fwd_kernel(
     stride_lb, stride_lh,
     stride_mb, stride_ms,
     seqlen, num_heads, qk_scale, dropout_p, seqlen_bucket,
-    HEAD_DIM: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -190,12 +214,12 @@ def _attention_fwd_kernel(
     h64 = h.to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < seq_len
 
     q_ptrs = (Q + b64 * stride_qb + seq_start * stride_qs + h64 * stride_qh
               + offs_m[:, None] * stride_qs + offs_d[None, :])
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # [BM, D]
+    q = _load_tile(q_ptrs, row_ok, True, HEAD_DIM, BLOCK_D)  # [BM, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
     k_ptrs = (K + b64 * stride_kb + seq_start * stride_ks + h64 * stride_kh
@@ -209,7 +233,7 @@ def _attention_fwd_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # Full key blocks without masks, then the tail; with key padding every block is masked.
     if HAS_KEY_MASK:
         n_full = 0
@@ -219,12 +243,12 @@ def _attention_fwd_kernel(
         acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len,
                                    offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale,
                                    seed_bh, dropout_p, False, HAS_KEY_MASK, HAS_DROPOUT,
-                                   UPCAST, DOT_PREC, BLOCK_M, BLOCK_N)
+                                   UPCAST, DOT_PREC, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
     for start_n in range(n_full, seq_len, BLOCK_N):
         acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len,
                                    offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale,
                                    seed_bh, dropout_p, True, HAS_KEY_MASK, HAS_DROPOUT,
-                                   UPCAST, DOT_PREC, BLOCK_M, BLOCK_N)
+                                   UPCAST, DOT_PREC, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
 
     empty = l_i == 0.0  # no valid key: out 0, lse +inf (backward then sees P = 0)
     l_safe = tl.where(empty, 1.0, l_i)
@@ -236,7 +260,7 @@ def _attention_fwd_kernel(
 
     o_ptrs = (Out + b64 * stride_ob + seq_start * stride_os + h64 * stride_oh
               + offs_m[:, None] * stride_os + offs_d[None, :])
-    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    _store_tile(o_ptrs, acc.to(Out.dtype.element_ty), row_ok, HEAD_DIM, BLOCK_D)
     tl.store(LSE + b64 * stride_lb + h64 * stride_lh + seq_start + offs_m, lse, mask=row_ok)
 
 
@@ -251,7 +275,7 @@ def _attention_bwd_delta_kernel(
     stride_db, stride_ds, stride_dh,
     stride_lb, stride_lh,
     seqlen,
-    HEAD_DIM: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
@@ -263,12 +287,12 @@ def _attention_bwd_delta_kernel(
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < seq_len
-    o = tl.load(Out + b64 * stride_ob + seq_start * stride_os + h64 * stride_oh
-                + offs_m[:, None] * stride_os + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + b64 * stride_db + seq_start * stride_ds + h64 * stride_dh
-                 + offs_m[:, None] * stride_ds + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    o = _load_tile(Out + b64 * stride_ob + seq_start * stride_os + h64 * stride_oh
+                   + offs_m[:, None] * stride_os + offs_d[None, :], row_ok, True, HEAD_DIM, BLOCK_D)
+    do = _load_tile(DO + b64 * stride_db + seq_start * stride_ds + h64 * stride_dh
+                    + offs_m[:, None] * stride_ds + offs_d[None, :], row_ok, True, HEAD_DIM, BLOCK_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BM]
     tl.store(DELTA + b64 * stride_lb + h64 * stride_lh + seq_start + offs_m, delta, mask=row_ok)
 
@@ -277,7 +301,8 @@ def _attention_bwd_delta_kernel(
 def _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, start_n, seq_len,
                   stride_qs, stride_dos, qk_scale, seed_bh, dropout_p, inv_keep,
                   MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
-                  DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                  DOT_PREC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK, dV contributions of one query block, in the transposed [keys, queries] orientation.
 
     Keys are not masked here: a padded or out-of-range key only pollutes its own dK/dV row,
@@ -285,15 +310,13 @@ def _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, st
     so they contribute exactly 0.
     """
     offs_m = start_m + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < seq_len
+    q = _load_tile(q_ptrs + start_m * stride_qs, row_ok, MASKED, HEAD_DIM, BLOCK_D)
+    do = _load_tile(do_ptrs + start_m * stride_dos, row_ok, MASKED, HEAD_DIM, BLOCK_D)
     if MASKED:
-        row_ok = offs_m < seq_len
-        q = tl.load(q_ptrs + start_m * stride_qs, mask=row_ok[:, None], other=0.0)
-        do = tl.load(do_ptrs + start_m * stride_dos, mask=row_ok[:, None], other=0.0)
         lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0)
         delta = tl.load(delta_ptr + offs_m, mask=row_ok, other=0.0)
     else:
-        q = tl.load(q_ptrs + start_m * stride_qs)
-        do = tl.load(do_ptrs + start_m * stride_dos)
         lse = tl.load(lse_ptr + offs_m)
         delta = tl.load(delta_ptr + offs_m)
     if UPCAST:
@@ -336,7 +359,7 @@ def _attention_bwd_dkdv_kernel(
     stride_lb, stride_lh,
     stride_mb, stride_ms,
     seqlen, num_heads, softmax_scale, qk_scale, dropout_p, seqlen_bucket,
-    HEAD_DIM: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -352,13 +375,13 @@ def _attention_bwd_dkdv_kernel(
     h64 = h.to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     key_in = offs_n < seq_len
 
-    k = tl.load(K + b64 * stride_kb + seq_start * stride_ks + h64 * stride_kh
-                + offs_n[:, None] * stride_ks + offs_d[None, :], mask=key_in[:, None], other=0.0)
-    v = tl.load(V + b64 * stride_vb + seq_start * stride_vs + h64 * stride_vh
-                + offs_n[:, None] * stride_vs + offs_d[None, :], mask=key_in[:, None], other=0.0)
+    k = _load_tile(K + b64 * stride_kb + seq_start * stride_ks + h64 * stride_kh
+                   + offs_n[:, None] * stride_ks + offs_d[None, :], key_in, True, HEAD_DIM, BLOCK_D)
+    v = _load_tile(V + b64 * stride_vb + seq_start * stride_vs + h64 * stride_vh
+                   + offs_n[:, None] * stride_vs + offs_d[None, :], key_in, True, HEAD_DIM, BLOCK_D)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -371,17 +394,19 @@ def _attention_bwd_dkdv_kernel(
 
     seed_bh = _rng_key(SEED, b, h, num_heads, HAS_DROPOUT)
     inv_keep = 1.0 / (1.0 - dropout_p)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     m_full = (seq_len // BLOCK_M) * BLOCK_M
     for start_m in range(0, m_full, BLOCK_M):
         dk, dv = _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, start_n,
                                seq_len, stride_qs, stride_dos, qk_scale, seed_bh, dropout_p,
-                               inv_keep, False, HAS_DROPOUT, UPCAST, DOT_PREC, BLOCK_M, BLOCK_N)
+                               inv_keep, False, HAS_DROPOUT, UPCAST, DOT_PREC, HEAD_DIM, BLOCK_D,
+                               BLOCK_M, BLOCK_N)
     for start_m in range(m_full, seq_len, BLOCK_M):
         dk, dv = _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, start_n,
                                seq_len, stride_qs, stride_dos, qk_scale, seed_bh, dropout_p,
-                               inv_keep, True, HAS_DROPOUT, UPCAST, DOT_PREC, BLOCK_M, BLOCK_N)
+                               inv_keep, True, HAS_DROPOUT, UPCAST, DOT_PREC, HEAD_DIM, BLOCK_D,
+                               BLOCK_M, BLOCK_N)
 
     key_ok = key_in
     if HAS_KEY_MASK:
@@ -390,12 +415,12 @@ def _attention_bwd_dkdv_kernel(
     # Padding keys got garbage from the unmasked recomputation above: their gradient is 0.
     dk = tl.where(key_ok[:, None], dk * softmax_scale, 0.0)
     dv = tl.where(key_ok[:, None], dv, 0.0)
-    tl.store(DK + b64 * stride_dkb + seq_start * stride_dks + h64 * stride_dkh
-             + offs_n[:, None] * stride_dks + offs_d[None, :],
-             dk.to(DK.dtype.element_ty), mask=key_in[:, None])
-    tl.store(DV + b64 * stride_dvb + seq_start * stride_dvs + h64 * stride_dvh
-             + offs_n[:, None] * stride_dvs + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=key_in[:, None])
+    _store_tile(DK + b64 * stride_dkb + seq_start * stride_dks + h64 * stride_dkh
+                + offs_n[:, None] * stride_dks + offs_d[None, :],
+                dk.to(DK.dtype.element_ty), key_in, HEAD_DIM, BLOCK_D)
+    _store_tile(DV + b64 * stride_dvb + seq_start * stride_dvs + h64 * stride_dvh
+                + offs_n[:, None] * stride_dvs + offs_d[None, :],
+                dv.to(DV.dtype.element_ty), key_in, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -403,15 +428,11 @@ def _bwd_q_block(dq, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, start_n, se
                  offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale, seed_bh, dropout_p,
                  inv_keep, MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
                  HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ contribution of one key block."""
-    if MASKED:
-        key_ok = (start_n + offs_n) < seq_len
-        k = tl.load(k_ptrs + start_n * stride_ks, mask=key_ok[:, None], other=0.0)
-        v = tl.load(v_ptrs + start_n * stride_vs, mask=key_ok[:, None], other=0.0)
-    else:
-        k = tl.load(k_ptrs + start_n * stride_ks)
-        v = tl.load(v_ptrs + start_n * stride_vs)
+    key_ok = (start_n + offs_n) < seq_len  # read only when MASKED
+    k = _load_tile(k_ptrs + start_n * stride_ks, key_ok, MASKED, HEAD_DIM, BLOCK_D)
+    v = _load_tile(v_ptrs + start_n * stride_vs, key_ok, MASKED, HEAD_DIM, BLOCK_D)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -451,7 +472,7 @@ def _attention_bwd_dq_kernel(
     stride_lb, stride_lh,
     stride_mb, stride_ms,
     seqlen, num_heads, softmax_scale, qk_scale, dropout_p, seqlen_bucket,
-    HEAD_DIM: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -467,13 +488,13 @@ def _attention_bwd_dq_kernel(
     h64 = h.to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < seq_len
 
-    q = tl.load(Q + b64 * stride_qb + seq_start * stride_qs + h64 * stride_qh
-                + offs_m[:, None] * stride_qs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + b64 * stride_dob + seq_start * stride_dos + h64 * stride_doh
-                 + offs_m[:, None] * stride_dos + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = _load_tile(Q + b64 * stride_qb + seq_start * stride_qs + h64 * stride_qh
+                   + offs_m[:, None] * stride_qs + offs_d[None, :], row_ok, True, HEAD_DIM, BLOCK_D)
+    do = _load_tile(DO + b64 * stride_dob + seq_start * stride_dos + h64 * stride_doh
+                    + offs_m[:, None] * stride_dos + offs_d[None, :], row_ok, True, HEAD_DIM, BLOCK_D)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -488,7 +509,7 @@ def _attention_bwd_dq_kernel(
 
     seed_bh = _rng_key(SEED, b, h, num_heads, HAS_DROPOUT)
     inv_keep = 1.0 / (1.0 - dropout_p)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if HAS_KEY_MASK:
         n_full = 0
     else:
@@ -497,16 +518,16 @@ def _attention_bwd_dq_kernel(
         dq = _bwd_q_block(dq, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len,
                           offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale, seed_bh,
                           dropout_p, inv_keep, False, HAS_KEY_MASK, HAS_DROPOUT, UPCAST, DOT_PREC,
-                          BLOCK_M, BLOCK_N)
+                          HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
     for start_n in range(n_full, seq_len, BLOCK_N):
         dq = _bwd_q_block(dq, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len,
                           offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale, seed_bh,
                           dropout_p, inv_keep, True, HAS_KEY_MASK, HAS_DROPOUT, UPCAST, DOT_PREC,
-                          BLOCK_M, BLOCK_N)
+                          HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
     dq = dq * softmax_scale
-    tl.store(DQ + b64 * stride_dqb + seq_start * stride_dqs + h64 * stride_dqh
-             + offs_m[:, None] * stride_dqs + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    _store_tile(DQ + b64 * stride_dqb + seq_start * stride_dqs + h64 * stride_dqh
+                + offs_m[:, None] * stride_dqs + offs_d[None, :],
+                dq.to(DQ.dtype.element_ty), row_ok, HEAD_DIM, BLOCK_D)
 
 
 # =========================================================================== dropout mask (debug)
@@ -533,18 +554,21 @@ def _attention_dropout_mask_kernel(
 
 # =========================================================================== launch configurations
 # Autotune candidates, (BLOCK_M = queries, BLOCK_N = keys, num_warps, num_stages), per kernel, per
-# operand class (fp32 runs IEEE dots on the CUDA cores: small tiles) and head dim (32 stands for
-# <= 32). Every entry compiles without register spills for sm_90 with triton 3.6 and 3.9, dropout
-# on and off, varlen and padded (make compile-report); the first entry is the default
+# operand class (fp32 runs IEEE dots on the CUDA cores: small tiles) and head-dim tile BLOCK_D (32
+# stands for <= 32). Every entry compiles without register spills for sm_90 with triton 3.6 and
+# 3.9, dropout on and off, varlen and padded, at the tile's own head dim and at one it pads (26,
+# 80: the column masks cost registers) (make compile-report); the first entry is the default
 # (BERTFAST_AUTOTUNE=0). Tiles longer than the sequences need are pruned per call.
 _CANDIDATES = {
     "fwd": {
-        (False, 32): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 4), (64, 32, 4, 4)],
+        (False, 32): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 32, 4, 4)],
         (False, 64): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 4), (64, 32, 4, 4)],
         (False, 128): [(128, 64, 8, 3), (64, 32, 4, 4), (64, 64, 4, 3)],
         (True, 32): [(32, 32, 8, 2), (16, 32, 4, 2), (16, 16, 4, 2)],
         (True, 64): [(32, 32, 8, 2), (32, 16, 8, 2), (16, 16, 4, 2)],
         (True, 128): [(16, 16, 4, 2)],
+        (False, 256): [(64, 32, 8, 2), (32, 32, 4, 2), (64, 32, 8, 1)],
+        (True, 256): [(32, 16, 8, 1), (16, 16, 4, 1)],
     },
     "dkdv": {
         (False, 32): [(32, 64, 4, 3), (64, 128, 8, 3), (64, 64, 8, 2), (32, 128, 8, 3), (16, 64, 4, 3), (32, 32, 4, 4)],
@@ -553,14 +577,18 @@ _CANDIDATES = {
         (True, 32): [(32, 32, 8, 2), (32, 16, 4, 2)],
         (True, 64): [(32, 32, 8, 2), (16, 32, 8, 2), (16, 16, 4, 2), (32, 16, 4, 2)],
         (True, 128): [(16, 32, 8, 2), (16, 16, 4, 2)],
+        (False, 256): [(32, 32, 8, 2), (32, 16, 8, 2), (16, 32, 4, 2), (32, 32, 8, 1), (64, 32, 8, 1)],
+        (True, 256): [(16, 16, 8, 2), (16, 16, 4, 2)],
     },
     "dq": {
-        (False, 32): [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 8, 3), (64, 128, 8, 3)],
+        (False, 32): [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 8, 3)],
         (False, 64): [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 8, 3), (64, 128, 8, 3)],
         (False, 128): [(128, 32, 8, 3), (64, 32, 4, 4)],
         (True, 32): [(32, 32, 8, 2), (32, 16, 4, 2), (16, 16, 4, 2)],
         (True, 64): [(32, 16, 8, 2), (32, 16, 4, 2), (16, 16, 4, 2)],
         (True, 128): [(16, 16, 8, 2)],
+        (False, 256): [(16, 32, 4, 2), (16, 32, 8, 2), (32, 32, 8, 1), (32, 16, 8, 2), (64, 16, 8, 2)],
+        (True, 256): [(16, 16, 4, 2), (16, 16, 4, 1)],
     },
 }
 # Under the interpreter: one fixed, small configuration per kernel. The sizes differ between
@@ -579,8 +607,8 @@ def _tuned(kernel, which: str):
                       for e in entries]
 
     def prune(_configs, named_args, **kwargs):
-        head_dim = kwargs["HEAD_DIM"]
-        listed = table[(named_args["Q"].dtype == torch.float32, 32 if head_dim <= 32 else head_dim)]
+        tile = kwargs["BLOCK_D"]
+        listed = table[(named_args["Q"].dtype == torch.float32, max(tile, 32))]
         longest = max(named_args["seqlen_bucket"], 64)
         return [c for c in listed if max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) <= longest] or listed[:1]
     return autotune(list(configs.values()), _AUTOTUNE_KEY, prune)(kernel)
@@ -595,15 +623,18 @@ _bwd_dq_tuned = _tuned(_attention_bwd_dq_kernel, "dq")
 # =========================================================================== validation
 def unsupported(inputs) -> list:
     """Dispatch: reasons these inputs exceed this backend's limits ([] when it runs them)."""
-    head_dim = inputs["q"].shape[-1]
-    return [] if head_dim in SUPPORTED_HEAD_DIMS else [f"head dim {head_dim} not in {SUPPORTED_HEAD_DIMS}"]
+    return head_dim_reasons(inputs["q"].shape[-1])
+
+
+def block_d(head_dim: int) -> int:
+    """The kernels' head-dim tile: tl.arange and tl.dot need a power of two >= 16; the columns
+    past the head dim are masked (loaded as 0, never stored)."""
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 def _check_qkv(names, tensors, ndim: int, layout: str) -> None:
     check_qkv(names, tensors, ndim, layout)
-    head_dim = tensors[0].shape[-1]
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"{names[0]}: expected head dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    check_head_dim(names[0], tensors[0].shape[-1])
 
 
 def _key_mask(key_padding_mask: Optional[torch.Tensor], batch: int, seqlen: int,
@@ -643,7 +674,7 @@ def _forward(q, k, v, out, lse, cu_seqlens, key_mask, seed, batch, seqlen, varle
             *_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(out, varlen),
             *_lse_strides(lse, varlen), *mask_strides,
             seqlen, heads, softmax_scale * _LOG2E, dropout_p, triton.next_power_of_2(seqlen))
-    consts = dict(HEAD_DIM=head_dim, IS_VARLEN=varlen, HAS_KEY_MASK=key_mask is not None,
+    consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), IS_VARLEN=varlen, HAS_KEY_MASK=key_mask is not None,
                   HAS_DROPOUT=dropout_p > 0, UPCAST=upcast, DOT_PREC=prec)
     grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_M"]), heads, batch)  # noqa: E731
     launch(_fwd_tuned, grid, args, consts, interp=_INTERP["fwd"])
@@ -661,14 +692,14 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, seed, b
     delta_block = _INTERP["fwd"]["BLOCK_M"] if interpreting() else _DELTA_BLOCK_M
     launch(_attention_bwd_delta_kernel, (triton.cdiv(seqlen, delta_block), heads, batch),
            (out, dout, delta, cu, *_bsh(out, varlen), *_bsh(dout, varlen), *_lse_strides(lse, varlen), seqlen),
-           dict(HEAD_DIM=head_dim, IS_VARLEN=varlen, BLOCK_M=delta_block))
+           dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), IS_VARLEN=varlen, BLOCK_M=delta_block))
 
     mask_strides = (key_mask.stride(0), key_mask.stride(1)) if key_mask is not None else (0, 0)
     kmask = key_mask if key_mask is not None else lse
     seed_arg = seed if dropout_p > 0 else lse
     tail = (*_lse_strides(lse, varlen), *mask_strides,
             seqlen, heads, softmax_scale, softmax_scale * _LOG2E, dropout_p, bucket)
-    consts = dict(HEAD_DIM=head_dim, IS_VARLEN=varlen, HAS_KEY_MASK=key_mask is not None,
+    consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), IS_VARLEN=varlen, HAS_KEY_MASK=key_mask is not None,
                   HAS_DROPOUT=dropout_p > 0, UPCAST=upcast, DOT_PREC=prec)
     qkv_strides = (*_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(dout, varlen))
 
@@ -808,5 +839,5 @@ def attention_padded_dropout_mask(batch: int, seqlen: int, num_heads: int, dropo
 
 __all__ = [
     "attention_varlen_fwd", "attention_varlen_bwd", "attention_padded_fwd", "attention_padded_bwd",
-    "attention_varlen_dropout_mask", "attention_padded_dropout_mask", "SUPPORTED_HEAD_DIMS",
+    "attention_varlen_dropout_mask", "attention_padded_dropout_mask", "block_d",
 ]

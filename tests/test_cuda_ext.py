@@ -141,9 +141,10 @@ def test_reduction_blocks(ext):
 
 def test_launcher_argument_errors_raise_runtime_error(ext):
     # Each of these is rejected by the launcher before any CUDA call.
-    with pytest.raises(RuntimeError, match="head_dim must be 16, 32, 64 or 128, got 48"):
-        ext.attention_fwd(0, (0, 96, 48), 0, (0, 96, 48), 0, (0, 96, 48), 0, (0, 96, 48), 0, 0, 8, 0, 0, 0, 1, 2,
-                          48, 8, 0.1, 0.0, 0, 1, 0)
+    for head_dim in (7, 264):
+        with pytest.raises(RuntimeError, match=rf"head_dim must be in \[8, 256\], got {head_dim}"):
+            ext.attention_fwd(0, (0, 96, 48), 0, (0, 96, 48), 0, (0, 96, 48), 0, (0, 96, 48), 0, 0, 8, 0, 0, 0, 1,
+                              2, head_dim, 8, 0.1, 0.0, 0, 1, 0)
     with pytest.raises(RuntimeError, match="expected n >= 0 and f > 0"):
         ext.bias_gelu_fwd(0, 0, 0, 0, 4, 0, 1, 1, 0, 0)
     with pytest.raises(RuntimeError, match="unknown dtype code 7"):

@@ -61,6 +61,24 @@ def test_triton_model_matches_reference_fp32():
         assert (a - b).norm() <= 1e-4 * b.norm() + 1e-6, name
 
 
+@pytest.mark.parametrize("hidden,heads,ffn", [(312, 12, 1200), (160, 2, 320)], ids=["tinybert-d26", "d80"])
+def test_triton_model_odd_widths_match_reference(hidden, heads, ffn):
+    # TinyBERT-4L-312D's shape (hidden 312, head dim 26, FFN 1200): no width is a multiple of 64
+    # and the head dim is no power of two; every op still runs its Triton kernel (forced: no fallback).
+    model = _model(hidden_size=hidden, num_attention_heads=heads, intermediate_size=ffn, num_hidden_layers=1)
+    batch = random_batch(model.config, 2, 9, DEV, torch.Generator().manual_seed(3))
+    batch["attention_mask"][1, 6:] = 0
+    with bertfast.use_backend("triton"):
+        fast, fast_grads = _loss_and_grads(model, batch)
+    with bertfast.reference_execution(model):
+        ref, ref_grads = _loss_and_grads(model, batch)
+    valid = batch["attention_mask"].bool()
+    torch.testing.assert_close(fast.hidden_states[-1][valid], ref.hidden_states[-1][valid], atol=2e-5, rtol=0)
+    torch.testing.assert_close(fast.loss, ref.loss, atol=1e-5, rtol=0)
+    for name, grad in ref_grads.items():
+        assert (fast_grads[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-6, name
+
+
 def test_triton_model_trains_with_dropout():
     model = _model(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, num_hidden_layers=1).train()
     batch = random_batch(model.config, 2, 10, DEV, torch.Generator().manual_seed(2))

@@ -1,6 +1,11 @@
 """attention on the CUDA backend (csrc/attention*): FlashAttention-2 style self-attention on
 unpadded (varlen) or padded tensors, forward and backward, plus the debug dropout-mask entry points.
 
+Head dims: any from contract.MIN_HEAD_DIM (8) to MAX_HEAD_DIM (256); the kernels run the smallest of
+their tile head dims (16, 32, 64, 96, 128, 256) that holds it. Rows need a unit last stride and no
+alignment: a tensor whose pointer, strides and rows are whole 16-byte vectors moves as such, any
+other one element by element (packed qkv with head dim 26 in fp16, say).
+
 Dropout: keep = uniform(philox(seed, (b * A + a) * S + i, j // 4)[j % 4]) >= p (S = max_seqlen),
 kept probabilities scaled by 1 / (1 - p); the *_dropout_mask functions return exactly that mask.
 """
@@ -10,18 +15,17 @@ from typing import Optional, Tuple
 
 import torch
 
-from bertfast.contract import (check_cu_seqlens, check_dropout, check_key_padding_mask, check_qkv, check_tensor,
-                               softmax_scale as _softmax_scale)
+from bertfast.contract import (check_cu_seqlens, check_dropout, check_head_dim, check_key_padding_mask, check_qkv,
+                               check_tensor, head_dim_reasons, softmax_scale as _softmax_scale)
 from bertfast.cuda import _common as C
 
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 MAX_BATCH = 65535  # sequences per launch: the grid's z dimension
 
 
 def unsupported(inputs) -> list:
     """Dispatch: reasons these inputs exceed this backend's limits ([] when it runs them)."""
     q = inputs["q"]
-    reasons = [] if q.shape[-1] in SUPPORTED_HEAD_DIMS else [f"head dim {q.shape[-1]} not in {SUPPORTED_HEAD_DIMS}"]
+    reasons = head_dim_reasons(q.shape[-1])
     cu_seqlens = inputs.get("cu_seqlens")
     batch = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else q.shape[0]
     if batch > MAX_BATCH:
@@ -32,34 +36,12 @@ def unsupported(inputs) -> list:
 def _check_qkv(names, tensors, ndim: int, layout: str) -> None:
     C.on_device(**dict(zip(names, tensors)))
     check_qkv(names, tensors, ndim, layout)
-    ref_name, ref = names[0], tensors[0]
-    head_dim = ref.shape[-1]
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"{ref_name}: expected head dim in {SUPPORTED_HEAD_DIMS} ({layout}), got {head_dim}")
-    for name, t in zip(names, tensors):
-        _check_aligned(name, t)
+    check_head_dim(names[0], tensors[0].shape[-1])
 
 
-def _check_aligned(name: str, t: torch.Tensor) -> None:
-    """The attention kernels move 16-byte vectors: unit last stride, 16-byte aligned rows."""
-    per16 = 16 // t.element_size()
-    if t.stride(-1) != 1:
-        raise ValueError(f"{name}: expected a contiguous last (head) dim, got strides {t.stride()}")
-    if t.data_ptr() % 16 != 0:
-        raise ValueError(f"{name}: expected a 16-byte aligned data pointer, got address {t.data_ptr():#x} "
-                         f"(call .contiguous() on a fresh tensor)")
-    bad = [s for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1 and s % per16 != 0]
-    if bad:
-        raise ValueError(f"{name}: expected strides that are multiples of {per16} elements (16 bytes), "
-                         f"got strides {t.stride()}")
-
-
-def _aligned_or_copy(t: torch.Tensor) -> torch.Tensor:
-    """Gradients from autograd may come expanded or oddly strided: copy those."""
-    per16 = 16 // t.element_size()
-    ok = (t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and
-          all(s % per16 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1))
-    return t if ok else t.contiguous()
+def _unit_stride_or_copy(t: torch.Tensor) -> torch.Tensor:
+    """Gradients from autograd may come expanded or transposed (stride(-1) != 1): copy those."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _check_cu_seqlens(cu_seqlens, max_seqlen, device) -> Tuple[int, int]:
@@ -156,7 +138,7 @@ def attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     dqkv = torch.zeros((tokens, 3, heads, head_dim), dtype=q.dtype, device=q.device)
     if dqkv.numel() == 0 or batch == 0 or max_seqlen == 0:
         return dqkv
-    _bwd(_aligned_or_copy(dout), q, k, v, out, lse, dqkv[:, 0], dqkv[:, 1], dqkv[:, 2], cu_seqlens, None, batch,
+    _bwd(_unit_stride_or_copy(dout), q, k, v, out, lse, dqkv[:, 0], dqkv[:, 1], dqkv[:, 2], cu_seqlens, None, batch,
          max_seqlen, True, softmax_scale, dropout_p, seed)
     return dqkv
 
@@ -197,7 +179,7 @@ def attention_padded_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     dq, dk, dv = (torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in range(3))
     if dq.numel() == 0:
         return dq, dk, dv
-    _bwd(_aligned_or_copy(dout), q, k, v, out, lse, dq, dk, dv, None, key_mask, batch, seqlen, False,
+    _bwd(_unit_stride_or_copy(dout), q, k, v, out, lse, dq, dk, dv, None, key_mask, batch, seqlen, False,
          softmax_scale, dropout_p, seed)
     return dq, dk, dv
 

@@ -2,7 +2,8 @@
 
 Triton: each launcher runs at BERT-base and BERT-large shapes (seq 128 and 512; fp16/bf16/fp32
 activations with parameters in the activation dtype or fp32, as under autocast; dropout on
-and off; attention at head dim 64 and at every other head dim it serves, 16, 32 and 128)
+and off; attention at head dim 64 and at ATTENTION_HEAD_DIMS, every kernel tile up to 256 and
+head dims that are no power of two)
 inside ``kernels._common.compile_only``, so nothing runs and
 every launch is recorded with its autotune candidates (its config list pruned for that
 shape, as the autotuner would). Each candidate is then compiled for the target by Triton
@@ -41,6 +42,14 @@ TARGET_ARCH = 90
 MODELS = {"bert-base": (768, 12, 3072), "bert-large": (1024, 16, 4096)}  # hidden, heads, ffn
 SEQ_BATCH = ((128, 128), (512, 32))  # 16384 tokens either way
 VOCAB, POSITIONS, TYPES, MASKED_ROWS = 30522, 512, 2, 64
+# Every Triton head-dim tile (16, 32, 64, 128, 256), and 26 and 80 for the masked columns of a
+# head dim that is not a power of two (TinyBERT's 26).
+ATTENTION_HEAD_DIMS = (16, 26, 32, 64, 80, 128, 256)
+# --attention-only: the check after an attention change, every head dim but 64 (which --fast and
+# the full matrix cover) at three settings that together cover each operand class with dropout on
+# and off: about a quarter of the full matrix's compiles.
+ATTENTION_MATRIX = [("bert-large", 512, 32, "bf16", "fp32", 0.1), ("bert-large", 512, 32, "fp16", "act", 0.0),
+                    ("bert-base", 128, 128, "fp32", "act", 0.1)]
 
 
 @dataclasses.dataclass
@@ -149,14 +158,14 @@ def _matrix(fast: bool):
     return out
 
 
-def bert_launches(fast: bool) -> Iterator[Tuple[str, Callable[[], None]]]:
+def bert_launches(fast: bool, attention_only: bool = False) -> Iterator[Tuple[str, Callable[[], None]]]:
     """(case label, function that calls the launchers at that setting) for every setting."""
     import torch
     from bertfast.kernels import attention as A, bias_gelu as G, embeddings as E, mlm_head_loss as M
     from bertfast.kernels import bias_dropout_residual_layernorm as L
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    for model, seq, batch, act_name, params, p in _matrix(fast):
+    for model, seq, batch, act_name, params, p in (ATTENTION_MATRIX if attention_only else _matrix(fast)):
         hidden, _, ffn = MODELS[model]
         act = dtypes[act_name]
         par = torch.float32 if params == "fp32" else act
@@ -169,7 +178,8 @@ def bert_launches(fast: bool) -> Iterator[Tuple[str, Callable[[], None]]]:
             return torch.empty(*shape, dtype=dtype, **kw)
 
         def attention():
-            for head_dim in ((64,) if fast else A.SUPPORTED_HEAD_DIMS):
+            dims = (64,) if fast else tuple(d for d in ATTENTION_HEAD_DIMS if d != 64 or not attention_only)
+            for head_dim in dims:
                 heads_here = hidden // head_dim
                 qkv = empty(tokens, 3, heads_here, head_dim)
                 q, k, v = qkv.unbind(1)
@@ -209,15 +219,16 @@ def bert_launches(fast: bool) -> Iterator[Tuple[str, Callable[[], None]]]:
         for name, fn in (("attention", attention), ("bias_gelu", bias_gelu),
                          ("bias_dropout_residual_layernorm", bias_dropout_residual_layernorm),
                          ("embeddings", embeddings), ("mlm_head_loss", mlm_head_loss)):
-            yield f"{name} [{label}]", fn
+            if name == "attention" or not attention_only:
+                yield f"{name} [{label}]", fn
 
 
-def record_launches(fast: bool) -> List[Launch]:
+def record_launches(fast: bool, attention_only: bool = False) -> List[Launch]:
     """Every distinct launch (kernel, flags, dtypes) the BERT settings make, with its candidates."""
     from bertfast.kernels._common import compile_only
 
     seen, launches = set(), []
-    for case, call in bert_launches(fast):
+    for case, call in bert_launches(fast, attention_only):
         def record(fn, grid, args, consts, configs, case=case):
             key = (fn.__name__, tuple(sorted(consts.items())), _dtypes(args))
             if key not in seen:
@@ -378,6 +389,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="also write every row to this JSON file")
     p.add_argument("--no-cuda", action="store_true", help="skip the CUDA extension")
     p.add_argument("--no-triton", action="store_true", help="skip the Triton kernels")
+    p.add_argument("--attention-only", action="store_true",
+                   help="Triton attention kernels only, at ATTENTION_HEAD_DIMS but 64, three settings")
     p.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # i/N: one worker's share of the Triton compiles
     return p
 
@@ -388,13 +401,14 @@ def _triton_rows(args) -> List[Row]:
     if args.jobs <= 1:
         with tempfile.TemporaryDirectory() as cache:
             _prepare_offline_triton(cache)
-            return compile_triton(record_launches(args.fast))
+            return compile_triton(record_launches(args.fast, args.attention_only))
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
         for i in range(args.jobs):
             out = os.path.join(tmp, f"shard{i}.json")
             cmd = [sys.executable, "-m", "bertfast.gpucheck.compile_report", "--no-cuda", "--jobs", "1",
-                   "--shard", f"{i}/{args.jobs}", "--json", out] + (["--fast"] if args.fast else [])
+                   "--shard", f"{i}/{args.jobs}", "--json", out] + (["--fast"] if args.fast else []) \
+                + (["--attention-only"] if args.attention_only else [])
             procs.append((out, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)))
         rows: List[Row] = []
         for out, proc in procs:
@@ -411,7 +425,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         index, count = (int(x) for x in args.shard.split("/"))
         with tempfile.TemporaryDirectory() as cache:
             _prepare_offline_triton(cache)
-            rows = compile_triton(record_launches(args.fast), (index, count))
+            rows = compile_triton(record_launches(args.fast, args.attention_only), (index, count))
         with open(args.json, "w") as fh:
             json.dump([dataclasses.asdict(r) for r in rows], fh)
         return 0
@@ -419,8 +433,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows: List[Row] = []
     if not args.no_triton:
         import triton
-        print(f"Triton {triton.__version__}: compiling every autotune candidate for sm_{TARGET_ARCH} "
-              f"({'training configuration' if args.fast else 'full matrix'}) ...", flush=True)
+        scope = "training configuration" if args.fast else "attention, head dims" if args.attention_only \
+            else "full matrix"
+        print(f"Triton {triton.__version__}: compiling every autotune candidate for sm_{TARGET_ARCH} ({scope}) ...",
+              flush=True)
         rows += _triton_rows(args)
     if not args.no_cuda:
         nvcc, src = find_nvcc(), csrc_dir()

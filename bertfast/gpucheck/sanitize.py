@@ -2,8 +2,8 @@
 
 The GPU check runs this under ``compute-sanitizer`` (memcheck, then racecheck) with the CUDA
 backend forced, so every CUDA kernel of bertfast runs at least once on awkward shapes: ragged
-sequences with an empty one, odd widths, head dims 32/64/128, ignored labels. It checks only
-that every call finishes with finite results; correctness is the tests' job.
+sequences with an empty one, odd widths, head dims 26/32/64/80/128/256, ignored labels. It
+checks only that every call finishes with finite results; correctness is the tests' job.
 
     python -m bertfast.gpucheck.sanitize --backend cuda          # what the GPU check runs
     python -m bertfast.gpucheck.sanitize --backend torch --device cpu   # the CPU dry run
@@ -31,7 +31,7 @@ def _grads(out: torch.Tensor, leaves: List[torch.Tensor]) -> List[torch.Tensor]:
 def attention_varlen(device, dtype):
     from bertfast.ops import attention_varlen as op
     out = []
-    for heads, head_dim in ((3, 32), (2, 64), (1, 128)):
+    for heads, head_dim in ((2, 26), (3, 32), (2, 64), (1, 80), (1, 128), (1, 256)):
         lengths = [5, 0, 17, 1, 33]
         cu = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
         qkv = _leaf(sum(lengths), 3, heads, head_dim, device=device, dtype=dtype)

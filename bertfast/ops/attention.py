@@ -17,7 +17,8 @@ are bertfast.kernels.attention and bertfast.cuda.attention):
     function of (seed, sequence, head, query row, key column), so the backward regenerates it.
     Each backend draws its own stream; attention_{varlen,padded}_dropout_mask return the mask a
     backend draws, and the varlen and padded forms of one batch draw the same one.
-  * Head dims are each backend's limit (``unsupported``): 16, 32, 64, 128 for Triton and CUDA.
+  * Head dims are each backend's limit (``unsupported``): Triton and CUDA serve every head dim from
+    contract.MIN_HEAD_DIM (8) to MAX_HEAD_DIM (256), power of two or not; torch serves any.
 """
 from __future__ import annotations
 

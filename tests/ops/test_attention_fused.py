@@ -25,7 +25,7 @@ def test_launcher_errors_are_clear(fused_backend):
     q = torch.randn(10, A, 32, device=dev)
     cu = torch.tensor([0, 10], dtype=torch.int32, device=dev)
     with pytest.raises(ValueError, match="head dim"):
-        impl.attention_varlen_fwd(q[..., :24], q[..., :24], q[..., :24], cu, 10, 0.1, 0.0, None)
+        impl.attention_varlen_fwd(q[..., :4], q[..., :4], q[..., :4], cu, 10, 0.1, 0.0, None)
     with pytest.raises(ValueError, match="k: expected dtype"):
         impl.attention_varlen_fwd(q, q.half(), q, cu, 10, 0.1, 0.0, None)
     with pytest.raises(ValueError, match="cu_seqlens: expected dtype"):
@@ -115,12 +115,15 @@ def test_cuda_validation(cuda_on_cpu):
     cuda_on_cpu.reaches(C.attention_varlen_fwd, q, k, v, cu, 5, None, 0.0, None)  # None: 1/sqrt(D)
     cuda_on_cpu.reaches(C.attention_varlen_bwd, torch.randn(t, a, d, dtype=FP16), q, k, v,
                         torch.randn(t, a, d, dtype=FP16), lse, cu, 5, 0.2, 0.0, None)
-    cuda_on_cpu.rejects("head dim in", C.attention_varlen_fwd, q[..., :24], k[..., :24], v[..., :24], cu, 5, 0.2,
-                        0.0, None)
-    cuda_on_cpu.rejects("16-byte aligned data pointer", C.attention_varlen_fwd, cuda_on_cpu.misaligned((t, a, d), FP16),
-                        k, v, cu, 5, 0.2, 0.0, None)
+    # Any head dim in [8, 256]; rows need no alignment (the kernels fall back to element accesses).
+    cuda_on_cpu.reaches(C.attention_varlen_fwd, q[..., :26], k[..., :26], v[..., :26], cu, 5, 0.2, 0.0, None)
+    for bad in (7, 264):
+        x = torch.randn(t, a, bad, dtype=FP16)
+        cuda_on_cpu.rejects(rf"head dim in \[8, 256\], got {bad}", C.attention_varlen_fwd, x, x, x, cu, 5, 0.2, 0.0,
+                            None)
+    cuda_on_cpu.reaches(C.attention_varlen_fwd, cuda_on_cpu.misaligned((t, a, d), FP16), k, v, cu, 5, 0.2, 0.0, None)
     odd = torch.randn(t, a * d + 1, dtype=FP16)[:, : a * d].view(t, a, d)  # row stride 65 elements
-    cuda_on_cpu.rejects("multiples of 8 elements", C.attention_varlen_fwd, odd, k, v, cu, 5, 0.2, 0.0, None)
+    cuda_on_cpu.reaches(C.attention_varlen_fwd, odd, k, v, cu, 5, 0.2, 0.0, None)
     head_strided = torch.randn(t, d, a, dtype=FP16).transpose(1, 2)  # stride(-1) == A
     cuda_on_cpu.rejects("contiguous last", C.attention_varlen_fwd, head_strided, k, v, cu, 5, 0.2, 0.0, None)
     cuda_on_cpu.rejects("k: expected dtype", C.attention_varlen_fwd, q, k.float(), v, cu, 5, 0.2, 0.0, None)
@@ -150,8 +153,8 @@ def test_cuda_validation(cuda_on_cpu):
     cuda_on_cpu.reaches(C.attention_padded_dropout_mask, 2, 5, 2, 0.1, seed)
     cuda_on_cpu.reaches(C.attention_varlen_dropout_mask, cu, 5, 2, 0.1, seed)
     cuda_on_cpu.rejects("num_heads: expected a python int", C.attention_padded_dropout_mask, 2, 5, -1, 0.1, seed)
-    assert cuda_on_cpu.calls == ["attention_fwd", "attention_fwd", "attention_bwd", "attention_fwd", "attention_fwd",
-                                 "attention_bwd", "attention_dropout_mask", "attention_dropout_mask"]
+    assert cuda_on_cpu.calls == ["attention_fwd", "attention_fwd", "attention_bwd"] + ["attention_fwd"] * 5 + [
+        "attention_bwd", "attention_dropout_mask", "attention_dropout_mask"]
 
 
 def test_cuda_rejects_cpu_tensors():

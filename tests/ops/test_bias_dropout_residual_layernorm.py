@@ -360,7 +360,7 @@ def test_opcheck(backend, full):
 # =========================================================================== GPU sizes
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("h", [768, 1024])
+@pytest.mark.parametrize("h", [312, 384, 768, 1024])
 def test_gpu_lowp_bert_sizes(backend, h, dtype):
     seed = seed_of(backend, 77)
     check(backend, inputs(backend, 4096, h, dtype), 0.1, seed)

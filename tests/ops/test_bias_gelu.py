@@ -132,7 +132,7 @@ def test_opcheck():
 @pytest.mark.gpu
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("f", [3072, 4096])
+@pytest.mark.parametrize("f", [1200, 1536, 3072, 4096])
 def test_gpu_lowp_bert_sizes(backend, f, dtype, approximate):
     check(backend, *inputs(backend, 4096, f, dtype), approximate)
     check(backend, *inputs(backend, 4096, f, dtype, bias_dtype=torch.float32), approximate)

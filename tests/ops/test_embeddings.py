@@ -295,7 +295,7 @@ def test_opcheck():
 @pytest.mark.gpu
 @pytest.mark.parametrize("p", [0.0, 0.1])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("h", [768, 1024])
+@pytest.mark.parametrize("h", [312, 768, 1024])
 def test_gpu_lowp_bert_sizes(backend, h, dtype, p):
     check(backend, inputs(backend, 4096, h, 30522, 512, 2, dtype), p, gpu_sizes=True)
 
