@@ -32,13 +32,17 @@ from bertfast.bench import kernels_suite as ks  # noqa: E402
 from bertfast.bench.common import SuiteContext  # noqa: E402
 from bertfast.bench.gate import compare  # noqa: E402
 from bertfast.bench.results import (FULL_HEAD, GEMM_FLOOR, SDPA_FLASH, SDPA_MEM_EFFICIENT, TORCH_COMPILE,  # noqa: E402
-                                    TORCH_EAGER, bertfast_impl)
+                                    TORCH_EAGER, TORCH_FOREACH, TORCH_FUSED, bertfast_impl)
 from bertfast.bench.timing import TimingPolicy  # noqa: E402
 
 BACKENDS = ("triton", "cuda", "torch")
 
 
 def _impl_names(op: str) -> List[str]:
+    if op == "adamw":
+        return [TORCH_FUSED, TORCH_FOREACH, TORCH_EAGER]
+    if op == "lamb":
+        return [bertfast_impl("triton"), bertfast_impl("torch", "foreach"), TORCH_EAGER]
     if op == "attention":
         names = [bertfast_impl(b, v) for b in BACKENDS for v in ("varlen", "padded")]
         return names + [TORCH_EAGER, TORCH_COMPILE, SDPA_FLASH, SDPA_MEM_EFFICIENT]
@@ -66,7 +70,7 @@ def _case(op: str) -> Tuple[kc.OpCase, Dict[str, torch.Tensor], object]:
     return oc, ref32, ref_lowp
 
 
-@pytest.mark.parametrize("direction", kc.ALL_DIRECTIONS)
+@pytest.mark.parametrize("direction", kc.ALL_DIRECTIONS + (kc.STEP,))
 @pytest.mark.parametrize("op,impl", PARAMS, ids=[f"{op}-{impl}" for op, impl in PARAMS])
 def test_kernel(benchmark, op: str, impl: str, direction: str) -> None:
     from bertfast.dispatch import NoBackendError
@@ -74,7 +78,7 @@ def test_kernel(benchmark, op: str, impl: str, direction: str) -> None:
     ctx = _ctx()
     oc, ref32, ref_lowp = _case(op)
     if direction not in oc.directions:
-        pytest.skip(f"{op} has no separate {direction} (gradients are computed in the forward pass)")
+        pytest.skip(f"{op} has no {direction} timing, only {', '.join(oc.directions)}")
     chosen = [i for i in oc.impls if i.name == impl]
     if not chosen:
         pytest.skip(f"{impl} is not part of this {op} case")

@@ -1,8 +1,8 @@
 """`bertfast info` / `python -m bertfast.info`: what runs on this machine, and why not.
 
-Lists versions, devices, the Triton and CUDA-extension status, and for every op each
-backend with the reasons it can or cannot run a typical input on each device here, which
-backend dispatch would pick, and any fallbacks that happened in this process.
+Lists versions, devices, the Triton and CUDA-extension status, which LAMB implementation runs,
+and for every op each backend with the reasons it can or cannot run a typical input on each
+device here, which backend dispatch would pick, and any fallbacks that happened in this process.
 """
 from __future__ import annotations
 
@@ -62,6 +62,8 @@ def report() -> str:
         lines.append(f"triton: unavailable: {why}")
     ok, why = dispatch.cuda_ext_availability()
     lines.append(f"CUDA extension bertfast._C: {'built and importable' if ok else 'unavailable: ' + why}")
+    from bertfast.training.optim import lamb_summary
+    lines.append(lamb_summary())
     devices = [torch.device("cpu")]
     if torch.cuda.is_available():
         devices.insert(0, torch.device("cuda"))

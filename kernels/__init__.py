@@ -2,5 +2,6 @@
 
 Each file holds the math of its op (forward and backward) in a header comment, the
 ``@triton.jit`` kernels, and launchers that validate, allocate and launch. Launchers take
-and return plain tensors; autograd and dispatch live in ``bertfast.ops``.
+and return plain tensors; autograd and dispatch live in ``bertfast.ops``. ``lamb.py`` is the
+LAMB optimizer's step, outside dispatch (``bertfast.training.optim`` chooses it).
 """

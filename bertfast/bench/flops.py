@@ -15,6 +15,11 @@ Conventions (stated in every report):
   comparable across them; % of the copy bandwidth measured in the same run.
 * GEMM-bound ops (mlm_head_loss_decoder / MLM head): 2 flops per multiply-add; backward = 2 x
   forward (grad input and grad weight).
+* Optimizer steps (adamw, lamb): GB/s = the bytes a one-pass update must move (read the
+  parameters, gradients and both fp32 moments, write the parameters and moments: 28 bytes per
+  fp32 element) / time, for every implementation. LAMB needs the norms of the whole update
+  before it can apply it, so its fused kernels move 40 bytes per element in two passes: its
+  % of copy bandwidth tops out near 70%.
 * Model: ``bertfast.flops``, the model FLOPs ``bertfast pretrain`` reports MFU with too
   (real tokens only, training step = 3 x forward); MFU = model FLOPs / time / the measured
   peak matmul rate, and against the datasheet dense bf16 peak.
@@ -100,6 +105,11 @@ def mlm_head_loss_flops(m: int, h: int, vocab: int, direction: str) -> float:
     _check_direction(direction)
     fwd = mlm_head_flops(m, h, vocab)
     return {"fwd": fwd, "bwd": 2 * fwd, "fwd+bwd": 3 * fwd}[direction]
+
+
+def optimizer_step_bytes(elements: int, param_bytes: int, grad_bytes: int, state_bytes: int = 4) -> int:
+    """Read w, g, m, v and write w, m, v, once each (Adam-style moments, ``state_bytes`` each)."""
+    return elements * (2 * param_bytes + grad_bytes + 4 * state_bytes)
 
 
 def gbps(nbytes: float, ms: float) -> float:

@@ -6,6 +6,8 @@ Implementations: ``bertfast:<backend>`` (the public op under ``bertfast.ops.use_
 that same math, and for attention torch SDPA with the flash backend (equal-length batches
 only: it takes no mask), the memory-efficient backend (with the padding mask) and the cuDNN
 backend. The MLM head adds the transformers-style full-sequence head and its GEMM floor.
+The optimizer steps (adamw, lamb; direction ``step``) compare torch's fused, foreach and for-loop
+AdamW, and bertfast's LAMB (triton kernels, foreach) with its reference loop (``torch eager``).
 
 Dropout cases (attention, bias_dropout_residual_layernorm at p = 0.1) cannot be compared with
 the reference element by element (every implementation draws its own mask): an implementation
@@ -27,13 +29,14 @@ from bertfast.bench import flops as W
 from bertfast.bench.common import (SuiteContext, compile_skip_reason, cu_seqlens, describe_lengths, dtype_name,
                                    generator_for, mask_from, sequence_lengths)
 from bertfast.bench.results import (FULL_HEAD, GEMM_FLOOR, SDPA_CUDNN, SDPA_FLASH, SDPA_MEM_EFFICIENT, TORCH_COMPILE,
-                                    TORCH_EAGER, bertfast_impl)
+                                    TORCH_EAGER, TORCH_FOREACH, TORCH_FUSED, bertfast_impl)
 
 Tensor = torch.Tensor
 SUITE = "kernels"
 OPS = ("attention", "bias_gelu", "bias_dropout_residual_layernorm", "embeddings", "mlm_head_loss_decoder",
-       "mlm_head_loss")
+       "mlm_head_loss", "adamw", "lamb")
 ALL_DIRECTIONS = ("fwd", "bwd", "fwd+bwd")
+STEP = "step"  # the optimizer cases' one direction: one optimizer step
 GRAD_IN_FORWARD = ("fwd", "fwd+bwd")  # ops whose gradients are computed inside the forward pass
 EPS = 1e-12
 DROPOUT_P = 0.1  # BERT's, for the dropout cases
@@ -57,6 +60,21 @@ class Prepared:
         out = self.forward()
         grads = torch.autograd.grad(out, self.leaves, self.grad_out, allow_unused=True)
         return {k: v.detach().float() for k, v in self.canon(out.detach(), grads).items()}
+
+
+@dataclass
+class OptimizerStep(Prepared):
+    """An optimizer path: ``forward`` runs one step. Its outputs are each parameter's change in
+    units of the learning rate (``canon`` names the parameters): the weights themselves barely
+    move in one step, so comparing them would let a wrong update through the gate."""
+
+    lr: float = 1.0
+
+    def run_once(self) -> Dict[str, Tensor]:
+        before = {k: v.detach().double() for k, v in self.canon(None, ()).items()}  # fp64: exact differences
+        self.forward()
+        return {f"{k} step/lr": ((v.detach().double() - before[k]) / self.lr).float()
+                for k, v in self.canon(None, ()).items()}
 
 
 Builder = Callable[[torch.dtype], Prepared]
@@ -471,6 +489,105 @@ def mlm_head_loss_cases(ctx: SuiteContext) -> List[OpCase]:
     return out
 
 
+# --------------------------------------------------------------------------- optimizer steps
+# Large enough that a step moves the weights well above their fp32 rounding (the gate compares the
+# step / lr); the timed steps keep stepping, which changes nothing in the time they take.
+OPTIMIZER_LR = 1e-2
+
+
+def _optimizer_models(ctx: SuiteContext) -> List[Tuple[str, Any]]:
+    """(name, BertConfig) whose BertForPreTraining parameters the optimizer cases update."""
+    from bertfast import BertConfig
+    if not ctx.device.is_cuda:  # one layer of width 16: a few dozen tensors, fast under the interpreter
+        return [("micro", BertConfig.preset("tiny", vocab_size=32, hidden_size=16, num_hidden_layers=1,
+                                            num_attention_heads=2, intermediate_size=32, max_position_embeddings=16))]
+    names = ("bert-base",) if ctx.quick else ("bert-base", "bert-large")
+    return [(name, BertConfig.preset(name)) for name in names]
+
+
+def _optimizer_case(ctx: SuiteContext, group: str, model: str, config,
+                    impls: List[Tuple[str, Callable, str]]) -> OpCase:
+    """One step over BERT's two parameter groups (fp32 parameters and gradients, as under autocast).
+
+    impls: [(name, factory, skip reason or "")]; factory(param groups) builds the optimizer, and
+    the one named torch eager is the reference. Every path starts from the same weights and zero
+    moments; timed calls keep stepping.
+    """
+    from bertfast.modeling import BertForPreTraining
+    from bertfast.training.optim import parameter_groups
+
+    with torch.device("meta"):  # shapes and grouping only: nothing allocated
+        skeleton = BertForPreTraining(config)
+    names = {id(p): n for n, p in skeleton.named_parameters()}
+    gen = generator_for(group, model)
+    layout = [[(names[id(p)], tuple(p.shape)) for p in g["params"]] for g in parameter_groups(skeleton, 0.01)]
+    weights = {n: (0.02 * torch.randn(shape, generator=gen)).to(ctx.torch_device) for g in layout for n, shape in g}
+    grads = {n: (1e-3 * torch.randn(shape, generator=gen)).to(ctx.torch_device) for g in layout for n, shape in g}
+    elements = sum(t.numel() for t in weights.values())
+
+    def path(factory: Callable) -> Builder:
+        def build(dtype):  # the run's dtype is the activations': parameters stay fp32 here
+            params = {}
+            for n, w in weights.items():
+                params[n] = torch.nn.Parameter(w.clone())
+                params[n].grad = grads[n]  # shared, read-only
+            opt = factory([{"params": [params[n] for n, _ in g], "weight_decay": wd}
+                           for g, wd in zip(layout, (0.01, 0.0))])
+            return OptimizerStep([], opt.step, None, lambda out, gs: params, lr=OPTIMIZER_LR)
+        return build
+
+    reference = {name: factory for name, factory, _ in impls}[TORCH_EAGER]
+    return OpCase(group, {"model": model, "tensors": len(weights), "elements": elements, "params": "fp32"},
+                  path(reference),
+                  [Impl(name, skip=skip) if skip else Impl(name, path(factory)) for name, factory, skip in impls],
+                  lambda d: {"bytes": W.optimizer_step_bytes(elements, 4, 4)}, directions=(STEP,))
+
+
+def adamw_cases(ctx: SuiteContext) -> List[OpCase]:
+    from torch.utils import _foreach_utils
+
+    fused_devices = getattr(_foreach_utils, "_get_fused_kernels_supported_devices", lambda: ["cuda"])()
+
+    def adamw(**kind):
+        return lambda groups: torch.optim.AdamW(groups, lr=OPTIMIZER_LR, eps=1e-6, weight_decay=0.01, **kind)
+    fused_skip = ("" if ctx.torch_device.type in fused_devices
+                  else f"torch {torch.__version__} has no fused AdamW for {ctx.torch_device.type}")
+    impls = [(TORCH_FUSED, adamw(fused=True), fused_skip), (TORCH_FOREACH, adamw(foreach=True), ""),
+             (TORCH_EAGER, adamw(foreach=False, fused=False), "")]
+
+    _note_optimizers(ctx)
+    return [_optimizer_case(ctx, "adamw", model, config, impls) for model, config in _optimizer_models(ctx)]
+
+
+def lamb_cases(ctx: SuiteContext) -> List[OpCase]:
+    from bertfast.training.optim import Lamb, lamb_implementation
+
+    def lamb(implementation):
+        return lambda groups: Lamb(groups, lr=OPTIMIZER_LR, eps=1e-6, implementation=implementation)
+
+    impls = []
+    if "triton" in ctx.backends:
+        try:  # the reason it cannot run here (no TRITON_INTERPRET on CPU, triton missing), if any
+            lamb_implementation("triton", [torch.empty(0, device=ctx.torch_device)])
+            skip = ""
+        except ValueError as exc:
+            skip = str(exc)
+        impls.append((bertfast_impl("triton"), lamb("triton"), skip))
+    if "torch" in ctx.backends:
+        impls.append((bertfast_impl("torch", "foreach"), lamb("foreach"), ""))
+    impls.append((TORCH_EAGER, lamb("reference"), ""))
+
+    _note_optimizers(ctx)
+    return [_optimizer_case(ctx, "lamb", model, config, impls) for model, config in _optimizer_models(ctx)]
+
+
+def _note_optimizers(ctx: SuiteContext) -> None:
+    ctx.note("adamw / lamb: one optimizer step over BertForPreTraining's two parameter groups, fp32 parameters "
+             "and gradients whatever the activation dtype (as under autocast); GB/s counts the 28 bytes per "
+             "element a one-pass update moves; lamb's torch eager is bertfast's reference loop"
+             + ("" if ctx.device.is_cuda else "; on CPU a one-layer width-16 model ('micro')"))
+
+
 CASE_BUILDERS = {
     "attention": attention_cases,
     "bias_gelu": bias_gelu_cases,
@@ -478,4 +595,6 @@ CASE_BUILDERS = {
     "embeddings": embeddings_cases,
     "mlm_head_loss_decoder": mlm_head_loss_decoder_cases,
     "mlm_head_loss": mlm_head_loss_cases,
+    "adamw": adamw_cases,
+    "lamb": lamb_cases,
 }

@@ -9,6 +9,9 @@ then for every implementation:
   2. timing of ``fwd`` (forward under no_grad), ``bwd`` (``autograd.grad`` on a retained
      graph) and ``fwd+bwd`` (forward with grad + ``autograd.grad``).
 
+The optimizer cases (adamw, lamb) have one direction, ``step``: one optimizer step, gated on each
+parameter's change (``kernel_cases.OptimizerStep``).
+
 What is measured (the cases and the implementations compared) is in ``kernel_cases``.
 """
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 
 from bertfast.bench.common import SuiteContext, free_memory, short_error, strict_fp32
 from bertfast.bench.gate import compare
-from bertfast.bench.kernel_cases import ALL_DIRECTIONS, CASE_BUILDERS, OPS, SUITE, Impl, OpCase, Prepared
+from bertfast.bench.kernel_cases import ALL_DIRECTIONS, CASE_BUILDERS, OPS, STEP, SUITE, Impl, OpCase, Prepared
 from bertfast.bench.results import ERROR, FAILED_PARITY, TORCH_COMPILE, Row, skipped
 from bertfast.bench.timing import (COLD_L2, PERF_COUNTER, SMALL_KERNEL_MS, host_overhead_us, peak_memory, time_fn,
                                    time_small)
@@ -56,7 +59,9 @@ def direction_callable(p: Prepared, direction: str) -> Callable[[], None]:
         def step() -> None:
             torch.autograd.grad(p.forward(), p.leaves, p.grad_out)
         return step
-    raise ValueError(f"direction must be one of {ALL_DIRECTIONS}, got {direction!r}")
+    if direction == STEP:  # an optimizer step: the path's forward is the whole step
+        return p.forward
+    raise ValueError(f"direction must be one of {ALL_DIRECTIONS + (STEP,)}, got {direction!r}")
 
 
 def _time_direction(ctx: SuiteContext, p: Prepared, direction: str):

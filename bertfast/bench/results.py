@@ -26,6 +26,8 @@ BERTFAST = "bertfast"  # kernel rows: "bertfast:<backend>[ <variant>]"; model ro
 FAST_BACKENDS = ("triton", "cuda")  # "bertfast:torch" is the reference backend through dispatch
 TORCH_EAGER = "torch eager"
 TORCH_COMPILE = "torch.compile"
+TORCH_FUSED = "torch fused"  # torch.optim with fused=True
+TORCH_FOREACH = "torch foreach"  # torch.optim with foreach=True
 SDPA_FLASH = "sdpa:flash"
 SDPA_MEM_EFFICIENT = "sdpa:mem_efficient"
 SDPA_CUDNN = "sdpa:cudnn"
@@ -46,7 +48,7 @@ def impl_family(impl: str) -> str:
         return "reference"
     if impl == BERTFAST or impl.startswith(BERTFAST + ":"):
         return "bertfast"
-    if impl in (TORCH_EAGER, FULL_HEAD, GEMM_FLOOR):
+    if impl in (TORCH_EAGER, TORCH_FUSED, TORCH_FOREACH, FULL_HEAD, GEMM_FLOOR):
         return "eager"
     if impl == TORCH_COMPILE:
         return "compiled"

@@ -3,7 +3,7 @@
 Triton: each launcher runs at BERT-base and BERT-large shapes (seq 128 and 512; fp16/bf16/fp32
 activations with parameters in the activation dtype or fp32, as under autocast; dropout on
 and off; attention at head dim 64 and at ATTENTION_HEAD_DIMS, every kernel tile up to 256 and
-head dims that are no power of two)
+head dims that are no power of two; the LAMB optimizer's kernels for those parameter dtypes)
 inside ``kernels._common.compile_only``, so nothing runs and
 every launch is recorded with its autotune candidates (its config list pruned for that
 shape, as the autotuner would). Each candidate is then compiled for the target by Triton
@@ -216,9 +216,21 @@ def bert_launches(fast: bool, attention_only: bool = False) -> Iterator[Tuple[st
             for grad in (True, False):
                 M.mlm_head_loss_fwd(empty(MASKED_ROWS, VOCAB), labels, 1.0, grad)
 
+        def lamb():
+            # The optimizer's kernels take tables of tensors, so one tensor per launch covers every
+            # size; what varies is the parameter/gradient dtype, weight decay on or off, and
+            # 16-byte aligned addresses or not (the last tensor starts one element into its buffer).
+            from bertfast.kernels import lamb as K
+            for w, decay in ((empty(hidden, hidden, dtype=par), 0.01), (empty(hidden, dtype=par), 0.0),
+                             (empty(hidden + 1, dtype=par)[1:], 0.01)):
+                tables = K.LambTables()
+                tables.update([w], [w], [torch.empty(w.shape)], [torch.empty(w.shape)])
+                K.lamb_step(tables, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=decay,
+                            bias_correction1=0.1, bias_correction2=1e-3, max_trust_ratio=10.0)
+
         for name, fn in (("attention", attention), ("bias_gelu", bias_gelu),
                          ("bias_dropout_residual_layernorm", bias_dropout_residual_layernorm),
-                         ("embeddings", embeddings), ("mlm_head_loss", mlm_head_loss)):
+                         ("embeddings", embeddings), ("mlm_head_loss", mlm_head_loss), ("lamb", lamb)):
             if name == "attention" or not attention_only:
                 yield f"{name} [{label}]", fn
 

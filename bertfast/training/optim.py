@@ -1,24 +1,53 @@
 """Optimizers and the learning-rate schedule.
 
 Parameter groups leave biases and LayerNorm parameters without weight decay (the paper's
-recipe); AdamW runs torch's fused kernel on CUDA; LAMB is for large batches. The schedule is
-a linear warm-up, then linear decay to zero.
+recipe). The schedule is a linear warm-up, then linear decay to zero.
 
-LAMB (You et al., 2019, "Large batch optimization for deep learning"), per parameter w with
-gradient g at step t:
+AdamW is torch's: its fused kernel wherever the installed torch has one for the parameters'
+device (CUDA, and CPU since torch 2.4), else its multi-tensor ``foreach`` form; ``fused=`` of
+``build_optimizer`` forces either.
+
+LAMB (You et al., 2019, "Large batch optimization for deep learning"), for large batches, per
+parameter w with gradient g at step t:
     m = b1*m + (1-b1)*g ;  v = b2*v + (1-b2)*g^2
     u = (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps) + wd * w
-    r = ||w|| / ||u||   (1 when either norm is 0; the layer-wise trust ratio)
+    r = ||w|| / ||u||   (1 when either norm is 0; the layer-wise trust ratio, clamped to max_trust_ratio)
     w = w - lr * r * u
+``Lamb`` has three implementations of that step, with one state layout (per parameter: "step",
+a Python int; "exp_avg" and "exp_avg_sq", fp32 whatever the parameter's dtype), so a checkpoint
+written by one resumes under another:
+  reference  a loop over the parameters, about 8 kernels each: the oracle the others are tested
+             against.
+  foreach    torch's multi-tensor ``_foreach_*`` ops over all the parameters of a device and
+             dtype, with ``_foreach_norm`` for the per-tensor norms; any device, FSDP's DTensors
+             included.
+  triton     bertfast.kernels.lamb: three launches per parameter group, whatever its number of
+             tensors; CUDA (or the Triton interpreter on CPU, when forced).
+Default: triton for CUDA parameters, foreach otherwise. ``implementation=`` (or the environment
+variable BERTFAST_LAMB=reference|foreach|triton) forces one; a forced implementation runs or
+raises. When triton cannot be imported for CUDA parameters, LAMB runs foreach, logs a warning
+and records the reason for `bertfast info` (``dispatch.FALLBACKS``): never a silent fallback.
+No implementation reads a value back from the device during a step.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+import importlib
+import logging
+import os
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from bertfast import dispatch
+
+log = logging.getLogger("bertfast.optim")
 
 NO_DECAY_PATTERNS = ("bias", "LayerNorm.weight", "LayerNorm.bias", "layer_norm", "layernorm")
+LAMB_IMPLEMENTATIONS = ("reference", "foreach", "triton")
+LAMB_ENV = "BERTFAST_LAMB"
+# The foreach LAMB holds two fp32 temporaries per element it updates at once; it updates at most
+# this many elements at a time (256 MiB of temporaries), so BERT-large does not need 2.7 GB more.
+FOREACH_BATCH_ELEMENTS = 1 << 25
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> List[Dict[str, Any]]:
@@ -37,17 +66,97 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> List[Dict[s
             {"params": no_decay, "weight_decay": 0.0}]
 
 
+# --------------------------------------------------------------------------- choosing LAMB's implementation
+_TRITON_LAMB: Optional[Tuple[bool, str]] = None
+
+
+def triton_lamb_availability() -> Tuple[bool, str]:
+    """(True, "") when triton and bertfast.kernels.lamb import, else (False, why); cached."""
+    global _TRITON_LAMB
+    if _TRITON_LAMB is None:
+        ok, why = dispatch.triton_availability()
+        if ok:
+            try:
+                importlib.import_module("bertfast.kernels.lamb")
+            except Exception as exc:  # a broken kernel module must be visible, not hidden
+                ok, why = False, f"import of bertfast.kernels.lamb failed: {type(exc).__name__}: {exc}"
+        _TRITON_LAMB = (ok, why)
+    return _TRITON_LAMB
+
+
+def _triton_reasons(params: Sequence[torch.Tensor], forced: bool) -> List[str]:
+    """Why the triton LAMB cannot run these parameters (none: it can)."""
+    ok, why = triton_lamb_availability()
+    if not ok:
+        return [why]
+    reasons = []
+    devices = sorted({p.device.type for p in params})
+    if devices == ["cpu"] and forced:
+        if os.environ.get("TRITON_INTERPRET", "0") != "1":
+            reasons.append("CPU parameters need TRITON_INTERPRET=1 (the Triton interpreter)")
+    elif devices != ["cuda"]:
+        reasons.append(f"needs CUDA parameters (CPU ones only when forced, under TRITON_INTERPRET=1), got {devices}")
+    if any(hasattr(p, "full_tensor") for p in params):
+        reasons.append("the parameters are DTensors (FSDP): the trust ratio needs each tensor's full norm, "
+                       "which the foreach implementation reduces across ranks")
+    dtypes = sorted({str(p.dtype) for p in params} - {"torch.float32", "torch.float16", "torch.bfloat16"})
+    if dtypes:
+        reasons.append(f"needs fp32, fp16 or bf16 parameters, got {dtypes}")
+    return reasons
+
+
+def lamb_implementation(requested: Optional[str], params: Sequence[torch.Tensor]) -> str:
+    """The LAMB implementation for these parameters: ``requested``, else $BERTFAST_LAMB, else
+    triton where it can run them and foreach otherwise (see the module docstring)."""
+    forced = requested if requested is not None else (os.environ.get(LAMB_ENV) or None)
+    if forced is not None:
+        if forced not in LAMB_IMPLEMENTATIONS:
+            source = "implementation" if requested is not None else LAMB_ENV
+            raise ValueError(f"{source} must be one of {list(LAMB_IMPLEMENTATIONS)}, got {forced!r}")
+        reasons = _triton_reasons(params, forced=True) if forced == "triton" else []
+        if reasons:
+            raise ValueError(f"bertfast: the triton LAMB was forced but cannot run these parameters: "
+                             f"{'; '.join(reasons)}")
+        return forced
+    if not _triton_reasons(params, forced=False):
+        return "triton"
+    ok, why = triton_lamb_availability()
+    if not ok and any(p.device.type == "cuda" for p in params) and ("lamb", "triton") not in dispatch.FALLBACKS:
+        dispatch.FALLBACKS[("lamb", "triton")] = why
+        log.warning("bertfast: LAMB falls back from triton to foreach: %s", why)
+    return "foreach"
+
+
+def lamb_summary() -> str:
+    """One line for `bertfast info`: which LAMB implementation runs where."""
+    ok, why = triton_lamb_availability()
+    text = ("LAMB optimizer: triton kernels for CUDA parameters, foreach otherwise" if ok
+            else f"LAMB optimizer: foreach everywhere (triton LAMB unavailable: {why})")
+    forced = os.environ.get(LAMB_ENV)
+    return text + (f"; {LAMB_ENV}={forced} forces that one" if forced else "")
+
+
+# --------------------------------------------------------------------------- LAMB
 class Lamb(torch.optim.Optimizer):
-    """LAMB: Adam moments with a per-parameter trust ratio ||w|| / ||update|| (see module docstring)."""
+    """LAMB: Adam moments with a per-parameter trust ratio ||w|| / ||update|| (see module docstring).
+
+    implementation: "reference", "foreach" or "triton"; None: $BERTFAST_LAMB, else the default.
+    The choice is made here, for the parameters' devices; ``self.implementation`` names it.
+    """
 
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.01, bias_correction: bool = True,
-                 max_trust_ratio: Optional[float] = 10.0):
+                 max_trust_ratio: Optional[float] = 10.0, implementation: Optional[str] = None):
         if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid LAMB hyper-parameters lr={lr} betas={betas} eps={eps} wd={weight_decay}")
+        if max_trust_ratio is not None and not max_trust_ratio > 0:
+            raise ValueError(f"max_trust_ratio must be > 0 or None, got {max_trust_ratio}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, max_trust_ratio=max_trust_ratio)
         super().__init__(params, defaults)
+        # Not a hyper-parameter: kept out of param_groups, so the state_dict layout is every implementation's.
+        self.implementation = lamb_implementation(implementation, [p for g in self.param_groups for p in g["params"]])
+        self._tables: Dict[Tuple, Any] = {}  # triton: the device tables of each set of tensors, kept between steps
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None):
@@ -55,54 +164,207 @@ class Lamb(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("LAMB does not support sparse gradients")
-                g = p.grad.float()
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-                state["step"] += 1
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                m.mul_(b1).add_(g, alpha=1 - b1)
-                v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                if group["bias_correction"]:
-                    m_hat = m / (1 - b1 ** state["step"])
-                    v_hat = v / (1 - b2 ** state["step"])
+        used = set()
+        for index, group in enumerate(self.param_groups):
+            if self.implementation == "reference":
+                self._reference_step(group)
+                continue
+            for key, (params, grads, exp_avgs, exp_avg_sqs, steps) in self._gather(group).items():
+                if self.implementation == "foreach":
+                    _foreach_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, group)
                 else:
-                    m_hat, v_hat = m, v
-                w = p.float()
-                update = m_hat / (v_hat.sqrt() + group["eps"])
-                if group["weight_decay"]:
-                    update.add_(w, alpha=group["weight_decay"])
-                w_norm = torch.linalg.vector_norm(w)
-                u_norm = torch.linalg.vector_norm(update)
-                trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
-                if group["max_trust_ratio"] is not None:
-                    trust = trust.clamp(max=group["max_trust_ratio"])
-                p.add_((update * (-group["lr"] * trust)).to(p.dtype))
+                    used.add((index, key))
+                    self._triton_step((index, key), params, grads, exp_avgs, exp_avg_sqs, steps[0], group)
+        for stale in set(self._tables) - used:  # tensors that left a set (no gradient this step) or moved
+            del self._tables[stale]
         return loss
+
+    def _state(self, p: torch.Tensor) -> Dict[str, Any]:
+        """p's state, created at its first step: fp32 moments whatever p's dtype."""
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        return state
+
+    def _reference_step(self, group: Dict[str, Any]) -> None:
+        """The oracle: one parameter at a time, in plain tensor ops."""
+        b1, b2 = group["betas"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("LAMB does not support sparse gradients")
+            g = p.grad.float()
+            state = self._state(p)
+            state["step"] += 1
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            if group["bias_correction"]:
+                m_hat = m / (1 - b1 ** state["step"])
+                v_hat = v / (1 - b2 ** state["step"])
+            else:
+                m_hat, v_hat = m, v
+            w = p.float()
+            update = m_hat / (v_hat.sqrt() + group["eps"])
+            if group["weight_decay"]:
+                update.add_(w, alpha=group["weight_decay"])
+            w_norm = torch.linalg.vector_norm(w)
+            u_norm = torch.linalg.vector_norm(update)
+            trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+            if group["max_trust_ratio"] is not None:
+                trust = trust.clamp(max=group["max_trust_ratio"])
+            p.add_((update * (-group["lr"] * trust)).to(p.dtype))
+
+    def _gather(self, group: Dict[str, Any]) -> Dict[Tuple, Tuple[List, List, List, List, List[int]]]:
+        """The parameters with a gradient, their state (created, step advanced), in sets of one
+        device, parameter dtype and gradient dtype; for triton, also of one step (one bias
+        correction per launch). Each set is keyed by those and by its members."""
+        sets: Dict[Tuple, Tuple[List, List, List, List, List[int]]] = {}
+        by_step = self.implementation == "triton"
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise RuntimeError("LAMB does not support sparse gradients")
+            state = self._state(p)
+            step = state["step"] = state["step"] + 1
+            kind = (p.device, p.dtype, g.dtype, step if by_step else None)
+            lists = sets.get(kind)
+            if lists is None:
+                lists = sets[kind] = ([], [], [], [], [])
+            params, grads, exp_avgs, exp_avg_sqs, steps = lists
+            params.append(p)
+            grads.append(g)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(step)
+        return {kind[:3] + (tuple(map(id, lists[0])),): lists for kind, lists in sets.items()}
+
+    def _triton_step(self, key: Tuple, params: List[torch.Tensor], grads: List[torch.Tensor],
+                     exp_avgs: List[torch.Tensor], exp_avg_sqs: List[torch.Tensor], step: int,
+                     group: Dict[str, Any]) -> None:
+        from bertfast.kernels import lamb as kernels
+
+        tables = self._tables.get(key)
+        if tables is None:
+            tables = self._tables[key] = kernels.LambTables()
+        tables.update(params, grads, exp_avgs, exp_avg_sqs)
+        b1, b2 = group["betas"]
+        correct = group["bias_correction"]
+        kernels.lamb_step(tables, lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
+                          weight_decay=group["weight_decay"],
+                          bias_correction1=1 - b1 ** step if correct else 1.0,
+                          bias_correction2=1 - b2 ** step if correct else 1.0,
+                          max_trust_ratio=group["max_trust_ratio"])
+
+    def __getstate__(self) -> Dict[str, Any]:  # pickle and deepcopy keep the choice, not the device tables
+        return {**super().__getstate__(), "implementation": self.implementation}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._tables = {}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """torch's, except that the moments stay fp32 (torch casts saved state to each parameter's
+        dtype, which would round a bf16 parameter's moments to bf16)."""
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        moments = {i: {k: v for k, v in state_dict["state"][i].items() if k in ("exp_avg", "exp_avg_sq")}
+                   for i in saved_ids if i in state_dict["state"]}
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(saved_ids, params):
+            for k, v in moments.get(i, {}).items():
+                self.state[p][k] = v.to(device=p.device, dtype=torch.float32, copy=True)
+        self._tables.clear()
+
+
+def _batches(params: Sequence[torch.Tensor], budget: int) -> List[slice]:
+    """Consecutive slices of ``params`` of at most ``budget`` elements each (a larger tensor alone)."""
+    out, start, size = [], 0, 0
+    for i, p in enumerate(params):
+        if i > start and size + p.numel() > budget:
+            out.append(slice(start, i))
+            start, size = i, 0
+        size += p.numel()
+    if start < len(params):
+        out.append(slice(start, len(params)))
+    return out
+
+
+def _foreach_lamb(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs: List[torch.Tensor],
+                  exp_avg_sqs: List[torch.Tensor], steps: List[int], group: Dict[str, Any]) -> None:
+    """The reference's arithmetic, one multi-tensor op at a time, over tensors of one device and dtype."""
+    b1, b2 = group["betas"]
+    lowp = params[0].dtype != torch.float32
+    for part in _batches(params, FOREACH_BATCH_ELEMENTS):
+        ps, ms, vs = params[part], exp_avgs[part], exp_avg_sqs[part]
+        gs = grads[part] if grads[0].dtype == torch.float32 else [g.float() for g in grads[part]]
+        torch._foreach_mul_(ms, b1)
+        torch._foreach_add_(ms, gs, alpha=1 - b1)
+        torch._foreach_mul_(vs, b2)
+        torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
+        ws = [p.float() for p in ps] if lowp else ps
+        if group["bias_correction"]:
+            updates = torch._foreach_div(ms, [1 - b1 ** s for s in steps[part]])
+            denom = torch._foreach_div(vs, [1 - b2 ** s for s in steps[part]])
+            torch._foreach_sqrt_(denom)
+            torch._foreach_add_(denom, group["eps"])
+            torch._foreach_div_(updates, denom)
+        else:
+            denom = torch._foreach_sqrt(vs)
+            torch._foreach_add_(denom, group["eps"])
+            updates = torch._foreach_div(ms, denom)
+        del denom
+        if group["weight_decay"]:
+            torch._foreach_add_(updates, ws, alpha=group["weight_decay"])
+        w_norm = torch.stack(torch._foreach_norm(ws))
+        u_norm = torch.stack(torch._foreach_norm(updates))
+        trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+        if group["max_trust_ratio"] is not None:
+            trust = trust.clamp(max=group["max_trust_ratio"])
+        scales = (trust * -group["lr"]).unbind()  # device scalars: no host read
+        if lowp:  # the update rounded to the parameter's dtype first, as the reference
+            torch._foreach_mul_(updates, scales)
+            torch._foreach_add_(ps, [u.to(p.dtype) for u, p in zip(updates, ps)])
+        else:
+            torch._foreach_addcmul_(ps, scales, updates)
+
+
+# --------------------------------------------------------------------------- building
+def _fused_adamw_supported(params: Sequence[torch.Tensor]) -> bool:
+    """Does the installed torch have a fused AdamW kernel for every parameter's device?"""
+    from torch.utils import _foreach_utils
+
+    supported = getattr(_foreach_utils, "_get_fused_kernels_supported_devices", lambda: ["cuda"])()
+    return bool(params) and all(p.device.type in supported and p.is_floating_point() for p in params)
 
 
 def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: float = 0.01,
                     betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
-                    fused: Optional[bool] = None) -> torch.optim.Optimizer:
-    """'adamw' (the paper's Adam with decoupled weight decay) or 'lamb'."""
+                    fused: Optional[bool] = None, implementation: Optional[str] = None) -> torch.optim.Optimizer:
+    """'adamw' (the paper's Adam with decoupled weight decay) or 'lamb', over ``parameter_groups``.
+
+    fused (AdamW only): None picks torch's fused kernel where it has one for the parameters'
+    device, else foreach; True forces the fused kernel, False the foreach form.
+    implementation (LAMB only): see ``Lamb``.
+    """
     groups = parameter_groups(model, weight_decay)
     if name == "adamw":
-        device_types = {p.device.type for g in groups for p in g["params"]}
+        if implementation is not None:
+            raise ValueError(f"implementation= chooses LAMB's implementation; AdamW takes fused=, got "
+                             f"implementation={implementation!r}")
         if fused is None:
-            fused = device_types == {"cuda"}
-        kwargs = {"fused": True} if fused else {}
+            fused = _fused_adamw_supported([p for g in groups for p in g["params"]])
+        kwargs = {"fused": True} if fused else {"foreach": True}
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kwargs)
     if name == "lamb":
-        return Lamb(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        if fused is not None:
+            raise ValueError(f"fused= chooses AdamW's kernel; LAMB takes implementation=, got fused={fused!r}")
+        return Lamb(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, implementation=implementation)
     raise ValueError(f"unknown optimizer {name!r}; expected 'adamw' or 'lamb'")
 
 

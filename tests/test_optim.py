@@ -1,0 +1,355 @@
+"""Optimizers (bertfast/training/optim.py): LAMB's foreach and triton implementations against the
+reference loop, checkpoints across implementations, determinism, the choice of implementation and
+its fallback; AdamW's fused and foreach forms against torch's for-loop.
+
+Oracle: ``Lamb(implementation="reference")``, the per-parameter loop. Tolerances: fp32 parameters
+and moments within 1e-6 of each tensor's largest value (the norms are summed in another order and
+products may be fused, ~1e-7 apart); fp16/bf16 parameters within one unit in the last place of
+their dtype (the update is rounded to it, and a 1e-7 difference can move that rounding).
+
+Without a GPU, triton runs under the interpreter (tiny tensors: its chunks are 128 elements, its
+tiles 64, so they still cross chunks and tails) and bf16 is left to the GPU (the interpreter
+truncates fp32 -> bf16 where the GPU rounds to nearest).
+"""
+import copy
+import io
+import logging
+import types
+
+import pytest
+import torch
+
+import bertfast
+from bertfast import dispatch
+from bertfast.training import optim
+
+GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if GPU else "cpu")
+LOWP = [torch.float16] + ([torch.bfloat16] if GPU else [])
+FAST = ("foreach", "triton")
+# name: (shape, scale of the initial weights); decayed then not decayed.
+DECAYED = {"w": ((7, 13), 0.1), "big": ((5, 64), 30.0), "zero_w": ((300,), 0.0), "no_grad": ((3, 3), 1.0)}
+NOT_DECAYED = {"bias": ((33,), 0.1), "zero_g": ((64,), 0.1), "one": ((1,), 1.0), "empty": ((0,), 1.0),
+               "exact": ((128,), 0.5)}
+
+# The triton runs are the ones a GPU check should repeat on CUDA.
+pytestmark = pytest.mark.gpu_capable
+
+
+def _params(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return {name: torch.nn.Parameter((scale * torch.randn(shape, generator=g)).to(DEVICE, dtype))
+            for name, (shape, scale) in {**DECAYED, **NOT_DECAYED}.items()}
+
+
+def _set_grads(params, step):
+    """'zero_g' gets a zero gradient, 'no_grad' none at all; the others fresh random ones."""
+    g = torch.Generator().manual_seed(1000 + step)
+    for name, p in params.items():
+        p.grad = None if name == "no_grad" else torch.randn(p.shape, generator=g).to(DEVICE, p.dtype)
+    params["zero_g"].grad.zero_()
+
+
+def _lamb(params, implementation, **hyper):
+    groups = [{"params": [params[n] for n in DECAYED], "weight_decay": 0.01},
+              {"params": [params[n] for n in NOT_DECAYED], "weight_decay": 0.0}]
+    return optim.Lamb(groups, lr=0.02, implementation=implementation, **hyper)
+
+
+def _run(implementation, steps, dtype=torch.float32, first=0, params=None, state=None, **hyper):
+    """``steps`` LAMB steps (gradients of steps first, first + 1, ...); returns (params, optimizer)."""
+    params = params if params is not None else _params(dtype)
+    opt = _lamb(params, implementation, **hyper)
+    if state is not None:
+        opt.load_state_dict(state)
+    for step in range(first, first + steps):
+        _set_grads(params, step)
+        opt.step()
+    return params, opt
+
+
+def _snapshot(params, opt):
+    """Copies of the parameters and of the optimizer's state dict (safe from later steps)."""
+    return {n: p.detach().clone() for n, p in params.items()}, copy.deepcopy(opt.state_dict())
+
+
+def _restore(saved):
+    return {n: torch.nn.Parameter(t.clone()) for n, t in saved.items()}
+
+
+def _close(name, got, ref, dtype=torch.float32):
+    """fp32: within 1e-6 of the tensor's largest value (an element that cancels, m = b1 m + (1 - b1) g
+    say, carries the rounding of its terms). fp16/bf16: within one unit in the last place."""
+    scale = ref.float().abs().max().item() if ref.numel() else 0.0
+    if dtype == torch.float32:
+        tol = dict(rtol=1e-6, atol=1e-6 * scale)
+    else:
+        tol = dict(rtol=torch.finfo(dtype).eps, atol=torch.finfo(dtype).eps * scale)
+    torch.testing.assert_close(got, ref, **tol, msg=lambda m: f"{name}: {m}")
+
+
+def _assert_same_run(got_params, got_opt, ref_params, ref_opt, dtype=torch.float32):
+    for name, ref in ref_params.items():
+        _close(name, got_params[name], ref, dtype)
+        got_state, ref_state = got_opt.state[got_params[name]], ref_opt.state[ref]
+        assert set(got_state) == set(ref_state), name
+        if ref_state:
+            assert got_state["step"] == ref_state["step"], name
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert got_state[key].dtype == torch.float32, (name, key)
+                _close(f"{name} {key}", got_state[key], ref_state[key])
+
+
+def _assert_identical(a_params, a_opt, b_params, b_opt):
+    for name in a_params:
+        assert torch.equal(a_params[name], b_params[name]), name
+        sa, sb = a_opt.state[a_params[name]], b_opt.state[b_params[name]]
+        assert sa.keys() == sb.keys() and all(
+            torch.equal(sa[k], sb[k]) if torch.is_tensor(sa[k]) else sa[k] == sb[k] for k in sa), name
+
+
+def _require(implementation):
+    if implementation == "triton":
+        ok, why = optim.triton_lamb_availability()
+        if not ok:
+            pytest.skip(f"the triton LAMB is unavailable: {why}")
+
+
+# --------------------------------------------------------------------------- LAMB against the reference
+@pytest.mark.parametrize("implementation", FAST)
+@pytest.mark.parametrize("dtype,hyper", [
+    (torch.float32, dict(bias_correction=True, max_trust_ratio=10.0)),
+    (torch.float32, dict(bias_correction=False, max_trust_ratio=None)),
+    *[(dt, dict(bias_correction=True, max_trust_ratio=10.0)) for dt in LOWP],
+], ids=lambda v: str(v).replace("torch.", "") if isinstance(v, torch.dtype) else
+    f"bc={int(v['bias_correction'])},max_trust={v['max_trust_ratio']}")
+def test_lamb_matches_the_reference(implementation, dtype, hyper):
+    _require(implementation)
+    ref_params, ref_opt = _run("reference", 3, dtype, **hyper)
+    got_params, got_opt = _run(implementation, 3, dtype, **hyper)
+    _assert_same_run(got_params, got_opt, ref_params, ref_opt, dtype)
+    # The special tensors did what they are there for.
+    assert not got_opt.state[got_params["no_grad"]] and torch.equal(got_params["no_grad"], _params(dtype)["no_grad"])
+    assert torch.equal(got_params["zero_g"], _params(dtype)["zero_g"])        # u = 0 without decay: trust 1, no move
+    assert got_params["zero_w"].abs().max() > 0                               # ||w|| = 0: trust 1, it moves
+
+
+def test_the_cases_exercise_the_trust_ratio_clamp():
+    """'big' (trust ratio ~100 before the clamp) moves differently at max_trust_ratio 10 and None,
+    so the comparisons above do test the clamp."""
+    clamped, _ = _run("reference", 1, max_trust_ratio=10.0)
+    free, _ = _run("reference", 1, max_trust_ratio=None)
+    assert not torch.allclose(clamped["big"], free["big"], rtol=1e-4, atol=0)
+    torch.testing.assert_close(clamped["w"], free["w"], rtol=0, atol=0)
+
+
+def test_foreach_batches_cover_every_tensor(monkeypatch):
+    """The foreach implementation in batches of at most 64 elements (a larger tensor alone) equals it in one batch."""
+    one_batch = _run("foreach", 2)
+    monkeypatch.setattr(optim, "FOREACH_BATCH_ELEMENTS", 64)
+    assert [(s.start, s.stop) for s in optim._batches([torch.empty(n) for n in (10, 60, 300, 1, 2)], 64)] == [
+        (0, 1), (1, 2), (2, 3), (3, 5)]
+    _assert_identical(*_run("foreach", 2), *one_batch)
+
+
+# --------------------------------------------------------------------------- checkpoints and determinism
+@pytest.mark.parametrize("implementation", ("reference",) + FAST)
+def test_lamb_resumes_from_a_checkpoint(implementation):
+    """A reference-written checkpoint continues under each implementation as the reference does;
+    then each implementation's own checkpoint, saved through torch.save, resumes bit for bit."""
+    _require(implementation)
+    ref_params, ref_opt = _run("reference", 2)
+    saved = _snapshot(ref_params, ref_opt)
+    _set_grads(ref_params, 2)
+    ref_opt.step()
+
+    params, opt = _run(implementation, 1, first=2, params=_restore(saved[0]), state=saved[1])
+    _assert_same_run(params, opt, ref_params, ref_opt)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    weights = {n: p.detach().clone() for n, p in params.items()}
+    _set_grads(params, 3)
+    opt.step()
+
+    buffer.seek(0)
+    resumed = _run(implementation, 1, first=3, params=_restore(weights),
+                   state=torch.load(buffer, weights_only=True))
+    _assert_identical(params, opt, *resumed)
+
+
+@pytest.mark.parametrize("implementation", ("reference", "foreach"))
+def test_a_checkpoint_keeps_low_precision_parameters_moments_in_fp32(implementation):
+    """torch's load_state_dict casts saved state to the parameter's dtype; LAMB's moments stay fp32."""
+    dtype = LOWP[-1]
+    params, opt = _run(implementation, 2, dtype)
+    saved = _snapshot(params, opt)
+    _set_grads(params, 2)
+    opt.step()
+    resumed = _run(implementation, 1, dtype, first=2, params=_restore(saved[0]), state=saved[1])
+    assert resumed[1].state[resumed[0]["w"]]["exp_avg"].dtype == torch.float32
+    _assert_identical(params, opt, *resumed)
+
+
+@pytest.mark.parametrize("implementation", FAST)
+def test_lamb_is_deterministic(implementation):
+    _require(implementation)
+    _assert_identical(*_run(implementation, 2), *_run(implementation, 2))
+
+
+def test_triton_tables_follow_gradients_that_move():
+    """Gradients are new tensors each step (zero_grad(set_to_none=True)): the address table follows
+    them, and a parameter that loses its gradient leaves the tensor set."""
+    _require("triton")
+    ref_params, ref_opt = _run("reference", 1)
+    params, opt = _run("triton", 1)
+    for p, q in ((params, opt), (ref_params, ref_opt)):
+        _set_grads(p, 1)
+        p["w"].grad = p["w"].grad.clone()  # a gradient at a new address
+        p["bias"].grad = None              # and one that is gone
+        q.step()
+    _assert_same_run(params, opt, ref_params, ref_opt)
+    assert len(opt._tables) == 2
+
+
+# --------------------------------------------------------------------------- choosing the implementation
+def _fake_params(device_type, **extra):
+    """Stand-ins with the attributes the choice reads (device, dtype): CUDA without a GPU."""
+    return [types.SimpleNamespace(device=torch.device(device_type), dtype=torch.float32, **extra)]
+
+
+def test_default_and_forced_implementations(monkeypatch):
+    monkeypatch.delenv(optim.LAMB_ENV, raising=False)
+    cpu = [torch.nn.Parameter(torch.zeros(2, device="cpu"))]
+    assert optim.Lamb(cpu).implementation == "foreach"                         # CPU: never the interpreter by default
+    assert optim.Lamb(cpu, implementation="reference").implementation == "reference"
+    monkeypatch.setenv(optim.LAMB_ENV, "reference")
+    assert optim.Lamb(cpu).implementation == "reference"
+    assert optim.Lamb(cpu, implementation="foreach").implementation == "foreach"  # the argument wins
+    monkeypatch.setenv(optim.LAMB_ENV, "fastest")
+    with pytest.raises(ValueError, match=r"BERTFAST_LAMB must be one of \['reference', 'foreach', 'triton'\], "
+                                         r"got 'fastest'"):
+        optim.Lamb(cpu)
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        optim.Lamb(cpu, implementation="fused")
+    monkeypatch.delenv(optim.LAMB_ENV)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="triton LAMB was forced but cannot run these parameters: CPU parameters "
+                                         "need TRITON_INTERPRET=1"):
+        optim.Lamb(cpu, implementation="triton")
+    if optim.triton_lamb_availability()[0]:
+        assert optim.lamb_implementation(None, _fake_params("cuda")) == "triton"
+    # FSDP's DTensors: foreach (it reduces the norms across ranks), by design: not a fallback.
+    assert optim.lamb_implementation(None, _fake_params("cuda", full_tensor=None)) == "foreach"
+    with pytest.raises(ValueError, match="DTensors"):
+        optim.lamb_implementation("triton", _fake_params("cuda", full_tensor=None))
+
+
+def test_a_broken_triton_lamb_falls_back_visibly(monkeypatch, caplog):
+    monkeypatch.delenv(optim.LAMB_ENV, raising=False)
+    why = "import of bertfast.kernels.lamb failed: ImportError: a broken install"
+    monkeypatch.setattr(optim, "triton_lamb_availability", lambda: (False, why))
+    monkeypatch.delitem(dispatch.FALLBACKS, ("lamb", "triton"), raising=False)
+    try:
+        assert optim.lamb_implementation(None, _fake_params("cpu")) == "foreach"
+        assert ("lamb", "triton") not in dispatch.FALLBACKS                     # CPU never wanted triton
+        with caplog.at_level(logging.WARNING, logger="bertfast.optim"):
+            assert optim.lamb_implementation(None, _fake_params("cuda")) == "foreach"
+        assert "LAMB falls back from triton to foreach: " + why in caplog.text
+        assert dispatch.FALLBACKS[("lamb", "triton")] == why
+        from bertfast.info import report
+        text = report()
+        assert "lamb: triton skipped: " + why in text and "LAMB optimizer: foreach everywhere" in text
+        with pytest.raises(ValueError, match="a broken install"):
+            optim.lamb_implementation("triton", _fake_params("cuda"))
+    finally:
+        dispatch.FALLBACKS.pop(("lamb", "triton"), None)
+
+
+def test_lamb_rejects_what_it_cannot_run():
+    p = torch.nn.Parameter(torch.zeros(4, 4))
+    p.grad = torch.zeros(4, 4).to_sparse()
+    for implementation in ("reference", "foreach"):
+        with pytest.raises(RuntimeError, match="sparse gradients"):
+            optim.Lamb([p], implementation=implementation).step()
+    with pytest.raises(ValueError, match="max_trust_ratio must be > 0 or None, got 0"):
+        optim.Lamb([p], max_trust_ratio=0)
+    from bertfast.kernels import lamb as kernels
+    tensors = [torch.zeros(4, 4) for _ in range(4)]
+    with pytest.raises(ValueError, match=r"gradient 0: expected a contiguous tensor, got shape \(4, 4\) with "
+                                         r"strides \(1, 4\)"):
+        kernels.check_lamb_tensors([tensors[0]], [tensors[1].t()], [tensors[2]], [tensors[3]])
+    with pytest.raises(ValueError, match=r"exp_avg_sq 0: expected dtype in \['torch.float32'\], got torch.float16"):
+        kernels.check_lamb_tensors([tensors[0]], [tensors[1]], [tensors[2]], [tensors[3].half()])
+
+
+def test_build_optimizer_wires_both_optimizers(monkeypatch):
+    monkeypatch.delenv(optim.LAMB_ENV, raising=False)
+    model = bertfast.BertForPreTraining(bertfast.BertConfig.preset("tiny"))
+    lamb = optim.build_optimizer(model, "lamb", 1e-3, implementation="reference")
+    assert isinstance(lamb, optim.Lamb) and lamb.implementation == "reference"
+    assert copy.deepcopy(lamb).implementation == "reference"                  # a copy keeps the forced choice
+    assert [g["weight_decay"] for g in lamb.param_groups] == [0.01, 0.0]
+    assert optim.build_optimizer(model, "lamb", 1e-3).implementation == "foreach"
+    with pytest.raises(ValueError, match="fused= chooses AdamW's kernel"):
+        optim.build_optimizer(model, "lamb", 1e-3, fused=True)
+    with pytest.raises(ValueError, match="implementation= chooses LAMB's implementation"):
+        optim.build_optimizer(model, "adamw", 1e-3, implementation="triton")
+
+
+# --------------------------------------------------------------------------- AdamW
+def test_adamw_is_fused_where_torch_has_it_and_foreach_otherwise():
+    model = torch.nn.Linear(4, 3).to(DEVICE)
+    auto = optim.build_optimizer(model, "adamw", 1e-3)
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    assert auto.defaults["fused"] == (DEVICE.type in _get_fused_kernels_supported_devices())
+    forced = optim.build_optimizer(model, "adamw", 1e-3, fused=False)
+    assert not forced.defaults["fused"] and forced.defaults["foreach"]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+def test_adamw_matches_torchs_for_loop(fused):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 3)).to(DEVICE)
+    twin = copy.deepcopy(model)
+    fast = optim.build_optimizer(model, "adamw", 1e-2, weight_decay=0.1, fused=fused)
+    loop = torch.optim.AdamW(optim.parameter_groups(twin, 0.1), lr=1e-2, eps=1e-6, weight_decay=0.1,
+                             foreach=False, fused=False)
+    for step in range(5):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step)).to(DEVICE)
+        for m, opt in ((model, fast), (twin, loop)):
+            opt.zero_grad(set_to_none=True)
+            m(x).square().mean().backward()
+            opt.step()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+# --------------------------------------------------------------------------- the benchmark cases
+def _bench_rows(ops):
+    from bertfast.bench import device, kernels_suite
+    from bertfast.bench.common import SuiteContext
+    from bertfast.bench.timing import TimingPolicy
+
+    ctx = SuiteContext(device=device.detect("cpu"), quick=True, dtype=torch.float32, backends=("torch",),
+                       compile=False, policy=TimingPolicy(cpu_warmup=0, cpu_reps=1), ops=ops, log=lambda text: None)
+    return {(r.group, r.impl): r for r in kernels_suite.run(ctx)}
+
+
+@pytest.mark.skipif(GPU, reason="the CPU case list (one tiny model); a GPU runs BERT's parameters")
+def test_benchmark_cases_gate_then_time_both_optimizers(monkeypatch):
+    """`bertfast bench --ops adamw,lamb` on CPU: each implementation passes the parity gate against
+    the for-loop / reference step and is timed; a LAMB whose updates are 1% too large is refused."""
+    rows = _bench_rows(("adamw", "lamb"))
+    assert set(rows) == {("adamw", "torch fused"), ("adamw", "torch foreach"), ("adamw", "torch eager"),
+                         ("lamb", "bertfast:torch foreach"), ("lamb", "torch eager")}
+    for key, row in rows.items():
+        assert row.direction == "step" and row.case["model"] == "micro", key
+        assert row.ok and row.time_ms.median > 0 and row.metrics["gbps"].median > 0, (key, row.reason)
+
+    right = optim._foreach_lamb
+
+    def wrong(params, grads, exp_avgs, exp_avg_sqs, steps, group):
+        right(params, grads, exp_avgs, exp_avg_sqs, steps, {**group, "lr": group["lr"] * 1.01})
+    monkeypatch.setattr(optim, "_foreach_lamb", wrong)
+    row = _bench_rows(("lamb",))[("lamb", "bertfast:torch foreach")]
+    assert row.status == "FAILED PARITY" and row.time_ms is None and "step/lr: max error" in row.reason
