@@ -34,6 +34,7 @@ PREFERENCE = ("triton", "cuda", "torch")
 
 ReasonsFn = Callable[..., List[str]]
 _MEASURED: Optional[Dict[str, Dict[str, List[str]]]] = None  # GPU name -> op -> fastest-first backends
+_DEVICE_NAMES: Dict[int, str] = {}  # CUDA device index -> name: asked once, not on every op call
 
 
 def preference_file() -> str:
@@ -57,6 +58,7 @@ def read_preferences(path: Optional[str] = None) -> Dict[str, Dict[str, List[str
 def reload_preferences() -> None:
     global _MEASURED
     _MEASURED = None
+    _DEVICE_NAMES.clear()
 
 
 def preference(op: str, device: Optional[torch.device]) -> Tuple[str, ...]:
@@ -66,7 +68,11 @@ def preference(op: str, device: Optional[torch.device]) -> Tuple[str, ...]:
         return PREFERENCE
     if _MEASURED is None:
         _MEASURED = read_preferences()
-    measured = _MEASURED.get(torch.cuda.get_device_name(device), {}).get(op)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    name = _DEVICE_NAMES.get(index)
+    if name is None:
+        name = _DEVICE_NAMES[index] = torch.cuda.get_device_name(index)
+    measured = _MEASURED.get(name, {}).get(op)
     if not measured:
         return PREFERENCE
     return tuple(measured) + tuple(name for name in PREFERENCE if name not in measured)

@@ -95,12 +95,14 @@ def test_measured_preference_reorders_fast_backends_per_gpu(tmp_path, monkeypatc
     path = tmp_path / "pref.json"
     monkeypatch.setenv("BERTFAST_PREFERENCE_FILE", str(path))
     assert record(run) == str(path)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: asked.append(device) or "Test GPU")
     try:
         cuda = torch.device("cuda", 0)
         assert dispatch.preference("bias_gelu", cuda) == ("cuda", "triton", "torch")
         assert dispatch.preference("embeddings", cuda) == dispatch.PREFERENCE
         assert dispatch.preference("bias_gelu", torch.device("cpu")) == dispatch.PREFERENCE
+        assert asked == [0]  # the name is asked once per device, not on every op call (host overhead)
     finally:
         dispatch.reload_preferences()
 
