@@ -31,7 +31,6 @@ No implementation reads a value back from the device during a step.
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -67,21 +66,15 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> List[Dict[s
 
 
 # --------------------------------------------------------------------------- choosing LAMB's implementation
-_TRITON_LAMB: Optional[Tuple[bool, str]] = None
+# A dispatch Backend for its cached, visible import check; not registered (LAMB is no op: it has
+# no torch or cuda backend for dispatch to choose between).
+_TRITON_LAMB = dispatch.Backend("lamb", "triton", "bertfast.kernels.lamb", lambda forced, **inputs: [],
+                                availability_fn=dispatch.triton_availability)
 
 
 def triton_lamb_availability() -> Tuple[bool, str]:
     """(True, "") when triton and bertfast.kernels.lamb import, else (False, why); cached."""
-    global _TRITON_LAMB
-    if _TRITON_LAMB is None:
-        ok, why = dispatch.triton_availability()
-        if ok:
-            try:
-                importlib.import_module("bertfast.kernels.lamb")
-            except Exception as exc:  # a broken kernel module must be visible, not hidden
-                ok, why = False, f"import of bertfast.kernels.lamb failed: {type(exc).__name__}: {exc}"
-        _TRITON_LAMB = (ok, why)
-    return _TRITON_LAMB
+    return _TRITON_LAMB.availability()
 
 
 def _triton_reasons(params: Sequence[torch.Tensor], forced: bool) -> List[str]:
