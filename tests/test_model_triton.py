@@ -30,6 +30,23 @@ def _loss_and_grads(model, batch):
     return out, dict(zip([n for n, _ in model.named_parameters()], grads))
 
 
+def _triton_and_reference(model, batch):
+    """(outputs, grads) with every op forced to Triton, then with the reference encoder."""
+    with bertfast.use_backend("triton"):
+        fast = _loss_and_grads(model, batch)
+    with bertfast.reference_execution(model):
+        ref = _loss_and_grads(model, batch)
+    return fast, ref
+
+
+def _assert_grads_close(names, fast, ref):
+    """Each gradient within 1e-4 of the reference's norm (None: a parameter the loss does not reach)."""
+    for name, a, b in zip(names, fast, ref):
+        if b is None:
+            continue
+        assert (a - b).norm() <= 1e-4 * b.norm() + 1e-6, name
+
+
 def test_triton_model_matches_reference_fp32():
     model = _model()
     batch = random_batch(model.config, 3, 12, DEV, torch.Generator().manual_seed(1))
@@ -38,10 +55,7 @@ def test_triton_model_matches_reference_fp32():
     positions = [0, 3, 5, 7, 11]  # sequence 1 is 12 real tokens long
     batch["labels"][1, positions] = batch["input_ids"][1, positions]
     assert (batch["labels"] != -100).sum() >= 5
-    with bertfast.use_backend("triton"):
-        fast, fast_grads = _loss_and_grads(model, batch)
-    with bertfast.reference_execution(model):
-        ref, ref_grads = _loss_and_grads(model, batch)
+    (fast, _), (ref, _) = _triton_and_reference(model, batch)
     valid = batch["attention_mask"].bool()
     torch.testing.assert_close(fast.hidden_states[-1][valid], ref.hidden_states[-1][valid], atol=1e-5, rtol=0)
     torch.testing.assert_close(fast.mlm_loss, ref.mlm_loss, atol=1e-5, rtol=0)
@@ -55,10 +69,7 @@ def test_triton_model_matches_reference_fp32():
     with bertfast.reference_execution(model):
         out = model(**batch)
         ref_mlm = torch.autograd.grad(out.mlm_loss, list(model.parameters()), allow_unused=True)
-    for (name, _), a, b in zip(model.named_parameters(), fast_mlm, ref_mlm):
-        if b is None:
-            continue
-        assert (a - b).norm() <= 1e-4 * b.norm() + 1e-6, name
+    _assert_grads_close([name for name, _ in model.named_parameters()], fast_mlm, ref_mlm)
 
 
 @pytest.mark.parametrize("hidden,heads,ffn", [(312, 12, 1200), (160, 2, 320)], ids=["tinybert-d26", "d80"])
@@ -68,15 +79,11 @@ def test_triton_model_odd_widths_match_reference(hidden, heads, ffn):
     model = _model(hidden_size=hidden, num_attention_heads=heads, intermediate_size=ffn, num_hidden_layers=1)
     batch = random_batch(model.config, 2, 9, DEV, torch.Generator().manual_seed(3))
     batch["attention_mask"][1, 6:] = 0
-    with bertfast.use_backend("triton"):
-        fast, fast_grads = _loss_and_grads(model, batch)
-    with bertfast.reference_execution(model):
-        ref, ref_grads = _loss_and_grads(model, batch)
+    (fast, fast_grads), (ref, ref_grads) = _triton_and_reference(model, batch)
     valid = batch["attention_mask"].bool()
     torch.testing.assert_close(fast.hidden_states[-1][valid], ref.hidden_states[-1][valid], atol=2e-5, rtol=0)
     torch.testing.assert_close(fast.loss, ref.loss, atol=1e-5, rtol=0)
-    for name, grad in ref_grads.items():
-        assert (fast_grads[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-6, name
+    _assert_grads_close(list(ref_grads), [fast_grads[n] for n in ref_grads], list(ref_grads.values()))
 
 
 def test_triton_model_trains_with_dropout():
