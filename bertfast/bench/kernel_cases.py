@@ -544,9 +544,9 @@ def _optimizer_case(ctx: SuiteContext, group: str, model: str, config,
 
 
 def adamw_cases(ctx: SuiteContext) -> List[OpCase]:
-    from torch.utils import _foreach_utils
+    from bertfast.training.optim import fused_adamw_devices
 
-    fused_devices = getattr(_foreach_utils, "_get_fused_kernels_supported_devices", lambda: ["cuda"])()
+    fused_devices = fused_adamw_devices()
 
     def adamw(**kind):
         return lambda groups: torch.optim.AdamW(groups, lr=OPTIMIZER_LR, eps=1e-6, weight_decay=0.01, **kind)

@@ -328,11 +328,16 @@ def _foreach_lamb(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avg
 
 
 # --------------------------------------------------------------------------- building
-def _fused_adamw_supported(params: Sequence[torch.Tensor]) -> bool:
-    """Does the installed torch have a fused AdamW kernel for every parameter's device?"""
+def fused_adamw_devices() -> List[str]:
+    """The device types the installed torch has a fused AdamW kernel for."""
     from torch.utils import _foreach_utils
 
-    supported = getattr(_foreach_utils, "_get_fused_kernels_supported_devices", lambda: ["cuda"])()
+    return list(getattr(_foreach_utils, "_get_fused_kernels_supported_devices", lambda: ["cuda"])())
+
+
+def _fused_adamw_supported(params: Sequence[torch.Tensor]) -> bool:
+    """Does the installed torch have a fused AdamW kernel for every parameter's device?"""
+    supported = fused_adamw_devices()
     return bool(params) and all(p.device.type in supported and p.is_floating_point() for p in params)
 
 
