@@ -12,6 +12,12 @@ The first backend with no reasons runs. A forced backend (``BERTFAST_BACKEND=tor
 nothing fits, one error lists every backend and why. When a backend that would have served a
 CUDA input is unavailable (a broken build, a failed import), the op falls back to the next one
 and says so: a warning once, and a record that ``bertfast info`` prints.
+
+Choices are cached (``select`` runs on every op call, and asking every backend costs tens of
+microseconds of host time): keyed by the op, the forced backend, each input's device, dtype and
+shape (the only properties ``not_supported_reasons`` may read), TRITON_INTERPRET, the CUDA
+backend's device type, and each backend's availability. ``register_backend`` and
+``reload_preferences`` clear the cache, as does ``clear_cache()``. Errors are never cached.
 """
 from __future__ import annotations
 
@@ -20,6 +26,8 @@ import importlib
 import json
 import logging
 import os
+import sys
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
@@ -59,6 +67,7 @@ def reload_preferences() -> None:
     global _MEASURED
     _MEASURED = None
     _DEVICE_NAMES.clear()
+    clear_cache()
 
 
 def preference(op: str, device: Optional[torch.device]) -> Tuple[str, ...]:
@@ -126,6 +135,7 @@ def register_backend(backend: Backend) -> None:
     if backend.name not in BACKEND_NAMES:
         raise ValueError(f"backend name must be one of {BACKEND_NAMES}, got {backend.name!r}")
     _REGISTRY.setdefault(backend.op, {})[backend.name] = backend
+    clear_cache()
 
 
 def backends(op: str) -> Dict[str, Backend]:
@@ -145,8 +155,25 @@ def get(op: str, name: str) -> Backend:
     return table[name]
 
 
+def _getenv(name: str) -> Optional[str]:
+    """os.environ.get(name) without its two exceptions per unset name (~2 us; select reads three
+    names on every op call). Still live: tests and users may set them at any time."""
+    env = os.environ
+    try:
+        raw = env._data.get(env.encodekey(name))
+    except AttributeError:  # not CPython's os._Environ
+        return env.get(name)
+    return None if raw is None else env.decodevalue(raw)
+
+
+_OP_ENV: Dict[str, str] = {}  # op -> its BERTFAST_BACKEND_<OP> variable
+
+
 def _env_override(op: str) -> Optional[str]:
-    value = os.environ.get(f"BERTFAST_BACKEND_{op.upper()}") or os.environ.get("BERTFAST_BACKEND")
+    name = _OP_ENV.get(op)
+    if name is None:
+        name = _OP_ENV[op] = f"BERTFAST_BACKEND_{op.upper()}"
+    value = _getenv(name) or _getenv("BERTFAST_BACKEND")
     if value and value not in BACKEND_NAMES:
         raise ValueError(f"BERTFAST_BACKEND must be one of {BACKEND_NAMES}, got {value!r}")
     return value or None
@@ -179,11 +206,37 @@ class NoBackendError(ValueError):
     pass
 
 
+# ---------------------------------------------------------------- the decision cache
+CACHE_SIZE = 4096  # choices kept (least recently used dropped): unpadded batches change the row count
+_CACHE: "OrderedDict[tuple, str]" = OrderedDict()
+
+
+def clear_cache() -> None:
+    """Forget every cached backend choice (after anything a choice depends on has changed)."""
+    _CACHE.clear()
+
+
+def _cache_key(op: str, forced: Optional[str], inputs: Mapping[str, object]) -> Optional[tuple]:
+    """Everything ``_select`` reads, as a hashable key (None: do not cache, e.g. an unknown op).
+    Of a tensor input: its device, dtype and full shape (a limit may read any size, e.g. the CUDA
+    attention's batch); of any other input, its value."""
+    table = _REGISTRY.get(op)
+    if table is None:
+        return None
+    cuda_common = sys.modules.get("bertfast.cuda._common")  # its DEVICE_TYPE is "cpu" under the CPU emulator
+    return (op, forced, _getenv("TRITON_INTERPRET"), getattr(cuda_common, "DEVICE_TYPE", None),
+            # the table's backends and their availability (tests replace both)
+            tuple([(id(b), b._available) for b in table.values()]),
+            tuple([(name, (v.device, v.dtype, v.shape) if isinstance(v, torch.Tensor) else v)
+                   for name, v in inputs.items()]))
+
+
 def select(op: str, **inputs) -> str:
     """Name of the backend that runs ``op`` on these inputs (only their metadata is read).
 
-    Under torch.compile the choice is made once at trace time from a description of the
-    inputs and baked into the graph as a constant (Dynamo never traces the dispatcher).
+    Outside torch.compile the choice is cached (see the module docstring). Under torch.compile
+    it is made once at trace time from a description of the inputs and baked into the graph as
+    a constant (Dynamo never traces the dispatcher).
     """
     if torch.compiler.is_compiling():
         # The leading size (rows: possibly data-dependent) is described as 1: no backend's
@@ -192,7 +245,28 @@ def select(op: str, **inputs) -> str:
                                                     (1,) + tuple(int(d) for d in t.shape[1:])))
                      for name, t in inputs.items())
         return _select_from_spec(op, spec)
-    return _select(op, **inputs)
+    forced = forced_backend(op)  # resolved first: part of the key
+    try:
+        key = _cache_key(op, forced, inputs)
+        hit = _CACHE.get(key) if key is not None else None
+    except TypeError:  # an unhashable input value: decide without the cache
+        key = hit = None
+    if hit is not None:
+        try:
+            _CACHE.move_to_end(key)
+        except KeyError:  # dropped by another thread meanwhile
+            pass
+        return hit
+    name = _select(op, forced, **inputs)  # raises, never cached, when nothing can run these inputs
+    if key is not None:
+        # Keyed on the state after deciding: a backend's availability is filled in on first use.
+        _CACHE[_cache_key(op, forced, inputs)] = name
+        while len(_CACHE) > CACHE_SIZE:
+            try:
+                _CACHE.popitem(last=False)
+            except KeyError:  # emptied by another thread meanwhile
+                break
+    return name
 
 
 @torch.compiler.assume_constant_result
@@ -202,12 +276,13 @@ def _select_from_spec(op: str, spec) -> str:
         return torch.empty_strided(shape, [0] * len(shape), dtype=getattr(torch, dtype),
                                    device=torch.device(device_type, index))
 
-    return _select(op, **{name: None if desc is None else stand_in(desc) for name, desc in spec})
+    return _select(op, forced_backend(op), **{name: None if desc is None else stand_in(desc) for name, desc in spec})
 
 
-def _select(op: str, **inputs) -> str:
+def _select(op: str, forced: Optional[str], **inputs) -> str:
+    """The choice itself, uncached: ``forced`` (forced_backend(op)) runs or raises, else the first
+    backend in preference order with no reasons."""
     table = backends(op)
-    forced = forced_backend(op)
     if forced is not None:
         reasons = get(op, forced).reasons(True, **inputs)
         if reasons:
@@ -276,7 +351,7 @@ def device_reasons(backend: str, forced: bool, tensors: Mapping[str, Optional[to
     if devices == {"cuda"}:
         return []
     if backend == "triton" and devices <= {"cpu"}:
-        if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        if (_getenv("TRITON_INTERPRET") or "0") != "1":
             return ["CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter)"]
         if not forced:
             return ["CPU tensors run the Triton interpreter only when triton is forced"]

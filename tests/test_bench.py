@@ -404,6 +404,49 @@ def test_quick_cpu_run_end_to_end(tmp_path, capsys):
     assert got["mfu_large_128"]["status"] == NOT_MEASURED  # no BERT-large rows in a quick CPU run
 
 
+def test_overhead_suite_times_every_op_on_cpu(monkeypatch):
+    from bertfast.bench import overhead_suite as OH
+    monkeypatch.setattr(OH, "_timing_counts", lambda ctx: (1, 5, 3))  # warm-up, calls, samples: quick
+    ctx = _cpu_ctx()
+    rows = OH.run(ctx)
+    assert {r.group for r in rows} == set(OH.OPS) == {"bias_gelu", "bias_dropout_residual_layernorm", "embeddings",
+                                                        "attention_varlen", "attention", "mlm_head_loss"}
+    bad = [(r.group, r.direction, r.impl, r.status, r.reason) for r in rows if not r.ok]
+    assert not bad
+    for op in OH.OPS:
+        got = {(r.direction, r.impl) for r in rows if r.group == op}
+        assert got == {("select", "bertfast:torch"), ("decide", "bertfast:torch"), ("fwd", "bertfast:torch"),
+                       ("fwd", TORCH_EAGER),
+                       ("fwd+bwd", "bertfast:torch"), ("fwd+bwd", TORCH_EAGER)}, op
+    for r in rows:
+        host = r.metrics["host_us"]
+        assert r.suite == "overhead" and host.n == 3 and 0 < host.p20 <= host.median <= host.p80
+        assert r.time_ms.median == pytest.approx(host.median / 1e3)
+    assert any("host microseconds per call" in n for n in ctx.notes)
+
+
+def test_overhead_suite_from_the_cli_and_its_report(tmp_path, monkeypatch):
+    from bertfast.bench import overhead_suite as OH
+    monkeypatch.setattr(OH, "_timing_counts", lambda ctx: (1, 5, 3))
+    out = tmp_path / "run"
+    assert cli.main(["--suite", "overhead", "--device", "cpu", "--ops", "bias_gelu", "--out", str(out)]) == 0
+    data = json.load(open(out / "results.json"))
+    rows = data["rows"]
+    assert {r["suite"] for r in rows} == {"overhead"} and {r["group"] for r in rows} == {"bias_gelu"}
+    assert len(rows) == 6 and all(r["status"] == "ok" and r["metrics"]["host_us"]["median"] > 0 for r in rows)
+    md = open(out / "results.md").read()
+    assert "## Overhead suite" in md and "+us vs torch eager" in md and "## Kernel suite" not in md
+
+    # Its rows reuse op names: the kernel targets must not read them, even on a GPU.
+    run = report.load(str(out / "results.json"))
+    run.device.kind = "cuda"
+    for r in run.rows:
+        r.impl = r.impl.replace("bertfast:torch", "bertfast:triton")
+    got = {t["id"]: t for t in evaluate_targets(run)}
+    assert got["row_ops_bandwidth"]["status"] == NOT_MEASURED
+    assert "evaluation failed" not in got["row_ops_bandwidth"]["detail"]
+
+
 # --------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 def test_gpu_calibration_and_timing():

@@ -47,6 +47,7 @@ def test_no_backend_error_lists_every_backend():
         assert "pretend torch cannot" in message and "triton:" in message and "cuda:" in message
     finally:
         dispatch._REGISTRY["bias_gelu"] = table
+        dispatch.clear_cache()
 
 
 def test_broken_backend_module_is_reported_not_hidden(caplog):
@@ -65,6 +66,7 @@ def test_broken_backend_module_is_reported_not_hidden(caplog):
         assert "bias_gelu: triton skipped" in report()
     finally:
         dispatch._REGISTRY["bias_gelu"] = table
+        dispatch.clear_cache()
         dispatch.FALLBACKS.pop(("bias_gelu", "triton"), None)
 
 
@@ -121,3 +123,162 @@ def test_cli_reports_a_missing_optional_dependency_in_one_line(monkeypatch, caps
     monkeypatch.setattr(importlib, "import_module", lambda name: (_ for _ in ()).throw(ImportError("a real bug")))
     with pytest.raises(ImportError, match="a real bug"):
         cli.main(["prepare"])
+
+
+# --------------------------------------------------------------------------- the decision cache
+class Counting:
+    """A backend's reasons function that counts its calls (a fresh decision asks it again)."""
+
+    def __init__(self, reasons):
+        self.reasons, self.calls = reasons, 0
+
+    def __call__(self, forced, **inputs):
+        self.calls += 1
+        return list(self.reasons)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """bias_gelu with counting torch (runs anything) and triton (runs nothing) backends; the real
+    table is put back afterwards. The cuda backend is left out: nothing else is asked."""
+    table = dict(dispatch.backends("bias_gelu"))
+    torch_reasons, triton_reasons = Counting([]), Counting(["pretend triton cannot"])
+    try:
+        dispatch._REGISTRY["bias_gelu"] = {}
+        dispatch.register_backend(Backend("bias_gelu", "torch", "bertfast.ops.bias_gelu", torch_reasons))
+        dispatch.register_backend(Backend("bias_gelu", "triton", "bertfast.ops.bias_gelu", triton_reasons))
+        yield torch_reasons, triton_reasons
+    finally:
+        dispatch._REGISTRY["bias_gelu"] = table
+        dispatch.clear_cache()
+
+
+def _select(x, b):
+    return dispatch.select("bias_gelu", x=x, bias=b)
+
+
+def test_a_repeated_choice_asks_no_backend_again(counted):
+    torch_reasons, triton_reasons = counted
+    x, b = torch.randn(4, 8), torch.randn(8)
+    assert _select(x, b) == "torch"
+    assert (torch_reasons.calls, triton_reasons.calls) == (1, 1)
+    for _ in range(3):  # other tensors with the same metadata: hits
+        assert _select(torch.randn(4, 8), torch.randn(8)) == "torch"
+    assert (torch_reasons.calls, triton_reasons.calls) == (1, 1)
+
+
+@pytest.mark.parametrize("change", ["rows", "width", "dtype", "device", "bias absent"])
+def test_other_metadata_is_a_fresh_choice(counted, change):
+    _, triton_reasons = counted
+    x, b = torch.randn(4, 8), torch.randn(8)
+    _select(x, b)
+    other = {"rows": (torch.randn(5, 8), b),  # the leading size is part of the key (CUDA attention reads it)
+             "width": (torch.randn(4, 16), torch.randn(16)),
+             "dtype": (x.double(), b),
+             "device": (torch.empty(4, 8, device="meta"), b),
+             "bias absent": (x, None)}[change]
+    _select(*other)
+    assert triton_reasons.calls == 2
+    _select(*other)
+    assert triton_reasons.calls == 2
+
+
+def test_forced_backend_is_part_of_the_key(counted, monkeypatch):
+    torch_reasons, triton_reasons = counted
+    x, b = torch.randn(4, 8), torch.randn(8)
+    assert _select(x, b) == "torch"
+    with dispatch.use_backend("torch"):
+        assert _select(x, b) == "torch"
+        assert _select(x, b) == "torch"
+    assert (torch_reasons.calls, triton_reasons.calls) == (2, 1)  # one forced decision, then a hit
+    monkeypatch.setenv("BERTFAST_BACKEND_BIAS_GELU", "triton")
+    with pytest.raises(NoBackendError, match="pretend triton cannot"):
+        _select(x, b)
+    monkeypatch.setenv("BERTFAST_BACKEND_BIAS_GELU", "torch")  # torch forced again, another way: a hit
+    assert _select(x, b) == "torch"
+    assert (torch_reasons.calls, triton_reasons.calls) == (2, 2)
+
+
+def test_errors_are_not_cached(counted):
+    _, triton_reasons = counted
+    x, b = torch.randn(4, 8), torch.randn(8)
+    with dispatch.use_backend("triton"):
+        for expected_calls in (1, 2, 3):
+            with pytest.raises(NoBackendError, match="forced for op 'bias_gelu'"):
+                _select(x, b)
+            assert triton_reasons.calls == expected_calls
+    assert not any(key[0] == "bias_gelu" and key[1] == "triton" for key in dispatch._CACHE)
+
+
+def test_register_backend_clears_the_cache(counted):
+    x, b = torch.randn(4, 8), torch.randn(8)
+    assert _select(x, b) == "torch"
+    dispatch.register_backend(Backend("bias_gelu", "triton", "bertfast.ops.bias_gelu", lambda forced, **t: []))
+    assert _select(x, b) == "triton"  # not the cached "torch"
+
+
+@pytest.mark.parametrize("change", ["TRITON_INTERPRET", "cuda device type", "availability reset", "reload"])
+def test_what_else_a_choice_reads_gives_a_fresh_choice(counted, monkeypatch, change):
+    from bertfast.cuda import _common
+
+    _, triton_reasons = counted
+    x, b = torch.randn(4, 8), torch.randn(8)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _select(x, b)
+    assert triton_reasons.calls == 1
+    if change == "TRITON_INTERPRET":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    elif change == "cuda device type":
+        monkeypatch.setattr(_common, "DEVICE_TYPE", "cpu")  # what the CUDA emulator tests do
+    elif change == "availability reset":
+        monkeypatch.setattr(dispatch.get("bias_gelu", "triton"), "_available", None)
+    else:
+        dispatch.reload_preferences()
+    _select(x, b)
+    assert triton_reasons.calls == 2
+
+
+def test_the_cache_is_bounded_least_recently_used_first(counted, monkeypatch):
+    _, triton_reasons = counted
+    monkeypatch.setattr(dispatch, "CACHE_SIZE", 3)
+    dispatch.clear_cache()
+    b = torch.randn(8)
+    for rows in (1, 2, 3):
+        _select(torch.randn(rows, 8), b)
+    _select(torch.randn(1, 8), b)  # rows=1 is now the most recently used
+    _select(torch.randn(4, 8), b)  # drops rows=2
+    assert len(dispatch._CACHE) == 3 and triton_reasons.calls == 4
+    _select(torch.randn(1, 8), b)
+    assert triton_reasons.calls == 4
+    _select(torch.randn(2, 8), b)
+    assert triton_reasons.calls == 5
+
+
+def test_a_cached_choice_still_records_its_fallback(monkeypatch, caplog):
+    """A CUDA input skipping a broken backend: warned and recorded on the first (uncached) decision."""
+    class OnCuda(torch.Tensor):  # CUDA metadata without a GPU: dispatch reads only the metadata
+        device = property(lambda self: torch.device("cuda", 0))
+
+    def on_cuda(*shape):
+        return torch.Tensor._make_subclass(OnCuda, torch.empty(*shape))
+
+    table = dict(dispatch.backends("bias_gelu"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
+    monkeypatch.setenv("BERTFAST_PREFERENCE_FILE", "/nonexistent/bertfast-preference.json")
+    dispatch.reload_preferences()
+    try:
+        dispatch.register_backend(Backend("bias_gelu", "triton", "bertfast.kernels.does_not_exist",
+                                          lambda forced, **t: []))
+        dispatch.register_backend(Backend("bias_gelu", "cuda", "bertfast.ops.bias_gelu",
+                                          lambda forced, **t: ["pretend cuda cannot"]))
+        dispatch.FALLBACKS.pop(("bias_gelu", "triton"), None)
+        x, b = on_cuda(4, 8), on_cuda(8)
+        with caplog.at_level(logging.WARNING, logger="bertfast.dispatch"):
+            assert _select(x, b) == "torch"
+            assert _select(x, b) == "torch"
+        assert "does_not_exist" in dispatch.FALLBACKS[("bias_gelu", "triton")]
+        assert caplog.text.count("falls back from triton to torch") == 1
+    finally:
+        dispatch._REGISTRY["bias_gelu"] = table
+        dispatch.reload_preferences()
+        dispatch.FALLBACKS.pop(("bias_gelu", "triton"), None)

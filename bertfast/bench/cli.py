@@ -17,7 +17,7 @@ from bertfast.bench.results import IMPL_FAMILIES, Run
 from bertfast.bench.targets import evaluate_targets
 from bertfast.bench.timing import TimingPolicy
 
-SUITES = ("kernels", "model", "all")
+SUITES = ("kernels", "model", "overhead", "all")  # all = kernels + model
 
 
 def parser() -> argparse.ArgumentParser:
@@ -35,7 +35,7 @@ def parser() -> argparse.ArgumentParser:
                    help="activation dtype (default bf16 on GPU, fp32 on CPU)")
     p.add_argument("--backends", default="triton,cuda,torch",
                    help="comma-separated bertfast backends to benchmark (default: all)")
-    p.add_argument("--ops", default=None, help="comma-separated kernel-suite ops (default: all)")
+    p.add_argument("--ops", default=None, help="comma-separated kernel- or overhead-suite ops (default: all)")
     p.add_argument("--models", default=None, help="comma-separated model-suite benchmarks (default: all)")
     p.add_argument("--reps", type=int, default=None,
                    help="CPU only: timed calls per figure after one warm-up call (default 3 with --quick, 5 "
@@ -150,6 +150,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.suite in ("model", "all"):
         from bertfast.bench import model_suite
         run.rows += model_suite.run(ctx)
+    if args.suite == "overhead":
+        from bertfast.bench import overhead_suite
+        run.rows += overhead_suite.run(ctx)
     run.notes = list(ctx.notes)
     run.config["elapsed_s"] = round(time.monotonic() - started, 1)
     run.targets = evaluate_targets(run)

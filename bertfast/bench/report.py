@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Tuple
 
 from bertfast.bench.results import HF_EAGER, TORCH_EAGER, Row, Run
 
-BASELINE = {"kernels": TORCH_EAGER, "model": HF_EAGER}
+BASELINE = {"kernels": TORCH_EAGER, "model": HF_EAGER, "overhead": TORCH_EAGER}
 CPU_BANNER = ("**CPU run.** These are CPU timings (time.perf_counter) of reference and, with "
               "TRITON_INTERPRET=1, Triton-interpreter paths on tiny shapes. They check that the harness "
               "and the parity gate work; they say nothing about GPU performance.")
@@ -76,6 +76,19 @@ def _mem(row: Row) -> str:
     return f"{row.memory.peak_bytes / 2**20:,.0f} (+{row.memory.peak_delta_bytes / 2**20:,.0f})"
 
 
+def _host(row: Row) -> str:
+    s = row.metrics.get("host_us")
+    return "" if s is None else f"{_fmt(s.median, 4)} [{_fmt(s.p20, 3)}, {_fmt(s.p80, 3)}]"
+
+
+def _extra_us(run: Run, row: Row) -> Optional[float]:
+    """Overhead suite: host us of this row minus its torch eager row's (None without one)."""
+    base = baseline_row(run, row)
+    if not row.ok or base is None or base is row or "host_us" not in row.metrics:
+        return None
+    return row.metrics["host_us"].median - base.metrics["host_us"].median
+
+
 def _table(header: List[str], lines: List[List[str]]) -> List[str]:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
     out += ["| " + " | ".join(cells) + " |" for cells in lines]
@@ -128,6 +141,14 @@ def markdown(run: Run) -> str:
                        _status(r)]
                       for r in model])
         md.append("")
+    overhead = [r for r in run.rows if r.suite == "overhead"]
+    if overhead:
+        md += ["## Overhead suite", "", "Host microseconds per call on tiny inputs (median [p20, p80]); "
+               "+us vs torch eager: this row's median minus the plain-PyTorch row's.", ""]
+        md += _table(["op", "case", "dir", "impl", "host us/call", "+us vs torch eager", "status"],
+                     [[r.group, r.case_key(), r.direction, r.impl, _host(r), _fmt(_extra_us(run, r)), _status(r)]
+                      for r in overhead])
+        md.append("")
     md += ["## Conventions", "", "```", (run.to_dict()["conventions"]), "```", ""]
     if run.notes:
         md += ["## Notes", ""] + [f"- {n}" for n in run.notes] + [""]
@@ -140,6 +161,7 @@ def summary(run: Run) -> str:
     lines = []
     for r in run.rows:
         wanted = ((("pct_copy_bw", "% copy BW", 1.0), ("tflops", "TFLOP/s", 1.0)) if r.suite == "kernels"
+                  else (("host_us", "host us/call", 1.0),) if r.suite == "overhead"
                   else (("tokens_per_s", "tok/s", 1.0), ("mfu", "% MFU", 100.0),
                         ("mfu_datasheet", "% MFU datasheet", 100.0)))
         figure = ", ".join(f"{_fmt(r.metrics[name].median * scale)} {unit}"

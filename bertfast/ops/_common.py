@@ -23,7 +23,8 @@ def register_backends(op: str, module: str, float_inputs: List[str]) -> None:
 
     float_inputs: names of the inputs whose dtype must be fp32/fp16/bf16 for the fused backends.
     A fused backend runs an input when its device and dtypes fit and its module's
-    ``unsupported(inputs)`` gives no reason.
+    ``unsupported(inputs)`` gives no reason. ``unsupported`` may read only the inputs' device,
+    dtype and shape: dispatch caches its answer per those (bertfast.dispatch).
     """
 
     def fused_reasons(name: str):
