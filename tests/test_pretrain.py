@@ -109,6 +109,9 @@ def test_resume_is_bit_exact(datasets, tmp_path):
     again = pretrain.parse_args(["--output-dir", str(tmp_path / "split"), "--resume", "--no-progress"])
     assert again.stop_at_step is None and again.resume == "auto"
     assert again.data == datasets[0] and again.lr == 1e-3 and again.config_overrides == dropout[1::2]
+    # ...and the demo preset (which `--resume` with no data would name) does not leak in: another
+    # thread count alone changes some CPU reductions' bits.
+    assert again.threads is None and not again.overwrite and not again.demo
     second = pretrain.run(again)
     assert not os.path.exists(ckpt_dir / ".tmp_step_00000004_999")
     resumed = {**first.losses, **second.losses}

@@ -190,6 +190,15 @@ class RunConfig:
         if getattr(config, "resume", None):
             saved = cls.load(config.output_dir)
             if saved is not None:
+                # The preset is the saved run's, not the one these flags alone would pick: `--resume`
+                # with no data names the demo, whose per-invocation settings (threads=1, overwrite)
+                # must not reach a run made on data (another thread count breaks bit-exact resumption).
+                saved_name = preset(saved.to_dict())
+                if saved_name != name:
+                    config = cls.from_preset(saved_name) if saved_name else cls()
+                    if from_file:
+                        config = cls.from_dict(from_file, path, base=config)
+                    config = cls.from_dict(flags, "the command line", base=config)
                 config = config.over_saved(saved, {**from_file, **flags})
         return config
 
