@@ -39,9 +39,9 @@ from transformers.modeling_outputs import (BaseModelOutputWithPoolingAndCrossAtt
                                            SequenceClassifierOutput, TokenClassifierOutput)
 from transformers.models.bert import modeling_bert as hf_bert
 
-from bertfast import losses, model_inputs, ops, reference, saving
+from bertfast import dispatch, losses, model_inputs, ops, reference, saving
 from bertfast.config import BertConfig, check_supported, gelu_approximate, head_dim
-from bertfast.padding import pad_rows, unpad_mask
+from bertfast.padding import pad_rows, unpad, unpad_mask
 from bertfast.contract import IGNORE_INDEX
 from bertfast.ops.mlm_head_loss import check_max_predictions_per_seq
 
@@ -106,8 +106,10 @@ _FUSABLE_TYPES = (nn.Linear, nn.LayerNorm, nn.Embedding, nn.Dropout)
 def hooked(module: nn.Module) -> bool:
     """True when calling ``module`` runs hooks: its own, global ones, or accelerate's (``_hf_hook``,
     which moves or loads the weights on call under a device_map with offloading)."""
+    # _hf_hook is read from __dict__: getattr on a module without one raises inside nn.Module.__getattr__,
+    # which costs microseconds on every fused op call.
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or getattr(module, "_hf_hook", None) is not None
+                or module._backward_pre_hooks or module.__dict__.get("_hf_hook") is not None
                 or _torch_module._global_forward_hooks
                 or _torch_module._global_forward_pre_hooks or _torch_module._global_backward_hooks
                 or _torch_module._global_backward_pre_hooks)
@@ -122,6 +124,18 @@ def fusable(*modules: nn.Module) -> bool:
 
 def _biased_linear(*modules: nn.Module) -> bool:
     return fusable(*modules) and all(m.bias is not None for m in modules)
+
+
+def _bias_in_gemm(x: Tensor, dense: nn.Linear, op: str) -> bool:
+    """Whether the GEMM ``dense(x)`` before ``op`` should add its bias itself (addmm) instead of passing
+    it to the op: when the op would run its torch backend on a CPU, where a fused bias is one more
+    pass over the activations and aten's GEMM adds it for free, as transformers' Linear does.
+    Dispatch is asked with a 0-row stand-in of the GEMM's output (a forced or registered fused
+    backend, as tests use on a CPU, still gets the bias)."""
+    if x.device.type != "cpu":
+        return False
+    out = x.new_empty((0, dense.out_features), dtype=_activation_dtype(dense.weight.dtype, x.device))
+    return dispatch.select(op, x=out, bias=dense.bias) == "torch"
 
 
 # ================================================================= embeddings
@@ -174,7 +188,10 @@ class BertSelfAttention(nn.Module):
         self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
 
     def qkv(self, x: Tensor) -> Tensor:
-        """rows [N, H] -> [N, 3, A, D]: one GEMM for plain Linears (weights stay separate in the state dict)."""
+        """rows [N, H] -> [N, 3, A, D]: one GEMM for plain Linears (weights stay separate in the state dict).
+
+        The concatenation is made at every call: a cache keyed on the weights' version counters would
+        go stale, since in-place writes that skip the counter (torch's fused AdamW, ``.data``) exist."""
         shape = (x.shape[0], 3, self.num_attention_heads, self.attention_head_size)
         if _biased_linear(self.query, self.key, self.value):
             weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])
@@ -202,10 +219,12 @@ class BertSelfOutput(nn.Module):
         ln = self.LayerNorm
         if not fusable(ln, self.dropout):
             return ln(self.dropout(self.dense(h)) + residual)
-        if fusable(self.dense):
-            y, bias = F.linear(h, self.dense.weight), self.dense.bias  # bias fused into the LayerNorm op
-        else:
+        if not fusable(self.dense):
             y, bias = self.dense(h), None
+        elif _bias_in_gemm(h, self.dense, "bias_dropout_residual_layernorm"):
+            y, bias = F.linear(h, self.dense.weight, self.dense.bias), None
+        else:
+            y, bias = F.linear(h, self.dense.weight), self.dense.bias  # bias fused into the LayerNorm op
         p = self.dropout.p if self.training else 0.0
         return ops.bias_dropout_residual_layernorm(y, bias, residual, ln.weight, ln.bias, ln.eps, p)
 
@@ -226,8 +245,10 @@ class BertAttention(nn.Module):
 
 
 def _dense_gelu(dense: nn.Linear, x: Tensor, approximate: str) -> Tensor:
-    """GELU(x @ W^T + b), the bias add fused into the GELU op."""
+    """GELU(x @ W^T + b), the bias add fused into the GELU op (on a CPU, into the GEMM)."""
     if _biased_linear(dense):
+        if _bias_in_gemm(x, dense, "bias_gelu"):
+            return F.gelu(F.linear(x, dense.weight, dense.bias), approximate=approximate)
         return ops.bias_gelu(F.linear(x, dense.weight), dense.bias, approximate)
     return F.gelu(dense(x), approximate=approximate)
 
@@ -389,7 +410,7 @@ class BertModel(BertPreTrainedModel):
             def attend(qkv: Tensor, p: float) -> Tensor:
                 return ops.attention_varlen(qkv, cu_seqlens, max_seqlen, p)
 
-            gather = lambda t: None if t is None else flat(t).index_select(0, rows)  # noqa: E731
+            gather = lambda t: None if t is None else unpad(t, rows)  # noqa: E731
             restore = lambda x: pad_rows(x, rows, batch, seqlen)  # noqa: E731
         x = self.embeddings(gather(input_ids), gather(position_ids), gather(token_type_ids), gather(inputs_embeds))
         x, states = self.encoder(x, attend=attend, restore=restore, want_states=want_states)

@@ -26,11 +26,15 @@ def unpad_mask(attention_mask: Tensor) -> Tuple[Tensor, Tensor, int]:
 
 
 def unpad(x: Tensor, rows: Tensor) -> Tensor:
-    """[B, S, ...] -> [N, ...]."""
-    return x.reshape((-1,) + tuple(x.shape[2:])).index_select(0, rows)
+    """[B, S, ...] -> [N, ...]; without padding a view where the layout allows."""
+    flat = x.reshape((-1,) + tuple(x.shape[2:]))
+    return flat if rows.numel() == flat.shape[0] else flat.index_select(0, rows)
 
 
 def pad_rows(x: Tensor, rows: Tensor, batch: int, seqlen: int) -> Tensor:
-    """[N, ...] -> [B, S, ...], zeros at padded positions (differentiable)."""
+    """[N, ...] -> [B, S, ...], zeros at padded positions (differentiable). Without padding
+    (N = B * S, so rows are 0..N-1 in order) a view."""
+    if rows.numel() == batch * seqlen:
+        return x.view((batch, seqlen) + tuple(x.shape[1:]))
     out = x.new_zeros((batch * seqlen,) + tuple(x.shape[1:]))
     return out.index_copy(0, rows, x).view((batch, seqlen) + tuple(x.shape[1:]))

@@ -26,8 +26,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from bertfast import contract, dispatch, reference
-from bertfast.ops._common import distinct, keep_mask, register_backends, seed_for
+from bertfast import contract, dispatch
+from bertfast.ops._common import distinct, keep_mask, launch_directly, register_backends, seed_for
 
 Tensor = torch.Tensor
 register_backends("attention_varlen", "attention", ["q"])
@@ -101,9 +101,11 @@ def attention_varlen(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p
     dropout_p = contract.check_dropout(dropout_p)
     scale = contract.softmax_scale(softmax_scale, qkv.shape[-1])
     backend = dispatch.select("attention_varlen", q=qkv, cu_seqlens=cu_seqlens)
-    out, _ = _attention_varlen(qkv, cu_seqlens, int(max_seqlen), scale, dropout_p,
-                               seed_for(dropout_p, qkv.device), backend)
-    return out
+    seed = seed_for(dropout_p, qkv.device)
+    if launch_directly(qkv):
+        return _impl("attention_varlen", backend).attention_varlen_fwd(*qkv.unbind(1), cu_seqlens, int(max_seqlen),
+                                                                       scale, dropout_p, seed)[0]
+    return _attention_varlen(qkv, cu_seqlens, int(max_seqlen), scale, dropout_p, seed, backend)[0]
 
 
 # ------------------------------------------------------------------ padded + mask
@@ -171,12 +173,122 @@ def attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor
     dropout_p = contract.check_dropout(dropout_p)
     scale = contract.softmax_scale(softmax_scale, q.shape[-1])
     backend = dispatch.select("attention_padded", q=q, k=k, v=v, key_padding_mask=key_padding_mask)
-    out, _ = _attention_padded(q, k, v, key_padding_mask, scale, dropout_p, seed_for(dropout_p, q.device),
-                               backend)
-    return out
+    seed = seed_for(dropout_p, q.device)
+    if launch_directly(q, k, v):
+        return _impl("attention_padded", backend).attention_padded_fwd(q, k, v, key_padding_mask, scale, dropout_p,
+                                                                       seed)[0]
+    return _attention_padded(q, k, v, key_padding_mask, scale, dropout_p, seed, backend)[0]
 
 
 # ------------------------------------------------------------------ the torch backend
+# Without dropout, on CPU, it runs aten's flash attention for CPU (the kernel under
+# F.scaled_dot_product_attention there, which also returns the log-sum-exp). With dropout, or on
+# another device: fp32 [B, A, S, S] scores, the softmax from the log-sum-exp, the mask drawn from
+# the seed; the backward rebuilds the probabilities from the forward's log-sum-exp.
+# The varlen form pads its sequences into the padded form (or views them, when none is padded).
+_FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _cpu_flash(q: Tensor, dropout_p: float) -> bool:
+    return q.device.type == "cpu" and dropout_p == 0.0 and q.dtype in _FLASH_DTYPES and q.numel() > 0
+
+
+def _key_bias(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    """Key mask [B, S] -> the additive [B, 1, 1, S] (0 or -inf) the CPU kernel takes; None when every key counts."""
+    if mask is None or bool(mask.all()):
+        return None
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return bias[:, None, None, :]
+
+
+def _flash_fwd(q, k, v, mask, scale) -> Tuple[Tensor, Tensor]:
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        *(t.transpose(1, 2) for t in (q, k, v)), 0.0, False, attn_mask=_key_bias(mask, q.dtype), scale=scale)
+    out, lse = out.transpose(1, 2).contiguous(), lse.float().contiguous()
+    if mask is None:
+        return out, lse
+    empty = ~mask.any(1)  # a sequence with no valid key: out 0 and lse +inf (the kernel leaves lse 0)
+    if bool(empty.any()):
+        out[empty] = 0
+        lse[empty] = float("inf")
+    return out, lse
+
+
+def _flash_bwd(dout, q, k, v, out, lse, mask, scale) -> Tuple[Tensor, Tensor, Tensor]:
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        *(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse, 0.0, False, attn_mask=_key_bias(mask, q.dtype),
+        scale=scale)
+    return tuple(g.transpose(1, 2) for g in grads)
+
+
+def _probs(q: Tensor, k: Tensor, mask: Tensor, scale: float, lse: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """Softmax probabilities [B, A, S, S] over the valid keys and the log-sum-exp [B, A, S], fp32, from
+    q, k [B, S, A, D]; lse is computed unless given. A row with no valid key: probabilities 0, lse +inf."""
+    scores = torch.matmul(q.float().transpose(1, 2), k.float().permute(0, 2, 3, 1)).mul_(scale)
+    scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)
+        lse.masked_fill_(lse == float("-inf"), float("inf"))
+    return scores.sub_(lse[..., None]).exp_(), lse  # -inf - (+inf) = -inf: rows with no key stay 0
+
+
+def _dropout_(x: Tensor, dropout_p: float, keep: Optional[Tensor]) -> Tensor:
+    """reference.dropout, in place."""
+    return x if dropout_p == 0.0 else x.mul_(keep).mul_(1.0 / (1.0 - dropout_p))
+
+
+def _math_fwd(q, k, v, mask, scale, dropout_p, keep) -> Tuple[Tensor, Tensor]:
+    probs, lse = _probs(q, k, mask, scale, None)
+    out = torch.matmul(_dropout_(probs, dropout_p, keep), v.float().transpose(1, 2))  # [B, A, S, D]
+    return out.transpose(1, 2).to(q.dtype).contiguous(), lse
+
+
+def _math_bwd(dout, q, k, v, lse, mask, scale, dropout_p, keep) -> Tuple[Tensor, Tensor, Tensor]:
+    """dS = P * (dP - rowsum(dP * P)) with dP the gradient through dropout; rows with no key get 0."""
+    probs, _ = _probs(q, k, mask, scale, lse)
+    g = dout.float().transpose(1, 2)                                       # [B, A, S, D]
+    dv = torch.matmul(_dropout_(probs.clone(), dropout_p, keep).transpose(-1, -2), g)
+    dprobs = _dropout_(torch.matmul(g, v.float().permute(0, 2, 3, 1)), dropout_p, keep)
+    dscores = torch._softmax_backward_data(dprobs, probs, -1, torch.float32).mul_(scale)
+    dq = torch.matmul(dscores, k.float().transpose(1, 2))
+    dk = torch.matmul(dscores.transpose(-1, -2), q.float().transpose(1, 2))
+    return tuple(t.transpose(1, 2) for t in (dq, dk, dv))
+
+
+def attention_padded_fwd(q, k, v, key_padding_mask, softmax_scale, dropout_p, seed):
+    batch, seqlen, heads, head_dim = q.shape
+    mask = None if key_padding_mask is None else key_padding_mask.bool()
+    scale = contract.softmax_scale(softmax_scale, head_dim)
+    if _cpu_flash(q, dropout_p):
+        return _flash_fwd(q, k, v, mask, scale)
+    keep = keep_mask((batch, heads, seqlen, seqlen), dropout_p, seed, q.device)
+    return _math_fwd(q, k, v, _every_key(mask, batch, seqlen, q.device), scale, dropout_p, keep)
+
+
+def attention_padded_bwd(dout, q, k, v, out, lse, key_padding_mask, softmax_scale, dropout_p, seed):
+    batch, seqlen, heads, head_dim = q.shape
+    mask = None if key_padding_mask is None else key_padding_mask.bool()
+    scale = contract.softmax_scale(softmax_scale, head_dim)
+    if _cpu_flash(q, dropout_p):
+        grads = _flash_bwd(dout, q, k, v, out, lse, mask, scale)
+    else:
+        keep = keep_mask((batch, heads, seqlen, seqlen), dropout_p, seed, q.device)
+        grads = _math_bwd(dout, q, k, v, lse, _every_key(mask, batch, seqlen, q.device), scale, dropout_p, keep)
+    return tuple(g.to(q.dtype).contiguous() for g in grads)
+
+
+def _every_key(mask: Optional[Tensor], batch: int, seqlen: int, device) -> Tensor:
+    return torch.ones((batch, seqlen), dtype=torch.bool, device=device) if mask is None else mask
+
+
+def _dense_batch(cu_seqlens: Tensor, max_seqlen: int, tokens: int) -> Optional[int]:
+    """The batch size when the rows are exactly batch sequences of max_seqlen tokens (nothing to pad)."""
+    batch = cu_seqlens.numel() - 1
+    if max_seqlen == 0 or batch * max_seqlen != tokens or not bool((cu_seqlens.diff() == max_seqlen).all()):
+        return None
+    return batch
+
+
 def _varlen_layout(cu_seqlens: Tensor, max_seqlen: int) -> Tuple[Tensor, Tensor, Tensor]:
     """(token rows [n], their positions in a [B * max_seqlen] padded layout [n], key mask
     [B, max_seqlen]) for the n tokens inside sequences, in sequence order."""
@@ -189,67 +301,50 @@ def _varlen_layout(cu_seqlens: Tensor, max_seqlen: int) -> Tuple[Tensor, Tensor,
     return rows, padded, mask
 
 
-def _pad(x: Tensor, rows: Tensor, padded: Tensor, batch: int, seqlen: int) -> Tensor:
-    out = x.new_zeros((batch * seqlen,) + tuple(x.shape[1:]))
+def _pad(x: Tensor, rows: Tensor, padded: Tensor, batch: int, seqlen: int, fill: float = 0.0) -> Tensor:
+    """[tokens, ...] -> the padded layout [B, S, ...], fill at padded positions."""
+    out = x.new_full((batch * seqlen,) + tuple(x.shape[1:]), fill)
     return out.index_copy(0, padded, x.index_select(0, rows)).view((batch, seqlen) + tuple(x.shape[1:]))
 
 
-def _probs(q: Tensor, k: Tensor, mask: Tensor, scale: float) -> Tuple[Tensor, Tensor]:
-    """Masked softmax probabilities [B, A, S, S] and log-sum-exp [B, A, S] in fp32.
-
-    Rows with no valid key get probabilities 0 and lse +inf."""
-    scores = torch.einsum("bqad,bkad->baqk", q.float(), k.float()) * scale
-    scores = scores.masked_fill(~mask.bool()[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])
-    return probs, lse.masked_fill(lse == float("-inf"), float("inf"))
-
-
-def _padded_fwd(q, k, v, mask, scale, dropout_p, keep):
-    probs, lse = _probs(q, k, mask, scale)
-    out = torch.einsum("baqk,bkad->bqad", reference.dropout(probs, dropout_p, keep), v.float())
-    return out.to(q.dtype).contiguous(), lse
-
-
-def _padded_bwd(dout, q, k, v, mask, scale, dropout_p, keep):
-    """dS = P * (dP - rowsum(dP * P)) with dP the gradient through dropout; rows with no key get 0."""
-    probs, _ = _probs(q, k, mask, scale)
-    dropped = reference.dropout(probs, dropout_p, keep)
-    g = dout.float()
-    dv = torch.einsum("baqk,bqad->bkad", dropped, g)
-    dprobs = reference.dropout(torch.einsum("bqad,bkad->baqk", g, v.float()), dropout_p, keep)
-    dscores = probs * (dprobs - (dprobs * probs).sum(-1, keepdim=True))
-    dq = torch.einsum("baqk,bkad->bqad", dscores, k.float()) * scale
-    dk = torch.einsum("baqk,bqad->bkad", dscores, q.float()) * scale
-    return dq, dk, dv
+def _unpad(x: Tensor, rows: Tensor, padded: Tensor, tokens: int, fill: float = 0.0) -> Tensor:
+    """The padded layout [B, S, ...] -> [tokens, ...], fill at rows outside every sequence."""
+    out = x.new_full((tokens,) + tuple(x.shape[2:]), fill)
+    out[rows] = x.flatten(0, 1)[padded]
+    return out
 
 
 def attention_varlen_fwd(q, k, v, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed):
     tokens, heads, head_dim = q.shape
-    scale = contract.softmax_scale(softmax_scale, head_dim)
+    dense = _dense_batch(cu_seqlens, max_seqlen, tokens)
+    if dense is not None:  # views of the rows, no copies
+        out, lse = attention_padded_fwd(*(t.view(dense, max_seqlen, heads, head_dim) for t in (q, k, v)), None,
+                                        softmax_scale, dropout_p, seed)
+        return out.view(tokens, heads, head_dim), lse.transpose(0, 1).reshape(heads, tokens)
     rows, padded, mask = _varlen_layout(cu_seqlens, max_seqlen)
     batch = mask.shape[0]
-    qp, kp, vp = (_pad(t, rows, padded, batch, max_seqlen) for t in (q, k, v))   # [B, S, A, D]
-    keep = keep_mask((batch, heads, max_seqlen, max_seqlen), dropout_p, seed, q.device)
-    out_p, lse_p = _padded_fwd(qp, kp, vp, mask, scale, dropout_p, keep)
-    out = q.new_zeros((tokens, heads, head_dim))
-    out[rows] = out_p.flatten(0, 1)[padded]
-    lse = torch.full((heads, tokens), float("inf"), dtype=torch.float32, device=q.device)
-    lse[:, rows] = lse_p.permute(1, 0, 2).reshape(heads, batch * max_seqlen)[:, padded]
-    return out, lse
+    out, lse = attention_padded_fwd(*(_pad(t, rows, padded, batch, max_seqlen) for t in (q, k, v)), mask,
+                                    softmax_scale, dropout_p, seed)
+    return (_unpad(out, rows, padded, tokens),
+            _unpad(lse.transpose(1, 2), rows, padded, tokens, float("inf")).t().contiguous())
 
 
 def attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed):
     tokens, heads, head_dim = q.shape
-    scale = contract.softmax_scale(softmax_scale, head_dim)
+    dense = _dense_batch(cu_seqlens, max_seqlen, tokens)
+    if dense is not None:
+        shape = (dense, max_seqlen, heads, head_dim)
+        grads = attention_padded_bwd(*(t.view(shape) for t in (dout, q, k, v, out)),
+                                     lse.view(heads, dense, max_seqlen).transpose(0, 1), None, softmax_scale,
+                                     dropout_p, seed)
+        return torch.stack([g.view(tokens, heads, head_dim) for g in grads], dim=1)
     rows, padded, mask = _varlen_layout(cu_seqlens, max_seqlen)
     batch = mask.shape[0]
-    keep = keep_mask((batch, heads, max_seqlen, max_seqlen), dropout_p, seed, q.device)
-    grads = _padded_bwd(*(_pad(t, rows, padded, batch, max_seqlen) for t in (dout, q, k, v)), mask, scale,
-                        dropout_p, keep)
-    dqkv = q.new_zeros((tokens, 3, heads, head_dim))
-    dqkv[rows] = torch.stack([g.flatten(0, 1)[padded] for g in grads], dim=1).to(q.dtype)
-    return dqkv
+    # Padded query rows get lse +inf: probabilities 0, so they add nothing to dk and dv.
+    lse_p = _pad(lse.t(), rows, padded, batch, max_seqlen, float("inf")).transpose(1, 2)
+    grads = attention_padded_bwd(*(_pad(t, rows, padded, batch, max_seqlen) for t in (dout, q, k, v, out)), lse_p,
+                                 mask, softmax_scale, dropout_p, seed)
+    return _unpad(torch.stack(grads, dim=2), rows, padded, tokens)
 
 
 def attention_varlen_dropout_mask(cu_seqlens, max_seqlen, num_heads, dropout_p, seed):
@@ -261,24 +356,6 @@ def _dropout_mask(batch, seqlen, num_heads, dropout_p, seed, device):
     keep = keep_mask((batch, num_heads, seqlen, seqlen), dropout_p, seed, device)
     return keep if keep is not None else torch.ones((batch, num_heads, seqlen, seqlen), dtype=torch.bool,
                                                     device=device)
-
-
-def attention_padded_fwd(q, k, v, key_padding_mask, softmax_scale, dropout_p, seed):
-    batch, seqlen, heads, head_dim = q.shape
-    if key_padding_mask is None:
-        key_padding_mask = torch.ones((batch, seqlen), dtype=torch.bool, device=q.device)
-    keep = keep_mask((batch, heads, seqlen, seqlen), dropout_p, seed, q.device)
-    return _padded_fwd(q, k, v, key_padding_mask, contract.softmax_scale(softmax_scale, head_dim), dropout_p, keep)
-
-
-def attention_padded_bwd(dout, q, k, v, out, lse, key_padding_mask, softmax_scale, dropout_p, seed):
-    batch, seqlen, heads, head_dim = q.shape
-    if key_padding_mask is None:
-        key_padding_mask = torch.ones((batch, seqlen), dtype=torch.bool, device=q.device)
-    keep = keep_mask((batch, heads, seqlen, seqlen), dropout_p, seed, q.device)
-    grads = _padded_bwd(dout, q, k, v, key_padding_mask, contract.softmax_scale(softmax_scale, head_dim),
-                        dropout_p, keep)
-    return tuple(g.to(q.dtype).contiguous() for g in grads)
 
 
 def attention_padded_dropout_mask(batch, seqlen, num_heads, dropout_p, seed):

@@ -26,7 +26,8 @@ import torch
 
 from bertfast import dispatch, reference
 from bertfast.contract import check_dropout
-from bertfast.ops._common import distinct, empty, keep_mask, layer_norm_bwd, or_none, register_backends, seed_for
+from bertfast.ops._common import (distinct, empty, keep_mask, launch_directly, layer_norm_bwd, layer_norm_fwd,
+                                  or_none, register_backends, seed_for)
 
 OP = "bias_dropout_residual_layernorm"
 Tensor = torch.Tensor
@@ -113,8 +114,13 @@ def bias_dropout_residual_layernorm(x: Tensor, bias: Optional[Tensor], residual:
     rows = x.reshape(-1, width)
     res_rows = None if residual is None else residual.reshape(-1, width)
     backend = dispatch.select(OP, x=rows, bias=bias, residual=res_rows, weight=weight, ln_bias=ln_bias)
-    y, _, _, _ = _bias_dropout_residual_layernorm(rows, bias, res_rows, weight, ln_bias, float(eps), dropout_p,
-                                                  seed_for(dropout_p, x.device), backend)
+    seed = seed_for(dropout_p, x.device)
+    if launch_directly(rows, bias, res_rows, weight, ln_bias):
+        y = dispatch.get(OP, backend).impl.bias_dropout_residual_layernorm_fwd(rows, bias, res_rows, weight, ln_bias,
+                                                                               float(eps), dropout_p, seed)[0]
+    else:
+        y = _bias_dropout_residual_layernorm(rows, bias, res_rows, weight, ln_bias, float(eps), dropout_p, seed,
+                                             backend)[0]
     return y.view(x.shape)
 
 
@@ -126,13 +132,10 @@ def bias_dropout_residual_layernorm_fwd(x, bias, residual, weight, ln_bias, eps,
     if bias is not None:
         h = h + bias.float()
     h = reference.dropout(h, dropout_p, keep)
-    if residual is not None:
-        h = h + residual.float()
+    if residual is not None:  # in place once h is a new tensor (CPU: one allocation less per call)
+        h = h + residual.float() if h is x else h.add_(residual)
     pre_norm = h.to(x.dtype)
-    h = pre_norm.float()  # the statistics describe pre_norm as stored
-    mean = h.mean(dim=-1)
-    rstd = torch.rsqrt((h - mean[:, None]).square().mean(-1) + eps)
-    y = (h - mean[:, None]) * rstd[:, None] * weight.float() + ln_bias.float()
+    y, mean, rstd = layer_norm_fwd(pre_norm.float(), weight, ln_bias, eps)  # statistics of pre_norm as stored
     stored = stores_pre_norm(bias is not None, residual is not None, dropout_p)
     result = (y.to(x.dtype), pre_norm.contiguous() if stored else None, mean, rstd)
     if return_dropout_mask:
@@ -144,8 +147,7 @@ def bias_dropout_residual_layernorm_fwd(x, bias, residual, weight, ln_bias, eps,
 def bias_dropout_residual_layernorm_bwd(dy, pre_norm, mean, rstd, weight, dropout_p, seed, has_bias,
                                         has_residual) -> Tuple:
     keep = keep_mask(pre_norm.shape, dropout_p, seed, pre_norm.device)
-    xhat = (pre_norm.float() - mean[:, None]) * rstd[:, None]
-    dh, dweight, dln_bias = layer_norm_bwd(dy.float(), xhat, rstd, weight)
+    dh, dweight, dln_bias = layer_norm_bwd(dy.float(), pre_norm.float(), mean, rstd, weight)
     dx = reference.dropout(dh, dropout_p, keep)
     return (dx.to(dy.dtype), dx.sum(0).to(weight.dtype) if has_bias else None,
             dh.to(dy.dtype) if has_residual else None, dweight.to(weight.dtype), dln_bias.to(weight.dtype))

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from bertfast import dispatch, reference
 from bertfast.contract import check_dropout
-from bertfast.ops._common import distinct, keep_mask, layer_norm_bwd, register_backends, seed_for
+from bertfast.ops._common import (distinct, keep_mask, launch_directly, layer_norm_bwd, layer_norm_fwd,
+                                  register_backends, seed_for)
 
 OP = "embeddings"
 Tensor = torch.Tensor
@@ -90,23 +91,24 @@ def embeddings(input_ids: Tensor, position_ids: Tensor, token_type_ids: Tensor, 
     dropout_p = check_dropout(dropout_p)
     backend = dispatch.select(OP, input_ids=input_ids, word=word, pos=pos, token_type=token_type,
                               ln_weight=ln_weight, ln_bias=ln_bias)
-    y, _, _ = _embeddings(input_ids, position_ids, token_type_ids, word, pos, token_type, ln_weight, ln_bias,
-                          float(eps), dropout_p, seed_for(dropout_p, word.device), out_dtype or word.dtype, backend)
-    return y
+    args = (input_ids, position_ids, token_type_ids, word, pos, token_type, ln_weight, ln_bias, float(eps), dropout_p,
+            seed_for(dropout_p, word.device), out_dtype or word.dtype)
+    if launch_directly(word, pos, token_type, ln_weight, ln_bias):
+        return dispatch.get(OP, backend).impl.embeddings_fwd(*args)[0]
+    return _embeddings(*args, backend)[0]
 
 
 # ------------------------------------------------------------------ the torch backend
 def _embedding_sum(input_ids, position_ids, token_type_ids, word, pos, token_type):
-    return (F.embedding(input_ids, word.float()) + F.embedding(position_ids, pos.float())
-            + F.embedding(token_type_ids, token_type.float()))
+    # Gather, then widen: only the looked-up rows are converted, never a whole table.
+    return (F.embedding(input_ids, word).float() + F.embedding(position_ids, pos).float()
+            + F.embedding(token_type_ids, token_type).float())
 
 
 def embeddings_fwd(input_ids, position_ids, token_type_ids, word, pos, token_type, ln_weight, ln_bias, eps,
                    dropout_p, seed, out_dtype, return_dropout_mask=False):
     h = _embedding_sum(input_ids, position_ids, token_type_ids, word, pos, token_type)
-    mean = h.mean(-1)
-    rstd = torch.rsqrt((h - mean[:, None]).square().mean(-1) + eps)
-    y = (h - mean[:, None]) * rstd[:, None] * ln_weight.float() + ln_bias.float()
+    y, mean, rstd = layer_norm_fwd(h, ln_weight, ln_bias, eps)
     keep = keep_mask(y.shape, dropout_p, seed, y.device)
     y = reference.dropout(y, dropout_p, keep).to(out_dtype)
     if return_dropout_mask:
@@ -119,9 +121,8 @@ def embeddings_bwd(dy, input_ids, position_ids, token_type_ids, word, pos, token
                    mean, rstd, dropout_p, seed):
     keep = keep_mask(dy.shape, dropout_p, seed, dy.device)
     h = _embedding_sum(input_ids, position_ids, token_type_ids, word, pos, token_type)
-    xhat = (h - mean[:, None]) * rstd[:, None]
     g = reference.dropout(dy.float(), dropout_p, keep)
-    dh, dweight, dln_bias = layer_norm_bwd(g, xhat, rstd, ln_weight)
+    dh, dweight, dln_bias = layer_norm_bwd(g, h, mean, rstd, ln_weight)
     tables = []
     for ids, table in ((input_ids, word), (position_ids, pos), (token_type_ids, token_type)):
         grad = torch.zeros(table.shape, dtype=torch.float32, device=table.device)

@@ -1,0 +1,208 @@
+"""The torch backend's fast CPU paths and the per-call shortcuts (issue: never slower than transformers on CPU).
+
+Their numbers are checked by the op contract tests (tests/ops/, every backend, against the
+reference). This file checks that the fast paths are the ones that run, and the shortcuts'
+own rules:
+  * attention without dropout on CPU runs aten's flash attention for CPU, forward and backward,
+    in both forms; with dropout it does not (the mask is the backend's own, from the seed);
+  * with nothing to differentiate (inference), an op entry calls its launcher, not the custom op,
+    with the same result; with autograd on, the custom op runs;
+  * inference stays current after a fused optimizer step (which leaves version counters alone);
+  * unpadding and padding back are views when the batch has no padding;
+  * bf16 autocast on CPU runs the whole model.
+"""
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import bertfast
+from bertfast import ops, padding, reference_execution
+from bertfast.ops._common import launch_directly
+from bertfast.testing import cu_seqlens_from_lengths
+
+FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+class _AtenLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _torch_attention():
+    import importlib
+    return importlib.import_module("bertfast.ops.attention")
+
+
+@pytest.mark.parametrize("lengths", [[6, 6, 6], [6, 2, 0, 5]], ids=["dense", "padded"])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_varlen_runs_cpu_flash_only_without_dropout(lengths, dropout_p):
+    impl = _torch_attention()
+    cu = cu_seqlens_from_lengths(torch.tensor(lengths))
+    tokens, heads, head_dim = sum(lengths), 2, 16
+    q, k, v = torch.randn(tokens, 3, heads, head_dim).unbind(1)
+    seed = torch.tensor([7]) if dropout_p else None
+    with _AtenLog() as log:
+        out, lse = impl.attention_varlen_fwd(q, k, v, cu, max(lengths), None, dropout_p, seed)
+        impl.attention_varlen_bwd(torch.randn_like(out), q, k, v, out, lse, cu, max(lengths), None, dropout_p, seed)
+    assert (FLASH in log.ops and FLASH_BWD in log.ops) == (dropout_p == 0.0), sorted(map(str, log.ops))
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_padded_runs_cpu_flash_only_without_dropout(dropout_p):
+    impl = _torch_attention()
+    q, k, v = torch.randn(2, 5, 3, 2, 8).unbind(2)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    seed = torch.tensor([3]) if dropout_p else None
+    with _AtenLog() as log:
+        out, lse = impl.attention_padded_fwd(q, k, v, mask, None, dropout_p, seed)
+        grads = impl.attention_padded_bwd(torch.randn_like(out), q, k, v, out, lse, mask, None, dropout_p, seed)
+    assert (FLASH in log.ops) == (dropout_p == 0.0)
+    # the fully padded sequence: out 0, lse +inf, no gradient, whichever path ran
+    assert not out[1].any() and torch.isposinf(lse[1]).all() and not grads[0][1].any()
+
+
+def _custom_ops_run(fn) -> set:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events() if e.name.startswith("bertfast::")}
+
+
+def _op_calls(requires_grad: bool):
+    """Each op entry once, on inputs that do or do not require gradients."""
+    g = torch.Generator().manual_seed(0)
+    rg = dict(requires_grad=requires_grad)
+    x, res = torch.randn(6, 8, generator=g, **rg), torch.randn(6, 8, generator=g)
+    w, b = torch.randn(8, generator=g, **rg), torch.randn(8, generator=g, **rg)
+    qkv = torch.randn(6, 3, 2, 4, generator=g, **rg)
+    cu = cu_seqlens_from_lengths(torch.tensor([4, 2]))
+    ids = torch.tensor([1, 2, 3, 1, 0, 2])
+    tables = [torch.randn(n, 8, generator=g, **rg) for n in (5, 6, 2)]
+    return {
+        "bias_gelu": lambda: ops.bias_gelu(x, b),
+        "bias_dropout_residual_layernorm": lambda: ops.bias_dropout_residual_layernorm(x, b, res, w, b, 1e-5),
+        "attention_varlen": lambda: ops.attention_varlen(qkv, cu, 4),
+        "attention_padded": lambda: ops.attention(*qkv.view(1, 6, 3, 2, 4).unbind(2)),
+        "embeddings": lambda: ops.embeddings(ids, ids, ids % 2, *tables, w, b, 1e-5),
+    }
+
+
+@pytest.mark.parametrize("op", ["bias_gelu", "bias_dropout_residual_layernorm", "attention_varlen",
+                                "attention_padded", "embeddings"])
+def test_inference_calls_the_launcher_not_the_custom_op(op):
+    call = _op_calls(requires_grad=True)[op]
+    with_grad = call()
+    assert with_grad.requires_grad
+    assert _custom_ops_run(call), "autograd on: the custom op (with its backward) must run"
+    with torch.no_grad():
+        assert not _custom_ops_run(call), "nothing to differentiate: the launcher is called directly"
+        direct = call()
+    with torch.inference_mode():
+        assert not _custom_ops_run(call)
+    torch.testing.assert_close(direct, with_grad.detach(), rtol=0, atol=0)
+    # frozen inputs with autograd on: nothing to record either
+    assert not _custom_ops_run(_op_calls(requires_grad=False)[op])
+
+
+def test_launch_directly_rules():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    plain, leaf = torch.ones(2), torch.ones(2, requires_grad=True)
+    assert launch_directly(plain, None)
+    assert not launch_directly(plain, leaf)
+    with torch.no_grad():
+        assert launch_directly(plain, leaf, torch.nn.Parameter(torch.ones(2)))
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(plain)
+        with torch.no_grad():
+            assert not launch_directly(fake), "fake tensors are traced through the custom op's fake"
+
+
+# ------------------------------------------------------------------ the model on CPU
+def _model():
+    torch.manual_seed(0)
+    return bertfast.BertModel(bertfast.BertConfig.preset("tiny")).eval()
+
+
+def _batch():
+    ids = torch.randint(5, 500, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 7:] = 0
+    return dict(input_ids=ids, attention_mask=mask)
+
+
+def _real(hidden, batch):
+    """Real tokens only (padded positions are 0 on the fast path, encoded pads in the reference)."""
+    return hidden[batch["attention_mask"].bool()]
+
+
+def _reference(model, batch):
+    with torch.no_grad(), reference_execution(model):
+        return _real(model(**batch).last_hidden_state, batch)
+
+
+def test_inference_stays_current_after_a_fused_optimizer_step():
+    """torch's fused AdamW writes the weights without bumping their version counters: nothing in the
+    inference path may key a cache on them."""
+    model, batch = _model(), _batch()
+    with torch.inference_mode():
+        model(**batch)
+    model.train()
+    model(**batch).last_hidden_state.square().sum().backward()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    opt.step()
+    model.eval()
+    with torch.inference_mode():
+        out = model(**batch).last_hidden_state
+    torch.testing.assert_close(_real(out, batch), _reference(model, batch), atol=2e-5, rtol=1e-5)
+
+
+def test_bf16_autocast_runs_the_model_on_cpu():
+    model, batch = _model(), _batch()
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(**batch).last_hidden_state
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(_real(out.float(), batch), _reference(model, batch), atol=0.1, rtol=0.05)
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(**batch).last_hidden_state.float().square().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.encoder.parameters())
+
+
+# ------------------------------------------------------------------ padding
+def test_no_padding_means_views():
+    x = torch.randn(2, 3, 4)
+    rows, _, _ = padding.unpad_mask(torch.ones(2, 3))
+    flat = padding.unpad(x, rows)
+    assert flat.data_ptr() == x.data_ptr() and flat.shape == (6, 4)
+    back = padding.pad_rows(flat, rows, 2, 3)
+    assert back.data_ptr() == x.data_ptr() and torch.equal(back, x)
+
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1]])
+    rows, _, _ = padding.unpad_mask(mask)
+    flat = padding.unpad(x, rows)
+    torch.testing.assert_close(flat, x[mask.bool()])
+    back = padding.pad_rows(flat, rows, 2, 3)
+    torch.testing.assert_close(back, x * mask[..., None])
+
+
+def test_on_cpu_the_gemm_adds_the_bias_unless_a_fused_backend_runs():
+    """With the torch backend the bias goes into the GEMM (addmm) and GELU is aten's; a fused backend
+    (here the Triton interpreter, forced) still gets the bias in its op."""
+    from bertfast import dispatch, modeling
+
+    model, batch = _model(), _batch()
+    model.train()
+    layer = model.encoder.layer[0]
+    x = torch.randn(5, model.config.hidden_size)
+    assert modeling._bias_in_gemm(x, layer.intermediate.dense, "bias_gelu")
+    ran = _custom_ops_run(lambda: model(**batch).last_hidden_state.sum().backward())
+    assert "bertfast::bias_gelu" not in ran and "bertfast::bias_dropout_residual_layernorm" in ran
+    with dispatch.use_backend("triton"):
+        assert not modeling._bias_in_gemm(x, layer.intermediate.dense, "bias_gelu")
