@@ -21,7 +21,8 @@ class BertConfig(transformers.BertConfig):
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "BertConfig":
-        """Named sizes: 'bert-base' and 'bert-large' (the paper's), 'tiny' and 'small' for tests."""
+        """Named sizes: 'bert-base' and 'bert-large' (the paper's), 'minilm' (MiniLM-L12-H384's shape, which
+        sentence-embedding models use: the CPU benchmarks), 'tiny' and 'small' for tests."""
         if name not in PRESETS:
             raise ValueError(f"unknown BertConfig preset {name!r}; expected one of {sorted(PRESETS)}")
         config = cls(**{**PRESETS[name], **overrides})
@@ -114,6 +115,7 @@ def check_supported(config: transformers.PretrainedConfig) -> None:
 PRESETS: Dict[str, Dict[str, Any]] = {
     "bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
     "bert-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+    "minilm": dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=12, intermediate_size=1536),
     "small": dict(vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                   intermediate_size=1024, max_position_embeddings=512),
     "tiny": dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

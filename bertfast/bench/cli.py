@@ -105,12 +105,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     log(f"bertfast bench on {info.describe()}")
     if not info.is_cuda:
-        log("No GPU: running on CPU. These are CPU timings (time.perf_counter) of the reference"
+        log("No GPU: running on CPU. These are CPU timings (time.perf_counter) of the torch-backend"
             + (" and Triton-interpreter" if info.triton_interpret else "")
-            + " paths on tiny shapes; they test the harness, not performance."
+            + " paths, not GPU performance."
             + ("" if info.triton_interpret else " Set TRITON_INTERPRET=1 to include the Triton interpreter."))
         if not args.quick:
-            log("(CPU run: using the --quick case lists)")
+            log("(CPU run: the kernel suite uses its --quick case lists; the model suite times MiniLM-sized "
+                "steps against transformers)")
     quick = args.quick or not info.is_cuda
     log("measuring copy bandwidth and peak matmul rate ...")
     devmod.calibrate(info, quick=quick)
@@ -125,7 +126,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
         policy.cpu_reps = step_policy.cpu_reps = args.reps
         policy.cpu_warmup = step_policy.cpu_warmup = 1
-    ctx = SuiteContext(device=info, quick=quick, dtype=dtype, backends=backends, compile=not args.no_compile,
+    ctx = SuiteContext(device=info, quick=quick, dtype=dtype, cpu_model_cases=not info.is_cuda and not args.quick,
+                       backends=backends, compile=not args.no_compile,
                        with_transformers=not args.no_transformers, policy=policy, step_policy=step_policy,
                        ops=_csv(args.ops), models=_csv(args.models), impls=impls, cases=cases,
                        deadline=None if args.time_budget is None else started + args.time_budget,
@@ -140,9 +142,11 @@ def main(argv: Optional[List[str]] = None) -> int:
               "time_budget_s": args.time_budget}
     run = Run(device=info, config=config)
     if not info.is_cuda:
-        ctx.note("CPU run: timings are time.perf_counter on CPU of reference"
-                 + ("/Triton-interpreter" if info.triton_interpret else "") + " paths on tiny shapes; "
-                 "not GPU performance")
+        ctx.note("CPU run: timings are time.perf_counter on CPU of the torch backend"
+                 + ("/Triton-interpreter" if info.triton_interpret else "") + " paths; not GPU performance"
+                 + ("" if ctx.cpu_model_cases else " (tiny shapes: they test the harness)")
+                 + ("; the model suite's speedup column is the CPU ratio against transformers sdpa eager"
+                    if ctx.cpu_model_cases else ""))
 
     if args.suite in ("kernels", "all"):
         from bertfast.bench import kernels_suite

@@ -74,6 +74,9 @@ class SuiteContext:
     device: DeviceInfo
     quick: bool
     dtype: torch.dtype
+    # CPU without --quick: the model suite times MiniLM-sized steps against transformers (the kernel
+    # suite stays on its tiny CPU shapes).
+    cpu_model_cases: bool = False
     backends: Tuple[str, ...] = ("triton", "cuda", "torch")
     compile: bool = True
     with_transformers: bool = True

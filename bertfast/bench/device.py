@@ -106,7 +106,7 @@ class DeviceInfo:
                     f"CUDA {self.cuda_version}")
         else:
             text = (f"CPU: {self.name} ({self.cpu_threads} threads) - no GPU; CPU timings of "
-                    f"reference/interpreter paths on tiny shapes")
+                    f"torch-backend/interpreter paths")
         return (f"{text}; torch {self.torch_version}, triton {self.triton_version}, "
                 f"transformers {self.transformers_version}")
 

@@ -37,19 +37,25 @@ LOSS_TOL = GRAD_TOL = LOGITS_TOL = 1e-3  # as bertfast.parity.check_batch
 
 
 # --------------------------------------------------------------------------- cases
-def _cases(ctx: SuiteContext) -> Dict[str, List[Tuple[str, int, int]]]:
-    """benchmark -> [(preset, seqlen, batch)]; inference lists batch sizes per (preset, seqlen)."""
+def _cases(ctx: SuiteContext) -> Dict[str, List[Tuple]]:
+    """benchmark -> [(preset, seqlen, batch)]; inference cases add their length mode (none: full sequences)."""
+    if not ctx.device.is_cuda and ctx.cpu_model_cases:
+        # What CPU users run (MiniLM-sized sentence encoders): batch 1 and 32, full and mean 50% length;
+        # training steps at batch 8 (finetune's no-padding rows hold the padded batch's tokens: batch 8).
+        return {"pretrain": [("minilm", 128, 8)], "finetune": [("minilm", 128, 16)],
+                "inference": [("minilm", 128, 1, "none"), ("minilm", 128, 32, "none"),
+                              ("minilm", 128, 32, "finetune")]}
     if not ctx.device.is_cuda:
         return {"pretrain": [("tiny", 32, 4)], "finetune": [("tiny", 32, 4)],
-                "inference": [("tiny", 32, 1), ("tiny", 32, 8)]}
+                "inference": [("tiny", 32, 1, "none"), ("tiny", 32, 8, "none")]}
     if ctx.quick:
         return {"pretrain": [("bert-base", 128, 32)], "finetune": [("bert-base", 128, 32)],
-                "inference": [("bert-base", 128, b) for b in (1, 8, 64)]}
+                "inference": [("bert-base", 128, b, "none") for b in (1, 8, 64)]}
     return {  # the headline target first: a budget-limited run measures it before anything else
         "pretrain": [("bert-large", 128, 128), ("bert-base", 128, 128), ("bert-large", 512, 32),
                      ("bert-base", 512, 32)],
         "finetune": [("bert-base", 128, 32), ("bert-base", 512, 32), ("bert-large", 128, 32)],
-        "inference": [(m, 128, b) for m in ("bert-base", "bert-large") for b in (1, 8, 64)],
+        "inference": [(m, 128, b, "none") for m in ("bert-base", "bert-large") for b in (1, 8, 64)],
     }
 
 
@@ -430,14 +436,14 @@ def run(ctx: SuiteContext) -> List[Row]:
                 rows += bench_or_skip("finetune_step", case, "step", "finetune", batch, lengths, flops, policy)
 
     if "inference" in wanted:
-        for preset, seqlen, batch_size in cases["inference"]:
-            ctx.log(f"[model] inference {preset} seq {seqlen} batch {batch_size}")
+        for preset, seqlen, batch_size, mode in cases["inference"]:
+            ctx.log(f"[model] inference {preset} seq {seqlen} batch {batch_size} lengths {mode}")
             config = _config(preset)
-            gen = generator_for("inference", preset, seqlen, batch_size)
-            lengths = sequence_lengths("none", batch_size, seqlen, gen)
+            gen = generator_for("inference", preset, seqlen, batch_size, *(() if mode == "none" else (mode,)))
+            lengths = sequence_lengths(mode, batch_size, seqlen, gen)
             batch = inference_batch(config, lengths, seqlen, gen, dev)
             flops = bert_flops.bert_forward_flops(config, lengths, "none")
-            case = {"model": preset, "seqlen": seqlen, "batch": batch_size, "lengths": "none",
+            case = {"model": preset, "seqlen": seqlen, "batch": batch_size, "lengths": mode,
                     **describe_lengths(lengths, seqlen)}
             rows += bench_or_skip("inference", case, "inference", "inference", batch, lengths, flops, policy)
     if left:
