@@ -183,10 +183,14 @@ class RunConfig:
         from_file = load_json(path) if path else {}
         given = {**{k.lstrip("-").replace("-", "_"): v for k, v in from_file.items()}, **flags}
         name = preset({**given, "config": path} if path else given)
-        config = cls.from_preset(name) if name else cls()
-        if from_file:
-            config = cls.from_dict(from_file, path, base=config)
-        config = cls.from_dict(flags, "the command line", base=config)
+
+        def build(preset_name: Optional[str]) -> C:
+            config = cls.from_preset(preset_name) if preset_name else cls()
+            if from_file:
+                config = cls.from_dict(from_file, path, base=config)
+            return cls.from_dict(flags, "the command line", base=config)
+
+        config = build(name)
         if getattr(config, "resume", None):
             saved = cls.load(config.output_dir)
             if saved is not None:
@@ -195,10 +199,7 @@ class RunConfig:
                 # must not reach a run made on data (another thread count breaks bit-exact resumption).
                 saved_name = preset(saved.to_dict())
                 if saved_name != name:
-                    config = cls.from_preset(saved_name) if saved_name else cls()
-                    if from_file:
-                        config = cls.from_dict(from_file, path, base=config)
-                    config = cls.from_dict(flags, "the command line", base=config)
+                    config = build(saved_name)
                 config = config.over_saved(saved, {**from_file, **flags})
         return config
 
