@@ -7,8 +7,10 @@ given. Torch only: importing this pulls in neither triton nor the CUDA extension
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from typing import List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 
@@ -176,3 +178,41 @@ def check_key_padding_mask(mask: Optional[torch.Tensor], batch: int, seqlen: int
     check_tensor("key_padding_mask", mask, shape=(batch, seqlen), device=device)
     if mask.is_floating_point() or mask.is_complex():
         raise ValueError(f"key_padding_mask: expected a bool or integer tensor, got {mask.dtype}")
+
+
+# ------------------------------------------------------------------ value checks without a host read
+# Checks of tensor values (ids in range, labels valid) read a result back to the host, which waits
+# for the device: a step that must never wait (a CUDA graph, a sync-free training loop) asks for
+# them on the device instead, where a failed check is a device-side assert.
+_CHECKS_ON_DEVICE = contextvars.ContextVar("bertfast_checks_on_device", default=False)
+
+
+@contextlib.contextmanager
+def checks_on_device() -> Iterator[None]:
+    """Within: value checks of tensors on an accelerator run on the device (torch._assert_async)
+    and never read back to the host. A failed check there stops the process with a device-side
+    assert instead of a ValueError naming the values, so validate data before it reaches the
+    model (the training loaders do, on the host, once per example)."""
+    token = _CHECKS_ON_DEVICE.set(True)
+    try:
+        yield
+    finally:
+        _CHECKS_ON_DEVICE.reset(token)
+
+
+def exporting() -> bool:
+    """Tracing for torch.export or ONNX: no tensor has values to check."""
+    return torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export()
+
+
+def value_checks(t: torch.Tensor) -> str:
+    """How a check of ``t``'s values runs: "host" (read back; ValueError naming the values),
+    "device" (torch._assert_async: under torch.compile, while a CUDA graph is captured, or within
+    ``checks_on_device()`` for accelerator tensors) or "off" (exporting a graph)."""
+    if exporting():
+        return "off"
+    if torch.compiler.is_compiling():
+        return "device"
+    if t.device.type != "cpu" and (_CHECKS_ON_DEVICE.get() or (t.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return "device"
+    return "host"

@@ -2,18 +2,14 @@
 given, before any kernel sees a bad value."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from bertfast.config import BertConfig
-from bertfast.contract import IGNORE_INDEX
+from bertfast.contract import IGNORE_INDEX, exporting, value_checks
 
 Tensor = torch.Tensor
-
-
-def exporting() -> bool:
-    return torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export()
 
 
 _IGNORED_KWARGS = ("num_items_in_batch",)  # a Trainer argument; losses here are means (see accepts_loss_kwargs)
@@ -30,30 +26,87 @@ def check_kwargs(kwargs: Dict[str, Any]) -> None:
         raise ValueError(f"bertfast's BERT is an encoder only; unsupported {kind}: {sorted(given)}")
 
 
+class Packed(NamedTuple):
+    """Sequences packed into one row of tokens [1, T]: sequence k is tokens cu_seqlens[k]:cu_seqlens[k+1]."""
+    cu_seqlens: Tensor  # int32 [K + 1]: 0 first, T last, non-decreasing (empty sequences allowed)
+    max_seqlen: int     # a bound on every sequence's length (static: it sizes the attention's grid)
+    cu_seqlens_k: Optional[Tensor] = None  # the caller's cu_seq_lens_k, if another tensor: must hold the same values
+
+
+# transformers' names for packed sequences (its FlashAttentionKwargs, which DataCollatorWithFlattening fills).
+PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def pop_packed(kwargs: Dict[str, Any]) -> Optional[Packed]:
+    """Take transformers' packed-sequence keywords out of ``kwargs``: a Packed, or None when
+    ``cu_seq_lens_q`` is not given. Self-attention only: the k-side values, when given, must be
+    the q-side ones (their values are compared with the other value checks)."""
+    given = {k: kwargs.pop(k) for k in PACKED_KWARGS if k in kwargs}
+    cu, max_len = given.get("cu_seq_lens_q"), given.get("max_length_q")
+    if cu is None:
+        stray = sorted(k for k, v in given.items() if v is not None)
+        if stray:
+            raise ValueError(f"{stray}: packed sequences need cu_seq_lens_q (and max_length_q)")
+        return None
+    if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seq_lens_q: expected an integer tensor [sequences + 1], got "
+                         f"{tuple(cu.shape) if isinstance(cu, Tensor) else type(cu).__name__}")
+    if isinstance(max_len, Tensor) and max_len.numel() == 1 and not torch.compiler.is_compiling():
+        max_len = int(max_len)  # a host value already, or one read here; pass an int to avoid it
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+        raise ValueError(f"max_length_q: expected a positive int (the longest packed sequence), got {max_len!r}")
+    cu_k, max_k = given.get("cu_seq_lens_k"), given.get("max_length_k")
+    if cu_k is not None and (not isinstance(cu_k, Tensor) or cu_k.shape != cu.shape):
+        raise ValueError(f"cu_seq_lens_k: bertfast's attention is self-attention: expected cu_seq_lens_q's "
+                         f"values (shape {tuple(cu.shape)}), got {cu_k!r}")
+    if max_k is not None and int(max_k) != max_len:
+        raise ValueError(f"max_length_k: bertfast's attention is self-attention: expected max_length_q "
+                         f"({max_len}), got {max_k!r}")
+    return Packed(cu.to(torch.int32).contiguous(), max_len, None if cu_k is cu else cu_k)
+
+
+def refuse_packed(kwargs: Dict[str, Any], head: str) -> None:
+    """A head whose labels or outputs are per padded position, or per group of sequences, has no packed form."""
+    if kwargs.get("cu_seq_lens_q") is not None:
+        raise ValueError(f"{head}: packed sequences (cu_seq_lens_q) are not supported by this head; give "
+                         f"padded inputs [batch, seq_len] with an attention_mask")
+
+
 def prepare_inputs(cfg: BertConfig, word_embeddings: torch.nn.Module, input_ids: Optional[Tensor],
                    attention_mask: Optional[Tensor], token_type_ids: Optional[Tensor], position_ids: Optional[Tensor],
-                   inputs_embeds: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+                   inputs_embeds: Optional[Tensor], packed: Optional[Packed] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """BertModel's inputs checked (``check_inputs``), then (attention_mask, token_type_ids, position_ids)
     of shape [batch, seq_len]: the defaults where not given, and [1, seq_len] ids broadcast over the
-    batch as transformers' embeddings do."""
+    batch as transformers' embeddings do. Packed sequences ([1, T] with ``packed``) count positions
+    from 0 in each sequence."""
     weight = getattr(word_embeddings, "weight", None)
     batch, seqlen = check_inputs(cfg, word_embeddings.num_embeddings, input_ids, attention_mask, token_type_ids,
-                                 position_ids, inputs_embeds, weight.dtype if isinstance(weight, Tensor) else None)
+                                 position_ids, inputs_embeds, weight.dtype if isinstance(weight, Tensor) else None,
+                                 packed)
     device = (input_ids if input_ids is not None else inputs_embeds).device
     if attention_mask is None:
         attention_mask = torch.ones((batch, seqlen), dtype=torch.long, device=device)
     if token_type_ids is None:
         token_type_ids = torch.zeros((batch, seqlen), dtype=torch.long, device=device)
     if position_ids is None:
-        position_ids = torch.arange(seqlen, device=device)
+        position_ids = torch.arange(seqlen, device=device) if packed is None else packed_positions(packed, seqlen)
     return attention_mask, token_type_ids.expand(batch, seqlen), position_ids.expand(batch, seqlen)
+
+
+def packed_positions(packed: Packed, tokens: int) -> Tensor:
+    """[1, T] int64: each token's position in its own sequence (no host read)."""
+    cu = packed.cu_seqlens
+    index = torch.arange(tokens, device=cu.device)
+    sequence = torch.searchsorted(cu[1:], index.to(cu.dtype), right=True).clamp_(max=cu.numel() - 2)  # [T]
+    return (index - cu.long().index_select(0, sequence))[None]
 
 
 def check_inputs(cfg: BertConfig, vocab_size: int, input_ids: Optional[Tensor], attention_mask: Optional[Tensor],
                  token_type_ids: Optional[Tensor], position_ids: Optional[Tensor],
-                 inputs_embeds: Optional[Tensor], model_dtype: Optional[torch.dtype] = None) -> Tuple[int, int]:
-    """Shapes, dtypes and devices of BertModel's inputs, then their values (one host sync, skipped
-    while compiling or exporting). ``vocab_size`` is the word table's (after a resize, before the
+                 inputs_embeds: Optional[Tensor], model_dtype: Optional[torch.dtype] = None,
+                 packed: Optional[Packed] = None) -> Tuple[int, int]:
+    """Shapes, dtypes and devices of BertModel's inputs, then their values (one host sync, or
+    none: see ``contract.value_checks``). ``vocab_size`` is the word table's (after a resize, before the
     config is); ``model_dtype`` its weight's. Returns (batch, seq_len)."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("BertModel: give exactly one of input_ids or inputs_embeds")
@@ -80,8 +133,9 @@ def check_inputs(cfg: BertConfig, vocab_size: int, input_ids: Optional[Tensor], 
             raise ValueError(f"{'input_ids' if input_ids is not None else 'inputs_embeds'}: expected at least one "
                              f"position per sequence, got sequence length 0 (shape "
                              f"{tuple((input_ids if input_ids is not None else inputs_embeds).shape)})")
-        if seqlen > cfg.max_position_embeddings:
-            raise ValueError(f"sequence length {seqlen} exceeds max_position_embeddings "
+        longest = seqlen if packed is None else packed.max_seqlen
+        if longest > cfg.max_position_embeddings:
+            raise ValueError(f"sequence length {longest} exceeds max_position_embeddings "
                              f"{cfg.max_position_embeddings}")
     if attention_mask is not None and tuple(attention_mask.shape) != (batch, seqlen):
         raise ValueError(f"attention_mask: expected shape [{batch}, {seqlen}], got {tuple(attention_mask.shape)}")
@@ -90,9 +144,43 @@ def check_inputs(cfg: BertConfig, vocab_size: int, input_ids: Optional[Tensor], 
         if t is not None and tuple(t.shape) not in ((batch, seqlen), (1, seqlen)):
             raise ValueError(f"{name}: expected shape [{batch}, {seqlen}] (or [1, {seqlen}], broadcast over the "
                              f"batch), got {tuple(t.shape)}")
-    if not torch.compiler.is_compiling() and not exporting():
-        _check_values(cfg, vocab_size, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+    if packed is not None:
+        _check_packed_shapes(packed, batch, seqlen, attention_mask, input_ids if input_ids is not None else inputs_embeds)
+    mode = value_checks(input_ids if input_ids is not None else inputs_embeds)
+    if mode == "host":
+        _check_values(cfg, vocab_size, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, packed)
+    elif mode == "device":
+        _assert_values(cfg, vocab_size, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, packed)
     return batch, seqlen
+
+
+def _check_packed_shapes(packed: Packed, batch: int, seqlen: int, attention_mask: Optional[Tensor],
+                         source: Tensor) -> None:
+    if batch != 1:
+        raise ValueError(f"packed sequences (cu_seq_lens_q): expected inputs of shape [1, tokens], got batch {batch}")
+    if attention_mask is not None:
+        raise ValueError("packed sequences (cu_seq_lens_q): expected no attention_mask (every position of the "
+                         "[1, tokens] row belongs to a sequence; pack the unused tail as a sequence of its own)")
+    if packed.cu_seqlens.device != source.device:
+        raise ValueError(f"cu_seq_lens_q: expected device {source.device} (the inputs'), got "
+                         f"{packed.cu_seqlens.device}")
+    if packed.max_seqlen > seqlen and not exporting():
+        raise ValueError(f"max_length_q: expected at most the {seqlen} packed tokens, got {packed.max_seqlen}")
+
+
+def _packed_rules(packed: Packed, tokens: int) -> List[Tuple[str, Tensor]]:
+    """Bool device scalars, each true when cu_seq_lens_q (and a distinct cu_seq_lens_k) is valid."""
+    cu = packed.cu_seqlens
+    steps = cu.diff()
+    message = (f"cu_seq_lens_q: expected 0 first, {tokens} (the packed tokens) last and steps in "
+               f"[0, max_length_q={packed.max_seqlen}]")
+    ok = (cu[0] == 0) & (cu[-1] == tokens) & (steps >= 0).all() & (steps <= packed.max_seqlen).all()
+    rules = [(message, ok)]
+    cu_k = packed.cu_seqlens_k
+    if cu_k is not None:
+        rules.append(("cu_seq_lens_k: bertfast's attention is self-attention: expected cu_seq_lens_q's values",
+                      (cu_k.to(cu.device, cu.dtype) == cu).all()))
+    return rules
 
 
 def _check_embeds_dtype(dtype: torch.dtype, model_dtype: Optional[torch.dtype], device: torch.device) -> None:
@@ -110,9 +198,12 @@ def _check_embeds_dtype(dtype: torch.dtype, model_dtype: Optional[torch.dtype], 
 
 
 def _check_values(cfg: BertConfig, vocab_size: int, input_ids, attention_mask, token_type_ids, position_ids,
-                  inputs_embeds=None) -> None:
+                  inputs_embeds=None, packed: Optional[Packed] = None) -> None:
     """Range checks, gathered into one host sync."""
     checks: List[Tuple[str, Tensor]] = []
+    packed_rules = [] if packed is None else _packed_rules(packed, (input_ids if input_ids is not None
+                                                                    else inputs_embeds).shape[1])
+    checks += [(message, ok.logical_not()) for message, ok in packed_rules]
     if input_ids is not None and input_ids.numel():
         checks += [("input_ids_min", input_ids.min()), ("input_ids_max", input_ids.max())]
     if token_type_ids is not None and token_type_ids.numel():
@@ -126,6 +217,9 @@ def _check_values(cfg: BertConfig, vocab_size: int, input_ids, attention_mask, t
     if not checks:
         return
     values = dict(zip([n for n, _ in checks], torch.stack([v.to(torch.float64) for _, v in checks]).tolist()))
+    for message, _ in packed_rules:
+        if values[message]:
+            raise ValueError(message)
     if values.get("input_ids_min", 0) < 0 or values.get("input_ids_max", 0) >= vocab_size:
         raise ValueError(f"input_ids: expected values in [0, vocab_size={vocab_size}), got values in "
                          f"[{int(values['input_ids_min'])}, {int(values['input_ids_max'])}]")
@@ -144,11 +238,38 @@ def _check_values(cfg: BertConfig, vocab_size: int, input_ids, attention_mask, t
                          f"values")
 
 
+def _assert_values(cfg: BertConfig, vocab_size: int, input_ids, attention_mask, token_type_ids, position_ids,
+                   inputs_embeds=None, packed: Optional[Packed] = None) -> None:
+    """``_check_values``'s rules asserted on the device (no host read)."""
+    def within(t: Optional[Tensor], hi: int) -> Optional[Tensor]:
+        return None if t is None else ((t >= 0) & (t < hi)).all()
+    rules = [(within(input_ids, vocab_size), f"input_ids: expected values in [0, vocab_size={vocab_size})"),
+             (within(token_type_ids, cfg.type_vocab_size),
+              f"token_type_ids: expected values in [0, type_vocab_size={cfg.type_vocab_size})"),
+             (within(position_ids, cfg.max_position_embeddings),
+              f"position_ids: expected values in [0, max_position_embeddings={cfg.max_position_embeddings})"),
+             (within(attention_mask, 2), "attention_mask: expected only 0 (padding) and 1 (token)"),
+             (None if inputs_embeds is None else inputs_embeds.detach().isfinite().all(),
+              "inputs_embeds: expected finite values")]
+    if packed is not None:
+        rules += [(ok, message) for message, ok in _packed_rules(packed, (input_ids if input_ids is not None
+                                                                          else inputs_embeds).shape[1])]
+    for ok, message in rules:
+        if ok is not None:
+            torch._assert_async(ok, message)
+
+
 def check_labels(name: str, labels: Tensor, num_classes: int) -> None:
-    """Integer class labels in [0, num_classes) or -100 (one host sync, skipped while compiling)."""
+    """Integer class labels in [0, num_classes) or -100 (one host sync, or none: see
+    ``contract.value_checks``)."""
     if labels.is_floating_point():
         raise ValueError(f"{name}: expected integer class labels, got dtype {labels.dtype}")
-    if torch.compiler.is_compiling() or exporting() or labels.numel() == 0:
+    mode = value_checks(labels)
+    if mode == "off" or labels.numel() == 0:
+        return
+    if mode == "device":
+        ok = ((labels == IGNORE_INDEX) | ((labels >= 0) & (labels < num_classes))).all()
+        torch._assert_async(ok, f"{name}: expected values in [0, {num_classes}) or -100 (ignored)")
         return
     valid = labels[labels != IGNORE_INDEX]
     if valid.numel():

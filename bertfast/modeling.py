@@ -41,7 +41,7 @@ from transformers.models.bert import modeling_bert as hf_bert
 
 from bertfast import dispatch, losses, model_inputs, ops, reference, saving
 from bertfast.config import BertConfig, check_supported, gelu_approximate, head_dim
-from bertfast.padding import pad_rows, unpad, unpad_mask
+from bertfast.padding import packed_layout, pad_rows, unpad, unpad_mask
 from bertfast.contract import IGNORE_INDEX
 from bertfast.ops.mlm_head_loss import check_max_predictions_per_seq
 
@@ -362,27 +362,41 @@ class BertModel(BertPreTrainedModel):
                 inputs_embeds: Optional[Tensor] = None, output_attentions: Optional[bool] = None,
                 output_hidden_states: Optional[bool] = None, return_dict: Optional[bool] = None,
                 **kwargs: Any):
+        packed = model_inputs.pop_packed(kwargs)
         model_inputs.check_kwargs(kwargs)
         cfg = self.config
         output_attentions = cfg.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
         return_dict = cfg.return_dict if return_dict is None else return_dict
         attention_mask, token_type_ids, position_ids = model_inputs.prepare_inputs(
-            cfg, self.embeddings.word_embeddings, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
-        rows = token_rows = None
-        if _reference(self):
+            cfg, self.embeddings.word_embeddings, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+            packed)
+        rows = token_rows = probs = None
+        want_states = bool(output_hidden_states)
+        if _reference(self) and packed is not None:
+            sequence, states, probs, firsts = self._reference_packed(packed, input_ids, token_type_ids, position_ids,
+                                                                     inputs_embeds, want_states,
+                                                                     bool(output_attentions))
+        elif _reference(self):
             sequence, states, probs = reference.encoder(self, input_ids, attention_mask, token_type_ids,
-                                                        position_ids, inputs_embeds, bool(output_hidden_states),
+                                                        position_ids, inputs_embeds, want_states,
                                                         bool(output_attentions))
+            firsts = sequence
+        elif output_attentions:
+            raise ValueError("output_attentions=True: the fused attention never materialises attention "
+                             "probabilities; run the model under bertfast.reference_execution(model) for them")
+        elif packed is not None:
+            sequence, states, token_rows = self._encode_packed(packed, input_ids, token_type_ids, position_ids,
+                                                               inputs_embeds, want_states)
+            # Each sequence's first token [K, 1, H]; an empty sequence's index is clamped (it pools to 0 below).
+            firsts = token_rows.index_select(0, packed.cu_seqlens[:-1].clamp(max=token_rows.shape[0] - 1))[:, None]
         else:
-            if output_attentions:
-                raise ValueError("output_attentions=True: the fused attention never materialises attention "
-                                 "probabilities; run the model under bertfast.reference_execution(model) for them")
             sequence, states, rows, token_rows = self._encode(input_ids, attention_mask, token_type_ids,
-                                                                   position_ids, inputs_embeds,
-                                                                   bool(output_hidden_states))
-            probs = None
-        pooled = self.pooler(sequence) if self.pooler is not None else None
+                                                              position_ids, inputs_embeds, want_states)
+            firsts = sequence
+        pooled = self.pooler(firsts) if self.pooler is not None else None
+        if pooled is not None and packed is not None:  # an empty sequence pools to 0 (on every path)
+            pooled = pooled.masked_fill((packed.cu_seqlens.diff() == 0)[:, None], 0.0)
         out = BertModelOutput(last_hidden_state=sequence, pooler_output=pooled, hidden_states=states,
                               attentions=probs)
         out = _with_extras(out, token_rows=token_rows, token_row_index=rows)
@@ -415,6 +429,37 @@ class BertModel(BertPreTrainedModel):
         x = self.embeddings(gather(input_ids), gather(position_ids), gather(token_type_ids), gather(inputs_embeds))
         x, states = self.encoder(x, attend=attend, restore=restore, want_states=want_states)
         return restore(x), states, rows, x
+
+    def _encode_packed(self, packed: model_inputs.Packed, input_ids, token_type_ids, position_ids, inputs_embeds,
+                       want_states: bool):
+        """Packed sequences [1, T]: no padding to remove, every shape static, no host read.
+        Returns (sequence [1, T, H], hidden states or None, the rows [T, H])."""
+        tokens, width = position_ids.shape[1], self.config.hidden_size
+        flat = lambda t: None if t is None else t.reshape((tokens,) + tuple(t.shape[2:]))  # noqa: E731
+
+        def attend(qkv: Tensor, p: float) -> Tensor:
+            return ops.attention_varlen(qkv, packed.cu_seqlens, packed.max_seqlen, p)
+
+        restore = lambda x: x.view(1, tokens, width)  # noqa: E731
+        x = self.embeddings(flat(input_ids), flat(position_ids), flat(token_type_ids), flat(inputs_embeds))
+        x, states = self.encoder(x, attend=attend, restore=restore, want_states=want_states)
+        return restore(x), states, x
+
+    def _reference_packed(self, packed: model_inputs.Packed, input_ids, token_type_ids, position_ids, inputs_embeds,
+                          want_states: bool, want_probs: bool):
+        """The reference encoder on packed sequences, run as a padded batch [K, max_length_q]:
+        (sequence [1, T, H], states like it, attention probabilities [K, A, S, S] per layer, the
+        padded sequences [K, S, H] whose first tokens the pooler reads)."""
+        tokens = position_ids.shape[1]
+        index, mask = packed_layout(packed.cu_seqlens, packed.max_seqlen, tokens)  # [K, S] each
+        spread = lambda t: None if t is None else t[0].index_select(0, index.flatten()).view(  # noqa: E731
+            index.shape + tuple(t.shape[2:]))
+        sequence, states, probs = reference.encoder(self, spread(input_ids), mask.long(), spread(token_type_ids),
+                                                    spread(position_ids), spread(inputs_embeds), want_states,
+                                                    want_probs)
+        pack = lambda x: x[mask][None]  # noqa: E731  [K, S, H] -> [1, T, H]: sequences in order, one after another
+        states = None if states is None else tuple(pack(s) for s in states)
+        return pack(sequence), states, probs, sequence
 
 
 # ================================================================= heads
@@ -648,6 +693,7 @@ class BertForQuestionAnswering(BertPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, start_positions=None, end_positions=None, output_attentions=None,
                 output_hidden_states=None, return_dict=None, **kwargs):
+        model_inputs.refuse_packed(kwargs, type(self).__name__)
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                         output_attentions=output_attentions, output_hidden_states=output_hidden_states,
                         return_dict=True, **kwargs)
@@ -673,6 +719,7 @@ class BertForMultipleChoice(BertPreTrainedModel):
                 inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
                 return_dict=None, **kwargs):
         """Inputs [B, C, S] (C choices); logits [B, C]."""
+        model_inputs.refuse_packed(kwargs, type(self).__name__)
         source = input_ids if input_ids is not None else inputs_embeds
         if source is None or source.dim() < 3 or source.shape[1] == 0:
             raise ValueError(f"BertForMultipleChoice: expected inputs of shape [batch, num_choices >= 1, seq_len], "

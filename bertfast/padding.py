@@ -4,12 +4,17 @@ The encoder gathers the real tokens of a padded batch into rows [N, ...] (N = nu
 real tokens), runs every layer on them, and scatters the result back to [B, S, ...] with
 zeros at padded positions. Any mask pattern works (not only right padding): a sequence's
 tokens stay contiguous and in order among the rows.
+
+``pack_batch`` turns a padded batch into packed sequences of fixed shapes (the static-shape form
+the models take through transformers' cu_seq_lens_q / max_length_q).
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
+
+from bertfast.contract import IGNORE_INDEX
 
 Tensor = torch.Tensor
 
@@ -38,3 +43,71 @@ def pad_rows(x: Tensor, rows: Tensor, batch: int, seqlen: int) -> Tensor:
         return x.view((batch, seqlen) + tuple(x.shape[1:]))
     out = x.new_zeros((batch * seqlen,) + tuple(x.shape[1:]))
     return out.index_copy(0, rows, x).view((batch, seqlen) + tuple(x.shape[1:]))
+
+
+def packed_layout(cu_seqlens: Tensor, max_seqlen: int, tokens: int) -> Tuple[Tensor, Tensor]:
+    """Packed sequences (rows cu_seqlens[k]:cu_seqlens[k+1] of [T, ...]) seen as a padded batch
+    [K, max_seqlen]: (index [K, max_seqlen] int64 into the T rows, clamped where padded; mask
+    [K, max_seqlen] bool, True at tokens). No host read."""
+    starts = cu_seqlens[:-1].long()
+    lengths = cu_seqlens[1:].long() - starts
+    offsets = torch.arange(max_seqlen, device=cu_seqlens.device)
+    index = (starts[:, None] + offsets[None, :]).clamp_(max=max(tokens - 1, 0))  # [K, S]
+    return index, offsets[None, :] < lengths[:, None]
+
+
+def pack_batch(batch: Dict[str, Any], tokens: int, max_seqlen: int, slots: Optional[int] = None) -> Dict[str, Any]:
+    """A padded batch (model keyword arguments with attention_mask [B, S]) as packed sequences of
+    fixed shapes: the B sequences one after another in one row of ``tokens`` tokens, the unused
+    tail cut into dummy sequences of at most ``max_seqlen`` tokens, then empty sequences up to
+    ``slots`` (default B + ceil(tokens / max_seqlen), room for any tail).
+
+    Per-token values ([B, S, ...]) become [1, tokens, ...], filled with -100 (names holding
+    "label") or 0; per-sequence values ([B, ...], integer labels) become [slots, ...], -100 for
+    the dummy and empty slots, so they count nowhere. position_ids restart in every sequence.
+    Adds cu_seq_lens_q [slots + 1] int32 and max_length_q; drops attention_mask. Reads the mask
+    on the host: for a data loader, not a training step.
+    """
+    mask = batch["attention_mask"].bool()
+    if mask.dim() != 2:
+        raise ValueError(f"pack_batch: expected attention_mask [batch, seq_len], got {tuple(mask.shape)}")
+    b, s = mask.shape
+    lengths = mask.sum(1).tolist()
+    used = sum(lengths)
+    if used > tokens:
+        raise ValueError(f"pack_batch: the batch holds {used} tokens, more than the {tokens} of the packed row")
+    if lengths and max(lengths) > max_seqlen:
+        raise ValueError(f"pack_batch: a sequence of {max(lengths)} tokens, longer than max_seqlen={max_seqlen}")
+    tail = [min(max_seqlen, tokens - start) for start in range(used, tokens, max_seqlen)]
+    slots = b + -(-tokens // max_seqlen) if slots is None else slots
+    if b + len(tail) > slots:
+        raise ValueError(f"pack_batch: {b} sequences and {len(tail)} dummy ones need {b + len(tail)} slots, "
+                         f"got slots={slots}")
+    pieces = lengths + tail + [0] * (slots - b - len(tail))
+    cu = torch.zeros(slots + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(pieces, dtype=torch.int64), 0).to(torch.int32)
+    rows = mask.flatten().nonzero().flatten()  # [used]: the tokens, sequence after sequence
+    out: Dict[str, Any] = {}
+    for name, value in batch.items():
+        if name == "attention_mask" or not isinstance(value, Tensor):
+            continue
+        fill = IGNORE_INDEX if "label" in name else 0
+        if tuple(value.shape[:2]) == (b, s):  # per token
+            row = value.new_full((tokens,) + tuple(value.shape[2:]), fill)
+            row[:used] = value.reshape((b * s,) + tuple(value.shape[2:])).index_select(0, rows.to(value.device))
+            out[name] = row[None]
+        elif value.dim() >= 1 and value.shape[0] == b:  # per sequence
+            if value.is_floating_point():
+                raise ValueError(f"pack_batch: {name} holds per-sequence float values, which have no ignored "
+                                 f"value for the dummy and empty slots (regression or multi-label targets)")
+            slot_values = value.new_full((slots,) + tuple(value.shape[1:]), IGNORE_INDEX)
+            slot_values[:b] = value
+            out[name] = slot_values
+        else:
+            raise ValueError(f"pack_batch: {name} of shape {tuple(value.shape)} is neither per token "
+                             f"[{b}, {s}, ...] nor per sequence [{b}, ...]")
+    if "position_ids" not in out:
+        out["position_ids"] = torch.cat([torch.arange(n) for n in pieces])[None].to(mask.device)
+    out["cu_seq_lens_q"] = cu.to(mask.device)
+    out["max_length_q"] = int(max_seqlen)
+    return out

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from bertfast import dispatch
-from bertfast.contract import FLOAT_DTYPES, ID_DTYPES, IGNORE_INDEX, check_tensor
+from bertfast.contract import FLOAT_DTYPES, ID_DTYPES, IGNORE_INDEX, check_tensor, value_checks
 from bertfast.ops._common import distinct, empty, register_backends
 from bertfast.ops.bias_dropout_residual_layernorm import bias_dropout_residual_layernorm
 from bertfast.ops.bias_gelu import bias_gelu
@@ -142,7 +142,7 @@ def _check_predictions_per_seq(counts: Tensor, limit: int) -> None:
         return (f"mlm_head_loss: {which} labelled positions (labels != {IGNORE_INDEX}), more than "
                 f"max_predictions_per_seq={limit}; the extra ones would be dropped: raise the limit or mask fewer "
                 f"tokens")
-    if counts.device.type == "cpu" and not torch.compiler.is_compiling():
+    if counts.device.type == "cpu" and value_checks(counts) == "host":
         over = (counts > limit).nonzero().flatten()
         if over.numel():  # on the host already: name the sequence
             i = int(over[0])
@@ -261,8 +261,14 @@ def _accumulate_grad_weight(acc: torch.Tensor, dlogits_t: torch.Tensor, x_c: tor
 
 
 def _check_label_range(labels: torch.Tensor, vocab_size: int) -> None:
-    """ValueError when a label is neither -100 nor in [0, V). One device sync (.any())."""
+    """ValueError when a label is neither -100 nor in [0, V). One device sync (.any()), or none (an
+    assert on the device: see ``contract.value_checks``)."""
     bad = (labels >= vocab_size) | ((labels < 0) & (labels != IGNORE_INDEX))
+    mode = value_checks(labels)
+    if mode == "device":
+        torch._assert_async(~bad.any(), f"labels: expected values in [0, {vocab_size}) or {IGNORE_INDEX} (ignored)")
+    if mode != "host":
+        return
     if bool(bad.any()):
         value = int(labels[bad][0])
         raise ValueError(f"labels: expected values in [0, {vocab_size}) or {IGNORE_INDEX} (ignored), "
