@@ -30,6 +30,7 @@ reference on training batches.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -42,11 +43,13 @@ import torch
 
 from bertfast import parity
 from bertfast.config import BertConfig
+from bertfast.contract import checks_on_device
 from bertfast.data import metrics as M
 from bertfast.data.tasks import (DataFormatError, SquadExample, column, encode_pair, is_json_lines, label_names,
                                  pad_batch, qa_features, qa_predictions, read_conll, read_squad, read_table,
                                  text_column, token_classification_features)
 from bertfast.data.tokenization import WordPiece
+from bertfast.padding import pack_batch
 from bertfast.training import checkpoints as ckpt
 from bertfast.training import exits
 from bertfast.training.config import FinetuneConfig, parse_overrides
@@ -415,7 +418,15 @@ class Finetuner:
         bs = self.args.batch_size
         chosen = [self.train_features[j] for j in self._order[k * bs:(k + 1) * bs]]
         batch = pad_batch(chosen, self.tok.pad_id, keys=self.keys)
-        return {k: v.to(self.device) for k, v in batch.items()}
+        if self.args.static_shapes:  # the same shapes for a short last batch too
+            longest = self.args.max_seq_len  # slots: the sequences, then at most bs dummy ones for the tail
+            batch = pack_batch(batch, bs * longest, longest, slots=2 * bs)
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+    def _forward(self, batch: Dict[str, Any]):
+        # Packed batches: checked on the host by pack_batch and the task's reader; values on the device.
+        with checks_on_device() if self.args.static_shapes else contextlib.nullcontext():
+            return self.train_step.forward(self.model, batch)
 
     def train(self) -> Dict[str, Any]:
         args = self.args
@@ -436,7 +447,7 @@ class Finetuner:
             while self.step < stop_at:
                 epoch = self.step // self.steps_per_epoch
                 batch = self._batch(self.step)
-                done = self.train_step([batch], lambda b: self.train_step.forward(self.model, b))
+                done = self.train_step([batch], self._forward)
                 self.step += 1
                 self.watch.observe(self.step, done)
                 losses.append(done.outputs[0].loss.detach().float())

@@ -27,7 +27,9 @@ and LayerNorm, 10k warm-up steps then linear decay; batch 256. Here:
   * ``--parity-every N``: every N steps ``bertfast.parity.check_batch`` runs the step's first
     micro-batch through the fast and reference paths (fp32, dropout off); past
     ``--parity-threshold`` (relative, on loss, logits and gradient norm) it warns, and with
-    ``--parity-strict`` the run stops and names the first divergent op.
+    ``--parity-strict`` the run stops and names the first divergent op;
+  * ``--static-shapes``: packed micro-batches of fixed shapes and no host read in the step;
+    ``--cuda-graphs``: the step captured in a CUDA graph and replayed (training.graphs).
 
 ``bertfast pretrain`` with no arguments (or ``--demo``) runs a short demonstration: a small
 BERT on the embedded corpus (the standard library's docstrings, prepared on the fly into
@@ -52,12 +54,12 @@ import torch
 
 from bertfast import flops, parity
 from bertfast.config import BertConfig
-from bertfast.contract import IGNORE_INDEX
-from bertfast.data.loader import BatchSpec, PretrainingBatches, Prefetcher, masking_config_for
+from bertfast.contract import IGNORE_INDEX, checks_on_device
+from bertfast.data.loader import BatchSpec, PretrainingBatches, Prefetcher, masking_config_for, sequence_lengths
 from bertfast.data.shards import MissingSplitError, PretrainingData
 from bertfast.data.tokenization import read_vocab
 from bertfast.training import checkpoints as ckpt
-from bertfast.training import exits
+from bertfast.training import exits, graphs
 from bertfast.training.config import DEMO_MODEL, DEMO_VOCAB_SIZE, PretrainConfig, parse_overrides
 from bertfast.training.distributed import (DistInfo, all_reduce_max, all_reduce_sum, any_rank, broadcast_object,
                                            gather_objects, init_distributed)
@@ -167,36 +169,44 @@ class Phase:
     batches: PretrainingBatches
     spec: BatchSpec
     eval_batches: Optional[PretrainingBatches]
-    max_predictions: Optional[int]
+    max_predictions: Optional[int]  # the model's static MLM gather per batch row (a packed row: all its sequences)
 
     @property
     def end(self) -> int:
         return self.start + self.steps
 
 
+def static_shapes(args: PretrainConfig) -> bool:
+    """Packed batches of fixed shapes: asked for, or needed by CUDA graphs."""
+    return args.static_shapes or args.cuda_graphs
+
+
 def build_phases(args, info: DistInfo, vocab_tokens: Optional[List[str]]) -> List[Phase]:
     phases: List[Phase] = []
     start = 0
-    specs = [(args.data, args.phase1_steps, args.global_batch_size, args.micro_batch_size),
-             (args.data_phase2, args.phase2_steps, args.phase2_global_batch_size, args.phase2_micro_batch_size)]
-    for i, (directory, steps, gbs, mbs) in enumerate(specs, start=1):
+    specs = [(args.data, args.phase1_steps, args.global_batch_size, args.micro_batch_size, args.pack_tokens),
+             (args.data_phase2, args.phase2_steps, args.phase2_global_batch_size, args.phase2_micro_batch_size,
+              args.phase2_pack_tokens)]
+    for i, (directory, steps, gbs, mbs, pack_tokens) in enumerate(specs, start=1):
         if not steps:
             continue
         data = PretrainingData(directory, "train")
         max_pred = args.max_predictions_per_seq
         if max_pred is None and data.static_masking:
             max_pred = int(data.index["max_predictions_per_seq"])
-        elif max_pred is None and args.static_shapes:
+        elif max_pred is None and static_shapes(args):
             max_pred = int(math.ceil(0.15 * data.max_seq_len))
         masking = None if data.static_masking else masking_config_for(
             data, vocab_tokens, mlm_prob=args.masked_lm_prob, max_predictions_per_seq=max_pred)
         # With static shapes the model gathers max_pred labelled positions per sequence: the
         # loader refuses (on the host) a sequence with more, instead of its extra labels being dropped.
-        limit = max_pred if args.static_shapes else None
+        # The micro-batch is one packed row, so the model's gather is max_pred per sequence of the row.
+        limit = max_pred if static_shapes(args) else None
+        pack = (pack_tokens or mbs * data.max_seq_len) if static_shapes(args) else None
         spec = BatchSpec(gbs, mbs, info.world_size, info.rank)
         batches = PretrainingBatches(data, spec, seed=args.seed + 1000 * i, masking=masking,
-                                     pad_to_multiple_of=args.pad_to_multiple_of, static_shapes=args.static_shapes,
-                                     max_predictions=limit)
+                                     pad_to_multiple_of=args.pad_to_multiple_of, static_shapes=static_shapes(args),
+                                     max_predictions=limit, pack_tokens=pack)
         eval_batches = None
         eval_dir = args.eval_data or directory
         try:
@@ -211,9 +221,10 @@ def build_phases(args, info: DistInfo, vocab_tokens: Optional[List[str]]) -> Lis
             espec = BatchSpec(mbs, mbs, 1, 0)
             eval_batches = PretrainingBatches(eval_data, espec, seed=args.seed + 7, masking=emask,
                                               pad_to_multiple_of=args.pad_to_multiple_of,
-                                              static_shapes=args.static_shapes, shuffle=False,
-                                              max_predictions=limit)
-        phases.append(Phase(i, start, steps, data, batches, spec, eval_batches, limit))
+                                              static_shapes=static_shapes(args), shuffle=False,
+                                              max_predictions=limit, pack_tokens=pack)
+        phases.append(Phase(i, start, steps, data, batches, spec, eval_batches,
+                            None if limit is None else limit * mbs))
         start += steps
     return phases
 
@@ -311,17 +322,23 @@ class Pretrainer:
         self.config = model.config
         # ... and a different dropout stream on each rank.
         ckpt.seed_everything(args.seed + 1_000_003 * info.rank)
+        if args.cuda_graphs:
+            graphs.check_supported(self.device, info.world_size, args.optimizer, self.precision, args.on_nonfinite,
+                                   args.compile, args.execution)
         self.raw_model = model.to(self.device)
         self.model = wrap_model(self.raw_model, args, info)
         self.forward_model = torch.compile(self.model) if args.compile else self.model
         self.optimizer = build_optimizer(self.model, args.optimizer, args.lr, args.weight_decay,
                                          (args.beta1, args.beta2), args.adam_eps)
         self.total_steps = sum(ph.steps for ph in self.phases)
-        self.train_step = TrainStep(self.model, self.optimizer,
-                                    warmup_linear_decay(self.optimizer, args.warmup_steps, self.total_steps),
-                                    self.device, self.precision, args.max_grad_norm,
-                                    self._no_sync if info.distributed else None,
-                                    skip_nonfinite=args.on_nonfinite == "skip")
+        schedule = warmup_linear_decay(self.optimizer, args.warmup_steps, self.total_steps)
+        if args.cuda_graphs:
+            self.train_step = graphs.GraphedTrainStep(self.model, self.optimizer, schedule, self.device,
+                                                      self.precision, args.max_grad_norm)
+        else:
+            self.train_step = TrainStep(self.model, self.optimizer, schedule, self.device, self.precision,
+                                        args.max_grad_norm, self._no_sync if info.distributed else None,
+                                        skip_nonfinite=args.on_nonfinite == "skip")
         self.peak = flops.peak_bf16_flops(self.device)
         self.step = 0
         if resume_state:
@@ -334,7 +351,8 @@ class Pretrainer:
         self.say(f"[pretrain] model: {n_params / 1e6:.2f}M parameters (L={self.config.num_hidden_layers} "
                  f"H={self.config.hidden_size} A={self.config.num_attention_heads} V={self.config.vocab_size}), "
                  f"{args.execution} path, device {self.device}, {self.precision}, optimizer {args.optimizer} "
-                 f"lr {args.lr:g} warm-up {args.warmup_steps}")
+                 f"lr {args.lr:g} warm-up {args.warmup_steps}"
+                 + (", CUDA graphs" if args.cuda_graphs else ", static shapes (packed)" if args.static_shapes else ""))
         self.say(f"[pretrain] {accum}")
         if resume_from:
             self.say(f"[pretrain] resumed from {resume_from} at step {self.step}")
@@ -343,7 +361,7 @@ class Pretrainer:
     def _model_state_for_saving(self):
         """(model on CPU to save_pretrained, optimizer state dict); FSDP gathers full states on rank 0."""
         if not self.args.fsdp:
-            return self.raw_model, self.optimizer.state_dict()
+            return self.raw_model, graphs.host_lrs(self.optimizer.state_dict())
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict)
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -411,11 +429,14 @@ class Pretrainer:
 
     def _to_device(self, mb: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         nb = self.device.type == "cuda"
-        return {k: v.to(self.device, non_blocking=nb) for k, v in mb.items()}
+        return {k: v.to(self.device, non_blocking=nb) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
 
     def _forward(self, mb: Dict[str, torch.Tensor], phase: Phase):
         extra = {} if phase.max_predictions is None else {"max_predictions_per_seq": phase.max_predictions}
-        return self.train_step.forward(self.forward_model, mb, **extra)
+        # Packed batches were checked by the loader: the model checks values on the device, no host read.
+        checks = checks_on_device() if static_shapes(self.args) else contextlib.nullcontext()
+        with checks:
+            return self.train_step.forward(self.forward_model, mb, **extra)
 
     def _no_sync(self):
         return _fsdp_no_sync(self.model) if self.args.fsdp else self.model.no_sync()
@@ -433,7 +454,7 @@ class Pretrainer:
         for j in range(self.info.rank, min(self.args.eval_batches, n_avail), self.info.world_size):
             mb = self._to_device(phase.eval_batches.micro_batches(j)[0])
             out = self._forward(mb, phase)
-            b = mb["input_ids"].shape[0]
+            b = (sequence_lengths(mb) > 0).sum()
             sums.add(loss=out.loss * b, mlm_loss=out.mlm_loss * b, mlm_correct=out.mlm_num_correct,
                      predictions=out.mlm_num_predictions, nsp_correct=_nsp_correct(out, mb), sequences=b)
         total = sums.read(self._sum_over_ranks)
@@ -602,12 +623,12 @@ class _Window:
     def add(self, done: StepResult, micro: List[Dict[str, torch.Tensor]]) -> None:
         count = len(micro)
         for out, mb in zip(done.outputs, micro):
-            lengths = mb["attention_mask"].sum(1).double()
+            lengths = sequence_lengths(mb).double()
             self.sums.add(loss=out.loss.detach().double() / count, mlm_loss=out.mlm_loss.detach() / count,
                           nsp_loss=out.nsp_loss.detach() / count,
                           mlm_correct=out.mlm_num_correct, nsp_correct=_nsp_correct(out, mb),
                           tokens=lengths.sum(), sum_len_sq=(lengths ** 2).sum(),
-                          predictions=(mb["labels"] != IGNORE_INDEX).sum(), sequences=lengths.numel())
+                          predictions=(mb["labels"] != IGNORE_INDEX).sum(), sequences=(lengths > 0).sum())
         self.losses.append(done.loss)
         self.steps += 1
 

@@ -77,11 +77,15 @@ def test_build_phases_wires_the_static_shape_limit(static_data, corpus_and_vocab
     _, dynamic = corpus_and_vocab
     args = pretrain.parse_args(["--data", dynamic, "--masked-lm-prob", "0.5", *common])
     phase = pretrain.build_phases(args, DistInfo(), None)[0]
-    assert phase.max_predictions == 5 and phase.batches.max_predictions == 5
+    # The loader's limit is per sequence; the model gathers it for each of the 4 sequences of a packed row.
+    assert phase.max_predictions == 5 * 4 and phase.batches.max_predictions == 5
     assert phase.eval_batches is not None and phase.eval_batches.max_predictions == 5
     for step in range(3):
-        labels = phase.batches.micro_batches(step)[0]["labels"]
-        assert int((labels != -100).sum(1).max()) == 5
+        mb = phase.batches.micro_batches(step)[0]
+        labelled = (mb["labels"][0] != -100).long()
+        cu = mb["cu_seq_lens_q"].long()
+        per_sequence = [int(labelled[a:b].sum()) for a, b in zip(cu[:-1], cu[1:])]
+        assert max(per_sequence) == 5
 
 
 def test_dynamic_masks_over_the_limit_are_refused(corpus_and_vocab):

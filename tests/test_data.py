@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bertfast.data import corpus as corpus_mod
-from bertfast.data.loader import BatchSpec, PretrainingBatches, masking_config_for
+from bertfast.data.loader import BatchSpec, PretrainingBatches, masking_config_for, sequence_lengths
 from bertfast.data.masking import MaskingConfig, continuation_flags, example_rng, mask_sequence
 from bertfast.data.nsp import TokenizedCorpus, instances_from_document, truncate_seq_pair
 from bertfast.data.prepare import main as prepare_main
@@ -286,3 +286,43 @@ def test_loader_batches_ranks_and_resume(prepared):
     # Static shapes: padded to max_seq_len.
     static = PretrainingBatches(data, BatchSpec(4, 4), seed=5, masking=masking, static_shapes=True)
     assert static.micro_batches(0)[0]["input_ids"].shape == (4, data.max_seq_len)
+
+
+def test_loader_packs_micro_batches_into_fixed_rows(prepared):
+    _, out = prepared
+    data = PretrainingData(out, "train")
+    masking = masking_config_for(data)
+    s = data.max_seq_len
+    padded = PretrainingBatches(data, BatchSpec(8, 4), seed=5, masking=masking)
+    packed = PretrainingBatches(data, BatchSpec(8, 4), seed=5, masking=masking, pack_tokens=4 * s)
+    shapes = set()
+    for step in range(3):
+        for pad, row in zip(padded.micro_batches(step), packed.micro_batches(step)):
+            shapes.add(tuple((k, tuple(v.shape)) if isinstance(v, torch.Tensor) else (k, v) for k, v in row.items()))
+            mask = pad["attention_mask"].bool()
+            used = int(mask.sum())
+            # The same sequences, one after another, then padding.
+            for name in ("input_ids", "token_type_ids", "labels"):
+                assert torch.equal(row[name][0, :used], pad[name][mask]), name
+            assert (row["input_ids"][0, used:] == data.special_ids["pad"]).all()
+            assert (row["labels"][0, used:] == -100).all()
+            cu = row["cu_seq_lens_q"].long()
+            lengths = cu.diff()
+            assert cu[0] == 0 and cu[-1] == 4 * s and (lengths >= 0).all() and (lengths <= s).all()
+            assert torch.equal(lengths[:4], mask.sum(1))
+            # Dummy tail pieces and empty slots: no NSP label; real sequences: theirs.
+            assert torch.equal(row["next_sentence_label"][:4], pad["next_sentence_label"])
+            assert (row["next_sentence_label"][4:] == -100).all()
+            assert row["max_length_q"] == s and row["next_sentence_label"].shape == (4 + 4,)
+            starts = cu[:-1]
+            for k in range(len(lengths)):  # positions restart in every sequence (the tail's too)
+                assert torch.equal(row["position_ids"][0, starts[k]:starts[k] + lengths[k]], torch.arange(lengths[k]))
+            assert torch.equal(sequence_lengths(row), torch.cat([lengths[:4], torch.zeros(4, dtype=torch.long)]))
+    assert len(shapes) == 1                                     # every micro-batch: the same shapes
+    # A budget that cannot hold a micro-batch, or a sequence, is refused with what to change.
+    small = PretrainingBatches(data, BatchSpec(8, 4), seed=5, masking=masking, pack_tokens=s)
+    with pytest.raises(ValueError, match=rf"a micro-batch of 4 sequences .* holds \d+ tokens, more than the {s} of "
+                                         r"its packed row \(pack_tokens\): raise pack_tokens"):
+        small.micro_batches(0)
+    with pytest.raises(ValueError, match=rf"pack_tokens: expected at least max_seq_len \({s}\)"):
+        PretrainingBatches(data, BatchSpec(8, 4), masking=masking, pack_tokens=s - 1)

@@ -230,6 +230,27 @@ def test_parity_checks_during_finetuning(tmp_path, vocab_dir):
     assert r["parity"][0]["loss_abs_diff"] < 1e-5
 
 
+@pytest.mark.parametrize("task", ["classification", "token-classification"])
+def test_static_shapes_train_like_padded_batches(tmp_path, vocab_dir, task):
+    """Packed batches (one row of batch size x max_seq_len tokens) give the padded run's losses,
+    step by step, with dropout off (dropout masks depend on the layout)."""
+    if task == "classification":
+        S.write_classification(str(tmp_path / "train.csv"), 44, seed=0)
+        data = ["--train-file", str(tmp_path / "train.csv")]
+    else:
+        S.write_conll(str(tmp_path / "train.conll"), 44, seed=0)
+        data = ["--train-file", str(tmp_path / "train.conll")]
+    common = ["--task", task, *data, "--max-seq-len", "32", "--set", "hidden_dropout_prob=0.0",
+              "--set", "attention_probs_dropout_prob=0.0"]
+    padded = _run(tmp_path / "padded", vocab_dir, *common, epochs=1, batch_size=8)
+    packed = _run(tmp_path / "packed", vocab_dir, *common, "--static-shapes", epochs=1, batch_size=8)
+    assert len(packed["train_loss"]) == 6                               # the short last batch packs too
+    np.testing.assert_allclose(packed["train_loss"], padded["train_loss"], rtol=2e-5)
+    with pytest.raises(ValueError, match=r"--static-shapes serves the tasks \['classification', "
+                                         r"'token-classification'\] .* got --task regression"):
+        _run(tmp_path / "r", vocab_dir, "--task", "regression", *data, "--static-shapes")
+
+
 # --------------------------------------------------------------------------- configuration, checkpoints, resume
 def test_recipes_flags_and_errors_name_the_option(tmp_path):
     squad = finetune.parse_args(["--recipe", "squad-v2.0", "--train-file", "t.json", "--model", "m"])

@@ -96,8 +96,9 @@ def test_two_phase_run_logs_checkpoints_and_hf_layout(datasets, tmp_path):
     assert open(os.path.join(str(tmp_path / "ft"), "vocab.txt")).read() == open(os.path.join(ckpt, "vocab.txt")).read()
 
 
-def test_resume_is_bit_exact(datasets, tmp_path):
-    dropout = ["--set", "hidden_dropout_prob=0.1", "--set", "attention_probs_dropout_prob=0.1"]
+@pytest.mark.parametrize("shapes", [[], ["--static-shapes"]], ids=["unpadded", "packed"])
+def test_resume_is_bit_exact(datasets, tmp_path, shapes):
+    dropout = ["--set", "hidden_dropout_prob=0.1", "--set", "attention_probs_dropout_prob=0.1", *shapes]
     full = pretrain.run(_args(datasets, tmp_path / "full", *dropout))
     first = pretrain.run(_args(datasets, tmp_path / "split", *dropout, "--stop-at-step", "3"))
     assert first.stopped_early and sorted(first.losses) == [1, 2, 3]
@@ -269,6 +270,15 @@ def test_config_file_and_errors(datasets, tmp_path):
         BatchSpec(6, 4)
 
 
+def test_cuda_graphs_refuses_what_it_cannot_capture(datasets, tmp_path, capsys):
+    argv = ["--preset", "tiny", "--data", datasets[0], "--phase1-steps", "1", "--no-progress", "--cuda-graphs",
+            "--optimizer", "lamb", "--on-nonfinite", "skip", "--device", "cpu", "--output-dir", str(tmp_path / "g")]
+    assert pretrain.main(argv) == 2
+    err = capsys.readouterr().err
+    assert ("--cuda-graphs needs a CUDA device (got cpu); --optimizer adamw (got lamb: LAMB keeps its step counts "
+            "on the host); --on-nonfinite stop") in err
+
+
 @pytest.mark.parametrize("values, message", [
     ({"lr": None}, r"--lr expects a number, got None"),
     ({"global_batch_size": "32"}, r"--global-batch-size expects an integer, got '32'"),
@@ -280,6 +290,7 @@ def test_config_file_and_errors(datasets, tmp_path):
     ({"max_predictions_per_seq": 0}, r"--max-predictions-per-seq must be > 0, got 0"),
     ({"phase2_fraction": 2}, r"--phase2-fraction must be in \[0, 1\), got 2"),
     ({"lr": -1}, r"--lr must be > 0, got -1"),
+    ({"pack_tokens": 4096}, r"--pack-tokens size packed batches: add --static-shapes \(or --cuda-graphs\)"),
     ({"typo_option": 1}, r"unknown option 'typo_option'"),
 ])
 def test_a_config_file_with_a_bad_value_names_the_option(tmp_path, values, message):

@@ -17,6 +17,14 @@ input_ids, token_type_ids, attention_mask [B, L] (L = longest sequence rounded u
 ``pad_to_multiple_of``, or the dataset's max_seq_len with ``static_shapes``), labels [B, L]
 (-100 except at masked positions) and next_sentence_label [B].
 
+Packed (``pack_tokens``, ``--static-shapes``): the micro-batch's sequences one after another in
+one row of exactly ``pack_tokens`` tokens, the keyword arguments of a packed forward:
+input_ids, token_type_ids, position_ids, labels [1, T], cu_seq_lens_q [K + 1] int32,
+max_length_q (the dataset's max_seq_len, an int) and next_sentence_label [K]. The unused tail
+is cut into dummy sequences of at most max_seq_len padding tokens, and K = B + ceil(T / max_seq_len)
+slots leave room for any tail: unused slots are empty sequences. Dummy and empty slots have
+next-sentence label -100, so nothing but real sequences counts anywhere; every shape is fixed.
+
 ``max_predictions`` (the model's static MLM gather size, ``--static-shapes``) is checked here,
 on the host: a sequence with more masked labels is a ValueError naming the shard and
 sequence (stored masks are checked when the batches are built), never labels dropped.
@@ -26,7 +34,7 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -34,6 +42,7 @@ import torch
 from bertfast.contract import IGNORE_INDEX
 from bertfast.data.masking import MaskingConfig, example_rng, mask_sequence
 from bertfast.data.shards import PretrainingData
+from bertfast.padding import pack_batch
 
 
 @dataclass
@@ -62,9 +71,11 @@ class PretrainingBatches:
 
     def __init__(self, data: PretrainingData, spec: BatchSpec, seed: int = 0,
                  masking: Optional[MaskingConfig] = None, pad_to_multiple_of: int = 8,
-                 static_shapes: bool = False, shuffle: bool = True, max_predictions: Optional[int] = None):
+                 static_shapes: bool = False, shuffle: bool = True, max_predictions: Optional[int] = None,
+                 pack_tokens: Optional[int] = None):
         """``max_predictions``: the masked labels per sequence the model will gather (its static
-        MLM shape); a sequence with more is an error, not labels silently dropped."""
+        MLM shape); a sequence with more is an error, not labels silently dropped. ``pack_tokens``:
+        pack each micro-batch into one row of this many tokens (see the module docstring)."""
         if len(data) == 0:
             raise ValueError(f"{data.directory!r} split {data.split!r} has no examples")
         if not data.static_masking and masking is None:
@@ -79,6 +90,10 @@ class PretrainingBatches:
         self.pad_id = int(data.special_ids["pad"])
         self._perm_cache: Dict[int, np.ndarray] = {}
         self.max_predictions = None if max_predictions is None else int(max_predictions)
+        self.pack_tokens = None if pack_tokens is None else int(pack_tokens)
+        if self.pack_tokens is not None and self.pack_tokens < data.max_seq_len:
+            raise ValueError(f"pack_tokens: expected at least max_seq_len ({data.max_seq_len}) tokens per micro-batch, "
+                             f"got {self.pack_tokens}")
         if self.max_predictions is not None:
             if self.max_predictions < 1:
                 raise ValueError(f"max_predictions must be >= 1, got {self.max_predictions}")
@@ -160,8 +175,20 @@ class PretrainingBatches:
             raise self._too_many_labels(index, len(positions))
         return ids, a_len, nsp, positions, labels
 
-    def collate(self, items) -> Dict[str, torch.Tensor]:
+    def collate(self, items) -> Dict[str, Any]:
         examples = [self.example(e, i) for e, i in items]
+        batch = self._padded(examples)
+        if self.pack_tokens is None:
+            return batch
+        used = int(batch["attention_mask"].sum())
+        if used > self.pack_tokens:
+            shard, j = self.data.locate(items[0][1])
+            raise ValueError(f"{self.data.directory}: a micro-batch of {len(examples)} sequences (the first: shard "
+                             f"{shard.name} sequence {j}) holds {used} tokens, more than the {self.pack_tokens} of "
+                             f"its packed row (pack_tokens): raise pack_tokens or lower the micro batch size")
+        return pack_batch(batch, self.pack_tokens, self.data.max_seq_len)
+
+    def _padded(self, examples) -> Dict[str, torch.Tensor]:
         if self.static_shapes:
             length = self.data.max_seq_len
         else:
@@ -184,6 +211,14 @@ class PretrainingBatches:
         return {"input_ids": torch.from_numpy(input_ids), "token_type_ids": torch.from_numpy(token_type),
                 "attention_mask": torch.from_numpy(attention), "labels": torch.from_numpy(labels),
                 "next_sentence_label": torch.from_numpy(nsp)}
+
+
+def sequence_lengths(batch: Dict[str, Any]) -> torch.Tensor:
+    """Tokens of each slot of a micro-batch, 0 for a packed row's dummy and empty slots (on the batch's device)."""
+    if "cu_seq_lens_q" not in batch:
+        return batch["attention_mask"].sum(1)
+    real = batch["next_sentence_label"] != IGNORE_INDEX
+    return batch["cu_seq_lens_q"].diff() * real
 
 
 def masking_config_for(data: PretrainingData, id_to_token: Optional[List[str]] = None,
@@ -220,7 +255,8 @@ class Prefetcher:
             try:
                 batches = self.fn(step)
                 if self.pin_memory:
-                    batches = [{k: v.pin_memory() for k, v in mb.items()} for mb in batches]
+                    batches = [{k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+                               for mb in batches]
                 item = (step, batches, None)
             except BaseException as e:  # surfaced in the consumer
                 item = (step, None, e)

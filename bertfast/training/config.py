@@ -302,14 +302,21 @@ class PretrainConfig(RunConfig):
     execution: str = option("fast", "train through the fast unpadded path or the plain reference encoder",
                             group=MODEL, choices=("fast", "reference"))
     compile: bool = option(False, "torch.compile the model", group=MODEL)
+    cuda_graphs: bool = option(False, "capture the training step (forward, backward, clipping, optimizer) in a CUDA "
+                                      "graph and replay it; implies --static-shapes (one CUDA process, AdamW, "
+                                      "bf16 or fp32)", group=MODEL)
 
     data: Optional[str] = option(None, "phase-1 dataset directory (bertfast prepare, e.g. --max-seq-len 128)",
                                  group=DATA)
     data_phase2: Optional[str] = option(None, "phase-2 dataset directory (e.g. --max-seq-len 512)", group=DATA)
     eval_data: Optional[str] = option(None, "dataset whose 'eval' split is the held-out set (default: the phase's)",
                                       group=DATA)
-    static_shapes: bool = option(False, "pad every batch to max_seq_len and gather a fixed max_predictions_per_seq",
-                                 group=DATA)
+    static_shapes: bool = option(False, "pack each micro-batch into one row of a fixed token budget and gather a "
+                                        "fixed number of masked positions: every shape static, no host read in the "
+                                        "step (what torch.compile and CUDA graphs want)", group=DATA)
+    pack_tokens: Optional[int] = option(None, "--static-shapes: tokens of a packed micro-batch in phase 1 (default: "
+                                              "micro batch size x max_seq_len, which always fits)", group=DATA)
+    phase2_pack_tokens: Optional[int] = option(None, "the same for phase 2", group=DATA)
     max_predictions_per_seq: Optional[int] = option(None, "cap on masked tokens per sequence (default: none; "
                                                           "ceil(0.15*L) with --static-shapes)", group=DATA)
     masked_lm_prob: Optional[float] = option(None, "default: the dataset's (0.15)", group=DATA)
@@ -367,7 +374,8 @@ class PretrainConfig(RunConfig):
     def check(self) -> None:
         positive = ("vocab_multiple", "pad_to_multiple_of", "global_batch_size", "micro_batch_size",
                     "phase2_global_batch_size", "phase2_micro_batch_size", "log_every", "eval_batches",
-                    "max_predictions_per_seq", "threads", "demo_vocab_size", "stop_at_step", "max_skipped_steps")
+                    "max_predictions_per_seq", "threads", "demo_vocab_size", "stop_at_step", "max_skipped_steps",
+                    "pack_tokens", "phase2_pack_tokens")
         at_least_zero = ("prefetch", "phase1_steps", "phase2_steps", "total_steps", "warmup_steps", "save_every",
                          "keep_last", "eval_every", "parity_every", "weight_decay", "adam_eps", "max_grad_norm")
         self.require_positive(*positive)
@@ -380,10 +388,15 @@ class PretrainConfig(RunConfig):
         if self.masked_lm_prob is not None and not 0.0 < self.masked_lm_prob < 1.0:
             raise ValueError(f"--masked-lm-prob must be in (0, 1), got {self.masked_lm_prob}")
         self.require_positive("parity_threshold")
+        packing = [flag for flag, value in (("--pack-tokens", self.pack_tokens),
+                                            ("--phase2-pack-tokens", self.phase2_pack_tokens)) if value]
+        if packing and not (self.static_shapes or self.cuda_graphs):
+            raise ValueError(f"{' and '.join(packing)} size packed batches: add --static-shapes (or --cuda-graphs)")
 
 
 # --------------------------------------------------------------------------- bertfast finetune
 TASKS = ("classification", "regression", "token-classification", "qa", "multiple-choice")
+STATIC_SHAPE_TASKS = ("classification", "token-classification")  # the heads that take packed sequences
 
 # The paper's fine-tuning settings (section 4): GLUE batch 32 for 3 epochs, the learning rate
 # picked on dev among 5e-5, 4e-5, 3e-5 and 2e-5; SQuAD v1.1 3 epochs at 5e-5, batch 32; SQuAD
@@ -423,6 +436,9 @@ class FinetuneConfig(RunConfig):
 
     max_seq_len: int = option(128, group=TRAINING)
     batch_size: int = option(32, group=TRAINING)
+    static_shapes: bool = option(False, "classification and token-classification: pack each batch into one row of "
+                                        "batch size x max_seq_len tokens (fixed shapes, no host read in the step)",
+                                 group=TRAINING)
     eval_batch_size: int = option(64, group=TRAINING)
     lr: float = option(3e-5, "0 keeps the pre-trained weights (a baseline)", group=TRAINING)
     epochs: float = option(3.0, group=TRAINING)
@@ -493,3 +509,6 @@ class FinetuneConfig(RunConfig):
             raise ValueError("give --model DIR (a checkpoint directory), or --preset NAME with --vocab")
         if self.stop_at_step is not None and self.no_save:
             raise ValueError("--stop-at-step writes a checkpoint to resume from; it cannot be used with --no-save")
+        if self.static_shapes and self.task not in STATIC_SHAPE_TASKS:
+            raise ValueError(f"--static-shapes serves the tasks {list(STATIC_SHAPE_TASKS)} (one label per sequence "
+                             f"or per token, ignorable with -100), got --task {self.task}")

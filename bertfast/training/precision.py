@@ -7,12 +7,13 @@ from typing import Optional
 import torch
 
 
-def autocast_context(device: torch.device, precision: str):
-    """bf16/fp16 autocast on CUDA (bf16 also on CPU if asked); fp32: no autocast."""
+def autocast_context(device: torch.device, precision: str, cache: bool = True):
+    """bf16/fp16 autocast on CUDA (bf16 also on CPU if asked); fp32: no autocast. ``cache=False``
+    for a region captured in a CUDA graph (autocast's cache of cast weights must not outlive it)."""
     if precision == "fp32":
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=cache)
 
 
 def resolve_precision(precision: Optional[str], device: torch.device) -> str:

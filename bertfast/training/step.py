@@ -50,8 +50,10 @@ class TrainStep:
         self.scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
         self.skip_nonfinite = skip_nonfinite
 
+    autocast_cache = True  # off where the step is captured in a CUDA graph
+
     def autocast(self) -> ContextManager[Any]:
-        return autocast_context(self.device, self.precision)
+        return autocast_context(self.device, self.precision, self.autocast_cache)
 
     def forward(self, model: Callable[..., Any], batch: Batch, **kwargs: Any) -> Any:
         with self.autocast():
@@ -59,6 +61,25 @@ class TrainStep:
 
     def __call__(self, micro_batches: Sequence[Batch], forward: Callable[[Batch], Any]) -> StepResult:
         """Run one step; ``forward(batch)`` returns a model output with ``.loss`` (call ``self.forward``)."""
+        outputs, step_loss, grad_norm, finite = self.gradients(micro_batches, forward)
+        lr = self.scheduler.get_last_lr()[0]
+        skipped = self.skip_nonfinite and not _on_every_rank(finite)
+        if self.scaler is not None:
+            if not skipped:
+                self.scaler.step(self.optimizer)
+            self.scaler.update()
+        elif not skipped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            # A skipped first step makes the scheduler warn that it ran before the optimizer: it meant to.
+            warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"), UserWarning)
+            self.scheduler.step()
+        return StepResult(outputs, step_loss, grad_norm, lr, finite, skipped)
+
+    def gradients(self, micro_batches: Sequence[Batch], forward: Callable[[Batch], Any]):
+        """Forward and backward over the micro-batches, then clipping: (outputs, the step's loss,
+        the gradient norm before clipping, whether both are finite). No host read."""
         count = len(micro_batches)
         outputs = []
         step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -76,23 +97,10 @@ class TrainStep:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
             grad_norm = grad_norm.full_tensor()
-        lr = self.scheduler.get_last_lr()[0]
         finite = torch.isfinite(step_loss)
         if self.scaler is None:
             finite = finite & torch.isfinite(grad_norm)
-        skipped = self.skip_nonfinite and not _on_every_rank(finite)
-        if self.scaler is not None:
-            if not skipped:
-                self.scaler.step(self.optimizer)
-            self.scaler.update()
-        elif not skipped:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        with warnings.catch_warnings():
-            # A skipped first step makes the scheduler warn that it ran before the optimizer: it meant to.
-            warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"), UserWarning)
-            self.scheduler.step()
-        return StepResult(outputs, step_loss, grad_norm, lr, finite, skipped)
+        return outputs, step_loss, grad_norm, finite
 
     # The optimizer's state is saved by the caller (FSDP gathers it); these are the rest.
     def state_dict(self) -> Dict[str, Any]:

@@ -1,0 +1,173 @@
+"""The training step replayed from a CUDA graph (``bertfast pretrain --cuda-graphs``).
+
+A BERT step launches thousands of small kernels; at small batches the CPU's launch time, not
+the GPU, sets the pace. Captured once in a CUDA graph, the whole step (forward and backward of
+every micro-batch, clipping, the optimizer) is one launch. What that needs, and where it comes from:
+
+* fixed shapes: packed batches (``--static-shapes``: one row of a fixed token budget, a fixed
+  number of masked positions);
+* no host read inside the step: value checks on the device (``contract.checks_on_device``),
+  the data checked by the loader on the host;
+* fixed buffers: each batch is copied into the tensors the graph reads;
+* an optimizer whose every input is on the device: torch's fused AdamW (its step counts are
+  device tensors), with the learning rate in a device tensor the scheduler fills between replays;
+* dropout seeds drawn from torch's CUDA generator, which is graph-safe (each replay draws anew);
+* eager steps first (``warmup_steps``, on a side stream, for each new batch shape): Triton
+  autotuning, cuBLAS workspaces and the optimizer's lazy state happen there, never inside a
+  capture. They are steps of the run, not extra ones.
+
+Not served, refused up front by ``check_supported``: several processes (DDP, FSDP), LAMB (its
+step counts live on the host), fp16 (GradScaler reads its inf flag on the host), ``--on-nonfinite
+skip`` (one host read per step), ``--compile`` (torch.compile's "reduce-overhead" mode is its
+own graph capture) and the reference execution (it unpacks batches with host reads).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from bertfast.training.step import Batch, StepResult, TrainStep
+
+Tensor = torch.Tensor
+
+
+def check_supported(device: torch.device, world_size: int, optimizer: str, precision: str, on_nonfinite: str,
+                    compile: bool, execution: str) -> None:
+    """ValueError naming every setting a CUDA-graph run cannot have."""
+    problems = []
+    if device.type != "cuda":
+        problems.append(f"a CUDA device (got {device})")
+    if world_size != 1:
+        problems.append(f"one process (got {world_size}; DDP and FSDP are not captured yet)")
+    if optimizer != "adamw":
+        problems.append(f"--optimizer adamw (got {optimizer}: LAMB keeps its step counts on the host)")
+    if precision == "fp16":
+        problems.append("--precision bf16 or fp32 (fp16's loss scaler reads its inf flag on the host)")
+    if on_nonfinite != "stop":
+        problems.append("--on-nonfinite stop (skip reads a flag on the host every step)")
+    if compile:
+        problems.append("no --compile (use one: torch.compile's reduce-overhead mode captures graphs itself)")
+    if execution != "fast":
+        problems.append(f"--execution fast (got {execution})")
+    if problems:
+        raise ValueError("--cuda-graphs needs " + "; ".join(problems))
+
+
+def host_lrs(optimizer_state: Dict[str, Any]) -> Dict[str, Any]:
+    """An optimizer state dict with its learning rates as floats (a graph run keeps them in
+    device tensors; a checkpoint should not depend on that)."""
+    groups = [{**g, "lr": float(g["lr"])} if isinstance(g.get("lr"), Tensor) else g
+              for g in optimizer_state["param_groups"]]
+    return {**optimizer_state, "param_groups": groups}
+
+
+def _signature(micro_batches: Sequence[Batch]) -> Tuple:
+    """What a captured graph is specific to: the number of micro-batches, and each value's shape
+    and dtype (tensors) or value (anything else, e.g. max_length_q)."""
+    return tuple(tuple(sorted((k, (tuple(v.shape), v.dtype, v.device) if isinstance(v, Tensor) else v)
+                              for k, v in mb.items())) for mb in micro_batches)
+
+
+class GraphedTrainStep(TrainStep):
+    """TrainStep (one CUDA process, fused AdamW, bf16 or fp32) whose steps replay a CUDA graph:
+    ``warmup_steps`` eager steps for each new batch signature, then one captured step replayed
+    for every later step with that signature."""
+
+    WARMUP_STEPS = 3
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, device: torch.device, precision: str,
+                 max_grad_norm: Optional[float] = None, warmup_steps: int = WARMUP_STEPS):
+        super().__init__(model, optimizer, scheduler, device, precision, max_grad_norm)
+        if device.type != "cuda":
+            raise ValueError(f"GraphedTrainStep: expected a CUDA device, got {device}")
+        if not isinstance(optimizer, torch.optim.AdamW) or not all(g.get("fused") for g in optimizer.param_groups):
+            raise ValueError(f"GraphedTrainStep: expected torch's fused AdamW (every input on the device), got "
+                             f"{type(optimizer).__name__}")
+        if self.scaler is not None:
+            raise ValueError("GraphedTrainStep: fp16 loss scaling reads its inf flag on the host; use bf16 or fp32")
+        if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+            raise ValueError(f"GraphedTrainStep: expected a LambdaLR schedule, got {type(scheduler).__name__}")
+        self.autocast_cache = False
+        self.warmup_steps = int(warmup_steps)
+        self.signature: Optional[Tuple] = None   # of the batches the graph below was captured for
+        self.eager_steps = 0                      # with that signature, before the capture
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.static_batches: List[Batch] = []    # what the graph reads
+        self.captured: Optional[Tuple[list, Tensor, Tensor, Tensor]] = None  # what it writes
+        self.replays = 0
+
+    def __call__(self, micro_batches: Sequence[Batch], forward: Callable[[Batch], Any]) -> StepResult:
+        signature = _signature(micro_batches)
+        if signature != self.signature:  # a new phase: new shapes, new warm-up, new graph
+            self._release()
+            self.signature = signature
+        if self.graph is None and self.eager_steps < self.warmup_steps:
+            self.eager_steps += 1
+            return self._eager(micro_batches, forward)
+        lr = self.scheduled_lr()
+        if self.graph is None:
+            self._capture(micro_batches, forward)
+        else:
+            for static, mb in zip(self.static_batches, micro_batches):
+                for k, v in mb.items():
+                    if isinstance(v, Tensor):
+                        static[k].copy_(v, non_blocking=True)
+        self.graph.replay()
+        self.replays += 1
+        outputs, step_loss, grad_norm, finite = self.captured
+        self._advance_schedule()
+        # The graph overwrites its outputs at the next replay: the step's own values are copies.
+        return StepResult(outputs, step_loss.clone(), grad_norm.clone(), lr, finite.clone())
+
+    def scheduled_lr(self) -> float:
+        """The learning rate of the coming step, on the host (the optimizer's is a device tensor)."""
+        s = self.scheduler
+        return s.base_lrs[0] * s.lr_lambdas[0](s.last_epoch)
+
+    def _eager(self, micro_batches: Sequence[Batch], forward: Callable[[Batch], Any]) -> StepResult:
+        lr = self.scheduled_lr()
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            result = super().__call__(micro_batches, forward)
+        current.wait_stream(side)
+        result.lr = lr  # a float, whether the optimizer's rate is one yet or a device tensor
+        return result
+
+    def _capture(self, micro_batches: Sequence[Batch], forward: Callable[[Batch], Any]) -> None:
+        self.static_batches = [{k: v.clone() if isinstance(v, Tensor) else v for k, v in mb.items()}
+                               for mb in micro_batches]
+        for group in self.optimizer.param_groups:
+            if not isinstance(group["lr"], Tensor):  # filled by the scheduler from now on
+                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=self.device)
+        self.optimizer.zero_grad(set_to_none=True)  # the graph's backward allocates the gradients
+        graph = torch.cuda.CUDAGraph()
+        capturable = [g["capturable"] for g in self.optimizer.param_groups]
+        try:
+            for g in self.optimizer.param_groups:
+                g["capturable"] = True  # fused AdamW's step is capturable; torch asks for the flag
+            # thread_local: the prefetch thread may pin host memory meanwhile (a CUDA call that
+            # would end a capture in the default, global mode).
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self.captured = self.gradients(self.static_batches, forward)
+                self.optimizer.step()
+        finally:
+            for g, flag in zip(self.optimizer.param_groups, capturable):
+                g["capturable"] = flag
+        self.graph = graph
+
+    def _release(self) -> None:
+        """Drop the graph and what it holds; the gradients it wrote are not an eager step's to add to."""
+        self.graph, self.captured, self.static_batches = None, None, []
+        self.eager_steps = 0
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _advance_schedule(self) -> None:
+        with warnings.catch_warnings():
+            # The optimizer's step ran inside the graph, out of the scheduler's sight.
+            warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)`", UserWarning)
+            self.scheduler.step()

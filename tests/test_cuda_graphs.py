@@ -1,0 +1,117 @@
+"""A training step with no host read, and the same step replayed from a CUDA graph (GPU only).
+
+  * a packed pre-training step (forward, backward, clipping, fused AdamW) under
+    torch.cuda.set_sync_debug_mode("error") with checks on the device: no host sync at all;
+  * GraphedTrainStep gives the eager step's losses, learning rates and parameters, through
+    warm-up, capture, replays and a change of batch shape (a new phase);
+  * with dropout on, every replay draws new dropout masks;
+  * `bertfast pretrain --cuda-graphs` runs end to end and matches --static-shapes without graphs.
+"""
+import copy
+
+import pytest
+import torch
+
+import bertfast
+from bertfast import BertConfig
+from bertfast.contract import checks_on_device
+from bertfast.padding import pack_batch
+from bertfast.training.graphs import GraphedTrainStep
+from bertfast.training.optim import build_optimizer, warmup_linear_decay
+from bertfast.training.step import TrainStep
+
+pytestmark = pytest.mark.gpu
+
+S = 32
+
+
+def _model(dropout: float = 0.0):
+    cfg = BertConfig.preset("tiny", hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    return bertfast.BertForPreTraining(cfg).cuda()
+
+
+def _batch(seed: int, batch: int = 4, seqlen: int = S):
+    """A packed pre-training micro-batch on the GPU: ``batch`` sequences of random lengths."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(seqlen // 2, seqlen + 1, (batch,), generator=g)
+    mask = (torch.arange(seqlen)[None] < lengths[:, None]).long()
+    ids = torch.randint(5, 1000, (batch, seqlen), generator=g) * mask
+    labels = torch.where((torch.rand(batch, seqlen, generator=g) < 0.15) & mask.bool(), ids, -100)
+    padded = dict(input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids), labels=labels,
+                  next_sentence_label=torch.randint(0, 2, (batch,), generator=g))
+    packed = pack_batch(padded, batch * seqlen, seqlen)
+    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in packed.items()}
+
+
+def _step(model, kind, precision="fp32", steps=10, lr=1e-3):
+    opt = build_optimizer(model, "adamw", lr)
+    schedule = warmup_linear_decay(opt, 2, steps)
+    make = GraphedTrainStep if kind == "graph" else TrainStep
+    return make(model, opt, schedule, torch.device("cuda"), precision, max_grad_norm=1.0)
+
+
+def _forward(step, model, predictions):
+    def forward(mb):
+        with checks_on_device():
+            return step.forward(model, mb, max_predictions_per_seq=predictions)
+    return forward
+
+
+def test_packed_step_never_syncs_with_the_host():
+    model = _model(dropout=0.1)
+    step = _step(model, "eager", precision="bf16")
+    forward = _forward(step, model, 4 * S)
+    step([_batch(0)], forward)  # first call: autotuning, lazy state, probes (host reads allowed)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for seed in (1, 2):
+            done = step([_batch(seed)], forward)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(done.loss) and bool(done.finite)
+
+
+def test_graphed_step_matches_eager_through_capture_replays_and_a_new_shape():
+    torch.manual_seed(0)
+    eager_model = _model()
+    graph_model = copy.deepcopy(eager_model)
+    eager, graphed = _step(eager_model, "eager"), _step(graph_model, "graph")
+    short = [_batch(seed) for seed in range(6)]                       # warm-up 3, capture, 2 replays
+    long = [_batch(10 + seed, batch=2, seqlen=2 * S) for seed in range(5)]  # new shapes: warm-up 3 again
+    for mb in short + long:
+        predictions = mb["input_ids"].shape[1]
+        a = eager([mb], _forward(eager, eager_model, predictions))
+        b = graphed([mb], _forward(graphed, graph_model, predictions))
+        assert a.lr == pytest.approx(b.lr)
+        torch.testing.assert_close(b.loss, a.loss, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(b.grad_norm, a.grad_norm, atol=1e-6, rtol=1e-5)
+    assert graphed.replays == 3 + 2
+    for (name, p), q in zip(eager_model.named_parameters(), graph_model.parameters()):
+        torch.testing.assert_close(q, p, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_each_replay_draws_new_dropout_masks():
+    model = _model(dropout=0.1)
+    step = _step(model, "graph", precision="bf16", lr=0.0)  # the weights stay put: only dropout moves the loss
+    mb = _batch(0)
+    losses = [float(step([mb], _forward(step, model, 4 * S)).loss) for _ in range(6)]
+    assert step.replays == 3
+    assert len(set(losses[-3:])) == 3                                   # each replay: new masks
+
+
+def test_pretrain_cuda_graphs_matches_static_shapes(datasets, tmp_path):
+    from bertfast import pretrain
+
+    def run(out, *extra):
+        argv = ["--preset", "tiny", "--data", datasets[0], "--phase1-steps", "8", "--global-batch-size", "8",
+                "--micro-batch-size", "4", "--lr", "1e-3", "--warmup-steps", "2", "--log-every", "1",
+                "--eval-every", "0", "--save-every", "100", "--no-progress", "--output-dir", str(tmp_path / out),
+                "--seed", "3", "--precision", "fp32", "--set", "hidden_dropout_prob=0.0",
+                "--set", "attention_probs_dropout_prob=0.0", "--device", "cuda", *extra]
+        return pretrain.run(pretrain.parse_args(argv))
+
+    graphed, plain = run("graphs", "--cuda-graphs"), run("static", "--static-shapes")
+    assert sorted(graphed.losses) == list(range(1, 9))
+    for step, loss in plain.losses.items():
+        assert graphed.losses[step] == pytest.approx(loss, rel=1e-5), step
