@@ -98,6 +98,7 @@ class GraphedTrainStep(TrainStep):
         self.static_batches: List[Batch] = []    # what the graph reads
         self.captured: Optional[Tuple[list, Tensor, Tensor, Tensor]] = None  # what it writes
         self.replays = 0
+        self._side: Optional[torch.cuda.Stream] = None  # where eager warm-up steps run (torch's advice)
 
     def __call__(self, micro_batches: Sequence[Batch], forward: Callable[[Batch], Any]) -> StepResult:
         signature = _signature(micro_batches)
@@ -130,7 +131,9 @@ class GraphedTrainStep(TrainStep):
     def _eager(self, micro_batches: Sequence[Batch], forward: Callable[[Batch], Any]) -> StepResult:
         lr = self.scheduled_lr()
         current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
+        if self._side is None:  # one side stream for every warm-up step: its memory pool is reused
+            self._side = torch.cuda.Stream(self.device)
+        side = self._side
         side.wait_stream(current)
         with torch.cuda.stream(side):
             result = super().__call__(micro_batches, forward)
