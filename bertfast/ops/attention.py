@@ -28,6 +28,7 @@ import torch
 
 from bertfast import contract, dispatch
 from bertfast.ops._common import distinct, keep_mask, launch_directly, register_backends, seed_for
+from bertfast.padding import packed_layout
 
 Tensor = torch.Tensor
 register_backends("attention_varlen", "attention", ["q"])
@@ -289,16 +290,12 @@ def _dense_batch(cu_seqlens: Tensor, max_seqlen: int, tokens: int) -> Optional[i
     return batch
 
 
-def _varlen_layout(cu_seqlens: Tensor, max_seqlen: int) -> Tuple[Tensor, Tensor, Tensor]:
+def _varlen_layout(cu_seqlens: Tensor, max_seqlen: int, tokens: int) -> Tuple[Tensor, Tensor, Tensor]:
     """(token rows [n], their positions in a [B * max_seqlen] padded layout [n], key mask
     [B, max_seqlen]) for the n tokens inside sequences, in sequence order."""
-    starts = cu_seqlens[:-1].long()
-    lengths = cu_seqlens[1:].long() - starts
-    offsets = torch.arange(max_seqlen, device=cu_seqlens.device)
-    mask = offsets[None, :] < lengths[:, None]                                   # [B, S]
+    index, mask = packed_layout(cu_seqlens, max_seqlen, tokens)                  # [B, S] each
     padded = mask.flatten().nonzero().flatten()                                  # [n]
-    rows = (starts[:, None] + offsets[None, :]).flatten()[padded]                # [n]
-    return rows, padded, mask
+    return index.flatten()[padded], padded, mask
 
 
 def _pad(x: Tensor, rows: Tensor, padded: Tensor, batch: int, seqlen: int, fill: float = 0.0) -> Tensor:
@@ -321,7 +318,7 @@ def attention_varlen_fwd(q, k, v, cu_seqlens, max_seqlen, softmax_scale, dropout
         out, lse = attention_padded_fwd(*(t.view(dense, max_seqlen, heads, head_dim) for t in (q, k, v)), None,
                                         softmax_scale, dropout_p, seed)
         return out.view(tokens, heads, head_dim), lse.transpose(0, 1).reshape(heads, tokens)
-    rows, padded, mask = _varlen_layout(cu_seqlens, max_seqlen)
+    rows, padded, mask = _varlen_layout(cu_seqlens, max_seqlen, tokens)
     batch = mask.shape[0]
     out, lse = attention_padded_fwd(*(_pad(t, rows, padded, batch, max_seqlen) for t in (q, k, v)), mask,
                                     softmax_scale, dropout_p, seed)
@@ -338,7 +335,7 @@ def attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softma
                                      lse.view(heads, dense, max_seqlen).transpose(0, 1), None, softmax_scale,
                                      dropout_p, seed)
         return torch.stack([g.view(tokens, heads, head_dim) for g in grads], dim=1)
-    rows, padded, mask = _varlen_layout(cu_seqlens, max_seqlen)
+    rows, padded, mask = _varlen_layout(cu_seqlens, max_seqlen, tokens)
     batch = mask.shape[0]
     # Padded query rows get lse +inf: probabilities 0, so they add nothing to dk and dv.
     lse_p = _pad(lse.t(), rows, padded, batch, max_seqlen, float("inf")).transpose(1, 2)
