@@ -2,7 +2,7 @@
 given, before any kernel sees a bad value."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -147,10 +147,15 @@ def check_inputs(cfg: BertConfig, vocab_size: int, input_ids: Optional[Tensor], 
     if packed is not None:
         _check_packed_shapes(packed, batch, seqlen, attention_mask, input_ids if input_ids is not None else inputs_embeds)
     mode = value_checks(input_ids if input_ids is not None else inputs_embeds)
+    if mode == "off":
+        return batch, seqlen
+    packed_rules = [] if packed is None else _packed_rules(packed, seqlen)
     if mode == "host":
-        _check_values(cfg, vocab_size, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, packed)
-    elif mode == "device":
-        _assert_values(cfg, vocab_size, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, packed)
+        _check_values(cfg, vocab_size, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                      packed_rules)
+    else:
+        _assert_values(cfg, vocab_size, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                       packed_rules)
     return batch, seqlen
 
 
@@ -198,12 +203,9 @@ def _check_embeds_dtype(dtype: torch.dtype, model_dtype: Optional[torch.dtype], 
 
 
 def _check_values(cfg: BertConfig, vocab_size: int, input_ids, attention_mask, token_type_ids, position_ids,
-                  inputs_embeds=None, packed: Optional[Packed] = None) -> None:
-    """Range checks, gathered into one host sync."""
-    checks: List[Tuple[str, Tensor]] = []
-    packed_rules = [] if packed is None else _packed_rules(packed, (input_ids if input_ids is not None
-                                                                    else inputs_embeds).shape[1])
-    checks += [(message, ok.logical_not()) for message, ok in packed_rules]
+                  inputs_embeds=None, packed_rules: Sequence[Tuple[str, Tensor]] = ()) -> None:
+    """Range checks (and ``_packed_rules``), gathered into one host sync."""
+    checks: List[Tuple[str, Tensor]] = [(message, ok.logical_not()) for message, ok in packed_rules]
     if input_ids is not None and input_ids.numel():
         checks += [("input_ids_min", input_ids.min()), ("input_ids_max", input_ids.max())]
     if token_type_ids is not None and token_type_ids.numel():
@@ -239,7 +241,7 @@ def _check_values(cfg: BertConfig, vocab_size: int, input_ids, attention_mask, t
 
 
 def _assert_values(cfg: BertConfig, vocab_size: int, input_ids, attention_mask, token_type_ids, position_ids,
-                   inputs_embeds=None, packed: Optional[Packed] = None) -> None:
+                   inputs_embeds=None, packed_rules: Sequence[Tuple[str, Tensor]] = ()) -> None:
     """``_check_values``'s rules asserted on the device (no host read)."""
     def within(t: Optional[Tensor], hi: int) -> Optional[Tensor]:
         return None if t is None else ((t >= 0) & (t < hi)).all()
@@ -251,9 +253,7 @@ def _assert_values(cfg: BertConfig, vocab_size: int, input_ids, attention_mask, 
              (within(attention_mask, 2), "attention_mask: expected only 0 (padding) and 1 (token)"),
              (None if inputs_embeds is None else inputs_embeds.detach().isfinite().all(),
               "inputs_embeds: expected finite values")]
-    if packed is not None:
-        rules += [(ok, message) for message, ok in _packed_rules(packed, (input_ids if input_ids is not None
-                                                                          else inputs_embeds).shape[1])]
+    rules += [(ok, message) for message, ok in packed_rules]
     for ok, message in rules:
         if ok is not None:
             torch._assert_async(ok, message)
