@@ -30,7 +30,6 @@ reference on training batches.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -43,7 +42,6 @@ import torch
 
 from bertfast import parity
 from bertfast.config import BertConfig
-from bertfast.contract import checks_on_device
 from bertfast.data import metrics as M
 from bertfast.data.tasks import (DataFormatError, SquadExample, column, encode_pair, is_json_lines, label_names,
                                  pad_batch, qa_features, qa_predictions, read_conll, read_squad, read_table,
@@ -393,8 +391,10 @@ class Finetuner:
         self.total_steps = max(1, int(math.ceil(self.steps_per_epoch * args.epochs)))
         schedule = warmup_linear_decay(self.optimizer, int(round(args.warmup_fraction * self.total_steps)),
                                        self.total_steps)
+        # Packed batches: labels checked on the host by the task's reader; the model checks values on the device.
         self.train_step = TrainStep(self.model, self.optimizer, schedule, self.device, self.precision,
-                                    args.max_grad_norm, skip_nonfinite=args.on_nonfinite == "skip")
+                                    args.max_grad_norm, skip_nonfinite=args.on_nonfinite == "skip",
+                                    device_checks=args.static_shapes)
         self.step = 0
         if state is not None:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -423,11 +423,6 @@ class Finetuner:
             batch = pack_batch(batch, bs * longest, longest, slots=2 * bs)
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
-    def _forward(self, batch: Dict[str, Any]):
-        # Packed batches: checked on the host by pack_batch and the task's reader; values on the device.
-        with checks_on_device() if self.args.static_shapes else contextlib.nullcontext():
-            return self.train_step.forward(self.model, batch)
-
     def train(self) -> Dict[str, Any]:
         args = self.args
         stop_at = min(self.total_steps, args.stop_at_step or self.total_steps)
@@ -447,7 +442,7 @@ class Finetuner:
             while self.step < stop_at:
                 epoch = self.step // self.steps_per_epoch
                 batch = self._batch(self.step)
-                done = self.train_step([batch], self._forward)
+                done = self.train_step([batch], lambda b: self.train_step.forward(self.model, b))
                 self.step += 1
                 self.watch.observe(self.step, done)
                 losses.append(done.outputs[0].loss.detach().float())

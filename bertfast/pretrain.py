@@ -54,7 +54,7 @@ import torch
 
 from bertfast import flops, parity
 from bertfast.config import BertConfig
-from bertfast.contract import IGNORE_INDEX, checks_on_device
+from bertfast.contract import IGNORE_INDEX
 from bertfast.data.loader import BatchSpec, PretrainingBatches, Prefetcher, masking_config_for, sequence_lengths
 from bertfast.data.shards import MissingSplitError, PretrainingData
 from bertfast.data.tokenization import read_vocab
@@ -336,9 +336,10 @@ class Pretrainer:
             self.train_step = graphs.GraphedTrainStep(self.model, self.optimizer, schedule, self.device,
                                                       self.precision, args.max_grad_norm)
         else:
+            # Packed batches were checked by the loader: the model checks values on the device.
             self.train_step = TrainStep(self.model, self.optimizer, schedule, self.device, self.precision,
                                         args.max_grad_norm, self._no_sync if info.distributed else None,
-                                        skip_nonfinite=args.on_nonfinite == "skip")
+                                        skip_nonfinite=args.on_nonfinite == "skip", device_checks=args.static_shapes)
         self.peak = flops.peak_bf16_flops(self.device)
         self.step = 0
         if resume_state:
@@ -433,10 +434,7 @@ class Pretrainer:
 
     def _forward(self, mb: Dict[str, torch.Tensor], phase: Phase):
         extra = {} if phase.max_predictions is None else {"max_predictions_per_seq": phase.max_predictions}
-        # Packed batches were checked by the loader: the model checks values on the device, no host read.
-        checks = checks_on_device() if static_shapes(self.args) else contextlib.nullcontext()
-        with checks:
-            return self.train_step.forward(self.forward_model, mb, **extra)
+        return self.train_step.forward(self.forward_model, mb, **extra)
 
     def _no_sync(self):
         return _fsdp_no_sync(self.model) if self.args.fsdp else self.model.no_sync()

@@ -14,7 +14,6 @@ import torch
 
 import bertfast
 from bertfast import BertConfig
-from bertfast.contract import checks_on_device
 from bertfast.padding import pack_batch
 from bertfast.training.graphs import GraphedTrainStep
 from bertfast.training.optim import build_optimizer, warmup_linear_decay
@@ -46,15 +45,14 @@ def _batch(seed: int, batch: int = 4, seqlen: int = S):
 def _step(model, kind, precision="fp32", steps=10, lr=1e-3):
     opt = build_optimizer(model, "adamw", lr)
     schedule = warmup_linear_decay(opt, 2, steps)
-    make = GraphedTrainStep if kind == "graph" else TrainStep
-    return make(model, opt, schedule, torch.device("cuda"), precision, max_grad_norm=1.0)
+    if kind == "graph":
+        return GraphedTrainStep(model, opt, schedule, torch.device("cuda"), precision, max_grad_norm=1.0)
+    return TrainStep(model, opt, schedule, torch.device("cuda"), precision, max_grad_norm=1.0, device_checks=True)
 
 
 def _forward(step, model, predictions):
-    def forward(mb):
-        with checks_on_device():
-            return step.forward(model, mb, max_predictions_per_seq=predictions)
-    return forward
+    """The step's forward (values checked on the device: both steps ask for it) with the row's MLM gather."""
+    return lambda mb: step.forward(model, mb, max_predictions_per_seq=predictions)
 
 
 def test_packed_step_never_syncs_with_the_host():

@@ -219,6 +219,17 @@ def test_value_checks_mode():
     assert contract.value_checks(meta) == "host"
 
 
+@pytest.mark.parametrize("device_checks", [False, True])
+def test_train_step_asks_for_device_checks(device_checks):
+    from bertfast.training.step import TrainStep
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = TrainStep(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), torch.device("cpu"), "fp32",
+                     device_checks=device_checks)
+    meta = torch.zeros(2, device="meta")  # stands for an accelerator tensor
+    assert step.forward(lambda: contract.value_checks(meta), {}) == ("device" if device_checks else "host")
+
+
 @pytest.mark.parametrize("what", ["input_ids", "token_type_ids", "cu_seq_lens_q", "labels", "next_sentence_label"])
 def test_device_checks_assert_and_can_fail(monkeypatch, what):
     """The device form of each check (forced here on CPU, where torch._assert_async raises at once)."""

@@ -80,7 +80,7 @@ class GraphedTrainStep(TrainStep):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, device: torch.device, precision: str,
                  max_grad_norm: Optional[float] = None, warmup_steps: int = WARMUP_STEPS):
-        super().__init__(model, optimizer, scheduler, device, precision, max_grad_norm)
+        super().__init__(model, optimizer, scheduler, device, precision, max_grad_norm, device_checks=True)
         if device.type != "cuda":
             raise ValueError(f"GraphedTrainStep: expected a CUDA device, got {device}")
         if not isinstance(optimizer, torch.optim.AdamW) or not all(g.get("fused") for g in optimizer.param_groups):

@@ -19,6 +19,7 @@ from typing import Any, Callable, ContextManager, Dict, Optional, Sequence
 
 import torch
 
+from bertfast.contract import checks_on_device
 from bertfast.training.precision import autocast_context
 
 Batch = Dict[str, torch.Tensor]
@@ -39,16 +40,20 @@ class TrainStep:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, device: torch.device, precision: str,
                  max_grad_norm: Optional[float] = None,
-                 no_sync: Optional[Callable[[], ContextManager[Any]]] = None, skip_nonfinite: bool = False):
+                 no_sync: Optional[Callable[[], ContextManager[Any]]] = None, skip_nonfinite: bool = False,
+                 device_checks: bool = False):
         """``model`` holds the parameters that are clipped; ``no_sync()`` (DDP/FSDP) suspends the
         gradient all-reduce on all but the last micro-batch; ``skip_nonfinite``: a step whose loss or
-        gradient norm is not finite changes nothing but the schedule (one host read per step)."""
+        gradient norm is not finite changes nothing but the schedule (one host read per step);
+        ``device_checks``: the model checks input values on the device, never reading them back
+        (``contract.checks_on_device``: for data its loader has checked, e.g. packed batches)."""
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.device, self.precision = device, precision
         self.max_grad_norm = max_grad_norm if max_grad_norm and max_grad_norm > 0 else float("inf")
         self.no_sync = no_sync
         self.scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
         self.skip_nonfinite = skip_nonfinite
+        self.device_checks = device_checks
 
     autocast_cache = True  # off where the step is captured in a CUDA graph
 
@@ -56,7 +61,8 @@ class TrainStep:
         return autocast_context(self.device, self.precision, self.autocast_cache)
 
     def forward(self, model: Callable[..., Any], batch: Batch, **kwargs: Any) -> Any:
-        with self.autocast():
+        checks = checks_on_device() if self.device_checks else contextlib.nullcontext()
+        with checks, self.autocast():
             return model(**batch, **kwargs)
 
     def __call__(self, micro_batches: Sequence[Batch], forward: Callable[[Batch], Any]) -> StepResult:
