@@ -5,6 +5,8 @@ reference). This file checks that the fast paths are the ones that run, and the 
 own rules:
   * attention without dropout on CPU runs aten's flash attention for CPU, forward and backward,
     in both forms; with dropout it does not (the mask is the backend's own, from the seed);
+  * with dropout and autograd on, the attention entries keep the probabilities and mask for the
+    backward (no custom op, no second draw) and give the custom op's numbers;
   * with nothing to differentiate (inference), an op entry calls its launcher, not the custom op,
     with the same result; with autograd on, the custom op runs;
   * inference stays current after a fused optimizer step (which leaves version counters alone);
@@ -66,6 +68,42 @@ def test_padded_runs_cpu_flash_only_without_dropout(dropout_p):
     assert (FLASH in log.ops) == (dropout_p == 0.0)
     # the fully padded sequence: out 0, lse +inf, no gradient, whichever path ran
     assert not out[1].any() and torch.isposinf(lse[1]).all() and not grads[0][1].any()
+
+
+@pytest.mark.parametrize("form", ["dense", "padded", "rows-after", "padded-form"])
+def test_training_with_dropout_keeps_the_probabilities(form, monkeypatch):
+    impl = _torch_attention()
+    g = torch.Generator().manual_seed(2)
+    heads, head_dim = 2, 8
+    if form == "padded-form":
+        qkv = torch.randn(3, 6, 3, heads, head_dim, generator=g)
+        mask = torch.tensor([[1] * 6, [1, 1, 0, 0, 0, 0], [0] * 6], dtype=torch.bool)  # the last: no key
+        call = lambda x: ops.attention(*x.unbind(2), mask, 0.3)  # noqa: E731
+    else:
+        lengths = {"dense": [6, 6, 6], "padded": [6, 2, 0, 5], "rows-after": [6, 2]}[form]
+        cu = cu_seqlens_from_lengths(torch.tensor(lengths))
+        qkv = torch.randn(sum(lengths) + (3 if form == "rows-after" else 0), 3, heads, head_dim, generator=g)
+        qkv[sum(lengths):] = float("nan")  # rows past the last sequence reach nothing
+        call = lambda x: ops.attention_varlen(x, cu, max(lengths), 0.3)  # noqa: E731
+    dout = torch.randn(call(qkv).shape, generator=g)
+
+    def run():
+        x = qkv.clone().requires_grad_()
+        torch.manual_seed(11)  # the op's seed comes from torch's generator
+        out = call(x)
+        with _AtenLog() as backward_log:
+            out.backward(dout)
+        return out.detach(), x.grad, backward_log.ops
+
+    assert not _custom_ops_run(run)
+    out, grad, backward_ops = run()
+    assert torch.ops.aten.uniform_.default not in backward_ops, "the backward must not draw the mask again"
+    assert torch.isfinite(out).all() and torch.isfinite(grad).all()
+    monkeypatch.setattr(impl, "keeps_probs", lambda *args: False)
+    assert _custom_ops_run(run)
+    out_op, grad_op, _ = run()
+    torch.testing.assert_close(out, out_op, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(grad, grad_op, atol=1e-6, rtol=1e-5)
 
 
 def _custom_ops_run(fn) -> set:

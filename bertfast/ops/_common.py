@@ -41,7 +41,7 @@ def register_backends(op: str, module: str, float_inputs: List[str]) -> None:
                              availability_fn=cuda_ext_availability))
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # not subclasses: FakeTensor, DTensor, ...
 
 
 def launch_directly(*tensors: Optional[torch.Tensor]) -> bool:
@@ -52,7 +52,7 @@ def launch_directly(*tensors: Optional[torch.Tensor]) -> bool:
     if torch.compiler.is_compiling():
         return False
     grad = torch.is_grad_enabled()
-    return all(t is None or (type(t) in _PLAIN and not (grad and t.requires_grad)) for t in tensors)
+    return all(t is None or (type(t) in PLAIN_TYPES and not (grad and t.requires_grad)) for t in tensors)
 
 
 def new_seed(device: torch.device) -> torch.Tensor:

@@ -15,6 +15,8 @@ are bertfast.kernels.attention and bertfast.cuda.attention):
   * Outputs contiguous in q's dtype; lse fp32, [A, T] (varlen) or [B, A, S] (padded).
   * Dropout on the probabilities: keep with probability 1 - p, scale 1 / (1 - p); the mask is a
     function of (seed, sequence, head, query row, key column), so the backward regenerates it.
+    (One exception, not a backend: eager training on a CPU with the torch backend keeps the
+    probabilities and mask for the backward instead, in _KeptProbs; same numbers, faster there.)
     Each backend draws its own stream; attention_{varlen,padded}_dropout_mask return the mask a
     backend draws, and the varlen and padded forms of one batch draw the same one.
   * Head dims are each backend's limit (``unsupported``): Triton and CUDA serve every head dim from
@@ -27,7 +29,8 @@ from typing import Optional, Tuple
 import torch
 
 from bertfast import contract, dispatch
-from bertfast.ops._common import distinct, keep_mask, launch_directly, register_backends, seed_for
+from bertfast.ops._common import (PLAIN_TYPES, distinct, keep_mask, launch_directly, register_backends,
+                                  seed_for)
 from bertfast.padding import packed_layout
 
 Tensor = torch.Tensor
@@ -106,6 +109,8 @@ def attention_varlen(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p
     if launch_directly(qkv):
         return _impl("attention_varlen", backend).attention_varlen_fwd(*qkv.unbind(1), cu_seqlens, int(max_seqlen),
                                                                        scale, dropout_p, seed)[0]
+    if keeps_probs(backend, dropout_p, qkv):
+        return kept_probs_varlen(qkv, cu_seqlens, int(max_seqlen), scale, dropout_p, seed)
     return _attention_varlen(qkv, cu_seqlens, int(max_seqlen), scale, dropout_p, seed, backend)[0]
 
 
@@ -178,6 +183,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor
     if launch_directly(q, k, v):
         return _impl("attention_padded", backend).attention_padded_fwd(q, k, v, key_padding_mask, scale, dropout_p,
                                                                        seed)[0]
+    if keeps_probs(backend, dropout_p, q, k, v):
+        return _KeptProbs.apply(q, k, v, key_padding_mask, scale, dropout_p, seed)
     return _attention_padded(q, k, v, key_padding_mask, scale, dropout_p, seed, backend)[0]
 
 
@@ -185,7 +192,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor
 # Without dropout, on CPU, it runs aten's flash attention for CPU (the kernel under
 # F.scaled_dot_product_attention there, which also returns the log-sum-exp). With dropout, or on
 # another device: fp32 [B, A, S, S] scores, the softmax from the log-sum-exp, the mask drawn from
-# the seed; the backward rebuilds the probabilities from the forward's log-sum-exp.
+# the seed; the backward rebuilds the probabilities from the forward's log-sum-exp (except under
+# _KeptProbs, which saves them).
 # The varlen form pads its sequences into the padded form (or views them, when none is padded).
 _FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -233,27 +241,76 @@ def _probs(q: Tensor, k: Tensor, mask: Tensor, scale: float, lse: Optional[Tenso
     return scores.sub_(lse[..., None]).exp_(), lse  # -inf - (+inf) = -inf: rows with no key stay 0
 
 
-def _dropout_(x: Tensor, dropout_p: float, keep: Optional[Tensor]) -> Tensor:
-    """reference.dropout, in place."""
-    return x if dropout_p == 0.0 else x.mul_(keep).mul_(1.0 / (1.0 - dropout_p))
+def _dropped(x: Tensor, dropout_p: float, keep: Optional[Tensor]) -> Tensor:
+    """reference.dropout as one new tensor (x is left as it is: the saved probabilities stay intact).
+    torch.where reads the bool mask as it is; multiplying by it would widen it to fp32 first."""
+    return x if dropout_p == 0.0 else torch.where(keep, x, 0.0).mul_(1.0 / (1.0 - dropout_p))
 
 
-def _math_fwd(q, k, v, mask, scale, dropout_p, keep) -> Tuple[Tensor, Tensor]:
+def _math_fwd(q, k, v, mask, scale, dropout_p, keep) -> Tuple[Tensor, Tensor, Tensor]:
+    """(out [B, S, A, D] in q's dtype, lse [B, A, S], probabilities [B, A, S, S] fp32)."""
     probs, lse = _probs(q, k, mask, scale, None)
-    out = torch.matmul(_dropout_(probs, dropout_p, keep), v.float().transpose(1, 2))  # [B, A, S, D]
-    return out.transpose(1, 2).to(q.dtype).contiguous(), lse
+    out = torch.matmul(_dropped(probs, dropout_p, keep), v.float().transpose(1, 2))  # [B, A, S, D]
+    return out.transpose(1, 2).to(q.dtype).contiguous(), lse, probs
 
 
-def _math_bwd(dout, q, k, v, lse, mask, scale, dropout_p, keep) -> Tuple[Tensor, Tensor, Tensor]:
-    """dS = P * (dP - rowsum(dP * P)) with dP the gradient through dropout; rows with no key get 0."""
-    probs, _ = _probs(q, k, mask, scale, lse)
+def _math_bwd(dout, q, k, v, probs, scale, dropout_p, keep) -> Tuple[Tensor, Tensor, Tensor]:
+    """dS = P * (dP - rowsum(dP * P)) with dP the gradient through dropout; rows with no key (P 0) get 0."""
     g = dout.float().transpose(1, 2)                                       # [B, A, S, D]
-    dv = torch.matmul(_dropout_(probs.clone(), dropout_p, keep).transpose(-1, -2), g)
-    dprobs = _dropout_(torch.matmul(g, v.float().permute(0, 2, 3, 1)), dropout_p, keep)
+    dv = torch.matmul(_dropped(probs, dropout_p, keep).transpose(-1, -2), g)
+    dprobs = _dropped(torch.matmul(g, v.float().permute(0, 2, 3, 1)), dropout_p, keep)
     dscores = torch._softmax_backward_data(dprobs, probs, -1, torch.float32).mul_(scale)
     dq = torch.matmul(dscores, k.float().transpose(1, 2))
     dk = torch.matmul(dscores.transpose(-1, -2), q.float().transpose(1, 2))
-    return tuple(t.transpose(1, 2) for t in (dq, dk, dv))
+    return tuple(t.transpose(1, 2).to(q.dtype).contiguous() for t in (dq, dk, dv))
+
+
+class _KeptProbs(torch.autograd.Function):
+    """The torch backend with dropout, for eager training on a CPU: the backward uses the forward's
+    probabilities and mask, as transformers' math path does, instead of rebuilding them (the custom op's
+    contract). That is a third of the attention's time, for fp32 [B, A, S, S] and a bool mask of the
+    same size held per layer until the backward. q, k, v [B, S, A, D] -> out [B, S, A, D]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale, dropout_p, seed):
+        batch, seqlen, heads, _ = q.shape
+        keep = keep_mask((batch, heads, seqlen, seqlen), dropout_p, seed, q.device)
+        out, _, probs = _math_fwd(q, k, v, mask, scale, dropout_p, keep)
+        ctx.save_for_backward(q, k, v, probs, keep)
+        ctx.args = (scale, dropout_p)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, probs, keep = ctx.saved_tensors
+        scale, dropout_p = ctx.args
+        return *_math_bwd(dout, q, k, v, probs, scale, dropout_p, keep), None, None, None, None
+
+
+def keeps_probs(backend: str, dropout_p: float, *tensors: Tensor) -> bool:
+    """Whether an entry runs _KeptProbs: the torch backend with dropout, on plain CPU tensors, eager, with
+    gradients on (an entry asks once launch_directly has said no: something needs a gradient)."""
+    return (backend == "torch" and dropout_p > 0.0 and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and all(type(t) in PLAIN_TYPES and t.device.type == "cpu" for t in tensors))
+
+
+def kept_probs_varlen(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, softmax_scale: float, dropout_p: float,
+                      seed: Tensor) -> Tensor:
+    """_KeptProbs on unpadded rows qkv [T, 3, A, D] -> [T, A, D]: views when nothing is padded, else
+    padding and unpadding that autograd differentiates."""
+    tokens, _, heads, head_dim = qkv.shape
+    q, k, v = qkv.unbind(1)
+    dense = _dense_batch(cu_seqlens, max_seqlen, tokens)
+    if dense is not None:
+        shape = (dense, max_seqlen, heads, head_dim)
+        every = torch.ones((dense, max_seqlen), dtype=torch.bool, device=qkv.device)
+        return _KeptProbs.apply(*(t.view(shape) for t in (q, k, v)), every, softmax_scale, dropout_p,
+                                seed).view(tokens, heads, head_dim)
+    rows, padded, mask = _varlen_layout(cu_seqlens, max_seqlen, tokens)
+    batch = mask.shape[0]
+    out = _KeptProbs.apply(*(_pad(t, rows, padded, batch, max_seqlen) for t in (q, k, v)), mask, softmax_scale,
+                           dropout_p, seed)
+    return _unpad(out, rows, padded, tokens)
 
 
 def attention_padded_fwd(q, k, v, key_padding_mask, softmax_scale, dropout_p, seed):
@@ -263,7 +320,7 @@ def attention_padded_fwd(q, k, v, key_padding_mask, softmax_scale, dropout_p, se
     if _cpu_flash(q, dropout_p):
         return _flash_fwd(q, k, v, mask, scale)
     keep = keep_mask((batch, heads, seqlen, seqlen), dropout_p, seed, q.device)
-    return _math_fwd(q, k, v, _every_key(mask, batch, seqlen, q.device), scale, dropout_p, keep)
+    return _math_fwd(q, k, v, _every_key(mask, batch, seqlen, q.device), scale, dropout_p, keep)[:2]
 
 
 def attention_padded_bwd(dout, q, k, v, out, lse, key_padding_mask, softmax_scale, dropout_p, seed):
@@ -271,11 +328,10 @@ def attention_padded_bwd(dout, q, k, v, out, lse, key_padding_mask, softmax_scal
     mask = None if key_padding_mask is None else key_padding_mask.bool()
     scale = contract.softmax_scale(softmax_scale, head_dim)
     if _cpu_flash(q, dropout_p):
-        grads = _flash_bwd(dout, q, k, v, out, lse, mask, scale)
-    else:
-        keep = keep_mask((batch, heads, seqlen, seqlen), dropout_p, seed, q.device)
-        grads = _math_bwd(dout, q, k, v, lse, _every_key(mask, batch, seqlen, q.device), scale, dropout_p, keep)
-    return tuple(g.to(q.dtype).contiguous() for g in grads)
+        return tuple(g.to(q.dtype).contiguous() for g in _flash_bwd(dout, q, k, v, out, lse, mask, scale))
+    keep = keep_mask((batch, heads, seqlen, seqlen), dropout_p, seed, q.device)
+    probs, _ = _probs(q, k, _every_key(mask, batch, seqlen, q.device), scale, lse)
+    return _math_bwd(dout, q, k, v, probs, scale, dropout_p, keep)
 
 
 def _every_key(mask: Optional[Tensor], batch: int, seqlen: int, device) -> Tensor:
