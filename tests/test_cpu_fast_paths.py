@@ -70,14 +70,16 @@ def test_padded_runs_cpu_flash_only_without_dropout(dropout_p):
     assert not out[1].any() and torch.isposinf(lse[1]).all() and not grads[0][1].any()
 
 
-@pytest.mark.parametrize("form", ["dense", "padded", "rows-after", "padded-form"])
+@pytest.mark.parametrize("form", ["dense", "padded", "rows-after", "padded-form", "padded-form-full"])
 def test_training_with_dropout_keeps_the_probabilities(form, monkeypatch):
     impl = _torch_attention()
     g = torch.Generator().manual_seed(2)
     heads, head_dim = 2, 8
-    if form == "padded-form":
+    if form.startswith("padded-form"):
         qkv = torch.randn(3, 6, 3, heads, head_dim, generator=g)
         mask = torch.tensor([[1] * 6, [1, 1, 0, 0, 0, 0], [0] * 6], dtype=torch.bool)  # the last: no key
+        if form == "padded-form-full":
+            mask = torch.ones_like(mask)
         call = lambda x: ops.attention(*x.unbind(2), mask, 0.3)  # noqa: E731
     else:
         lengths = {"dense": [6, 6, 6], "padded": [6, 2, 0, 5], "rows-after": [6, 2]}[form]

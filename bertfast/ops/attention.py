@@ -184,7 +184,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor
         return _impl("attention_padded", backend).attention_padded_fwd(q, k, v, key_padding_mask, scale, dropout_p,
                                                                        seed)[0]
     if keeps_probs(backend, dropout_p, q, k, v):
-        return _KeptProbs.apply(q, k, v, key_padding_mask, scale, dropout_p, seed)
+        every_key = bool(key_padding_mask.all())  # a CPU tensor: no device sync
+        return _KeptProbs.apply(q, k, v, None if every_key else key_padding_mask, scale, dropout_p, seed)
     return _attention_padded(q, k, v, key_padding_mask, scale, dropout_p, seed, backend)[0]
 
 
@@ -230,38 +231,54 @@ def _flash_bwd(dout, q, k, v, out, lse, mask, scale) -> Tuple[Tensor, Tensor, Te
     return tuple(g.transpose(1, 2) for g in grads)
 
 
-def _probs(q: Tensor, k: Tensor, mask: Tensor, scale: float, lse: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+def _scores(q: Tensor, k: Tensor, mask: Optional[Tensor], scale: float) -> Tensor:
+    """fp32 scores [B, A, S, S] from q, k [B, S, A, D]; -inf at keys outside the mask (None: every key).
+    The scale goes on q, a quarter of the scores' size at BERT's head dims."""
+    scores = torch.matmul(q.float().transpose(1, 2).mul(scale), k.float().permute(0, 2, 3, 1))
+    return scores if mask is None else scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
+
+
+def _probs(q: Tensor, k: Tensor, mask: Optional[Tensor], scale: float,
+           lse: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """Softmax probabilities [B, A, S, S] over the valid keys and the log-sum-exp [B, A, S], fp32, from
     q, k [B, S, A, D]; lse is computed unless given. A row with no valid key: probabilities 0, lse +inf."""
-    scores = torch.matmul(q.float().transpose(1, 2), k.float().permute(0, 2, 3, 1)).mul_(scale)
-    scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
+    scores = _scores(q, k, mask, scale)
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
         lse.masked_fill_(lse == float("-inf"), float("inf"))
     return scores.sub_(lse[..., None]).exp_(), lse  # -inf - (+inf) = -inf: rows with no key stay 0
 
 
-def _dropped(x: Tensor, dropout_p: float, keep: Optional[Tensor]) -> Tensor:
-    """reference.dropout as one new tensor (x is left as it is: the saved probabilities stay intact).
-    torch.where reads the bool mask as it is; multiplying by it would widen it to fp32 first."""
-    return x if dropout_p == 0.0 else torch.where(keep, x, 0.0).mul_(1.0 / (1.0 - dropout_p))
+# Dropout here is reference.dropout's x * keep / (1 - p) with the factor moved onto a smaller tensor:
+# the [B, A, S, D] output and dv, and dq, dk (the softmax backward is linear in its gradient).
+def _kept(x: Tensor, keep: Optional[Tensor]) -> Tensor:
+    """x where keep, 0 elsewhere, as a new tensor (torch.where reads the bool mask as it is)."""
+    return x if keep is None else torch.where(keep, x, 0.0)
 
 
-def _math_fwd(q, k, v, mask, scale, dropout_p, keep) -> Tuple[Tensor, Tensor, Tensor]:
-    """(out [B, S, A, D] in q's dtype, lse [B, A, S], probabilities [B, A, S, S] fp32)."""
-    probs, lse = _probs(q, k, mask, scale, None)
-    out = torch.matmul(_dropped(probs, dropout_p, keep), v.float().transpose(1, 2))  # [B, A, S, D]
-    return out.transpose(1, 2).to(q.dtype).contiguous(), lse, probs
+def _dropout_scale(dropout_p: float) -> float:
+    return 1.0 / (1.0 - dropout_p)
+
+
+def _math_fwd(q, k, v, probs, dropout_p, keep) -> Tensor:
+    """out [B, S, A, D] in q's dtype from the probabilities [B, A, S, S] (fp32)."""
+    out = torch.matmul(_kept(probs, keep), v.float().transpose(1, 2))      # [B, A, S, D]
+    if dropout_p:
+        out.mul_(_dropout_scale(dropout_p))
+    return out.transpose(1, 2).to(q.dtype).contiguous()
 
 
 def _math_bwd(dout, q, k, v, probs, scale, dropout_p, keep) -> Tuple[Tensor, Tensor, Tensor]:
     """dS = P * (dP - rowsum(dP * P)) with dP the gradient through dropout; rows with no key (P 0) get 0."""
+    kept_scale = _dropout_scale(dropout_p) if dropout_p else 1.0
     g = dout.float().transpose(1, 2)                                       # [B, A, S, D]
-    dv = torch.matmul(_dropped(probs, dropout_p, keep).transpose(-1, -2), g)
-    dprobs = _dropped(torch.matmul(g, v.float().permute(0, 2, 3, 1)), dropout_p, keep)
-    dscores = torch._softmax_backward_data(dprobs, probs, -1, torch.float32).mul_(scale)
-    dq = torch.matmul(dscores, k.float().transpose(1, 2))
-    dk = torch.matmul(dscores.transpose(-1, -2), q.float().transpose(1, 2))
+    dv = torch.matmul(_kept(probs, keep).transpose(-1, -2), g)
+    dprobs = _kept(torch.matmul(g, v.float().permute(0, 2, 3, 1)), keep)
+    dscores = torch._softmax_backward_data(dprobs, probs, -1, torch.float32)
+    dq = torch.matmul(dscores, k.float().transpose(1, 2)).mul_(scale * kept_scale)
+    dk = torch.matmul(dscores.transpose(-1, -2), q.float().transpose(1, 2)).mul_(scale * kept_scale)
+    if dropout_p:
+        dv.mul_(kept_scale)
     return tuple(t.transpose(1, 2).to(q.dtype).contiguous() for t in (dq, dk, dv))
 
 
@@ -269,13 +286,18 @@ class _KeptProbs(torch.autograd.Function):
     """The torch backend with dropout, for eager training on a CPU: the backward uses the forward's
     probabilities and mask, as transformers' math path does, instead of rebuilding them (the custom op's
     contract). That is a third of the attention's time, for fp32 [B, A, S, S] and a bool mask of the
-    same size held per layer until the backward. q, k, v [B, S, A, D] -> out [B, S, A, D]."""
+    same size held per layer until the backward. q, k, v [B, S, A, D], key mask [B, S] or None (every
+    key) -> out [B, S, A, D]."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scale, dropout_p, seed):
         batch, seqlen, heads, _ = q.shape
         keep = keep_mask((batch, heads, seqlen, seqlen), dropout_p, seed, q.device)
-        out, _, probs = _math_fwd(q, k, v, mask, scale, dropout_p, keep)
+        if mask is None:  # no row without a key: aten's one-pass softmax, no log-sum-exp needed
+            probs = torch.softmax(_scores(q, k, None, scale), dim=-1)
+        else:
+            probs, _ = _probs(q, k, mask, scale, None)
+        out = _math_fwd(q, k, v, probs, dropout_p, keep)
         ctx.save_for_backward(q, k, v, probs, keep)
         ctx.args = (scale, dropout_p)
         return out
@@ -303,8 +325,7 @@ def kept_probs_varlen(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, softmax_
     dense = _dense_batch(cu_seqlens, max_seqlen, tokens)
     if dense is not None:
         shape = (dense, max_seqlen, heads, head_dim)
-        every = torch.ones((dense, max_seqlen), dtype=torch.bool, device=qkv.device)
-        return _KeptProbs.apply(*(t.view(shape) for t in (q, k, v)), every, softmax_scale, dropout_p,
+        return _KeptProbs.apply(*(t.view(shape) for t in (q, k, v)), None, softmax_scale, dropout_p,
                                 seed).view(tokens, heads, head_dim)
     rows, padded, mask = _varlen_layout(cu_seqlens, max_seqlen, tokens)
     batch = mask.shape[0]
@@ -320,7 +341,8 @@ def attention_padded_fwd(q, k, v, key_padding_mask, softmax_scale, dropout_p, se
     if _cpu_flash(q, dropout_p):
         return _flash_fwd(q, k, v, mask, scale)
     keep = keep_mask((batch, heads, seqlen, seqlen), dropout_p, seed, q.device)
-    return _math_fwd(q, k, v, _every_key(mask, batch, seqlen, q.device), scale, dropout_p, keep)[:2]
+    probs, lse = _probs(q, k, mask, scale, None)
+    return _math_fwd(q, k, v, probs, dropout_p, keep), lse
 
 
 def attention_padded_bwd(dout, q, k, v, out, lse, key_padding_mask, softmax_scale, dropout_p, seed):
@@ -330,12 +352,8 @@ def attention_padded_bwd(dout, q, k, v, out, lse, key_padding_mask, softmax_scal
     if _cpu_flash(q, dropout_p):
         return tuple(g.to(q.dtype).contiguous() for g in _flash_bwd(dout, q, k, v, out, lse, mask, scale))
     keep = keep_mask((batch, heads, seqlen, seqlen), dropout_p, seed, q.device)
-    probs, _ = _probs(q, k, _every_key(mask, batch, seqlen, q.device), scale, lse)
+    probs, _ = _probs(q, k, mask, scale, lse)
     return _math_bwd(dout, q, k, v, probs, scale, dropout_p, keep)
-
-
-def _every_key(mask: Optional[Tensor], batch: int, seqlen: int, device) -> Tensor:
-    return torch.ones((batch, seqlen), dtype=torch.bool, device=device) if mask is None else mask
 
 
 def _dense_batch(cu_seqlens: Tensor, max_seqlen: int, tokens: int) -> Optional[int]:
