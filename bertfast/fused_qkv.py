@@ -29,19 +29,23 @@ Tensor = torch.Tensor
 
 def joined(parts: Sequence[Tensor]) -> Optional[Tensor]:
     """The tensors ``parts`` (each [n_i, ...]) as one [sum n_i, ...] view, when they lie back to back in
-    one storage, contiguous, of one dtype; otherwise None."""
+    one storage, contiguous, of one dtype; otherwise None. Called per forward, so it reads addresses
+    only (no storage objects): parts at consecutive addresses inside the first part's storage are that
+    storage (as_strided refuses a view past its end)."""
     first = parts[0]
-    if type(first) not in PLAIN_TYPES or not first.is_contiguous() or first.device.type == "meta":
+    if type(first) not in PLAIN_TYPES or first.device.type == "meta":
         return None
-    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    address, size, rows = first.data_ptr(), first.element_size(), 0
     for part in parts:
         if (type(part) not in PLAIN_TYPES or part.dtype != first.dtype or part.shape[1:] != first.shape[1:]
-                or not part.is_contiguous() or part.untyped_storage().data_ptr() != storage
-                or part.storage_offset() != offset):
+                or not part.is_contiguous() or part.data_ptr() != address):
             return None
-        offset += part.numel()
-    rows = sum(part.shape[0] for part in parts)
-    return first.detach().as_strided((rows,) + tuple(first.shape[1:]), first.stride(), first.storage_offset())
+        address += part.numel() * size
+        rows += part.shape[0]
+    try:
+        return first.detach().as_strided((rows,) + tuple(first.shape[1:]), first.stride(), first.storage_offset())
+    except RuntimeError:  # the next part starts where the first's storage ends: another allocation
+        return None
 
 
 def share_storage(parts: Sequence[Tensor]) -> None:
