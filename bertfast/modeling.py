@@ -186,28 +186,10 @@ class BertSelfAttention(nn.Module):
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
-        self.share_qkv_storage()
-        self.register_load_state_dict_post_hook(_share_after_load)
-
-    def share_qkv_storage(self) -> None:
-        """Query, key and value weights (and biases) into one buffer each, so ``qkv`` copies nothing."""
-        linears = (self.query, self.key, self.value)
-        if _biased_linear(*linears):
-            fused_qkv.share_storage([m.weight for m in linears])
-            fused_qkv.share_storage([m.bias for m in linears])
-
-    def _apply(self, fn, recurse: bool = True):
-        # .to(), .half(), .cuda(), to_empty(): each parameter gets a tensor of its own; join them again.
-        module = super()._apply(fn, recurse)
-        self.share_qkv_storage()
-        return module
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        super().__setstate__(state)  # copy.deepcopy and unpickling copy each parameter on its own
-        self.share_qkv_storage()
 
     def qkv(self, x: Tensor) -> Tensor:
-        """rows [N, H] -> [N, 3, A, D]: one GEMM for plain Linears (weights stay separate in the state dict)."""
+        """rows [N, H] -> [N, 3, A, D] in one buffer for plain Linears (bertfast.fused_qkv); anything else
+        (a LoRA layer, a hooked module) is called as a module."""
         shape = (x.shape[0], 3, self.num_attention_heads, self.attention_head_size)
         linears = (self.query, self.key, self.value)
         if _biased_linear(*linears):
@@ -218,10 +200,6 @@ class BertSelfAttention(nn.Module):
         """rows [N, H] -> context [N, H]."""
         p = self.dropout.p if self.training else 0.0
         return attend(self.qkv(x), p).reshape(x.shape)
-
-
-def _share_after_load(module: BertSelfAttention, _incompatible_keys: Any) -> None:
-    module.share_qkv_storage()  # load_state_dict(assign=True) puts in the given tensors
 
 
 class BertSelfOutput(nn.Module):
@@ -344,12 +322,7 @@ class BertPreTrainedModel(hf_bert.BertPreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any):
         """transformers' loading; a truncated weight file or NaN/inf weights get an error naming them."""
-        loaded = saving.load_checked(super().from_pretrained, pretrained_model_name_or_path, *args, **kwargs)
-        model = loaded[0] if isinstance(loaded, tuple) else loaded  # output_loading_info=True adds a dict
-        for module in model.modules():
-            if isinstance(module, BertSelfAttention):
-                module.share_qkv_storage()  # transformers puts in the loaded tensors one by one
-        return loaded
+        return saving.load_checked(super().from_pretrained, pretrained_model_name_or_path, *args, **kwargs)
 
     def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> None:
         """transformers' saving, made atomic: written next to ``save_directory``, then moved in."""
