@@ -43,6 +43,7 @@ from bertfast import dispatch, fused_qkv, losses, model_inputs, ops, reference, 
 from bertfast.config import BertConfig, check_supported, gelu_approximate, head_dim
 from bertfast.padding import packed_layout, pad_rows, unpad, unpad_mask
 from bertfast.contract import IGNORE_INDEX
+from bertfast.ops.attention import varlen_inference
 from bertfast.ops.mlm_head_loss import check_max_predictions_per_seq
 
 Tensor = torch.Tensor
@@ -172,9 +173,23 @@ def _layer_norm(ln: nn.Module, h: Tensor) -> Tensor:
 
 
 # ================================================================= encoder layer
-# x holds token rows [N, H] (the real tokens, or every position under torch.compile) and
-# attend(qkv [N, 3, A, D], dropout_p) -> [N, A, D] runs the fused attention on them.
-Attend = Callable[[Tensor, float], Tensor]
+# x holds token rows [N, H]: the real tokens, or every position under torch.compile.
+class Rows:
+    """What the layers of one forward share about its token rows.
+
+    attend(qkv [N, 3, A, D], dropout_p) -> [N, A, D]: the fused attention op on them.
+    plain: None, or, when every op of the layers would run its plain-PyTorch backend with nothing
+    to differentiate (inference on a CPU, ``_plain_attention``), that backend's attention
+    (q, k, v [N, A, D] each) -> [N, A, D] with the batch layout worked out once. The layers then
+    call their modules as transformers' layers do: the same math as the ops' torch backends,
+    without the ops' host time (about a tenth of a MiniLM layer at batch 1).
+    """
+
+    __slots__ = ("attend", "plain")
+
+    def __init__(self, attend: Callable[[Tensor, float], Tensor],
+                 plain: Optional[Callable[[Tensor, Tensor, Tensor], Tensor]] = None):
+        self.attend, self.plain = attend, plain
 
 
 class BertSelfAttention(nn.Module):
@@ -196,10 +211,13 @@ class BertSelfAttention(nn.Module):
             return fused_qkv.linear(x, [m.weight for m in linears], [m.bias for m in linears]).view(shape)
         return torch.stack([self.query(x), self.key(x), self.value(x)], dim=1).view(shape)
 
-    def forward(self, x: Tensor, attend: Attend) -> Tensor:
+    def forward(self, x: Tensor, rows: Rows) -> Tensor:
         """rows [N, H] -> context [N, H]."""
+        if rows.plain is not None:
+            shape = (x.shape[0], self.num_attention_heads, self.attention_head_size)
+            return rows.plain(*(m(x).reshape(shape) for m in (self.query, self.key, self.value))).reshape(x.shape)
         p = self.dropout.p if self.training else 0.0
-        return attend(self.qkv(x), p).reshape(x.shape)
+        return rows.attend(self.qkv(x), p).reshape(x.shape)
 
 
 class BertSelfOutput(nn.Module):
@@ -211,10 +229,10 @@ class BertSelfOutput(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, h: Tensor, residual: Tensor) -> Tensor:
-        """LN(Dropout(h @ W^T + b) + residual): one op after the GEMM."""
+    def forward(self, h: Tensor, residual: Tensor, plain: bool = False) -> Tensor:
+        """LN(Dropout(h @ W^T + b) + residual): one op after the GEMM (plain: the modules, see Rows)."""
         ln = self.LayerNorm
-        if not fusable(ln, self.dropout):
+        if plain or not fusable(ln, self.dropout):
             return ln(self.dropout(self.dense(h)) + residual)
         if not fusable(self.dense):
             y, bias = self.dense(h), None
@@ -237,8 +255,8 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(config)
         self.output = BertSelfOutput(config)
 
-    def forward(self, x: Tensor, attend: Attend) -> Tensor:
-        return self.output(self.self(x, attend), x)
+    def forward(self, x: Tensor, rows: Rows) -> Tensor:
+        return self.output(self.self(x, rows), x, rows.plain is not None)
 
 
 def _dense_gelu(dense: nn.Linear, x: Tensor, approximate: str) -> Tensor:
@@ -256,7 +274,9 @@ class BertIntermediate(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
         self.approximate = gelu_approximate(config)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, plain: bool = False) -> Tensor:
+        if plain:
+            return F.gelu(self.dense(x), approximate=self.approximate)
         return _dense_gelu(self.dense, x, self.approximate)
 
 
@@ -267,10 +287,11 @@ class BertLayer(GradientCheckpointingLayer):
         self.intermediate = BertIntermediate(config)
         self.output = BertOutput(config)
 
-    def forward(self, x: Tensor, attend: Attend) -> Tensor:
+    def forward(self, x: Tensor, rows: Rows) -> Tensor:
         """x positional (gradient checkpointing re-runs the layer on it)."""
-        h = self.attention(x, attend)
-        return self.output(self.intermediate(h), h)
+        h = self.attention(x, rows)
+        plain = rows.plain is not None
+        return self.output(self.intermediate(h, plain), h, plain)
 
 
 class BertEncoder(nn.Module):
@@ -278,12 +299,12 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList([BertLayer(config) for _ in range(config.num_hidden_layers)])
 
-    def forward(self, x: Tensor, attend: Attend, restore: Callable[[Tensor], Tensor],
+    def forward(self, x: Tensor, rows: Rows, restore: Callable[[Tensor], Tensor],
                 want_states: bool = False) -> Tuple[Tensor, Optional[Tuple[Tensor, ...]]]:
         """-> (last layer's rows, hidden states padded by ``restore`` (embeddings first) when asked)."""
         states: Optional[List[Tensor]] = [restore(x)] if want_states else None
         for layer in self.layer:
-            x = layer(x, attend=attend)
+            x = layer(x, rows=rows)
             if states is not None:
                 states.append(restore(x))
         return x, None if states is None else tuple(states)
@@ -424,7 +445,8 @@ class BertModel(BertPreTrainedModel):
             gather = lambda t: None if t is None else unpad(t, rows)  # noqa: E731
             restore = lambda x: pad_rows(x, rows, batch, seqlen)  # noqa: E731
         x = self.embeddings(gather(input_ids), gather(position_ids), gather(token_type_ids), gather(inputs_embeds))
-        x, states = self.encoder(x, attend=attend, restore=restore, want_states=want_states)
+        plain = None if rows is None else self._plain_attention(x, cu_seqlens, max_seqlen)
+        x, states = self.encoder(x, rows=Rows(attend, plain), restore=restore, want_states=want_states)
         return restore(x), states, rows, x
 
     def _encode_packed(self, packed: model_inputs.Packed, input_ids, token_type_ids, position_ids, inputs_embeds,
@@ -439,8 +461,36 @@ class BertModel(BertPreTrainedModel):
 
         restore = lambda x: x.view(1, tokens, width)  # noqa: E731
         x = self.embeddings(flat(input_ids), flat(position_ids), flat(token_type_ids), flat(inputs_embeds))
-        x, states = self.encoder(x, attend=attend, restore=restore, want_states=want_states)
+        plain = None if torch.compiler.is_compiling() else self._plain_attention(x, packed.cu_seqlens,
+                                                                                 packed.max_seqlen)
+        x, states = self.encoder(x, rows=Rows(attend, plain), restore=restore, want_states=want_states)
         return restore(x), states, x
+
+    def _plain_attention(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int):
+        """Rows.plain for the embeddings' rows x [N, H] (eager), or None. Plain when nothing is to be
+        differentiated, no attention is in training mode (plain attention has no dropout; the other
+        dropouts are modules, called as such), autocast is off, every layer sits on x's device, and
+        dispatch picks the torch backend of each layer op for these rows (asked with stand-ins: only
+        metadata is read)."""
+        device = x.device
+        if torch.is_grad_enabled() or torch.is_autocast_enabled(device.type):
+            return None
+        for layer in self.encoder.layer:
+            param = next(layer.parameters(), None)
+            if layer.attention.self.training or param is None or param.device != device:
+                return None
+        cfg = self.config
+        stand_in = lambda *shape: x.new_empty(()).expand(shape)  # noqa: E731
+        tokens, width = x.shape
+        chosen = (dispatch.select("attention_varlen", q=stand_in(tokens, 3, cfg.num_attention_heads, head_dim(cfg)),
+                                  cu_seqlens=cu_seqlens),
+                  dispatch.select("bias_gelu", x=stand_in(tokens, cfg.intermediate_size),
+                                  bias=stand_in(cfg.intermediate_size)),
+                  dispatch.select("bias_dropout_residual_layernorm", x=x, bias=stand_in(width), residual=x,
+                                  weight=stand_in(width), ln_bias=stand_in(width)))
+        if any(name != "torch" for name in chosen):
+            return None
+        return varlen_inference(cu_seqlens, max_seqlen, tokens)
 
     def _reference_packed(self, packed: model_inputs.Packed, input_ids, token_type_ids, position_ids, inputs_embeds,
                           want_states: bool, want_probs: bool):

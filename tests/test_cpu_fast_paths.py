@@ -10,6 +10,8 @@ own rules:
   * with nothing to differentiate (inference), an op entry calls its launcher, not the custom op,
     with the same result; with autograd on, the custom op runs;
   * inference stays current after a fused optimizer step (which leaves version counters alone);
+  * in CPU inference the layers call their modules and the torch backend's attention (Rows.plain),
+    with the fused ops' numbers, and only when every layer op would run that backend without autograd;
   * unpadding and padding back are views when the batch has no padding;
   * bf16 autocast on CPU runs the whole model.
 """
@@ -213,6 +215,85 @@ def test_bf16_autocast_runs_the_model_on_cpu():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(**batch).last_hidden_state.float().square().sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.encoder.parameters())
+
+
+# ------------------------------------------------------------------ plain layers in inference
+_LAYER_OPS = ("attention_varlen", "bias_gelu", "bias_dropout_residual_layernorm")
+
+
+def _layer_op_calls(monkeypatch) -> dict:
+    """Counts the calls of the layer ops' entries (the encoder calls them as ``ops.<op>``)."""
+    calls = dict.fromkeys(_LAYER_OPS, 0)
+    for name in _LAYER_OPS:
+        def counted(*args, __name=name, __fn=getattr(ops, name), **kwargs):
+            calls[__name] += 1
+            return __fn(*args, **kwargs)
+        monkeypatch.setattr(ops, name, counted)
+    return calls
+
+
+def _batches():
+    g = torch.Generator().manual_seed(3)
+    dense = dict(input_ids=torch.randint(5, 500, (2, 12), generator=g),
+                 attention_mask=torch.ones(2, 12, dtype=torch.long))
+    ids = torch.randint(5, 500, (3, 8), generator=g)
+    mask = torch.tensor([[1] * 8, [1] * 3 + [0] * 5, [1] * 6 + [0] * 2])
+    # packed: five sequences in one row, one of them empty
+    cu = torch.tensor([0, 5, 7, 7, 10, 12], dtype=torch.int32)
+    packed = dict(input_ids=torch.randint(5, 500, (1, 12), generator=g), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                  max_length_q=5, max_length_k=5)
+    return {"dense": dense, "padded": dict(input_ids=ids, attention_mask=mask), "packed": packed}
+
+
+@pytest.mark.parametrize("form", ["dense", "padded", "packed"])
+def test_inference_on_cpu_calls_the_modules_with_the_ops_numbers(form, monkeypatch):
+    model = _model()
+    batch = _batches()[form]
+    calls = _layer_op_calls(monkeypatch)
+    with torch.inference_mode():
+        plain = model(**batch)
+    assert calls == dict.fromkeys(_LAYER_OPS, 0), calls
+    with torch.enable_grad():  # autograd on: the fused ops run (their torch backend on a CPU)
+        fused = model(**batch)
+    layers = model.config.num_hidden_layers  # (GELU is aten's after a bias-adding GEMM on a CPU: no bias_gelu op)
+    assert calls == {"attention_varlen": layers, "bias_gelu": 0, "bias_dropout_residual_layernorm": 2 * layers}
+    torch.testing.assert_close(plain.last_hidden_state, fused.last_hidden_state.detach(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(plain.pooler_output, fused.pooler_output.detach(), atol=1e-6, rtol=1e-5)
+
+
+def test_inference_runs_the_ops_when_a_layer_op_would_not_run_plain(monkeypatch):
+    from bertfast import dispatch
+
+    model, batch = _model(), _batch()
+    calls = _layer_op_calls(monkeypatch)
+
+    def fused_ran() -> bool:
+        calls.update(dict.fromkeys(_LAYER_OPS, 0))
+        with torch.no_grad():
+            model(**batch)
+        return calls["attention_varlen"] == model.config.num_hidden_layers
+
+    assert not fused_ran()
+    model.train()  # dropout on (the ops draw their own masks)
+    assert fused_ran()
+    model.eval()
+    model.encoder.layer[1].attention.train()  # one module in training mode is enough
+    assert fused_ran()
+    model.eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fused_ran()
+    with dispatch.use_backend({"bias_gelu": "triton"}):  # one fused backend (the interpreter) is enough
+        assert fused_ran()
+    assert not fused_ran()
+
+
+def test_inference_with_a_hooked_module_runs_its_hook():
+    model, batch = _model(), _batch()
+    seen = []
+    model.encoder.layer[0].attention.self.key.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    with torch.inference_mode():
+        model(**batch)
+    assert seen == [(int(batch["attention_mask"].sum()), model.config.hidden_size)]
 
 
 # ------------------------------------------------------------------ padding

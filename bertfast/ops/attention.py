@@ -24,7 +24,7 @@ are bertfast.kernels.attention and bertfast.cuda.attention):
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -398,6 +398,27 @@ def attention_varlen_fwd(q, k, v, cu_seqlens, max_seqlen, softmax_scale, dropout
                                     softmax_scale, dropout_p, seed)
     return (_unpad(out, rows, padded, tokens),
             _unpad(lse.transpose(1, 2), rows, padded, tokens, float("inf")).t().contiguous())
+
+
+def varlen_inference(cu_seqlens: Tensor, max_seqlen: int, tokens: int) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """attention_varlen_fwd without dropout, for every layer of one forward: q, k, v [T, A, D] -> [T, A, D].
+    The layout (views of the rows when nothing is padded, else the padded batch's index) is worked out
+    once instead of at every call, and no log-sum-exp is kept."""
+    dense = _dense_batch(cu_seqlens, max_seqlen, tokens)
+    if dense is not None:
+        def run_dense(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            shape = (dense, max_seqlen) + tuple(q.shape[1:])
+            return attention_padded_fwd(q.view(shape), k.view(shape), v.view(shape), None, None, 0.0,
+                                        None)[0].view(q.shape)
+        return run_dense
+    rows, padded, mask = _varlen_layout(cu_seqlens, max_seqlen, tokens)
+    batch = mask.shape[0]
+
+    def run_padded(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        out, _ = attention_padded_fwd(*(_pad(t, rows, padded, batch, max_seqlen) for t in (q, k, v)), mask, None,
+                                      0.0, None)
+        return _unpad(out, rows, padded, tokens)
+    return run_padded
 
 
 def attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed):
