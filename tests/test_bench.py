@@ -17,7 +17,8 @@ from bertfast.bench.gate import compare
 from bertfast.bench.results import (FAILED_PARITY, FULL_HEAD, GEMM_FLOOR, HF_COMPILED, HF_EAGER, OK, SDPA_FLASH,
                                     SDPA_MEM_EFFICIENT, TORCH_EAGER, Row, Run)
 from bertfast.bench.targets import MET, NOT_MEASURED, NOT_MET, evaluate_targets
-from bertfast.bench.timing import Memory, Stat, TimingPolicy, quantile, summarize, time_fn
+from bertfast.bench.timing import (Memory, Stat, TimingPolicy, quantile, summarize, time_cpu_interleaved,
+                                  time_fn)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -51,6 +52,41 @@ def test_cpu_timing_runs_warmup_then_reps_and_setup_each_time():
     s = time_fn(fn, torch.device("cpu"), TimingPolicy(cpu_warmup=2, cpu_reps=4), setup=setup)
     assert calls == {"fn": 6, "setup": 6}
     assert s.n == 4 and 0 <= s.p20 <= s.median <= s.p80
+
+
+def test_cpu_interleaved_timing_takes_turns_and_drops_a_callable_that_raises():
+    order = []
+
+    def one(name, fail_on=None):
+        def fn():
+            order.append(name)
+            if len(order) == fail_on:
+                raise RuntimeError("out of memory")
+        return fn
+    a, b, c = one("a"), one("b", fail_on=5), one("c")
+    stats = time_cpu_interleaved([a, b, c], TimingPolicy(cpu_warmup=1, cpu_reps=3))
+    # rounds of a, b, c; b raises in the second round (the fifth call) and is left out after it
+    assert order == ["a", "b", "c", "a", "b", "c", "a", "c", "a", "c"]
+    assert isinstance(stats[1], RuntimeError)
+    assert stats[0].n == stats[2].n == 3  # the warm-up round is not a sample
+
+
+def test_model_suite_on_cpu_times_the_implementations_in_turns(monkeypatch):
+    """The CPU model suite's ratio against transformers: both timed in the same rounds."""
+    from bertfast.bench import model_suite
+
+    seen = []
+    real = model_suite.time_cpu_interleaved
+
+    def spy(fns, policy=None):
+        seen.append(len(fns))
+        return real(fns, policy)
+    monkeypatch.setattr(model_suite, "time_cpu_interleaved", spy)
+    monkeypatch.setattr(model_suite, "time_fn", lambda *a, **k: pytest.fail("a CPU case timed on its own"))
+    ctx = _cpu_ctx(models=("inference",), impls=("bertfast", "transformers"), with_transformers=True)
+    rows = model_suite.run(ctx)
+    assert seen and all(n == 2 for n in seen)
+    assert {r.impl for r in rows} == {"bertfast", HF_EAGER} and all(r.ok for r in rows)
 
 
 # --------------------------------------------------------------------------- work counts

@@ -5,6 +5,7 @@ CUDA-event-timed calls, warm up for ``warmup_ms``, then time each of ``rep_ms`` 
 with its own pair of CUDA events, zeroing a 256 MiB buffer between calls so that every call
 starts with a cold L2 cache. CPU: ``time.perf_counter`` around each call after warm-up calls;
 these are CPU timings of interpreter/reference paths on tiny shapes, not GPU figures.
+``time_cpu_interleaved`` times several callables on a CPU in turns, for ratios between them.
 
 Kernels that take less than SMALL_KERNEL_MS per call are timed again without the L2 flush and
 the per-call events, whose own cost would be a large part of the figure: by CUDA-graph
@@ -148,6 +149,33 @@ def _time_cpu(fn, policy: TimingPolicy, setup) -> Stat:
         fn()
         samples.append((time.perf_counter() - t0) * 1e3)
     return summarize(samples)
+
+
+def time_cpu_interleaved(fns: Sequence[Callable[[], object]], policy: Optional[TimingPolicy] = None
+                         ) -> List[object]:
+    """CPU times of several callables, taken in turns: each warm-up round and each timed round
+    calls every one once, so a change in the machine's load (a shared CPU) falls on all of them
+    alike and their ratios hold; timed one after the other, a ratio moves with the load. Returns,
+    per callable, its Stat, or the exception it raised (it is then left out of later rounds)."""
+    policy = policy or TimingPolicy()
+    results: List[object] = [None] * len(fns)
+    samples: List[List[float]] = [[] for _ in fns]
+    rounds = max(policy.cpu_warmup, 0) + max(policy.cpu_reps, 1)
+    for r in range(rounds):
+        for i, fn in enumerate(fns):
+            if isinstance(results[i], BaseException):
+                continue
+            try:
+                t0 = time.perf_counter()
+                fn()
+                elapsed = (time.perf_counter() - t0) * 1e3
+            except Exception as exc:  # noqa: BLE001 - reported per callable by the caller
+                results[i] = exc
+                continue
+            if r >= max(policy.cpu_warmup, 0):
+                samples[i].append(elapsed)
+    return [result if isinstance(result, BaseException) else summarize(samples[i])
+            for i, result in enumerate(results)]
 
 
 def _time_cuda(fn, device: torch.device, policy: TimingPolicy, setup) -> Stat:
