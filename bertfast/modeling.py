@@ -475,21 +475,21 @@ class BertModel(BertPreTrainedModel):
         device = x.device
         if torch.is_grad_enabled() or torch.is_autocast_enabled(device.type):
             return None
+        cfg = self.config
+        stand_in = lambda *shape: x.new_empty(()).expand(shape)  # noqa: E731
+        tokens, width = x.shape
+        # The attention first: on a GPU the answer is no at once.
+        if (dispatch.select("attention_varlen", q=stand_in(tokens, 3, cfg.num_attention_heads, head_dim(cfg)),
+                            cu_seqlens=cu_seqlens) != "torch"
+                or dispatch.select("bias_gelu", x=stand_in(tokens, cfg.intermediate_size),
+                                   bias=stand_in(cfg.intermediate_size)) != "torch"
+                or dispatch.select("bias_dropout_residual_layernorm", x=x, bias=stand_in(width), residual=x,
+                                   weight=stand_in(width), ln_bias=stand_in(width)) != "torch"):
+            return None
         for layer in self.encoder.layer:
             param = next(layer.parameters(), None)
             if layer.attention.self.training or param is None or param.device != device:
                 return None
-        cfg = self.config
-        stand_in = lambda *shape: x.new_empty(()).expand(shape)  # noqa: E731
-        tokens, width = x.shape
-        chosen = (dispatch.select("attention_varlen", q=stand_in(tokens, 3, cfg.num_attention_heads, head_dim(cfg)),
-                                  cu_seqlens=cu_seqlens),
-                  dispatch.select("bias_gelu", x=stand_in(tokens, cfg.intermediate_size),
-                                  bias=stand_in(cfg.intermediate_size)),
-                  dispatch.select("bias_dropout_residual_layernorm", x=x, bias=stand_in(width), residual=x,
-                                  weight=stand_in(width), ln_bias=stand_in(width)))
-        if any(name != "torch" for name in chosen):
-            return None
         return varlen_inference(cu_seqlens, max_seqlen, tokens)
 
     def _reference_packed(self, packed: model_inputs.Packed, input_ids, token_type_ids, position_ids, inputs_embeds,
