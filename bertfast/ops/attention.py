@@ -320,18 +320,9 @@ def kept_probs_varlen(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, softmax_
                       seed: Tensor) -> Tensor:
     """_KeptProbs on unpadded rows qkv [T, 3, A, D] -> [T, A, D]: views when nothing is padded, else
     padding and unpadding that autograd differentiates."""
-    tokens, _, heads, head_dim = qkv.shape
-    q, k, v = qkv.unbind(1)
-    dense = _dense_batch(cu_seqlens, max_seqlen, tokens)
-    if dense is not None:
-        shape = (dense, max_seqlen, heads, head_dim)
-        return _KeptProbs.apply(*(t.view(shape) for t in (q, k, v)), None, softmax_scale, dropout_p,
-                                seed).view(tokens, heads, head_dim)
-    rows, padded, mask = _varlen_layout(cu_seqlens, max_seqlen, tokens)
-    batch = mask.shape[0]
-    out = _KeptProbs.apply(*(_pad(t, rows, padded, batch, max_seqlen) for t in (q, k, v)), mask, softmax_scale,
-                           dropout_p, seed)
-    return _unpad(out, rows, padded, tokens)
+    form = _PaddedForm(cu_seqlens, max_seqlen, qkv.shape[0])
+    out = _KeptProbs.apply(*(form.pad(t) for t in qkv.unbind(1)), form.mask, softmax_scale, dropout_p, seed)
+    return form.unpad(out)
 
 
 def attention_padded_fwd(q, k, v, key_padding_mask, softmax_scale, dropout_p, seed):
@@ -356,87 +347,63 @@ def attention_padded_bwd(dout, q, k, v, out, lse, key_padding_mask, softmax_scal
     return _math_bwd(dout, q, k, v, probs, scale, dropout_p, keep)
 
 
-def _dense_batch(cu_seqlens: Tensor, max_seqlen: int, tokens: int) -> Optional[int]:
-    """The batch size when the rows are exactly batch sequences of max_seqlen tokens (nothing to pad)."""
-    batch = cu_seqlens.numel() - 1
-    if max_seqlen == 0 or batch * max_seqlen != tokens or not bool((cu_seqlens.diff() == max_seqlen).all()):
-        return None
-    return batch
+class _PaddedForm:
+    """Varlen rows [T, ...] (sequence b is rows cu_seqlens[b]:cu_seqlens[b+1]) as the padded form
+    [B, max_seqlen, ...] and back, the layout worked out once. When every sequence is max_seqlen long
+    and they fill the T rows, both ways are views and ``mask`` is None (every key counts); otherwise
+    ``mask`` [B, max_seqlen] marks the tokens and both ways copy, with ``fill`` where there is no row."""
 
+    def __init__(self, cu_seqlens: Tensor, max_seqlen: int, tokens: int):
+        batch = cu_seqlens.numel() - 1
+        self.tokens, self.batch, self.seqlen = tokens, batch, max_seqlen
+        self.dense = (max_seqlen > 0 and batch * max_seqlen == tokens
+                      and bool((cu_seqlens.diff() == max_seqlen).all()))
+        self.mask: Optional[Tensor] = None
+        if not self.dense:
+            index, self.mask = packed_layout(cu_seqlens, max_seqlen, tokens)        # [B, S] each
+            self.padded = self.mask.flatten().nonzero().flatten()                    # [n] positions in B * S
+            self.rows = index.flatten()[self.padded]                                  # [n] their rows in T
 
-def _varlen_layout(cu_seqlens: Tensor, max_seqlen: int, tokens: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """(token rows [n], their positions in a [B * max_seqlen] padded layout [n], key mask
-    [B, max_seqlen]) for the n tokens inside sequences, in sequence order."""
-    index, mask = packed_layout(cu_seqlens, max_seqlen, tokens)                  # [B, S] each
-    padded = mask.flatten().nonzero().flatten()                                  # [n]
-    return index.flatten()[padded], padded, mask
+    def pad(self, x: Tensor, fill: float = 0.0) -> Tensor:
+        """[T, ...] -> [B, S, ...], fill at padded positions."""
+        shape = (self.batch, self.seqlen) + tuple(x.shape[1:])
+        if self.dense:
+            return x.view(shape)
+        out = x.new_full((self.batch * self.seqlen,) + tuple(x.shape[1:]), fill)
+        return out.index_copy(0, self.padded, x.index_select(0, self.rows)).view(shape)
 
-
-def _pad(x: Tensor, rows: Tensor, padded: Tensor, batch: int, seqlen: int, fill: float = 0.0) -> Tensor:
-    """[tokens, ...] -> the padded layout [B, S, ...], fill at padded positions."""
-    out = x.new_full((batch * seqlen,) + tuple(x.shape[1:]), fill)
-    return out.index_copy(0, padded, x.index_select(0, rows)).view((batch, seqlen) + tuple(x.shape[1:]))
-
-
-def _unpad(x: Tensor, rows: Tensor, padded: Tensor, tokens: int, fill: float = 0.0) -> Tensor:
-    """The padded layout [B, S, ...] -> [tokens, ...], fill at rows outside every sequence."""
-    out = x.new_full((tokens,) + tuple(x.shape[2:]), fill)
-    out[rows] = x.flatten(0, 1)[padded]
-    return out
+    def unpad(self, x: Tensor, fill: float = 0.0) -> Tensor:
+        """[B, S, ...] -> [T, ...], fill at rows outside every sequence."""
+        if self.dense:
+            return x.reshape((self.tokens,) + tuple(x.shape[2:]))
+        out = x.new_full((self.tokens,) + tuple(x.shape[2:]), fill)
+        out[self.rows] = x.flatten(0, 1)[self.padded]
+        return out
 
 
 def attention_varlen_fwd(q, k, v, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed):
-    tokens, heads, head_dim = q.shape
-    dense = _dense_batch(cu_seqlens, max_seqlen, tokens)
-    if dense is not None:  # views of the rows, no copies
-        out, lse = attention_padded_fwd(*(t.view(dense, max_seqlen, heads, head_dim) for t in (q, k, v)), None,
-                                        softmax_scale, dropout_p, seed)
-        return out.view(tokens, heads, head_dim), lse.transpose(0, 1).reshape(heads, tokens)
-    rows, padded, mask = _varlen_layout(cu_seqlens, max_seqlen, tokens)
-    batch = mask.shape[0]
-    out, lse = attention_padded_fwd(*(_pad(t, rows, padded, batch, max_seqlen) for t in (q, k, v)), mask,
-                                    softmax_scale, dropout_p, seed)
-    return (_unpad(out, rows, padded, tokens),
-            _unpad(lse.transpose(1, 2), rows, padded, tokens, float("inf")).t().contiguous())
+    form = _PaddedForm(cu_seqlens, max_seqlen, q.shape[0])
+    out, lse = attention_padded_fwd(*(form.pad(t) for t in (q, k, v)), form.mask, softmax_scale, dropout_p, seed)
+    return form.unpad(out), form.unpad(lse.transpose(1, 2), float("inf")).t().contiguous()
 
 
 def varlen_inference(cu_seqlens: Tensor, max_seqlen: int, tokens: int) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     """attention_varlen_fwd without dropout, for every layer of one forward: q, k, v [T, A, D] -> [T, A, D].
-    The layout (views of the rows when nothing is padded, else the padded batch's index) is worked out
-    once instead of at every call, and no log-sum-exp is kept."""
-    dense = _dense_batch(cu_seqlens, max_seqlen, tokens)
-    if dense is not None:
-        def run_dense(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            shape = (dense, max_seqlen) + tuple(q.shape[1:])
-            return attention_padded_fwd(q.view(shape), k.view(shape), v.view(shape), None, None, 0.0,
-                                        None)[0].view(q.shape)
-        return run_dense
-    rows, padded, mask = _varlen_layout(cu_seqlens, max_seqlen, tokens)
-    batch = mask.shape[0]
+    The padded form is worked out once instead of at every call, and no log-sum-exp is kept."""
+    form = _PaddedForm(cu_seqlens, max_seqlen, tokens)
 
-    def run_padded(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        out, _ = attention_padded_fwd(*(_pad(t, rows, padded, batch, max_seqlen) for t in (q, k, v)), mask, None,
-                                      0.0, None)
-        return _unpad(out, rows, padded, tokens)
-    return run_padded
+    def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return form.unpad(attention_padded_fwd(*(form.pad(t) for t in (q, k, v)), form.mask, None, 0.0, None)[0])
+    return run
 
 
 def attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed):
-    tokens, heads, head_dim = q.shape
-    dense = _dense_batch(cu_seqlens, max_seqlen, tokens)
-    if dense is not None:
-        shape = (dense, max_seqlen, heads, head_dim)
-        grads = attention_padded_bwd(*(t.view(shape) for t in (dout, q, k, v, out)),
-                                     lse.view(heads, dense, max_seqlen).transpose(0, 1), None, softmax_scale,
-                                     dropout_p, seed)
-        return torch.stack([g.view(tokens, heads, head_dim) for g in grads], dim=1)
-    rows, padded, mask = _varlen_layout(cu_seqlens, max_seqlen, tokens)
-    batch = mask.shape[0]
+    form = _PaddedForm(cu_seqlens, max_seqlen, q.shape[0])
     # Padded query rows get lse +inf: probabilities 0, so they add nothing to dk and dv.
-    lse_p = _pad(lse.t(), rows, padded, batch, max_seqlen, float("inf")).transpose(1, 2)
-    grads = attention_padded_bwd(*(_pad(t, rows, padded, batch, max_seqlen) for t in (dout, q, k, v, out)), lse_p,
-                                 mask, softmax_scale, dropout_p, seed)
-    return _unpad(torch.stack(grads, dim=2), rows, padded, tokens)
+    lse_p = form.pad(lse.t(), float("inf")).transpose(1, 2)                      # [B, A, S]
+    grads = attention_padded_bwd(*(form.pad(t) for t in (dout, q, k, v, out)), lse_p, form.mask, softmax_scale,
+                                 dropout_p, seed)
+    return form.unpad(torch.stack(grads, dim=2))                                 # [T, 3, A, D]
 
 
 def attention_varlen_dropout_mask(cu_seqlens, max_seqlen, num_heads, dropout_p, seed):
