@@ -23,20 +23,17 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from bertfast.ops._common import PLAIN_TYPES
+from bertfast.ops._common import launch_directly
 
 Tensor = torch.Tensor
 
 
 def _into_columns(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor]) -> bool:
-    """Whether the three GEMMs can write their columns of one output: eager, plain tensors of one
-    dtype and device, no autocast, nothing that needs a gradient."""
+    """Whether the three GEMMs can write their columns of one output: what an op entry would launch
+    directly (eager, plain tensors, nothing that needs a gradient), of one dtype and device, no autocast."""
     tensors = (x, *weights, *biases)
-    if torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type) or x.dim() != 2:
-        return False
-    grad = torch.is_grad_enabled()
-    return all(type(t) in PLAIN_TYPES and t.dtype == x.dtype and t.device == x.device
-               and not (grad and t.requires_grad) for t in tensors)
+    return (x.dim() == 2 and not torch.is_autocast_enabled(x.device.type) and launch_directly(*tensors)
+            and all(t.dtype == x.dtype and t.device == x.device for t in tensors))
 
 
 def linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor]) -> Tensor:
