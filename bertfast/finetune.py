@@ -150,9 +150,12 @@ class SequenceTask(Task):
                 try:
                     if isinstance(label, (bool, list, dict)):
                         raise TypeError  # float(true) would be 1.0
-                    labels.append(float(label))
+                    value = float(label)
                 except (TypeError, ValueError):
                     raise DataFormatError(path, lineno, f"regression label {label!r} is not a number") from None
+                if not math.isfinite(value):  # "nan" and "inf" parse; either would spoil the loss
+                    raise DataFormatError(path, lineno, f"regression label {label!r} is not a finite number")
+                labels.append(value)
         else:
             # " 1" is "1"; true next to 1 is an error (see label_names)
             names = label_names([(r[0], r[3]) for r in raw], path)
@@ -419,8 +422,10 @@ class Finetuner:
         chosen = [self.train_features[j] for j in self._order[k * bs:(k + 1) * bs]]
         batch = pad_batch(chosen, self.tok.pad_id, keys=self.keys)
         if self.args.static_shapes:  # the same shapes for a short last batch too
-            longest = self.args.max_seq_len  # slots: the sequences, then at most bs dummy ones for the tail
-            batch = pack_batch(batch, bs * longest, longest, slots=2 * bs)
+            longest = self.args.max_seq_len
+            sequences = bs * (batch["input_ids"].shape[1] if batch["input_ids"].dim() == 3 else 1)  # x choices
+            # slots: the sequences, then at most as many dummy ones for the tail
+            batch = pack_batch(batch, sequences * longest, longest, slots=2 * sequences)
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
     def train(self) -> Dict[str, Any]:

@@ -5,6 +5,10 @@ or QA positions outside the sequence) or an empty batch gives a NaN loss, and a 
 that spoils the weights at the next optimizer step. bertfast gives 0 with zero gradients there,
 as its MLM head does ("0 when there are none"); every other batch gives transformers' value.
 No host sync: the divisor is a device tensor or a static size.
+
+Packed sequences (``padding.pack_batch``) hold dummy and empty slots next to the real sequences:
+their integer labels are -100, their float targets NaN, and both count nowhere. Outside packed
+batches a NaN target stays an error the run sees (a NaN loss), never a silently skipped example.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import torch.nn.functional as F
 
 from bertfast import model_inputs
 from bertfast.contract import IGNORE_INDEX
+from bertfast.padding import packed_layout
 
 Tensor = torch.Tensor
 
@@ -30,8 +35,20 @@ def mean(values: Tensor) -> Tensor:
     return values.sum() / max(values.numel(), 1)
 
 
-def sequence_classification(model: torch.nn.Module, logits: Tensor, labels: Tensor) -> Tensor:
-    """transformers' problem_type rules (the type is inferred once and stored in the config)."""
+def _float_targets(loss, logits: Tensor, labels: Tensor, packed: bool) -> Tensor:
+    """Mean of an elementwise loss against float targets; in a packed batch NaN targets (the slots
+    without a sequence to learn from) are left out."""
+    logits, labels = logits.float(), labels.float()
+    if not packed:
+        return mean(loss(logits, labels, reduction="none"))
+    known = labels.isnan().logical_not()
+    values = loss(logits, labels.masked_fill(~known, 0.0), reduction="none").masked_fill(~known, 0.0)
+    return values.sum() / known.sum().clamp_min(1)
+
+
+def sequence_classification(model: torch.nn.Module, logits: Tensor, labels: Tensor, packed: bool = False) -> Tensor:
+    """transformers' problem_type rules (the type is inferred once and stored in the config).
+    ``packed``: one row per packed slot, NaN float targets ignored (see the module's note)."""
     cfg, num_labels = model.config, model.num_labels
     if cfg.problem_type is None:
         if num_labels == 1:
@@ -42,12 +59,12 @@ def sequence_classification(model: torch.nn.Module, logits: Tensor, labels: Tens
             cfg.problem_type = "multi_label_classification"
     if cfg.problem_type == "regression":
         if num_labels == 1:
-            return mean(F.mse_loss(logits.squeeze().float(), labels.squeeze().float(), reduction="none"))
-        return mean(F.mse_loss(logits.float(), labels.float(), reduction="none"))
+            return _float_targets(F.mse_loss, logits.squeeze(), labels.squeeze(), packed)
+        return _float_targets(F.mse_loss, logits, labels, packed)
     if cfg.problem_type == "single_label_classification":
         model_inputs.check_labels("labels", labels, num_labels)
         return cross_entropy(logits.view(-1, num_labels), labels.view(-1))
-    return mean(F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none"))
+    return _float_targets(F.binary_cross_entropy_with_logits, logits, labels, packed)
 
 
 def span(start_logits: Tensor, end_logits: Tensor, start_positions: Tensor, end_positions: Tensor) -> Tensor:
@@ -62,3 +79,25 @@ def span(start_logits: Tensor, end_logits: Tensor, start_positions: Tensor, end_
     end_positions = end_positions.clamp(0, ignored)
     return (cross_entropy(start_logits, start_positions, ignored)
             + cross_entropy(end_logits, end_positions, ignored)) / 2
+
+
+def packed_span(start_logits: Tensor, end_logits: Tensor, start_positions: Tensor, end_positions: Tensor,
+                cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+    """QA on packed sequences: logits [1, T], one start and one end position per slot [K], counted
+    from the slot's first token. Each sequence's softmax runs over its own tokens (a padded
+    batch's also spans its padding); a position outside [0, length) is ignored, -100 included."""
+    slots = cu_seqlens.numel() - 1
+    index, inside = packed_layout(cu_seqlens, max_seqlen, start_logits.shape[-1])  # [K, S] each
+    lengths = cu_seqlens.diff()
+
+    def one(name: str, logits: Tensor, positions: Tensor) -> Tensor:
+        if positions.dim() > 1:
+            positions = positions.squeeze(-1)
+        if positions.shape != (slots,) or positions.is_floating_point():
+            raise ValueError(f"{name}: expected integer positions, one per packed sequence [{slots}] (-100 for the "
+                             f"slots without one), got {positions.dtype} of shape {tuple(positions.shape)}")
+        per_sequence = logits.reshape(-1).float()[index].masked_fill(~inside, torch.finfo(torch.float32).min)
+        wanted = (positions >= 0) & (positions < lengths)
+        return cross_entropy(per_sequence, positions.long().masked_fill(~wanted, IGNORE_INDEX))
+
+    return (one("start_positions", start_logits, start_positions) + one("end_positions", end_logits, end_positions)) / 2

@@ -65,13 +65,6 @@ def pop_packed(kwargs: Dict[str, Any]) -> Optional[Packed]:
     return Packed(cu.to(torch.int32).contiguous(), max_len, None if cu_k is cu else cu_k)
 
 
-def refuse_packed(kwargs: Dict[str, Any], head: str) -> None:
-    """A head whose labels or outputs are per padded position, or per group of sequences, has no packed form."""
-    if kwargs.get("cu_seq_lens_q") is not None:
-        raise ValueError(f"{head}: packed sequences (cu_seq_lens_q) are not supported by this head; give "
-                         f"padded inputs [batch, seq_len] with an attention_mask")
-
-
 def prepare_inputs(cfg: BertConfig, word_embeddings: torch.nn.Module, input_ids: Optional[Tensor],
                    attention_mask: Optional[Tensor], token_type_ids: Optional[Tensor], position_ids: Optional[Tensor],
                    inputs_embeds: Optional[Tensor], packed: Optional[Packed] = None) -> Tuple[Tensor, Tensor, Tensor]:

@@ -57,6 +57,8 @@ class BertModelOutput(BaseModelOutputWithPoolingAndCrossAttentions):
     # indices into the flattened [B * S] batch (the heads reuse them).
     token_rows: Optional[Tensor] = None
     token_row_index: Optional[Tensor] = None
+    # Packed inputs' layout (cu_seq_lens_q, max_length_q), for the heads with per-sequence losses.
+    packed: Optional[model_inputs.Packed] = None
 
 
 class BertForPreTrainingOutput(hf_bert.BertForPreTrainingOutput):
@@ -417,7 +419,7 @@ class BertModel(BertPreTrainedModel):
             pooled = pooled.masked_fill((packed.cu_seqlens.diff() == 0)[:, None], 0.0)
         out = BertModelOutput(last_hidden_state=sequence, pooler_output=pooled, hidden_states=states,
                               attentions=probs)
-        out = _with_extras(out, token_rows=token_rows, token_row_index=rows)
+        out = _with_extras(out, token_rows=token_rows, token_row_index=rows, packed=packed)
         return out if return_dict else out.to_tuple()
 
     def _encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
@@ -691,7 +693,9 @@ class BertForSequenceClassification(BertPreTrainedModel):
                         output_attentions=output_attentions, output_hidden_states=output_hidden_states,
                         return_dict=True, **kwargs)
         logits = self.classifier(self.dropout(out.pooler_output))
-        loss = losses.sequence_classification(self, logits, labels) if labels is not None else None
+        loss = None
+        if labels is not None:
+            loss = losses.sequence_classification(self, logits, labels, packed=out.packed is not None)
         result = SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
                                           attentions=out.attentions)
         return _return(self, result, return_dict)
@@ -728,7 +732,9 @@ class BertForTokenClassification(BertPreTrainedModel):
 
 class BertForQuestionAnswering(BertPreTrainedModel):
     """The span softmax runs over every position, padded ones included, as in transformers; bertfast's
-    padded positions score the classifier bias alone (their hidden states are zeros)."""
+    padded positions score the classifier bias alone (their hidden states are zeros). Packed inputs
+    give logits [1, T] and take one start and end position per sequence, counted from its first
+    token; there each softmax runs over its own sequence (``losses.packed_span``)."""
 
     def __init__(self, config: BertConfig):
         super().__init__(config)
@@ -740,14 +746,16 @@ class BertForQuestionAnswering(BertPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, start_positions=None, end_positions=None, output_attentions=None,
                 output_hidden_states=None, return_dict=None, **kwargs):
-        model_inputs.refuse_packed(kwargs, type(self).__name__)
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                         output_attentions=output_attentions, output_hidden_states=output_hidden_states,
                         return_dict=True, **kwargs)
         logits = self.qa_outputs(out.last_hidden_state)
         start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))
         loss = None
-        if start_positions is not None and end_positions is not None:
+        if start_positions is not None and end_positions is not None and out.packed is not None:
+            loss = losses.packed_span(start_logits, end_logits, start_positions, end_positions,
+                                      out.packed.cu_seqlens, out.packed.max_seqlen)
+        elif start_positions is not None and end_positions is not None:
             loss = losses.span(start_logits, end_logits, start_positions, end_positions)
         result = QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
                                               hidden_states=out.hidden_states, attentions=out.attentions)
@@ -755,6 +763,10 @@ class BertForQuestionAnswering(BertPreTrainedModel):
 
 
 class BertForMultipleChoice(BertPreTrainedModel):
+    """Inputs [B, C, S]. Packed inputs ([1, T] with cu_seq_lens_q, as ``padding.pack_batch`` makes
+    them) hold each example's C choices in C consecutive slots and need ``num_choices=C``: the
+    logits are then [slots / C, C], labels one per group of slots (-100 for the groups without one)."""
+
     def __init__(self, config: BertConfig):
         super().__init__(config)
         self.bert = BertModel(config)
@@ -764,18 +776,30 @@ class BertForMultipleChoice(BertPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
-                return_dict=None, **kwargs):
+                return_dict=None, num_choices: Optional[int] = None, **kwargs):
         """Inputs [B, C, S] (C choices); logits [B, C]."""
-        model_inputs.refuse_packed(kwargs, type(self).__name__)
-        source = input_ids if input_ids is not None else inputs_embeds
-        if source is None or source.dim() < 3 or source.shape[1] == 0:
-            raise ValueError(f"BertForMultipleChoice: expected inputs of shape [batch, num_choices >= 1, seq_len], "
-                             f"got {None if source is None else tuple(source.shape)}")
-        num_choices = source.shape[1]
-        flat = lambda t, k=1: None if t is None else t.reshape(-1, *t.shape[-k:])  # noqa: E731  (as transformers)
-        out = self.bert(flat(input_ids), flat(attention_mask), flat(token_type_ids), flat(position_ids),
-                        flat(inputs_embeds, 2), output_attentions=output_attentions,
-                        output_hidden_states=output_hidden_states, return_dict=True, **kwargs)
+        if kwargs.get("cu_seq_lens_q") is not None:
+            out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                            output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                            return_dict=True, **kwargs)
+            slots = out.pooler_output.shape[0]
+            if isinstance(num_choices, bool) or not isinstance(num_choices, int) or num_choices < 1 \
+                    or slots % num_choices:
+                raise ValueError(f"BertForMultipleChoice: packed sequences need num_choices, the choices per example "
+                                 f"(a positive int dividing the {slots} slots), got {num_choices!r}")
+        else:
+            source = input_ids if input_ids is not None else inputs_embeds
+            if source is None or source.dim() < 3 or source.shape[1] == 0:
+                raise ValueError(f"BertForMultipleChoice: expected inputs of shape [batch, num_choices >= 1, "
+                                 f"seq_len], got {None if source is None else tuple(source.shape)}")
+            if num_choices is not None and num_choices != source.shape[1]:
+                raise ValueError(f"BertForMultipleChoice: num_choices={num_choices!r}, but the inputs hold "
+                                 f"{source.shape[1]} choices")
+            num_choices = source.shape[1]
+            flat = lambda t, k=1: None if t is None else t.reshape(-1, *t.shape[-k:])  # noqa: E731  (as transformers)
+            out = self.bert(flat(input_ids), flat(attention_mask), flat(token_type_ids), flat(position_ids),
+                            flat(inputs_embeds, 2), output_attentions=output_attentions,
+                            output_hidden_states=output_hidden_states, return_dict=True, **kwargs)
         logits = self.classifier(self.dropout(out.pooler_output)).view(-1, num_choices)
         loss = None
         if labels is not None:

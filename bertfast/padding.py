@@ -63,15 +63,28 @@ def pack_batch(batch: Dict[str, Any], tokens: int, max_seqlen: int, slots: Optio
     ``slots`` (default B + ceil(tokens / max_seqlen), room for any tail).
 
     Per-token values ([B, S, ...]) become [1, tokens, ...], filled with -100 (names holding
-    "label") or 0; per-sequence values ([B, ...], integer labels) become [slots, ...], -100 for
-    the dummy and empty slots, so they count nowhere. position_ids restart in every sequence.
+    "label") or 0; per-sequence values ([B, ...]) become [slots, ...], with -100 (integer labels,
+    QA positions) or NaN (float targets: regression, multi-label) for the dummy and empty slots,
+    so they count in no loss. Float targets must therefore be finite. position_ids restart in
+    every sequence.
+
+    A multiple-choice batch (attention_mask [E, C, S]) packs its E x C sequences example after
+    example, in groups of C slots (``slots`` a multiple of C); per-example values ([E, ...]) become
+    [slots / C, ...], and ``num_choices`` = C is added for BertForMultipleChoice.
+
     Adds cu_seq_lens_q [slots + 1] int32 and max_length_q; drops attention_mask. Reads the mask
     on the host: for a data loader, not a training step.
     """
     mask = batch["attention_mask"].bool()
-    if mask.dim() != 2:
-        raise ValueError(f"pack_batch: expected attention_mask [batch, seq_len], got {tuple(mask.shape)}")
-    b, s = mask.shape
+    if mask.dim() not in (2, 3):
+        raise ValueError(f"pack_batch: expected attention_mask [batch, seq_len] (or [batch, num_choices, seq_len]), "
+                         f"got {tuple(mask.shape)}")
+    token_shape = tuple(mask.shape)  # of per-token values
+    choices = mask.dim() == 3
+    group = mask.shape[1] if choices else 1  # sequences per example
+    examples, s = mask.shape[0], mask.shape[-1]
+    mask = mask.reshape(-1, s)
+    b = mask.shape[0]
     lengths = mask.sum(1).tolist()
     used = sum(lengths)
     if used > tokens:
@@ -79,10 +92,13 @@ def pack_batch(batch: Dict[str, Any], tokens: int, max_seqlen: int, slots: Optio
     if lengths and max(lengths) > max_seqlen:
         raise ValueError(f"pack_batch: a sequence of {max(lengths)} tokens, longer than max_seqlen={max_seqlen}")
     tail = [min(max_seqlen, tokens - start) for start in range(used, tokens, max_seqlen)]
-    slots = b + -(-tokens // max_seqlen) if slots is None else slots
+    if slots is None:
+        slots = -(-(b + -(-tokens // max_seqlen)) // group) * group
     if b + len(tail) > slots:
         raise ValueError(f"pack_batch: {b} sequences and {len(tail)} dummy ones need {b + len(tail)} slots, "
                          f"got slots={slots}")
+    if slots % group:
+        raise ValueError(f"pack_batch: {group} choices per example need slots in groups of {group}, got slots={slots}")
     pieces = lengths + tail + [0] * (slots - b - len(tail))
     cu = torch.zeros(slots + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(pieces, dtype=torch.int64), 0).to(torch.int32)
@@ -92,22 +108,27 @@ def pack_batch(batch: Dict[str, Any], tokens: int, max_seqlen: int, slots: Optio
         if name == "attention_mask" or not isinstance(value, Tensor):
             continue
         fill = IGNORE_INDEX if "label" in name else 0
-        if tuple(value.shape[:2]) == (b, s):  # per token
-            row = value.new_full((tokens,) + tuple(value.shape[2:]), fill)
-            row[:used] = value.reshape((b * s,) + tuple(value.shape[2:])).index_select(0, rows.to(value.device))
+        if tuple(value.shape[:len(token_shape)]) == token_shape:  # per token
+            inner = tuple(value.shape[len(token_shape):])
+            row = value.new_full((tokens,) + inner, fill)
+            row[:used] = value.reshape((b * s,) + inner).index_select(0, rows.to(value.device))
             out[name] = row[None]
-        elif value.dim() >= 1 and value.shape[0] == b:  # per sequence
-            if value.is_floating_point():
-                raise ValueError(f"pack_batch: {name} holds per-sequence float values, which have no ignored "
-                                 f"value for the dummy and empty slots (regression or multi-label targets)")
-            slot_values = value.new_full((slots,) + tuple(value.shape[1:]), IGNORE_INDEX)
-            slot_values[:b] = value
+        elif value.dim() >= 1 and value.shape[0] == examples:  # per sequence (per example: per group of slots)
+            if value.is_floating_point() and not value.isfinite().all():
+                raise ValueError(f"pack_batch: {name} holds NaN or infinite per-sequence values; a packed batch "
+                                 f"marks the slots without a target with NaN, so every real target must be finite")
+            fill = float("nan") if value.is_floating_point() else IGNORE_INDEX
+            slot_values = value.new_full((slots // group,) + tuple(value.shape[1:]), fill)
+            slot_values[:examples] = value
             out[name] = slot_values
         else:
             raise ValueError(f"pack_batch: {name} of shape {tuple(value.shape)} is neither per token "
-                             f"[{b}, {s}, ...] nor per sequence [{b}, ...]")
+                             f"[{', '.join(map(str, token_shape))}, ...] nor per "
+                             f"{'example' if choices else 'sequence'} [{examples}, ...]")
     if "position_ids" not in out:
         out["position_ids"] = torch.cat([torch.arange(n) for n in pieces])[None].to(mask.device)
     out["cu_seq_lens_q"] = cu.to(mask.device)
     out["max_length_q"] = int(max_seqlen)
+    if choices:
+        out["num_choices"] = group
     return out

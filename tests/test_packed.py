@@ -4,7 +4,8 @@ speed).
 
   * a packed batch gives what the same sequences padded give: hidden states at tokens, pooled
     outputs, MLM and NSP losses and every gradient; on the fast and the reference paths, for
-    the pre-training and the classification heads;
+    the pre-training, classification, regression, multi-label and multiple-choice heads; packed
+    QA gives each sequence's own span loss;
   * the unused tail (dummy sequences) and empty slots change nothing; an empty slot pools to 0;
   * bad packing is refused with an error naming what was expected;
   * value checks asked for on the device assert there, with no host read, and can fail;
@@ -119,8 +120,10 @@ def test_pack_batch_layout_and_errors():
         pack_batch(batch, tokens=30, max_seqlen=6)
     with pytest.raises(ValueError, match="need 5 slots, got slots=4"):
         pack_batch(batch, tokens=30, max_seqlen=S, slots=4)
-    with pytest.raises(ValueError, match="labels holds per-sequence float values"):
-        pack_batch(dict(batch, labels=torch.rand(3)), tokens=30, max_seqlen=S)
+    targets = pack_batch(dict(batch, labels=torch.rand(3)), tokens=30, max_seqlen=S)["labels"]
+    assert targets.shape == (7,) and targets[3:].isnan().all()   # float targets: NaN marks no target
+    with pytest.raises(ValueError, match="labels holds NaN or infinite per-sequence values"):
+        pack_batch(dict(batch, labels=torch.tensor([0.5, float("inf"), 1.0])), tokens=30, max_seqlen=S)
 
 
 def test_packed_positions_restart_in_each_sequence():
@@ -157,12 +160,132 @@ def test_packed_classification_heads_match_padded():
     torch.testing.assert_close(out.loss, ref.loss, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("head", [bertfast.BertForQuestionAnswering, bertfast.BertForMultipleChoice])
-def test_heads_without_a_packed_form_refuse_it(head):
-    model = head(_config())
-    ids = torch.randint(5, 100, (1, 6))
-    with pytest.raises(ValueError, match="packed sequences .* are not supported by this head"):
-        model(input_ids=ids, cu_seq_lens_q=torch.tensor([0, 6], dtype=torch.int32), max_length_q=6)
+@pytest.mark.parametrize("problem_type", ["regression", "multi_label_classification"])
+def test_packed_float_targets_leave_out_the_slots_without_one(problem_type):
+    """Regression and multi-label targets: pack_batch gives the dummy and empty slots NaN targets,
+    which the packed loss leaves out; the real slots give the padded batch's loss and gradients."""
+    torch.manual_seed(5)
+    num_labels = 1 if problem_type == "regression" else 4
+    cfg = _config(num_labels=num_labels, problem_type=problem_type)
+    padded = _padded(cfg.vocab_size)
+    g = torch.Generator().manual_seed(6)
+    targets = (torch.randn(3, generator=g) if num_labels == 1
+               else torch.randint(0, 2, (3, num_labels), generator=g).float())
+    padded = dict(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"],
+                  token_type_ids=padded["token_type_ids"], labels=targets)
+    packed = _pack(padded, tokens=20, slots=5)
+    assert packed["labels"][:3].equal(targets) and packed["labels"][3:].isnan().all()
+    model = bertfast.BertForSequenceClassification(cfg)
+    ref, ref_grads = _run(model, padded)
+    out, grads = _run(model, packed)
+    assert out.loss.isfinite()
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.logits[:3], ref.logits, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+    # Unpacked, a NaN target is the caller's error: the loss says so instead of skipping the example.
+    nan_target = dict(padded, labels=targets.clone().index_fill_(0, torch.tensor([1]), float("nan")))
+    assert model(**nan_target).loss.isnan()
+    with pytest.raises(ValueError, match="labels holds NaN or infinite per-sequence values"):
+        pack_batch(nan_target, 20, S, 5)
+
+
+def _qa_positions(lengths, g):
+    """A start and an end inside each sequence."""
+    start = torch.tensor([int(torch.randint(0, n, (1,), generator=g)) for n in lengths])
+    end = torch.tensor([int(torch.randint(int(s), n, (1,), generator=g)) for s, n in zip(start, lengths)])
+    return start, end
+
+
+@pytest.mark.parametrize("execution", ["fast", "reference"])
+def test_packed_question_answering_spans_each_sequence(execution):
+    """Packed QA: logits [1, T]; the loss is the mean over sequences of each sequence's own span
+    loss (its softmax over its own tokens), as the sequences give one at a time with no padding;
+    a position outside its sequence and the -100 of the dummy slots count nowhere."""
+    torch.manual_seed(7)
+    cfg = _config(num_labels=2)
+    model = bertfast.BertForQuestionAnswering(cfg)
+    padded = _padded(cfg.vocab_size)
+    start, end = _qa_positions(LENGTHS, torch.Generator().manual_seed(8))
+    start[1] = LENGTHS[1] + 2   # in the padding: ignored in the packed form
+    padded = dict(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"],
+                  token_type_ids=padded["token_type_ids"], start_positions=start, end_positions=end)
+    packed = _pack(padded, tokens=20, slots=5)
+    assert packed["start_positions"][3:].eq(IGNORE_INDEX).all()
+    context = reference_execution(model) if execution == "reference" else torch.enable_grad()
+    with context:
+        out, grads = _run(model, packed)
+        assert out.start_logits.shape == out.end_logits.shape == (1, 20)
+        model.zero_grad(set_to_none=True)
+        total, each = 0.0, []
+        for r, n in enumerate(LENGTHS):
+            one = model(input_ids=padded["input_ids"][r:r + 1, :n],
+                        token_type_ids=padded["token_type_ids"][r:r + 1, :n])
+            each.append(one.start_logits[0])
+            if r != 1:  # sequence 1's start lies in its padding: 2 starts count, and 3 ends
+                total = total + torch.nn.functional.cross_entropy(one.start_logits, start[r:r + 1]) / 2 / 2
+            total = total + torch.nn.functional.cross_entropy(one.end_logits, end[r:r + 1]) / 3 / 2
+        total.backward()
+        ref_grads = _grads(model)
+    torch.testing.assert_close(out.loss, total, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.start_logits[0, :15], torch.cat(each), atol=1e-5, rtol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_packed_question_answering_edge_slots_and_errors():
+    torch.manual_seed(9)
+    model = bertfast.BertForQuestionAnswering(_config(num_labels=2))
+    ids = torch.randint(5, 100, (1, 10))
+    cu = torch.tensor([0, 4, 4, 10], dtype=torch.int32)       # an empty slot in the middle
+    common = dict(input_ids=ids, cu_seq_lens_q=cu, max_length_q=6)
+    nothing = model(**common, start_positions=torch.full((3,), IGNORE_INDEX), end_positions=torch.tensor([4, 0, 6]))
+    assert nothing.loss == 0                                  # nothing to learn from: 0, not NaN
+    nothing.loss.backward()
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    model.zero_grad(set_to_none=True)
+    loss = model(**common, start_positions=torch.tensor([0, 0, 5]), end_positions=torch.tensor([[3], [0], [5]])).loss
+    loss.backward()                                           # the empty slot's 0 is outside it: ignored
+    assert loss.isfinite() and all(p.grad.isfinite().all() for p in model.parameters() if p.grad is not None)
+    with pytest.raises(ValueError, match=r"start_positions: expected integer positions, one per packed sequence "
+                                         r"\[3\] .* got torch.int64 of shape \(2,\)"):
+        model(**common, start_positions=torch.tensor([0, 1]), end_positions=torch.tensor([0, 1, 2]))
+
+
+def test_packed_multiple_choice_matches_padded():
+    """pack_batch keeps each example's choices in consecutive slots and adds num_choices; the
+    packed logits of the real examples, the loss and the gradients are the padded batch's."""
+    torch.manual_seed(10)
+    model = bertfast.BertForMultipleChoice(_config())
+    g = torch.Generator().manual_seed(11)
+    lengths = torch.tensor([[5, 3, 7], [2, 8, 4]])                   # 2 examples x 3 choices
+    padded = dict(input_ids=torch.randint(5, 100, (2, 3, S), generator=g),
+                  attention_mask=(torch.arange(S) < lengths[..., None]).long(),
+                  token_type_ids=(torch.arange(S) >= 2).long().expand(2, 3, S).clone(), labels=torch.tensor([2, 0]))
+    packed = pack_batch(padded, tokens=48, max_seqlen=S, slots=12)
+    assert packed["num_choices"] == 3 and packed["labels"].tolist() == [2, 0, IGNORE_INDEX, IGNORE_INDEX]
+    assert packed["cu_seq_lens_q"].diff()[:6].tolist() == [5, 3, 7, 2, 8, 4]
+    ref, ref_grads = _run(model, padded)
+    out, grads = _run(model, packed)
+    assert out.logits.shape == (4, 3)
+    torch.testing.assert_close(out.logits[:2], ref.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+    assert pack_batch(padded, tokens=48, max_seqlen=S)["cu_seq_lens_q"].numel() - 1 == 12  # 6 + 6, in groups of 3
+    with pytest.raises(ValueError, match="3 choices per example need slots in groups of 3, got slots=13"):
+        pack_batch(padded, tokens=48, max_seqlen=S, slots=13)
+    with pytest.raises(ValueError, match=r"labels of shape \(3,\) is neither per token \[2, 3, 8, ...\] nor per "
+                                         r"example \[2, ...\]"):
+        pack_batch(dict(padded, labels=torch.tensor([0, 1, 2])), tokens=48, max_seqlen=S)
+    for wrong in (None, 5, True):
+        with pytest.raises(ValueError, match=r"packed sequences need num_choices, .* dividing the 12 slots"):
+            model(**dict(packed, num_choices=wrong))
+    with pytest.raises(ValueError, match="num_choices=2, but the inputs hold 3 choices"):
+        model(**padded, num_choices=2)
 
 
 def _bad(name):
@@ -279,6 +402,39 @@ def test_packed_training_step_compiles_fullgraph_without_recompiles():
         assert grads.keys() == eager_grads.keys()
         for name in grads:
             torch.testing.assert_close(grads[name], eager_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _fine_tuning_batch(head, vocab_size: int):
+    """A packed batch with targets for each fine-tuning head."""
+    g = torch.Generator().manual_seed(12)
+    padded = _padded(vocab_size)
+    padded = dict(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"],
+                  token_type_ids=padded["token_type_ids"])
+    if head is bertfast.BertForMultipleChoice:
+        padded = {k: v[None].expand(2, *v.shape).clone() for k, v in padded.items()}
+        return pack_batch(dict(padded, labels=torch.tensor([1, 2])), tokens=48, max_seqlen=S)
+    if head is bertfast.BertForQuestionAnswering:
+        start, end = _qa_positions(LENGTHS, g)
+        return _pack(dict(padded, start_positions=start, end_positions=end), tokens=20, slots=5)
+    return _pack(dict(padded, labels=torch.randn(3, generator=g)), tokens=20, slots=5)   # regression
+
+
+@pytest.mark.parametrize("head", [bertfast.BertForSequenceClassification, bertfast.BertForQuestionAnswering,
+                                  bertfast.BertForMultipleChoice], ids=["regression", "qa", "multiple-choice"])
+def test_packed_fine_tuning_losses_compile_fullgraph(head):
+    """The packed losses added for fine-tuning (NaN-masked targets, per-sequence spans, choice groups)
+    read nothing back to the host: torch.compile(fullgraph=True) takes them whole."""
+    torch.manual_seed(13)
+    model = head(_config(num_labels=1 if head is bertfast.BertForSequenceClassification else 2))
+    batch = _fine_tuning_batch(head, model.config.vocab_size)
+
+    def loss(b):
+        return model(**b).loss
+
+    eager = loss(batch)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(loss, fullgraph=True)(batch), eager, atol=1e-5, rtol=1e-5)
+    assert eager.isfinite() and eager > 0
 
 
 def test_transformers_flattening_collator_feeds_the_model():

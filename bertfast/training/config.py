@@ -396,7 +396,6 @@ class PretrainConfig(RunConfig):
 
 # --------------------------------------------------------------------------- bertfast finetune
 TASKS = ("classification", "regression", "token-classification", "qa", "multiple-choice")
-STATIC_SHAPE_TASKS = ("classification", "token-classification")  # the heads that take packed sequences
 
 # The paper's fine-tuning settings (section 4): GLUE batch 32 for 3 epochs, the learning rate
 # picked on dev among 5e-5, 4e-5, 3e-5 and 2e-5; SQuAD v1.1 3 epochs at 5e-5, batch 32; SQuAD
@@ -436,8 +435,8 @@ class FinetuneConfig(RunConfig):
 
     max_seq_len: int = option(128, group=TRAINING)
     batch_size: int = option(32, group=TRAINING)
-    static_shapes: bool = option(False, "classification and token-classification: pack each batch into one row of "
-                                        "batch size x max_seq_len tokens (fixed shapes, no host read in the step)",
+    static_shapes: bool = option(False, "pack each training batch into one row of batch size x max_seq_len tokens "
+                                        "(x choices, for multiple-choice): fixed shapes, no host read in the step",
                                  group=TRAINING)
     eval_batch_size: int = option(64, group=TRAINING)
     lr: float = option(3e-5, "0 keeps the pre-trained weights (a baseline)", group=TRAINING)
@@ -509,6 +508,3 @@ class FinetuneConfig(RunConfig):
             raise ValueError("give --model DIR (a checkpoint directory), or --preset NAME with --vocab")
         if self.stop_at_step is not None and self.no_save:
             raise ValueError("--stop-at-step writes a checkpoint to resume from; it cannot be used with --no-save")
-        if self.static_shapes and self.task not in STATIC_SHAPE_TASKS:
-            raise ValueError(f"--static-shapes serves the tasks {list(STATIC_SHAPE_TASKS)} (one label per sequence "
-                             f"or per token, ignorable with -100), got --task {self.task}")
