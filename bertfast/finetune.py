@@ -59,6 +59,7 @@ from bertfast.training.rundir import RunDirectory
 from bertfast.training.signals import StopRequest
 from bertfast.training.step import TrainStep
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 TEXT_A_CANDIDATES = ("sentence1", "sentence", "text", "question1", "premise", "text_a", "question")
 TEXT_B_CANDIDATES = ("sentence2", "question2", "hypothesis", "text_b")
 # Pairs as GLUE (and its Hugging Face export) names them, checked first: QNLI's (question,
@@ -153,8 +154,10 @@ class SequenceTask(Task):
                     value = float(label)
                 except (TypeError, ValueError):
                     raise DataFormatError(path, lineno, f"regression label {label!r} is not a number") from None
-                if not math.isfinite(value):  # "nan" and "inf" parse; either would spoil the loss
-                    raise DataFormatError(path, lineno, f"regression label {label!r} is not a finite number")
+                # "nan" and "inf" parse, and 1e39 is inf in float32 (the targets' dtype): each would spoil the loss
+                if not abs(value) <= FLOAT32_MAX:
+                    raise DataFormatError(path, lineno, f"regression label {label!r} is not a finite float32 number "
+                                                        f"(at most {FLOAT32_MAX:.4g} in magnitude)")
                 labels.append(value)
         else:
             # " 1" is "1"; true next to 1 is an error (see label_names)

@@ -323,8 +323,8 @@ class Pretrainer:
         # ... and a different dropout stream on each rank.
         ckpt.seed_everything(args.seed + 1_000_003 * info.rank)
         if args.cuda_graphs:
-            graphs.check_supported(self.device, info.world_size, args.optimizer, self.precision, args.on_nonfinite,
-                                   args.compile, args.execution)
+            graphs.check_supported(self.device, info.world_size, args.optimizer, self.precision, args.compile,
+                                   args.execution)
         self.raw_model = model.to(self.device)
         self.model = wrap_model(self.raw_model, args, info)
         self.forward_model = torch.compile(self.model) if args.compile else self.model
@@ -334,7 +334,8 @@ class Pretrainer:
         schedule = warmup_linear_decay(self.optimizer, args.warmup_steps, self.total_steps)
         if args.cuda_graphs:
             self.train_step = graphs.GraphedTrainStep(self.model, self.optimizer, schedule, self.device,
-                                                      self.precision, args.max_grad_norm)
+                                                      self.precision, args.max_grad_norm,
+                                                      skip_nonfinite=args.on_nonfinite == "skip")
         else:
             # Packed batches were checked by the loader: the model checks values on the device.
             self.train_step = TrainStep(self.model, self.optimizer, schedule, self.device, self.precision,

@@ -5,7 +5,11 @@
   * GraphedTrainStep gives the eager step's losses, learning rates and parameters, through
     warm-up, capture, replays and a change of batch shape (a new phase);
   * with dropout on, every replay draws new dropout masks;
-  * `bertfast pretrain --cuda-graphs` runs end to end and matches --static-shapes without graphs.
+  * --on-nonfinite skip: no host sync either, and a replay whose loss is NaN changes nothing
+    (fused AdamW's found_inf), as the eager step skips it;
+  * `bertfast pretrain --cuda-graphs` runs end to end and matches --static-shapes without graphs;
+  * a --cuda-graphs run stopped and resumed gives the uninterrupted run's losses and weights,
+    bit for bit (dropout on: the resumed run's eager warm-up steps replace replays).
 """
 import copy
 
@@ -42,12 +46,14 @@ def _batch(seed: int, batch: int = 4, seqlen: int = S):
     return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in packed.items()}
 
 
-def _step(model, kind, precision="fp32", steps=10, lr=1e-3):
+def _step(model, kind, precision="fp32", steps=10, lr=1e-3, skip=False):
     opt = build_optimizer(model, "adamw", lr)
     schedule = warmup_linear_decay(opt, 2, steps)
     if kind == "graph":
-        return GraphedTrainStep(model, opt, schedule, torch.device("cuda"), precision, max_grad_norm=1.0)
-    return TrainStep(model, opt, schedule, torch.device("cuda"), precision, max_grad_norm=1.0, device_checks=True)
+        return GraphedTrainStep(model, opt, schedule, torch.device("cuda"), precision, max_grad_norm=1.0,
+                                skip_nonfinite=skip)
+    return TrainStep(model, opt, schedule, torch.device("cuda"), precision, max_grad_norm=1.0, device_checks=True,
+                     skip_nonfinite=skip)
 
 
 def _forward(step, model, predictions):
@@ -55,9 +61,11 @@ def _forward(step, model, predictions):
     return lambda mb: step.forward(model, mb, max_predictions_per_seq=predictions)
 
 
-def test_packed_step_never_syncs_with_the_host():
+@pytest.mark.parametrize("skip", [False, True], ids=["stop", "skip"])
+def test_packed_step_never_syncs_with_the_host(skip):
     model = _model(dropout=0.1)
-    step = _step(model, "eager", precision="bf16")
+    step = _step(model, "eager", precision="bf16", skip=skip)
+    assert step.skips_on_device
     forward = _forward(step, model, 4 * S)
     step([_batch(0)], forward)  # first call: autotuning, lazy state, probes (host reads allowed)
     torch.cuda.synchronize()
@@ -98,6 +106,39 @@ def test_each_replay_draws_new_dropout_masks():
     assert len(set(losses[-3:])) == 3                                   # each replay: new masks
 
 
+class _Scaled:
+    """A model output whose loss is multiplied by the batch's "scale" (NaN makes the step non-finite)."""
+
+    def __init__(self, out, scale):
+        self.loss = out.loss * scale
+
+
+def test_graphed_step_skips_a_nonfinite_replay_as_the_eager_step_does():
+    torch.manual_seed(1)
+    eager_model = _model()
+    graph_model = copy.deepcopy(eager_model)
+    eager, graphed = _step(eager_model, "eager", skip=True), _step(graph_model, "graph", skip=True)
+
+    def forward(step, model):
+        return lambda mb: _Scaled(step.forward(model, {k: v for k, v in mb.items() if k != "scale"},
+                                               max_predictions_per_seq=4 * S), mb["scale"])
+
+    scales = [1.0] * 5 + [float("nan"), 1.0]                          # warm-up 3, capture, replay, NaN, replay
+    for seed, scale in enumerate(scales):
+        mb = dict(_batch(seed), scale=torch.tensor(scale, device="cuda"))
+        before = [p.detach().clone() for p in graph_model.parameters()]
+        a = eager([mb], forward(eager, eager_model))
+        b = graphed([mb], forward(graphed, graph_model))
+        assert bool(a.skipped) == bool(b.skipped) == (scale != scale)
+        if scale != scale:
+            assert all(torch.equal(p, q) for p, q in zip(graph_model.parameters(), before))
+    assert graphed.replays == 4
+    for (name, p), q in zip(eager_model.named_parameters(), graph_model.parameters()):
+        torch.testing.assert_close(q, p, atol=1e-6, rtol=1e-5, msg=name)
+        torch.testing.assert_close(graphed.optimizer.state[q]["step"], eager.optimizer.state[p]["step"])
+    assert float(next(iter(graphed.optimizer.state.values()))["step"]) == len(scales) - 1
+
+
 def test_pretrain_cuda_graphs_matches_static_shapes(datasets, tmp_path):
     from bertfast import pretrain
 
@@ -113,3 +154,26 @@ def test_pretrain_cuda_graphs_matches_static_shapes(datasets, tmp_path):
     assert sorted(graphed.losses) == list(range(1, 9))
     for step, loss in plain.losses.items():
         assert graphed.losses[step] == pytest.approx(loss, rel=1e-5), step
+
+
+def test_pretrain_cuda_graphs_resumes_bit_exactly(datasets, tmp_path):
+    from safetensors.torch import load_file
+
+    from bertfast import pretrain
+
+    def argv(out, *extra):
+        return ["--preset", "tiny", "--data", datasets[0], "--phase1-steps", "10", "--global-batch-size", "8",
+                "--micro-batch-size", "4", "--lr", "1e-3", "--warmup-steps", "2", "--log-every", "1",
+                "--eval-every", "0", "--save-every", "100", "--no-progress", "--output-dir", str(tmp_path / out),
+                "--seed", "3", "--precision", "bf16", "--device", "cuda", "--cuda-graphs", *extra]
+
+    full = pretrain.run(pretrain.parse_args(argv("full")))
+    first = pretrain.run(pretrain.parse_args(argv("split", "--stop-at-step", "5")))   # eager 1-3, replays 4-5
+    second = pretrain.run(pretrain.parse_args(["--output-dir", str(tmp_path / "split"), "--resume",
+                                               "--no-progress"]))                      # eager 6-8, replays 9-10
+    resumed = {**first.losses, **second.losses}
+    assert sorted(resumed) == list(range(1, 11))
+    assert {s: resumed[s] for s in resumed if resumed[s] != full.losses[s]} == {}      # exactly equal floats
+    a = load_file(f"{full.checkpoint}/model.safetensors")
+    b = load_file(f"{second.checkpoint}/model.safetensors")
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []

@@ -82,14 +82,80 @@ def test_skip_mode_leaves_the_parameters_of_a_nonfinite_step_untouched():
     assert not done.skipped and bool(done.finite) and not torch.equal(model.weight, before)
 
 
-def test_skip_mode_skips_and_counts_then_stops_after_too_many_in_a_row(datasets, tmp_path, capsys):
+def test_fused_adamw_skips_on_the_device_as_if_the_step_never_ran(monkeypatch):
+    """Fused AdamW takes the flag as its found_inf: no host read (the host-side check would raise
+    here), and the parameters, moments and step count after a skipped step and a good one are
+    those of an optimizer that only saw the good one."""
+    from bertfast.training import step as step_module
+    from bertfast.training.optim import build_optimizer
+
+    def host_read(flag):
+        raise AssertionError("the device skip read its flag on the host")
+
+    monkeypatch.setattr(step_module, "_on_every_rank", host_read)
+
+    class Out:
+        def __init__(self, loss):
+            self.loss = loss
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        opt = build_optimizer(model, "adamw", 0.1, fused=True)
+        step = TrainStep(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), torch.device("cpu"),
+                         "fp32", skip_nonfinite=True)
+        return model, opt, step, lambda b: Out((model(b["x"]) ** 2).mean() * b["scale"])
+
+    model, opt, step, forward = make()
+    assert step.skips_on_device
+    done = step([{"x": torch.ones(2, 3), "scale": torch.tensor(float("inf"))}], forward)
+    assert isinstance(done.skipped, torch.Tensor) and bool(done.skipped) and not bool(done.finite)
+    done = step([{"x": torch.ones(2, 3), "scale": torch.tensor(1.0)}], forward)
+    assert not bool(done.skipped)
+    ref_model, ref_opt, _, ref_forward = make()
+    ref_forward({"x": torch.ones(2, 3), "scale": torch.tensor(1.0)}).loss.backward()
+    ref_opt.step()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][key], ref_opt.state[q][key]), key
+    assert not hasattr(opt, "found_inf")                              # left for no later step to see
+
+
+def test_the_watch_counts_device_skips_and_stops_at_the_next_check():
+    from bertfast.training.nonfinite import NonFiniteError, NonFiniteWatch
+    from bertfast.training.step import StepResult
+
+    watch = NonFiniteWatch(torch.device("cpu"), skip=True, max_skipped_steps=3)
+    watch.checkpoint = "runs/x/checkpoints/step_00000004"
+    for step, skipped in enumerate([False, True, True, False, True, True, True, False], start=1):
+        loss = torch.tensor(float("nan") if skipped else 1.0, dtype=torch.float64)
+        watch.observe(step, StepResult([], loss, torch.tensor(2.0), 0.1, ~torch.tensor(skipped),
+                                       torch.tensor(skipped)))
+        if step == 6:
+            watch.check()                                             # 2 in a row: not yet
+    assert watch.skipped == 5
+    with pytest.raises(NonFiniteError, match=r"3 steps in a row from step 5 had a non-finite loss or gradient norm "
+                                             r"and were skipped \(the last: loss nan, gradient norm 2\);"
+                                             r" the last checkpoint, runs/x/checkpoints/step_00000004"):
+        watch.check()
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
+def test_skip_mode_skips_and_counts_then_stops_after_too_many_in_a_row(datasets, tmp_path, capsys, optimizer):
+    """Fused AdamW skips on the device: the second skip is logged, then the check after it stops
+    the run. LAMB's step reads its flag on the host: the second skip stops the run at once."""
     out = tmp_path / "run"
-    rc = pretrain.main(_argv(datasets, out, "--lr", "1e12", "--on-nonfinite", "skip", "--max-skipped-steps", "2"))
+    rc = pretrain.main(_argv(datasets, out, "--lr", "1e12", "--on-nonfinite", "skip", "--max-skipped-steps", "2",
+                             "--optimizer", optimizer))
     err = capsys.readouterr().err
     assert rc == exits.NONFINITE and "2 steps in a row" in err and "were skipped" in err
     records = [r for r in read_jsonl(str(out / "metrics.jsonl")) if r["type"] == "train"]
-    assert records[-1]["skipped_steps"] == 1                         # logged before the second skip stopped it
+    first_skip = int(err.split("2 steps in a row from step ")[1].split()[0])
+    assert records[-1]["step"] == first_skip + (1 if optimizer == "adamw" else 0)
+    assert records[-1]["skipped_steps"] == (2 if optimizer == "adamw" else 1)
     assert all(_all_finite(path) for _, path in checkpoints.list_checkpoints(str(out / "checkpoints")))
+    assert max(s for s, _ in checkpoints.list_checkpoints(str(out / "checkpoints"))) == first_skip  # none at the stop
 
 
 def test_a_checkpoint_is_refused_while_a_parameter_is_not_finite():
@@ -112,7 +178,7 @@ def vocab_dir(tmp_path_factory):
     return str(d)
 
 
-def test_fine_tuning_on_a_label_that_overflows_stops_without_saving_a_model(tmp_path, vocab_dir, capsys):
+def test_fine_tuning_refuses_a_label_that_overflows_float32_without_saving_a_model(tmp_path, vocab_dir, capsys):
     train = tmp_path / "train.tsv"
     S.write_regression(str(train), 32, seed=0)
     lines = train.read_text().splitlines()
@@ -122,11 +188,7 @@ def test_fine_tuning_on_a_label_that_overflows_stops_without_saving_a_model(tmp_
                         "tiny", "--vocab", vocab_dir, "--epochs", "1", "--batch-size", "8", "--max-seq-len", "32",
                         "--log-every", "100", "--no-progress", "--output-dir", str(tmp_path / "ft")])
     err = capsys.readouterr().err
-    assert rc in (exits.NONFINITE, exits.USAGE), err                  # refused as data, or stopped as a NaN run
-    if rc == exits.USAGE:
-        assert "train.tsv:7" in err
-    else:
-        assert "non-finite" in err
+    assert rc == exits.USAGE and "train.tsv:6" in err and "not a finite float32 number" in err  # refused as data
     assert not os.path.exists(tmp_path / "ft" / "config.json")        # no all-NaN model saved
 
 

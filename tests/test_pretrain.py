@@ -172,11 +172,16 @@ def single_process_run(datasets, tmp_path_factory):
     return pretrain.run(_args(datasets, tmp_path_factory.mktemp("one") / "run", *NO_DROPOUT))
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "ddp-skip"])
 def test_two_processes_match_one_process(datasets, tmp_path, single_process_run, mode):
-    """Two gloo ranks (each one micro-batch where one process accumulates two) = one process."""
+    """Two gloo ranks (each one micro-batch where one process accumulates two) = one process.
+    ddp-skip: --on-nonfinite skip reduces the step's flag over the ranks on the device, every step;
+    with every step finite, none is skipped."""
     single = single_process_run
-    two = _torchrun(datasets, tmp_path / "two", *NO_DROPOUT, *(["--fsdp"] if mode == "fsdp" else []))
+    extra = {"ddp": [], "fsdp": ["--fsdp"], "ddp-skip": ["--on-nonfinite", "skip"]}[mode]
+    two = _torchrun(datasets, tmp_path / "two", *NO_DROPOUT, *extra)
+    if mode == "ddp-skip":
+        assert all(r["skipped_steps"] == 0 for r in _records(tmp_path / "two", "train"))
     assert sorted(two) == sorted(single.losses)
     np.testing.assert_allclose([two[s] for s in sorted(two)], [single.losses[s] for s in sorted(two)],
                                rtol=1e-5, atol=1e-6)
@@ -276,7 +281,7 @@ def test_cuda_graphs_refuses_what_it_cannot_capture(datasets, tmp_path, capsys):
     assert pretrain.main(argv) == 2
     err = capsys.readouterr().err
     assert ("--cuda-graphs needs a CUDA device (got cpu); --optimizer adamw (got lamb: LAMB keeps its step counts "
-            "on the host); --on-nonfinite stop") in err
+            "on the host)\n") in err                                   # skip mode is captured (on the device)
 
 
 @pytest.mark.parametrize("values, message", [

@@ -12,14 +12,16 @@ every micro-batch, clipping, the optimizer) is one launch. What that needs, and 
 * an optimizer whose every input is on the device: torch's fused AdamW (its step counts are
   device tensors), with the learning rate in a device tensor the scheduler fills between replays;
 * dropout seeds drawn from torch's CUDA generator, which is graph-safe (each replay draws anew);
+* ``--on-nonfinite skip`` on the device: the step's "not finite" flag is fused AdamW's found_inf
+  (``TrainStep.step_unless_nonfinite``), so a skipped replay changes nothing but the schedule;
 * eager steps first (``warmup_steps``, on a side stream, for each new batch shape): Triton
   autotuning, cuBLAS workspaces and the optimizer's lazy state happen there, never inside a
   capture. They are steps of the run, not extra ones.
 
 Not served, refused up front by ``check_supported``: several processes (DDP, FSDP), LAMB (its
-step counts live on the host), fp16 (GradScaler reads its inf flag on the host), ``--on-nonfinite
-skip`` (one host read per step), ``--compile`` (torch.compile's "reduce-overhead" mode is its
-own graph capture) and the reference execution (it unpacks batches with host reads).
+step counts live on the host), fp16 (GradScaler reads its inf flag on the host), ``--compile``
+(torch.compile's "reduce-overhead" mode is its own graph capture) and the reference execution
+(it unpacks batches with host reads).
 """
 from __future__ import annotations
 
@@ -33,8 +35,8 @@ from bertfast.training.step import Batch, StepResult, TrainStep
 Tensor = torch.Tensor
 
 
-def check_supported(device: torch.device, world_size: int, optimizer: str, precision: str, on_nonfinite: str,
-                    compile: bool, execution: str) -> None:
+def check_supported(device: torch.device, world_size: int, optimizer: str, precision: str, compile: bool,
+                    execution: str) -> None:
     """ValueError naming every setting a CUDA-graph run cannot have."""
     problems = []
     if device.type != "cuda":
@@ -45,8 +47,6 @@ def check_supported(device: torch.device, world_size: int, optimizer: str, preci
         problems.append(f"--optimizer adamw (got {optimizer}: LAMB keeps its step counts on the host)")
     if precision == "fp16":
         problems.append("--precision bf16 or fp32 (fp16's loss scaler reads its inf flag on the host)")
-    if on_nonfinite != "stop":
-        problems.append("--on-nonfinite stop (skip reads a flag on the host every step)")
     if compile:
         problems.append("no --compile (use one: torch.compile's reduce-overhead mode captures graphs itself)")
     if execution != "fast":
@@ -79,8 +79,10 @@ class GraphedTrainStep(TrainStep):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, device: torch.device, precision: str,
-                 max_grad_norm: Optional[float] = None, warmup_steps: int = WARMUP_STEPS):
-        super().__init__(model, optimizer, scheduler, device, precision, max_grad_norm, device_checks=True)
+                 max_grad_norm: Optional[float] = None, warmup_steps: int = WARMUP_STEPS,
+                 skip_nonfinite: bool = False):
+        super().__init__(model, optimizer, scheduler, device, precision, max_grad_norm,
+                         skip_nonfinite=skip_nonfinite, device_checks=True)
         if device.type != "cuda":
             raise ValueError(f"GraphedTrainStep: expected a CUDA device, got {device}")
         if not isinstance(optimizer, torch.optim.AdamW) or not all(g.get("fused") for g in optimizer.param_groups):
@@ -96,7 +98,7 @@ class GraphedTrainStep(TrainStep):
         self.eager_steps = 0                      # with that signature, before the capture
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.static_batches: List[Batch] = []    # what the graph reads
-        self.captured: Optional[Tuple[list, Tensor, Tensor, Tensor]] = None  # what it writes
+        self.captured: Optional[Tuple[list, Tensor, Tensor, Tensor, Optional[Tensor]]] = None  # what it writes
         self.replays = 0
         self._side: Optional[torch.cuda.Stream] = None  # where eager warm-up steps run (torch's advice)
 
@@ -118,10 +120,11 @@ class GraphedTrainStep(TrainStep):
                         static[k].copy_(v, non_blocking=True)
         self.graph.replay()
         self.replays += 1
-        outputs, step_loss, grad_norm, finite = self.captured
+        outputs, step_loss, grad_norm, finite, skipped = self.captured
         self._advance_schedule()
         # The graph overwrites its outputs at the next replay: the step's own values are copies.
-        return StepResult(outputs, step_loss.clone(), grad_norm.clone(), lr, finite.clone())
+        return StepResult(outputs, step_loss.clone(), grad_norm.clone(), lr, finite.clone(),
+                          False if skipped is None else skipped.clone())
 
     def scheduled_lr(self) -> float:
         """The learning rate of the coming step, on the host (the optimizer's is a device tensor)."""
@@ -156,8 +159,13 @@ class GraphedTrainStep(TrainStep):
             # thread_local: the prefetch thread may pin host memory meanwhile (a CUDA call that
             # would end a capture in the default, global mode).
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self.captured = self.gradients(self.static_batches, forward)
-                self.optimizer.step()
+                outputs, step_loss, grad_norm, finite = self.gradients(self.static_batches, forward)
+                if self.skip_nonfinite:
+                    skipped = self.step_unless_nonfinite(finite)
+                else:
+                    skipped = None
+                    self.optimizer.step()
+            self.captured = (outputs, step_loss, grad_norm, finite, skipped)
         finally:
             for g, flag in zip(self.optimizer.param_groups, capturable):
                 g["capturable"] = flag

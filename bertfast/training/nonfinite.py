@@ -6,19 +6,23 @@ always finite, and keep-last pruning never drops a finite checkpoint for a non-f
 
 ``--on-nonfinite stop`` (the default): the run stops with ``NonFiniteError`` naming the first
 bad step and the last checkpoint (written before it). ``--on-nonfinite skip``: a step whose loss
-or gradient norm is not finite is not applied (``TrainStep(skip_nonfinite=True)``, which reads
-one flag per step), the skips are counted in the log, and ``--max-skipped-steps`` skips in a row
-stop the run as above.
+or gradient norm is not finite is not applied (``TrainStep(skip_nonfinite=True)``), the skips are
+counted in the log, and ``--max-skipped-steps`` skips in a row stop the run as above. Where the
+optimizer skips on the device (fused AdamW), the counts are device tensors too and the stop comes
+at the next read (the skipped steps changed nothing, so only their time is lost); otherwise the
+step has read its flag and the stop comes at once.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
 from bertfast.saving import nonfinite_weights
 from bertfast.training.step import StepResult
+
+Tensor = torch.Tensor
 
 
 class NonFiniteError(RuntimeError):
@@ -30,24 +34,40 @@ class NonFiniteWatch:
         self.skip, self.max_skipped_steps = skip, max_skipped_steps
         self.first_step = torch.full((), -1, dtype=torch.int64, device=device)  # -1: none yet
         self.first_values = torch.zeros(2, dtype=torch.float64, device=device)  # its loss, gradient norm
-        self.skipped = 0             # steps skipped in the whole run (skip mode)
-        self.skipped_in_a_row = 0
+        # Skip mode: steps skipped in the whole run and in a row so far (host ints, or device ones
+        # where the step skips on the device).
+        self.skipped_steps: Union[int, Tensor] = 0
+        self.skipped_in_a_row: Union[int, Tensor] = 0
         self.checkpoint: Optional[str] = None  # the last checkpoint written, named in the error
 
+    @property
+    def skipped(self) -> int:
+        """Steps skipped so far (a host read where they are counted on the device)."""
+        return int(self.skipped_steps)
+
     def observe(self, step: int, done: StepResult) -> None:
-        """Record step ``step`` (1-based). No host read, except in skip mode, where the step has
-        already read its flag and too many skips in a row raise ``NonFiniteError`` here."""
-        if self.skip:
-            if not done.skipped:
-                self.skipped_in_a_row = 0
-                return
-            self.skipped += 1
+        """Record step ``step`` (1-based). No host read. In skip mode, where the step has read its
+        flag already, too many skips in a row raise ``NonFiniteError`` here; where it skipped on the
+        device, at the next ``check``. Outside skip mode, ``first_step`` is the first non-finite step;
+        in skip mode, the step that made ``max_skipped_steps`` skips in a row."""
+        if not self.skip:
+            self._mark(~done.finite, step, done)
+        elif isinstance(done.skipped, Tensor):
+            self.skipped_steps = self.skipped_steps + done.skipped.long()
+            self.skipped_in_a_row = torch.where(done.skipped, self.skipped_in_a_row + 1, 0)
+            self._mark(self.skipped_in_a_row >= self.max_skipped_steps, step, done)
+        elif not done.skipped:
+            self.skipped_in_a_row = 0
+        else:
+            self.skipped_steps += 1
             self.skipped_in_a_row += 1
             if self.skipped_in_a_row >= self.max_skipped_steps:
                 raise NonFiniteError(describe(step - self.skipped_in_a_row + 1, float(done.loss),
                                               float(done.grad_norm), self.checkpoint, self.skipped_in_a_row))
-            return
-        first = (~done.finite) & (self.first_step < 0)
+
+    def _mark(self, bad: Tensor, step: int, done: StepResult) -> None:
+        """Record ``step`` and its values where ``bad`` holds and no step was recorded yet (on the device)."""
+        first = bad & (self.first_step < 0)
         self.first_step = torch.where(first, step, self.first_step)
         self.first_values = torch.where(first, torch.stack([done.loss.double(), done.grad_norm.double()]),
                                         self.first_values)
@@ -61,6 +81,9 @@ class NonFiniteWatch:
             first = int(reduce_max(float(first)))
         if first >= 0:
             loss, grad_norm = self.first_values.tolist()
+            if self.skip:  # the last of max_skipped_steps skips in a row
+                raise NonFiniteError(describe(first - self.max_skipped_steps + 1, loss, grad_norm, self.checkpoint,
+                                              self.max_skipped_steps))
             raise NonFiniteError(describe(first, loss, grad_norm, self.checkpoint))
         if model is None:
             return

@@ -5,9 +5,13 @@ precision (``training.precision``), each loss is divided by the number of micro-
 back-propagated (scaled under fp16), gradients are synchronised across ranks on the last
 micro-batch only (``no_sync``), then clipped, and the optimizer and the schedule advance.
 Nothing here reads a value back to the host: the step's loss, gradient norm and whether both
-are finite stay device tensors (``training.nonfinite`` reads them at the log interval). Only
-with ``skip_nonfinite`` does a step read its flag, to leave the parameters untouched when the
-loss or the gradient norm is not finite.
+are finite stay device tensors (``training.nonfinite`` reads them at the log interval).
+
+``skip_nonfinite`` leaves the parameters untouched when the loss or the gradient norm is not
+finite. With torch's fused AdamW (and no fp16 loss scaler) the skip happens on the device: the
+flag goes to the kernel as its ``found_inf`` (what GradScaler hands it), which then leaves the
+parameters, the moments and the step count as they were; no host read, so it can be captured in
+a CUDA graph. Any other optimizer reads the flag on the host, once per step.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import contextlib
 import re
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Dict, Optional, Sequence
+from typing import Any, Callable, ContextManager, Dict, Optional, Sequence, Union
 
 import torch
 
@@ -33,7 +37,8 @@ class StepResult:
     lr: float                # the learning rate the step used
     finite: torch.Tensor     # device bool: loss and gradient norm finite (under fp16: the loss; the scaler
     #                          skips steps with inf gradients itself)
-    skipped: bool = False    # skip_nonfinite only: the update was not applied
+    skipped: Union[bool, torch.Tensor] = False  # skip_nonfinite only: the update was not applied (a device
+    #                                             bool where the optimizer skips on the device)
 
 
 class TrainStep:
@@ -69,19 +74,42 @@ class TrainStep:
         """Run one step; ``forward(batch)`` returns a model output with ``.loss`` (call ``self.forward``)."""
         outputs, step_loss, grad_norm, finite = self.gradients(micro_batches, forward)
         lr = self.scheduler.get_last_lr()[0]
-        skipped = self.skip_nonfinite and not _on_every_rank(finite)
-        if self.scaler is not None:
-            if not skipped:
-                self.scaler.step(self.optimizer)
-            self.scaler.update()
-        elif not skipped:
-            self.optimizer.step()
+        if self.skip_nonfinite and self.skips_on_device:
+            skipped = self.step_unless_nonfinite(finite)
+        else:
+            skipped = self.skip_nonfinite and not _on_every_rank(finite)
+            if self.scaler is not None:
+                if not skipped:
+                    self.scaler.step(self.optimizer)
+                self.scaler.update()
+            elif not skipped:
+                self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         with warnings.catch_warnings():
             # A skipped first step makes the scheduler warn that it ran before the optimizer: it meant to.
             warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"), UserWarning)
             self.scheduler.step()
         return StepResult(outputs, step_loss, grad_norm, lr, finite, skipped)
+
+    @property
+    def skips_on_device(self) -> bool:
+        """Can a non-finite step be skipped with no host read? torch's fused AdamW can (``found_inf``),
+        on plain tensors (not FSDP's DTensors), without fp16's loss scaler (which sets found_inf itself)."""
+        groups = self.optimizer.param_groups
+        return (self.scaler is None and isinstance(self.optimizer, torch.optim.AdamW)
+                and all(g.get("fused") for g in groups)
+                and not any(hasattr(p, "full_tensor") for g in groups for p in g["params"]))
+
+    def step_unless_nonfinite(self, finite: torch.Tensor) -> torch.Tensor:
+        """The fused AdamW step, which changes nothing where ``finite`` is false on any rank; returns
+        that device flag ("skipped"). No host read: a CUDA graph can capture it."""
+        skipped = ~_every_rank_on_device(finite)
+        self.optimizer.found_inf = skipped.to(torch.float32)
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
+        return skipped
 
     def gradients(self, micro_batches: Sequence[Batch], forward: Callable[[Batch], Any]):
         """Forward and backward over the micro-batches, then clipping: (outputs, the step's loss,
@@ -117,6 +145,15 @@ class TrainStep:
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+
+def _every_rank_on_device(flag: torch.Tensor) -> torch.Tensor:
+    """``flag`` true on every rank, as a device bool (the all-reduce is queued, not waited for)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        value = flag.to(torch.float32).reshape(1)
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
+        return value.reshape(()) > 0
+    return flag
 
 
 def _on_every_rank(flag: torch.Tensor) -> bool:
