@@ -89,6 +89,49 @@ def test_model_suite_on_cpu_times_the_implementations_in_turns(monkeypatch):
     assert {r.impl for r in rows} == {"bertfast", HF_EAGER} and all(r.ok for r in rows)
 
 
+def test_model_suite_times_the_static_shape_pretrain_step_and_skips_graphs_without_a_gpu(monkeypatch):
+    """bertfast pretrain's own step on the packed batch: gated (fast vs reference on the packed
+    batch, and the packed loss = the padded loss), timed; the CUDA-graph row says why it is absent."""
+    from bertfast.bench import model_suite
+    from bertfast.bench.results import BERTFAST_GRAPHS, BERTFAST_STATIC
+    from bertfast.training import step as step_module
+
+    calls = []
+    real = step_module.TrainStep.__call__
+
+    def spy(self, micro_batches, forward):
+        calls.append(sorted(micro_batches[0]))
+        return real(self, micro_batches, forward)
+
+    monkeypatch.setattr(step_module.TrainStep, "__call__", spy)
+    rows = model_suite.run(_cpu_ctx(models=("pretrain",), impls=("bertfast",)))
+    by_impl = {r.impl: r for r in rows}
+    assert set(by_impl) == {"bertfast", BERTFAST_STATIC, BERTFAST_GRAPHS}
+    static = by_impl[BERTFAST_STATIC]
+    assert static.ok and static.time_ms.median > 0, static.reason
+    assert static.parity["ok"] and static.parity["packed_vs_padded_loss_rel_diff"] < 1e-5
+    assert calls and all("cu_seq_lens_q" in keys and "max_predictions_per_seq" in keys for keys in calls)
+    graphs = by_impl[BERTFAST_GRAPHS]
+    assert graphs.status == "skipped" and graphs.reason == "CUDA graphs need a CUDA GPU"
+
+
+def test_a_packed_pretrain_step_that_disagrees_is_not_timed(monkeypatch):
+    from bertfast.bench import model_suite
+    from bertfast.bench.results import BERTFAST_STATIC
+
+    real = model_suite.packed_pretrain_batch
+
+    def shifted(batch):  # the packed row loses its NSP labels: its loss is no longer the padded batch's
+        packed = real(batch)
+        packed["next_sentence_label"] = torch.full_like(packed["next_sentence_label"], -100)
+        return packed
+
+    monkeypatch.setattr(model_suite, "packed_pretrain_batch", shifted)
+    rows = model_suite.run(_cpu_ctx(models=("pretrain",), impls=("bertfast",)))
+    static = next(r for r in rows if r.impl == BERTFAST_STATIC)
+    assert static.status == FAILED_PARITY and "packed_vs_padded_loss_rel_diff" in static.reason
+
+
 # --------------------------------------------------------------------------- work counts
 def test_attention_flops_hand_computed():
     # fwd = 4 * (3^2 + 5^2) * A * D = 4 * 34 * 2 * 4

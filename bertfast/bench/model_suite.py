@@ -10,7 +10,11 @@ Benchmarks (``--models`` names):
 Implementations: ``bertfast`` (the fast unpadded path, default backends), ``bertfast reference``
 (the same model object under ``bertfast.reference_execution``), ``transformers sdpa eager`` and
 ``transformers sdpa compiled`` (``attn_implementation="sdpa"``, the same weights). On a GPU every
-step runs under bf16 autocast with fp32 master weights; on a CPU in fp32.
+step runs under bf16 autocast with fp32 master weights; on a CPU in fp32. The pre-training step
+has two more: ``bertfast static shapes`` and ``bertfast cuda graphs``, the step of ``bertfast
+pretrain --static-shapes`` and ``--cuda-graphs`` (``training.TrainStep`` and ``GraphedTrainStep``:
+the batch packed into one row, a fixed number of MLM predictions, checks on the device, the
+gradient norm; the graph warmed up and captured before timing).
 
 Parity before timing: the bertfast model must pass ``bertfast.parity.check_batch`` on the
 benchmark batch (fp32, dropout off); a transformers model must match the bertfast reference
@@ -26,13 +30,13 @@ import torch
 from bertfast import flops as bert_flops
 from bertfast.bench.common import (SuiteContext, compile_skip_reason, describe_lengths, free_memory, generator_for,
                                    mask_from, sequence_lengths, short_error, strict_fp32)
-from bertfast.bench.results import (BERTFAST, BERTFAST_REFERENCE, ERROR, FAILED_PARITY, HF_COMPILED, HF_EAGER, Row,
-                                    skipped)
+from bertfast.bench.results import (BERTFAST, BERTFAST_GRAPHS, BERTFAST_REFERENCE, BERTFAST_STATIC, ERROR,
+                                    FAILED_PARITY, HF_COMPILED, HF_EAGER, Row, skipped)
 from bertfast.bench.timing import TimingPolicy, peak_memory, time_cpu_interleaved, time_fn
 
 SUITE = "model"
 BENCHMARKS = ("pretrain", "finetune", "inference")
-IMPLS = (BERTFAST, BERTFAST_REFERENCE, HF_EAGER, HF_COMPILED)
+IMPLS = (BERTFAST, BERTFAST_STATIC, BERTFAST_GRAPHS, BERTFAST_REFERENCE, HF_EAGER, HF_COMPILED)
 LOSS_TOL = GRAD_TOL = LOGITS_TOL = 1e-3  # as bertfast.parity.check_batch
 
 
@@ -104,6 +108,18 @@ def classification_batch(config, lengths: Sequence[int], seqlen: int, gen: torch
              "token_type_ids": _segments(lengths, seqlen),
              "labels": torch.randint(0, config.num_labels, (len(lengths),), generator=gen)}
     return {k: v.to(device) for k, v in batch.items()}
+
+
+def packed_pretrain_batch(batch: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+    """``batch`` as ``bertfast pretrain --static-shapes`` feeds it: one row of batch x seq_len tokens,
+    and the MLM head's static gather for the row as its default sizes it (ceil(0.15 x seq_len) per
+    sequence, for each of the batch's sequences)."""
+    from bertfast.padding import pack_batch
+
+    b, s = batch["input_ids"].shape
+    packed = pack_batch(batch, b * s, s)
+    packed["max_predictions_per_seq"] = b * math.ceil(0.15 * s)
+    return packed
 
 
 def inference_batch(config, lengths: Sequence[int], seqlen: int, gen: torch.Generator,
@@ -216,6 +232,19 @@ def parity_fast(model, batch) -> Dict[str, Any]:
     return {"hidden_max_abs_diff": diff, "ok": diff <= LOGITS_TOL}
 
 
+def parity_packed(model, batch, packed) -> Dict[str, Any]:
+    """The packed batch's fast path vs its reference, and its loss vs the padded batch's (the same
+    real tokens: the same loss)."""
+    from bertfast.parity import check_batch
+
+    report = check_batch(model, packed).to_dict()
+    padded = check_batch(model, batch).loss_fast
+    report["padded_loss_fast"] = padded
+    report["packed_vs_padded_loss_rel_diff"] = abs(report["loss_fast"] - padded) / max(abs(padded), 1e-12)
+    report["ok"] = bool(report["ok"]) and report["packed_vs_padded_loss_rel_diff"] <= LOSS_TOL
+    return report
+
+
 def _parity_message(report: Dict[str, Any]) -> str:
     shown = {k: (f"{v:.3e}" if isinstance(v, float) else v) for k, v in report.items() if k != "ok"}
     return "disagrees with the reference: " + ", ".join(f"{k}={v}" for k, v in shown.items())
@@ -245,6 +274,44 @@ def make_train_step(ctx: SuiteContext, module: torch.nn.Module, batch: Dict[str,
         opt.step()
 
     return _through_reference(step, module) if reference else step
+
+
+PRECISIONS = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # autocast dtype -> TrainStep's
+
+
+def packed_step_skip_reason(ctx: SuiteContext, graphs: bool) -> Optional[str]:
+    """Why the static-shape (``graphs``: CUDA-graph) pre-training step cannot run here, or None."""
+    if graphs and not ctx.device.is_cuda:
+        return "CUDA graphs need a CUDA GPU"
+    if graphs and _autocast_dtype(ctx) == torch.float16:
+        return "--cuda-graphs takes bf16 or fp32 (fp16's loss scaler reads its inf flag on the host)"
+    return None
+
+
+def make_packed_train_step(ctx: SuiteContext, module: torch.nn.Module, packed: Dict[str, Any],
+                           graphs: bool) -> Callable[[], None]:
+    """``bertfast pretrain``'s own step on the packed batch: TrainStep (``--static-shapes``) or
+    GraphedTrainStep (``--cuda-graphs``, run here through its eager warm-up and the capture, so the
+    timed calls are replays). AdamW, fused where torch has the kernel; the gradient norm is computed,
+    nothing is clipped (as in the other rows)."""
+    from bertfast.training.graphs import GraphedTrainStep
+    from bertfast.training.optim import build_optimizer
+    from bertfast.training.step import TrainStep
+
+    opt = build_optimizer(module, "adamw", 1e-5)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    precision = PRECISIONS[_autocast_dtype(ctx)]
+    if graphs:
+        train_step = GraphedTrainStep(module, opt, schedule, ctx.torch_device, precision)
+    else:
+        train_step = TrainStep(module, opt, schedule, ctx.torch_device, precision, device_checks=True)
+
+    def step() -> None:
+        train_step([packed], lambda mb: train_step.forward(module, mb))
+
+    for _ in range(GraphedTrainStep.WARMUP_STEPS + 1 if graphs else 0):
+        step()
+    return step
 
 
 def make_infer_step(ctx: SuiteContext, module: torch.nn.Module, batch: Dict[str, torch.Tensor],
@@ -326,6 +393,26 @@ def _bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, 
         else:
             rows.append(row(BERTFAST, status=FAILED_PARITY, reason=report.get("error") or _parity_message(report),
                             parity=report))
+    if kind == "pretrain":
+        packed = None
+        for impl, graphs in ((BERTFAST_STATIC, False), (BERTFAST_GRAPHS, True)):
+            if not ctx.wants(impl):
+                continue
+            reason = packed_step_skip_reason(ctx, graphs)
+            if reason:
+                rows.append(skipped(SUITE, group, dict(case), direction, impl, reason))
+                continue
+            try:
+                packed = packed if packed is not None else packed_pretrain_batch(batch)
+                with strict_fp32():
+                    report = parity_packed(model, batch, packed)
+            except Exception as exc:  # noqa: BLE001
+                report = {"ok": False, "error": short_error(exc)}
+            if report.get("ok"):
+                plans.append((impl, lambda g=graphs: make_packed_train_step(ctx, model, packed, g), report))
+            else:
+                rows.append(row(impl, status=FAILED_PARITY, reason=report.get("error") or _parity_message(report),
+                                parity=report))
     if ctx.wants(BERTFAST_REFERENCE):
         plans.append((BERTFAST_REFERENCE, lambda: (make_infer_step(ctx, model, batch, reference=True)
                                                    if kind == "inference"
@@ -418,7 +505,8 @@ def run(ctx: SuiteContext) -> List[Row]:
     ctx.note("model suite: " + ("bf16 autocast with fp32 master weights, fused AdamW" if _autocast_dtype(ctx)
                                 else "fp32, no autocast, AdamW") + "; dropout 0.1 as configured; MFU = model "
              "FLOPs on real tokens / step time / peak: the measured matmul peak (mfu) and the datasheet dense "
-             "bf16 peak (mfu_datasheet, where the GPU is known; the targets use it)")
+             "bf16 peak (mfu_datasheet, where the GPU is known; the targets use it); the static-shape and "
+             "CUDA-graph pre-training rows run bertfast pretrain's own step on the packed batch")
     rows: List[Row] = []
     wanted = ctx.models or BENCHMARKS
 

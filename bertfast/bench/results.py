@@ -33,6 +33,8 @@ SDPA_MEM_EFFICIENT = "sdpa:mem_efficient"
 SDPA_CUDNN = "sdpa:cudnn"
 FULL_HEAD = "full-sequence head"
 GEMM_FLOOR = "gemm floor"
+BERTFAST_STATIC = "bertfast static shapes"  # model rows: `bertfast pretrain --static-shapes`'s step
+BERTFAST_GRAPHS = "bertfast cuda graphs"    # ... and `--cuda-graphs`'s
 BERTFAST_REFERENCE = "bertfast reference"
 HF_EAGER = "transformers sdpa eager"
 HF_COMPILED = "transformers sdpa compiled"
@@ -46,7 +48,7 @@ def impl_family(impl: str) -> str:
     """The family of an implementation name (one of IMPL_FAMILIES)."""
     if impl == BERTFAST_REFERENCE:
         return "reference"
-    if impl == BERTFAST or impl.startswith(BERTFAST + ":"):
+    if impl in (BERTFAST, BERTFAST_STATIC, BERTFAST_GRAPHS) or impl.startswith(BERTFAST + ":"):
         return "bertfast"
     if impl in (TORCH_EAGER, TORCH_FUSED, TORCH_FOREACH, FULL_HEAD, GEMM_FLOOR):
         return "eager"

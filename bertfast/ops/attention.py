@@ -349,15 +349,20 @@ def attention_padded_bwd(dout, q, k, v, out, lse, key_padding_mask, softmax_scal
 
 class _PaddedForm:
     """Varlen rows [T, ...] (sequence b is rows cu_seqlens[b]:cu_seqlens[b+1]) as the padded form
-    [B, max_seqlen, ...] and back, the layout worked out once. When every sequence is max_seqlen long
-    and they fill the T rows, both ways are views and ``mask`` is None (every key counts); otherwise
-    ``mask`` [B, max_seqlen] marks the tokens and both ways copy, with ``fill`` where there is no row."""
+    [B, max_seqlen, ...] and back, the layout worked out once. When the first sequences are max_seqlen
+    long and fill the T rows, and any after them are empty (a packed batch's unused slots), both ways
+    are views of those first sequences and ``mask`` is None (every key counts); otherwise ``mask``
+    [B, max_seqlen] marks the tokens and both ways copy, with ``fill`` where there is no row. The
+    torch backend's dropout draws [B, ...] masks in order, so leaving out trailing empty slots keeps
+    every sequence's mask."""
 
     def __init__(self, cu_seqlens: Tensor, max_seqlen: int, tokens: int):
         batch = cu_seqlens.numel() - 1
-        self.tokens, self.batch, self.seqlen = tokens, batch, max_seqlen
-        self.dense = (max_seqlen > 0 and batch * max_seqlen == tokens
-                      and bool((cu_seqlens.diff() == max_seqlen).all()))
+        full = tokens // max_seqlen if max_seqlen > 0 else 0
+        lengths = cu_seqlens.diff()
+        self.dense = (0 < full <= batch and full * max_seqlen == tokens
+                      and bool((lengths[:full] == max_seqlen).all() & (lengths[full:] == 0).all()))
+        self.tokens, self.batch, self.seqlen = tokens, full if self.dense else batch, max_seqlen
         self.mask: Optional[Tensor] = None
         if not self.dense:
             index, self.mask = packed_layout(cu_seqlens, max_seqlen, tokens)        # [B, S] each

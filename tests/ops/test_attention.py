@@ -256,6 +256,24 @@ def test_varlen_rows_after_the_last_sequence(backend, dropout_p):
     assert torch.isfinite(out).all() and torch.isfinite(dqkv).all()
 
 
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_full_sequences_then_empty_slots(backend, dropout_p):
+    """A packed batch of full sequences (pack_batch's layout: the empty slots last). The torch
+    backend runs the full sequences as views of the rows (no padded copy), and its dropout mask
+    for them is still the [B, ...] mask its *_dropout_mask draws."""
+    from bertfast.ops.attention import _PaddedForm
+
+    lengths = torch.tensor([7, 7, 7, 0, 0])
+    q, k, v, dout, cu = varlen_inputs(backend, lengths, seed=15)
+    out, _, dqkv = check_varlen(backend, q, k, v, dout, cu, 7, p=dropout_p, seed=seed_of(backend, 6))
+    assert torch.isfinite(out).all() and torch.isfinite(dqkv).all()
+    form = _PaddedForm(cu, 7, 21)
+    assert form.dense and form.batch == 3 and form.mask is None
+    assert form.pad(q).data_ptr() == q.data_ptr()                     # a view
+    assert not _PaddedForm(torch.tensor([0, 7, 7, 14, 21], dtype=torch.int32), 7, 21).dense  # an empty slot between
+    assert not _PaddedForm(torch.tensor([0, 7, 14], dtype=torch.int32), 7, 21).dense        # rows after the last
+
+
 @pytest.mark.parametrize("form", ["varlen", "padded"])
 def test_rows_without_a_key_give_zeros_with_dropout(backend, form):
     seed = seed_of(backend, 4)
