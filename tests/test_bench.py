@@ -462,6 +462,10 @@ def test_quick_cpu_run_end_to_end(tmp_path, capsys):
     assert {t["status"] for t in data["targets"]} == {NOT_MEASURED}
     md = open(out / "results.md").read()
     assert "CPU run" in md and "## Targets" in md and "## Model suite" in md
+    assert data["config"]["cpu_model_cases"] is False and "on tiny shapes (they check that the harness" in md
+    loaded = report.load(str(out / "results.json"))
+    loaded.config["cpu_model_cases"] = True                             # a run without --quick: MiniLM-sized
+    assert "tiny kernel shapes and MiniLM-sized model cases" in report.markdown(loaded)
     _check_png(out / "kernels_speedup.png")
     _check_png(out / "model_speedup.png")
 

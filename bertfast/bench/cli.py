@@ -138,6 +138,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               "argv": list(argv) if argv is not None else sys.argv[1:],
               "timing": "cuda_events" if info.is_cuda else "perf_counter (CPU)",
               "cpu_reps": None if info.is_cuda else policy.cpu_reps,
+              "cpu_model_cases": ctx.cpu_model_cases,
               "impls": list(impls) if impls else None, "cases": cases or None,
               "time_budget_s": args.time_budget}
     run = Run(device=info, config=config)
