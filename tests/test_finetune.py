@@ -294,7 +294,8 @@ def test_recipes_flags_and_errors_name_the_option(tmp_path):
                                           "--stop-at-step", "2", "--no-save"]))
 
 
-def test_finetune_resume_is_bit_exact(tmp_path, vocab_dir):
+@pytest.mark.parametrize("shapes", [[], ["--static-shapes"]], ids=["padded", "static-shapes"])
+def test_finetune_resume_is_bit_exact(tmp_path, vocab_dir, shapes):
     """Stopped mid-epoch and resumed with nothing but --output-dir and --resume, a run (dropout on)
     takes the same steps, evaluations and weights as one that never stopped."""
     S.write_classification(str(tmp_path / "train.csv"), 40, seed=0, neutral=False)
@@ -304,7 +305,7 @@ def test_finetune_resume_is_bit_exact(tmp_path, vocab_dir):
         return ["--task", "classification", "--train-file", str(tmp_path / "train.csv"), "--eval-file",
                 str(tmp_path / "dev.csv"), "--preset", "tiny", "--vocab", vocab_dir, "--max-seq-len", "32",
                 "--batch-size", "8", "--epochs", "2", "--lr", "1e-3", "--log-every", "2", "--no-progress",
-                "--output-dir", str(tmp_path / out), *extra]
+                "--output-dir", str(tmp_path / out), *shapes, *extra]
 
     full = finetune.run(finetune.parse_args(argv("full")))
     assert full["steps"] == 10 and full["checkpoint"].endswith("step_00000010")
@@ -315,6 +316,7 @@ def test_finetune_resume_is_bit_exact(tmp_path, vocab_dir):
     assert [s for s, _ in checkpoints.list_checkpoints(str(tmp_path / "split" / "checkpoints"))] == [5, 7]
     again = finetune.parse_args(["--output-dir", str(tmp_path / "split"), "--resume", "--no-progress"])
     assert again.stop_at_step is None and again.train_file == str(tmp_path / "train.csv") and again.lr == 1e-3
+    assert again.static_shapes == bool(shapes)                          # packed again, from the run's settings
     second = finetune.run(again)
     assert first["train_loss"] + second["train_loss"] == full["train_loss"]   # exactly equal floats
     assert second["eval"] == full["eval"]
