@@ -778,15 +778,16 @@ class BertForMultipleChoice(BertPreTrainedModel):
                 inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
                 return_dict=None, num_choices: Optional[int] = None, **kwargs):
         """Inputs [B, C, S] (C choices); logits [B, C]."""
-        if kwargs.get("cu_seq_lens_q") is not None:
+        cu = kwargs.get("cu_seq_lens_q")
+        if cu is not None:
+            slots = cu.numel() - 1 if isinstance(cu, Tensor) else None  # not a tensor: BertModel says so
+            if (isinstance(num_choices, bool) or not isinstance(num_choices, int) or num_choices < 1
+                    or (slots is not None and slots % num_choices)):
+                raise ValueError(f"BertForMultipleChoice: packed sequences need num_choices, the choices per example "
+                                 f"(a positive int dividing the {slots} slots), got {num_choices!r}")
             out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                             output_attentions=output_attentions, output_hidden_states=output_hidden_states,
                             return_dict=True, **kwargs)
-            slots = out.pooler_output.shape[0]
-            if isinstance(num_choices, bool) or not isinstance(num_choices, int) or num_choices < 1 \
-                    or slots % num_choices:
-                raise ValueError(f"BertForMultipleChoice: packed sequences need num_choices, the choices per example "
-                                 f"(a positive int dividing the {slots} slots), got {num_choices!r}")
         else:
             source = input_ids if input_ids is not None else inputs_embeds
             if source is None or source.dim() < 3 or source.shape[1] == 0:

@@ -69,8 +69,9 @@ def pack_batch(batch: Dict[str, Any], tokens: int, max_seqlen: int, slots: Optio
     every sequence.
 
     A multiple-choice batch (attention_mask [E, C, S]) packs its E x C sequences example after
-    example, in groups of C slots (``slots`` a multiple of C); per-example values ([E, ...]) become
-    [slots / C, ...], and ``num_choices`` = C is added for BertForMultipleChoice.
+    example, in groups of C slots (``slots`` a multiple of C; the default rounded up to one);
+    per-example values ([E, ...]) become [slots / C, ...], and ``num_choices`` = C is added for
+    BertForMultipleChoice.
 
     Adds cu_seq_lens_q [slots + 1] int32 and max_length_q; drops attention_mask. Reads the mask
     on the host: for a data loader, not a training step.
