@@ -104,7 +104,7 @@ def test_model_suite_times_the_static_shape_pretrain_step_and_skips_graphs_witho
         return real(self, micro_batches, forward)
 
     monkeypatch.setattr(step_module.TrainStep, "__call__", spy)
-    rows = model_suite.run(_cpu_ctx(models=("pretrain",), impls=("bertfast",)))
+    rows = model_suite.run(_cpu_ctx(models=("pretrain",), impls=("bertfast", "static-shapes")))
     by_impl = {r.impl: r for r in rows}
     assert set(by_impl) == {"bertfast", BERTFAST_STATIC, BERTFAST_GRAPHS}
     static = by_impl[BERTFAST_STATIC]
@@ -127,7 +127,7 @@ def test_a_packed_pretrain_step_that_disagrees_is_not_timed(monkeypatch):
         return packed
 
     monkeypatch.setattr(model_suite, "packed_pretrain_batch", shifted)
-    rows = model_suite.run(_cpu_ctx(models=("pretrain",), impls=("bertfast",)))
+    rows = model_suite.run(_cpu_ctx(models=("pretrain",), impls=("bertfast", "static-shapes")))
     static = next(r for r in rows if r.impl == BERTFAST_STATIC)
     assert static.status == FAILED_PARITY and "packed_vs_padded_loss_rel_diff" in static.reason
 
@@ -542,14 +542,15 @@ def test_gpu_calibration_and_timing():
 
 # --------------------------------------------------------------------------- selection, budget, merge, README
 def test_implementation_families():
-    from bertfast.bench.results import (BERTFAST, BERTFAST_REFERENCE, IMPL_FAMILIES, SDPA_CUDNN, TORCH_COMPILE,
-                                        impl_family)
-    assert [impl_family(i) for i in ("bertfast:triton varlen", BERTFAST, BERTFAST_REFERENCE, TORCH_EAGER, FULL_HEAD,
-                                     GEMM_FLOOR, TORCH_COMPILE, SDPA_FLASH, SDPA_CUDNN, HF_EAGER, HF_COMPILED)] == [
-        "bertfast", "bertfast", "reference", "eager", "eager", "eager", "compiled", "sdpa", "sdpa", "transformers",
-        "transformers-compiled"]
-    assert set(IMPL_FAMILIES) == {"bertfast", "reference", "eager", "compiled", "sdpa", "transformers",
-                                  "transformers-compiled"}
+    from bertfast.bench.results import (BERTFAST, BERTFAST_GRAPHS, BERTFAST_REFERENCE, BERTFAST_STATIC, IMPL_FAMILIES,
+                                        SDPA_CUDNN, TORCH_COMPILE, impl_family)
+    assert [impl_family(i) for i in ("bertfast:triton varlen", BERTFAST, BERTFAST_STATIC, BERTFAST_GRAPHS,
+                                     BERTFAST_REFERENCE, TORCH_EAGER, FULL_HEAD, GEMM_FLOOR, TORCH_COMPILE, SDPA_FLASH,
+                                     SDPA_CUDNN, HF_EAGER, HF_COMPILED)] == [
+        "bertfast", "bertfast", "static-shapes", "static-shapes", "reference", "eager", "eager", "eager", "compiled",
+        "sdpa", "sdpa", "transformers", "transformers-compiled"]
+    assert set(IMPL_FAMILIES) == {"bertfast", "static-shapes", "reference", "eager", "compiled", "sdpa",
+                                  "transformers", "transformers-compiled"}
     with pytest.raises(ValueError, match="no family"):
         impl_family("numpy")
 

@@ -41,14 +41,17 @@ HF_COMPILED = "transformers sdpa compiled"
 
 
 # Implementation families: what `bertfast bench --impls` selects.
-IMPL_FAMILIES = ("bertfast", "reference", "eager", "compiled", "sdpa", "transformers", "transformers-compiled")
+IMPL_FAMILIES = ("bertfast", "static-shapes", "reference", "eager", "compiled", "sdpa", "transformers",
+                 "transformers-compiled")
 
 
 def impl_family(impl: str) -> str:
     """The family of an implementation name (one of IMPL_FAMILIES)."""
     if impl == BERTFAST_REFERENCE:
         return "reference"
-    if impl in (BERTFAST, BERTFAST_STATIC, BERTFAST_GRAPHS) or impl.startswith(BERTFAST + ":"):
+    if impl in (BERTFAST_STATIC, BERTFAST_GRAPHS):
+        return "static-shapes"
+    if impl == BERTFAST or impl.startswith(BERTFAST + ":"):
         return "bertfast"
     if impl in (TORCH_EAGER, TORCH_FUSED, TORCH_FOREACH, FULL_HEAD, GEMM_FLOOR):
         return "eager"
