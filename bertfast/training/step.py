@@ -49,7 +49,8 @@ class TrainStep:
                  device_checks: bool = False):
         """``model`` holds the parameters that are clipped; ``no_sync()`` (DDP/FSDP) suspends the
         gradient all-reduce on all but the last micro-batch; ``skip_nonfinite``: a step whose loss or
-        gradient norm is not finite changes nothing but the schedule (one host read per step);
+        gradient norm is not finite changes nothing but the schedule (on the device, or with one host
+        read per step: see the module's note);
         ``device_checks``: the model checks input values on the device, never reading them back
         (``contract.checks_on_device``: for data its loader has checked, e.g. packed batches)."""
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -59,6 +60,13 @@ class TrainStep:
         self.scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
         self.skip_nonfinite = skip_nonfinite
         self.device_checks = device_checks
+        # Can a non-finite step be skipped with no host read? torch's fused AdamW can (found_inf), on
+        # plain tensors (not FSDP's DTensors), without fp16's loss scaler (which sets found_inf itself).
+        # Fixed by the optimizer and precision: worked out once, not at every step.
+        groups = optimizer.param_groups
+        self.skips_on_device = (self.scaler is None and isinstance(optimizer, torch.optim.AdamW)
+                                and all(g.get("fused") for g in groups)
+                                and not any(hasattr(p, "full_tensor") for g in groups for p in g["params"]))
 
     autocast_cache = True  # off where the step is captured in a CUDA graph
 
@@ -90,15 +98,6 @@ class TrainStep:
             warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"), UserWarning)
             self.scheduler.step()
         return StepResult(outputs, step_loss, grad_norm, lr, finite, skipped)
-
-    @property
-    def skips_on_device(self) -> bool:
-        """Can a non-finite step be skipped with no host read? torch's fused AdamW can (``found_inf``),
-        on plain tensors (not FSDP's DTensors), without fp16's loss scaler (which sets found_inf itself)."""
-        groups = self.optimizer.param_groups
-        return (self.scaler is None and isinstance(self.optimizer, torch.optim.AdamW)
-                and all(g.get("fused") for g in groups)
-                and not any(hasattr(p, "full_tensor") for g in groups for p in g["params"]))
 
     def step_unless_nonfinite(self, finite: torch.Tensor) -> torch.Tensor:
         """The fused AdamW step, which changes nothing where ``finite`` is false on any rank; returns
