@@ -112,7 +112,7 @@ def test_model_suite_times_the_static_shape_pretrain_step_and_skips_graphs_witho
     assert static.parity["ok"] and static.parity["packed_vs_padded_loss_rel_diff"] < 1e-5
     assert calls and all("cu_seq_lens_q" in keys and "max_predictions_per_seq" in keys for keys in calls)
     graphs = by_impl[BERTFAST_GRAPHS]
-    assert graphs.status == "skipped" and graphs.reason == "CUDA graphs need a CUDA GPU"
+    assert graphs.status == "skipped" and graphs.reason == "--cuda-graphs needs a CUDA device (got cpu)"
 
 
 def test_a_packed_pretrain_step_that_disagrees_is_not_timed(monkeypatch):

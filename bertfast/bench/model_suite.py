@@ -28,8 +28,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from bertfast import flops as bert_flops
-from bertfast.bench.common import (SuiteContext, compile_skip_reason, describe_lengths, free_memory, generator_for,
-                                   mask_from, sequence_lengths, short_error, strict_fp32)
+from bertfast.bench.common import (SuiteContext, compile_skip_reason, describe_lengths, dtype_name, free_memory,
+                                   generator_for, mask_from, sequence_lengths, short_error, strict_fp32)
 from bertfast.bench.results import (BERTFAST, BERTFAST_GRAPHS, BERTFAST_REFERENCE, BERTFAST_STATIC, ERROR,
                                     FAILED_PARITY, HF_COMPILED, HF_EAGER, Row, skipped)
 from bertfast.bench.timing import TimingPolicy, peak_memory, time_cpu_interleaved, time_fn
@@ -232,13 +232,14 @@ def parity_fast(model, batch) -> Dict[str, Any]:
     return {"hidden_max_abs_diff": diff, "ok": diff <= LOGITS_TOL}
 
 
-def parity_packed(model, batch, packed) -> Dict[str, Any]:
+def parity_packed(model, batch, packed, padded: Optional[float] = None) -> Dict[str, Any]:
     """The packed batch's fast path vs its reference, and its loss vs the padded batch's (the same
-    real tokens: the same loss)."""
+    real tokens: the same loss). ``padded``: that loss, when the padded batch's gate has it already."""
     from bertfast.parity import check_batch
 
     report = check_batch(model, packed).to_dict()
-    padded = check_batch(model, batch).loss_fast
+    if padded is None:
+        padded = check_batch(model, batch).loss_fast
     report["padded_loss_fast"] = padded
     report["packed_vs_padded_loss_rel_diff"] = abs(report["loss_fast"] - padded) / max(abs(padded), 1e-12)
     report["ok"] = bool(report["ok"]) and report["packed_vs_padded_loss_rel_diff"] <= LOSS_TOL
@@ -276,15 +277,21 @@ def make_train_step(ctx: SuiteContext, module: torch.nn.Module, batch: Dict[str,
     return _through_reference(step, module) if reference else step
 
 
-PRECISIONS = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # autocast dtype -> TrainStep's
+def _precision(ctx: SuiteContext) -> str:
+    """The suite's precision as TrainStep names it (fp32, bf16, fp16)."""
+    return dtype_name(_autocast_dtype(ctx) or torch.float32)
 
 
 def packed_step_skip_reason(ctx: SuiteContext, graphs: bool) -> Optional[str]:
-    """Why the static-shape (``graphs``: CUDA-graph) pre-training step cannot run here, or None."""
-    if graphs and not ctx.device.is_cuda:
-        return "CUDA graphs need a CUDA GPU"
-    if graphs and _autocast_dtype(ctx) == torch.float16:
-        return "--cuda-graphs takes bf16 or fp32 (fp16's loss scaler reads its inf flag on the host)"
+    """Why the static-shape (``graphs``: CUDA-graph) pre-training step cannot run here, or None:
+    for graphs, what ``bertfast pretrain --cuda-graphs`` would refuse (one process, AdamW, eager)."""
+    if not graphs:
+        return None
+    from bertfast.training.graphs import check_supported
+    try:
+        check_supported(ctx.torch_device, 1, "adamw", _precision(ctx), False, "fast")
+    except ValueError as exc:
+        return str(exc)
     return None
 
 
@@ -300,7 +307,7 @@ def make_packed_train_step(ctx: SuiteContext, module: torch.nn.Module, packed: D
 
     opt = build_optimizer(module, "adamw", 1e-5)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-    precision = PRECISIONS[_autocast_dtype(ctx)]
+    precision = _precision(ctx)
     if graphs:
         train_step = GraphedTrainStep(module, opt, schedule, ctx.torch_device, precision)
     else:
@@ -381,10 +388,11 @@ def _bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, 
     # 1. parity gates, all before any weight update.
     plans: List[Tuple[str, Callable[[], Callable[[], None]], Dict[str, Any]]] = []
     rows: List[Row] = []
+    fast_report: Dict[str, Any] = {}
     if ctx.wants(BERTFAST):
         try:
             with strict_fp32():
-                report = parity_fast(model, batch)
+                report = fast_report = parity_fast(model, batch)
         except Exception as exc:  # noqa: BLE001
             report = {"ok": False, "error": short_error(exc)}
         if report.get("ok"):
@@ -394,7 +402,7 @@ def _bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, 
             rows.append(row(BERTFAST, status=FAILED_PARITY, reason=report.get("error") or _parity_message(report),
                             parity=report))
     if kind == "pretrain":
-        packed = None
+        packed_gate: Optional[Tuple[Any, Dict[str, Any]]] = None  # (packed batch, report): one for both rows
         for impl, graphs in ((BERTFAST_STATIC, False), (BERTFAST_GRAPHS, True)):
             if not ctx.wants(impl):
                 continue
@@ -402,12 +410,14 @@ def _bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, 
             if reason:
                 rows.append(skipped(SUITE, group, dict(case), direction, impl, reason))
                 continue
-            try:
-                packed = packed if packed is not None else packed_pretrain_batch(batch)
-                with strict_fp32():
-                    report = parity_packed(model, batch, packed)
-            except Exception as exc:  # noqa: BLE001
-                report = {"ok": False, "error": short_error(exc)}
+            if packed_gate is None:
+                try:
+                    packed = packed_pretrain_batch(batch)
+                    with strict_fp32():
+                        packed_gate = packed, parity_packed(model, batch, packed, fast_report.get("loss_fast"))
+                except Exception as exc:  # noqa: BLE001
+                    packed_gate = None, {"ok": False, "error": short_error(exc)}
+            packed, report = packed_gate
             if report.get("ok"):
                 plans.append((impl, lambda g=graphs: make_packed_train_step(ctx, model, packed, g), report))
             else:
