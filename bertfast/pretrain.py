@@ -328,8 +328,11 @@ class Pretrainer:
         self.raw_model = model.to(self.device)
         self.model = wrap_model(self.raw_model, args, info)
         self.forward_model = torch.compile(self.model) if args.compile else self.model
+        # Under --cuda-graphs LAMB keeps its step counts on the device (the graph's eager warm-up
+        # steps too, so every step of the run computes alike).
         self.optimizer = build_optimizer(self.model, args.optimizer, args.lr, args.weight_decay,
-                                         (args.beta1, args.beta2), args.adam_eps)
+                                         (args.beta1, args.beta2), args.adam_eps,
+                                         capturable=args.cuda_graphs and args.optimizer == "lamb")
         self.total_steps = sum(ph.steps for ph in self.phases)
         schedule = warmup_linear_decay(self.optimizer, args.warmup_steps, self.total_steps)
         if args.cuda_graphs:

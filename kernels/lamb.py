@@ -25,6 +25,11 @@ No atomics and fixed block sizes (no autotuning): every sum is taken in the same
 run, so a run and its resumption from a checkpoint compute the same bits. c1, c2 and lr are
 kernel arguments: a step reads nothing back from the device.
 
+Device scalars (``Lamb(capturable=True)``, for a step captured in a CUDA graph, where a kernel
+argument would be frozen at its capture value): BIAS fp32 [T, 2] holds each tensor's (c1, c2),
+LR an fp32 device scalar, and FOUND_INF an fp32 device scalar that, when not 0, makes every
+program update nothing (the skipped step of ``--on-nonfinite skip``, as fused AdamW's found_inf).
+
 Memory traffic per element: 24 B (fp32 w, g) in launch 1 and 16 B in launch 3; a one-pass
 optimizer (AdamW) moves 28 B.
 
@@ -34,7 +39,7 @@ under TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import triton
@@ -69,6 +74,18 @@ def _pointers(TENSORS, tensor, PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constex
 
 
 @triton.jit
+def _scalars(BIAS, FOUND_INF, tensor, count, c1, c2, DEVICE_BIAS: tl.constexpr, HAS_FOUND_INF: tl.constexpr):
+    """(c1, c2, count) of a program's tensor and chunk: the bias corrections from BIAS when they are
+    on the device, and no elements at all when FOUND_INF is set."""
+    if DEVICE_BIAS:
+        c1 = tl.load(BIAS + tensor * 2)
+        c2 = tl.load(BIAS + tensor * 2 + 1)
+    if HAS_FOUND_INF:
+        count = tl.where(tl.load(FOUND_INF) != 0, 0, count)
+    return c1, c2, count
+
+
+@triton.jit
 def _direction(m, v, w, c1, c2, eps, weight_decay, HAS_DECAY: tl.constexpr):
     """u = (m / c1) / (sqrt(v / c2) + eps) + wd w, with IEEE division and square root as torch's."""
     u = tl.div_rn(tl.div_rn(m, c1), tl.sqrt_rn(tl.div_rn(v, c2)) + eps)
@@ -98,14 +115,17 @@ def _lamb_moments_kernel(
     CHUNKS,    # int64 [C, 3]: tensor index, first element, element count
     TENSORS,   # int64 [T, 6]: addresses of w, g, m, v; first chunk, end chunk
     PARTIALS,  # fp32 [C, 2]: out, the chunk's sum of w^2 and of u^2
+    BIAS,      # fp32 [T, 2]: each tensor's c1, c2 (DEVICE_BIAS), else None and c1, c2 below
+    FOUND_INF,  # fp32 []: not 0 skips the step (HAS_FOUND_INF), else None
     beta1, one_minus_beta1, beta2, one_minus_beta2, c1, c2, eps, weight_decay,
     PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, HAS_DECAY: tl.constexpr, ALIGNED: tl.constexpr,
-    BLOCK: tl.constexpr,
+    DEVICE_BIAS: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     tensor = tl.load(CHUNKS + chunk * 3)
     start = tl.load(CHUNKS + chunk * 3 + 1)
     count = tl.load(CHUNKS + chunk * 3 + 2)
+    c1, c2, count = _scalars(BIAS, FOUND_INF, tensor, count, c1, c2, DEVICE_BIAS, HAS_FOUND_INF)
     if ALIGNED:
         start = tl.multiple_of(start, BLOCK)  # chunks start at multiples of CHUNK, itself one of BLOCK
     p_ptr, g_ptr, m_ptr, v_ptr = _pointers(TENSORS, tensor, PARAM_DTYPE, GRAD_DTYPE, ALIGNED)
@@ -166,13 +186,19 @@ def _apply_tile(p_ptr, m_ptr, v_ptr, offs, mask, other, scale, c1, c2, eps, weig
 def _lamb_apply_kernel(
     CHUNKS, TENSORS,
     TRUST,     # fp32 [T]
+    BIAS, FOUND_INF,  # as in _lamb_moments_kernel
+    LR,        # fp32 []: the learning rate (DEVICE_LR), else None and neg_lr below
     neg_lr, c1, c2, eps, weight_decay,
-    PARAM_DTYPE: tl.constexpr, HAS_DECAY: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+    PARAM_DTYPE: tl.constexpr, HAS_DECAY: tl.constexpr, ALIGNED: tl.constexpr, DEVICE_BIAS: tl.constexpr,
+    DEVICE_LR: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     tensor = tl.load(CHUNKS + chunk * 3)
     start = tl.load(CHUNKS + chunk * 3 + 1)
     count = tl.load(CHUNKS + chunk * 3 + 2)
+    c1, c2, count = _scalars(BIAS, FOUND_INF, tensor, count, c1, c2, DEVICE_BIAS, HAS_FOUND_INF)
+    if DEVICE_LR:
+        neg_lr = -tl.load(LR).to(tl.float32)
     if ALIGNED:
         start = tl.multiple_of(start, BLOCK)
     p_ptr, _, m_ptr, v_ptr = _pointers(TENSORS, tensor, PARAM_DTYPE, tl.float32, ALIGNED)  # g is not read
@@ -245,6 +271,7 @@ class LambTables:
         self.block = self.chunk = self.count = 0  # count: tensors with elements, in the tables
         self.chunks = self.tensors = self.partials = self.trust = None
         self.ranges: List[Tuple[int, int]] = []
+        self.kept: List[int] = []  # the tables' tensors, as indices into the lists given to update
         self.aligned = True
         self.param_dtype = self.grad_dtype = None
 
@@ -257,6 +284,11 @@ class LambTables:
         block, chunk = (INTERP_BLOCK, INTERP_CHUNK) if _common.interpreting() else (BLOCK, CHUNK)
         if addresses == self.addresses and sizes == self.sizes and chunk == self.chunk:
             return
+        if params and params[0].is_cuda and torch.cuda.is_current_stream_capturing():
+            # The upload below would be captured as a copy from a host buffer the graph does not own.
+            raise RuntimeError("LAMB: the tensors moved during a CUDA graph capture, so its device tables would "
+                               "have to be rebuilt inside the graph; give the gradients fixed buffers and call "
+                               "Lamb.prepare_tables() before capturing (GraphedTrainStep does)")
         check_lamb_tensors(params, grads, exp_avgs, exp_avg_sqs)
         kept = [i for i, n in enumerate(sizes) if n]  # empty tensors have nothing to update
         if sizes != self.sizes or chunk != self.chunk:
@@ -273,32 +305,49 @@ class LambTables:
         self.aligned = all(addresses[i + k * n] % ALIGNMENT == 0 for i in kept for k in range(4))
         self.param_dtype, self.grad_dtype = (params[0].dtype, grads[0].dtype) if params else (None, None)
         self.sizes, self.addresses, self.block, self.chunk, self.count = sizes, addresses, block, chunk, len(kept)
+        self.kept = kept
 
 
 # --------------------------------------------------------------------------- launcher
-def lamb_step(tables: LambTables, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-              bias_correction1: float, bias_correction2: float, max_trust_ratio: Optional[float]) -> None:
+def lamb_step(tables: LambTables, *, lr: Union[float, torch.Tensor], beta1: float, beta2: float, eps: float,
+              weight_decay: float, max_trust_ratio: Optional[float], bias_correction1: float = 1.0,
+              bias_correction2: float = 1.0, bias: Optional[torch.Tensor] = None,
+              found_inf: Optional[torch.Tensor] = None) -> None:
     """One LAMB step over the tensors of ``tables`` (after ``tables.update``), in place.
 
-    bias_correction1/2: 1 - beta^t of the tensors' common step t (1.0 without bias correction).
+    bias_correction1/2: 1 - beta^t of the tensors' common step t (1.0 without bias correction);
+    or ``bias``, fp32 [tables.count, 2] on the device: each table tensor's own (c1, c2).
+    lr: a float, or an fp32 device scalar the kernel reads. found_inf: an fp32 device scalar; where
+    it is not 0 the step changes nothing.
     """
     if not tables.count:
         return
     n_chunks, n_tensors = tables.partials.shape[0], tables.count
+    device = tables.partials.device
+    if bias is not None:
+        check_tensor("LAMB bias corrections", bias, dtypes=(torch.float32,), shape=(n_tensors, 2), device=device)
+    if isinstance(lr, torch.Tensor):
+        check_tensor("LAMB learning rate", lr, dtypes=(torch.float32,), shape=(), device=device)
+    if found_inf is not None:
+        check_tensor("LAMB found_inf", found_inf, dtypes=(torch.float32,), shape=(), device=device)
     # Python floats (an int 0 would compile another variant); fp32 in-kernel, as torch's scalars.
-    lr, beta1, beta2, eps, weight_decay = float(lr), float(beta1), float(beta2), float(eps), float(weight_decay)
-    c1, c2 = float(bias_correction1), float(bias_correction2)
+    beta1, beta2, eps, weight_decay = float(beta1), float(beta2), float(eps), float(weight_decay)
+    device_lr = isinstance(lr, torch.Tensor)
+    neg_lr = 0.0 if device_lr else -float(lr)
+    c1, c2 = (1.0, 1.0) if bias is not None else (float(bias_correction1), float(bias_correction2))
     decay = weight_decay != 0
-    common = dict(HAS_DECAY=decay, ALIGNED=tables.aligned, BLOCK=tables.block, num_warps=NUM_WARPS)
+    common = dict(HAS_DECAY=decay, ALIGNED=tables.aligned, DEVICE_BIAS=bias is not None,
+                  HAS_FOUND_INF=found_inf is not None, BLOCK=tables.block, num_warps=NUM_WARPS)
     param_dtype = _TORCH_TO_TL[tables.param_dtype]
     _common.launch(_lamb_moments_kernel, (n_chunks,),
-                   (tables.chunks, tables.tensors, tables.partials, beta1, 1.0 - beta1, beta2, 1.0 - beta2,
-                    c1, c2, eps, weight_decay),
+                   (tables.chunks, tables.tensors, tables.partials, bias, found_inf, beta1, 1.0 - beta1, beta2,
+                    1.0 - beta2, c1, c2, eps, weight_decay),
                    dict(PARAM_DTYPE=param_dtype, GRAD_DTYPE=_TORCH_TO_TL[tables.grad_dtype], **common))
     _common.launch(_lamb_trust_kernel, (n_tensors,),
                    (tables.tensors, tables.partials, tables.trust,
                     float("inf") if max_trust_ratio is None else max_trust_ratio),
                    dict(BLOCK=TRUST_BLOCK, num_warps=NUM_WARPS))
     _common.launch(_lamb_apply_kernel, (n_chunks,),
-                   (tables.chunks, tables.tensors, tables.trust, -lr, c1, c2, eps, weight_decay),
-                   dict(PARAM_DTYPE=param_dtype, **common))
+                   (tables.chunks, tables.tensors, tables.trust, bias, found_inf, lr if device_lr else None, neg_lr,
+                    c1, c2, eps, weight_decay),
+                   dict(PARAM_DTYPE=param_dtype, DEVICE_LR=device_lr, **common))

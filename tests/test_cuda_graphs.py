@@ -1,12 +1,13 @@
-"""A training step with no host read, and the same step replayed from a CUDA graph (GPU only).
+"""A training step with no host read, and the same step replayed from a CUDA graph (GPU only),
+each with fused AdamW and with the capturable (triton) LAMB:
 
-  * a packed pre-training step (forward, backward, clipping, fused AdamW) under
+  * a packed pre-training step (forward, backward, clipping, the optimizer) under
     torch.cuda.set_sync_debug_mode("error") with checks on the device: no host sync at all;
   * GraphedTrainStep gives the eager step's losses, learning rates and parameters, through
     warm-up, capture, replays and a change of batch shape (a new phase);
   * with dropout on, every replay draws new dropout masks;
   * --on-nonfinite skip: no host sync either, and a replay whose loss is NaN changes nothing
-    (fused AdamW's found_inf), as the eager step skips it;
+    (the optimizer's found_inf), as the eager step skips it;
   * `bertfast pretrain --cuda-graphs` runs end to end and matches --static-shapes without graphs;
   * a --cuda-graphs run stopped and resumed gives the uninterrupted run's losses and weights,
     bit for bit (dropout on: the resumed run's eager warm-up steps replace replays).
@@ -26,6 +27,7 @@ from bertfast.training.step import TrainStep
 pytestmark = pytest.mark.gpu
 
 S = 32
+OPTIMIZERS = pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
 
 
 def _model(dropout: float = 0.0):
@@ -46,8 +48,8 @@ def _batch(seed: int, batch: int = 4, seqlen: int = S):
     return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in packed.items()}
 
 
-def _step(model, kind, precision="fp32", steps=10, lr=1e-3, skip=False):
-    opt = build_optimizer(model, "adamw", lr)
+def _step(model, kind, precision="fp32", steps=10, lr=1e-3, skip=False, optimizer="adamw"):
+    opt = build_optimizer(model, optimizer, lr, capturable=optimizer == "lamb")
     schedule = warmup_linear_decay(opt, 2, steps)
     if kind == "graph":
         return GraphedTrainStep(model, opt, schedule, torch.device("cuda"), precision, max_grad_norm=1.0,
@@ -61,10 +63,11 @@ def _forward(step, model, predictions):
     return lambda mb: step.forward(model, mb, max_predictions_per_seq=predictions)
 
 
+@OPTIMIZERS
 @pytest.mark.parametrize("skip", [False, True], ids=["stop", "skip"])
-def test_packed_step_never_syncs_with_the_host(skip):
+def test_packed_step_never_syncs_with_the_host(skip, optimizer):
     model = _model(dropout=0.1)
-    step = _step(model, "eager", precision="bf16", skip=skip)
+    step = _step(model, "eager", precision="bf16", skip=skip, optimizer=optimizer)
     assert step.skips_on_device
     forward = _forward(step, model, 4 * S)
     step([_batch(0)], forward)  # first call: autotuning, lazy state, probes (host reads allowed)
@@ -78,11 +81,12 @@ def test_packed_step_never_syncs_with_the_host(skip):
     assert torch.isfinite(done.loss) and bool(done.finite)
 
 
-def test_graphed_step_matches_eager_through_capture_replays_and_a_new_shape():
+@OPTIMIZERS
+def test_graphed_step_matches_eager_through_capture_replays_and_a_new_shape(optimizer):
     torch.manual_seed(0)
     eager_model = _model()
     graph_model = copy.deepcopy(eager_model)
-    eager, graphed = _step(eager_model, "eager"), _step(graph_model, "graph")
+    eager, graphed = _step(eager_model, "eager", optimizer=optimizer), _step(graph_model, "graph", optimizer=optimizer)
     short = [_batch(seed) for seed in range(6)]                       # warm-up 3, capture, 2 replays
     long = [_batch(10 + seed, batch=2, seqlen=2 * S) for seed in range(5)]  # new shapes: warm-up 3 again
     for mb in short + long:
@@ -113,11 +117,13 @@ class _Scaled:
         self.loss = out.loss * scale
 
 
-def test_graphed_step_skips_a_nonfinite_replay_as_the_eager_step_does():
+@OPTIMIZERS
+def test_graphed_step_skips_a_nonfinite_replay_as_the_eager_step_does(optimizer):
     torch.manual_seed(1)
     eager_model = _model()
     graph_model = copy.deepcopy(eager_model)
-    eager, graphed = _step(eager_model, "eager", skip=True), _step(graph_model, "graph", skip=True)
+    eager = _step(eager_model, "eager", skip=True, optimizer=optimizer)
+    graphed = _step(graph_model, "graph", skip=True, optimizer=optimizer)
 
     def forward(step, model):
         return lambda mb: _Scaled(step.forward(model, {k: v for k, v in mb.items() if k != "scale"},
@@ -139,7 +145,9 @@ def test_graphed_step_skips_a_nonfinite_replay_as_the_eager_step_does():
     assert float(next(iter(graphed.optimizer.state.values()))["step"]) == len(scales) - 1
 
 
-def test_pretrain_cuda_graphs_matches_static_shapes(datasets, tmp_path):
+@OPTIMIZERS
+def test_pretrain_cuda_graphs_matches_static_shapes(datasets, tmp_path, optimizer):
+    """(LAMB: the graph run's is capturable, the static-shape run's counts its steps on the host.)"""
     from bertfast import pretrain
 
     def run(out, *extra):
@@ -147,7 +155,7 @@ def test_pretrain_cuda_graphs_matches_static_shapes(datasets, tmp_path):
                 "--micro-batch-size", "4", "--lr", "1e-3", "--warmup-steps", "2", "--log-every", "1",
                 "--eval-every", "0", "--save-every", "100", "--no-progress", "--output-dir", str(tmp_path / out),
                 "--seed", "3", "--precision", "fp32", "--set", "hidden_dropout_prob=0.0",
-                "--set", "attention_probs_dropout_prob=0.0", "--device", "cuda", *extra]
+                "--set", "attention_probs_dropout_prob=0.0", "--device", "cuda", "--optimizer", optimizer, *extra]
         return pretrain.run(pretrain.parse_args(argv))
 
     graphed, plain = run("graphs", "--cuda-graphs"), run("static", "--static-shapes")
@@ -156,7 +164,8 @@ def test_pretrain_cuda_graphs_matches_static_shapes(datasets, tmp_path):
         assert graphed.losses[step] == pytest.approx(loss, rel=1e-5), step
 
 
-def test_pretrain_cuda_graphs_resumes_bit_exactly(datasets, tmp_path):
+@OPTIMIZERS
+def test_pretrain_cuda_graphs_resumes_bit_exactly(datasets, tmp_path, optimizer):
     from safetensors.torch import load_file
 
     from bertfast import pretrain
@@ -165,7 +174,8 @@ def test_pretrain_cuda_graphs_resumes_bit_exactly(datasets, tmp_path):
         return ["--preset", "tiny", "--data", datasets[0], "--phase1-steps", "10", "--global-batch-size", "8",
                 "--micro-batch-size", "4", "--lr", "1e-3", "--warmup-steps", "2", "--log-every", "1",
                 "--eval-every", "0", "--save-every", "100", "--no-progress", "--output-dir", str(tmp_path / out),
-                "--seed", "3", "--precision", "bf16", "--device", "cuda", "--cuda-graphs", *extra]
+                "--seed", "3", "--precision", "bf16", "--device", "cuda", "--cuda-graphs", "--optimizer", optimizer,
+                *extra]
 
     full = pretrain.run(pretrain.parse_args(argv("full")))
     first = pretrain.run(pretrain.parse_args(argv("split", "--stop-at-step", "5")))   # eager 1-3, replays 4-5

@@ -82,12 +82,17 @@ def test_skip_mode_leaves_the_parameters_of_a_nonfinite_step_untouched():
     assert not done.skipped and bool(done.finite) and not torch.equal(model.weight, before)
 
 
-def test_fused_adamw_skips_on_the_device_as_if_the_step_never_ran(monkeypatch):
-    """Fused AdamW takes the flag as its found_inf: no host read (the host-side check would raise
-    here), and the parameters, moments and step count after a skipped step and a good one are
-    those of an optimizer that only saw the good one."""
+@pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
+def test_an_optimizer_with_found_inf_skips_on_the_device_as_if_the_step_never_ran(monkeypatch, optimizer):
+    """Fused AdamW and a capturable LAMB take the flag as their found_inf: no host read (the
+    host-side check would raise here), and the parameters, moments and step count after a skipped
+    step and a good one are those of an optimizer that only saw the good one."""
     from bertfast.training import step as step_module
-    from bertfast.training.optim import build_optimizer
+    from bertfast.training.optim import build_optimizer, triton_lamb_availability
+
+    if optimizer == "lamb" and not triton_lamb_availability()[0]:
+        pytest.skip(f"the triton LAMB is unavailable: {triton_lamb_availability()[1]}")
+    options = dict(fused=True) if optimizer == "adamw" else dict(implementation="triton", capturable=True)
 
     def host_read(flag):
         raise AssertionError("the device skip read its flag on the host")
@@ -101,7 +106,7 @@ def test_fused_adamw_skips_on_the_device_as_if_the_step_never_ran(monkeypatch):
     def make():
         torch.manual_seed(0)
         model = torch.nn.Linear(3, 2)
-        opt = build_optimizer(model, "adamw", 0.1, fused=True)
+        opt = build_optimizer(model, optimizer, 0.1, **options)
         step = TrainStep(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), torch.device("cpu"),
                          "fp32", skip_nonfinite=True)
         return model, opt, step, lambda b: Out((model(b["x"]) ** 2).mean() * b["scale"])

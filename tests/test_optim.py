@@ -10,6 +10,9 @@ their dtype (the update is rounded to it, and a 1e-7 difference can move that ro
 Without a GPU, triton runs under the interpreter (tiny tensors: its chunks are 128 elements, its
 tiles 64, so they still cross chunks and tails) and bf16 is left to the GPU (the interpreter
 truncates fp32 -> bf16 where the GPU rounds to nearest).
+
+"capturable" below is the triton implementation with its step counts, bias corrections and
+learning rate on the device (``Lamb(capturable=True)``, what a CUDA graph captures).
 """
 import copy
 import io
@@ -27,6 +30,7 @@ GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if GPU else "cpu")
 LOWP = [torch.float16] + ([torch.bfloat16] if GPU else [])
 FAST = ("foreach", "triton")
+CAPTURABLE = "capturable"  # the triton implementation, capturable=True
 # name: (shape, scale of the initial weights); decayed then not decayed.
 DECAYED = {"w": ((7, 13), 0.1), "big": ((5, 64), 30.0), "zero_w": ((300,), 0.0), "no_grad": ((3, 3), 1.0)}
 NOT_DECAYED = {"bias": ((33,), 0.1), "zero_g": ((64,), 0.1), "one": ((1,), 1.0), "empty": ((0,), 1.0),
@@ -53,6 +57,8 @@ def _set_grads(params, step):
 def _lamb(params, implementation, **hyper):
     groups = [{"params": [params[n] for n in DECAYED], "weight_decay": 0.01},
               {"params": [params[n] for n in NOT_DECAYED], "weight_decay": 0.0}]
+    if implementation == CAPTURABLE:
+        implementation, hyper = "triton", {**hyper, "capturable": True}
     return optim.Lamb(groups, lr=0.02, implementation=implementation, **hyper)
 
 
@@ -104,19 +110,21 @@ def _assert_identical(a_params, a_opt, b_params, b_opt):
     for name in a_params:
         assert torch.equal(a_params[name], b_params[name]), name
         sa, sb = a_opt.state[a_params[name]], b_opt.state[b_params[name]]
+        # A step is a host int, or a capturable LAMB's device scalar: compared by value.
         assert sa.keys() == sb.keys() and all(
-            torch.equal(sa[k], sb[k]) if torch.is_tensor(sa[k]) else sa[k] == sb[k] for k in sa), name
+            torch.equal(sa[k], sb[k]) if torch.is_tensor(sa[k]) and torch.is_tensor(sb[k]) else
+            float(sa[k]) == float(sb[k]) for k in sa), name
 
 
 def _require(implementation):
-    if implementation == "triton":
+    if implementation in ("triton", CAPTURABLE):
         ok, why = optim.triton_lamb_availability()
         if not ok:
             pytest.skip(f"the triton LAMB is unavailable: {why}")
 
 
 # --------------------------------------------------------------------------- LAMB against the reference
-@pytest.mark.parametrize("implementation", FAST)
+@pytest.mark.parametrize("implementation", FAST + (CAPTURABLE,))
 @pytest.mark.parametrize("dtype,hyper", [
     (torch.float32, dict(bias_correction=True, max_trust_ratio=10.0)),
     (torch.float32, dict(bias_correction=False, max_trust_ratio=None)),
@@ -153,7 +161,7 @@ def test_foreach_batches_cover_every_tensor(monkeypatch):
 
 
 # --------------------------------------------------------------------------- checkpoints and determinism
-@pytest.mark.parametrize("implementation", ("reference",) + FAST)
+@pytest.mark.parametrize("implementation", ("reference",) + FAST + (CAPTURABLE,))
 def test_lamb_resumes_from_a_checkpoint(implementation):
     """A reference-written checkpoint continues under each implementation as the reference does;
     then each implementation's own checkpoint, saved through torch.save, resumes bit for bit."""
@@ -209,6 +217,100 @@ def test_triton_tables_follow_gradients_that_move():
         q.step()
     _assert_same_run(params, opt, ref_params, ref_opt)
     assert len(opt._tables) == 2
+
+
+# --------------------------------------------------------------------------- capturable
+@pytest.mark.parametrize("dtype", [torch.float32] + LOWP, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("bias_correction", [True, False], ids=["bc", "no-bc"])
+@pytest.mark.parametrize("device_lr", [False, True], ids=["host-lr", "device-lr"])
+def test_capturable_lamb_computes_what_the_host_step_triton_lamb_does(dtype, bias_correction, device_lr):
+    """Steps on the device, bias corrections computed there in fp64 (as the host computes them in
+    Python floats) and the learning rate read there: on CPU the same bits as the host-step
+    triton LAMB; on a GPU the device's fp64 pow may differ in the last place, so within the
+    tolerances above."""
+    _require("triton")
+    host_params, host_opt = _run("triton", 3, dtype, bias_correction=bias_correction)
+    params = _params(dtype)
+    opt = _lamb(params, CAPTURABLE, bias_correction=bias_correction)
+    if device_lr:  # as GraphedTrainStep hands it the rate, for the scheduler to fill
+        for group in opt.param_groups:
+            group["lr"] = torch.tensor(group["lr"], dtype=torch.float32, device=DEVICE)
+    for step in range(3):
+        _set_grads(params, step)
+        opt.step()
+    for name, p in params.items():
+        state = opt.state[p]
+        if state:
+            assert state["step"].dtype == torch.float64 and state["step"].device == p.device, name
+    _assert_same_as_host_triton(params, opt, host_params, host_opt, dtype)
+
+
+def _assert_same_as_host_triton(params, opt, host_params, host_opt, dtype=torch.float32):
+    """A capturable LAMB's run against the host-step triton LAMB's: bit for bit on CPU, within the
+    tolerances on a GPU (its fp64 pow may differ from the host's in the last place)."""
+    if GPU:
+        _assert_same_run(params, opt, host_params, host_opt, dtype)
+    else:
+        _assert_identical(params, opt, host_params, host_opt)
+
+
+def test_capturable_lamb_skips_a_step_on_found_inf():
+    """found_inf 1: parameters, moments and steps stay as they were; found_inf 0 then: the step an
+    optimizer that never saw the skipped one takes, bit for bit."""
+    _require("triton")
+    params, opt = _run(CAPTURABLE, 2)
+    twin_params, twin_opt = _run(CAPTURABLE, 0, params=_restore(_snapshot(params, opt)[0]), state=opt.state_dict())
+    _set_grads(params, 7)
+    opt.found_inf = torch.ones((), device=DEVICE)
+    opt.step()
+    _assert_identical(params, opt, twin_params, twin_opt)               # nothing moved, the steps included
+    assert int(opt.state[params["w"]]["step"]) == 2
+    for p, q in ((params, opt), (twin_params, twin_opt)):
+        _set_grads(p, 2)
+        q.found_inf = torch.zeros((), device=DEVICE)
+        q.step()
+        del q.found_inf
+    _assert_identical(params, opt, twin_params, twin_opt)
+    assert int(opt.state[params["w"]]["step"]) == 3
+
+
+def test_a_capturable_lambs_checkpoint_holds_int_steps_and_resumes_under_any_implementation():
+    """The state dict gives the steps as ints (one host read); a host-step LAMB resumes from it and
+    a capturable one resumes from a host-step LAMB's, as the reference does."""
+    _require("triton")
+    params, opt = _run(CAPTURABLE, 2)
+    saved = _snapshot(params, opt)
+    assert {type(s["step"]) for s in saved[1]["state"].values()} == {int}
+    assert isinstance(opt.state[params["w"]]["step"], torch.Tensor)    # the live state is left on the device
+    ref_params, ref_opt = _run("reference", 1, first=2, params=_restore(saved[0]), state=saved[1])
+    for implementation in ("foreach", "triton", CAPTURABLE):
+        got = _run(implementation, 1, first=2, params=_restore(saved[0]), state=saved[1])
+        _assert_same_run(*got, ref_params, ref_opt)
+    host = _snapshot(*_run("triton", 2))
+    resumed = _run(CAPTURABLE, 1, first=2, params=_restore(host[0]), state=host[1])
+    assert isinstance(resumed[1].state[resumed[0]["w"]]["step"], torch.Tensor)
+    _assert_same_as_host_triton(*resumed, *_run("triton", 1, first=2, params=_restore(host[0]), state=host[1]))
+
+
+def test_capturable_and_found_inf_are_refused_where_they_cannot_work():
+    _require("triton")
+    p = torch.nn.Parameter(torch.zeros(4, device=DEVICE))
+    with pytest.raises(ValueError, match="a capturable LAMB .* needs the triton implementation, got 'foreach'"):
+        optim.Lamb([p], implementation="foreach", capturable=True)
+    opt = optim.Lamb([p], implementation="triton")
+    p.grad = torch.ones(4, device=DEVICE)
+    opt.found_inf = torch.zeros((), device=DEVICE)
+    with pytest.raises(ValueError, match="found_inf .* needs capturable=True"):
+        opt.step()
+    from bertfast.kernels import lamb as kernels
+    tables = kernels.LambTables()
+    tables.update([p], [p.grad], [torch.zeros(4, device=DEVICE)], [torch.zeros(4, device=DEVICE)])
+    with pytest.raises(ValueError, match=r"LAMB bias corrections: .*shape"):
+        kernels.lamb_step(tables, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.0, max_trust_ratio=None,
+                          bias=torch.ones(2, 2, device=DEVICE))
+    with pytest.raises(ValueError, match=r"LAMB learning rate: .*float32.*float64"):
+        kernels.lamb_step(tables, lr=torch.tensor(0.1, dtype=torch.float64, device=DEVICE), beta1=0.9, beta2=0.999,
+                          eps=1e-6, weight_decay=0.0, max_trust_ratio=None)
 
 
 # --------------------------------------------------------------------------- choosing the implementation
@@ -292,8 +394,10 @@ def test_build_optimizer_wires_both_optimizers(monkeypatch):
     assert optim.build_optimizer(model, "lamb", 1e-3).implementation == "foreach"
     with pytest.raises(ValueError, match="fused= chooses AdamW's kernel"):
         optim.build_optimizer(model, "lamb", 1e-3, fused=True)
-    with pytest.raises(ValueError, match="implementation= chooses LAMB's implementation"):
+    with pytest.raises(ValueError, match="implementation= and capturable= are LAMB's"):
         optim.build_optimizer(model, "adamw", 1e-3, implementation="triton")
+    with pytest.raises(ValueError, match="implementation= and capturable= are LAMB's"):
+        optim.build_optimizer(model, "adamw", 1e-3, capturable=True)
 
 
 # --------------------------------------------------------------------------- AdamW
@@ -325,12 +429,12 @@ def test_adamw_matches_torchs_for_loop(fused):
 
 
 # --------------------------------------------------------------------------- the benchmark cases
-def _bench_rows(ops):
+def _bench_rows(ops, backends=("torch",)):
     from bertfast.bench import device, kernels_suite
     from bertfast.bench.common import SuiteContext
     from bertfast.bench.timing import TimingPolicy
 
-    ctx = SuiteContext(device=device.detect("cpu"), quick=True, dtype=torch.float32, backends=("torch",),
+    ctx = SuiteContext(device=device.detect("cpu"), quick=True, dtype=torch.float32, backends=backends,
                        compile=False, policy=TimingPolicy(cpu_warmup=0, cpu_reps=1), ops=ops, log=lambda text: None)
     return {(r.group, r.impl): r for r in kernels_suite.run(ctx)}
 
@@ -353,3 +457,13 @@ def test_benchmark_cases_gate_then_time_both_optimizers(monkeypatch):
     monkeypatch.setattr(optim, "_foreach_lamb", wrong)
     row = _bench_rows(("lamb",))[("lamb", "bertfast:torch foreach")]
     assert row.status == "FAILED PARITY" and row.time_ms is None and "step/lr: max error" in row.reason
+
+
+@pytest.mark.skipif(GPU, reason="the CPU case list (one tiny model); a GPU runs BERT's parameters")
+def test_benchmark_cases_gate_then_time_the_triton_lambs():
+    """Under the interpreter: the host-step and the capturable triton LAMB pass the gate and are timed."""
+    _require("triton")
+    rows = _bench_rows(("lamb",), backends=("triton",))
+    assert set(rows) == {("lamb", "bertfast:triton"), ("lamb", "bertfast:triton capturable"), ("lamb", "torch eager")}
+    for key, row in rows.items():
+        assert row.ok and row.time_ms.median > 0, (key, row.reason)

@@ -275,13 +275,17 @@ def test_config_file_and_errors(datasets, tmp_path):
         BatchSpec(6, 4)
 
 
-def test_cuda_graphs_refuses_what_it_cannot_capture(datasets, tmp_path, capsys):
+def test_cuda_graphs_refuses_what_it_cannot_capture(datasets, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("BERTFAST_LAMB", "foreach")
     argv = ["--preset", "tiny", "--data", datasets[0], "--phase1-steps", "1", "--no-progress", "--cuda-graphs",
             "--optimizer", "lamb", "--on-nonfinite", "skip", "--device", "cpu", "--output-dir", str(tmp_path / "g")]
     assert pretrain.main(argv) == 2
     err = capsys.readouterr().err
-    assert ("--cuda-graphs needs a CUDA device (got cpu); --optimizer adamw (got lamb: LAMB keeps its step counts "
-            "on the host)\n") in err                                   # skip mode is captured (on the device)
+    assert ("--cuda-graphs needs a CUDA device (got cpu); the triton LAMB (got BERTFAST_LAMB=foreach: only the "
+            "triton one keeps its step counts on the device)\n") in err  # skip mode is captured (on the device)
+    monkeypatch.delenv("BERTFAST_LAMB")
+    assert pretrain.main(argv) == 2                                    # the triton LAMB is served
+    assert "--cuda-graphs needs a CUDA device (got cpu)\n" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("values, message", [

@@ -7,7 +7,8 @@ that same math, and for attention torch SDPA with the flash backend (equal-lengt
 only: it takes no mask), the memory-efficient backend (with the padding mask) and the cuDNN
 backend. The MLM head adds the transformers-style full-sequence head and its GEMM floor.
 The optimizer steps (adamw, lamb; direction ``step``) compare torch's fused, foreach and for-loop
-AdamW, and bertfast's LAMB (triton kernels, foreach) with its reference loop (``torch eager``).
+AdamW, and bertfast's LAMB (triton kernels, host-step and capturable, and foreach) with its
+reference loop (``torch eager``).
 
 Dropout cases (attention, bias_dropout_residual_layernorm at p = 0.1) cannot be compared with
 the reference element by element (every implementation draws its own mask): an implementation
@@ -562,8 +563,9 @@ def adamw_cases(ctx: SuiteContext) -> List[OpCase]:
 def lamb_cases(ctx: SuiteContext) -> List[OpCase]:
     from bertfast.training.optim import Lamb, lamb_implementation
 
-    def lamb(implementation):
-        return lambda groups: Lamb(groups, lr=OPTIMIZER_LR, eps=1e-6, implementation=implementation)
+    def lamb(implementation, capturable=False):
+        return lambda groups: Lamb(groups, lr=OPTIMIZER_LR, eps=1e-6, implementation=implementation,
+                                   capturable=capturable)
 
     impls = []
     if "triton" in ctx.backends:
@@ -573,6 +575,8 @@ def lamb_cases(ctx: SuiteContext) -> List[OpCase]:
         except ValueError as exc:
             skip = str(exc)
         impls.append((bertfast_impl("triton"), lamb("triton"), skip))
+        # What --cuda-graphs runs: the same kernels, with the steps and scalars on the device.
+        impls.append((bertfast_impl("triton", "capturable"), lamb("triton", capturable=True), skip))
     if "torch" in ctx.backends:
         impls.append((bertfast_impl("torch", "foreach"), lamb("foreach"), ""))
     impls.append((TORCH_EAGER, lamb("reference"), ""))

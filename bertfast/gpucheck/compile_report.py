@@ -218,15 +218,20 @@ def bert_launches(fast: bool, attention_only: bool = False) -> Iterator[Tuple[st
 
         def lamb():
             # The optimizer's kernels take tables of tensors, so one tensor per launch covers every
-            # size; what varies is the parameter/gradient dtype, weight decay on or off, and
-            # 16-byte aligned addresses or not (the last tensor starts one element into its buffer).
+            # size; what varies is the parameter/gradient dtype, weight decay on or off, 16-byte
+            # aligned addresses or not (the third tensor starts one element into its buffer), and
+            # the scalars on the host or (capturable, for CUDA graphs) on the device.
             from bertfast.kernels import lamb as K
-            for w, decay in ((empty(hidden, hidden, dtype=par), 0.01), (empty(hidden, dtype=par), 0.0),
-                             (empty(hidden + 1, dtype=par)[1:], 0.01)):
+            for w, decay, on_device in ((empty(hidden, hidden, dtype=par), 0.01, False),
+                                        (empty(hidden, dtype=par), 0.0, False),
+                                        (empty(hidden + 1, dtype=par)[1:], 0.01, False),
+                                        (empty(hidden, hidden, dtype=par), 0.01, True)):
                 tables = K.LambTables()
                 tables.update([w], [w], [torch.empty(w.shape)], [torch.empty(w.shape)])
-                K.lamb_step(tables, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=decay,
-                            bias_correction1=0.1, bias_correction2=1e-3, max_trust_ratio=10.0)
+                scalars = (dict(lr=torch.empty(()), bias=torch.empty(1, 2), found_inf=torch.empty(())) if on_device
+                           else dict(lr=1e-3, bias_correction1=0.1, bias_correction2=1e-3))
+                K.lamb_step(tables, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=decay, max_trust_ratio=10.0,
+                            **scalars)
 
         for name, fn in (("attention", attention), ("bias_gelu", bias_gelu),
                          ("bias_dropout_residual_layernorm", bias_dropout_residual_layernorm),

@@ -304,8 +304,8 @@ class PretrainConfig(RunConfig):
                             group=MODEL, choices=("fast", "reference"))
     compile: bool = option(False, "torch.compile the model", group=MODEL)
     cuda_graphs: bool = option(False, "capture the training step (forward, backward, clipping, optimizer) in a CUDA "
-                                      "graph and replay it; implies --static-shapes (one CUDA process, AdamW, "
-                                      "bf16 or fp32)", group=MODEL)
+                                      "graph and replay it; implies --static-shapes (one CUDA process, AdamW or "
+                                      "the triton LAMB, bf16 or fp32)", group=MODEL)
 
     data: Optional[str] = option(None, "phase-1 dataset directory (bertfast prepare, e.g. --max-seq-len 128)",
                                  group=DATA)

@@ -8,29 +8,35 @@ every micro-batch, clipping, the optimizer) is one launch. What that needs, and 
   number of masked positions);
 * no host read inside the step: value checks on the device (``contract.checks_on_device``),
   the data checked by the loader on the host;
-* fixed buffers: each batch is copied into the tensors the graph reads;
+* fixed buffers: each batch is copied into the tensors the graph reads, and the gradients have
+  buffers of their own from the capture on (the graph zeroes them first), so what the optimizer
+  builds from their addresses (LAMB's tables) is built before the capture;
 * an optimizer whose every input is on the device: torch's fused AdamW (its step counts are
-  device tensors), with the learning rate in a device tensor the scheduler fills between replays;
+  device tensors) or a capturable LAMB (``Lamb(capturable=True)``, the triton implementation: its
+  step counts and bias corrections too), with the learning rate in a device tensor the scheduler
+  fills between replays;
 * dropout seeds drawn from torch's CUDA generator, which is graph-safe (each replay draws anew);
-* ``--on-nonfinite skip`` on the device: the step's "not finite" flag is fused AdamW's found_inf
+* ``--on-nonfinite skip`` on the device: the step's "not finite" flag is the optimizer's found_inf
   (``TrainStep.step_unless_nonfinite``), so a skipped replay changes nothing but the schedule;
 * eager steps first (``warmup_steps``, on a side stream, for each new batch shape): Triton
   autotuning, cuBLAS workspaces and the optimizer's lazy state happen there, never inside a
   capture. They are steps of the run, not extra ones.
 
-Not served, refused up front by ``check_supported``: several processes (DDP, FSDP), LAMB (its
-step counts live on the host), fp16 (GradScaler reads its inf flag on the host), ``--compile``
-(torch.compile's "reduce-overhead" mode is its own graph capture) and the reference execution
-(it unpacks batches with host reads).
+Not served, refused up front by ``check_supported``: several processes (DDP, FSDP), LAMB other
+than the triton one (the others count their steps on the host), fp16 (GradScaler reads its inf
+flag on the host), ``--compile`` (torch.compile's "reduce-overhead" mode is its own graph capture)
+and the reference execution (it unpacks batches with host reads).
 """
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from bertfast.training.step import Batch, StepResult, TrainStep
+from bertfast.training import optim
+from bertfast.training.step import Batch, StepResult, TrainStep, takes_found_inf
 
 Tensor = torch.Tensor
 
@@ -43,8 +49,14 @@ def check_supported(device: torch.device, world_size: int, optimizer: str, preci
         problems.append(f"a CUDA device (got {device})")
     if world_size != 1:
         problems.append(f"one process (got {world_size}; DDP and FSDP are not captured yet)")
-    if optimizer != "adamw":
-        problems.append(f"--optimizer adamw (got {optimizer}: LAMB keeps its step counts on the host)")
+    if optimizer == "lamb":
+        forced = os.environ.get(optim.LAMB_ENV)
+        available, why = optim.triton_lamb_availability()
+        if forced and forced != "triton":
+            problems.append(f"the triton LAMB (got {optim.LAMB_ENV}={forced}: only the triton one keeps its step "
+                            f"counts on the device)")
+        elif not available:
+            problems.append(f"the triton LAMB (unavailable: {why})")
     if precision == "fp16":
         problems.append("--precision bf16 or fp32 (fp16's loss scaler reads its inf flag on the host)")
     if compile:
@@ -71,9 +83,9 @@ def _signature(micro_batches: Sequence[Batch]) -> Tuple:
 
 
 class GraphedTrainStep(TrainStep):
-    """TrainStep (one CUDA process, fused AdamW, bf16 or fp32) whose steps replay a CUDA graph:
-    ``warmup_steps`` eager steps for each new batch signature, then one captured step replayed
-    for every later step with that signature."""
+    """TrainStep (one CUDA process, fused AdamW or capturable LAMB, bf16 or fp32) whose steps
+    replay a CUDA graph: ``warmup_steps`` (at least 1) eager steps for each new batch signature,
+    then one captured step replayed for every later step with that signature."""
 
     WARMUP_STEPS = 3
 
@@ -85,15 +97,19 @@ class GraphedTrainStep(TrainStep):
                          skip_nonfinite=skip_nonfinite, device_checks=True)
         if device.type != "cuda":
             raise ValueError(f"GraphedTrainStep: expected a CUDA device, got {device}")
-        if not isinstance(optimizer, torch.optim.AdamW) or not all(g.get("fused") for g in optimizer.param_groups):
-            raise ValueError(f"GraphedTrainStep: expected torch's fused AdamW (every input on the device), got "
-                             f"{type(optimizer).__name__}")
+        if not takes_found_inf(optimizer):
+            raise ValueError(f"GraphedTrainStep: expected torch's fused AdamW or Lamb(capturable=True) (every input "
+                             f"on the device), got {type(optimizer).__name__}")
         if self.scaler is not None:
             raise ValueError("GraphedTrainStep: fp16 loss scaling reads its inf flag on the host; use bf16 or fp32")
         if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
             raise ValueError(f"GraphedTrainStep: expected a LambdaLR schedule, got {type(scheduler).__name__}")
+        if int(warmup_steps) < 1:
+            raise ValueError(f"GraphedTrainStep: expected warmup_steps >= 1 (autotuning, lazy state and the "
+                             f"parameters that get a gradient are found in eager steps), got {warmup_steps}")
         self.autocast_cache = False
         self.warmup_steps = int(warmup_steps)
+        self.grad_params: List[Tensor] = []  # those the last eager step gave a gradient: the graph's buffers
         self.signature: Optional[Tuple] = None   # of the batches the graph below was captured for
         self.eager_steps = 0                      # with that signature, before the capture
         self.graph: Optional[torch.cuda.CUDAGraph] = None
@@ -144,21 +160,38 @@ class GraphedTrainStep(TrainStep):
         result.lr = lr  # a float, whether the optimizer's rate is one yet or a device tensor
         return result
 
+    def gradients(self, micro_batches: Sequence[Batch], forward: Callable[[Batch], Any]):
+        result = super().gradients(micro_batches, forward)
+        if self.graph is None:  # an eager step (or the capture, which finds the same ones)
+            self.grad_params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        return result
+
     def _capture(self, micro_batches: Sequence[Batch], forward: Callable[[Batch], Any]) -> None:
         self.static_batches = [{k: v.clone() if isinstance(v, Tensor) else v for k, v in mb.items()}
                                for mb in micro_batches]
         for group in self.optimizer.param_groups:
             if not isinstance(group["lr"], Tensor):  # filled by the scheduler from now on
                 group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=self.device)
-        self.optimizer.zero_grad(set_to_none=True)  # the graph's backward allocates the gradients
+        # Fixed gradient buffers for the parameters the eager steps gave one (no others: an unused
+        # parameter must not take a zero-gradient step), zeroed by the graph, accumulated into by
+        # its backward; LAMB builds its address tables from them here, outside the capture.
+        self.optimizer.zero_grad(set_to_none=True)
+        grads = [torch.zeros_like(p) for p in self.grad_params]
+        for p, g in zip(self.grad_params, grads):
+            p.grad = g
+        if isinstance(self.optimizer, optim.Lamb):
+            self.optimizer.prepare_tables()
         graph = torch.cuda.CUDAGraph()
-        capturable = [g["capturable"] for g in self.optimizer.param_groups]
+        adamw = isinstance(self.optimizer, torch.optim.AdamW)
+        capturable = [g["capturable"] for g in self.optimizer.param_groups] if adamw else []
         try:
-            for g in self.optimizer.param_groups:
+            for g in self.optimizer.param_groups if adamw else ():
                 g["capturable"] = True  # fused AdamW's step is capturable; torch asks for the flag
             # thread_local: the prefetch thread may pin host memory meanwhile (a CUDA call that
             # would end a capture in the default, global mode).
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                if grads:
+                    torch._foreach_zero_(grads)
                 outputs, step_loss, grad_norm, finite = self.gradients(self.static_batches, forward)
                 if self.skip_nonfinite:
                     skipped = self.step_unless_nonfinite(finite)

@@ -15,7 +15,7 @@ parameter w with gradient g at step t:
     w = w - lr * r * u
 ``Lamb`` has three implementations of that step, with one state layout (per parameter: "step",
 a Python int; "exp_avg" and "exp_avg_sq", fp32 whatever the parameter's dtype), so a checkpoint
-written by one resumes under another:
+written by one resumes under another (a capturable LAMB's state dict has its steps as ints too):
   reference  a loop over the parameters, about 8 kernels each: the oracle the others are tested
              against.
   foreach    torch's multi-tensor ``_foreach_*`` ops over all the parameters of a device and
@@ -28,6 +28,13 @@ variable BERTFAST_LAMB=reference|foreach|triton) forces one; a forced implementa
 raises. When triton cannot be imported for CUDA parameters, LAMB runs foreach, logs a warning
 and records the reason for `bertfast info` (``dispatch.FALLBACKS``): never a silent fallback.
 No implementation reads a value back from the device during a step.
+
+``capturable=True`` (triton only; ``bertfast pretrain --cuda-graphs``): every input of a step is
+on the device, so the step can be captured in a CUDA graph and replayed, as torch's fused AdamW.
+The steps are fp64 device scalars, the bias corrections are computed from them on the device,
+the learning rate may be a device tensor, and a ``found_inf`` attribute set for one step (an fp32
+device scalar, what ``TrainStep`` hands fused AdamW under ``--on-nonfinite skip``) makes a
+non-zero value skip that step: parameters, moments and steps stay as they were.
 """
 from __future__ import annotations
 
@@ -135,11 +142,13 @@ class Lamb(torch.optim.Optimizer):
 
     implementation: "reference", "foreach" or "triton"; None: $BERTFAST_LAMB, else the default.
     The choice is made here, for the parameters' devices; ``self.implementation`` names it.
+    capturable: the step's counts and scalars live on the device (triton only; see the module's note).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.01, bias_correction: bool = True,
-                 max_trust_ratio: Optional[float] = 10.0, implementation: Optional[str] = None):
+                 max_trust_ratio: Optional[float] = 10.0, implementation: Optional[str] = None,
+                 capturable: bool = False):
         if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid LAMB hyper-parameters lr={lr} betas={betas} eps={eps} wd={weight_decay}")
         if max_trust_ratio is not None and not max_trust_ratio > 0:
@@ -149,6 +158,10 @@ class Lamb(torch.optim.Optimizer):
         super().__init__(params, defaults)
         # Not a hyper-parameter: kept out of param_groups, so the state_dict layout is every implementation's.
         self.implementation = lamb_implementation(implementation, [p for g in self.param_groups for p in g["params"]])
+        if capturable and self.implementation != "triton":
+            raise ValueError(f"a capturable LAMB (step counts on the device, for CUDA graphs) needs the triton "
+                             f"implementation, got {self.implementation!r}")
+        self.capturable = bool(capturable)  # an attribute, like the implementation, not a param_groups entry
         self._tables: Dict[Tuple, Any] = {}  # triton: the device tables of each set of tensors, kept between steps
 
     @torch.no_grad()
@@ -157,6 +170,10 @@ class Lamb(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf = getattr(self, "found_inf", None)  # set for one step by TrainStep.step_unless_nonfinite
+        if found_inf is not None and not self.capturable:
+            raise ValueError("LAMB: found_inf (a step skipped on the device) needs capturable=True: the other "
+                             "forms count their steps on the host")
         used = set()
         for index, group in enumerate(self.param_groups):
             if self.implementation == "reference":
@@ -167,16 +184,31 @@ class Lamb(torch.optim.Optimizer):
                     _foreach_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, group)
                 else:
                     used.add((index, key))
-                    self._triton_step((index, key), params, grads, exp_avgs, exp_avg_sqs, steps[0], group)
+                    self._triton_step((index, key), params, grads, exp_avgs, exp_avg_sqs, steps, group, found_inf)
         for stale in set(self._tables) - used:  # tensors that left a set (no gradient this step) or moved
             del self._tables[stale]
         return loss
 
+    @torch.no_grad()
+    def prepare_tables(self) -> None:
+        """Build the triton step's device tables for the parameters' current gradients, advancing
+        nothing: a CUDA graph capturing the next step then finds them built (an upload cannot be
+        captured). The gradients must keep their buffers until that step."""
+        if self.implementation != "triton":
+            return
+        from bertfast.kernels import lamb as kernels
+
+        for index, group in enumerate(self.param_groups):
+            for key, (params, grads, exp_avgs, exp_avg_sqs, _) in self._gather(group, advance=False).items():
+                self._tables.setdefault((index, key), kernels.LambTables()).update(params, grads, exp_avgs,
+                                                                                   exp_avg_sqs)
+
     def _state(self, p: torch.Tensor) -> Dict[str, Any]:
-        """p's state, created at its first step: fp32 moments whatever p's dtype."""
+        """p's state, created at its first step: fp32 moments whatever p's dtype; the step a host
+        int, or an fp64 device scalar when capturable."""
         state = self.state[p]
         if not state:
-            state["step"] = 0
+            state["step"] = torch.zeros((), dtype=torch.float64, device=p.device) if self.capturable else 0
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
         return state
@@ -211,12 +243,13 @@ class Lamb(torch.optim.Optimizer):
                 trust = trust.clamp(max=group["max_trust_ratio"])
             p.add_((update * (-group["lr"] * trust)).to(p.dtype))
 
-    def _gather(self, group: Dict[str, Any]) -> Dict[Tuple, Tuple[List, List, List, List, List[int]]]:
-        """The parameters with a gradient, their state (created, step advanced), in sets of one
-        device, parameter dtype and gradient dtype; for triton, also of one step (one bias
-        correction per launch). Each set is keyed by those and by its members."""
-        sets: Dict[Tuple, Tuple[List, List, List, List, List[int]]] = {}
-        by_step = self.implementation == "triton"
+    def _gather(self, group: Dict[str, Any], advance: bool = True) -> Dict[Tuple, Tuple[List, List, List, List, List]]:
+        """The parameters with a gradient, their state (created; a host step advanced when
+        ``advance``), in sets of one device, parameter dtype and gradient dtype; for the host-step
+        triton, also of one step (one bias correction per launch). Each set is keyed by those and
+        by its members."""
+        sets: Dict[Tuple, Tuple[List, List, List, List, List]] = {}
+        by_step = self.implementation == "triton" and not self.capturable
         for p in group["params"]:
             g = p.grad
             if g is None:
@@ -224,7 +257,9 @@ class Lamb(torch.optim.Optimizer):
             if g.is_sparse:
                 raise RuntimeError("LAMB does not support sparse gradients")
             state = self._state(p)
-            step = state["step"] = state["step"] + 1
+            if advance and not self.capturable:  # a capturable step advances its device counts itself
+                state["step"] += 1
+            step = state["step"]
             kind = (p.device, p.dtype, g.dtype, step if by_step else None)
             lists = sets.get(kind)
             if lists is None:
@@ -238,8 +273,10 @@ class Lamb(torch.optim.Optimizer):
         return {kind[:3] + (tuple(map(id, lists[0])),): lists for kind, lists in sets.items()}
 
     def _triton_step(self, key: Tuple, params: List[torch.Tensor], grads: List[torch.Tensor],
-                     exp_avgs: List[torch.Tensor], exp_avg_sqs: List[torch.Tensor], step: int,
-                     group: Dict[str, Any]) -> None:
+                     exp_avgs: List[torch.Tensor], exp_avg_sqs: List[torch.Tensor], steps: List,
+                     group: Dict[str, Any], found_inf: Optional[torch.Tensor] = None) -> None:
+        """One set's step: its steps are all one host int, or (capturable) device scalars advanced
+        here, whose bias corrections go to the kernels in a device table."""
         from bertfast.kernels import lamb as kernels
 
         tables = self._tables.get(key)
@@ -248,30 +285,55 @@ class Lamb(torch.optim.Optimizer):
         tables.update(params, grads, exp_avgs, exp_avg_sqs)
         b1, b2 = group["betas"]
         correct = group["bias_correction"]
-        kernels.lamb_step(tables, lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
-                          weight_decay=group["weight_decay"],
-                          bias_correction1=1 - b1 ** step if correct else 1.0,
-                          bias_correction2=1 - b2 ** step if correct else 1.0,
+        lr, bias, c1, c2 = group["lr"], None, 1.0, 1.0
+        if self.capturable:
+            # A skipped step (found_inf 1) advances by 0: multi-tensor ops, a few launches per set.
+            torch._foreach_add_(steps, 1.0 if found_inf is None else 1.0 - found_inf.double())
+            if correct and tables.count:
+                # In fp64 as the host's ``1 - b ** step``, then rounded to fp32 as a kernel argument is.
+                t = torch.stack([steps[i] for i in tables.kept])
+                bias = torch.stack((1 - torch.pow(b1, t), 1 - torch.pow(b2, t)), dim=1).float()
+            if not isinstance(lr, torch.Tensor):  # a fill, not a copy: the kernels read the rate on the device
+                lr = torch.full((), lr, dtype=torch.float32, device=params[0].device)
+        elif correct:
+            c1, c2 = 1 - b1 ** steps[0], 1 - b2 ** steps[0]
+        kernels.lamb_step(tables, lr=lr, beta1=b1, beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
+                          bias_correction1=c1, bias_correction2=c2, bias=bias, found_inf=found_inf,
                           max_trust_ratio=group["max_trust_ratio"])
 
-    def __getstate__(self) -> Dict[str, Any]:  # pickle and deepcopy keep the choice, not the device tables
-        return {**super().__getstate__(), "implementation": self.implementation}
+    def __getstate__(self) -> Dict[str, Any]:  # pickle and deepcopy keep the choices, not the device tables
+        return {**super().__getstate__(), "implementation": self.implementation, "capturable": self.capturable}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
+        self.__dict__.setdefault("capturable", False)
         self._tables = {}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's, with every step a Python int (a capturable LAMB's are device scalars: one host
+        read here), so any implementation resumes from it."""
+        state_dict = super().state_dict()
+        state_dict["state"] = {i: {**s, "step": int(s["step"])} if isinstance(s.get("step"), torch.Tensor) else s
+                               for i, s in state_dict["state"].items()}
+        return state_dict
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """torch's, except that the moments stay fp32 (torch casts saved state to each parameter's
-        dtype, which would round a bf16 parameter's moments to bf16)."""
+        dtype, which would round a bf16 parameter's moments to bf16) and the steps take this
+        optimizer's form (host ints, or device scalars when capturable)."""
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         moments = {i: {k: v for k, v in state_dict["state"][i].items() if k in ("exp_avg", "exp_avg_sq")}
                    for i in saved_ids if i in state_dict["state"]}
         super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
         for i, p in zip(saved_ids, params):
+            state = self.state[p]
             for k, v in moments.get(i, {}).items():
-                self.state[p][k] = v.to(device=p.device, dtype=torch.float32, copy=True)
+                state[k] = v.to(device=p.device, dtype=torch.float32, copy=True)
+            if "step" in state:
+                step = int(state["step"])
+                state["step"] = (torch.full((), step, dtype=torch.float64, device=p.device) if self.capturable
+                                 else step)
         self._tables.clear()
 
 
@@ -343,18 +405,20 @@ def _fused_adamw_supported(params: Sequence[torch.Tensor]) -> bool:
 
 def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: float = 0.01,
                     betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
-                    fused: Optional[bool] = None, implementation: Optional[str] = None) -> torch.optim.Optimizer:
+                    fused: Optional[bool] = None, implementation: Optional[str] = None,
+                    capturable: bool = False) -> torch.optim.Optimizer:
     """'adamw' (the paper's Adam with decoupled weight decay) or 'lamb', over ``parameter_groups``.
 
     fused (AdamW only): None picks torch's fused kernel where it has one for the parameters'
     device, else foreach; True forces the fused kernel, False the foreach form.
-    implementation (LAMB only): see ``Lamb``.
+    implementation, capturable (LAMB only): see ``Lamb``. (Fused AdamW keeps its steps on the
+    device already.)
     """
     groups = parameter_groups(model, weight_decay)
     if name == "adamw":
-        if implementation is not None:
-            raise ValueError(f"implementation= chooses LAMB's implementation; AdamW takes fused=, got "
-                             f"implementation={implementation!r}")
+        if implementation is not None or capturable:
+            raise ValueError(f"implementation= and capturable= are LAMB's; AdamW takes fused= (its fused form "
+                             f"is capturable), got implementation={implementation!r}, capturable={capturable!r}")
         if fused is None:
             fused = _fused_adamw_supported([p for g in groups for p in g["params"]])
         kwargs = {"fused": True} if fused else {"foreach": True}
@@ -362,7 +426,8 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: 
     if name == "lamb":
         if fused is not None:
             raise ValueError(f"fused= chooses AdamW's kernel; LAMB takes implementation=, got fused={fused!r}")
-        return Lamb(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, implementation=implementation)
+        return Lamb(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, implementation=implementation,
+                    capturable=capturable)
     raise ValueError(f"unknown optimizer {name!r}; expected 'adamw' or 'lamb'")
 
 

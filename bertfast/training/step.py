@@ -8,10 +8,11 @@ Nothing here reads a value back to the host: the step's loss, gradient norm and 
 are finite stay device tensors (``training.nonfinite`` reads them at the log interval).
 
 ``skip_nonfinite`` leaves the parameters untouched when the loss or the gradient norm is not
-finite. With torch's fused AdamW (and no fp16 loss scaler) the skip happens on the device: the
-flag goes to the kernel as its ``found_inf`` (what GradScaler hands it), which then leaves the
-parameters, the moments and the step count as they were; no host read, so it can be captured in
-a CUDA graph. Any other optimizer reads the flag on the host, once per step.
+finite. With torch's fused AdamW or a capturable LAMB (and no fp16 loss scaler) the skip happens
+on the device: the flag goes to the optimizer as its ``found_inf`` (what GradScaler hands fused
+AdamW), which then leaves the parameters, the moments and the step count as they were; no host
+read, so it can be captured in a CUDA graph. Any other optimizer reads the flag on the host,
+once per step.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from typing import Any, Callable, ContextManager, Dict, Optional, Sequence, Unio
 import torch
 
 from bertfast.contract import checks_on_device
+from bertfast.training.optim import Lamb
 from bertfast.training.precision import autocast_context
 
 Batch = Dict[str, torch.Tensor]
@@ -60,12 +62,11 @@ class TrainStep:
         self.scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
         self.skip_nonfinite = skip_nonfinite
         self.device_checks = device_checks
-        # Can a non-finite step be skipped with no host read? torch's fused AdamW can (found_inf), on
-        # plain tensors (not FSDP's DTensors), without fp16's loss scaler (which sets found_inf itself).
-        # Fixed by the optimizer and precision: worked out once, not at every step.
+        # Can a non-finite step be skipped with no host read? torch's fused AdamW and a capturable
+        # LAMB can (found_inf), on plain tensors (not FSDP's DTensors), without fp16's loss scaler
+        # (which sets found_inf itself). Fixed by the optimizer and precision: worked out once.
         groups = optimizer.param_groups
-        self.skips_on_device = (self.scaler is None and isinstance(optimizer, torch.optim.AdamW)
-                                and all(g.get("fused") for g in groups)
+        self.skips_on_device = (self.scaler is None and takes_found_inf(optimizer)
                                 and not any(hasattr(p, "full_tensor") for g in groups for p in g["params"]))
 
     autocast_cache = True  # off where the step is captured in a CUDA graph
@@ -100,8 +101,9 @@ class TrainStep:
         return StepResult(outputs, step_loss, grad_norm, lr, finite, skipped)
 
     def step_unless_nonfinite(self, finite: torch.Tensor) -> torch.Tensor:
-        """The fused AdamW step, which changes nothing where ``finite`` is false on any rank; returns
-        that device flag ("skipped"). No host read: a CUDA graph can capture it."""
+        """The optimizer's step (fused AdamW, capturable LAMB), which changes nothing where ``finite``
+        is false on any rank; returns that device flag ("skipped"). No host read: a CUDA graph can
+        capture it."""
         skipped = ~_every_rank_on_device(finite)
         self.optimizer.found_inf = skipped.to(torch.float32)
         try:
@@ -144,6 +146,14 @@ class TrainStep:
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+
+def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Does ``optimizer.step()`` honour a device ``found_inf`` flag, skipping with no host read (and
+    so also run from a CUDA graph)? torch's fused AdamW and a capturable LAMB do."""
+    if isinstance(optimizer, torch.optim.AdamW):
+        return all(g.get("fused") for g in optimizer.param_groups)
+    return isinstance(optimizer, Lamb) and optimizer.capturable
 
 
 def _every_rank_on_device(flag: torch.Tensor) -> torch.Tensor:
