@@ -64,7 +64,7 @@ from bertfast.training.config import DEMO_MODEL, DEMO_VOCAB_SIZE, PretrainConfig
 from bertfast.training.distributed import (DistInfo, all_reduce_max, all_reduce_sum, any_rank, broadcast_object,
                                            gather_objects, init_distributed)
 from bertfast.training.nonfinite import NonFiniteWatch
-from bertfast.training.optim import build_optimizer, warmup_linear_decay
+from bertfast.training.optim import build_optimizer, lamb_implementation, warmup_linear_decay
 from bertfast.training.precision import resolve_precision
 from bertfast.training.records import MetricsLogger, RunningSums, format_duration, plot_loss_curve, read_jsonl
 from bertfast.training.rundir import RunDirectory
@@ -328,11 +328,11 @@ class Pretrainer:
         self.raw_model = model.to(self.device)
         self.model = wrap_model(self.raw_model, args, info)
         self.forward_model = torch.compile(self.model) if args.compile else self.model
-        # Under --cuda-graphs LAMB keeps its step counts on the device (the graph's eager warm-up
-        # steps too, so every step of the run computes alike).
+        # LAMB's triton implementation (CUDA) keeps its step counts on the device, as fused AdamW
+        # does: --cuda-graphs captures it, and --on-nonfinite skip skips with no host read.
+        capturable = args.optimizer == "lamb" and lamb_implementation(None, list(self.model.parameters())) == "triton"
         self.optimizer = build_optimizer(self.model, args.optimizer, args.lr, args.weight_decay,
-                                         (args.beta1, args.beta2), args.adam_eps,
-                                         capturable=args.cuda_graphs and args.optimizer == "lamb")
+                                         (args.beta1, args.beta2), args.adam_eps, capturable=capturable)
         self.total_steps = sum(ph.steps for ph in self.phases)
         schedule = warmup_linear_decay(self.optimizer, args.warmup_steps, self.total_steps)
         if args.cuda_graphs:

@@ -63,3 +63,21 @@ def stand_in_tuner(monkeypatch):
             monkeypatch.delitem(kernel.__dict__, "do_bench", raising=False)  # a cached benchmarker, if any
             monkeypatch.setattr(kernel, "cache", {})
     return use
+
+
+@pytest.fixture
+def triton_lamb(monkeypatch):
+    """`bertfast pretrain` with the triton LAMB (BERTFAST_LAMB=triton), which it builds capturable.
+    Under the interpreter its chunks are the GPU's (16K elements, not 128): one program per chunk
+    runs in Python, and the small chunks that make unit tests cross chunk edges would take a
+    tiny model's step ~10 s."""
+    from bertfast.training.optim import triton_lamb_availability
+
+    available, why = triton_lamb_availability()
+    if not available:
+        pytest.skip(f"the triton LAMB is unavailable: {why}")
+    monkeypatch.setenv("BERTFAST_LAMB", "triton")
+    if not torch.cuda.is_available():
+        from bertfast.kernels import lamb as kernels
+        monkeypatch.setattr(kernels, "INTERP_BLOCK", kernels.BLOCK)
+        monkeypatch.setattr(kernels, "INTERP_CHUNK", kernels.CHUNK)

@@ -147,7 +147,6 @@ def test_graphed_step_skips_a_nonfinite_replay_as_the_eager_step_does(optimizer)
 
 @OPTIMIZERS
 def test_pretrain_cuda_graphs_matches_static_shapes(datasets, tmp_path, optimizer):
-    """(LAMB: the graph run's is capturable, the static-shape run's counts its steps on the host.)"""
     from bertfast import pretrain
 
     def run(out, *extra):

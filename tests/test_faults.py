@@ -146,19 +146,24 @@ def test_the_watch_counts_device_skips_and_stops_at_the_next_check():
         watch.check()
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
-def test_skip_mode_skips_and_counts_then_stops_after_too_many_in_a_row(datasets, tmp_path, capsys, optimizer):
-    """Fused AdamW skips on the device: the second skip is logged, then the check after it stops
-    the run. LAMB's step reads its flag on the host: the second skip stops the run at once."""
+@pytest.mark.parametrize("optimizer", ["adamw", "lamb", "lamb-triton"])
+def test_skip_mode_skips_and_counts_then_stops_after_too_many_in_a_row(datasets, tmp_path, capsys, request,
+                                                                        optimizer):
+    """Fused AdamW and the triton LAMB (which pretrain builds capturable) skip on the device: the
+    second skip is logged, then the check after it stops the run. The foreach LAMB's step reads
+    its flag on the host: the second skip stops the run at once."""
+    if optimizer == "lamb-triton":
+        request.getfixturevalue("triton_lamb")
+    on_device = optimizer != "lamb"
     out = tmp_path / "run"
     rc = pretrain.main(_argv(datasets, out, "--lr", "1e12", "--on-nonfinite", "skip", "--max-skipped-steps", "2",
-                             "--optimizer", optimizer))
+                             "--optimizer", optimizer.split("-")[0]))
     err = capsys.readouterr().err
     assert rc == exits.NONFINITE and "2 steps in a row" in err and "were skipped" in err
     records = [r for r in read_jsonl(str(out / "metrics.jsonl")) if r["type"] == "train"]
     first_skip = int(err.split("2 steps in a row from step ")[1].split()[0])
-    assert records[-1]["step"] == first_skip + (1 if optimizer == "adamw" else 0)
-    assert records[-1]["skipped_steps"] == (2 if optimizer == "adamw" else 1)
+    assert records[-1]["step"] == first_skip + (1 if on_device else 0)
+    assert records[-1]["skipped_steps"] == (2 if on_device else 1)
     assert all(_all_finite(path) for _, path in checkpoints.list_checkpoints(str(out / "checkpoints")))
     assert max(s for s, _ in checkpoints.list_checkpoints(str(out / "checkpoints"))) == first_skip  # none at the stop
 

@@ -96,8 +96,13 @@ def test_two_phase_run_logs_checkpoints_and_hf_layout(datasets, tmp_path):
     assert open(os.path.join(str(tmp_path / "ft"), "vocab.txt")).read() == open(os.path.join(ckpt, "vocab.txt")).read()
 
 
-@pytest.mark.parametrize("shapes", [[], ["--static-shapes"]], ids=["unpadded", "packed"])
-def test_resume_is_bit_exact(datasets, tmp_path, shapes):
+@pytest.mark.parametrize("shapes", [[], ["--static-shapes"], ["--optimizer", "lamb"]],
+                         ids=["unpadded", "packed", "capturable-lamb"])
+def test_resume_is_bit_exact(datasets, tmp_path, request, shapes):
+    """(capturable-lamb: the triton LAMB, which pretrain builds with its step counts on the device;
+    its checkpoint holds them as ints.)"""
+    if "lamb" in shapes:
+        request.getfixturevalue("triton_lamb")
     dropout = ["--set", "hidden_dropout_prob=0.1", "--set", "attention_probs_dropout_prob=0.1", *shapes]
     full = pretrain.run(_args(datasets, tmp_path / "full", *dropout))
     first = pretrain.run(_args(datasets, tmp_path / "split", *dropout, "--stop-at-step", "3"))
@@ -109,7 +114,7 @@ def test_resume_is_bit_exact(datasets, tmp_path, shapes):
     # The run directory holds the run's settings: --resume needs nothing else (where to stop is not kept).
     again = pretrain.parse_args(["--output-dir", str(tmp_path / "split"), "--resume", "--no-progress"])
     assert again.stop_at_step is None and again.resume == "auto"
-    assert again.data == datasets[0] and again.lr == 1e-3 and again.config_overrides == dropout[1::2]
+    assert again.data == datasets[0] and again.lr == 1e-3 and again.config_overrides == dropout[1:4:2]
     # ...and the demo preset (which `--resume` with no data would name) does not leak in: another
     # thread count alone changes some CPU reductions' bits.
     assert again.threads is None and not again.overwrite and not again.demo
@@ -125,6 +130,9 @@ def test_resume_is_bit_exact(datasets, tmp_path, shapes):
     sb = torch.load(os.path.join(second.checkpoint, "training_state.pt"), weights_only=False)
     for pid, st in sa["optimizer"]["state"].items():
         assert torch.equal(st["exp_avg_sq"], sb["optimizer"]["state"][pid]["exp_avg_sq"])
+        assert st["step"] == sb["optimizer"]["state"][pid]["step"]
+    if "lamb" in shapes:  # the device step counts were written as ints
+        assert {type(st["step"]) for st in sb["optimizer"]["state"].values()} == {int}
 
 
 def test_atomic_checkpoint_keeps_previous_on_failure(tmp_path):

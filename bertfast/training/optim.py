@@ -29,12 +29,12 @@ raises. When triton cannot be imported for CUDA parameters, LAMB runs foreach, l
 and records the reason for `bertfast info` (``dispatch.FALLBACKS``): never a silent fallback.
 No implementation reads a value back from the device during a step.
 
-``capturable=True`` (triton only; ``bertfast pretrain --cuda-graphs``): every input of a step is
-on the device, so the step can be captured in a CUDA graph and replayed, as torch's fused AdamW.
-The steps are fp64 device scalars, the bias corrections are computed from them on the device,
-the learning rate may be a device tensor, and a ``found_inf`` attribute set for one step (an fp32
-device scalar, what ``TrainStep`` hands fused AdamW under ``--on-nonfinite skip``) makes a
-non-zero value skip that step: parameters, moments and steps stay as they were.
+``capturable=True`` (triton only; what ``bertfast pretrain`` builds for it): every input of a
+step is on the device, so the step can be captured in a CUDA graph and replayed, as torch's fused
+AdamW. The steps are fp64 device scalars, the bias corrections are computed from them on the
+device, the learning rate may be a device tensor, and a ``found_inf`` attribute set for one step
+(an fp32 device scalar, what ``TrainStep`` hands fused AdamW under ``--on-nonfinite skip``) makes
+a non-zero value skip that step: parameters, moments and steps stay as they were.
 """
 from __future__ import annotations
 
