@@ -268,7 +268,7 @@ class LambTables:
     def __init__(self):
         self.sizes: Optional[Tuple[int, ...]] = None
         self.addresses: Optional[Tuple[int, ...]] = None
-        self.block = self.chunk = self.count = 0  # count: tensors with elements, in the tables
+        self.block = self.chunk = 0
         self.chunks = self.tensors = self.partials = self.trust = None
         self.ranges: List[Tuple[int, int]] = []
         self.kept: List[int] = []  # the tables' tensors, as indices into the lists given to update
@@ -304,8 +304,12 @@ class LambTables:
                                     for j, i in enumerate(kept)], torch.int64, params[0].device)
         self.aligned = all(addresses[i + k * n] % ALIGNMENT == 0 for i in kept for k in range(4))
         self.param_dtype, self.grad_dtype = (params[0].dtype, grads[0].dtype) if params else (None, None)
-        self.sizes, self.addresses, self.block, self.chunk, self.count = sizes, addresses, block, chunk, len(kept)
-        self.kept = kept
+        self.sizes, self.addresses, self.block, self.chunk, self.kept = sizes, addresses, block, chunk, kept
+
+    @property
+    def count(self) -> int:
+        """The tensors in the tables: those with elements."""
+        return len(self.kept)
 
 
 # --------------------------------------------------------------------------- launcher

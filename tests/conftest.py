@@ -67,10 +67,10 @@ def stand_in_tuner(monkeypatch):
 
 @pytest.fixture
 def triton_lamb(monkeypatch):
-    """`bertfast pretrain` with the triton LAMB (BERTFAST_LAMB=triton), which it builds capturable.
-    Under the interpreter its chunks are the GPU's (16K elements, not 128): one program per chunk
-    runs in Python, and the small chunks that make unit tests cross chunk edges would take a
-    tiny model's step ~10 s."""
+    """The triton LAMB, or a skip where it is unavailable; forced for `bertfast pretrain`
+    (BERTFAST_LAMB=triton, which it builds capturable). Under the interpreter its chunks are the
+    GPU's (16K elements, not 128): one program per chunk runs in Python, and the small chunks that
+    make unit tests cross chunk edges would take a tiny model's step ~10 s."""
     from bertfast.training.optim import triton_lamb_availability
 
     available, why = triton_lamb_availability()

@@ -83,15 +83,15 @@ def test_skip_mode_leaves_the_parameters_of_a_nonfinite_step_untouched():
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
-def test_an_optimizer_with_found_inf_skips_on_the_device_as_if_the_step_never_ran(monkeypatch, optimizer):
+def test_an_optimizer_with_found_inf_skips_on_the_device_as_if_the_step_never_ran(monkeypatch, request, optimizer):
     """Fused AdamW and a capturable LAMB take the flag as their found_inf: no host read (the
     host-side check would raise here), and the parameters, moments and step count after a skipped
     step and a good one are those of an optimizer that only saw the good one."""
     from bertfast.training import step as step_module
-    from bertfast.training.optim import build_optimizer, triton_lamb_availability
+    from bertfast.training.optim import build_optimizer
 
-    if optimizer == "lamb" and not triton_lamb_availability()[0]:
-        pytest.skip(f"the triton LAMB is unavailable: {triton_lamb_availability()[1]}")
+    if optimizer == "lamb":
+        request.getfixturevalue("triton_lamb")
     options = dict(fused=True) if optimizer == "adamw" else dict(implementation="triton", capturable=True)
 
     def host_read(flag):
