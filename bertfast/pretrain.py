@@ -328,11 +328,13 @@ class Pretrainer:
         self.raw_model = model.to(self.device)
         self.model = wrap_model(self.raw_model, args, info)
         self.forward_model = torch.compile(self.model) if args.compile else self.model
-        # LAMB's triton implementation (CUDA) keeps its step counts on the device, as fused AdamW
-        # does: --cuda-graphs captures it, and --on-nonfinite skip skips with no host read.
-        capturable = args.optimizer == "lamb" and lamb_implementation(None, list(self.model.parameters())) == "triton"
+        # LAMB's implementation is chosen once, here (BERTFAST_LAMB, else triton where it can run).
+        # The triton one (CUDA) keeps its step counts on the device, as fused AdamW does:
+        # --cuda-graphs captures it, and --on-nonfinite skip skips with no host read.
+        lamb = lamb_implementation(None, list(self.model.parameters())) if args.optimizer == "lamb" else None
         self.optimizer = build_optimizer(self.model, args.optimizer, args.lr, args.weight_decay,
-                                         (args.beta1, args.beta2), args.adam_eps, capturable=capturable)
+                                         (args.beta1, args.beta2), args.adam_eps, implementation=lamb,
+                                         capturable=lamb == "triton")
         self.total_steps = sum(ph.steps for ph in self.phases)
         schedule = warmup_linear_decay(self.optimizer, args.warmup_steps, self.total_steps)
         if args.cuda_graphs:
