@@ -277,8 +277,8 @@ STOP_AT_STEP_HELP = "save a checkpoint and stop after this step (the run can be 
 OVERWRITE_HELP = ("start afresh in an OUTPUT_DIR holding an earlier run, deleting its checkpoints and records "
                   "(without it, such a run is refused: pass --resume to continue it)")
 NONFINITE_HELP = ("when a step's loss or gradient norm is NaN or inf: stop (keeping the last checkpoint, all of whose "
-                  "values are finite), or skip the step (on the device with AdamW; other optimizers read one "
-                  "flag per step)")
+                  "values are finite), or skip the step (on the device with fused AdamW or the triton LAMB; "
+                  "otherwise one host read per step)")
 MAX_SKIPPED_HELP = "--on-nonfinite skip: stop after this many skipped steps in a row"
 PARITY_THRESHOLD_HELP = ("relative difference of loss, logits or gradient norm that counts as divergence (the check "
                          "runs in fp32 with dropout off, where fast and reference agree to ~1e-6)")

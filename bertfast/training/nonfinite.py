@@ -8,9 +8,9 @@ always finite, and keep-last pruning never drops a finite checkpoint for a non-f
 bad step and the last checkpoint (written before it). ``--on-nonfinite skip``: a step whose loss
 or gradient norm is not finite is not applied (``TrainStep(skip_nonfinite=True)``), the skips are
 counted in the log, and ``--max-skipped-steps`` skips in a row stop the run as above. Where the
-optimizer skips on the device (fused AdamW, a capturable LAMB), the counts are device tensors too and the stop comes
-at the next read (the skipped steps changed nothing, so only their time is lost); otherwise the
-step has read its flag and the stop comes at once.
+optimizer skips on the device (fused AdamW, a capturable LAMB), the counts are device tensors too
+and the stop comes at the next read (the skipped steps changed nothing, so only their time is
+lost); otherwise the step has read its flag and the stop comes at once.
 """
 from __future__ import annotations
 
