@@ -14,16 +14,16 @@ from bertfast.bench.results import HF_EAGER, TORCH_EAGER, Row, Run
 
 BASELINE = {"kernels": TORCH_EAGER, "model": HF_EAGER, "overhead": TORCH_EAGER}
 CPU_BANNER = ("**CPU run.** These are CPU timings (time.perf_counter) of reference and, with "
-              "TRITON_INTERPRET=1, Triton-interpreter paths on {shapes}. They say nothing about GPU "
-              "performance.")
+              "TRITON_INTERPRET=1, Triton-interpreter paths on {shapes} ({purpose}). They say nothing "
+              "about GPU performance.")
 
 
-def cpu_shapes(run: Run) -> str:
-    """A CPU run's shapes: tiny ones test the harness; without --quick the model suite runs the
-    MiniLM-sized cases CPU users run, against transformers."""
+def cpu_shapes(run: Run) -> Tuple[str, str]:
+    """A CPU run's (shapes, what they are for): tiny ones test the harness; without --quick the
+    model suite runs the MiniLM-sized cases CPU users run, against transformers."""
     if run.config.get("cpu_model_cases"):
-        return "tiny kernel shapes and MiniLM-sized model cases (the ratio against transformers is the figure)"
-    return "tiny shapes (they check that the harness and the parity gate work)"
+        return "tiny kernel shapes and MiniLM-sized model cases", "the ratio against transformers is the figure"
+    return "tiny shapes", "they check that the harness and the parity gate work"
 
 
 # --------------------------------------------------------------------------- speedups
@@ -107,7 +107,8 @@ def markdown(run: Run) -> str:
     d = run.device
     md: List[str] = [f"# bertfast benchmark — {d.name}", ""]
     if not d.is_cuda:
-        md += [CPU_BANNER.format(shapes=cpu_shapes(run)), ""]
+        shapes, purpose = cpu_shapes(run)
+        md += [CPU_BANNER.format(shapes=shapes, purpose=purpose), ""]
     md += [f"- date: {run.date}", f"- device: {d.describe()}"]
     if d.copy_bandwidth_gbps is not None:
         md.append(f"- measured copy bandwidth: {_fmt(d.copy_bandwidth_gbps.median, 4)} GB/s "
@@ -183,7 +184,7 @@ def summary(run: Run) -> str:
     out = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
     out += ["  ".join(c.ljust(w) for c, w in zip(l, widths)) for l in lines]
     if not run.device.is_cuda:
-        out.insert(0, f"CPU timings (perf_counter), {cpu_shapes(run).split(' (')[0]}: not GPU performance.")
+        out.insert(0, f"CPU timings (perf_counter), {cpu_shapes(run)[0]}: not GPU performance.")
     out += ["", f"targets ({run.device.name}):"]
     out += [f"  [{t['status']}] {t['target']}" + (f" - {t['detail']}" if t["detail"] else "") for t in run.targets]
     return "\n".join(out)
