@@ -168,7 +168,4 @@ def _every_rank_on_device(flag: torch.Tensor) -> torch.Tensor:
 def _on_every_rank(flag: torch.Tensor) -> bool:
     """``flag`` true on every rank (one host read): ranks see different losses, and must all skip
     the same steps or their parameters part ways."""
-    value = flag.to(torch.float32).reshape(1)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
-    return bool(value)
+    return bool(_every_rank_on_device(flag))
