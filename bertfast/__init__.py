@@ -4,15 +4,37 @@
     model = BertModel.from_pretrained("path/or/hub-id")
 
     bertfast.register_auto()                  # or: transformers' Auto classes build bertfast models
+
+The names below are imported on first use (PEP 562), so tools inside the package (the CLI's
+--help, the GPU check) start without torch and transformers, and say what is missing instead of
+failing at ``import bertfast``.
 """
-from bertfast.config import BertConfig
-from bertfast.modeling import (BertForMaskedLM, BertForMultipleChoice, BertForPreTraining,
-                               BertForQuestionAnswering, BertForSequenceClassification,
-                               BertForTokenClassification, BertModel, BertPreTrainedModel, reference_execution)
-from bertfast.dispatch import use_backend
-from bertfast.hf import register_auto, unregister_auto
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["BertConfig", "BertModel", "BertForPreTraining", "BertForMaskedLM", "BertForSequenceClassification",
-           "BertForTokenClassification", "BertForQuestionAnswering", "BertForMultipleChoice",
-           "BertPreTrainedModel", "reference_execution", "use_backend", "register_auto", "unregister_auto"]
+
+_WHERE = {
+    "BertConfig": "bertfast.config",
+    **{name: "bertfast.modeling" for name in (
+        "BertModel", "BertForPreTraining", "BertForMaskedLM", "BertForSequenceClassification",
+        "BertForTokenClassification", "BertForQuestionAnswering", "BertForMultipleChoice", "BertPreTrainedModel",
+        "reference_execution")},
+    "use_backend": "bertfast.dispatch",
+    "register_auto": "bertfast.hf",
+    "unregister_auto": "bertfast.hf",
+}
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'bertfast' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_WHERE))

@@ -138,13 +138,22 @@ def register_backend(backend: Backend) -> None:
     clear_cache()
 
 
+def _register_ops() -> None:
+    """The ops register their backends when bertfast.ops is imported, which `import bertfast` no
+    longer does by itself (its names load on first use)."""
+    importlib.import_module("bertfast.ops")
+
+
 def backends(op: str) -> Dict[str, Backend]:
+    if op not in _REGISTRY:
+        _register_ops()
     if op not in _REGISTRY:
         raise ValueError(f"unknown op {op!r}; known ops: {sorted(_REGISTRY)}")
     return _REGISTRY[op]
 
 
 def ops() -> List[str]:
+    _register_ops()
     return sorted(_REGISTRY)
 
 
