@@ -36,7 +36,7 @@ def ext():
     """bertfast._C; a skip where nvcc is missing, a failure where nvcc exists but it is not built."""
     available, reason = cuda_common.extension_status()
     if not available:
-        if cuda_build.find_nvcc() is None:
+        if cuda_build.find_nvcc() is None or os.environ.get(cuda_common.SKIP_ENV):
             pytest.skip(reason)
         pytest.fail(f"nvcc is installed but the extension is not available: {reason}")
     return cuda_common._C
@@ -72,6 +72,25 @@ def test_extension_status_explains_a_missing_module(monkeypatch):
     assert "BERTFAST_BUILD_CUDA=0" in cuda_common.extension_status()[1]
     with pytest.raises(RuntimeError, match="CUDA backend is unavailable"):
         cuda_common.ext()
+
+
+def test_skip_env_keeps_an_importable_extension_unloaded_and_says_why(tmp_path):
+    """BERTFAST_SKIP_EXTENSION (the GPU check sets it after a failed build) wins over a module that
+    imports: the CUDA backend is unavailable with that reason, in dispatch and in `bertfast info`."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, BERTFAST_SKIP_EXTENSION="the build failed: attention_fwd.cu(12): error: boom")
+    probe = ("from bertfast.cuda import _common as c; from bertfast import dispatch; "
+             "print(c._C is None, c.extension_status()[1]); print(dispatch.get('bias_gelu', 'cuda').availability())")
+    res = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, cwd=str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    first, second = res.stdout.splitlines()
+    assert first.startswith("True ") and "BERTFAST_SKIP_EXTENSION" in first and "attention_fwd.cu(12): error" in first
+    assert second.startswith("(False,") and "attention_fwd.cu(12): error: boom" in second
+    info = subprocess.run([sys.executable, "-m", "bertfast.cli", "info"], env=env, capture_output=True, text=True,
+                          cwd=str(tmp_path))
+    assert "CUDA extension bertfast._C: unavailable: " in info.stdout and "error: boom" in info.stdout
 
 
 # =========================================================================== cuda_build.py

@@ -13,12 +13,17 @@ from typing import Optional, Tuple
 
 import torch
 
-try:
-    from bertfast import _C
-    _IMPORT_ERROR: Optional[BaseException] = None
-except ImportError as exc:  # built without nvcc, or not built yet
-    _C = None
-    _IMPORT_ERROR = exc
+# Set (to the reason) to run without bertfast._C even where it imports: the GPU check sets it after
+# the extension failed to build, so a stale module is not loaded and every skip quotes the build error.
+SKIP_ENV = "BERTFAST_SKIP_EXTENSION"
+_SKIP_REASON = os.environ.get(SKIP_ENV, "").strip()
+_C = None
+_IMPORT_ERROR: Optional[BaseException] = None
+if not _SKIP_REASON:
+    try:
+        from bertfast import _C
+    except ImportError as exc:  # built without nvcc, or not built yet
+        _IMPORT_ERROR = exc
 
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 MAX_HIDDEN = 8192  # LayerNorm rows (LayerNorm, embeddings): one row per block, fp32 row in shared memory
@@ -33,6 +38,8 @@ def extension_status() -> Tuple[bool, str]:
         runtime = getattr(_C, "cuda_runtime", "") or "?"
         gpu = "a CUDA device is visible" if torch.cuda.is_available() else "no CUDA device is visible"
         return True, f"bertfast._C loaded from {where} (sm {archs}, {runtime} CUDA runtime); {gpu}"
+    if _SKIP_REASON:
+        return False, f"bertfast._C is not loaded ({SKIP_ENV} is set): {_SKIP_REASON}"
     mode = os.environ.get("BERTFAST_BUILD_CUDA", "auto")
     nvcc = shutil.which("nvcc")
     if mode == "0":
