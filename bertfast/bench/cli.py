@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import os
+import signal
 import sys
+import threading
 import time
 from typing import List, Optional
 
@@ -12,8 +14,8 @@ import torch
 
 from bertfast.bench import device as devmod
 from bertfast.bench import report
-from bertfast.bench.common import DTYPES, SuiteContext
-from bertfast.bench.results import IMPL_FAMILIES, Run
+from bertfast.bench.common import DTYPES, Stopped, SuiteContext
+from bertfast.bench.results import IMPL_FAMILIES, Row, Run
 from bertfast.bench.targets import evaluate_targets
 from bertfast.bench.timing import TimingPolicy
 
@@ -24,7 +26,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bertfast bench",
         description="Benchmark bertfast's fused ops and training steps against PyTorch and transformers on "
-                    "this machine. Every path is checked against the reference before it is timed.")
+                    "this machine. Every path is checked against the reference before it is timed. results.json "
+                    "is saved after every case (marked partial); SIGTERM or Ctrl-C stops the run, which then "
+                    "writes what it measured.")
     p.add_argument("--suite", choices=SUITES, default="all")
     p.add_argument("--quick", action="store_true", help="small case lists and short timing (tiny shapes on CPU)")
     p.add_argument("--out", default=None,
@@ -71,6 +75,49 @@ def default_out_dir(info: devmod.DeviceInfo, quick: bool, when: Optional[_dt.dat
     stamp = (when or _dt.datetime.now()).strftime("%Y-%m-%d")
     root = "benchmarks/results" if info.is_cuda and not quick else "bench-out"
     return os.path.join(root, info.slug, stamp)
+
+
+def _autotune_mode(info: devmod.DeviceInfo) -> str:
+    """How the Triton kernels chose their configs in this run (kernels/_common.py: launch)."""
+    if not info.is_cuda:
+        return "interpreter (fixed small configs)" if info.triton_interpret else "no Triton kernels run on CPU"
+    if os.environ.get("BERTFAST_AUTOTUNE", "1").strip() == "0":
+        return "fixed: each kernel's first candidate config, untuned (BERTFAST_AUTOTUNE=0)"
+    return "tuned: Triton's autotuner over each kernel's candidates"
+
+
+def run_suites(suite: str, ctx: SuiteContext) -> Optional[Stopped]:
+    """Run the suites; each records its cases' rows in ctx.rows as they end. SIGTERM or Ctrl-C stops them
+    at once (the handler raises Stopped, which is returned)."""
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore() -> None:
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+
+    def stop(signum, frame) -> None:
+        restore()  # one stop: a second signal acts as it would have without this handler
+        raise Stopped(signum)
+
+    handle = threading.current_thread() is threading.main_thread()  # only it may set handlers
+    for s in previous if handle else ():
+        signal.signal(s, stop)
+    try:
+        if suite in ("kernels", "all"):
+            from bertfast.bench import kernels_suite
+            kernels_suite.run(ctx)
+        if suite in ("model", "all"):
+            from bertfast.bench import model_suite
+            model_suite.run(ctx)
+        if suite == "overhead":
+            from bertfast.bench import overhead_suite
+            overhead_suite.run(ctx)
+    except Stopped as exc:
+        return exc
+    finally:
+        if handle:
+            restore()
+    return None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -140,8 +187,11 @@ def main(argv: Optional[List[str]] = None) -> int:
               "cpu_reps": None if info.is_cuda else policy.cpu_reps,
               "cpu_model_cases": ctx.cpu_model_cases,
               "impls": list(impls) if impls else None, "cases": cases or None,
-              "time_budget_s": args.time_budget}
+              "time_budget_s": args.time_budget, "autotune": _autotune_mode(info)}
     run = Run(device=info, config=config)
+    if info.is_cuda and config["autotune"].startswith("fixed"):
+        ctx.note(f"Triton autotuning off: {config['autotune']}")
+    out_dir = args.out or default_out_dir(info, quick)
     if not info.is_cuda:
         ctx.note("CPU run: timings are time.perf_counter on CPU of the torch backend"
                  + ("/Triton-interpreter" if info.triton_interpret else "") + " paths; not GPU performance"
@@ -149,26 +199,32 @@ def main(argv: Optional[List[str]] = None) -> int:
                  + ("; the model suite's speedup column is the CPU ratio against transformers sdpa eager"
                     if ctx.cpu_model_cases else ""))
 
-    if args.suite in ("kernels", "all"):
-        from bertfast.bench import kernels_suite
-        run.rows += kernels_suite.run(ctx)
-    if args.suite in ("model", "all"):
-        from bertfast.bench import model_suite
-        run.rows += model_suite.run(ctx)
-    if args.suite == "overhead":
-        from bertfast.bench import overhead_suite
-        run.rows += overhead_suite.run(ctx)
-    run.notes = list(ctx.notes)
+    def save_partial(rows: List[Row]) -> None:  # after each case, JSON only: what a run killed later keeps
+        elapsed = round(time.monotonic() - started, 1)
+        report.write_json(Run(device=info, config=dict(config, partial=True, elapsed_s=elapsed), rows=rows,
+                              notes=list(ctx.notes), date=run.date), out_dir)
+
+    ctx.on_record = save_partial
+    stopped = run_suites(args.suite, ctx)
+    run.rows = list(ctx.rows)
     run.config["elapsed_s"] = round(time.monotonic() - started, 1)
+    if stopped is not None:
+        log(f"stopped by {stopped.why}: writing the results of the cases that ended")
+        run.config["stopped"] = stopped.why
+        ctx.note(f"the bench was stopped ({stopped.why}) after {run.config['elapsed_s']:g} s: the case it was running "
+                 "is a skipped row (in the kernel suite, that op's later cases too); the cases after those are not "
+                 "listed")
+    run.notes = list(ctx.notes)
     run.targets = evaluate_targets(run)
 
-    out_dir = args.out or default_out_dir(info, quick)
     paths = report.write(run, out_dir)
     log("")
     log(report.summary(run))
     log("")
     for kind, path in paths.items():
         log(f"wrote {kind}: {path}")
+    if stopped is not None:
+        return 128 + stopped.signum  # as a shell reports a process killed by the signal
     from bertfast.bench.preference import record
     table = record(run)
     if table:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import signal
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from bertfast.bench.device import DeviceInfo, compiler_status
+from bertfast.bench.results import Row
 from bertfast.bench.timing import TimingPolicy
 
 # --------------------------------------------------------------------------- lengths
@@ -91,6 +93,8 @@ class SuiteContext:
     log: Callable[[str], None] = print
     notes: List[str] = field(default_factory=list)
     gates: Dict[Tuple, Tuple] = field(default_factory=dict)  # (group, case, impl) -> gate verdict of a case
+    rows: List[Row] = field(default_factory=list)  # the rows of every case recorded so far, in order
+    on_record: Callable[[List[Row]], None] = lambda rows: None  # cli.main: save them (a partial results.json)
 
     @property
     def torch_device(self) -> torch.device:
@@ -115,6 +119,29 @@ class SuiteContext:
 
     def budget_reason(self) -> str:
         return f"not run: the --time-budget of {self.budget_s:g} s was spent"
+
+    def record(self, rows: List[Row]) -> List[Row]:
+        """Keep the rows of a case that ended (and save them) before the next one starts, so that a
+        run stopped later keeps them; returns them."""
+        self.rows += rows
+        self.on_record(self.rows)
+        return rows
+
+
+class Stopped(BaseException):
+    """SIGTERM or Ctrl-C, raised by cli.main's signal handler: the run stops at once. A BaseException,
+    so the suites' `except Exception` blocks (a failure becomes a row) let it through."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.why = signal.Signals(signum).name  # "SIGTERM", "SIGINT"
+        super().__init__(self.why)
+
+    def reason(self, running: bool = False) -> str:
+        """The skip reason of the case it cut short (running) or of one it did not reach."""
+        if running:
+            return f"not finished: the bench was stopped ({self.why}) while this case ran"
+        return f"not run: the bench was stopped ({self.why}) before this case"
 
 
 def compile_skip_reason(ctx: SuiteContext) -> Optional[str]:

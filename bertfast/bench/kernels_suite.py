@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from bertfast.bench.common import SuiteContext, free_memory, short_error, strict_fp32
+from bertfast.bench.common import Stopped, SuiteContext, free_memory, short_error, strict_fp32
 from bertfast.bench.gate import compare
 from bertfast.bench.kernel_cases import ALL_DIRECTIONS, CASE_BUILDERS, OPS, STEP, SUITE, Impl, OpCase, Prepared
 from bertfast.bench.results import ERROR, FAILED_PARITY, TORCH_COMPILE, Row, skipped
@@ -230,9 +230,14 @@ def run(ctx: SuiteContext) -> List[Row]:
         for i, oc in enumerate(cases):
             if ctx.budget_spent():
                 ctx.log(f"  time budget spent: {len(cases) - i} {op} case(s) not run")
-                for rest in cases[i:]:
-                    rows += _skipped_case(ctx, rest, ctx.budget_reason())
+                rows += ctx.record([r for rest in cases[i:] for r in _skipped_case(ctx, rest, ctx.budget_reason())])
                 break
-            rows += run_case(ctx, oc)
+            try:
+                case_rows = run_case(ctx, oc)
+            except Stopped as stop:  # this case and the op's others not run: skipped rows, then stop
+                ctx.record(_skipped_case(ctx, oc, stop.reason(running=True))
+                           + [r for rest in cases[i + 1:] for r in _skipped_case(ctx, rest, stop.reason())])
+                raise
+            rows += ctx.record(case_rows)
             free_memory()
     return rows

@@ -28,8 +28,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from bertfast import flops as bert_flops
-from bertfast.bench.common import (SuiteContext, compile_skip_reason, describe_lengths, dtype_name, free_memory,
-                                   generator_for, mask_from, sequence_lengths, short_error, strict_fp32)
+from bertfast.bench.common import (Stopped, SuiteContext, compile_skip_reason, describe_lengths, dtype_name,
+                                   free_memory, generator_for, mask_from, sequence_lengths, short_error, strict_fp32)
 from bertfast.bench.results import (BERTFAST, BERTFAST_GRAPHS, BERTFAST_REFERENCE, BERTFAST_STATIC, ERROR,
                                     FAILED_PARITY, HF_COMPILED, HF_EAGER, Row, skipped)
 from bertfast.bench.timing import TimingPolicy, peak_memory, time_cpu_interleaved, time_fn
@@ -55,12 +55,14 @@ def _cases(ctx: SuiteContext) -> Dict[str, List[Tuple]]:
     if ctx.quick:
         return {"pretrain": [("bert-base", 128, 32)], "finetune": [("bert-base", 128, 32)],
                 "inference": [("bert-base", 128, b, "none") for b in (1, 8, 64)]}
-    return {  # the headline target first: a budget-limited run measures it before anything else
-        "pretrain": [("bert-large", 128, 128), ("bert-base", 128, 128), ("bert-large", 512, 32),
-                     ("bert-base", 512, 32)],
-        "finetune": [("bert-base", 128, 32), ("bert-base", 512, 32), ("bert-large", 128, 32)],
-        "inference": [(m, 128, b, "none") for m in ("bert-base", "bert-large") for b in (1, 8, 64)],
-    }
+    return GPU_CASES
+
+
+GPU_CASES = {  # the headline target first: a budget-limited run measures it before anything else
+    "pretrain": [("bert-large", 128, 128), ("bert-base", 128, 128), ("bert-large", 512, 32), ("bert-base", 512, 32)],
+    "finetune": [("bert-base", 128, 32), ("bert-base", 512, 32), ("bert-large", 128, 32)],
+    "inference": [(m, 128, b, "none") for m in ("bert-base", "bert-large") for b in (1, 8, 64)],
+}
 
 
 def _config(preset: str):
@@ -494,9 +496,9 @@ def _bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, 
 
 
 # --------------------------------------------------------------------------- the suite
-def _budget_rows(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str) -> List[Row]:
+def _skipped_case(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, reason: str) -> List[Row]:
     impls = [impl for impl in IMPLS if ctx.wants(impl)]
-    return [skipped(SUITE, group, dict(case), direction, impl, ctx.budget_reason()) for impl in impls]
+    return [skipped(SUITE, group, dict(case), direction, impl, reason) for impl in impls]
 
 
 def run(ctx: SuiteContext) -> List[Row]:
@@ -510,8 +512,13 @@ def run(ctx: SuiteContext) -> List[Row]:
             return []
         if ctx.budget_spent():
             left.append(case)
-            return _budget_rows(ctx, group, case, direction)
-        return _bench(ctx, group, case, direction, *args)
+            return ctx.record(_skipped_case(ctx, group, case, direction, ctx.budget_reason()))
+        try:
+            case_rows = _bench(ctx, group, case, direction, *args)
+        except Stopped as stop:  # the cases after this one are built as the suite goes: only this one is known
+            ctx.record(_skipped_case(ctx, group, case, direction, stop.reason(running=True)))
+            raise
+        return ctx.record(case_rows)
     ctx.note("model suite: " + ("bf16 autocast with fp32 master weights, fused AdamW" if _autocast_dtype(ctx)
                                 else "fp32, no autocast, AdamW") + "; dropout 0.1 as configured; MFU = model "
              "FLOPs on real tokens / step time / peak: the measured matmul peak (mfu) and the datasheet dense "

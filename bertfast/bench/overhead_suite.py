@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from bertfast import dispatch
 from bertfast import ops as bf
-from bertfast.bench.common import SuiteContext, dtype_name, short_error
-from bertfast.bench.results import ERROR, FAILED_PARITY, TORCH_EAGER, Row, bertfast_impl
+from bertfast.bench.common import Stopped, SuiteContext, dtype_name, short_error
+from bertfast.bench.results import ERROR, FAILED_PARITY, TORCH_EAGER, Row, bertfast_impl, skipped
 from bertfast.bench.timing import Stat, summarize
 
 SUITE = "overhead"
@@ -284,6 +284,14 @@ def run(ctx: SuiteContext) -> List[Row]:
         gen = torch.Generator().manual_seed(0)
         oc = CASE_BUILDERS[op](gen, ctx.dtype, ctx.torch_device)
         oc.case["dtype"] = dtype_name(ctx.dtype)
-        if ctx.wants_case(oc.case):
-            rows += run_case(ctx, oc)
+        if not ctx.wants_case(oc.case):
+            continue
+        try:
+            case_rows = run_case(ctx, oc)
+        except Stopped as stop:  # dispatch's choice may not be known yet: bertfast:?
+            impls = [(d, bertfast_impl("?")) for d in DIRECTIONS] + [(d, TORCH_EAGER) for d in (FWD, FWD_BWD)]
+            ctx.record([skipped(SUITE, oc.op, dict(oc.case), d, impl, stop.reason(running=True))
+                        for d, impl in impls if ctx.wants(impl)])
+            raise
+        rows += ctx.record(case_rows)
     return rows

@@ -263,14 +263,24 @@ def write(run: Run, out_dir: str) -> Dict[str, str]:
         "kernels_png": os.path.join(out_dir, "kernels_speedup.png"),
         "model_png": os.path.join(out_dir, "model_speedup.png"),
     }
-    with open(paths["json"], "w", encoding="utf-8") as f:
-        json.dump(_finite(run.to_dict()), f, indent=1, allow_nan=False, default=_json_default)
-        f.write("\n")
+    write_json(run, out_dir)
     with open(paths["markdown"], "w", encoding="utf-8") as f:
         f.write(markdown(run))
     plot_speedups(run, "kernels", paths["kernels_png"])
     plot_speedups(run, "model", paths["model_png"])
     return paths
+
+
+def write_json(run: Run, out_dir: str) -> str:
+    """results.json alone (what a run saves after each case), whole or not at all: written aside, then
+    renamed over the old one, so a run killed while writing leaves the previous file."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "results.json")
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(_finite(run.to_dict()), f, indent=1, allow_nan=False, default=_json_default)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+    return path
 
 
 def _finite(obj):
