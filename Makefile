@@ -5,7 +5,7 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test gpu-plan gpu-check gpu-check-dry gpu-land compile-report bench info
+.PHONY: install demo test gpu-plan gpu-check gpu-check-dry gpu-land gpu-sizing compile-report bench info
 
 install:
 	$(PYTHON) -m pip install --quiet "$(TORCH_SPEC)"
@@ -24,7 +24,8 @@ test: install
 # `make gpu-check STAGE=k` one; logs, results and caches go to $(GPU_OUT). On the GPU machine
 # (torch/triton/transformers preinstalled, no network) nothing else is needed: stage 1 installs.
 # `make gpu-land GPU_OUT=dir` (back here) files a GPU run under benchmarks/results/ and
-# regenerates the README's result table. `make gpu-check-dry` runs every stage on CPU.
+# regenerates the README's result table. `make gpu-check-dry` runs every stage on CPU;
+# SIMULATE="fail:build lost-machine" (or hang:STEP, crash:STEP) simulates failures there.
 GPU_OUT ?= gpu-out
 STAGE ?=
 
@@ -34,11 +35,18 @@ gpu-plan:
 gpu-check:
 	$(PYTHON) -m bertfast.gpucheck run --out $(GPU_OUT) $(if $(STAGE),--stage $(STAGE))
 
+SIMULATE ?=
 gpu-check-dry:
-	$(PYTHON) -m bertfast.gpucheck run --dry-run --out $(GPU_OUT)-dry $(if $(STAGE),--stage $(STAGE))
+	$(PYTHON) -m bertfast.gpucheck run --dry-run --out $(GPU_OUT)-dry $(if $(STAGE),--stage $(STAGE)) \
+		$(foreach s,$(SIMULATE),--simulate $(s))
 
 gpu-land:
 	$(PYTHON) -m bertfast.gpucheck land $(GPU_OUT)
+
+# Re-measure what the GPU check's limits are sized from (import and compile times, candidates per
+# case; a few minutes on CPU, nvcc needed) into bertfast/gpucheck/measured.json.
+gpu-sizing:
+	$(PYTHON) -m bertfast.gpucheck.sizing --measure
 
 # Registers, spills and shared memory of every kernel and autotune candidate on sm_90, no GPU
 # needed; fails when a candidate spills. COMPILE_REPORT_ARGS=--fast: the training configuration.

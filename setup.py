@@ -22,7 +22,7 @@ setup(
     packages=["bertfast", "bertfast.ops", "bertfast.cuda", "bertfast.kernels", "bertfast.data", "bertfast.bench",
               "bertfast.gpucheck", "bertfast.training"],
     package_dir={"bertfast": "bertfast", "bertfast.kernels": "kernels"},
-    package_data={"bertfast.data": ["*.txt"]},
+    package_data={"bertfast.data": ["*.txt"], "bertfast.gpucheck": ["measured.json"]},
     install_requires=[
         "torch>=2.4",
         "numpy",
@@ -39,6 +39,7 @@ setup(
         "test": [
             "pybind11",  # the CUDA-kernel emulator tests build against it
             "pytest",
+            "pytest-xdist",  # the GPU check's stage 2 runs the tests on every core
             "pytest-benchmark",
             "tokenizers>=0.15",
             "accelerate",

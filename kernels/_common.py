@@ -111,14 +111,16 @@ def _choose_on_scratch(kernel, grid, args: Sequence, consts: Dict, scratch: Sequ
 
 
 # --------------------------------------------------------------------------- launching
-Recorder = Callable[[object, object, Sequence, Dict, List[triton.Config]], None]
+# (jit function, grid, args, consts, candidate configs, tuning key or None for a plain kernel)
+Recorder = Callable[[object, object, Sequence, Dict, List[triton.Config], Optional[Tuple]], None]
 _RECORDER: Optional[Recorder] = None
 
 
 @contextlib.contextmanager
 def compile_only(record: Recorder) -> Iterator[None]:
-    """Within this block launches run nothing: ``record(kernel, grid, args, consts, configs)``
-    receives each one with the configs it would try (one, for a plain kernel)."""
+    """Within this block launches run nothing: ``record(kernel, grid, args, consts, configs, key)``
+    receives each one with the configs it would try (one, for a plain kernel) and the autotuner's
+    key for these arguments (None for a plain kernel): one tuning per distinct key."""
     global _RECORDER
     saved, _RECORDER = _RECORDER, record
     try:
@@ -142,7 +144,7 @@ def launch(kernel, grid, args: Sequence, consts: Dict, *, interp: Optional[Dict]
         return
     if _RECORDER is not None:
         configs = candidates(kernel, args, consts) if tuned else [None]
-        _RECORDER(fn, grid, args, consts, configs)
+        _RECORDER(fn, grid, args, consts, configs, _tuning_key(kernel, args, consts) if tuned else None)
         return
     if not tuned:
         fn[grid](*args, **consts)

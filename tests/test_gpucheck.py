@@ -3,6 +3,7 @@ the compile report, and filing a run under benchmarks/results/."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -29,9 +30,18 @@ def test_plan_fits_a_lent_gpu_machine():
     assert runner.check_plan() == []
     # Priority order: build + sanitizers, correctness, the headline, the kernel suite, the rest.
     assert [s.name for s in STAGES] == ["build", "tests", "headline", "kernels", "rest"]
-    assert "compute-sanitizer" in " ".join(STAGES[0].steps[2].argv + STAGES[0].steps[3].argv)
+    build = {step.name: step for step in STAGES[0].steps}
+    assert list(build) == ["install", "requirements", "build", "info", "memcheck", "racecheck"]
+    assert build["install"].env == {"BERTFAST_BUILD_CUDA": "0"} and build["build"].env["BERTFAST_BUILD_CUDA"] == "1"
+    assert "compute-sanitizer" in build["memcheck"].argv and "compute-sanitizer" in build["racecheck"].argv
+    # Only the sanitizers need the extension: the Triton tests and the benchmarks never wait on its build.
+    assert [step.name for s in STAGES for step in s.steps if stages.EXTENSION in step.needs] == ["memcheck",
+                                                                                               "racecheck"]
+    assert all(not step.needs for step in STAGES[0].steps[:3])
     tests = STAGES[1].steps[0]
     assert tests.env == {"BERTFAST_AUTOTUNE": "0"} and "gpu or gpu_capable" in tests.argv
+    assert "bertfast.gpucheck.pytest_progress" in tests.argv and "bertfast.gpucheck.pytest_progress" in tests.dry_argv
+    assert all(step.sizing for s in STAGES for step in s.steps)
 
 
 def test_plan_command_prints_minutes_and_commands():
@@ -41,14 +51,18 @@ def test_plan_command_prints_minutes_and_commands():
     for s in STAGES:
         assert f"stage {s.number}  {s.minutes} min  {s.name}" in res.stdout
         assert f"make gpu-check STAGE={s.number} GPU_OUT=somewhere" in res.stdout
+        for step in s.steps:
+            assert f"sized: {step.sizing}" in res.stdout
     assert f"total    {sum(s.minutes for s in STAGES)} min" in res.stdout
+    assert res.stdout.count("(fresh machine)") == len(STAGES) - 1
 
 
 def test_plan_that_does_not_fit_is_reported(monkeypatch):
     slow = Stage(9, "slow", "too slow", [Step("a", ["true"], 9 * 60)])
     monkeypatch.setattr(runner, "STAGES", STAGES + [slow])
     problems = runner.check_plan()
-    assert any("more than 25" in p for p in problems) and any("stage 9 takes 9 min" in p for p in problems)
+    assert any("more than 25" in p for p in problems) and any(f"stage 9 takes {slow.minutes} min" in p
+                                                              for p in problems)
 
 
 # --------------------------------------------------------------------------- one step
@@ -169,6 +183,7 @@ def _gpu_run_dir(tmp_path, dry_run=False):
     report.write(run, str(out / "results"))
     (out / "stage2-tests").mkdir()
     (out / "stage2-tests" / "pytest.log").write_text("===== 400 passed in 200.00s =====\n")
+    (out / "stage2-tests" / "progress.jsonl").write_text('{"event": "finished", "exitstatus": 0}\n')
     (out / "summary.md").write_text("# GPU check\n")
     (out / "summary.json").write_text(json.dumps({"dry_run": dry_run, "device": info.name, "stages": []}))
     return out
@@ -183,7 +198,7 @@ def test_land_files_a_gpu_run_and_regenerates_the_readme_table(tmp_path):
     assert dest == str(repo / "benchmarks" / "results" / "nvidia-h100-80gb-hbm3" / "2026-12-01")
     files = set(os.listdir(dest))
     assert {"results.json", "results.md", "kernels_speedup.png", "model_speedup.png", "summary.md",
-            "summary.json", "stage2-tests-pytest.log"} <= files
+            "summary.json", "stage2-tests-pytest.log", "stage2-tests-progress.jsonl"} <= files
     readme = (repo / "README.md").read_text()
     assert "nothing yet" not in readme and "NVIDIA H100 80GB HBM3" in readme
     assert "| BERT-large seq-128 training step >= 50% MFU | met |" in readme
@@ -207,7 +222,217 @@ def test_a_rejected_optional_option_is_dropped_and_the_step_retried(tmp_path, mo
     step = Step("memcheck", [sys.executable, str(tool), "--only", "x"], 30, optional_args=["--only", "x"])
     monkeypatch.setattr(runner, "STAGES", [Stage(1, "build", "test", [step])])
     monkeypatch.setattr(runner, "get_stage", lambda k: runner.STAGES[0])
-    monkeypatch.setattr(runner, "_installed", lambda: True)
-    record = runner.run_stage(runner.STAGES[0], str(tmp_path), dry_run=False, log=lambda text: None)
+    machine = _ready_machine(tmp_path)
+    record = runner.run_stage(runner.STAGES[0], str(tmp_path), dry_run=False, log=lambda text: None,
+                              machine=machine)
     assert record["status"] == "ok" and record["steps"][0]["status"] == "ok"
     assert "checked everything" in (tmp_path / "stage1-build" / "memcheck.log").read_text()
+
+
+def _ready_machine(tmp_path):
+    """A Machine that has looked already: the package and the extension are there."""
+    from bertfast.gpucheck.machine import Machine
+    machine = Machine(str(tmp_path), dry_run=False, log=lambda text: None)
+    machine.why_not.update({stages.PACKAGE: "", stages.EXTENSION: ""})
+    return machine
+
+
+# --------------------------------------------------------------------------- each step with what it needs
+def test_a_failed_build_skips_only_the_steps_that_need_the_extension_and_names_its_error(tmp_path):
+    """The build step fails: the later steps get BERTFAST_SKIP_EXTENSION with the compiler's error,
+    the sanitizer steps skip quoting it, every other step still runs; a later stage on another
+    machine reads the failure from GPU_OUT (build.json) and runs without the extension too."""
+    from bertfast.gpucheck.machine import Machine, build_record
+    out = str(tmp_path)
+    show_env = [sys.executable, "-c", "import os; print('SKIP=' + os.environ.get('BERTFAST_SKIP_EXTENSION', ''))"]
+    build = Step("build", [sys.executable, "-c", "print('csrc/attention_fwd.cu(12): error: identifier \"x\" is "
+                           "undefined'); raise SystemExit(2)"], 30, needs=())
+    stage1 = Stage(1, "build", "test", [build, Step("info", show_env, 30),
+                                        Step("memcheck", show_env, 30, needs=(stages.PACKAGE, stages.EXTENSION))])
+    machine = _ready_machine(tmp_path)
+    record = runner.run_stage(stage1, out, dry_run=False, log=lambda text: None, machine=machine)
+    steps = {r["step"]: r for r in record["steps"]}
+    assert steps["build"]["status"] == "failed" and record["status"] == "failed"
+    assert build_record(out)["ok"] is False and 'attention_fwd.cu(12): error: identifier "x"' in build_record(out)["error"]
+    assert steps["info"]["status"] == "ok"
+    info_log = (tmp_path / "stage1-build" / "info.log").read_text()
+    assert "SKIP=the CUDA extension did not build in stage 1 (failed, exit 2: csrc/attention_fwd.cu(12): error" in info_log
+    assert steps["memcheck"]["status"] == "skipped"
+    assert steps["memcheck"]["detail"].startswith("needs the CUDA extension: the CUDA extension did not build")
+    assert "attention_fwd.cu(12): error" in steps["memcheck"]["detail"]
+    table = runner.summary_table({"stages": [record]})
+    assert "| 1 build | memcheck | skipped |" in table and "attention_fwd.cu(12): error" in table
+
+    later = Machine(out, dry_run=False, log=lambda text: None)  # another machine: only GPU_OUT is kept
+    later.why_not[stages.PACKAGE] = ""
+    assert later.unmet((stages.PACKAGE,)) == "" and "attention_fwd.cu(12)" in later.why_not[stages.EXTENSION]
+    assert "attention_fwd.cu(12)" in later.env()["BERTFAST_SKIP_EXTENSION"]
+    assert later.unmet((stages.PACKAGE, stages.EXTENSION)).startswith("needs the CUDA extension")
+
+
+def test_an_unbuilt_extension_is_restored_from_gpu_out_or_named_missing(tmp_path, monkeypatch):
+    from bertfast.gpucheck import machine as mod
+    probes = {"import bertfast._C": "ModuleNotFoundError: No module named 'bertfast._C'"}
+    monkeypatch.setattr(mod, "_probe", lambda code: probes.get(code, ""))
+    m = mod.Machine(str(tmp_path), dry_run=False, log=lambda text: None)
+    assert m.unmet((stages.PACKAGE, stages.EXTENSION)).startswith("needs the CUDA extension: bertfast._C is not built")
+    assert "has not run into this GPU_OUT" in m.why_not[stages.EXTENSION] and m.env() == {}
+
+    kept = tmp_path / "cache" / "ext"
+    kept.mkdir(parents=True)
+    (kept / "_C.cpython-test.so").write_bytes(b"module")
+    copied = []
+    monkeypatch.setattr(mod, "_replace", lambda src, dest: (copied.append((src, dest)), probes.clear()))
+    m = mod.Machine(str(tmp_path), dry_run=False, log=lambda text: None)
+    assert m.unmet((stages.PACKAGE, stages.EXTENSION)) == ""
+    assert copied == [(str(kept / "_C.cpython-test.so"), os.path.join(REPO, "bertfast", "_C.cpython-test.so"))]
+    assert [(r["step"], r["status"]) for r in m.restores] == [("restore extension", "ok")]
+
+
+def test_replace_is_atomic_and_error_excerpt_picks_the_compiler_errors(tmp_path):
+    from bertfast.gpucheck.machine import _replace, error_excerpt
+    src, dest = tmp_path / "new.so", tmp_path / "old.so"
+    src.write_bytes(b"new")
+    dest.write_bytes(b"old")
+    _replace(str(src), str(dest))
+    assert dest.read_bytes() == b"new" and sorted(os.listdir(tmp_path)) == ["new.so", "old.so"]
+    log = tmp_path / "build.log"
+    log.write_text("$ python setup.py build_ext\nninja: build stopped\na.cu(3): error: bad\nb.cu(9): error: worse\n"
+                   "RuntimeError: compile failed\n")
+    assert error_excerpt(str(log)) == "a.cu(3): error: bad | b.cu(9): error: worse"
+    log.write_text("line one\nKilled\n")
+    assert error_excerpt(str(log)) == "line one | Killed"
+
+
+# --------------------------------------------------------------------------- pytest's progress
+def test_pytest_stopped_at_its_limit_still_gives_counts_and_the_tests_not_reached(tmp_path):
+    stage_dir = tmp_path / "stage2-tests"
+    stage_dir.mkdir()
+    lines = [{"event": "collected", "ids": ["t.py::a", "t.py::b", "t.py::hang", "t.py::c"]},
+             {"event": "start", "id": "t.py::a"}, {"event": "result", "id": "t.py::a", "outcome": "passed"},
+             {"event": "start", "id": "t.py::b"}, {"event": "result", "id": "t.py::b", "outcome": "failed"},
+             {"event": "start", "id": "t.py::hang"}]
+    (stage_dir / "progress.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    log = tmp_path / "pytest.log"
+    log.write_text("..F\n[gpu-check] stopped at the step's limit of 300 s\n")
+    found = runner.findings(Step("pytest", [], 1), str(log), str(tmp_path), "stage2-tests")
+    assert found == "stopped before the end: 1 passed, 1 failed; running: t.py::hang; 1 of 4 not reached"
+    assert (stage_dir / "not-reached.txt").read_text() == "running when stopped: t.py::hang\nt.py::c\n"
+
+
+# --------------------------------------------------------------------------- requirements
+def test_requirements_report_versions_and_what_is_missing():
+    from bertfast.gpucheck import requirements as req
+    found = req.check()
+    names = {f.name.split(">")[0]: f for f in found}
+    assert {"torch", "transformers", "safetensors", "numpy", "tqdm"} <= {f.name.split(">")[0] for f in found
+                                                                          if f.kind == "runtime"}
+    assert names["transformers"].ok and names["transformers"].version
+    old = req.check_requirement("transformers>=99.0", "runtime")
+    missing = req.check_requirement("no-such-package-bertfast>=1", "runtime")
+    assert not old.ok and "TOO OLD" in old.line and not missing.ok and "MISSING" in missing.line
+    assert req.verdict([old, missing]) == ("MISSING: transformers>=99.0 (found " + old.version + "), "
+                                           "no-such-package-bertfast>=1 (found nothing)")
+    assert req.verdict(found).startswith("all 5 runtime requirements met")
+    res = subprocess.run([sys.executable, "-m", "bertfast.gpucheck.requirements"], capture_output=True, text=True,
+                         cwd=REPO, timeout=120)
+    assert res.returncode == 0 and "transformers>=5.17" in res.stdout and "pytest-xdist" in res.stdout
+
+
+# --------------------------------------------------------------------------- sizing
+def test_sizing_is_current_with_the_kernels_and_the_bench(monkeypatch):
+    """measured.json's candidate counts are what the code makes today (re-measure with `make gpu-sizing`
+    when a kernel's candidate list changes), and stage 3 sizes the model suite's own cases."""
+    from bertfast.bench.model_suite import GPU_CASES
+    from bertfast.gpucheck import sizing
+    from bertfast.kernels import _common
+
+    monkeypatch.setattr(_common, "interpreting", lambda: False)
+    assert list(sizing.HEADLINE_CASES) == GPU_CASES["pretrain"]
+    counts = sizing.headline_counts()
+    assert counts == sizing.measured()["headline"], "kernel candidates changed: run `make gpu-sizing`"
+    kernels = {k for entry in counts for k in entry["compiles"]}
+    assert kernels <= set(sizing.measured()["triton"]) and counts[0]["compiles"] and counts[0]["timings"]
+    assert sizing.measured()["tests"] > 300
+
+
+def test_headline_falls_back_to_fixed_configs_where_tuning_does_not_fit(monkeypatch):
+    from bertfast.gpucheck import sizing
+    tuned = stages.headline_step()
+    assert tuned.env == {} and tuned.limit_s <= stages.HEADLINE_CAP_S and tuned.sizing.startswith("tuned")
+    budget = int(tuned.argv[tuned.argv.index("--time-budget") + 1])
+    assert tuned.limit_s - budget == math.ceil(max(c.seconds for c in sizing.headline_cases()))
+    monkeypatch.setattr(sizing, "CPU_SPEED", 0.1)  # a machine whose compiles take 10x longer
+    fixed = stages.headline_step()
+    assert fixed.env == {"BERTFAST_AUTOTUNE": "0"} and fixed.sizing.startswith("fixed configs")
+    assert fixed.limit_s <= stages.HEADLINE_CAP_S
+
+
+# --------------------------------------------------------------------------- failures, simulated on CPU
+def _dry_run(out, *args, timeout=900):
+    res = subprocess.run([sys.executable, "-m", "bertfast.gpucheck", "run", "--dry-run", "--out", str(out), *args],
+                         capture_output=True, text=True, cwd=REPO, timeout=timeout)
+    summary = json.loads((out / "summary.json").read_text())
+    steps = {(s["stage"], r["step"]): r for s in summary["stages"] for r in s["steps"]}
+    return res, summary, steps
+
+
+def test_dry_run_simulates_crashes_and_a_hang_and_the_other_steps_still_run(tmp_path):
+    out = tmp_path / "gpu-out"
+    res, summary, steps = _dry_run(out, "--stage", "1", "--stage", "2", "--simulate", "crash:info",
+                                   "--simulate", "hang:memcheck", "--simulate", "crash:pytest")
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-2000:]
+    assert steps[(1, "requirements")]["status"] == "ok"
+    assert steps[(1, "info")]["status"] == "crashed" and steps[(1, "info")]["detail"] == "killed by SIGSEGV"
+    memcheck = steps[(1, "memcheck")]
+    assert memcheck["status"] == "timed out" and memcheck["seconds"] < 30 and memcheck["simulated"] == "hang"
+    pytest_run = steps[(2, "pytest")]
+    assert pytest_run["status"] == "crashed" and pytest_run["findings"] == (
+        "stopped before the end: 2 passed; running: test_simulated.py::test_crashes; 2 of 5 not reached")
+    assert (out / "stage2-tests" / "not-reached.txt").read_text().splitlines() == [
+        "running when stopped: test_simulated.py::test_crashes", "test_simulated.py::test_after_1",
+        "test_simulated.py::test_after_2"]
+    table = (out / "summary.md").read_text()
+    assert "| 1 build | info | crashed |" in table and "(simulated crash) killed by SIGSEGV" in table
+    assert "| 1 build | memcheck | timed out |" in table and "stopped at its 5 s limit" in table
+    assert "| 2 tests | pytest | crashed |" in table and "2 of 5 not reached" in table
+    assert [s["status"] for s in summary["stages"]] == ["failed", "failed"]
+
+
+def test_dry_run_simulates_a_failed_build_and_a_lost_machine(tmp_path):
+    """The extension does not build, stage 2's pytest hangs, and every stage starts on a fresh machine:
+    the Triton steps and the benchmark still run, and the summary says what happened at each step."""
+    out = tmp_path / "gpu-out"
+    res, summary, steps = _dry_run(out, "--stage", "1", "--stage", "2", "--stage", "3", "--simulate", "fail:build",
+                                   "--simulate", "hang:pytest", "--simulate", "lost-machine")
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-2000:]
+    quote = "build: error: simulated failure (--simulate fail:build)"
+    assert steps[(1, "build")]["status"] == "failed" and quote in (out / "cache" / "ext" / "build.json").read_text()
+    assert steps[(1, "build")]["findings"] == quote
+    assert steps[(1, "info")]["status"] == "ok"
+    assert "not loaded (BERTFAST_SKIP_EXTENSION is set): the CUDA extension did not build" in \
+        steps[(1, "info")]["findings"] and quote in steps[(1, "info")]["findings"]
+    assert steps[(1, "memcheck")]["status"] == "skipped" and quote in steps[(1, "memcheck")]["detail"]
+    for stage in (2, 3):
+        assert steps[(stage, "restore re-install")]["status"] == "ok"
+        assert "dry run: the installed package stands in" in steps[(stage, "restore re-install")]["detail"]
+        assert quote in steps[(stage, "extension")]["detail"]
+    pytest_run = steps[(2, "pytest")]
+    assert pytest_run["status"] == "timed out" and pytest_run["findings"] == (
+        "stopped before the end: 2 passed; running: test_simulated.py::test_hangs; 2 of 5 not reached")
+    assert steps[(3, "pretrain")]["status"] == "ok"
+    rows = json.loads((out / "stage3-headline" / "pretrain" / "results.json").read_text())["rows"]
+    assert any(r["impl"] == "bertfast" and r["status"] == "ok" for r in rows)
+    table = (out / "summary.md").read_text()
+    assert "| 3 headline | restore re-install | ok |" in table and "| 3 headline | pretrain | ok |" in table
+    assert f"this stage runs without it: the CUDA extension did not build in stage 1" in table
+
+
+def test_sizing_against_a_gpu_run_puts_each_limit_beside_its_duration(tmp_path):
+    from bertfast.gpucheck import sizing
+    summary = {"stages": [{"stage": 1, "steps": [{"step": "memcheck", "status": "timed out", "seconds": 80.2}]}]}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    lines = sizing.against(str(tmp_path / "summary.json")).splitlines()
+    memcheck = next(ln for ln in lines if " memcheck " in ln).split()
+    assert memcheck == ["1", "memcheck", str(stages.stage(1).steps[4].limit_s), "80", "timed", "out"]
+    assert next(ln for ln in lines if " pytest " in ln).endswith("not run")

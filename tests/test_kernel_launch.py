@@ -50,11 +50,13 @@ def test_compile_only_records_candidates_and_runs_nothing(monkeypatch):
     monkeypatch.setattr(type(BG._fwd_tuned.fn), "run", lambda *a, **k: pytest.fail("a kernel ran"))
     seen = []
     x, bias, _ = _bias_gelu_inputs(64, 3072)
-    with _common.compile_only(lambda fn, grid, args, consts, configs: seen.append((fn.__name__, configs))):
+    with _common.compile_only(lambda fn, grid, args, consts, configs, key: seen.append((fn.__name__, configs, key))):
         BG.bias_gelu_fwd(x, bias)
-    assert [name for name, _ in seen] == ["_bias_gelu_fwd_kernel"]
-    want = _common.candidates(BG._fwd_tuned, (x, bias, x, 64, 3072, 3072, 64), {"APPROX_TANH": False})
+    assert [name for name, _, _ in seen] == ["_bias_gelu_fwd_kernel"]
+    args, consts = (x, bias, x, 64, 3072, 3072, 64), {"APPROX_TANH": False}
+    want = _common.candidates(BG._fwd_tuned, args, consts)
     assert [str(c) for c in seen[0][1]] == [str(c) for c in want] and len(want) > 1
+    assert seen[0][2] == _common._tuning_key(BG._fwd_tuned, args, consts) and "3072" in str(seen[0][2])
 
 
 def test_candidates_per_tuning_key_are_bounded_at_bert_shapes(monkeypatch):

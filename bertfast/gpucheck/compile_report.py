@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -66,6 +67,7 @@ class Row:
     shared: Optional[int] = None
     error: str = ""
     order: int = 0   # position in the recorded launch order (shards compile out of order)
+    compile_s: Optional[float] = None  # wall seconds to compile it (one core; a CUDA row: its whole source)
 
     @property
     def problems(self) -> List[str]:
@@ -142,9 +144,14 @@ class Launch:
     consts: dict
     configs: list    # triton.Config candidates; [None] for a plain kernel (consts are complete)
     case: str
+    keys: set = dataclasses.field(default_factory=set)  # the autotuner keys it was launched with (tunings)
 
 
-def _matrix(fast: bool):
+Setting = Tuple[str, int, int, str, str, float]
+OPS = ("attention", "bias_gelu", "bias_dropout_residual_layernorm", "embeddings", "mlm_head_loss", "lamb")
+
+
+def _matrix(fast: bool) -> List[Setting]:
     """(model, seq, batch, act dtype name, params 'fp32'|'act', dropout p) settings."""
     if fast:
         return [("bert-large", 512, 32, "bf16", "fp32", 0.1)]
@@ -158,14 +165,16 @@ def _matrix(fast: bool):
     return out
 
 
-def bert_launches(fast: bool, attention_only: bool = False) -> Iterator[Tuple[str, Callable[[], None]]]:
-    """(case label, function that calls the launchers at that setting) for every setting."""
+def bert_launches(settings: Sequence[Setting], head_dims: Sequence[int] = (64,), ops: Sequence[str] = OPS,
+                  padded_attention: bool = True) -> Iterator[Tuple[str, Callable[[], None]]]:
+    """(case label, function that calls the launchers of ``ops`` at that setting) for every setting;
+    attention at each of ``head_dims``, varlen and (``padded_attention``) padded."""
     import torch
     from bertfast.kernels import attention as A, bias_gelu as G, embeddings as E, mlm_head_loss as M
     from bertfast.kernels import bias_dropout_residual_layernorm as L
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    for model, seq, batch, act_name, params, p in (ATTENTION_MATRIX if attention_only else _matrix(fast)):
+    for model, seq, batch, act_name, params, p in settings:
         hidden, _, ffn = MODELS[model]
         act = dtypes[act_name]
         par = torch.float32 if params == "fp32" else act
@@ -178,14 +187,15 @@ def bert_launches(fast: bool, attention_only: bool = False) -> Iterator[Tuple[st
             return torch.empty(*shape, dtype=dtype, **kw)
 
         def attention():
-            dims = (64,) if fast else tuple(d for d in ATTENTION_HEAD_DIMS if d != 64 or not attention_only)
-            for head_dim in dims:
+            for head_dim in head_dims:
                 heads_here = hidden // head_dim
                 qkv = empty(tokens, 3, heads_here, head_dim)
                 q, k, v = qkv.unbind(1)
                 cu = torch.arange(0, tokens + 1, seq, dtype=torch.int32)
                 out, lse = A.attention_varlen_fwd(q, k, v, cu, seq, 0.125, p, seed)
                 A.attention_varlen_bwd(out, q, k, v, out, lse, cu, seq, 0.125, p, seed)
+                if not padded_attention:
+                    continue
                 qp = empty(batch, seq, heads_here, head_dim)
                 mask = torch.ones(batch, seq, dtype=torch.bool)
                 outp, lsep = A.attention_padded_fwd(qp, qp, qp, mask, 0.125, p, seed)
@@ -236,24 +246,35 @@ def bert_launches(fast: bool, attention_only: bool = False) -> Iterator[Tuple[st
         for name, fn in (("attention", attention), ("bias_gelu", bias_gelu),
                          ("bias_dropout_residual_layernorm", bias_dropout_residual_layernorm),
                          ("embeddings", embeddings), ("mlm_head_loss", mlm_head_loss), ("lamb", lamb)):
-            if name == "attention" or not attention_only:
+            if name in ops:
                 yield f"{name} [{label}]", fn
 
 
 def record_launches(fast: bool, attention_only: bool = False) -> List[Launch]:
-    """Every distinct launch (kernel, flags, dtypes) the BERT settings make, with its candidates."""
+    """Every distinct launch (kernel, flags, dtypes) the report's BERT settings make, with its candidates."""
+    if attention_only:
+        dims = tuple(d for d in ATTENTION_HEAD_DIMS if d != 64)
+        return record_settings(ATTENTION_MATRIX, dims, ("attention",))
+    return record_settings(_matrix(fast), (64,) if fast else ATTENTION_HEAD_DIMS)
+
+
+def record_settings(settings: Sequence[Setting], head_dims: Sequence[int] = (64,), ops: Sequence[str] = OPS,
+                    padded_attention: bool = True) -> List[Launch]:
+    """Every distinct launch (kernel, flags, dtypes) at these settings, with its candidates and the
+    autotuner keys it was launched with (see bert_launches)."""
     from bertfast.kernels._common import compile_only
 
-    seen, launches = set(), []
-    for case, call in bert_launches(fast, attention_only):
-        def record(fn, grid, args, consts, configs, case=case):
-            key = (fn.__name__, tuple(sorted(consts.items())), _dtypes(args))
-            if key not in seen:
-                seen.add(key)
-                launches.append(Launch(fn, tuple(args), dict(consts), list(configs), case))
+    by_variant: Dict[tuple, Launch] = {}
+    for case, call in bert_launches(settings, head_dims, ops, padded_attention):
+        def record(fn, grid, args, consts, configs, key, case=case):
+            variant = (fn.__name__, tuple(sorted(consts.items())), _dtypes(args))
+            if variant not in by_variant:
+                by_variant[variant] = Launch(fn, tuple(args), dict(consts), list(configs), case)
+            if key is not None:
+                by_variant[variant].keys.add(key)
         with compile_only(record):
             call()
-    return launches
+    return list(by_variant.values())
 
 
 def _dtypes(args: Sequence) -> tuple:
@@ -289,6 +310,7 @@ def compile_triton(launches: Sequence[Launch], shard: Tuple[int, int] = (0, 1)) 
                 consts.update(config.all_kwargs())
             row = Row("triton", launch.fn.__name__, _describe(launch), _config_text(launch, config), order=index)
             log = io.StringIO()
+            start = time.perf_counter()
             try:
                 with contextlib.redirect_stdout(log):
                     kernel = launch.fn.warmup(*launch.args, grid=(1,), **consts)
@@ -296,6 +318,7 @@ def compile_triton(launches: Sequence[Launch], shard: Tuple[int, int] = (0, 1)) 
                 row.error = f"does not compile: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                 rows.append(row)
                 continue
+            row.compile_s = round(time.perf_counter() - start, 3)
             stats = parse_ptxas(log.getvalue()).get(launch.fn.__name__, {})
             if "registers" not in stats:
                 row.error = "no ptxas report (compiled from a cache?)"
@@ -348,17 +371,20 @@ def compile_cuda(nvcc: str, source_dir: Path, jobs: int) -> List[Row]:
     flags = ["-std=c++17", "-O3", "-lineinfo", f"-I{source_dir}", "-gencode",
              f"arch=compute_{TARGET_ARCH},code=sm_{TARGET_ARCH}", "-Xptxas", "-v", "-c"]
 
-    def one(src: Path) -> Tuple[Path, subprocess.CompletedProcess]:
+    def one(src: Path) -> Tuple[Path, subprocess.CompletedProcess, float]:
         with tempfile.TemporaryDirectory() as tmp:
-            return src, subprocess.run([nvcc, *flags, str(src), "-o", os.path.join(tmp, "k.o")],
-                                       capture_output=True, text=True)
+            start = time.perf_counter()
+            res = subprocess.run([nvcc, *flags, str(src), "-o", os.path.join(tmp, "k.o")], capture_output=True,
+                                 text=True)
+            return src, res, round(time.perf_counter() - start, 2)
 
     rows: List[Row] = []
     with ThreadPoolExecutor(max(1, jobs)) as pool:
         results = list(pool.map(one, sources))
-    for src, res in results:
+    for src, res, seconds in results:
         if res.returncode != 0:
-            rows.append(Row("cuda", src.name, "-", "-", error=f"nvcc failed: {res.stderr.strip()[-300:]}"))
+            rows.append(Row("cuda", src.name, "-", "-", error=f"nvcc failed: {res.stderr.strip()[-300:]}",
+                            compile_s=seconds))
             continue
         stats = parse_ptxas(res.stdout + res.stderr)
         names = _demangle(list(stats))
@@ -368,7 +394,7 @@ def compile_cuda(nvcc: str, source_dir: Path, jobs: int) -> List[Row]:
             rows.append(Row("cuda", f"{src.name}: {kernel.split('(')[0].split('::')[-1]}",
                             ("<" + variant.split(">(")[0] + ">") if variant else "-", "-",
                             registers=s.get("registers"), spill_stores=s.get("spill_stores"),
-                            spill_loads=s.get("spill_loads"), shared=s.get("smem")))
+                            spill_loads=s.get("spill_loads"), shared=s.get("smem"), compile_s=seconds))
     return rows
 
 

@@ -3,11 +3,14 @@
     plan                         the stages, their commands and estimated H100 minutes
     run --out DIR [--stage K]    run all stages (or stage K); logs and results in DIR
     run --out DIR --dry-run      the same on CPU: tiny shapes, every output labelled CPU
+        [--simulate MODE:STEP]   ... with a step failing, hanging or crashing, or (lost-machine)
+                                 every stage on a fresh machine (see simulate.py)
     land DIR                     file a GPU run under benchmarks/results/<gpu>/<date>/ and
                                  regenerate the README's result table
 
 DIR keeps everything a later stage or a later machine needs: the Triton cache with the
-autotuning results (DIR/cache/triton), the built CUDA extension (DIR/cache/ext), each stage's
+autotuning results (DIR/cache/triton), the built CUDA extension or its build error
+(DIR/cache/ext; machine.py restores from there), each stage's
 logs (DIR/stage<K>-<name>/), the benchmark results merged so far (DIR/results/) and a
 summary (DIR/summary.md, DIR/summary.json). Copy DIR off a GPU machine before it goes back.
 """
@@ -26,10 +29,12 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
-from bertfast.gpucheck.stages import (JOBS, OUT, PY, STAGE_LIMIT_MIN, STAGES, TOTAL_LIMIT_MIN, Stage, Step,
-                                      stage as get_stage)
+from bertfast.gpucheck import simulate
+from bertfast.gpucheck.machine import SKIP_ENV, Machine, error_excerpt
+from bertfast.gpucheck.stages import (EXTENSION, JOBS, OUT, PY, STAGE_LIMIT_MIN, STAGES, TOTAL_LIMIT_MIN, Stage,
+                                      Step, stage as get_stage)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,8 +48,13 @@ def plan_text(out: str = "gpu-out") -> str:
     for s in STAGES:
         lines.append(f"stage {s.number}  {s.minutes} min  {s.name}: {s.what}")
         lines.append(f"         make gpu-check STAGE={s.number} GPU_OUT={out}")
+        if s.restore_s:
+            lines.append(f"           {s.restore_s:4d} s  {'(fresh machine)':20s} re-install bertfast, copy the "
+                         f"extension back from {out}/cache/ext")
         for step in s.steps:
-            lines.append(f"           {step.limit_s:4d} s  {step.name:20s} {_show(step.argv, out)}")
+            needs = f"  [needs {', '.join(step.needs)}]" if step.needs else ""
+            lines.append(f"           {step.limit_s:4d} s  {step.name:20s} {_show(step.argv, out)}{needs}")
+            lines.append(f"           {'':4s}    {'':20s} sized: {step.sizing}")
         lines.append("")
     lines.append(f"total    {total} min (limit {TOTAL_LIMIT_MIN}; no stage over {STAGE_LIMIT_MIN})")
     return "\n".join(lines)
@@ -71,33 +81,6 @@ def _fill(arg: str, out: str, python: str = sys.executable) -> str:
 
 
 # --------------------------------------------------------------------------- running one step
-def _installed() -> bool:
-    """bertfast installed with its CUDA extension, as a fresh interpreter sees it (this one may have
-    started before the install)."""
-    probe = [sys.executable, "-c", "import bertfast.kernels, bertfast._C"]
-    return subprocess.run(probe, cwd=REPO, capture_output=True).returncode == 0
-
-
-def _extension_files() -> List[str]:
-    return glob.glob(os.path.join(REPO, "bertfast", "_C*.so"))
-
-
-def _restore_install(out: str, log) -> Optional[str]:
-    """On a fresh machine: install without building, reusing the extension kept in DIR/cache/ext."""
-    kept = glob.glob(os.path.join(out, "cache", "ext", "_C*.so"))
-    if not kept:
-        return "bertfast is not installed here and DIR/cache/ext holds no built extension: run stage 1 first"
-    env = dict(os.environ, BERTFAST_BUILD_CUDA="0")
-    res = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", REPO],
-                         env=env, capture_output=True, text=True)
-    if res.returncode != 0:
-        return f"re-install failed: {res.stderr[-500:]}"
-    for path in kept:
-        shutil.copy2(path, os.path.join(REPO, "bertfast", os.path.basename(path)))
-    log(f"re-installed bertfast and the CUDA extension kept in {os.path.dirname(kept[0])}")
-    return None
-
-
 def _kill(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -113,6 +96,18 @@ def _rejected_option(log_path: str) -> bool:
     """Did the command refuse to start over an option it does not know?"""
     head = open(log_path, errors="replace").read(4000).lower()
     return "option" in head and any(w in head for w in ("unknown", "unrecognized", "unrecognised", "invalid"))
+
+
+def _ended(returncode: int) -> Dict:
+    if returncode == 0:
+        return {"status": "ok", "detail": ""}
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return {"status": "crashed", "detail": f"killed by {name}"}
+    return {"status": "failed", "detail": f"exit {returncode}"}
 
 
 def run_step(step: Step, argv: List[str], env: Dict[str, str], log_path: str, limit_s: int) -> Dict:
@@ -151,8 +146,7 @@ def run_step(step: Step, argv: List[str], env: Dict[str, str], log_path: str, li
     seconds = round(time.time() - start, 1)
     if timed_out:
         return {"status": "timed out", "seconds": seconds, "detail": f"stopped at its {limit_s} s limit"}
-    status = "ok" if proc.returncode == 0 else "failed"
-    return {"status": status, "seconds": seconds, "detail": "" if status == "ok" else f"exit {proc.returncode}"}
+    return {"seconds": seconds, **_ended(proc.returncode)}
 
 
 # --------------------------------------------------------------------------- findings per step
@@ -163,23 +157,54 @@ def findings(step: Step, log_path: str, out: str, stage_dir: str) -> str:
     except OSError:
         return ""
     if step.name == "pytest":
-        m = re.findall(r"^=*\s*(\d+ (?:passed|failed|skipped|deselected|errors?)\b.*?) in [\d.]+s", text, re.M)
-        return m[-1] if m else "no pytest summary (stopped?)"
+        return _pytest_findings(text, os.path.join(out, stage_dir))
     if step.name in ("memcheck", "racecheck"):
         m = re.findall(r"ERROR SUMMARY: (\d+) error", text)
         calls = re.findall(r"^(?:ok|FAILED) ", text, re.M)
         head = f"{m[-1]} sanitizer error(s)" if m else "no sanitizer summary"
         return f"{head}; {len(calls)} call(s) run"
+    if step.name == "requirements":
+        lines = [ln for ln in text.splitlines() if ln.startswith(("all ", "MISSING:"))]
+        return lines[-1] if lines else ""
+    if step.name == "info":
+        lines = [ln for ln in text.splitlines() if ln.startswith("CUDA extension")]
+        return lines[-1] if lines else ""
     if step.bench_part:
         path = os.path.join(out, stage_dir, step.name, "results.json")
         if not os.path.exists(path):
             return "no results.json"
-        rows = json.load(open(path)).get("rows", [])
+        data = json.load(open(path))
         counts: Dict[str, int] = {}
-        for r in rows:
+        for r in data.get("rows", []):
             counts[r["status"]] = counts.get(r["status"], 0) + 1
-        return ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "no rows"
+        text = ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "no rows"
+        return text + _bench_state(data.get("config", {}))
     return ""
+
+
+def _bench_state(config: Dict) -> str:
+    """What a stopped bench's results.json says of itself (see bertfast.bench.cli)."""
+    if config.get("stopped"):
+        return f" (stopped: {config['stopped']})"
+    if config.get("partial"):
+        return " (partial: the bench did not finish; rows of the cases it completed)"
+    return ""
+
+
+def _pytest_findings(log_text: str, stage_dir: str) -> str:
+    """pytest's own summary line when it finished; else what the progress file recorded, with the tests
+    not reached (and those running when it stopped) listed in not-reached.txt."""
+    from bertfast.gpucheck.pytest_progress import read_progress
+
+    m = re.findall(r"^=*\s*(\d+ (?:passed|failed|skipped|deselected|errors?)\b.*?) in [\d.]+s", log_text, re.M)
+    if m:
+        return m[-1]
+    progress = read_progress(os.path.join(stage_dir, "progress.jsonl"))
+    if progress.running or progress.not_reached:
+        with open(os.path.join(stage_dir, "not-reached.txt"), "w") as fh:
+            fh.writelines(f"running when stopped: {t}\n" for t in progress.running)
+            fh.writelines(f"{t}\n" for t in progress.not_reached)
+    return progress.summary_line()
 
 
 def merge_results(out: str, log) -> Optional[str]:
@@ -196,8 +221,10 @@ def merge_results(out: str, log) -> Optional[str]:
 
 
 # --------------------------------------------------------------------------- running stages
-def _environment(out: str, dry_run: bool) -> Dict[str, str]:
+def _environment(out: str, dry_run: bool, machine: Machine) -> Dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", TRITON_CACHE_DIR=os.path.join(out, "cache", "triton"))
+    env.pop(SKIP_ENV, None)
+    env.update(machine.env())
     if dry_run:
         env.setdefault("TRITON_INTERPRET", "1")
     return env
@@ -212,61 +239,76 @@ def _command(step: Step, out: str, dry_run: bool, log) -> List[str]:
     return argv
 
 
-def _run_one(step: Step, out: str, stage_dir: str, dry_run: bool, log) -> Dict:
-    """One step's command with its environment and log; a rejected optional option is dropped once."""
-    argv = _command(step, out, dry_run, log)
-    env = _environment(out, dry_run)
+def _run_one(step: Step, out: str, stage_dir: str, dry_run: bool, machine: Machine, log,
+             simulated: Optional[str] = None) -> Dict:
+    """One step's command with its environment and log; a rejected optional option is dropped once.
+    simulated: the dry run's --simulate mode for this step (a stand-in command runs instead)."""
+    argv, limit = _command(step, out, dry_run, log), step.limit_s
+    if simulated:
+        argv, limit = simulate.stand_in(step.name, simulated, out, argv, limit)
+    env = _environment(out, dry_run, machine)
     env.update({k: _fill(v, out) for k, v in step.env.items()})
-    log(f"--- {step.name} (limit {step.limit_s} s): {' '.join(argv)}")
+    log(f"--- {step.name} (limit {limit} s){' SIMULATED ' + simulated if simulated else ''}: {' '.join(argv)}")
     log_path = os.path.join(stage_dir, f"{step.name}.log")
-    result = run_step(step, argv, env, log_path, step.limit_s)
+    result = run_step(step, argv, env, log_path, limit)
     if result["status"] == "failed" and step.optional_args and _rejected_option(log_path):
         argv = [a for a in argv if a not in step.optional_args]
         log(f"--- {step.name}: the tool rejected {' '.join(step.optional_args)}; again without it")
-        result = run_step(step, argv, env, log_path, step.limit_s)
+        result = run_step(step, argv, env, log_path, limit)
     result["findings"] = findings(step, log_path, out, os.path.basename(stage_dir))
+    if step.name == "build" and result["status"] != "ok":
+        result["findings"] = error_excerpt(log_path)
+    if simulated:
+        result["simulated"] = simulated
     log(f"--- {step.name}: {result['status']} in {result['seconds']:.0f} s. {result['findings']}")
     return result
 
 
-def run_stage(s: Stage, out: str, dry_run: bool, log) -> Dict:
-    """Every step of a stage, in order (a failing step does not stop the next: each is evidence)."""
+def run_stage(s: Stage, out: str, dry_run: bool, log, machine: Optional[Machine] = None,
+              simulated: Optional[Dict[str, str]] = None) -> Dict:
+    """Every step of a stage, in order. A failing step does not stop the next (each is evidence); a
+    step whose needs are unmet (no package, no extension) is skipped with the reason."""
+    machine = machine or Machine(out, dry_run, log)
+    simulated = simulated or {}
     stage_dir = os.path.join(out, s.dir_name)
     os.makedirs(stage_dir, exist_ok=True)
     log(f"=== stage {s.number} ({s.name}, {s.minutes} min): {s.what}")
-    records = []
-    install_checked = dry_run
+    machine.new_stage()
+    records: List[Dict] = []
+    builds = any(step.name == "build" for step in s.steps)
     for step in s.steps:
         record = {"step": step.name, "limit_s": step.limit_s}
-        records.append(record)
-        if dry_run and step.dry_argv == []:
-            record.update(status="skipped", seconds=0.0, detail=step.dry_note)
+        mode = simulated.get(step.name)
+        if dry_run and step.dry_argv == [] and not mode:
+            records.append(dict(record, status="skipped", seconds=0.0, detail=step.dry_note))
             log(f"--- {step.name}: skipped in the dry run ({step.dry_note})")
+            if step.name == "install":
+                machine.installed("ok", "")  # the installed package stands in for it
             continue
-        if step.needs_install and not install_checked:
-            problem = None if _installed() else _restore_install(out, log)
-            if problem:
-                record.update(status="failed", seconds=0.0, detail=problem)
-                log(f"--- {step.name}: {problem}")
-                continue
-            install_checked = True
-        record.update(_run_one(step, out, stage_dir, dry_run, log))
-        if step.name == "install" and record["status"] == "ok":
-            _keep_extension(out, log)
-            install_checked = True
+        done, looked = len(machine.restores), EXTENSION in machine.why_not
+        unmet = machine.unmet(step.needs)
+        records += machine.restores[done:]  # what was restored before this step, in the order it happened
+        if not looked and machine.why_not.get(EXTENSION) and not builds:
+            records.append({"step": "extension", "limit_s": 0, "status": "skipped", "seconds": 0.0,
+                            "detail": f"this stage runs without it: {machine.why_not[EXTENSION]}"})
+        if unmet:
+            records.append(dict(record, status="skipped", seconds=0.0, detail=unmet))
+            log(f"--- {step.name}: skipped: {unmet}")
+            continue
+        record.update(_run_one(step, out, stage_dir, dry_run, machine, log, mode))
+        records.append(record)
+        if step.name == "install":
+            machine.installed(record["status"], record.get("detail", ""))
+        elif step.name == "build":
+            machine.built(record["status"], record.get("detail", ""), os.path.join(stage_dir, "build.log"))
     if any(step.bench_part for step in s.steps):
         merge_results(out, log)
     status = "ok" if all(r["status"] in ("ok", "skipped") for r in records) else "failed"
+    if not dry_run and any(r["status"] == "skipped" and r["detail"].startswith(("needs ", "bertfast is not"))
+                           for r in records):
+        status = "failed"  # on the GPU a step that could not run is a finding, not a pass
     return {"stage": s.number, "name": s.name, "estimate_min": s.minutes, "status": status,
             "seconds": round(sum(r.get("seconds", 0.0) for r in records), 1), "steps": records}
-
-
-def _keep_extension(out: str, log) -> None:
-    ext_dir = os.path.join(out, "cache", "ext")
-    os.makedirs(ext_dir, exist_ok=True)
-    for path in _extension_files():
-        shutil.copy2(path, ext_dir)
-        log(f"kept {os.path.basename(path)} in {ext_dir} for later stages")
 
 
 def _device_label(dry_run: bool) -> str:
@@ -300,22 +342,35 @@ def summary_table(data: Dict) -> str:
     for s in data["stages"]:
         for r in s["steps"]:
             result = r.get("findings") or r.get("detail", "")
+            if r.get("status") not in ("ok", "skipped") and r.get("detail") and r["detail"] not in result:
+                result = f"{r['detail']}: {result}" if result else r["detail"]
+            if r.get("simulated"):
+                result = f"(simulated {r['simulated']}) {result}"
             lines.append(f"| {s['stage']} {s['name']} | {r['step']} | {r['status']} | "
-                         f"{r.get('seconds', 0):.0f} s / {r['limit_s']} s | {result} |")
+                         f"{r.get('seconds', 0):.0f} s / {r['limit_s']} s | {result.replace('|', '/')} |")
     return "\n".join(lines)
 
 
-def run(out: str, stage_numbers: List[int], dry_run: bool) -> int:
+def run(out: str, stage_numbers: List[int], dry_run: bool, simulations: Sequence[str] = ()) -> int:
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
     log = lambda text: print(f"[gpu-check] {text}", flush=True)  # noqa: E731
+    if simulations and not dry_run:
+        print("gpu-check: --simulate is for the CPU dry run (--dry-run) only", file=sys.stderr)
+        return 2
+    try:
+        modes, lost = simulate.parse(simulations, [step.name for s in STAGES for step in s.steps])
+    except ValueError as exc:
+        print(f"gpu-check: {exc}", file=sys.stderr)
+        return 2
     if not dry_run:
         import torch
         if not torch.cuda.is_available():
             print("gpu-check: torch sees no CUDA device. On a CPU machine use --dry-run (make gpu-check-dry).",
                   file=sys.stderr)
             return 2
-    results = [run_stage(get_stage(k), out, dry_run, log) for k in stage_numbers]
+    machine = Machine(out, dry_run, log, fresh=lost)
+    results = [run_stage(get_stage(k), out, dry_run, log, machine, modes) for k in stage_numbers]
     table = write_summary(out, results, dry_run)
     print()
     print(table)
@@ -344,7 +399,9 @@ def land(out: str, repo: str = REPO, date: Optional[str] = None) -> str:
     os.makedirs(dest, exist_ok=True)
     for path in glob.glob(os.path.join(out, "results", "*")):
         shutil.copy2(path, dest)
-    for path in glob.glob(os.path.join(out, "stage*", "*.log")) + [os.path.join(out, "summary.md"), summary_path]:
+    evidence = [p for pattern in ("*.log", "progress.jsonl", "not-reached.txt")
+                for p in glob.glob(os.path.join(out, "stage*", pattern))]
+    for path in evidence + [os.path.join(out, "summary.md"), summary_path]:
         name = os.path.basename(path)
         stage_dir = os.path.basename(os.path.dirname(path))
         shutil.copy2(path, os.path.join(dest, name if stage_dir == os.path.basename(out) else f"{stage_dir}-{name}"))
@@ -362,6 +419,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--out", required=True, help="directory for logs, results and caches")
     r.add_argument("--stage", type=int, action="append", help="stage number; repeat for several (default: all)")
     r.add_argument("--dry-run", action="store_true", help="on CPU: tiny shapes, labelled CPU")
+    r.add_argument("--simulate", action="append", default=[], metavar="MODE:STEP|lost-machine",
+                   help="dry run only: simulate a failure (fail:STEP, hang:STEP, crash:STEP; e.g. fail:build) or "
+                        "a machine lost between stages (lost-machine); repeat for several")
     la = sub.add_parser("land", help="file a GPU run under benchmarks/results/ and regenerate the README table")
     la.add_argument("out", help="the directory a GPU run wrote")
     la.add_argument("--date", default=None, help="YYYY-MM-DD for the directory name (default: the run's date)")
@@ -380,7 +440,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         numbers = args.stage or [s.number for s in STAGES]
         for k in numbers:
             get_stage(k)  # a clear error for an unknown stage before anything runs
-        return run(args.out, numbers, args.dry_run)
+        return run(args.out, numbers, args.dry_run, args.simulate)
     try:
         dest = land(args.out, date=args.date)
     except (FileNotFoundError, ValueError) as exc:

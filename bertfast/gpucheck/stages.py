@@ -3,35 +3,31 @@
 A step is one command with a log file and a wall-clock limit; the runner stops a step that
 reaches its limit, so a stage never takes longer than the sum of its steps' limits, and that
 sum, rounded up to whole minutes, is the stage's estimate. The benchmark steps also get a
-budget of their own (``--time-budget``), well inside the limit, so they stop starting new
-cases and still write what they measured.
+budget of their own (``--time-budget``), ending one costliest case before the limit, so they
+stop starting new cases in time and still write what they measured.
 
-The limits are one H100's (16 cores) worth, derived from counts and per-item costs measured
-or stated here; the first GPU run records each step's real duration in summary.json, and
-the limits are to be revised from it:
+Each limit comes from bertfast/gpucheck/sizing.py: what can be measured without a GPU (import
+times, nvcc's and Triton's compile times for sm_90, the candidates each case tunes) times stated
+per-item costs; `python -m bertfast.gpucheck.sizing` prints every formula with its numbers.
 
-  build     nvcc for sm_90 with one job per source: the slowest source (attention_bwd.cu)
-            takes ~40 s on one core, plus pip and the link
-  memcheck  the sanitizer's start-up under PyTorch dominates (~1 min), the calls are tiny
-  tests     ~400 tests on 16 workers, every Triton kernel compiled once per variant at its
-            fixed config (0.3-1.2 s each), no autotune benchmarking
-  headline  4 cases x (model build, two fp32 parity passes, ~20 timed steps each for 2
-            implementations) plus the autotuning of ~15 kernel variants, cached on disk
-  kernels   row ops, BERT-large shapes first (~24 cases of ~12 timings); attention, head dim 64
-            first (~36 cases of ~27 timings, the budget stops it); no torch.compile here
-  rest      the compiled baseline: torch.compile of BERT-large forward and backward twice (fp32
-            for the parity gate, bf16 autocast for the timing), assumed ~1-1.5 min each; the
-            fine-tuning padding case, inference, the MLM head. The kernel suite's torch.compile
-            rows (~30 compiles) only run in a full `bertfast bench`
+Each step says what it needs on the machine (``needs``): the installed package, the CUDA
+extension. A step whose need is unmet is skipped with the reason (a failed extension build is
+quoted), and the other steps still run: the Triton tests and the benchmarks never wait on the
+extension.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
+
+from bertfast.gpucheck import sizing
 
 PY = "{python}"      # replaced by the running interpreter
 OUT = "{out}"        # replaced by the output directory
 JOBS = "{jobs}"      # replaced by the CPU count
+
+PACKAGE = "package"      # bertfast installed: `import bertfast.kernels` works in a fresh interpreter
+EXTENSION = "extension"  # the CUDA extension bertfast._C built for this GPU and loadable
 
 
 @dataclass(frozen=True)
@@ -44,9 +40,10 @@ class Step:
     dry_argv: Optional[List[str]] = None
     dry_note: str = ""
     bench_part: bool = False   # a benchmark step: its results directory is merged into results/
-    needs_install: bool = True  # run only once bertfast (kernels, CUDA extension) is installed
+    needs: Tuple[str, ...] = (PACKAGE,)  # what must be on the machine (PACKAGE, EXTENSION) for it to run
     # Arguments to drop and retry without when the tool rejects them as an unknown option.
     optional_args: List[str] = field(default_factory=list)
+    sizing: str = ""           # how its limit was derived
 
 
 @dataclass(frozen=True)
@@ -57,8 +54,13 @@ class Stage:
     steps: List[Step]
 
     @property
+    def restore_s(self) -> int:
+        """A later stage may start on a fresh machine: bertfast is re-installed there first."""
+        return 0 if self.number == 1 else sizing.install().limit_s
+
+    @property
     def limit_s(self) -> int:
-        return sum(s.limit_s for s in self.steps)
+        return self.restore_s + sum(s.limit_s for s in self.steps)
 
     @property
     def minutes(self) -> int:
@@ -69,15 +71,37 @@ class Stage:
         return f"stage{self.number}-{self.name}"
 
 
+def _step(name: str, argv: List[str], estimate: sizing.Estimate, **kw) -> Step:
+    return Step(name, argv, estimate.limit_s, sizing=estimate.how, **kw)
+
+
 def _bench(name: str, stage_dir: str, limit_s: int, margin_s: int, args: List[str],
-           gpu_args: List[str] = ()) -> Step:
+           gpu_args: List[str] = (), sized: str = "", env: Optional[Dict[str, str]] = None) -> Step:
     """A benchmark step: its own time budget ends margin_s before the step's limit. gpu_args only
     on the GPU (case filters naming GPU shapes; the dry run's tiny cases would not match)."""
     out = f"{OUT}/{stage_dir}/{name}"
     budget = ["--time-budget", str(limit_s - margin_s), "--out", out]
     argv = [PY, "-m", "bertfast.bench", *args, *gpu_args, *budget]
     dry = [PY, "-m", "bertfast.bench", *args, "--device", "cpu", "--quick", *budget]  # tiny CPU shapes
-    return Step(name, argv, limit_s, dry_argv=dry, bench_part=True)
+    return Step(name, argv, limit_s, env=dict(env or {}), dry_argv=dry, bench_part=True,
+                sizing=sized or f"a budget, not an estimate: cases start until --time-budget {limit_s - margin_s} s;"
+                                f" {margin_s} s (stated) lets the costliest case finish")
+
+
+HEADLINE_CAP_S = 360  # stage 3 may take 6 minutes; beyond that its tuning does not fit
+
+
+def headline_step(cap_s: int = HEADLINE_CAP_S) -> Step:
+    """The pre-training cases, autotuned where the tuning fits within cap_s; otherwise every kernel
+    runs its first candidate (BERTFAST_AUTOTUNE=0), which stage 2 has compiled into the shared
+    Triton cache, and the results say so."""
+    args = ["--suite", "model", "--models", "pretrain", "--impls", "bertfast,transformers", "--no-compile"]
+    tuned, margin = sizing.bench(sizing.headline_cases(tuned=True), "tuned")
+    if tuned.limit_s <= cap_s:
+        return _bench("pretrain", "stage3-headline", tuned.limit_s, margin, args, sized=tuned.how)
+    fixed, margin = sizing.bench(sizing.headline_cases(tuned=False), "fixed configs (tuning would not fit)")
+    return _bench("pretrain", "stage3-headline", min(fixed.limit_s, cap_s), margin, args, sized=fixed.how,
+                  env={"BERTFAST_AUTOTUNE": "0"})
 
 
 SANITIZE = [PY, "-m", "bertfast.gpucheck.sanitize", "--backend", "cuda"]
@@ -85,37 +109,38 @@ SANITIZE = [PY, "-m", "bertfast.gpucheck.sanitize", "--backend", "cuda"]
 KERNEL_FILTER = ["--kernel-name", "kns=bertfast"]
 SANITIZER = ["compute-sanitizer", *KERNEL_FILTER, "--error-exitcode", "1"]
 ROW_OPS = "bias_gelu,bias_dropout_residual_layernorm,embeddings"
+PROGRESS = ["-p", "bertfast.gpucheck.pytest_progress", "--progress-file", f"{OUT}/stage2-tests/progress.jsonl"]
+PYTEST = [PY, "-m", "pytest", "-m", "gpu or gpu_capable", "tests", "-p", "no:cacheprovider", *PROGRESS,
+          "--junitxml", f"{OUT}/stage2-tests/junit.xml"]
 
 STAGES: List[Stage] = [
-    Stage(1, "build", "install (CUDA extension for sm_90, all cores), bertfast info, compute-sanitizer memcheck "
-          "and racecheck on every CUDA op, forward and backward, dropout on", [
-              Step("install", [PY, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", "."], 90,
-                   env={"BERTFAST_BUILD_CUDA": "1", "BERTFAST_CUDA_ARCHS": "90", "MAX_JOBS": JOBS},
-                   dry_argv=[], dry_note="the CPU dry run uses the installed package", needs_install=False),
-              Step("info", [PY, "-m", "bertfast.cli", "info"], 20),
-              Step("memcheck", SANITIZER + ["--tool", "memcheck"] + SANITIZE, 90,
-                   dry_argv=[PY, "-m", "bertfast.gpucheck.sanitize", "--backend", "torch", "--device", "cpu"],
-                   dry_note="no GPU: the same calls on the torch backend, without compute-sanitizer",
-                   optional_args=KERNEL_FILTER),
-              Step("racecheck", SANITIZER + ["--tool", "racecheck"] + SANITIZE, 90,
-                   dry_argv=[], dry_note="no GPU: covered by the memcheck step's dry run",
-                   optional_args=KERNEL_FILTER),
+    Stage(1, "build", "install, the requirements' versions, the CUDA extension for sm_90 (all cores), bertfast "
+          "info, compute-sanitizer memcheck and racecheck on every CUDA op, forward and backward, dropout on", [
+              _step("install", [PY, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", "."],
+                    sizing.install(), env={"BERTFAST_BUILD_CUDA": "0"}, dry_argv=[],
+                    dry_note="the CPU dry run uses the installed package", needs=()),
+              _step("requirements", [PY, "-m", "bertfast.gpucheck.requirements"], sizing.requirements(),
+                    needs=()),
+              _step("build", [PY, "setup.py", "build_ext", "--inplace"], sizing.build(),
+                    env={"BERTFAST_BUILD_CUDA": "1", "BERTFAST_CUDA_ARCHS": "90", "MAX_JOBS": JOBS},
+                    dry_argv=[], dry_note="the CPU dry run uses the extension built at install, if any", needs=()),
+              _step("info", [PY, "-m", "bertfast.cli", "info"], sizing.info()),
+              _step("memcheck", SANITIZER + ["--tool", "memcheck"] + SANITIZE, sizing.memcheck(),
+                    dry_argv=[PY, "-m", "bertfast.gpucheck.sanitize", "--backend", "torch", "--device", "cpu"],
+                    dry_note="no GPU: the same calls on the torch backend, without compute-sanitizer",
+                    optional_args=KERNEL_FILTER, needs=(PACKAGE, EXTENSION)),
+              _step("racecheck", SANITIZER + ["--tool", "racecheck"] + SANITIZE, sizing.racecheck(),
+                    dry_argv=[], dry_note="no GPU: covered by the memcheck step's dry run",
+                    optional_args=KERNEL_FILTER, needs=(PACKAGE, EXTENSION)),
           ]),
     Stage(2, "tests", "correctness: every GPU test and every test that runs on CUDA when it can (the kernel "
           "tests too), in parallel, each autotuned kernel at its fixed first config (BERTFAST_AUTOTUNE=0)", [
-              Step("pytest", [PY, "-m", "pytest", "-m", "gpu or gpu_capable", "tests", "-p", "no:cacheprovider",
-                              "-n", JOBS, "-rfE", "--durations=15", "--junitxml", f"{OUT}/stage2-tests/junit.xml"],
-                   300, env={"BERTFAST_AUTOTUNE": "0"},
-                   dry_argv=[PY, "-m", "pytest", "-m", "gpu or gpu_capable", "tests", "-p", "no:cacheprovider",
-                             "-q", "-rfE", "--junitxml", f"{OUT}/stage2-tests/junit.xml"],
-                   dry_note="no GPU: the same selection on CPU (Triton interpreter; GPU-marked tests skip)"),
+              _step("pytest", PYTEST[:3] + ["-n", JOBS, "-rfE", "--durations=15"] + PYTEST[3:], sizing.tests(),
+                    env={"BERTFAST_AUTOTUNE": "0"}, dry_argv=PYTEST + ["-q", "-rfE"],
+                    dry_note="no GPU: the same selection on CPU (Triton interpreter; GPU-marked tests skip)"),
           ]),
-    Stage(3, "headline", "BERT-base and BERT-large pre-training steps (seq 128 and 512) against transformers "
-          "eager sdpa on the same weights", [
-              _bench("pretrain", "stage3-headline", 300, 60,
-                     ["--suite", "model", "--models", "pretrain", "--impls", "bertfast,transformers",
-                      "--no-compile"]),
-          ]),
+    Stage(3, "headline", "BERT-base and BERT-large pre-training steps (seq 128 and 512; BERT-large seq 128, the "
+          "headline, first) against transformers eager sdpa on the same weights", [headline_step()]),
     Stage(4, "kernels", "the kernel suite for the row ops and attention (bertfast backends, torch eager, SDPA "
           "flash / memory-efficient / cuDNN; dropout cases; fp32-parameter cases)", [
               _bench("row-ops", "stage4-kernels", 120, 30,
