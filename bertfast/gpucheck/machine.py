@@ -108,8 +108,9 @@ class Machine:
     def installed(self, status: str, detail: str) -> None:
         self.why_not[PACKAGE] = "" if status == "ok" else f"the install step {status} ({detail})"
 
-    def built(self, status: str, detail: str, log_path: str) -> None:
-        """Keep the extension for later stages, or record why it is missing."""
+    def built(self, status: str, detail: str, error: str) -> None:
+        """Keep the extension for later stages, or record why it is missing (error: the build log's
+        excerpt, error_excerpt)."""
         os.makedirs(ext_dir(self.out), exist_ok=True)
         if status == "ok":
             for path in glob.glob(os.path.join(REPO, "bertfast", "_C*.so")):
@@ -117,7 +118,7 @@ class Machine:
                 self.log(f"kept {os.path.basename(path)} in {ext_dir(self.out)} for later stages")
             record = {"ok": True, "error": ""}
         else:
-            record = {"ok": False, "error": f"{status}, {detail}: {error_excerpt(log_path)}"}
+            record = {"ok": False, "error": f"{status}, {detail}: {error}"}
         with open(os.path.join(ext_dir(self.out), "build.json"), "w") as fh:
             json.dump(record, fh)
         self.why_not.pop(EXTENSION, None)  # looked at again by the next step that needs it

@@ -32,11 +32,9 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from bertfast.gpucheck import simulate
-from bertfast.gpucheck.machine import SKIP_ENV, Machine, error_excerpt
+from bertfast.gpucheck.machine import REPO, SKIP_ENV, Machine, error_excerpt
 from bertfast.gpucheck.stages import (EXTENSION, JOBS, OUT, PY, STAGE_LIMIT_MIN, STAGES, TOTAL_LIMIT_MIN, Stage,
                                       Step, stage as get_stage)
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # --------------------------------------------------------------------------- plan
@@ -276,6 +274,7 @@ def run_stage(s: Stage, out: str, dry_run: bool, log, machine: Optional[Machine]
     machine.new_stage()
     records: List[Dict] = []
     builds = any(step.name == "build" for step in s.steps)
+    could_not_run = False  # a step skipped for an unmet need (not a dry-run skip)
     for step in s.steps:
         record = {"step": step.name, "limit_s": step.limit_s}
         mode = simulated.get(step.name)
@@ -292,6 +291,7 @@ def run_stage(s: Stage, out: str, dry_run: bool, log, machine: Optional[Machine]
             records.append({"step": "extension", "limit_s": 0, "status": "skipped", "seconds": 0.0,
                             "detail": f"this stage runs without it: {machine.why_not[EXTENSION]}"})
         if unmet:
+            could_not_run = True
             records.append(dict(record, status="skipped", seconds=0.0, detail=unmet))
             log(f"--- {step.name}: skipped: {unmet}")
             continue
@@ -300,12 +300,11 @@ def run_stage(s: Stage, out: str, dry_run: bool, log, machine: Optional[Machine]
         if step.name == "install":
             machine.installed(record["status"], record.get("detail", ""))
         elif step.name == "build":
-            machine.built(record["status"], record.get("detail", ""), os.path.join(stage_dir, "build.log"))
+            machine.built(record["status"], record.get("detail", ""), record.get("findings", ""))
     if any(step.bench_part for step in s.steps):
         merge_results(out, log)
     status = "ok" if all(r["status"] in ("ok", "skipped") for r in records) else "failed"
-    if not dry_run and any(r["status"] == "skipped" and r["detail"].startswith(("needs ", "bertfast is not"))
-                           for r in records):
+    if could_not_run and not dry_run:
         status = "failed"  # on the GPU a step that could not run is a finding, not a pass
     return {"stage": s.number, "name": s.name, "estimate_min": s.minutes, "status": status,
             "seconds": round(sum(r.get("seconds", 0.0) for r in records), 1), "steps": records}

@@ -167,13 +167,11 @@ def headline_cases(tuned: bool = True) -> List[CaseCost]:
     m = measured()
     out = []
     for entry in m["headline"]:
-        compile_s = sum(n * m["triton"][k]["mean_s"] for k, n in
-                        (entry["compiles"] if tuned else entry["first_compiles"]).items()) / CPU_SPEED
+        compiles = entry["compiles"] if tuned else entry["first_compiles"]  # per kernel
+        compile_s = sum(n * m["triton"][k]["mean_s"] for k, n in compiles.items()) / CPU_SPEED
         timings = entry["timings"] if tuned else 0
-        compiles = sum((entry["compiles"] if tuned else entry["first_compiles"]).values())
-        model = entry["case"][0]
-        out.append(CaseCost(tuple(entry["case"]), compiles, timings, compile_s + timings * TUNE_TIMING_S,
-                            CASE_S[model]))
+        out.append(CaseCost(tuple(entry["case"]), sum(compiles.values()), timings,
+                            compile_s + timings * TUNE_TIMING_S, CASE_S[entry["case"][0]]))
     return out
 
 
