@@ -5,7 +5,7 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test gpu-plan gpu-check gpu-check-dry gpu-land gpu-sizing compile-report bench info
+.PHONY: install demo test gpu-plan gpu-check gpu-check-dry gpu-loan gpu-land gpu-sizing compile-report bench info
 
 install:
 	$(PYTHON) -m pip install --quiet "$(TORCH_SPEC)"
@@ -19,7 +19,7 @@ demo: install
 test: install
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
 
-# The GPU check, staged to fit a GPU machine lent for ~25 minutes (commands of <= 10 minutes).
+# The GPU check, staged to fit GPU machines lent for 15 minutes (commands of <= 10 minutes).
 # `make gpu-plan` prints the stages with their estimated minutes; `make gpu-check` runs them all,
 # `make gpu-check STAGE=k` one; logs, results and caches go to $(GPU_OUT). On the GPU machine
 # (torch/triton/transformers preinstalled, no network) nothing else is needed: stage 1 installs.
@@ -34,6 +34,13 @@ gpu-plan:
 
 gpu-check:
 	$(PYTHON) -m bertfast.gpucheck run --out $(GPU_OUT) $(if $(STAGE),--stage $(STAGE))
+
+# A 15-minute loan: PART=1 (build, sanitizers beside the tests), then at once PART=2 (headline, profile,
+# what fits of stages 4-5) on the still-warm machine; BUNDLE gets gpu-run.tgz (logs, no caches).
+PART ?= 1
+BUNDLE ?= $(GPU_OUT)
+gpu-loan:
+	PYTHON=$(PYTHON) scripts/gpu-loan.sh $(PART) $(GPU_OUT) $(BUNDLE)
 
 SIMULATE ?=
 gpu-check-dry:

@@ -721,3 +721,34 @@ def test_gpu_small_kernels_are_timed_by_graph_replay():
     t, method = time_small(lambda: x.mul_(1.0), torch.device("cuda"))
     assert method == GRAPH_REPLAY and 0 < t.median < 0.05
     assert host_overhead_us(lambda: x.mul_(1.0), torch.device("cuda")).median > 0
+
+
+def test_mlm_head_gemm_floor_of_each_case_uses_that_cases_sizes(monkeypatch):
+    """The GPU run's cases are BERT-base then BERT-large: the floor of the first once multiplied by
+    the second's hidden size (a closure reading the loop's last value). Two CPU shapes of different
+    widths stand in for them."""
+    from bertfast.bench import kernel_cases
+    shapes = [("a", 2, 8, 16, 50), ("b", 2, 8, 24, 60)]
+    monkeypatch.setattr(kernel_cases, "_row_shapes", lambda ctx, full, quick, cpu: shapes)
+    cases = kernel_cases.mlm_head_loss_cases(_cpu_ctx())
+    assert [c.case["hidden"] for c in cases] == [16, 24]
+    for case in cases:
+        floor = next(i for i in case.impls if i.name == GEMM_FLOOR).build(torch.float32)
+        rows, dense, decoder = floor.leaves
+        assert rows.shape == (case.case["predictions"], case.case["hidden"])
+        assert decoder.shape == (case.case["vocab"], case.case["hidden"])
+        assert floor.forward().shape == (case.case["predictions"], case.case["vocab"])
+
+
+def test_profile_writes_where_a_steps_time_goes(tmp_path):
+    """bertfast.bench.profile (the GPU check runs it after the headline) on CPU: the report per
+    implementation and the side-by-side summary; an unknown implementation is a clear error."""
+    from bertfast.bench import profile
+    out = tmp_path / "prof"
+    assert profile.main(["--device", "cpu", "--model", "tiny", "--seqlen", "16", "--batch", "2", "--warmup", "1",
+                         "--steps", "1", "--impls", "bertfast", "--out", str(out)]) == 0
+    text = (out / "bertfast.txt").read_text()
+    assert text.startswith("tiny seq 16 batch 2, fp32 on CPU") and "wall per step" in text
+    assert "aten::" in text  # the host ops by self time
+    assert "bertfast" in (out / "summary.txt").read_text()
+    assert profile.main(["--device", "cpu", "--impls", "bertfast,deepspeed", "--out", str(out)]) == 2

@@ -40,7 +40,7 @@ def _batch(seed: int, batch: int = 4, seqlen: int = S):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(seqlen // 2, seqlen + 1, (batch,), generator=g)
     mask = (torch.arange(seqlen)[None] < lengths[:, None]).long()
-    ids = torch.randint(5, 1000, (batch, seqlen), generator=g) * mask
+    ids = torch.randint(5, BertConfig.preset("tiny").vocab_size, (batch, seqlen), generator=g) * mask
     labels = torch.where((torch.rand(batch, seqlen, generator=g) < 0.15) & mask.bool(), ids, -100)
     padded = dict(input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids), labels=labels,
                   next_sentence_label=torch.randint(0, 2, (batch,), generator=g))

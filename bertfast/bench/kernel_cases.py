@@ -466,8 +466,9 @@ def mlm_head_loss_cases(ctx: SuiteContext) -> List[OpCase]:
             from bertfast.ops import mlm_head_loss
             return mlm_head_loss(hidden, labels, dw, db, lw, lb, EPS, decw, decb).loss
 
-        def floor(dtype, data=data, m=m):
-            """The head's GEMMs alone at the labelled rows: transform dense + decoder, fwd and bwd (cuBLAS)."""
+        def floor(dtype, data=data, m=m, h=h, vocab=vocab):
+            """The head's GEMMs alone at the labelled rows: transform dense + decoder, fwd and bwd (cuBLAS).
+            Every loop value it reads is bound here: a later case must not see this one's sizes."""
             g = generator_for("mlm_floor", m, h, vocab)
             rows = torch.randn(m, h, generator=g).to(dev, dtype).requires_grad_(True)
             dw = _leaf(data["dense_w"], dtype)

@@ -1,4 +1,5 @@
-"""The GPU check, built to fit a fresh GPU machine that is lent for about 25 minutes.
+"""The GPU check, built to fit fresh GPU machines lent for 15 minutes at a time (scripts/gpu-loan.sh
+runs stages 1-3 in one loan).
 
 ``python -m bertfast.gpucheck plan`` (``make gpu-plan``) prints the stages with their estimated
 minutes; ``python -m bertfast.gpucheck run [--stage K] --out DIR`` (``make gpu-check``) runs

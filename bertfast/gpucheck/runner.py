@@ -2,6 +2,8 @@
 
     plan                         the stages, their commands and estimated H100 minutes
     run --out DIR [--stage K]    run all stages (or stage K); logs and results in DIR
+        [--step S | --skip S]    only these steps of them, or all but these (e.g. the sanitizers
+                                 in a second process beside stage 2: see docs/gpu-check.md)
     run --out DIR --dry-run      the same on CPU: tiny shapes, every output labelled CPU
         [--simulate MODE:STEP]   ... with a step failing, hanging or crashing, or (lost-machine)
                                  every stage on a fresh machine (see simulate.py)
@@ -17,7 +19,9 @@ summary (DIR/summary.md, DIR/summary.json). Copy DIR off a GPU machine before it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
+import fcntl
 import glob
 import importlib.util
 import json
@@ -157,10 +161,7 @@ def findings(step: Step, log_path: str, out: str, stage_dir: str) -> str:
     if step.name == "pytest":
         return _pytest_findings(text, os.path.join(out, stage_dir))
     if step.name in ("memcheck", "racecheck"):
-        m = re.findall(r"ERROR SUMMARY: (\d+) error", text)
-        calls = re.findall(r"^(?:ok|FAILED) ", text, re.M)
-        head = f"{m[-1]} sanitizer error(s)" if m else "no sanitizer summary"
-        return f"{head}; {len(calls)} call(s) run"
+        return _sanitizer_findings(text)
     if step.name == "requirements":
         lines = [ln for ln in text.splitlines() if ln.startswith(("all ", "MISSING:"))]
         return lines[-1] if lines else ""
@@ -187,6 +188,23 @@ def _bench_state(config: Dict) -> str:
     if config.get("partial"):
         return " (partial: the bench did not finish; rows of the cases it completed)"
     return ""
+
+
+def _sanitizer_findings(text: str) -> str:
+    """memcheck ends with 'ERROR SUMMARY: N errors', racecheck with 'RACECHECK SUMMARY: N hazards
+    displayed (E errors, W warnings)'; an internal sanitizer error is named (it is not the kernel's)."""
+    m = re.findall(r"ERROR SUMMARY: (\d+) error", text)
+    race = re.findall(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)", text)
+    calls = re.findall(r"^(?:ok|FAILED) ", text, re.M)
+    failed = re.findall(r"^FAILED (\S+ \S+):", text, re.M)
+    if race:
+        head = f"{race[-1][1]} race error(s), {race[-1][2]} warning(s)"
+    else:
+        head = f"{m[-1]} sanitizer error(s)" if m else "no sanitizer summary"
+    if "Internal Sanitizer Error" in text:
+        head += " (one is compute-sanitizer's own internal error: '" + \
+            re.findall(r"Internal Sanitizer Error: ([^\n]*)", text)[0].strip() + "')"
+    return f"{head}; {len(calls)} call(s) run" + (f"; failing: {', '.join(failed)}" if failed else "")
 
 
 def _pytest_findings(log_text: str, stage_dir: str) -> str:
@@ -238,10 +256,11 @@ def _command(step: Step, out: str, dry_run: bool, log) -> List[str]:
 
 
 def _run_one(step: Step, out: str, stage_dir: str, dry_run: bool, machine: Machine, log,
-             simulated: Optional[str] = None) -> Dict:
+             simulated: Optional[str] = None, limit: Optional[int] = None) -> Dict:
     """One step's command with its environment and log; a rejected optional option is dropped once.
-    simulated: the dry run's --simulate mode for this step (a stand-in command runs instead)."""
-    argv, limit = _command(step, out, dry_run, log), step.limit_s
+    simulated: the dry run's --simulate mode for this step (a stand-in command runs instead);
+    limit: the step's limit cut short by a deadline (default: its own)."""
+    argv, limit = _command(step, out, dry_run, log), limit or step.limit_s
     if simulated:
         argv, limit = simulate.stand_in(step.name, simulated, out, argv, limit)
     env = _environment(out, dry_run, machine)
@@ -262,20 +281,27 @@ def _run_one(step: Step, out: str, stage_dir: str, dry_run: bool, machine: Machi
     return result
 
 
+MIN_STEP_S = 15  # under a deadline, a step with less time left than this is not started
+
+
 def run_stage(s: Stage, out: str, dry_run: bool, log, machine: Optional[Machine] = None,
-              simulated: Optional[Dict[str, str]] = None) -> Dict:
-    """Every step of a stage, in order. A failing step does not stop the next (each is evidence); a
-    step whose needs are unmet (no package, no extension) is skipped with the reason."""
+              simulated: Optional[Dict[str, str]] = None, only: Optional[Sequence[str]] = None,
+              until: Optional[float] = None) -> Dict:
+    """Every step of a stage (or those named in ``only``), in order. A failing step does not stop the
+    next (each is evidence); a step whose needs are unmet (no package, no extension) is skipped with
+    the reason. Steps left out by ``only`` leave no record: the summary keeps their earlier one.
+    until: a deadline (epoch seconds, the loan's end): each step's limit is cut to the time left, and
+    a step with less than MIN_STEP_S left is skipped, so the command ends in time with its logs."""
     machine = machine or Machine(out, dry_run, log)
     simulated = simulated or {}
+    steps = [step for step in s.steps if only is None or step.name in only]
     stage_dir = os.path.join(out, s.dir_name)
     os.makedirs(stage_dir, exist_ok=True)
     log(f"=== stage {s.number} ({s.name}, {s.minutes} min): {s.what}")
     machine.new_stage()
     records: List[Dict] = []
-    builds = any(step.name == "build" for step in s.steps)
-    could_not_run = False  # a step skipped for an unmet need (not a dry-run skip)
-    for step in s.steps:
+    builds = any(step.name == "build" for step in steps)
+    for step in steps:
         record = {"step": step.name, "limit_s": step.limit_s}
         mode = simulated.get(step.name)
         if dry_run and step.dry_argv == [] and not mode:
@@ -291,23 +317,59 @@ def run_stage(s: Stage, out: str, dry_run: bool, log, machine: Optional[Machine]
             records.append({"step": "extension", "limit_s": 0, "status": "skipped", "seconds": 0.0,
                             "detail": f"this stage runs without it: {machine.why_not[EXTENSION]}"})
         if unmet:
-            could_not_run = True
-            records.append(dict(record, status="skipped", seconds=0.0, detail=unmet))
+            # on the GPU a step that could not run is a finding, not a pass: its stage fails
+            records.append(dict(record, status="skipped", seconds=0.0, detail=unmet, unmet=not dry_run))
             log(f"--- {step.name}: skipped: {unmet}")
             continue
-        record.update(_run_one(step, out, stage_dir, dry_run, machine, log, mode))
+        limit = step.limit_s
+        if until is not None:
+            left = int(until - time.time())
+            if left < MIN_STEP_S:
+                records.append(dict(record, status="skipped", seconds=0.0,
+                                    detail=f"not started: {max(left, 0)} s left before the deadline"))
+                log(f"--- {step.name}: not started, {max(left, 0)} s left before the deadline")
+                continue
+            if left < limit:
+                limit = record["limit_s"] = left
+                record["cut_from_s"] = step.limit_s
+        record.update(_run_one(step, out, stage_dir, dry_run, machine, log, mode, limit))
         records.append(record)
         if step.name == "install":
             machine.installed(record["status"], record.get("detail", ""))
         elif step.name == "build":
             machine.built(record["status"], record.get("detail", ""), record.get("findings", ""))
-    if any(step.bench_part for step in s.steps):
+    if any(step.bench_part for step in steps):
         merge_results(out, log)
-    status = "ok" if all(r["status"] in ("ok", "skipped") for r in records) else "failed"
-    if could_not_run and not dry_run:
-        status = "failed"  # on the GPU a step that could not run is a finding, not a pass
-    return {"stage": s.number, "name": s.name, "estimate_min": s.minutes, "status": status,
+    return _stage_record(s, records)
+
+
+def _stage_record(s: Stage, records: List[Dict]) -> Dict:
+    bad = [r for r in records if r["status"] not in ("ok", "skipped") or r.get("unmet")]
+    return {"stage": s.number, "name": s.name, "estimate_min": s.minutes, "status": "failed" if bad else "ok",
             "seconds": round(sum(r.get("seconds", 0.0) for r in records), 1), "steps": records}
+
+
+def _merge_stage(previous: Dict, new: Dict) -> Dict:
+    """A stage's record after a run of some of its steps: each step's newest record, in the stage's order
+    (rows that are not steps, the restores, keep their place before the steps)."""
+    names = {r["step"] for r in new["steps"]}
+    kept = [r for r in previous["steps"] if r["step"] not in names] + new["steps"]
+    s = get_stage(new["stage"])
+    order = {step.name: i for i, step in enumerate(s.steps)}
+    kept.sort(key=lambda r: order.get(r["step"], -1))
+    return _stage_record(s, kept)
+
+
+@contextlib.contextmanager
+def _locked(out: str):
+    """Two `run`s may share a GPU_OUT at once (the sanitizers beside stage 2): one writes the summary
+    at a time."""
+    with open(os.path.join(out, "summary.lock"), "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _device_label(dry_run: bool) -> str:
@@ -318,21 +380,25 @@ def _device_label(dry_run: bool) -> str:
 
 
 def write_summary(out: str, stages: List[Dict], dry_run: bool) -> str:
-    """summary.json (every run stage so far, newest result per stage) and summary.md; returns the table."""
+    """summary.json (every stage run so far, each step's newest result) and summary.md; returns the table."""
     path = os.path.join(out, "summary.json")
-    previous = json.load(open(path)) if os.path.exists(path) else {}
-    if previous.get("dry_run", dry_run) != dry_run:
-        previous = {}
-    by_stage = {s["stage"]: s for s in previous.get("stages", [])}
-    by_stage.update({s["stage"]: s for s in stages})
-    data = {"device": _device_label(dry_run), "dry_run": dry_run,
-            "updated": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "stages": [by_stage[k] for k in sorted(by_stage)]}
-    with open(path, "w") as fh:
-        json.dump(data, fh, indent=1)
-    table = summary_table(data)
-    with open(os.path.join(out, "summary.md"), "w") as fh:
-        fh.write(f"# GPU check: {data['device']}\n\n{table}\n")
+    device = _device_label(dry_run)
+    with _locked(out):
+        previous = json.load(open(path)) if os.path.exists(path) else {}
+        if previous.get("dry_run", dry_run) != dry_run:
+            previous = {}
+        by_stage = {s["stage"]: s for s in previous.get("stages", [])}
+        for s in stages:
+            by_stage[s["stage"]] = _merge_stage(by_stage[s["stage"]], s) if s["stage"] in by_stage else s
+        data = {"device": device, "dry_run": dry_run,
+                "updated": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+                "stages": [by_stage[k] for k in sorted(by_stage)]}
+        with open(path + ".tmp", "w") as fh:
+            json.dump(data, fh, indent=1)
+        os.replace(path + ".tmp", path)
+        table = summary_table(data)
+        with open(os.path.join(out, "summary.md"), "w") as fh:
+            fh.write(f"# GPU check: {data['device']}\n\n{table}\n")
     return table
 
 
@@ -345,12 +411,30 @@ def summary_table(data: Dict) -> str:
                 result = f"{r['detail']}: {result}" if result else r["detail"]
             if r.get("simulated"):
                 result = f"(simulated {r['simulated']}) {result}"
+            if r.get("cut_from_s"):
+                result = f"{result} (limit cut from {r['cut_from_s']} s by the deadline)".strip()
             lines.append(f"| {s['stage']} {s['name']} | {r['step']} | {r['status']} | "
                          f"{r.get('seconds', 0):.0f} s / {r['limit_s']} s | {result.replace('|', '/')} |")
     return "\n".join(lines)
 
 
-def run(out: str, stage_numbers: List[int], dry_run: bool, simulations: Sequence[str] = ()) -> int:
+def step_filter(stage_numbers: List[int], steps: Sequence[str] = (), skip: Sequence[str] = ()
+                ) -> Dict[int, Optional[List[str]]]:
+    """Each stage's steps to run (None: all) for --step / --skip; a name no chosen stage has is an error."""
+    known = {step.name for k in stage_numbers for step in get_stage(k).steps}
+    for name in [*steps, *skip]:
+        if name not in known:
+            raise ValueError(f"expected a step of stage(s) {', '.join(map(str, stage_numbers))} "
+                             f"({', '.join(sorted(known))}), got {name!r}")
+    if not steps and not skip:
+        return {k: None for k in stage_numbers}
+    chosen = {k: [st.name for st in get_stage(k).steps if (not steps or st.name in steps) and st.name not in skip]
+              for k in stage_numbers}
+    return {k: names for k, names in chosen.items() if names}
+
+
+def run(out: str, stage_numbers: List[int], dry_run: bool, simulations: Sequence[str] = (),
+        steps: Sequence[str] = (), skip: Sequence[str] = (), until: Optional[float] = None) -> int:
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
     log = lambda text: print(f"[gpu-check] {text}", flush=True)  # noqa: E731
@@ -359,6 +443,7 @@ def run(out: str, stage_numbers: List[int], dry_run: bool, simulations: Sequence
         return 2
     try:
         modes, lost = simulate.parse(simulations, [step.name for s in STAGES for step in s.steps])
+        chosen = step_filter(stage_numbers, steps, skip)
     except ValueError as exc:
         print(f"gpu-check: {exc}", file=sys.stderr)
         return 2
@@ -369,7 +454,8 @@ def run(out: str, stage_numbers: List[int], dry_run: bool, simulations: Sequence
                   file=sys.stderr)
             return 2
     machine = Machine(out, dry_run, log, fresh=lost)
-    results = [run_stage(get_stage(k), out, dry_run, log, machine, modes) for k in stage_numbers]
+    results = [run_stage(get_stage(k), out, dry_run, log, machine, modes, only, until)
+               for k, only in chosen.items()]
     table = write_summary(out, results, dry_run)
     print()
     print(table)
@@ -417,6 +503,14 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run the stages (all, or --stage K)")
     r.add_argument("--out", required=True, help="directory for logs, results and caches")
     r.add_argument("--stage", type=int, action="append", help="stage number; repeat for several (default: all)")
+    r.add_argument("--step", action="append", default=[], metavar="STEP",
+                   help="run only this step of the chosen stages; repeat for several (the summary keeps the "
+                        "other steps' earlier results)")
+    r.add_argument("--skip", action="append", default=[], metavar="STEP",
+                   help="run every step of the chosen stages but this one; repeat for several")
+    r.add_argument("--until", type=float, default=None, metavar="EPOCH",
+                   help="a deadline (Unix time): each step's limit is cut to the time left, and a step is not "
+                        "started with under %d s left (scripts/gpu-loan.sh passes the loan's end)" % MIN_STEP_S)
     r.add_argument("--dry-run", action="store_true", help="on CPU: tiny shapes, labelled CPU")
     r.add_argument("--simulate", action="append", default=[], metavar="MODE:STEP|lost-machine",
                    help="dry run only: simulate a failure (fail:STEP, hang:STEP, crash:STEP; e.g. fail:build) or "
@@ -439,7 +533,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         numbers = args.stage or [s.number for s in STAGES]
         for k in numbers:
             get_stage(k)  # a clear error for an unknown stage before anything runs
-        return run(args.out, numbers, args.dry_run, args.simulate)
+        return run(args.out, numbers, args.dry_run, args.simulate, args.step, args.skip, args.until)
     try:
         dest = land(args.out, date=args.date)
     except (FileNotFoundError, ValueError) as exc:

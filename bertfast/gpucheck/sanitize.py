@@ -7,6 +7,7 @@ checks only that every call finishes with finite results; correctness is the tes
 
     python -m bertfast.gpucheck.sanitize --backend cuda          # what the GPU check runs
     python -m bertfast.gpucheck.sanitize --backend torch --device cpu   # the CPU dry run
+    python -m bertfast.gpucheck.sanitize --case mlm_head_loss --dtype bfloat16  # one failing call alone
 """
 from __future__ import annotations
 
@@ -95,14 +96,18 @@ CASES: List[Case] = [("attention_varlen", attention_varlen), ("attention_padded"
                      ("embeddings", embeddings), ("mlm_head_loss", mlm_head_loss)]
 
 
-def run(backend: str, device: torch.device, dtypes=(torch.float32, torch.bfloat16), log=print) -> List[str]:
-    """Every case on ``backend``; returns the failures (an exception or a non-finite result)."""
+def run(backend: str, device: torch.device, dtypes=(torch.float32, torch.bfloat16), log=print,
+        cases: Optional[List[str]] = None) -> List[str]:
+    """Every case (or those named) on ``backend``; returns the failures (an exception or a non-finite
+    result)."""
     from bertfast.ops import use_backend
 
     failures = []
     torch.manual_seed(0)
     for dtype in dtypes:
         for name, case in CASES:
+            if cases and name not in cases:
+                continue
             label = f"{name} {str(dtype).replace('torch.', '')}"
             try:
                 with use_backend(backend):
@@ -124,12 +129,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bertfast.gpucheck.sanitize", description=__doc__.split("\n")[0])
     p.add_argument("--backend", choices=("cuda", "triton", "torch"), default="cuda")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--case", action="append", choices=[name for name, _ in CASES],
+                   help="only this op's calls (repeat for several): to look at one failure alone")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="only this dtype")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("sanitize: --device cuda but torch sees no CUDA device", file=sys.stderr)
         return 2
     dtypes = (torch.float32, torch.bfloat16) if args.device == "cuda" else (torch.float32,)
-    failures = run(args.backend, torch.device(args.device), dtypes)
+    if args.dtype:
+        dtypes = (getattr(torch, args.dtype),)
+    failures = run(args.backend, torch.device(args.device), dtypes, cases=args.case)
     print(f"{len(failures)} failing call(s)" if failures else "every call finished with finite results")
     return 1 if failures else 0
 

@@ -1,0 +1,143 @@
+"""Where a pre-training step's time goes: torch.profiler over the benchmark's own step.
+
+    python -m bertfast.bench.profile --out DIR                     # BERT-large seq 128 batch 128, bf16
+    python -m bertfast.bench.profile --model bert-base --seqlen 512 --batch 32 --impls bertfast
+    python -m bertfast.bench.profile --device cpu --model tiny --seqlen 32 --batch 4   # the plumbing, on CPU
+
+The model suite's case (the same weights, lengths and batch as ``bertfast bench --suite model
+--models pretrain``), each implementation's step (bertfast; transformers eager sdpa) warmed up,
+then profiled for a few steps. For each it writes DIR/<impl>.txt: the wall time per step, the
+device's busy time per step (the sum of its kernels' times: far below the wall time means the host
+is the bottleneck: launches, syncs, Python), the kernels grouped by name with their share of the
+device time, and the host-side ops by their own time. DIR/summary.txt puts the implementations side
+by side. The GPU check runs it after the headline (scripts/gpu-loan.sh).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from bertfast.bench.results import BERTFAST, HF_EAGER
+
+IMPLS = {"bertfast": BERTFAST, "transformers": HF_EAGER}
+
+
+def _steps(model_name: str, seqlen: int, batch: int, device: torch.device, dtype: torch.dtype,
+           impls: List[str]) -> List[Tuple[str, Callable[[], None]]]:
+    """Each implementation's training step on the model suite's pre-training batch."""
+    import bertfast
+    from bertfast.bench import device as devmod
+    from bertfast.bench.common import SuiteContext, sequence_lengths
+    from bertfast.bench.model_suite import _config, make_train_step, pretrain_batch, transformers_twin
+
+    ctx = SuiteContext(device=devmod.detect(device.type), quick=False, dtype=dtype, log=lambda s: None)
+    config = _config(model_name)
+    gen = torch.Generator().manual_seed(0)
+    lengths = sequence_lengths("pretrain", batch, seqlen, gen)
+    data, _ = pretrain_batch(config, lengths, seqlen, gen, device)
+    torch.manual_seed(0)
+    model = bertfast.BertForPreTraining(config).to(device).train()
+    steps = []
+    for impl in impls:
+        if impl == "bertfast":
+            steps.append((IMPLS[impl], make_train_step(ctx, model, data)))
+        else:
+            hf = transformers_twin(model, "pretrain").train()
+            steps.append((IMPLS[impl], make_train_step(ctx, hf, data)))
+    return steps
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_step(step: Callable[[], None], device: torch.device, warmup: int, steps: int) -> Dict:
+    """Warm up (autotuning, compiles, lazy state), then profile ``steps`` calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        _sync(device)
+        wall = (time.perf_counter() - start) / steps
+    events = prof.key_averages()
+    device_attr = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    kernels = sorted(((e.key, getattr(e, device_attr) / steps / 1e3, e.count // steps) for e in events
+                      if getattr(e, device_attr, 0) > 0), key=lambda k: -k[1])
+    host = sorted(((e.key, e.self_cpu_time_total / steps / 1e3, e.count // steps) for e in events),
+                  key=lambda k: -k[1])
+    return {"wall_ms": wall * 1e3, "device_ms": sum(k[1] for k in kernels), "kernels": kernels, "host": host,
+            "launches": sum(k[2] for k in kernels)}
+
+
+def report(impl: str, p: Dict, top: int = 30) -> str:
+    busy = p["device_ms"] / p["wall_ms"] if p["wall_ms"] else 0.0
+    lines = [f"# {impl}", f"wall per step {p['wall_ms']:.2f} ms; device busy {p['device_ms']:.2f} ms "
+             f"({100 * busy:.0f}% of the wall time); {p['launches']} device ops per step", "",
+             f"{'ms/step':>9} {'share':>6} {'calls':>6}  kernel"]
+    for name, ms, count in p["kernels"][:top]:
+        share = ms / p["device_ms"] if p["device_ms"] else 0.0
+        lines.append(f"{ms:9.3f} {100 * share:5.1f}% {count:6d}  {name[:140]}")
+    lines += ["", f"{'ms/step':>9} {'calls':>6}  host op (self time)"]
+    lines += [f"{ms:9.3f} {count:6d}  {name[:140]}" for name, ms, count in p["host"][:top]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bertfast.bench.profile", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="bert-large", help="a BertConfig preset (default bert-large)")
+    ap.add_argument("--seqlen", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--impls", default="bertfast,transformers", help="comma-separated: bertfast, transformers")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
+                    help="autocast dtype on the GPU (fp32 on CPU)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", required=True, help="directory for <impl>.txt and summary.txt")
+    args = ap.parse_args(argv)
+    impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+    unknown = [i for i in impls if i not in IMPLS]
+    if unknown or not impls:
+        print(f"profile: --impls expects some of {', '.join(IMPLS)}, got {args.impls!r}", file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("profile: --device cuda but torch sees no CUDA device (use --device cpu for the plumbing)",
+              file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    if device.type == "cpu":
+        dtype = torch.float32
+    os.makedirs(args.out, exist_ok=True)
+    case = f"{args.model} seq {args.seqlen} batch {args.batch}, {args.dtype if device.type == 'cuda' else 'fp32'}"
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    summary = [f"pre-training step profile: {case} on {device_name}", ""]
+    for impl, step in _steps(args.model, args.seqlen, args.batch, device, dtype, impls):
+        p = profile_step(step, device, args.warmup, args.steps)
+        text = report(impl, p)
+        with open(os.path.join(args.out, f"{impl.split()[0]}.txt"), "w") as fh:
+            fh.write(f"{case} on {device_name}\n\n{text}")
+        top = ", ".join(f"{name[:60]} {ms:.1f} ms" for name, ms, _ in p["kernels"][:5])
+        summary.append(f"{impl:28s} wall {p['wall_ms']:8.2f} ms/step, device busy {p['device_ms']:8.2f} ms, "
+                       f"{p['launches']} device ops; top: {top}")
+        print(summary[-1], flush=True)
+        del step
+    with open(os.path.join(args.out, "summary.txt"), "w") as fh:
+        fh.write("\n".join(summary) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
