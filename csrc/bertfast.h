@@ -27,7 +27,7 @@ const char* last_error();
 
 // Number of row blocks (and so rows of per-block partial column sums) the backward row ops
 // use for n_rows rows: the workspace of bias_gelu_bwd is [blocks, F] fp32, of
-// bias_dropout_residual_layernorm_bwd [blocks, 3, H] fp32, of embeddings_bwd [blocks, 2, H] fp32.
+// bias_dropout_residual_layernorm_bwd [blocks, 3, H] fp32, of embeddings_bwd [blocks, 2 (+ TT), H] fp32.
 int64_t reduction_blocks(int64_t n_rows);
 
 // Host copy of the device RNG (for tests): Philox4x32-10 of counter c[4] under key k[2].
@@ -67,13 +67,25 @@ int embeddings_fwd(const void* ids, int ids64, const void* pos_ids, int pos64, c
                    const void* ln_weight, const void* ln_bias, void* y, float* mean, float* rstd,
                    bool* keep, int64_t t, int64_t h, float eps, float dropout_p,
                    const int64_t* seed, int table_dtype, int out_dtype, cudaStream_t stream);
-// Scatter-adds dh into dword/dpos/dtype (fp32 buffers of the tables' shapes, zeroed by the
-// caller); writes dln_weight/dln_bias (table_dtype). n_types = rows of the token-type table.
+// Gradients of embeddings_fwd, with no atomics: bitwise the same whatever the block schedule, and no
+// host read (CUDA-graph safe). dh, the fp32 gradient of the embedding sum, is stored to dh [t, h] fp32,
+// then each table row's tokens are added in a fixed order. The caller sorts the row keys stably:
+// ids[t] (word rows), then vocab + pos_ids[t] (position rows), then, when types_sorted,
+// vocab + n_pos + type_ids[t]; n = t * (2 + types_sorted) keys, rows = vocab + n_pos (+ n_types).
+//   sorted_keys [n] int32, sorted_order [n] int64 (each key's index among the n unsorted keys),
+//   row_bounds [rows + 1] int64 (the first sorted index of each key 0 .. rows),
+//   chunk_ws [ceil(n / chunk), 2, h] fp32 (chunk: sorted entries per block of the first table pass).
+// Unless types_sorted (needed when n_types * h * 4 > 32 KiB), the token types are summed from
+// per-block partials instead. workspace: [blocks, 2, h] fp32, then (unless types_sorted)
+// [blocks, n_types, h], blocks = reduction_blocks(t). Writes every row of dword [vocab, h],
+// dpos [n_pos, h], dtype [n_types, h] (no zeroing needed) and dln_weight/dln_bias, all in table_dtype.
 int embeddings_bwd(const void* dy, const void* ids, int ids64, const void* pos_ids, int pos64,
                    const void* type_ids, int type64, const void* word, const void* pos,
                    const void* type, const void* ln_weight, const float* mean, const float* rstd,
-                   float* dword, float* dpos, float* dtype, void* dln_weight, void* dln_bias,
-                   float* workspace, int64_t t, int64_t h, int64_t n_types, float dropout_p,
+                   const int32_t* sorted_keys, const int64_t* sorted_order, const int64_t* row_bounds,
+                   void* dword, void* dpos, void* dtype, void* dln_weight, void* dln_bias,
+                   float* workspace, float* dh, float* chunk_ws, int64_t t, int64_t h, int64_t vocab,
+                   int64_t n_pos, int64_t n_types, int types_sorted, int64_t chunk, float dropout_p,
                    const int64_t* seed, int table_dtype, int out_dtype, cudaStream_t stream);
 
 // ------------------------------------------------------------------ MLM head loss (one chunk, in place)

@@ -209,24 +209,30 @@ PYBIND11_MODULE(_C, m) {
       "embeddings_bwd",
       [](uintptr_t dy, uintptr_t ids, int ids64, uintptr_t pos_ids, int pos64, uintptr_t type_ids, int type64,
          uintptr_t word, uintptr_t pos, uintptr_t type, uintptr_t lnw, uintptr_t mean, uintptr_t rstd,
-         uintptr_t dword, uintptr_t dpos, uintptr_t dtype, uintptr_t dlnw, uintptr_t dlnb, uintptr_t ws, int64_t t,
-         int64_t h, int64_t n_types, float p, uintptr_t seed, int table, int out, uintptr_t stream) {
+         uintptr_t sorted_keys, uintptr_t sorted_order, uintptr_t row_bounds, uintptr_t dword, uintptr_t dpos,
+         uintptr_t dtype, uintptr_t dlnw, uintptr_t dlnb, uintptr_t ws, uintptr_t dh, uintptr_t chunk_ws, int64_t t,
+         int64_t h, int64_t vocab, int64_t n_pos, int64_t n_types, int types_sorted, int64_t chunk, float p,
+         uintptr_t seed, int table, int out, uintptr_t stream) {
         int s;
         {
           py::gil_scoped_release nogil;
           s = bertfast::embeddings_bwd(ptr(dy), ptr(ids), ids64, ptr(pos_ids), pos64, ptr(type_ids), type64,
                                        ptr(word), ptr(pos), ptr(type), ptr(lnw), ptr<const float>(mean),
-                                       ptr<const float>(rstd), ptr<float>(dword), ptr<float>(dpos),
-                                       ptr<float>(dtype), ptr(dlnw), ptr(dlnb), ptr<float>(ws), t, h, n_types, p,
+                                       ptr<const float>(rstd), ptr<const int32_t>(sorted_keys),
+                                       ptr<const int64_t>(sorted_order), ptr<const int64_t>(row_bounds), ptr(dword),
+                                       ptr(dpos), ptr(dtype), ptr(dlnw), ptr(dlnb), ptr<float>(ws), ptr<float>(dh),
+                                       ptr<float>(chunk_ws), t, h, vocab, n_pos, n_types, types_sorted, chunk, p,
                                        ptr<const int64_t>(seed), table, out, stream_of(stream));
         }
         check(s, "embeddings_bwd");
       },
       py::arg("dy"), py::arg("ids"), py::arg("ids64"), py::arg("pos_ids"), py::arg("pos64"), py::arg("type_ids"),
       py::arg("type64"), py::arg("word"), py::arg("pos"), py::arg("type"), py::arg("ln_weight"), py::arg("mean"),
-      py::arg("rstd"), py::arg("dword"), py::arg("dpos"), py::arg("dtype"), py::arg("dln_weight"),
-      py::arg("dln_bias"), py::arg("workspace"), py::arg("t"), py::arg("h"), py::arg("n_types"),
-      py::arg("dropout_p"), py::arg("seed"), py::arg("table_dtype"), py::arg("out_dtype"), py::arg("stream"));
+      py::arg("rstd"), py::arg("sorted_keys"), py::arg("sorted_order"), py::arg("row_bounds"), py::arg("dword"),
+      py::arg("dpos"), py::arg("dtype"), py::arg("dln_weight"), py::arg("dln_bias"), py::arg("workspace"),
+      py::arg("dh"), py::arg("chunk_ws"), py::arg("t"), py::arg("h"), py::arg("vocab"), py::arg("n_pos"),
+      py::arg("n_types"), py::arg("types_sorted"), py::arg("chunk"), py::arg("dropout_p"), py::arg("seed"),
+      py::arg("table_dtype"), py::arg("out_dtype"), py::arg("stream"));
 
   m.def(
       "mlm_head_loss_fwd",

@@ -9,6 +9,16 @@ keep = (u >= p), evaluated as bits >= ceil(p * 65536), so the keep probability i
 within 2**-16. The mask depends only on (seed, row, col, H), never on the launch
 configuration, so a backward regenerates it exactly. The counter is 32-bit: the pattern
 repeats after 2**32 elements (N * H) under one seed.
+
+Sums (``exact_sum``): every row and column sum of these kernels (LayerNorm statistics, the
+backward's row sums, the per-program parameter-gradient partials) is order-free: its bits do not
+depend on the order of the additions, so not on the register layout Triton picks for a tile.
+That layout is not the launch config's alone: the alignment of the row strides (Triton
+specialises integer arguments divisible by 16) and the other loads and stores of the kernel
+(e.g. whether the keep-mask is stored) change it, and a plain tl.sum's reduction tree with it.
+With exact_sum a row-strided input and its contiguous copy, or a forward with and without
+return_dropout_mask, give the same bits on a GPU, and the forward's bits do not depend on the
+config the autotuner picks (BLOCK_M, num_warps).
 """
 from __future__ import annotations
 
@@ -52,6 +62,40 @@ def row_dropout(x, seed, rows, H, p, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexp
 
 
 @triton.jit
+def _pow2(k):
+    """2.0 ** k as fp32 for integer k in [-126, 127] (built from its exponent bits)."""
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def exact_sum(v, axis: tl.constexpr):
+    """Sum of the fp32 tensor v along axis (at most 8192 = MAX_HIDDEN terms), the same bits whatever
+    the order of the additions (plain tl.sum's order follows the register layout).
+
+    Each term is scaled by a power of two chosen from the largest magnitude m along the axis (an
+    order-free max) to below 2**49, truncated to an int64, the int64s are added exactly (8192
+    terms stay below 2**62), and the total is converted back with one rounding. The truncation is
+    deterministic: below 2**-48 * m per term (far under an fp32 ulp of m), and below 2**-126 per
+    term when m < 2**-77 (the scale is at most 2**126). A NaN or inf along the axis gives NaN.
+    Per term: a max, a multiply, a conversion and a 64-bit add.
+    """
+    tl.static_assert(v.shape[axis] <= 8192, "exact_sum: at most 8192 terms")
+    if v.shape[axis] == 1:
+        return tl.sum(v, axis=axis)                                 # one term: nothing to order
+    m = tl.reduce(tl.abs(v), axis, _max_nan)                        # NaN if any term is NaN
+    # m < 2**(e - 126) for its biased exponent e; scale by 2**k, k = 175 - e, at most 2**126.
+    k = tl.minimum(175 - (m.to(tl.int32, bitcast=True) >> 23), 126)
+    q = (v * tl.expand_dims(_pow2(k), axis)).to(tl.int64)           # NaN/inf terms: m says so below
+    total = tl.sum(q, axis=axis).to(tl.float32) * _pow2(-k)
+    return tl.where(m < float("inf"), total, float("nan"))
+
+
+@triton.jit
 def load_cols(PTR, cols, col_ok):
     """An [H] vector (weight, bias) as fp32 [BLOCK_H], 0 in padded columns."""
     return tl.load(PTR + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -59,10 +103,11 @@ def load_cols(PTR, cols, col_ok):
 
 @triton.jit
 def layernorm_rows(z, mask, W, B, cols, col_ok, H, eps):
-    """(y, mean, rstd): LayerNorm of each row of the fp32 tile z (padded entries 0), statistics in fp32."""
-    mean = tl.sum(z, axis=1) / H                                   # [BLOCK_M]
+    """(y, mean, rstd): LayerNorm of each row of the fp32 tile z (padded entries 0), statistics in
+    fp32 from order-free sums (exact_sum)."""
+    mean = exact_sum(z, 1) / H                                     # [BLOCK_M]
     zc = tl.where(mask, z - mean[:, None], 0.0)                    # padded columns out of the variance
-    rstd = tl.rsqrt(tl.sum(zc * zc, axis=1) / H + eps)             # [BLOCK_M]
+    rstd = tl.rsqrt(exact_sum(zc * zc, 1) / H + eps)               # [BLOCK_M]
     w = load_cols(W, cols, col_ok)
     b = load_cols(B, cols, col_ok)
     return zc * rstd[:, None] * w[None, :] + b[None, :], mean, rstd
@@ -86,15 +131,15 @@ def layernorm_bwd_rows(dy, x, mean, rstd, w, acc_dw, acc_db, H):
     acc_dw += dy * zhat
     acc_db += dy
     g = dy * w[None, :]
-    a = tl.sum(g * zhat, axis=1) * rstd / H
-    c = tl.sum(g, axis=1) * rstd / H
+    a = exact_sum(g * zhat, 1) * rstd / H
+    c = exact_sum(g, 1) * rstd / H
     return g * rstd[:, None] - (zhat * a[:, None] + c[:, None]), acc_dw, acc_db
 
 
 @triton.jit
 def store_col_sums(PART, acc, pid, H, cols, col_ok):
-    """Row pid of a [G, H] fp32 partial buffer: the column sums of the tile accumulator acc."""
-    tl.store(PART + pid * H + cols, tl.sum(acc, axis=0), mask=col_ok)
+    """Row pid of a [G, H] fp32 partial buffer: the (order-free) column sums of the tile accumulator acc."""
+    tl.store(PART + pid * H + cols, exact_sum(acc, 0), mask=col_ok)
 
 
 def row_tile_configs(max_rows: int = 64):

@@ -25,6 +25,11 @@ arithmetic is fp32 (statistics included):
   branch starts from), as in an unfused low-precision model; every backend does the same.
   The three row sums are per-program partial sums in fp32 (each program owns a contiguous
   block of rows and one row of a [G, H] buffer), then one reduction over G: no atomics.
+  Every sum over a tile's columns or rows is order-free (kernels/_rows.py, exact_sum): its
+  bits do not depend on the register layout Triton picks, which follows the row strides'
+  alignment and the stores a variant makes, so a row-strided input gives the same bits as its
+  contiguous copy, the forward's bits do not depend on return_dropout_mask or on the tuned
+  config, and the backward's only through the row grouping of the parameter sums (BLOCK_M, G).
 
 Dropout RNG: the row-op scheme of kernels/_rows.py (row_dropout_keep), a pure function of
 (seed, row, col, H), so the backward regenerates the forward's mask exactly.

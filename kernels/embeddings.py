@@ -12,16 +12,26 @@ Math, per token t (one row of H elements), fp32 after upcasting every load:
     dln_weight = sum_t dz * zhat,   dln_bias = sum_t dz        (per-program fp32 partials, then a sum)
     g          = dz * ln_weight
     dh         = rstd * (g - zhat * sum(g * zhat) / H - sum(g) / H)
-    dword[input_ids[t]] += dh,  dpos[position_ids[t]] += dh    (fp32 atomics into fp32 buffers)
-    dtoken_type[token_type_ids[t]] += dh                       (per-program fp32 partials when the
-                                                               table has <= 4 rows, else atomics)
-  The fp32 buffers are cast to each table's dtype at the end (no copy for fp32 tables).
-  Token-type rows are few (2 in BERT), so every token would hit the same addresses: partials
-  in registers avoid that contention; word and position rows are spread out enough for atomics.
+    dword[v]   = sum of dh[t] over the tokens t with input_ids[t] == v, in token order   (likewise
+    dpos[q]      dpos over position_ids, and dtoken_type over token_type_ids)
+  The table gradients are deterministic: no atomics, every sum taken in one fixed order, so a
+  step gives the same bits every time (a stopped run resumes exactly, docs/training.md). The
+  backward kernel writes dh [T, H] fp32 and the sort keys (ids, V + position ids); the keys are
+  sorted (torch.sort, stable: a row's tokens stay in token order; on the device, no host read,
+  graph-safe), and _table_grads_kernel adds each table row's tokens' dh rows in that order
+  (BLOCK_T-row tiles of fixed size, then one sum over the tile) and stores the row once, in the
+  table's dtype: zeros for rows no token uses, so no zero-fill and no cast pass.
+  Token-type rows are few (2 in BERT), so every token would hit the same rows: per-program fp32
+  partials in registers, then a sum over programs, when the table has <= 4 rows; else its rows
+  join the sorted reduction (keys V + P + token-type ids).
+  The LayerNorm sums (statistics, the backward's row sums, the ln partials) are order-free
+  (kernels/_rows.py, exact_sum): the forward gives the same bits whether or not it stores
+  the keep-mask, whatever the tables' row strides or the tuned config.
 
 Launch: as kernels/bias_dropout_residual_layernorm.py (row tiles autotuned on GPU, fixed under
-the interpreter); the
-backward runs about four programs per SM, each walking a contiguous block of tokens.
+the interpreter); the backward runs about four programs per SM, each walking a contiguous block
+of tokens. The table-gradient kernel has one fixed configuration (never autotuned: its block
+sizes set the order of its sums).
 
 Limits: H <= 8192; ids 1-D int32/int64 of one length T, in range (the caller validates);
 tables 2-D with unit column stride. The dropout counter is (token row, column), as in every
@@ -38,7 +48,7 @@ import triton.language as tl
 from bertfast.contract import (FLOAT_DTYPES, ID_DTYPES, check_dropout, check_eps, check_rows, check_tensor,
                                check_vector, row_stride)
 
-from ._common import autotune, launch
+from ._common import autotune, interpreting, launch
 from ._rows import (BWD_PER_THREAD, FWD_PER_THREAD, MAX_ROWS_PER_TILE, block_h_for, check_hidden, hidden_reasons,
                     interpreter_rows, layernorm_bwd_rows, layernorm_rows, load_cols, n_bucket, program_rows,
                     row_config_pruner, row_dropout, row_groups, row_tile_configs, store_col_sums)
@@ -115,13 +125,13 @@ def _embeddings_bwd_kernel(
     W,        # [H] LayerNorm weight
     MEAN,     # [T] fp32 from the forward
     RSTD,     # [T] fp32 from the forward
-    DWORD,    # [V, H] fp32, zeroed; receives atomics
-    DPOS,     # [P, H] fp32, zeroed; receives atomics
-    DTT,      # TT_IN_REGS: [G, NUM_TYPES, H] fp32 per-program partials; else [TT, H] fp32, zeroed, atomics
+    DH,       # [T, H] fp32, contiguous: dh per token (the tables' gradients sum its rows)
+    KEYS,     # [K * T] int32: ids, then V + position ids, then (K = 3, not TT_IN_REGS) V + P + token-type ids
+    DTT,      # TT_IN_REGS: [G, NUM_TYPES, H] fp32 per-program partials (unused otherwise)
     DW_PART,  # [G, H] fp32 partial sums of dz * zhat
     DB_PART,  # [G, H] fp32 partial sums of dz
     SEED,     # [1] int64 dropout seed (read only when HAS_DROPOUT)
-    N, H, NUM_TYPES, stride_dy, stride_word, stride_pos, stride_tt, rows_per_program, p,
+    N, H, V, P, NUM_TYPES, stride_dy, stride_word, stride_pos, stride_tt, rows_per_program, p,
     n_bucket,  # autotune key only
     HAS_DROPOUT: tl.constexpr, TT_IN_REGS: tl.constexpr, TT_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -149,14 +159,15 @@ def _embeddings_bwd_kernel(
         if HAS_DROPOUT:
             dz, _ = row_dropout(dz, seed, rows, H, p, BLOCK_M, BLOCK_H)
         dh, acc_dw, acc_db = layernorm_bwd_rows(dz, h, mean, rstd, w, acc_dw, acc_db, H)  # masked below
-        tl.atomic_add(DWORD + ids[:, None] * H + cols[None, :], dh, mask=mask, sem="relaxed")
-        tl.atomic_add(DPOS + pids[:, None] * H + cols[None, :], dh, mask=mask, sem="relaxed")
+        tl.store(DH + rows.to(tl.int64)[:, None] * H + cols[None, :], dh, mask=mask)
+        tl.store(KEYS + rows, ids.to(tl.int32), mask=row_ok)
+        tl.store(KEYS + N + rows, (pids + V).to(tl.int32), mask=row_ok)
         if TT_IN_REGS:
             for t in tl.static_range(TT_BLOCK):
                 s = tl.sum(tl.where((tids == t)[:, None], dh, 0.0), axis=0)   # [BLOCK_H]
                 acc_tt += tl.where((types == t)[:, None], s[None, :], 0.0)
         else:
-            tl.atomic_add(DTT + tids[:, None] * H + cols[None, :], dh, mask=mask, sem="relaxed")
+            tl.store(KEYS + 2 * N + rows, (tids + V + P).to(tl.int32), mask=row_ok)
     store_col_sums(DW_PART, acc_dw, pid, H, cols, col_ok)
     store_col_sums(DB_PART, acc_db, pid, H, cols, col_ok)
     if TT_IN_REGS:
@@ -164,12 +175,55 @@ def _embeddings_bwd_kernel(
         tl.store(DTT + tt_offs, acc_tt, mask=(types < NUM_TYPES)[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _table_grads_kernel(
+    DH,      # [T, H] fp32 from _embeddings_bwd_kernel
+    ORDER,   # [K * T] int64: indices into KEYS sorted by key (stable: equal keys in token order)
+    BOUNDS,  # [R + 1] int64: the keys of stacked table row r sit at ORDER[BOUNDS[r]:BOUNDS[r + 1]]
+    DWORD,   # [V, H] word gradient, contiguous, in the word table's dtype
+    DPOS,    # [P, H] position gradient, likewise
+    DTT,     # [TT, H] token-type gradient, likewise (rows V + P .. R - 1; only when K = 3)
+    T, H, V, P, R,
+    ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Each program: ROWS consecutive rows of the stacked tables [word; position; token type] at
+    BLOCK_H columns. A row's gradient is the sum of its tokens' dh rows: slot j of a [BLOCK_T,
+    BLOCK_H] fp32 tile adds the row's tokens j, j + BLOCK_T, j + 2 BLOCK_T, ... in token order,
+    then the slots are summed; each row is stored once (zeros when no token has it). The order
+    of every addition follows from the sorted keys and the fixed block sizes alone."""
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_ok = cols < H
+    for i in range(ROWS):
+        r = tl.program_id(0) * ROWS + i
+        if r < R:
+            lo = tl.load(BOUNDS + r)
+            hi = tl.load(BOUNDS + r + 1)
+            acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+            for start in range(lo, hi, BLOCK_T):
+                idx = start + tl.arange(0, BLOCK_T)
+                ok = idx < hi
+                tok = tl.load(ORDER + idx, mask=ok, other=0) % T
+                acc += tl.load(DH + tok[:, None] * H + cols[None, :], mask=ok[:, None] & col_ok[None, :],
+                               other=0.0)
+            g = tl.sum(acc, axis=0)
+            if r < V:
+                tl.store(DWORD + r.to(tl.int64) * H + cols, g.to(DWORD.dtype.element_ty), mask=col_ok)
+            elif r < V + P:
+                tl.store(DPOS + (r - V).to(tl.int64) * H + cols, g.to(DPOS.dtype.element_ty), mask=col_ok)
+            else:
+                tl.store(DTT + (r - V - P).to(tl.int64) * H + cols, g.to(DTT.dtype.element_ty), mask=col_ok)
+
+
 _fwd_tuned = autotune(row_tile_configs(), ["H", "n_bucket", "HAS_DROPOUT", "STORE_KEEP"],
                       row_config_pruner(FWD_PER_THREAD))(_embeddings_fwd_kernel)
-# The backward accumulates into zeroed buffers with atomics: launch() tunes it on scratch copies.
+# The backward writes every buffer it is given (no accumulation): the autotuner runs it as it is.
 _bwd_tuned = autotune(row_tile_configs(MAX_ROWS_PER_TILE), ["H", "n_bucket", "HAS_DROPOUT", "TT_IN_REGS", "TT_BLOCK"],
                       row_config_pruner(BWD_PER_THREAD))(_embeddings_bwd_kernel)
-_BWD_ACCUMULATORS = ("DWORD", "DPOS", "DTT")
+# The table-gradient sums: one fixed configuration, as its block sizes set the order of the sums.
+_TABLE_ROWS = 4           # table rows per program (64 under the interpreter: fewer programs to run)
+_TABLE_BLOCK_T = 16       # token rows per step of a row's sum
+_TABLE_MAX_BLOCK_H = 256  # columns per program
+_TABLE_WARPS = 4
 
 
 # --------------------------------------------------------------------------- validation
@@ -252,32 +306,42 @@ def embeddings_bwd(dy: torch.Tensor, input_ids: torch.Tensor, position_ids: torc
 
     num_types = token_type.shape[0]
     tt_in_regs = num_types <= _MAX_TYPES_IN_REGISTERS
-    dword = torch.zeros(word.shape, dtype=torch.float32, device=dev)
-    dpos = torch.zeros(pos.shape, dtype=torch.float32, device=dev)
     if t == 0:
         zero = torch.zeros((h,), dtype=torch.float32, device=dev)
-        return (dword.to(word.dtype), dpos.to(pos.dtype), torch.zeros_like(token_type),
-                zero.to(ln_weight.dtype), zero.to(ln_bias.dtype))
+        return (torch.zeros(word.shape, dtype=word.dtype, device=dev), torch.zeros(pos.shape, dtype=pos.dtype, device=dev),
+                torch.zeros(token_type.shape, dtype=token_type.dtype, device=dev), zero.to(ln_weight.dtype),
+                zero.to(ln_bias.dtype))
     # Four programs per SM: this loop does not prefetch (the gathered rows would not fit in
     # registers twice), so more resident programs keep the loads in flight.
     groups, rpp = row_groups(t, dev, per_sm=4)
     part = torch.empty((2, groups, h), dtype=torch.float32, device=dev)
-    if tt_in_regs:
-        dtt = torch.empty((groups, num_types, h), dtype=torch.float32, device=dev)
-    else:
-        dtt = torch.zeros((num_types, h), dtype=torch.float32, device=dev)
+    dh = torch.empty((t, h), dtype=torch.float32, device=dev)
+    keys = torch.empty(((2 if tt_in_regs else 3) * t,), dtype=torch.int32, device=dev)
+    dtt = torch.empty((groups, num_types, h), dtype=torch.float32, device=dev) if tt_in_regs else part
     has_dropout = dropout_p > 0.0
     block_h = block_h_for(h)
+    v, p_rows = word.shape[0], pos.shape[0]
     args = (dy, input_ids, position_ids, token_type_ids, word, pos, token_type, ln_weight, mean, rstd,
-            dword, dpos, dtt, part[0], part[1], seed if has_dropout else mean,
-            t, h, num_types, row_stride(dy), row_stride(word), row_stride(pos),
+            dh, keys, dtt, part[0], part[1], seed if has_dropout else mean,
+            t, h, v, p_rows, num_types, row_stride(dy), row_stride(word), row_stride(pos),
             row_stride(token_type), rpp, dropout_p, n_bucket(t))
     flags = dict(HAS_DROPOUT=has_dropout, TT_IN_REGS=tt_in_regs,
                  TT_BLOCK=triton.next_power_of_2(num_types) if tt_in_regs else 1, BLOCK_H=block_h)
-    launch(_bwd_tuned, (groups,), args, flags, interp={"BLOCK_M": interpreter_rows(block_h, 4)},
-           scratch=_BWD_ACCUMULATORS)
+    launch(_bwd_tuned, (groups,), args, flags, interp={"BLOCK_M": interpreter_rows(block_h, 4)})
+
+    # Each table row's tokens, in token order: a stable sort of the keys, and where each row's run starts.
+    sorted_keys, order = torch.sort(keys, stable=True)
+    n_rows = v + p_rows + (0 if tt_in_regs else num_types)
+    bounds = torch.searchsorted(sorted_keys, torch.arange(n_rows + 1, dtype=torch.int32, device=dev))
+    dword = torch.empty(word.shape, dtype=word.dtype, device=dev)
+    dpos = torch.empty(pos.shape, dtype=pos.dtype, device=dev)
+    dtt_rows = dword if tt_in_regs else torch.empty(token_type.shape, dtype=token_type.dtype, device=dev)
+    rows = 64 if interpreting() else _TABLE_ROWS
+    table_block_h = min(block_h, _TABLE_MAX_BLOCK_H)
+    launch(_table_grads_kernel, (triton.cdiv(n_rows, rows), triton.cdiv(h, table_block_h)),
+           (dh, order, bounds, dword, dpos, dtt_rows, t, h, v, p_rows, n_rows),
+           dict(ROWS=rows, BLOCK_T=_TABLE_BLOCK_T, BLOCK_H=table_block_h, num_warps=_TABLE_WARPS))
     if tt_in_regs:
-        dtt = dtt.sum(dim=0)  # [TT, H]
+        dtt_rows = dtt.sum(dim=0).to(token_type.dtype)  # [TT, H]
     sums = part.sum(dim=1)    # [2, H]
-    return (dword.to(word.dtype), dpos.to(pos.dtype), dtt.to(token_type.dtype),
-            sums[0].to(ln_weight.dtype), sums[1].to(ln_bias.dtype))
+    return (dword, dpos, dtt_rows, sums[0].to(ln_weight.dtype), sums[1].to(ln_bias.dtype))

@@ -2,12 +2,22 @@
 token_type[token_type_ids])), forward and backward."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
 from bertfast.contract import (FLOAT_DTYPES, ID_DTYPES, check_dropout, check_eps, check_tensor, check_vector)
 from bertfast.cuda import _common as C
+
+TYPE_SMEM_BYTES = 32 * 1024  # csrc/embeddings.cu kMaxTypeSmem: token-type partials in shared memory up to this
+
+
+def sort_chunk(n: int) -> int:
+    """Sorted entries per block of the backward's first table pass (csrc/embeddings.cu): a power of two
+    about sqrt(n), so that neither pass has a long serial chain when a hot row ([MASK], position 0)
+    holds many of the n entries; at least 32."""
+    return max(32, 1 << (math.isqrt(n).bit_length() - 1)) if n > 0 else 32
 
 
 def unsupported(inputs) -> list:
@@ -90,8 +100,8 @@ def embeddings_bwd(dy: torch.Tensor, input_ids: torch.Tensor, position_ids: torc
                    ln_weight: torch.Tensor, ln_bias: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
                    dropout_p: float, seed: Optional[torch.Tensor]):
     """Gradients of embeddings_fwd -> (dword [V, H], dpos [P, H], dtoken_type [TT, H], dln_weight [H],
-    dln_bias [H]), each in its parameter's dtype; the tables' gradients are scatter-added in fp32
-    (repeated ids add up) and cast at the end."""
+    dln_bias [H]), each in its parameter's dtype; each table row's gradient is the fp32 sum of its tokens' dh
+    in a fixed order (no atomics: the same bits whatever the block schedule), cast once."""
     t = _check_ids(input_ids, position_ids, token_type_ids)
     dev = input_ids.device
     h = _check_tables(word, pos, token_type, ln_weight, ln_bias, dev)
@@ -100,18 +110,35 @@ def embeddings_bwd(dy: torch.Tensor, input_ids: torch.Tensor, position_ids: torc
     check_tensor("mean", mean, dtypes=(torch.float32,), shape=(t,), device=dev)
     check_tensor("rstd", rstd, dtypes=(torch.float32,), shape=(t,), device=dev)
     dropout_p = check_dropout(dropout_p, seed, dev)
+    vocab, n_pos, n_types = word.shape[0], pos.shape[0], token_type.shape[0]
+    types_sorted = n_types * h * 4 > TYPE_SMEM_BYTES
+    rows = vocab + n_pos + (n_types if types_sorted else 0)
+    if rows >= 2 ** 31:
+        raise ValueError(f"embeddings: {rows} table rows do not fit the backward's int32 row keys")
 
     pdt = _table_dtype(word.dtype, dy.dtype)
     tabs = [C.cast(x, pdt) for x in (word, pos, token_type, ln_weight)]
     ids = [i.contiguous() for i in (input_ids, position_ids, token_type_ids)]
     dy, mean, rstd = dy.contiguous(), mean.contiguous(), rstd.contiguous()
-    grads = [torch.zeros(x.shape, dtype=torch.float32, device=dev) for x in (word, pos, token_type)]
+    # Each token's table rows as keys (word, then position, then type rows), stably sorted: a row's
+    # entries sit together in token order, between its bounds. On the device, no host read.
+    keys = torch.cat([ids[0].int(), ids[1].int() + vocab] + ([ids[2].int() + (vocab + n_pos)] if types_sorted else []))
+    keys, order = torch.sort(keys, stable=True)
+    bounds = torch.searchsorted(keys, torch.arange(rows + 1, dtype=torch.int32, device=dev))
+    n = keys.shape[0]
+    chunk = sort_chunk(n)
+    # Every row of each gradient is written by the kernels: no zero fill.
+    grads = [torch.empty(x.shape, dtype=pdt, device=dev) for x in (word, pos, token_type)]
     dlnw = torch.empty(h, dtype=pdt, device=dev)
     dlnb = torch.empty(h, dtype=pdt, device=dev)
-    ws = torch.empty((C.reduction_blocks(t), 2, h), dtype=torch.float32, device=dev)
+    blocks = C.reduction_blocks(t)
+    ws = torch.empty(blocks * (2 + (0 if types_sorted else n_types)) * h, dtype=torch.float32, device=dev)
+    dh = torch.empty((t, h), dtype=torch.float32, device=dev)
+    chunk_ws = torch.empty(((n + chunk - 1) // chunk, 2, h), dtype=torch.float32, device=dev)
     C.launch(dev, "embeddings_bwd", dy.data_ptr(), *_id_args(ids),
-             *(x.data_ptr() for x in tabs), mean.data_ptr(), rstd.data_ptr(), *(g.data_ptr() for g in grads),
-             dlnw.data_ptr(), dlnb.data_ptr(), ws.data_ptr(), t, h, token_type.shape[0], dropout_p,
+             *(x.data_ptr() for x in tabs), mean.data_ptr(), rstd.data_ptr(), keys.data_ptr(), order.data_ptr(),
+             bounds.data_ptr(), *(g.data_ptr() for g in grads), dlnw.data_ptr(), dlnb.data_ptr(), ws.data_ptr(),
+             dh.data_ptr(), chunk_ws.data_ptr(), t, h, vocab, n_pos, n_types, int(types_sorted), chunk, dropout_p,
              C.seed_ptr(seed, dropout_p), C.DTYPE_CODE[pdt], C.DTYPE_CODE[dy.dtype])
     dword, dpos, dtype_ = (g.to(x.dtype) for g, x in zip(grads, (word, pos, token_type)))
     return dword, dpos, dtype_, dlnw.to(ln_weight.dtype), dlnb.to(ln_bias.dtype)

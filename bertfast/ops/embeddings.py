@@ -126,5 +126,12 @@ def embeddings_bwd(dy, input_ids, position_ids, token_type_ids, word, pos, token
     tables = []
     for ids, table in ((input_ids, word), (position_ids, pos), (token_type_ids, token_type)):
         grad = torch.zeros(table.shape, dtype=torch.float32, device=table.device)
-        tables.append(grad.index_add_(0, ids.long(), dh).to(table.dtype))
+        if grad.is_cuda:
+            # index_add_ adds with atomics on CUDA: the sums' bits would change from run to run (a
+            # resumed run would drift from the uninterrupted one). index_put_(accumulate=True) sorts
+            # the ids and adds each row's tokens in order: deterministic, no host read.
+            grad.index_put_((ids.long(),), dh, accumulate=True)
+        else:
+            grad.index_add_(0, ids.long(), dh)  # on the CPU: one pass in token order
+        tables.append(grad.to(table.dtype))
     return (*tables, dweight.to(ln_weight.dtype), dln_bias.to(ln_bias.dtype))

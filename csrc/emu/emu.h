@@ -2,7 +2,9 @@
 // (csrc/*.cu, *.cuh, source-transformed by build_emu.py) can run and be tested on a machine
 // without a GPU. Not part of the real build.
 //
-// Every CUDA thread of a block is a std::thread; blocks of a grid run one after another.
+// Every CUDA thread of a block is a std::thread; blocks of a grid run one after another, in
+// order (x fastest) unless BERTFAST_EMU_BLOCK_ORDER says "reverse" or "shuffle:<seed>" (a fixed
+// permutation per seed), so a test can check that results do not depend on the block schedule.
 //   __syncthreads / __syncwarp      std::barrier over the block / the warp (a thread that returns
 //                                   drops out of both, as an exited CUDA thread does)
 //   __shfl_xor_sync                 exchange through the warp's slots, two warp barriers
@@ -19,12 +21,17 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <barrier>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <new>
+#include <numeric>
+#include <random>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -89,40 +96,55 @@ inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fe
 
 namespace emu {
 
+// The order blocks 0 .. n-1 (linear, x fastest) run in: BERTFAST_EMU_BLOCK_ORDER (see the top).
+inline std::vector<uint64_t> block_order(uint64_t n) {
+  std::vector<uint64_t> order(n);
+  std::iota(order.begin(), order.end(), uint64_t{0});
+  const char* env = std::getenv("BERTFAST_EMU_BLOCK_ORDER");
+  const std::string mode = env ? env : "";
+  if (mode == "reverse") {
+    std::reverse(order.begin(), order.end());
+  } else if (mode.rfind("shuffle:", 0) == 0) {
+    std::mt19937_64 rng(std::stoull(mode.substr(8)));
+    std::shuffle(order.begin(), order.end(), rng);
+  }
+  return order;
+}
+
 // Runs kernel(args...) over the grid, one block at a time, one std::thread per CUDA thread.
 template <typename... KArgs, typename... Args>
 void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t, Args&&... args) {
   const int nthreads = static_cast<int>(block.x * block.y * block.z);
-  for (unsigned bz = 0; bz < grid.z; ++bz)
-    for (unsigned by = 0; by < grid.y; ++by)
-      for (unsigned bx = 0; bx < grid.x; ++bx) {
-        Block blk(nthreads);
-        const int nwarps = (nthreads + 31) / 32;
-        for (int w = 0; w < nwarps; ++w)
-          blk.warps.emplace_back(new Warp(w == nwarps - 1 ? nthreads - 32 * w : 32));
-        const size_t bytes = smem > 0 ? smem : 16;
-        unsigned char* dyn = static_cast<unsigned char*>(::operator new[](bytes, std::align_val_t(128)));
-        std::memset(dyn, 0xFF, bytes);
-        blk.dyn = dyn;
-        std::vector<std::thread> threads;
-        threads.reserve(nthreads);
-        for (int t = 0; t < nthreads; ++t) {
-          threads.emplace_back([&, t]() {
-            tl_block = &blk;
-            tl_warp = blk.warps[t / 32].get();
-            tl_lane = t % 32;
-            threadIdx = make_uint3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
-            blockIdx = make_uint3(bx, by, bz);
-            blockDim = block;
-            gridDim = grid;
-            kernel(KArgs(args)...);
-            tl_warp->bar.arrive_and_drop();
-            tl_block->bar.arrive_and_drop();
-          });
-        }
-        for (auto& th : threads) th.join();
-        ::operator delete[](dyn, std::align_val_t(128));
-      }
+  for (const uint64_t b : block_order(static_cast<uint64_t>(grid.x) * grid.y * grid.z)) {
+    const unsigned bx = static_cast<unsigned>(b % grid.x), by = static_cast<unsigned>(b / grid.x % grid.y),
+                   bz = static_cast<unsigned>(b / grid.x / grid.y);
+    Block blk(nthreads);
+    const int nwarps = (nthreads + 31) / 32;
+    for (int w = 0; w < nwarps; ++w)
+      blk.warps.emplace_back(new Warp(w == nwarps - 1 ? nthreads - 32 * w : 32));
+    const size_t bytes = smem > 0 ? smem : 16;
+    unsigned char* dyn = static_cast<unsigned char*>(::operator new[](bytes, std::align_val_t(128)));
+    std::memset(dyn, 0xFF, bytes);
+    blk.dyn = dyn;
+    std::vector<std::thread> threads;
+    threads.reserve(nthreads);
+    for (int t = 0; t < nthreads; ++t) {
+      threads.emplace_back([&, t]() {
+        tl_block = &blk;
+        tl_warp = blk.warps[t / 32].get();
+        tl_lane = t % 32;
+        threadIdx = make_uint3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
+        blockIdx = make_uint3(bx, by, bz);
+        blockDim = block;
+        gridDim = grid;
+        kernel(KArgs(args)...);
+        tl_warp->bar.arrive_and_drop();
+        tl_block->bar.arrive_and_drop();
+      });
+    }
+    for (auto& th : threads) th.join();
+    ::operator delete[](dyn, std::align_val_t(128));
+  }
 }
 
 }  // namespace emu
