@@ -5,7 +5,7 @@
 // (padded form: keys with key_padding_mask = 0 are left out; a row with no key gives 0):
 //   s_ij = c q_i . k_j,   lse_i = log sum_j exp(s_ij),   p_ij = exp(s_ij - lse_i)
 //   o_i  = sum_j (keep_ij / (1 - dp)) p_ij v_j
-//   backward, with pd = keep p / (1 - dp) and Delta_i = do_i . o_i:
+//   backward, with pd = keep p / (1 - dp) and Delta_i = sum_j p_ij dp_ij (= do_i . o_i):
 //     dv_j = sum_i pd_ij do_i
 //     dp_ij = keep_ij / (1 - dp) * (do_i . v_j),   ds_ij = p_ij (dp_ij - Delta_i)
 //     dq_i = c sum_j ds_ij k_j,   dk_j = c sum_i ds_ij q_i
@@ -16,9 +16,17 @@
 //   key block: K, V -> smem, S = Q K^T (row group's rows, fp32 in smem), online softmax on its rows
 //   (running max m, sum l in registers, log2 domain), P -> smem in the input dtype,
 //   O = alpha * O + P V in fp32 accumulators. [S, S] never exists; only [BM, BN] tiles do.
-// Backward: a delta kernel (Delta_i), a dK/dV kernel (one block per key block, warps own key
-//   rows, loop over query blocks, recomputing P^T from lse) and a dQ kernel (one block per query
-//   block, loop over key blocks). Two kernels instead of atomics: deterministic, no workspace.
+// Backward: a delta kernel (d_i = do_i . O_i), a dQ kernel (one block per query block, loop over
+//   key blocks), then a dK/dV kernel (one block per key block, warps own key rows, loop over query
+//   blocks, recomputing P^T from lse). Two kernels instead of atomics: deterministic, no workspace.
+//   fp16/bf16: the stored output O is o rounded, so d_i is off by do_i . (o_i - O_i) (~2^-9 |do_i|
+//   |o_i| in bf16). That puts -c sum_i p_ij (Delta_i - d_i) q_i into dk_j, summed over every query
+//   attending to key j (the key of a one-token padded sequence: all S rows, p = 1, exact ds = 0),
+//   and -c (Delta_i - d_i) pk_i into dq_i, pk_i = sum_j p_ij k_j. So the dQ kernel, which sees all
+//   keys of its rows, sums r_i = sum_j ds'_ij with ds'_ij = p_ij (dp_ij - d_i) (= Delta_i - d_i as
+//   sum_j p_ij = 1; fp32, before ds' is rounded) and pk_i beside sum_j ds'_ij k_j, takes
+//   dq_i = c (sum_j ds'_ij k_j - r_i pk_i) and writes Delta_i = d_i + r_i over d_i (its own rows)
+//   for the dK/dV kernel. Cost: one more product and accumulator. fp32: d is exact to fp32 rounding.
 // Head dims: the template D is the tile head dim, a multiple of 16 (the tiers are in dispatch,
 //   attention_host.cuh); the runtime p.head_dim <= D. Columns >= head_dim are zero in shared
 //   memory, so Q K^T, P V, dO V^T, ... are those of the real columns, and are never read from or
@@ -178,6 +186,13 @@ struct WarpAcc<T, N, true> {
       for (int e = 0; e < Frag::num_elements; ++e) f[n].x[e] *= s;
     }
   }
+  __device__ __forceinline__ void sub_scaled_rows(const WarpAcc& o, const float* s) {  // row r -= s[r] o's row r
+#pragma unroll
+    for (int n = 0; n < N / 16; ++n) {
+#pragma unroll
+      for (int e = 0; e < Frag::num_elements; ++e) f[n].x[e] -= s[rows[e]] * o.f[n].x[e];
+    }
+  }
   template <int K>
   __device__ __forceinline__ void mma(const T* A, int lda, const T* B, int ldb) {
 #pragma unroll
@@ -218,6 +233,11 @@ struct WarpAcc<T, N, false> {
   __device__ __forceinline__ void scale(float s) {
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) v[i] *= s;
+  }
+  __device__ __forceinline__ void sub_scaled_rows(const WarpAcc& o, const float* s) {
+    const float f = s[r];
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) v[i] -= f * o.v[i];
   }
   template <int K>
   __device__ __forceinline__ void mma(const T* A, int lda, const T* B, int ldb) {
@@ -265,7 +285,7 @@ __device__ __forceinline__ bool key_valid(const AttentionParams& p, int b, int j
 // *WN warps split the columns of a row group's accumulators (and of its S tile): at D 256 one
 // warp would hold 128 accumulator registers per lane for O or dQ, 256 for dK and dV. dK/dV splits
 // 16-bit tiles 4 ways (2 ways still spills), fp32 ones 2 ways (its FMA slices need not be 16
-// wide, so its tiles stay small). Shared memory at D 256 (forward, dQ, dK/dV): 80, 78 and 96 KiB
+// wide, so its tiles stay small). Shared memory at D 256 (forward, dQ, dK/dV): 80, 80 and 96 KiB
 // for 16-bit types, 70, 69 and 70 KiB for fp32.
 template <typename T, int D>
 struct Cfg {
@@ -275,7 +295,7 @@ struct Cfg {
   static constexpr int kFwdBM = kF32 && kBig ? 32 : 64;
   static constexpr int kFwdBN = D <= 64 ? 64 : (kF32 && kBig ? 16 : 32);
   static constexpr int kFwdWN = kBig ? 2 : 1;
-  // dQ: BM query rows per block, BN keys per step
+  // dQ: BM query rows per block, BN keys per step (fp16/bf16: two accumulators, dQ and sum_j p_ij k_j)
   static constexpr int kDqBM = kBig ? (kF32 ? 16 : 32) : (kF32 && D > 64 ? 32 : 64);
   static constexpr int kDqBN = kF32 && kBig ? 16 : (kF32 || D > 64 ? 32 : 64);
   static constexpr int kDqWN = kBig ? 2 : 1;
@@ -564,11 +584,12 @@ __global__ void __launch_bounds__(BN / 16 * WN * 32) attention_bwd_dkdv_kernel(c
 }
 
 // ------------------------------------------------------------------ backward: dQ
-template <typename T, int D, int BM, int BN>
+template <typename T, int D, int BM, int BN, int WN>
 struct DqSmem {
+  static constexpr bool kRefine = kWmma<T>;  // Delta refined (fp16/bf16; header)
   static constexpr int LDT = D + kPadT<T>;   // Q, dO, K, V rows
   static constexpr int LDS = BN + kPadF;     // S and dP rows
-  static constexpr int LDP = BN + kPadT<T>;  // dS rows
+  static constexpr int LDP = BN + kPadT<T>;  // dS (and P) rows
   static constexpr int LDO = D + kPadF;      // staging of dQ
   static constexpr int q = 0;
   static constexpr int dO = align128(q + 1LL * BM * LDT * sizeof(T));
@@ -577,14 +598,17 @@ struct DqSmem {
   static constexpr int s = align128(v + 1LL * BN * LDT * sizeof(T));
   static constexpr int dp = align128(s + 4LL * BM * LDS);
   static constexpr int ds = align128(dp + 4LL * BM * LDS);
-  static constexpr int kvalid = align128(ds + 1LL * BM * LDP * sizeof(T));
+  static constexpr int pp = align128(ds + 1LL * BM * LDP * sizeof(T));
+  static constexpr int kvalid = align128(pp + (kRefine ? 1LL * BM * LDP * sizeof(T) : 0));
+  static constexpr int resid = align128(kvalid + 4LL * BN);  // [WN, BM] row sums of dS' (kRefine)
   static constexpr int o = 0;
-  static constexpr int bytes = cmax(align128(kvalid + 4LL * BN), align128(o + 4LL * BM * LDO));
+  static constexpr int bytes = cmax(align128(resid + (kRefine ? 4LL * WN * BM : 0)), align128(o + 4LL * BM * LDO));
 };
 
 template <typename T, int D, int BM, int BN, int WN>
 __global__ void __launch_bounds__(BM / 16 * WN * 32) attention_bwd_dq_kernel(const Params p) {
-  using L = DqSmem<T, D, BM, BN>;
+  using L = DqSmem<T, D, BM, BN, WN>;
+  constexpr bool kRefine = L::kRefine;
   constexpr int NT = BM / 16 * WN * 32;
   constexpr int SC = BN / WN, DC = D / WN;  // a warp's columns of S / dP and of dQ
   static_assert(SC % 8 == 0 && DC % 16 == 0, "a warp's columns: whole column groups and tiles");
@@ -596,7 +620,9 @@ __global__ void __launch_bounds__(BM / 16 * WN * 32) attention_bwd_dq_kernel(con
   float* Ss = reinterpret_cast<float*>(smem + L::s);  // [BM, LDS] scores
   float* dPs = reinterpret_cast<float*>(smem + L::dp);  // [BM, LDS]
   T* dSs = reinterpret_cast<T*>(smem + L::ds);        // [BM, LDP]
+  T* Ps = reinterpret_cast<T*>(smem + L::pp);         // [BM, LDP] probabilities (kRefine)
   int* kvalid = reinterpret_cast<int*>(smem + L::kvalid);  // [BN]
+  float* resid_s = reinterpret_cast<float*>(smem + L::resid);  // [WN, BM] (kRefine)
   float* Os = reinterpret_cast<float*>(smem + L::o);  // [BM, LDO] dQ staging, over the tiles
 
   const int b = blockIdx.z, h = blockIdx.y, m0 = blockIdx.x * BM;
@@ -613,13 +639,16 @@ __global__ void __launch_bounds__(BM / 16 * WN * 32) attention_bwd_dq_kernel(con
   load_tile<T, BM, D, L::LDT, NT>(dOs, dout, p.sdo.row, sq.len - m0, p.head_dim, p.vec & kVecDO);
   const int64_t stat = b * p.lse_batch + h * p.lse_head + sq.start + qi;
   const float l2 = qi < sq.len ? p.lse[stat] * kLog2e : kInf;
-  const float dl = qi < sq.len ? p.delta[stat] : 0.f;
+  const float dl = qi < sq.len ? p.delta[stat] : 0.f;  // d_i, refined below (kRefine)
 
   float* Sw = Ss + 16 * rg * L::LDS;
   float* dPw = dPs + 16 * rg * L::LDS;
   T* dSw = dSs + 16 * rg * L::LDP;
-  WarpAcc<T, DC> dq;
+  T* Pw = Ps + 16 * rg * L::LDP;
+  WarpAcc<T, DC> dq, pk;  // dQ; sum_j p_ij k_j (kRefine)
   dq.init(Sw + cs * SC, L::LDS);
+  if constexpr (kRefine) pk.init(Sw + cs * SC, L::LDS);
+  float resid = 0.f;  // this lane's part of r_i = sum_j ds'_ij (kRefine)
 
   const T* kb = static_cast<const T*>(p.k) + b * p.sk.batch + sq.start * p.sk.row + h * p.sk.head;
   const T* vb = static_cast<const T*>(p.v) + b * p.sv.batch + sq.start * p.sv.row + h * p.sv.head;
@@ -652,11 +681,31 @@ __global__ void __launch_bounds__(BM / 16 * WN * 32) attention_bwd_dq_kernel(con
         const float pv = kvalid[c] ? exp2f(Sw[r * L::LDS + c] * scale2 - l2) : 0.f;
         const bool keep = !dropout || uniform01(pick(bits, e)) >= p.dropout_p;
         const float dpv = keep ? dPw[r * L::LDS + c] * rdrop : 0.f;
-        dSw[r * L::LDP + c] = from_f<T>(pv * (dpv - dl));
+        const float dsv = pv * (dpv - dl);
+        dSw[r * L::LDP + c] = from_f<T>(dsv);
+        if constexpr (kRefine) {
+          Pw[r * L::LDP + c] = from_f<T>(pv);
+          resid += dsv;
+        }
       }
     }
     sync_row_group<WN>();
     dq.template mma<BN>(dSw, L::LDP, Ks + cs * DC, L::LDT);  // dQ += dS K, this warp's columns
+    if constexpr (kRefine) pk.template mma<BN>(Pw, L::LDP, Ks + cs * DC, L::LDT);  // += P K
+  }
+  if constexpr (kRefine) {
+    // r_i: the lane pair's columns, then the WN column slices (fixed order: deterministic).
+    resid += __shfl_xor_sync(0xffffffffu, resid, 1);
+    if (half == 0) resid_s[cs * BM + 16 * rg + r] = resid;
+    __syncthreads();
+    if (cs == 0 && half == 0) {
+      float sum = 0.f;
+      for (int c = 0; c < WN; ++c) sum += resid_s[c * BM + 16 * rg + r];
+      resid_s[16 * rg + r] = sum;
+      if (qi < sq.len) p.delta[stat] = dl + sum;  // Delta_i for the dK/dV kernel
+    }
+    __syncthreads();
+    dq.sub_scaled_rows(pk, resid_s + 16 * rg);  // dQ -= r_i pk_i
   }
   dq.scale(p.softmax_scale);
 

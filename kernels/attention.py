@@ -15,16 +15,29 @@ Math, per sequence b and head h (i: query row, j: key column, both < len_b):
 
   Backward (dO = upstream gradient), recomputing P from q, k and lse block by block:
 
-    delta_i = sum_d dO_id O_id   (= sum_j P_ij Z_ij (dO_i . v_j), so dropout needs no change here)
+    delta_i = sum_j P_ij dP_ij   (= dO_i . o_i)
     dV_j    = sum_i P_ij Z_ij dO_i
     dP_ij   = Z_ij (dO_i . v_j)
     dS_ij   = P_ij (dP_ij - delta_i)
     dQ_i    = scale * sum_j dS_ij k_j
     dK_j    = scale * sum_i dS_ij q_i
 
-  Three kernels: a preprocessing kernel computes delta; one program per key block iterates
-  over the query blocks for dK, dV; one program per query block iterates over the key blocks
-  for dQ. Every output element is written by exactly one program (no atomics), so results are
+  delta in two steps (fp16/bf16). A preprocessing kernel takes d_i = dO_i . O_i from the stored
+  output, which is o_i rounded, so d_i is off by dO_i . (o_i - O_i) (~2**-9 |dO_i| |o_i| in bf16).
+  That puts -scale sum_i P_ij (delta_i - d_i) q_i into dK_j, summed over every query attending to
+  key j (the key of a one-token sequence of the padded form gets it from all S rows with P = 1,
+  where the exact dS is 0: ~sqrt(S) times one row's error), and -scale (delta_i - d_i) pk_i into
+  dQ_i, pk_i = sum_j P_ij k_j (with P = 1 that is all of dQ_i, whose exact value is 0). So the dQ
+  kernel, which sees all keys of its rows, takes dS'_ij = P_ij (dP_ij - d_i) as before and sums
+  r_i = sum_j dS'_ij (= delta_i - d_i as sum_j P_ij = 1; fp32, before dS' is rounded for the
+  dot) and pk_i beside sum_j dS'_ij k_j; then
+      dQ_i = scale * (sum_j dS'_ij k_j - r_i pk_i),   delta_i = d_i + r_i,
+  and it writes delta for the dK/dV kernel, which runs after it. Cost: one more dot and
+  accumulator in the dQ kernel. fp32: d is exact to fp32 rounding, nothing is refined.
+
+  Three kernels: the preprocessing kernel computes d; one program per query block iterates over
+  the key blocks for dQ (and delta); one program per key block iterates over the query blocks for
+  dK, dV. Every output element is written by exactly one program (no atomics), so results are
   deterministic for a fixed launch configuration.
 
 Dropout: keep_ij = (u >= p) where u in [0, 1) comes from Philox (tl.randint4x) keyed by
@@ -344,7 +357,7 @@ def _attention_bwd_dkdv_kernel(
     V,           # values, same layout
     DO,          # upstream gradient of the output, same layout
     LSE,         # fp32 [B, A, S] or [A, T] from the forward
-    DELTA,       # fp32, lse layout, rowsum(dO * O) from _attention_bwd_delta_kernel
+    DELTA,       # fp32, lse layout, delta (refined by _attention_bwd_dq_kernel in fp16/bf16)
     DK,          # written: dK, q layout (its own strides)
     DV,          # written: dV, q layout (its own strides)
     CU_SEQLENS,  # int32 [B + 1] (varlen only)
@@ -424,12 +437,14 @@ def _attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _bwd_q_block(dq, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len,
+def _bwd_q_block(dq, pk, resid, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len,
                  offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale, seed_bh, dropout_p,
                  inv_keep, MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
                  HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dQ contribution of one key block."""
+                 REFINE_DELTA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dQ contribution of one key block; with REFINE_DELTA also sum_j P_ij k_j (pk) and the row
+    sums of dS (resid), for the refinement of delta (header)."""
     key_ok = (start_n + offs_n) < seq_len  # read only when MASKED
     k = _load_tile(k_ptrs + start_n * stride_ks, key_ok, MASKED, HEAD_DIM, BLOCK_D)
     v = _load_tile(v_ptrs + start_n * stride_vs, key_ok, MASKED, HEAD_DIM, BLOCK_D)
@@ -449,7 +464,10 @@ def _bwd_q_block(dq, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, start_n, se
         dp = tl.where(keep, dp * inv_keep, 0.0)
     ds = p * (dp - delta[:, None])
     dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
-    return dq
+    if REFINE_DELTA:
+        pk = tl.dot(p.to(k.dtype), k, pk, input_precision=DOT_PREC)
+        resid += tl.sum(ds, 1)
+    return dq, pk, resid
 
 
 @triton.jit
@@ -459,7 +477,8 @@ def _attention_bwd_dq_kernel(
     V,           # values, same layout
     DO,          # upstream gradient of the output, same layout
     LSE,         # fp32 [B, A, S] or [A, T] from the forward
-    DELTA,       # fp32, lse layout, rowsum(dO * O)
+    DELTA,       # fp32, lse layout, rowsum(dO * O) from _attention_bwd_delta_kernel
+    DELTA_OUT,   # fp32, lse layout; written (REFINE_DELTA only): delta refined, for the dK/dV kernel
     DQ,          # written: dQ, q layout (its own strides)
     CU_SEQLENS,  # int32 [B + 1] (varlen only)
     KEY_MASK,    # [B, S] 1 = token (padded form with a mask only)
@@ -473,10 +492,11 @@ def _attention_bwd_dq_kernel(
     stride_mb, stride_ms,
     seqlen, num_heads, softmax_scale, qk_scale, dropout_p, seqlen_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, REFINE_DELTA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One program per (query block, head, sequence): dQ of BLOCK_M queries over all keys."""
+    """One program per (query block, head, sequence): dQ of BLOCK_M queries over all keys, and
+    with REFINE_DELTA their delta refined (header)."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -510,20 +530,25 @@ def _attention_bwd_dq_kernel(
     seed_bh = _rng_key(SEED, b, h, num_heads, HAS_DROPOUT)
     inv_keep = 1.0 / (1.0 - dropout_p)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    pk = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # sum_j P_ij k_j (REFINE_DELTA only)
+    resid = tl.zeros([BLOCK_M], tl.float32)        # r_i = sum_j dS'_ij (REFINE_DELTA only)
     if HAS_KEY_MASK:
         n_full = 0
     else:
         n_full = (seq_len // BLOCK_N) * BLOCK_N
     for start_n in range(0, n_full, BLOCK_N):
-        dq = _bwd_q_block(dq, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len,
-                          offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale, seed_bh,
-                          dropout_p, inv_keep, False, HAS_KEY_MASK, HAS_DROPOUT, UPCAST, DOT_PREC,
-                          HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+        dq, pk, resid = _bwd_q_block(dq, pk, resid, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, start_n,
+                                     seq_len, offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale,
+                                     seed_bh, dropout_p, inv_keep, False, HAS_KEY_MASK, HAS_DROPOUT, UPCAST,
+                                     DOT_PREC, REFINE_DELTA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
     for start_n in range(n_full, seq_len, BLOCK_N):
-        dq = _bwd_q_block(dq, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len,
-                          offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale, seed_bh,
-                          dropout_p, inv_keep, True, HAS_KEY_MASK, HAS_DROPOUT, UPCAST, DOT_PREC,
-                          HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+        dq, pk, resid = _bwd_q_block(dq, pk, resid, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, start_n,
+                                     seq_len, offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale,
+                                     seed_bh, dropout_p, inv_keep, True, HAS_KEY_MASK, HAS_DROPOUT, UPCAST,
+                                     DOT_PREC, REFINE_DELTA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+    if REFINE_DELTA:
+        dq -= resid[:, None] * pk
+        tl.store(DELTA_OUT + lse_off, delta + resid, mask=row_ok)
     dq = dq * softmax_scale
     _store_tile(DQ + b64 * stride_dqb + seq_start * stride_dqs + h64 * stride_dqh
                 + offs_m[:, None] * stride_dqs + offs_d[None, :],
@@ -558,7 +583,9 @@ def _attention_dropout_mask_kernel(
 # stands for <= 32). Every entry compiles without register spills for sm_90 with triton 3.6 and
 # 3.9, dropout on and off, varlen and padded, at the tile's own head dim and at one it pads (26,
 # 80: the column masks cost registers) (make compile-report); the first entry is the default
-# (BERTFAST_AUTOTUNE=0). Tiles longer than the sequences need are pruned per call.
+# (BERTFAST_AUTOTUNE=0). Tiles longer than the sequences need are pruned per call. The 16-bit dQ
+# lists fit its second accumulator (sum_j P_ij k_j, header): (64, 128, 8, 3) at 64, (128, 32, 8, 3)
+# and (64, 32, 4, 4) at 128 and (64, 16, 8, 2) at 256 spill with it (triton 3.9; 3.6 not rechecked).
 _CANDIDATES = {
     "fwd": {
         (False, 32): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 32, 4, 4)],
@@ -582,12 +609,12 @@ _CANDIDATES = {
     },
     "dq": {
         (False, 32): [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 8, 3)],
-        (False, 64): [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 8, 3), (64, 128, 8, 3)],
-        (False, 128): [(128, 32, 8, 3), (64, 32, 4, 4)],
+        (False, 64): [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 8, 3)],
+        (False, 128): [(128, 16, 8, 3), (64, 32, 8, 3), (64, 16, 4, 4)],
         (True, 32): [(32, 32, 8, 2), (32, 16, 4, 2), (16, 16, 4, 2)],
         (True, 64): [(32, 16, 8, 2), (32, 16, 4, 2), (16, 16, 4, 2)],
         (True, 128): [(16, 16, 8, 2)],
-        (False, 256): [(16, 32, 4, 2), (16, 32, 8, 2), (32, 32, 8, 1), (32, 16, 8, 2), (64, 16, 8, 2)],
+        (False, 256): [(16, 32, 4, 2), (16, 32, 8, 2), (32, 32, 8, 1), (32, 16, 8, 2)],
         (True, 256): [(16, 16, 4, 2), (16, 16, 4, 1)],
     },
 }
@@ -685,7 +712,10 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, seed, b
     heads, head_dim = q.shape[-2], q.shape[-1]
     upcast, prec = _dot_flags(q.dtype)
     lse = lse.contiguous()
-    delta = torch.empty_like(lse)  # same layout as lse
+    delta = torch.empty_like(lse)  # same layout as lse: d = rowsum(dO * O)
+    # fp16/bf16: the dQ kernel refines d into delta (header) for the dK/dV kernel; fp32: d is delta
+    refine = q.dtype != torch.float32
+    delta_out = torch.empty_like(lse) if refine else delta
     cu = cu_seqlens if varlen else lse
     bucket = triton.next_power_of_2(seqlen)
 
@@ -703,15 +733,15 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, seed, b
                   HAS_DROPOUT=dropout_p > 0, UPCAST=upcast, DOT_PREC=prec)
     qkv_strides = (*_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(dout, varlen))
 
-    args = (q, k, v, dout, lse, delta, dk, dv, cu, kmask, seed_arg,
+    args = (q, k, v, dout, lse, delta, delta_out, dq, cu, kmask, seed_arg,
+            *qkv_strides, *_bsh(dq, varlen), *tail)
+    grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_M"]), heads, batch)  # noqa: E731
+    launch(_bwd_dq_tuned, grid, args, dict(consts, REFINE_DELTA=refine), interp=_INTERP["dq"])
+
+    args = (q, k, v, dout, lse, delta_out, dk, dv, cu, kmask, seed_arg,
             *qkv_strides, *_bsh(dk, varlen), *_bsh(dv, varlen), *tail)
     grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_N"]), heads, batch)  # noqa: E731
     launch(_bwd_dkdv_tuned, grid, args, consts, interp=_INTERP["dkdv"])
-
-    args = (q, k, v, dout, lse, delta, dq, cu, kmask, seed_arg,
-            *qkv_strides, *_bsh(dq, varlen), *tail)
-    grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_M"]), heads, batch)  # noqa: E731
-    launch(_bwd_dq_tuned, grid, args, consts, interp=_INTERP["dq"])
 
 
 def _grad_out(dout: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
