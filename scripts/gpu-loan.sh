@@ -52,7 +52,7 @@ case "$PART" in
         else
             prof=()
         fi
-        timeout $(( $(left) - 30 )) "$PY" -m bertfast.bench.profile "${prof[@]}" --out "$G/profile" \
+        timeout $(( $(left) - 30 )) "$PY" -m bertfast.bench.profile "${prof[@]}" --trace --out "$G/profile" \
             > "$G/profile/profile.log" 2>&1
         echo "[gpu-loan] profile: exit $?"
         cat "$G/profile/summary.txt" 2>/dev/null

@@ -312,6 +312,18 @@ def test_targets_failed_parity_and_missing_rows():
     assert {t["status"] for t in cpu.targets} == {NOT_MEASURED}
 
 
+def test_target_detail_groups_the_cases_not_measured():
+    """A stopped bench leaves many cases unmeasured for one reason: one line with their count, after
+    the measured cases (the README table stays readable)."""
+    from bertfast.bench.targets import Outcome, _not_measured, _worst
+    stopped = "triton skipped (not run: the bench was stopped (SIGTERM) before this case)"
+    pieces = [(Outcome(NOT_MET, 0.3, "0.30x"), "B128"), (_not_measured(stopped), "B32"),
+              (_not_measured(stopped), "B64"), (_not_measured("cuda: not in this run"), "B8")]
+    got = _worst(pieces, True, 1.0)
+    assert got.status == NOT_MET and got.value == pytest.approx(0.3)
+    assert got.detail == f"B128: 0.30x; 2 cases not measured: {stopped}; 1 case not measured: cuda: not in this run"
+
+
 def test_a_failed_row_carries_no_speed():
     with pytest.raises(ValueError, match="carries no timing"):
         Row("kernels", "bias_gelu", {}, "fwd", "bertfast:triton", status=FAILED_PARITY, time_ms=Stat(1, 1, 1, 1))
@@ -746,9 +758,20 @@ def test_profile_writes_where_a_steps_time_goes(tmp_path):
     from bertfast.bench import profile
     out = tmp_path / "prof"
     assert profile.main(["--device", "cpu", "--model", "tiny", "--seqlen", "16", "--batch", "2", "--warmup", "1",
-                         "--steps", "1", "--impls", "bertfast", "--out", str(out)]) == 0
+                         "--steps", "1", "--impls", "bertfast", "--out", str(out), "--trace"]) == 0
     text = (out / "bertfast.txt").read_text()
+    import gzip, json
+    trace = json.loads(gzip.open(out / "bertfast.trace.json.gz").read())
+    assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
+    assert not (out / "bertfast.trace.json").exists()
     assert text.startswith("tiny seq 16 batch 2, fp32 on CPU") and "wall per step" in text
     assert "aten::" in text  # the host ops by self time
     assert "bertfast" in (out / "summary.txt").read_text()
     assert profile.main(["--device", "cpu", "--impls", "bertfast,deepspeed", "--out", str(out)]) == 2
+
+
+def test_profile_counts_overlapping_kernels_once():
+    """The device's busy time is the union of its kernels' spans (streams overlap), not their sum."""
+    from bertfast.bench.profile import _union_us
+    assert _union_us([(20, 25), (0, 10), (5, 15), (6, 7)]) == 20
+    assert _union_us([]) == 0

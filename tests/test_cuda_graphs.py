@@ -71,11 +71,12 @@ def test_packed_step_never_syncs_with_the_host(skip, optimizer):
     assert step.skips_on_device
     forward = _forward(step, model, 4 * S)
     step([_batch(0)], forward)  # first call: autotuning, lazy state, probes (host reads allowed)
+    batches = [_batch(seed) for seed in (1, 2)]  # on the GPU before the check: their upload waits by design
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for seed in (1, 2):
-            done = step([_batch(seed)], forward)
+        for mb in batches:
+            done = step([mb], forward)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(done.loss) and bool(done.finite)

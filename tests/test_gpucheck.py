@@ -215,6 +215,29 @@ def test_land_files_a_gpu_run_and_regenerates_the_readme_table(tmp_path):
     assert "benchmarks/results/nvidia-h100-80gb-hbm3/2026-12-01" in readme
 
 
+def test_land_files_a_second_run_of_the_day_beside_the_first(tmp_path):
+    """Two loans on one day: the second run gets DATE-2, never the first's directory; landing a run
+    again rewrites its own; the step's profile and the sanitizers' output are filed with the logs."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "README.md").write_text("# x\n<!-- results:begin -->\nnothing yet\n<!-- results:end -->\n")
+    first = runner.land(str(_gpu_run_dir(tmp_path / "a")), repo=str(repo))
+    out = _gpu_run_dir(tmp_path / "b")
+    results = json.loads((out / "results" / "results.json").read_text())
+    results["date"] = "2026-12-01T15:30:00+00:00"
+    (out / "results" / "results.json").write_text(json.dumps(results))
+    (out / "profile").mkdir()
+    (out / "profile" / "bertfast.txt").write_text("wall per step 1 ms\n")
+    (out / "profile" / "bertfast.trace.json.gz").write_bytes(b"gz")
+    (out / "sanitizers.out").write_text("ERROR SUMMARY: 0 errors\n")
+    second = runner.land(str(out), repo=str(repo))
+    assert second == first + "-2"
+    assert {"profile-bertfast.txt", "profile-bertfast.trace.json.gz", "sanitizers.out"} <= set(os.listdir(second))
+    assert json.loads(open(os.path.join(first, "results.json")).read())["date"].startswith("2026-12-01T10")
+    assert runner.land(str(out), repo=str(repo)) == second
+    assert "2026-12-01-2" in (repo / "README.md").read_text()
+
+
 def test_land_refuses_a_dry_run(tmp_path):
     out = _gpu_run_dir(tmp_path, dry_run=True)
     with pytest.raises(ValueError, match="CPU dry run"):

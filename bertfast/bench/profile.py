@@ -7,33 +7,40 @@
 The model suite's case (the same weights, lengths and batch as ``bertfast bench --suite model
 --models pretrain``), each implementation's step (bertfast; transformers eager sdpa) warmed up,
 then profiled for a few steps. For each it writes DIR/<impl>.txt: the wall time per step, the
-device's busy time per step (the sum of its kernels' times: far below the wall time means the host
-is the bottleneck: launches, syncs, Python), the kernels grouped by name with their share of the
-device time, and the host-side ops by their own time. DIR/summary.txt puts the implementations side
-by side. The GPU check runs it after the headline (scripts/gpu-loan.sh).
+device's busy time per step (the time at least one kernel, copy or fill runs; far below the wall
+time means the host is the bottleneck: launches, syncs, Python), the kernels grouped by name with
+their share of the device time, and the host-side ops by their own time. DIR/summary.txt puts the
+implementations side by side; --trace adds DIR/<impl>.trace.json.gz (chrome://tracing,
+ui.perfetto.dev) to find the gaps between kernels. The GPU check runs it after the headline
+(scripts/gpu-loan.sh).
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
+import shutil
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from bertfast.bench.results import BERTFAST, HF_EAGER
+from bertfast.bench.results import BERTFAST, BERTFAST_GRAPHS, HF_EAGER
 
-IMPLS = {"bertfast": BERTFAST, "transformers": HF_EAGER}
+# --impls names -> the bench's implementation names (files are DIR/<name>.txt)
+IMPLS = {"bertfast": BERTFAST, "graphs": BERTFAST_GRAPHS, "transformers": HF_EAGER}
 
 
 def _steps(model_name: str, seqlen: int, batch: int, device: torch.device, dtype: torch.dtype,
            impls: List[str]) -> List[Tuple[str, Callable[[], None]]]:
-    """Each implementation's training step on the model suite's pre-training batch."""
+    """Each implementation's training step on the model suite's pre-training batch (graphs: the
+    static-shape step of ``bertfast pretrain --cuda-graphs`` on that batch packed)."""
     import bertfast
     from bertfast.bench import device as devmod
     from bertfast.bench.common import SuiteContext, sequence_lengths
-    from bertfast.bench.model_suite import _config, make_train_step, pretrain_batch, transformers_twin
+    from bertfast.bench.model_suite import (_config, make_packed_train_step, make_train_step, packed_pretrain_batch,
+                                            packed_step_skip_reason, pretrain_batch, transformers_twin)
 
     ctx = SuiteContext(device=devmod.detect(device.type), quick=False, dtype=dtype, log=lambda s: None)
     config = _config(model_name)
@@ -45,10 +52,16 @@ def _steps(model_name: str, seqlen: int, batch: int, device: torch.device, dtype
     steps = []
     for impl in impls:
         if impl == "bertfast":
-            steps.append((IMPLS[impl], make_train_step(ctx, model, data)))
+            steps.append((impl, make_train_step(ctx, model, data)))
+        elif impl == "graphs":
+            why = packed_step_skip_reason(ctx, graphs=True)
+            if why:
+                print(f"profile: graphs not profiled: {why}", file=sys.stderr)
+                continue
+            steps.append((impl, make_packed_train_step(ctx, model, packed_pretrain_batch(data), True)))
         else:
             hf = transformers_twin(model, "pretrain").train()
-            steps.append((IMPLS[impl], make_train_step(ctx, hf, data)))
+            steps.append((impl, make_train_step(ctx, hf, data)))
     return steps
 
 
@@ -57,8 +70,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profile_step(step: Callable[[], None], device: torch.device, warmup: int, steps: int) -> Dict:
-    """Warm up (autotuning, compiles, lazy state), then profile ``steps`` calls."""
+def profile_step(step: Callable[[], None], device: torch.device, warmup: int, steps: int,
+                 trace: Optional[str] = None) -> Dict:
+    """Warm up (autotuning, compiles, lazy state), then profile ``steps`` calls (their chrome
+    trace gzipped into ``trace`` when given)."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(warmup):
@@ -71,20 +86,46 @@ def profile_step(step: Callable[[], None], device: torch.device, warmup: int, st
             step()
         _sync(device)
         wall = (time.perf_counter() - start) / steps
+    if trace:
+        raw = trace[:-len(".gz")]
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(raw)
     events = prof.key_averages()
     device_attr = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-    kernels = sorted(((e.key, getattr(e, device_attr) / steps / 1e3, e.count // steps) for e in events
-                      if getattr(e, device_attr, 0) > 0), key=lambda k: -k[1])
-    host = sorted(((e.key, e.self_cpu_time_total / steps / 1e3, e.count // steps) for e in events),
-                  key=lambda k: -k[1])
+    # The device's own events (kernels, copies, fills) only: a host op's entry also carries the time
+    # of the kernels it launched, so summing every entry would count those twice.
+    on_device = [e for e in events if _on_device(e) and getattr(e, device_attr, 0) > 0]
+    kernels = sorted(((e.key, getattr(e, device_attr) / steps / 1e3, e.count // steps) for e in on_device),
+                     key=lambda k: -k[1])
+    host = sorted(((e.key, e.self_cpu_time_total / steps / 1e3, e.count // steps) for e in events
+                   if not _on_device(e)), key=lambda k: -k[1])
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if _on_device(e)]
     return {"wall_ms": wall * 1e3, "device_ms": sum(k[1] for k in kernels), "kernels": kernels, "host": host,
-            "launches": sum(k[2] for k in kernels)}
+            "launches": sum(k[2] for k in kernels), "busy_ms": _union_us(spans) / steps / 1e3}
+
+
+def _on_device(event) -> bool:
+    return event.device_type != torch.autograd.DeviceType.CPU
+
+
+def _union_us(spans: List[Tuple[float, float]]) -> float:
+    """The time covered by at least one of the spans (kernels on several streams overlap)."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(spans):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
 
 
 def report(impl: str, p: Dict, top: int = 30) -> str:
-    busy = p["device_ms"] / p["wall_ms"] if p["wall_ms"] else 0.0
-    lines = [f"# {impl}", f"wall per step {p['wall_ms']:.2f} ms; device busy {p['device_ms']:.2f} ms "
-             f"({100 * busy:.0f}% of the wall time); {p['launches']} device ops per step", "",
+    idle = 1 - p["busy_ms"] / p["wall_ms"] if p["wall_ms"] else 0.0
+    device = (f"device busy {p['busy_ms']:.2f} ms, idle {100 * idle:.0f}% of the wall time; kernels "
+              f"{p['device_ms']:.2f} ms; {p['launches']} device ops per step" if p["launches"] else
+              "no device ops (a CPU run)")
+    lines = [f"# {impl}", f"wall per step {p['wall_ms']:.2f} ms; {device}", "",
              f"{'ms/step':>9} {'share':>6} {'calls':>6}  kernel"]
     for name, ms, count in p["kernels"][:top]:
         share = ms / p["device_ms"] if p["device_ms"] else 0.0
@@ -99,13 +140,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--model", default="bert-large", help="a BertConfig preset (default bert-large)")
     ap.add_argument("--seqlen", type=int, default=128)
     ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--impls", default="bertfast,transformers", help="comma-separated: bertfast, transformers")
+    ap.add_argument("--impls", default="bertfast,graphs,transformers",
+                    help="comma-separated: bertfast, graphs (its CUDA-graph step), transformers")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
                     help="autocast dtype on the GPU (fp32 on CPU)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", required=True, help="directory for <impl>.txt and summary.txt")
+    ap.add_argument("--trace", action="store_true", help="also write DIR/<impl>.trace.json.gz")
     args = ap.parse_args(argv)
     impls = [i.strip() for i in args.impls.split(",") if i.strip()]
     unknown = [i for i in impls if i not in IMPLS]
@@ -124,13 +167,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     case = f"{args.model} seq {args.seqlen} batch {args.batch}, {args.dtype if device.type == 'cuda' else 'fp32'}"
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     summary = [f"pre-training step profile: {case} on {device_name}", ""]
-    for impl, step in _steps(args.model, args.seqlen, args.batch, device, dtype, impls):
-        p = profile_step(step, device, args.warmup, args.steps)
+    for name, step in _steps(args.model, args.seqlen, args.batch, device, dtype, impls):
+        impl = IMPLS[name]
+        trace = os.path.join(args.out, f"{name}.trace.json.gz") if args.trace else None
+        p = profile_step(step, device, args.warmup, args.steps, trace)
         text = report(impl, p)
-        with open(os.path.join(args.out, f"{impl.split()[0]}.txt"), "w") as fh:
+        with open(os.path.join(args.out, f"{name}.txt"), "w") as fh:
             fh.write(f"{case} on {device_name}\n\n{text}")
         top = ", ".join(f"{name[:60]} {ms:.1f} ms" for name, ms, _ in p["kernels"][:5])
-        summary.append(f"{impl:28s} wall {p['wall_ms']:8.2f} ms/step, device busy {p['device_ms']:8.2f} ms, "
+        summary.append(f"{impl:28s} wall {p['wall_ms']:8.2f} ms/step, device busy {p['busy_ms']:8.2f} ms, "
                        f"{p['launches']} device ops; top: {top}")
         print(summary[-1], flush=True)
         del step

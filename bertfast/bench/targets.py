@@ -73,7 +73,14 @@ def _worst(pieces: List[Tuple[Outcome, str]], higher_is_better: bool, threshold:
         return _not_measured("no matching cases in this run")
     values = [o.value for o, _ in pieces if o.value is not None]
     worst = (min(values) if higher_is_better else max(values)) if values else None
-    details = "; ".join(f"{label}: {o.detail}" for o, label in pieces)
+    # Measured cases one by one; those not measured, one line per reason (a stopped bench leaves many).
+    details = [f"{label}: {o.detail}" for o, label in pieces if o.value is not None or o.status == NOT_MET]
+    reasons: Dict[str, int] = {}
+    for o, _ in pieces:
+        if o.value is None and o.status != NOT_MET:
+            reasons[o.detail] = reasons.get(o.detail, 0) + 1
+    details += [f"{n} case{'s' if n > 1 else ''} not measured: {why}" for why, n in reasons.items()]
+    details = "; ".join(details)
     for status in (NOT_MET, NOT_MEASURED):
         if any(o.status == status for o, _ in pieces):
             return Outcome(status, worst, details)

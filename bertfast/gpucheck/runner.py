@@ -479,19 +479,36 @@ def land(out: str, repo: str = REPO, date: Optional[str] = None) -> str:
     run_ = Run.from_dict(json.load(open(results_path)))
     if summary.get("dry_run") or not run_.device.is_cuda:
         raise ValueError(f"land: {out} holds a CPU dry run; only GPU runs are filed under benchmarks/results/")
-    stamp = date or run_.date[:10]
-    dest = os.path.join(repo, "benchmarks", "results", run_.device.slug, stamp)
+    dest = _land_dir(os.path.join(repo, "benchmarks", "results", run_.device.slug), date or run_.date[:10], run_.date)
     os.makedirs(dest, exist_ok=True)
     for path in glob.glob(os.path.join(out, "results", "*")):
         shutil.copy2(path, dest)
     evidence = [p for pattern in ("*.log", "progress.jsonl", "not-reached.txt")
                 for p in glob.glob(os.path.join(out, "stage*", pattern))]
+    # The profile of the step (scripts/gpu-loan.sh part 2) and the sanitizers' own output, where run.
+    evidence += [p for pattern in ("*.txt", "*.log", "*.trace.json.gz")
+                 for p in glob.glob(os.path.join(out, "profile", pattern))]
+    evidence += glob.glob(os.path.join(out, "sanitizers.out"))
     for path in evidence + [os.path.join(out, "summary.md"), summary_path]:
         name = os.path.basename(path)
         stage_dir = os.path.basename(os.path.dirname(path))
         shutil.copy2(path, os.path.join(dest, name if stage_dir == os.path.basename(out) else f"{stage_dir}-{name}"))
     update_readme(os.path.join(repo, "README.md"), run_, os.path.relpath(dest, repo))
     return dest
+
+
+def _land_dir(device_dir: str, stamp: str, run_date: str) -> str:
+    """device_dir/stamp, or stamp-2, stamp-3 ... when an earlier run of another time holds it (two
+    loans on one day): a run is never filed over another."""
+    for n in range(1, 100):
+        dest = os.path.join(device_dir, stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            filed = json.load(open(os.path.join(dest, "results.json"))).get("date")
+        except (OSError, ValueError):
+            return dest
+        if filed == run_date:
+            return dest
+    raise ValueError(f"land: {device_dir} holds 99 runs dated {stamp}")
 
 
 # --------------------------------------------------------------------------- command line

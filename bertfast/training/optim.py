@@ -287,8 +287,12 @@ class Lamb(torch.optim.Optimizer):
         correct = group["bias_correction"]
         lr, bias, c1, c2 = group["lr"], None, 1.0, 1.0
         if self.capturable:
-            # A skipped step (found_inf 1) advances by 0: multi-tensor ops, a few launches per set.
-            torch._foreach_add_(steps, 1.0 if found_inf is None else 1.0 - found_inf.double())
+            # A skipped step (found_inf 1) advances by 0: multi-tensor ops, a few launches per set. As
+            # torch's capturable fused Adam does (add 1, subtract found_inf as a tensor list): the
+            # tensor-scalar form failed a CUDA graph capture on an H200 (stream capture unsupported).
+            torch._foreach_add_(steps, 1.0)
+            if found_inf is not None:
+                torch._foreach_sub_(steps, [found_inf.double()] * len(steps))
             if correct and tables.count:
                 # In fp64 as the host's ``1 - b ** step``, then rounded to fp32 as a kernel argument is.
                 t = torch.stack([steps[i] for i in tables.kept])
