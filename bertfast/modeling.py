@@ -322,6 +322,14 @@ class BertPooler(nn.Module):
         return self.activation(self.dense(hidden_states[:, 0]))
 
 
+def first_real_tokens(sequence: Tensor, attention_mask: Tensor) -> Tensor:
+    """Each row's first real token [B, 1, H], what the pooler reads: position 0 unless the row is
+    left-padded (transformers pools position 0 whatever it holds, an encoded pad token there; the
+    unpadded layout has none). A row without a real token gives its position 0."""
+    first = attention_mask.ne(0).to(torch.int32).argmax(dim=1)  # argmax returns the first maximum
+    return sequence.gather(1, first.view(-1, 1, 1).expand(-1, 1, sequence.shape[-1]))
+
+
 # ================================================================= base class
 class BertPreTrainedModel(hf_bert.BertPreTrainedModel):
     """transformers' BertPreTrainedModel with bertfast's modules: PreTrainedModel's machinery, fused forward."""
@@ -401,7 +409,7 @@ class BertModel(BertPreTrainedModel):
             sequence, states, probs = reference.encoder(self, input_ids, attention_mask, token_type_ids,
                                                         position_ids, inputs_embeds, want_states,
                                                         bool(output_attentions))
-            firsts = sequence
+            firsts = first_real_tokens(sequence, attention_mask)
         elif output_attentions:
             raise ValueError("output_attentions=True: the fused attention never materialises attention "
                              "probabilities; run the model under bertfast.reference_execution(model) for them")
@@ -413,7 +421,7 @@ class BertModel(BertPreTrainedModel):
         else:
             sequence, states, rows, token_rows = self._encode(input_ids, attention_mask, token_type_ids,
                                                               position_ids, inputs_embeds, want_states)
-            firsts = sequence
+            firsts = first_real_tokens(sequence, attention_mask)
         pooled = self.pooler(firsts) if self.pooler is not None else None
         if pooled is not None and packed is not None:  # an empty sequence pools to 0 (on every path)
             pooled = pooled.masked_fill((packed.cu_seqlens.diff() == 0)[:, None], 0.0)
