@@ -65,6 +65,17 @@ def pop_packed(kwargs: Dict[str, Any]) -> Optional[Packed]:
     return Packed(cu.to(torch.int32).contiguous(), max_len, None if cu_k is cu else cu_k)
 
 
+def table_rows(cfg: BertConfig, word_embeddings: torch.nn.Module) -> int:
+    """The word table's rows: an nn.Embedding's, a wrapper's base layer's (PEFT's LoRA Embedding has
+    no num_embeddings), its weight's, else the config's vocabulary."""
+    for module in (word_embeddings, getattr(word_embeddings, "base_layer", None)):
+        rows = getattr(module, "num_embeddings", None)
+        if isinstance(rows, int):
+            return rows
+    weight = getattr(word_embeddings, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, Tensor) and weight.dim() == 2 else cfg.vocab_size
+
+
 def prepare_inputs(cfg: BertConfig, word_embeddings: torch.nn.Module, input_ids: Optional[Tensor],
                    attention_mask: Optional[Tensor], token_type_ids: Optional[Tensor], position_ids: Optional[Tensor],
                    inputs_embeds: Optional[Tensor], packed: Optional[Packed] = None) -> Tuple[Tensor, Tensor, Tensor]:
@@ -73,7 +84,7 @@ def prepare_inputs(cfg: BertConfig, word_embeddings: torch.nn.Module, input_ids:
     batch as transformers' embeddings do. Packed sequences ([1, T] with ``packed``) count positions
     from 0 in each sequence."""
     weight = getattr(word_embeddings, "weight", None)
-    batch, seqlen = check_inputs(cfg, word_embeddings.num_embeddings, input_ids, attention_mask, token_type_ids,
+    batch, seqlen = check_inputs(cfg, table_rows(cfg, word_embeddings), input_ids, attention_mask, token_type_ids,
                                  position_ids, inputs_embeds, weight.dtype if isinstance(weight, Tensor) else None,
                                  packed)
     device = (input_ids if input_ids is not None else inputs_embeds).device

@@ -583,6 +583,17 @@ def _return(model: BertPreTrainedModel, result, return_dict: Optional[bool]):
     return result if return_dict else result.to_tuple()
 
 
+def _full_logits_with_labels(model: BertPreTrainedModel, return_logits: Optional[bool],
+                             return_dict: Optional[bool]) -> bool:
+    """With labels, whether the MLM head also returns full logits [B, S, V]: as asked, else when
+    transformers' callers expect them (evaluation, e.g. Trainer's metrics on the logits; a tuple
+    unpacked as (loss, logits)). Training with return_dict keeps the masked-position-only head."""
+    if return_logits is not None:
+        return bool(return_logits)
+    return_dict = model.config.return_dict if return_dict is None else return_dict
+    return not model.training or not return_dict
+
+
 class _WithMLMHead(BertPreTrainedModel):
     """What the two classes with an MLM head (``self.cls.predictions``) share: tying and its accessors."""
 
@@ -601,8 +612,10 @@ class _WithMLMHead(BertPreTrainedModel):
         return reference.mlm_head(head, sequence) if _reference(self.bert) else head(sequence)
 
     def _mlm_loss(self, encoded: BertModelOutput, labels: Tensor, attention_mask: Optional[Tensor],
-                  max_predictions_per_seq: Optional[int]) -> ops.MLMHeadLoss:
-        """Mean CE over labelled real tokens (labels at padded positions are ignored on every path)."""
+                  max_predictions_per_seq: Optional[int], logits: Optional[Tensor] = None) -> ops.MLMHeadLoss:
+        """Mean CE over labelled real tokens (labels at padded positions are ignored on every path);
+        from ``logits`` when the full logits were made anyway (the head then runs once, as in
+        transformers), else from the head at labelled positions only."""
         head, sequence = self.cls.predictions, encoded.last_hidden_state
         if labels.shape != sequence.shape[:2]:
             raise ValueError(f"labels: expected shape {tuple(sequence.shape[:2])}, got {tuple(labels.shape)}")
@@ -610,14 +623,17 @@ class _WithMLMHead(BertPreTrainedModel):
         check_max_predictions_per_seq(max_predictions_per_seq)  # on every path, not only the fused head's
         if attention_mask is not None:
             labels = labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
+        if logits is not None:
+            return ops.MLMHeadLoss(*reference.classification_loss(logits, labels))
         if _reference(self.bert):
             return ops.MLMHeadLoss(*reference.classification_loss(reference.mlm_head(head, sequence), labels))
         return head.loss(encoded, labels, max_predictions_per_seq)
 
 
 class BertForPreTraining(_WithMLMHead):
-    """BERT with the MLM and NSP heads. With ``labels`` the MLM head runs only at labelled
-    positions and ``prediction_logits`` is None; without labels it returns full logits.
+    """BERT with the MLM and NSP heads. With ``labels`` in training the MLM head runs only at
+    labelled positions and ``prediction_logits`` is None; in evaluation, with return_dict=False or
+    with ``return_logits=True`` it returns full logits too (``return_logits=False``: never).
     ``max_predictions_per_seq`` (a call argument) gives the MLM head a static shape."""
 
     def __init__(self, config: BertConfig):
@@ -629,17 +645,17 @@ class BertForPreTraining(_WithMLMHead):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, next_sentence_label=None, output_attentions=None,
                 output_hidden_states=None, return_dict=None, max_predictions_per_seq: Optional[int] = None,
-                **kwargs):
+                return_logits: Optional[bool] = None, **kwargs):
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                         output_attentions=output_attentions, output_hidden_states=output_hidden_states,
                         return_dict=True, **kwargs)
         sequence, pooled = out.last_hidden_state, out.pooler_output
         nsp_logits = self.cls.seq_relationship(pooled)
         prediction_logits = mlm = nsp_loss = None
-        if labels is not None:
-            mlm = self._mlm_loss(out, labels, attention_mask, max_predictions_per_seq)
-        else:
+        if labels is None or _full_logits_with_labels(self, return_logits, return_dict):
             prediction_logits = self._mlm_logits(sequence)
+        if labels is not None:
+            mlm = self._mlm_loss(out, labels, attention_mask, max_predictions_per_seq, prediction_logits)
         if next_sentence_label is not None:
             model_inputs.check_labels("next_sentence_label", next_sentence_label, 2)
             nsp_loss = losses.cross_entropy(nsp_logits.view(-1, 2), next_sentence_label.view(-1))
@@ -655,8 +671,9 @@ class BertForPreTraining(_WithMLMHead):
 
 
 class BertForMaskedLM(_WithMLMHead):
-    """BERT with the MLM head. With ``labels`` the head runs only at labelled positions and
-    ``logits`` is None; without labels it returns full logits."""
+    """BERT with the MLM head. With ``labels`` in training the head runs only at labelled positions
+    and ``logits`` is None; in evaluation, with return_dict=False or with ``return_logits=True`` it
+    returns full logits too (``return_logits=False``: never); without labels, full logits."""
 
     def __init__(self, config: BertConfig):
         super().__init__(config)
@@ -666,13 +683,17 @@ class BertForMaskedLM(_WithMLMHead):
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
-                return_dict=None, max_predictions_per_seq: Optional[int] = None, **kwargs):
+                return_dict=None, max_predictions_per_seq: Optional[int] = None,
+                return_logits: Optional[bool] = None, **kwargs):
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                         output_attentions=output_attentions, output_hidden_states=output_hidden_states,
                         return_dict=True, **kwargs)
         if labels is not None:
-            mlm = self._mlm_loss(out, labels, attention_mask, max_predictions_per_seq)
-            result = BertMaskedLMOutput(loss=mlm.loss, hidden_states=out.hidden_states, attentions=out.attentions)
+            logits = (self._mlm_logits(out.last_hidden_state)
+                      if _full_logits_with_labels(self, return_logits, return_dict) else None)
+            mlm = self._mlm_loss(out, labels, attention_mask, max_predictions_per_seq, logits)
+            result = BertMaskedLMOutput(loss=mlm.loss, logits=logits, hidden_states=out.hidden_states,
+                                        attentions=out.attentions)
             _with_extras(result, mlm_num_correct=mlm.num_correct, mlm_num_predictions=mlm.num_predictions)
         else:
             logits = self._mlm_logits(out.last_hidden_state)

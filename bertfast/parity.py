@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
 import sys
 from dataclasses import asdict, dataclass
@@ -45,9 +46,19 @@ class ParityReport:
         return asdict(self)
 
 
+def loss_only(model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+    """The keyword that keeps an MLM model from adding full logits [B, S, V] beside its loss in
+    evaluation (what transformers' callers get; a check comparing losses never reads them)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"return_logits": False} if "labels" in batch and "return_logits" in params else {}
+
+
 def _run(model: torch.nn.Module, batch: Dict[str, torch.Tensor]):
     params = [p for p in model.parameters() if p.requires_grad]
-    out = model(**batch)
+    out = model(**batch, **loss_only(model, batch))
     logits = _logits(out)
     if getattr(out, "loss", None) is None:  # BertModel has no loss: compare outputs only
         return None, logits, None
@@ -115,7 +126,7 @@ def check_batch(model: torch.nn.Module, batch: Dict[str, torch.Tensor], tol: flo
 def _signature(model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> List[torch.Tensor]:
     """[last hidden state at real tokens, loss, gradient norm] of one forward+backward (what a wrong
     op can move: a scale error is mostly normalised away in the forward pass, not in the gradient)."""
-    out = model(**batch, output_hidden_states=True)
+    out = model(**batch, output_hidden_states=True, **loss_only(model, batch))
     hidden = out.hidden_states[-1]
     mask = batch.get("attention_mask")
     if mask is not None and mask.shape == hidden.shape[:-1]:

@@ -438,9 +438,9 @@ class Pretrainer:
         nb = self.device.type == "cuda"
         return {k: v.to(self.device, non_blocking=nb) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
 
-    def _forward(self, mb: Dict[str, torch.Tensor], phase: Phase):
+    def _forward(self, mb: Dict[str, torch.Tensor], phase: Phase, **kwargs: Any):
         extra = {} if phase.max_predictions is None else {"max_predictions_per_seq": phase.max_predictions}
-        return self.train_step.forward(self.forward_model, mb, **extra)
+        return self.train_step.forward(self.forward_model, mb, **extra, **kwargs)
 
     def _no_sync(self):
         return _fsdp_no_sync(self.model) if self.args.fsdp else self.model.no_sync()
@@ -457,7 +457,7 @@ class Pretrainer:
                            self.device)
         for j in range(self.info.rank, min(self.args.eval_batches, n_avail), self.info.world_size):
             mb = self._to_device(phase.eval_batches.micro_batches(j)[0])
-            out = self._forward(mb, phase)
+            out = self._forward(mb, phase, return_logits=False)  # the loss and counts only: no full logits
             b = (sequence_lengths(mb) > 0).sum()
             sums.add(loss=out.loss * b, mlm_loss=out.mlm_loss * b, mlm_correct=out.mlm_num_correct,
                      predictions=out.mlm_num_predictions, nsp_correct=_nsp_correct(out, mb), sequences=b)

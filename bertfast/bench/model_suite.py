@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from bertfast import flops as bert_flops
+from bertfast.parity import loss_only
 from bertfast.bench.common import (Stopped, SuiteContext, compile_skip_reason, describe_lengths, dtype_name,
                                    free_memory, generator_for, mask_from, sequence_lengths, short_error, strict_fp32)
 from bertfast.bench.results import (BERTFAST, BERTFAST_GRAPHS, BERTFAST_REFERENCE, BERTFAST_STATIC, ERROR,
@@ -177,7 +178,7 @@ def _eval_fp32(module: torch.nn.Module, batch: Dict[str, torch.Tensor], forward=
     fwd = module if forward is None else forward  # a compiled module has no truth value
     params = [p for p in module.parameters() if p.requires_grad]
     with torch.autocast(next(module.parameters()).device.type, enabled=False):
-        out = fwd(**batch)
+        out = fwd(**batch, **loss_only(module, batch))
     loss = out["loss"] if isinstance(out, dict) and "loss" in out else getattr(out, "loss", None)
     primary = _primary(out).detach().double()
     if primary.dim() == 3:  # [B, S, H]: compare real tokens only
