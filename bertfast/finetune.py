@@ -54,7 +54,7 @@ from bertfast.training.config import FinetuneConfig, parse_overrides
 from bertfast.training.nonfinite import NonFiniteWatch
 from bertfast.training.optim import build_optimizer, warmup_linear_decay
 from bertfast.training.precision import autocast_context, resolve_precision
-from bertfast.training.records import MetricsLogger
+from bertfast.training.records import MetricsLogger, library_progress_bars
 from bertfast.training.rundir import RunDirectory
 from bertfast.training.signals import StopRequest
 from bertfast.training.step import TrainStep
@@ -540,9 +540,10 @@ def run(args: FinetuneConfig) -> Dict[str, Any]:
     "history": [...], "train_loss": [...], "output_dir": ..., ...}."""
     trainer = Finetuner(args)
     try:
-        trainer.setup()
-        result = trainer.train()
-        trainer.finish(result)
+        with library_progress_bars(not args.no_progress):
+            trainer.setup()
+            result = trainer.train()
+            trainer.finish(result)
     finally:
         trainer.run_dir.release()
     if result["eval"]:

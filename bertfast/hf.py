@@ -124,6 +124,11 @@ def _require_attention_interface(get_correct):
     name for any model, so a family that never calls the interface would silently not use bertfast."""
     @functools.wraps(get_correct)
     def checked(self, requested_attention, *args, **kwargs):
+        if requested_attention == NAME and type(self).__module__.startswith("bertfast."):
+            raise ValueError(
+                f"attn_implementation=\"{NAME}\": {type(self).__name__} is bertfast's own class, whose fused "
+                f"attention always runs; leave attn_implementation out (or pass \"eager\"). The \"{NAME}\" "
+                f"attention is for transformers' own classes (e.g. transformers.{type(self).__name__}).")
         if requested_attention == NAME and not getattr(self, "_supports_attention_backend", False):
             raise ValueError(
                 f"attn_implementation=\"{NAME}\": {type(self).__name__} computes attention in its own code, "

@@ -66,7 +66,8 @@ from bertfast.training.distributed import (DistInfo, all_reduce_max, all_reduce_
 from bertfast.training.nonfinite import NonFiniteWatch
 from bertfast.training.optim import build_optimizer, lamb_implementation, warmup_linear_decay
 from bertfast.training.precision import resolve_precision
-from bertfast.training.records import MetricsLogger, RunningSums, format_duration, plot_loss_curve, read_jsonl
+from bertfast.training.records import (MetricsLogger, RunningSums, format_duration, library_progress_bars,
+                                       plot_loss_curve, read_jsonl)
 from bertfast.training.rundir import RunDirectory
 from bertfast.training.signals import StopRequest
 from bertfast.training.step import StepResult, TrainStep
@@ -665,10 +666,11 @@ def run(args: PretrainConfig) -> RunResult:
         args = resolve_steps(args)
         trainer = Pretrainer(args, info)
         try:
-            trainer.setup()
-            t0 = time.time()
-            result = trainer.train()
-            trainer.finish(result)
+            with library_progress_bars(info.is_main and not args.no_progress):
+                trainer.setup()
+                t0 = time.time()
+                result = trainer.train()
+                trainer.finish(result)
         finally:
             trainer.close()
         if info.is_main:

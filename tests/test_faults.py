@@ -62,6 +62,16 @@ def test_a_diverging_run_stops_and_keeps_only_finite_checkpoints(datasets, tmp_p
     assert max(_losses(out)) < 6                                      # it did not train on to the end
 
 
+def test_no_progress_silences_the_libraries_progress_bars_too(datasets, tmp_path, capfd):
+    """--no-progress: no bar at all, transformers' "Writing model shards" at each checkpoint
+    included; its setting is back as it was after the run."""
+    from transformers.utils import logging as hf_logging
+    assert pretrain.main(_argv(datasets, tmp_path / "run")) == 0
+    out, err = capfd.readouterr()
+    assert _steps(tmp_path / "run") and "model shards" not in out + err and "it/s]" not in out + err
+    assert hf_logging.is_progress_bar_enabled()
+
+
 def test_skip_mode_leaves_the_parameters_of_a_nonfinite_step_untouched():
     model = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

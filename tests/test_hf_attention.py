@@ -192,6 +192,17 @@ def test_families_with_their_own_attention_refuse_it_when_built_or_loaded(family
         model_class(config)
 
 
+def test_bertfast_classes_say_their_attention_always_runs(tmp_path):
+    """Asked of bertfast's own classes, the "bertfast" attention is refused with what to do
+    instead, never with advice the class would refuse too."""
+    bertfast.BertModel(bertfast.BertConfig(**SMALL)).save_pretrained(tmp_path)
+    message = "bertfast's own class, whose fused attention always runs; leave attn_implementation out"
+    with pytest.raises(ValueError, match=message) as info:
+        bertfast.BertModel.from_pretrained(tmp_path, attn_implementation="bertfast")
+    assert "sdpa" not in str(info.value)
+    assert bertfast.BertModel.from_pretrained(tmp_path, attn_implementation="eager") is not None
+
+
 @pytest.mark.parametrize("family", ["deberta-v2", "mpnet"])
 def test_families_with_their_own_attention_keep_it_when_set_later(family):
     model_class, config = _own_attention(family)

@@ -2,9 +2,10 @@
 TensorBoard when installed and asked for) and the loss-curve plot."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -178,3 +179,17 @@ class RunningSums:
 
     def reset(self) -> None:
         self.values.zero_()
+
+
+@contextlib.contextmanager
+def library_progress_bars(enabled: bool) -> Iterator[None]:
+    """transformers' progress bars (writing and loading model shards at each checkpoint) on or off
+    for a run, as --no-progress asks; their earlier state back afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()
