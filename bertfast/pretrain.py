@@ -265,14 +265,14 @@ class Pretrainer:
     WINDOW = ("loss", "mlm_loss", "nsp_loss", "mlm_correct", "nsp_correct", "tokens", "sum_len_sq", "predictions",
               "sequences")
 
-    def __init__(self, args: PretrainConfig, info: DistInfo):
+    def __init__(self, args: PretrainConfig, info: DistInfo, stop_request: Optional[StopRequest] = None):
         self.args, self.info = args, info
         self.device = info.device
         self.precision = resolve_precision(args.precision, self.device)
         self.log_records: Optional[MetricsLogger] = None  # opened in setup(): a resumed run appends
         self.ckpt_dir = os.path.join(args.output_dir, "checkpoints")
         self.run_dir = RunDirectory(args.output_dir, self.ckpt_dir, self.say)
-        self.stop_request = StopRequest()
+        self.stop_request = stop_request or StopRequest()  # run() installs its own before any work
         self.watch = NonFiniteWatch(self.device, args.on_nonfinite == "skip", args.max_skipped_steps)
 
     def say(self, msg: str) -> None:
@@ -478,6 +478,10 @@ class Pretrainer:
         result = RunResult(output_dir=args.output_dir)
         self.stop_request.install()
         stop_at = min(self.total_steps, args.stop_at_step) if args.stop_at_step else self.total_steps
+        if any_rank(self.stop_request.requested, info):  # a signal during the set-up: no step taken, nothing lost
+            self.say(f"[pretrain] stopped by signal before step {self.step + 1}; resume with --resume")
+            result.stopped_early = result.stopped_by_signal = True
+            stop_at = self.step
         bar = None
         if info.is_main and not args.no_progress:
             from tqdm.auto import tqdm
@@ -658,13 +662,14 @@ def run(args: PretrainConfig) -> RunResult:
     """Pre-train with a configuration (``parse_args`` or ``PretrainConfig``); returns the losses and evaluations."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    stop = StopRequest().install()  # first: a SIGTERM during the set-up still ends with exit 75
     info = init_distributed(args.device)
     try:
         log = (lambda m: print(m, flush=True)) if info.is_main else (lambda m: None)
         if args.demo:
             args = prepare_demo_data(args, info, log)
         args = resolve_steps(args)
-        trainer = Pretrainer(args, info)
+        trainer = Pretrainer(args, info, stop)
         try:
             with library_progress_bars(info.is_main and not args.no_progress):
                 trainer.setup()

@@ -372,6 +372,24 @@ def _wait_for(proc, ready, timeout=120):
         time.sleep(0.005)
 
 
+def test_sigterm_during_the_set_up_exits_75_and_loses_nothing(datasets, tmp_path, monkeypatch, capsys):
+    """A SIGTERM before the first step (here: while the steps are resolved, before the model is
+    built) stops the run with exit 75 and no step taken; --resume then runs it all."""
+    real = pretrain.resolve_steps
+
+    def resolve_steps(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(args)
+
+    monkeypatch.setattr(pretrain, "resolve_steps", resolve_steps)
+    assert pretrain.main(_argv(datasets, tmp_path / "run")) == exits.STOPPED
+    assert "stopped by signal before step 1" in capsys.readouterr().out
+    assert _steps(tmp_path / "run") == [] and not _losses(tmp_path / "run")
+    monkeypatch.undo()
+    assert pretrain.main(_argv(datasets, tmp_path / "run", "--resume")) == exits.OK
+    assert _steps(tmp_path / "run")[-1] == 6
+
+
 def test_kill_minus_nine_and_sigterm_lose_nothing(datasets, tmp_path):
     ref = _start(_argv(datasets, tmp_path / "ref", "--threads", "1"))
     assert ref.wait(300) == exits.OK, ref.stdout.read()
