@@ -193,10 +193,16 @@ def build_phases(args, info: DistInfo, vocab_tokens: Optional[List[str]]) -> Lis
             continue
         data = PretrainingData(directory, "train")
         max_pred = args.max_predictions_per_seq
+        prob = args.masked_lm_prob if args.masked_lm_prob is not None else float(data.index.get("masked_lm_prob", 0.15))
+        drawn = max(1, math.ceil(prob * data.max_seq_len))  # the most masks dynamic masking draws in a sequence
         if max_pred is None and data.static_masking:
             max_pred = int(data.index["max_predictions_per_seq"])
         elif max_pred is None and static_shapes(args):
-            max_pred = int(math.ceil(0.15 * data.max_seq_len))
+            max_pred = drawn
+        elif max_pred is not None and not data.static_masking and max_pred < drawn and info.is_main:
+            print(f"[pretrain] note: phase {i}: --max-predictions-per-seq {max_pred} caps the masks that "
+                  f"masked-lm-prob {prob:g} draws in a {data.max_seq_len}-token sequence (up to {drawn}): longer "
+                  f"sequences get {max_pred}; leave it out to mask every one", flush=True)
         masking = None if data.static_masking else masking_config_for(
             data, vocab_tokens, mlm_prob=args.masked_lm_prob, max_predictions_per_seq=max_pred)
         # With static shapes the model gathers max_pred labelled positions per sequence: the

@@ -1,6 +1,7 @@
 """Bad data files get an error naming path:line (or the path) and what was expected; Hugging Face
 ``datasets`` JSON-lines exports are read as what they are (issue 16)."""
 import json
+import math
 import os
 import random
 import re
@@ -86,6 +87,23 @@ def test_build_phases_wires_the_static_shape_limit(static_data, corpus_and_vocab
         cu = mb["cu_seq_lens_q"].long()
         per_sequence = [int(labelled[a:b].sum()) for a, b in zip(cu[:-1], cu[1:])]
         assert max(per_sequence) == 5
+
+
+@pytest.mark.parametrize("prob", [0.15, 0.4])
+def test_static_shape_limit_follows_the_masking_probability(corpus_and_vocab, tmp_path, capsys, prob):
+    """--static-shapes without --max-predictions-per-seq gathers ceil(p x L) per sequence, so
+    dynamic masking never drops a mask whatever --masked-lm-prob is; a smaller cap is said."""
+    _, dynamic = corpus_and_vocab
+    common = ["--data", dynamic, "--preset", "tiny", "--phase1-steps", "2", "--global-batch-size", "4",
+              "--micro-batch-size", "4", "--static-shapes", "--masked-lm-prob", str(prob),
+              "--output-dir", str(tmp_path / "o")]
+    phase = pretrain.build_phases(pretrain.parse_args(common), DistInfo(), None)[0]
+    want = math.ceil(prob * phase.data.max_seq_len)
+    assert phase.batches.max_predictions == want and phase.max_predictions == want * 4
+    assert "caps the masks" not in capsys.readouterr().out
+    pretrain.build_phases(pretrain.parse_args([*common, "--max-predictions-per-seq", str(want - 1)]), DistInfo(),
+                          None)
+    assert f"caps the masks that masked-lm-prob {prob:g} draws" in capsys.readouterr().out
 
 
 def test_dynamic_masks_over_the_limit_are_refused(corpus_and_vocab):

@@ -319,7 +319,8 @@ class PretrainConfig(RunConfig):
                                               "micro batch size x max_seq_len, which always fits)", group=DATA)
     phase2_pack_tokens: Optional[int] = option(None, "the same for phase 2", group=DATA)
     max_predictions_per_seq: Optional[int] = option(None, "cap on masked tokens per sequence (default: none; "
-                                                          "ceil(0.15*L) with --static-shapes)", group=DATA)
+                                                          "with --static-shapes ceil(masked-lm-prob x L), every "
+                                                          "mask drawn)", group=DATA)
     masked_lm_prob: Optional[float] = option(None, "default: the dataset's (0.15)", group=DATA)
     pad_to_multiple_of: int = option(8, group=DATA)
     prefetch: int = option(2, "micro-batch sets built ahead in a thread (0: off)", group=DATA)
