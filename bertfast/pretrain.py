@@ -155,6 +155,12 @@ def build_config(args: PretrainConfig, vocab_size: int, max_seq_len: int) -> Ber
     if config.vocab_size < vocab_size:
         raise ValueError(f"the model's vocab_size ({config.vocab_size}) is smaller than the data's "
                          f"vocabulary ({vocab_size})")
+    slack = -(-vocab_size // 128) * 128  # a table rounded up for the tensor cores, at most to a multiple of 128
+    if args.init_checkpoint and config.vocab_size > max(slack, vocab_size + max(1, args.vocab_multiple)):
+        raise ValueError(f"--init-checkpoint {args.init_checkpoint} has a {config.vocab_size}-word vocabulary, the "
+                         f"data a {vocab_size}-word one: the data was tokenized with another vocabulary, so its ids "
+                         f"would mean other words to the model. Prepare the data with the checkpoint's vocabulary "
+                         f"(bertfast prepare --vocab {args.init_checkpoint}) or start without --init-checkpoint")
     if config.max_position_embeddings < max_seq_len:
         raise ValueError(f"the model's max_position_embeddings ({config.max_position_embeddings}) is smaller "
                          f"than the data's max_seq_len ({max_seq_len})")
@@ -420,13 +426,24 @@ class Pretrainer:
         return path
 
     def _load_training_state(self, state: Dict[str, Any]) -> None:
+        # This run's hyper-parameters, not the checkpoint's: a resumed run may change them (the
+        # moments, step counts and schedule position come from the checkpoint).
+        hyper = [{k: g[k] for k in ("weight_decay", "betas", "eps") if k in g} for g in self.optimizer.param_groups]
         if self.args.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
                                      options=StateDictOptions(full_state_dict=True))
         else:
             self.optimizer.load_state_dict(state["optimizer"])
+        for group, own in zip(self.optimizer.param_groups, hyper):
+            group.update(own)
         self.train_step.load_state_dict(state)
+        schedule = self.train_step.scheduler  # its lambda is this run's (warm-up, steps); its base rate too:
+        schedule.base_lrs = [self.args.lr] * len(self.optimizer.param_groups)
+        for group, rate in zip(self.optimizer.param_groups, schedule.lr_lambdas):
+            group["initial_lr"] = self.args.lr
+            group["lr"] = self.args.lr * rate(schedule.last_epoch)
+        schedule._last_lr = [group["lr"] for group in self.optimizer.param_groups]  # what get_last_lr() reports
         self.step = int(state["step"])
         rngs = state["rng"]
         if state.get("world_size") != self.info.world_size:

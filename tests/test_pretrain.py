@@ -96,6 +96,65 @@ def test_two_phase_run_logs_checkpoints_and_hf_layout(datasets, tmp_path):
     assert open(os.path.join(str(tmp_path / "ft"), "vocab.txt")).read() == open(os.path.join(ckpt, "vocab.txt")).read()
 
 
+def test_resume_applies_a_new_learning_rate_and_optimizer_settings(datasets, tmp_path):
+    """--resume --lr X: the schedule continues at its step with base rate X (the checkpoint's
+    scheduler used to win), and run_config.json records X; so for weight decay and Adam's betas."""
+    out = tmp_path / "run"
+    pretrain.run(_args(datasets, out, "--stop-at-step", "3"))
+    again = pretrain.parse_args(["--output-dir", str(out), "--resume", "--no-progress", "--lr", "4e-3",
+                                 "--weight-decay", "0.05", "--beta2", "0.99"])
+    trainer = pretrain.Pretrainer(again, pretrain.init_distributed("cpu"))
+    try:
+        trainer.setup()
+        groups = trainer.optimizer.param_groups
+        # Step 4 of warm-up 2 then linear decay to 0 at step 6: 0.75 of the base rate.
+        assert [g["lr"] for g in groups] == [pytest.approx(3e-3)] * len(groups)
+        assert trainer.train_step.scheduler.get_last_lr() == [pytest.approx(3e-3)] * len(groups)
+        assert sorted(g["weight_decay"] for g in groups) == [0.0, 0.05]   # no decay on biases and LayerNorms
+        assert {g["betas"] for g in groups} == {(0.9, 0.99)}
+        assert trainer.step == 3 and trainer.optimizer.state                # the moments are the checkpoint's
+    finally:
+        trainer.close()
+    res = pretrain.run(again)
+    np.testing.assert_allclose([r["lr"] for r in _records(out, "train")[-3:]], [3e-3, 2e-3, 1e-3], rtol=1e-6)
+    assert sorted(res.losses) == [4, 5, 6]
+    assert json.load(open(out / "run_config.json"))["lr"] == 4e-3
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--preset", "small"], "--preset 'small' (the run has 'tiny')"),
+    (["--set", "hidden_dropout_prob=0.3"], "--set ['hidden_dropout_prob=0.3'] (the run has [])"),
+    (["--optimizer", "lamb"], "--optimizer 'lamb' (the run has 'adamw')"),
+    ("data", "--data"),
+])
+def test_resume_refuses_to_change_the_model_the_data_or_the_optimizer(datasets, tmp_path, flags, named):
+    out = tmp_path / "run"
+    pretrain.run(_args(datasets, out, "--stop-at-step", "2"))
+    if flags == "data":
+        flags = ["--data", datasets[1]]
+    argv = ["--output-dir", str(out), "--resume", "--no-progress", *flags]
+    with pytest.raises(ValueError, match="--resume continues the run saved in run_config.json") as info:
+        pretrain.parse_args(argv)
+    assert named in str(info.value) and "start a new run" in str(info.value)
+    # The same values as the run's are no change (a path named another way included).
+    same = pretrain.parse_args(["--output-dir", str(out), "--resume", "--preset", "tiny",
+                                "--data", os.path.relpath(datasets[0])])
+    assert same.preset == "tiny"
+    assert pretrain.main(argv) == 2
+
+
+def test_init_checkpoint_with_another_vocabulary_is_refused(datasets, tmp_path, capsys):
+    """A checkpoint's 30,522-word table over data tokenized with a few hundred words: its ids would
+    mean other words. Refused before training, naming both sizes."""
+    from bertfast import BertConfig, BertForPreTraining
+    ckpt = tmp_path / "big-vocab"
+    BertForPreTraining(BertConfig.preset("tiny", vocab_size=30522)).save_pretrained(ckpt)
+    args = _args(datasets, tmp_path / "run", "--init-checkpoint", str(ckpt))
+    with pytest.raises(ValueError, match=r"has a 30522-word vocabulary, the data a \d+-word one: the data was "
+                                         r"tokenized with another vocabulary"):
+        pretrain.run(args)
+
+
 @pytest.mark.parametrize("shapes", [[], ["--static-shapes"], ["--optimizer", "lamb"]],
                          ids=["unpadded", "packed", "capturable-lamb"])
 def test_resume_is_bit_exact(datasets, tmp_path, request, shapes):

@@ -24,12 +24,13 @@ C = TypeVar("C", bound="RunConfig")
 
 def option(default: Any, help: str = "", *, group: str = "options", choices: Optional[Sequence[Any]] = None,
            flag: Optional[str] = None, nargs: Optional[str] = None, const: Any = None, hidden: bool = False,
-           per_run: bool = True) -> Any:
+           per_run: bool = True, fixed: bool = False) -> Any:
     """A dataclass field that is also a command-line option (``--field-name`` unless ``flag``).
     ``per_run=False``: a setting of one invocation (where to stop, a progress bar), which a resumed
-    run does not take from the saved configuration."""
+    run does not take from the saved configuration. ``fixed``: what a resumed run cannot change
+    (the model, its data, the optimizer's kind): asking is an error, never a silent no-op."""
     meta = {"help": help, "group": group, "choices": tuple(choices) if choices else None, "flag": flag,
-            "nargs": nargs, "const": const, "hidden": hidden, "per_run": per_run}
+            "nargs": nargs, "const": const, "hidden": hidden, "per_run": per_run, "fixed": fixed}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -221,6 +222,13 @@ class RunConfig:
         """A resumed run: the ``saved`` run's settings, this invocation's own (``per_run=False``)
         settings, and what ``given`` (this command line and file) changes."""
         own = {f.name: getattr(self, f.name) for f in self.fields() if not f.metadata["per_run"]}
+        changed = [f"{f.metadata['flag'] or '--' + f.name.replace('_', '-')} {given[f.name]!r} (the run has "
+                   f"{getattr(saved, f.name)!r})" for f in self.fields()
+                   if f.metadata["fixed"] and f.name in given and not _same(given[f.name], getattr(saved, f.name))]
+        if changed:
+            raise ValueError(f"--resume continues the run saved in {self.FILE}, whose model, data and optimizer "
+                             f"stay as they were: got {'; '.join(changed)}. Leave those out, or start a new run "
+                             f"(another --output-dir, or --init-checkpoint from this one)")
         return self.from_dict(given, source, base=dataclasses.replace(saved, **own))
 
     @classmethod
@@ -230,6 +238,13 @@ class RunConfig:
         if not os.path.isfile(path):
             return None
         return cls.from_dict(load_json(path), path)
+
+
+def _same(given: Any, saved: Any) -> bool:
+    """Equal settings; paths compared as the files they name."""
+    if isinstance(given, str) and isinstance(saved, str) and given != saved and os.sep in given + saved:
+        return os.path.realpath(given) == os.path.realpath(saved)
+    return given == saved
 
 
 def parse_overrides(items: Sequence[str]) -> Dict[str, Any]:
@@ -290,16 +305,17 @@ MODEL, DATA, SCHEDULE, DIST, LOGS, PARITY = ("model", "data", "schedule", "distr
 class PretrainConfig(RunConfig):
     """Every option of ``bertfast pretrain``; saved as run_config.json in the output directory."""
 
-    demo: bool = option(False, "short demonstration run on the embedded corpus", group=MODEL)
+    demo: bool = option(False, "short demonstration run on the embedded corpus", group=MODEL, fixed=True)
     preset: str = option("bert-base", "tiny | small | bert-base | bert-large | demo (the --demo model: L=2 H=128 "
-                                      "A=2)", group=MODEL)
+                                      "A=2)", group=MODEL, fixed=True)
     model_config: Optional[str] = option(None, "a config.json (or a directory holding one) instead of --preset",
-                                         group=MODEL)
-    init_checkpoint: Optional[str] = option(None, "start from the weights of this checkpoint directory", group=MODEL)
+                                         group=MODEL, fixed=True)
+    init_checkpoint: Optional[str] = option(None, "start from the weights of this checkpoint directory", group=MODEL,
+                                            fixed=True)
     config_overrides: List[str] = option([], "override a BertConfig field, e.g. --set hidden_dropout_prob=0.0 "
-                                             "(repeatable)", group=MODEL, flag="--set")
+                                             "(repeatable)", group=MODEL, flag="--set", fixed=True)
     vocab_multiple: int = option(8, "round the vocabulary size up to this multiple (tensor-core friendly)",
-                                 group=MODEL)
+                                 group=MODEL, fixed=True)
     execution: str = option("fast", "train through the fast unpadded path or the plain reference encoder",
                             group=MODEL, choices=("fast", "reference"))
     compile: bool = option(False, "torch.compile the model", group=MODEL)
@@ -308,8 +324,9 @@ class PretrainConfig(RunConfig):
                                       "the triton LAMB, bf16 or fp32)", group=MODEL)
 
     data: Optional[str] = option(None, "phase-1 dataset directory (bertfast prepare, e.g. --max-seq-len 128)",
-                                 group=DATA)
-    data_phase2: Optional[str] = option(None, "phase-2 dataset directory (e.g. --max-seq-len 512)", group=DATA)
+                                 group=DATA, fixed=True)
+    data_phase2: Optional[str] = option(None, "phase-2 dataset directory (e.g. --max-seq-len 512)", group=DATA,
+                                        fixed=True)
     eval_data: Optional[str] = option(None, "dataset whose 'eval' split is the held-out set (default: the phase's)",
                                       group=DATA)
     static_shapes: bool = option(False, "pack each micro-batch into one row of a fixed token budget and gather a "
@@ -333,7 +350,7 @@ class PretrainConfig(RunConfig):
     micro_batch_size: int = option(32, group=SCHEDULE)
     phase2_global_batch_size: Optional[int] = option(None, group=SCHEDULE)
     phase2_micro_batch_size: Optional[int] = option(None, group=SCHEDULE)
-    optimizer: str = option("adamw", group=SCHEDULE, choices=("adamw", "lamb"))
+    optimizer: str = option("adamw", group=SCHEDULE, choices=("adamw", "lamb"), fixed=True)
     lr: float = option(1e-4, group=SCHEDULE)
     weight_decay: float = option(0.01, group=SCHEDULE)
     beta1: float = option(0.9, group=SCHEDULE)
@@ -368,8 +385,8 @@ class PretrainConfig(RunConfig):
     parity_every: int = option(0, "0 disables", group=PARITY)
     parity_threshold: float = option(1e-3, PARITY_THRESHOLD_HELP, group=PARITY)
     parity_strict: bool = option(False, "stop at the first divergence", group=PARITY)
-    demo_vocab_size: int = option(DEMO_VOCAB_SIZE, group=PARITY, hidden=True)
-    demo_corpus_max_docs: Optional[int] = option(None, group=PARITY, hidden=True)
+    demo_vocab_size: int = option(DEMO_VOCAB_SIZE, group=PARITY, hidden=True, fixed=True)
+    demo_corpus_max_docs: Optional[int] = option(None, group=PARITY, hidden=True, fixed=True)
 
     PRESETS: ClassVar[Dict[str, Dict[str, Any]]] = {"demo": DEMO}
 
