@@ -394,3 +394,59 @@ def test_hf_conll_exports_load(tmp_path):
                                                                                      "ner_tags": ["B-XYZ"]}))
     with pytest.raises(DataFormatError, match=r"bad\.jsonl:2: tag 'B-XYZ' is not one of the known tags"):
         task.load(bad, False)
+
+
+# --- prepare's I/O failures and leftovers
+@pytest.mark.parametrize("code, cause", [(28, "the disk is full"), (30, "the file system is read-only"),
+                                         (13, "permission denied")])
+def test_prepare_names_a_write_failure_and_exits_5(corpus_and_vocab, tmp_path, monkeypatch, capsys, code, cause):
+    """A full disk, a read-only or forbidden target: exit 5 (as pretrain and finetune), naming the
+    cause, the file and the free space; never a raw OSError (simulated: as root here, permissions
+    do not stop a write)."""
+    import bertfast.data.prepare as prep
+    corpus, vocab_dir = corpus_and_vocab
+    out = tmp_path / "out"
+
+    def fail(directory, arrays, meta):
+        raise OSError(code, os.strerror(code), os.path.join(directory, "input_ids.npy"))
+
+    monkeypatch.setattr(prep, "write_shard", fail)
+    rc = prepare_main([corpus, "-o", str(out), "--vocab", vocab_dir, "--no-progress", "--workers", "1"])
+    err = capsys.readouterr().err
+    assert rc == 5, err
+    assert f"could not write the dataset {out}: {cause}" in err and "input_ids.npy" in err and "MB free" in err
+    assert "Traceback" not in err
+
+
+def test_prepare_removes_what_a_killed_prepare_left(corpus_and_vocab, tmp_path):
+    """A prepare killed while writing leaves NAME.tmp-<pid>: the next one removes those whose process
+    is gone (a live process's are left alone)."""
+    corpus, vocab_dir = corpus_and_vocab
+    out = tmp_path / "out"
+    dead, live = out / "train-00000.tmp-999999999", out / "train-00001.tmp-1"
+    for path in (dead, live):
+        path.mkdir(parents=True)
+        (path / "input_ids.npy").write_bytes(b"half")
+    said = []
+    prepare_dataset([corpus], str(out), vocab=vocab_dir, max_seq_len=64, eval_docs=3, progress=False,
+                    log=said.append, workers=1)
+    assert not dead.exists() and live.exists()
+    assert any(str(dead) in line and "stopped while writing" in line for line in said)
+
+
+def test_token_ids_outside_the_vocabulary_name_the_shard(corpus_and_vocab, tmp_path):
+    """A shard holding ids past the data's vocabulary (written with another one, or damaged): the
+    loader names the shard and sequence, never a raw IndexError from the masking."""
+    import shutil
+    _, vocab_dir = corpus_and_vocab
+    copy = tmp_path / "data"
+    shutil.copytree(vocab_dir, copy)
+    ids_path = copy / "train-00000" / "input_ids.npy"
+    ids = np.load(ids_path)
+    ids[3] = 5000
+    np.save(ids_path, ids)
+    data = PretrainingData(str(copy), "train")
+    batches = PretrainingBatches(data, BatchSpec(len(data), len(data)), masking=masking_config_for(data))
+    with pytest.raises(ValueError, match=r"split 'train' shard train-00000 sequence 0 \(example \d+\) holds token "
+                                         r"id 5000, outside the data's \d+-word vocabulary"):
+        batches.micro_batches(0)

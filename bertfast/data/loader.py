@@ -113,6 +113,13 @@ class PretrainingBatches:
             f"has {count} masked labels, more than the {self.max_predictions} predictions per sequence the model "
             f"gathers (max_predictions_per_seq); the rest would be dropped silently: {fix}")
 
+    def _out_of_vocabulary(self, index: int, token: int) -> ValueError:
+        shard, j = self.data.locate(index)
+        return ValueError(
+            f"{self.data.directory}: split {self.data.split!r} shard {shard.name} sequence {j} (example {index}) "
+            f"holds token id {token}, outside the data's {self.data.vocab_size}-word vocabulary (index.json): the "
+            f"shard was written with another vocabulary or is damaged; prepare the data again (bertfast prepare)")
+
     def _check_static_counts(self) -> None:
         """Stored masks over the limit fail here, before training (read only when the cap the data
         was prepared with is above the limit: the counts are one small array per shard)."""
@@ -166,6 +173,8 @@ class PretrainingBatches:
 
     def example(self, epoch: int, index: int):
         ids, a_len, nsp, static = self.data.example(index)
+        if len(ids) and int(ids.max()) >= self.data.vocab_size:  # a few hundred ids: cheap, and never a raw IndexError
+            raise self._out_of_vocabulary(index, int(ids.max()))
         if static is not None:
             positions, labels = static
         else:

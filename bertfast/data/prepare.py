@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import array
+import errno
 import hashlib
 import json
 import math
@@ -218,6 +219,8 @@ def prepare_dataset(inputs: Sequence[str], output: str, *, vocab: Optional[str] 
         if value is not None and value < 1:
             raise ValueError(f"{name} (--{name.replace('_', '-')}) must be >= 1, got {value}")
     os.makedirs(output, exist_ok=True)
+    for leftover in remove_stale_temporaries(output):
+        log(f"[prepare] removed {leftover}: left by a prepare that was stopped while writing")
 
     # 1. corpus
     if inputs:
@@ -380,8 +383,55 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         progress=not args.no_progress)
     except (ValueError, FileNotFoundError, corpus_mod.CorpusError) as e:
         print(f"bertfast prepare: error: {e}", file=sys.stderr)
-        return 2
+        return 2  # bad input, as every bertfast command (bertfast.training.exits.USAGE)
+    except OSError as e:  # a full disk, a read-only or forbidden output directory: named, with the free space
+        print(f"bertfast prepare: error: {write_failure(args.output, e)}", file=sys.stderr)
+        return 5  # an I/O failure, as pretrain and finetune (bertfast.training.exits.IO)
     return 0
+
+
+def write_failure(output: str, e: OSError) -> str:
+    """What stopped writing the dataset: the cause in words, the file, the free space there."""
+    where = os.path.abspath(output)
+    while not os.path.exists(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where)  # the nearest existing parent: its file system
+    try:
+        free = f"{shutil.disk_usage(where).free / 2**20:.0f} MB free"
+    except OSError:
+        free = "free space unknown"
+    cause = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+             errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+             errno.EPERM: "permission denied"}.get(e.errno, f"{type(e).__name__}: {e.strerror or e}")
+    path = e.filename or output
+    return f"could not write the dataset {output}: {cause} ({path}; {free} on its file system)"
+
+
+def remove_stale_temporaries(directory: str) -> List[str]:
+    """Remove ``*.tmp-<pid>`` entries of ``directory`` whose process is gone (a prepare killed while
+    writing a shard or the tokenized corpus); returns their paths."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        stem, sep, pid = name.rpartition(".tmp-")
+        if not sep or not stem or not pid.isdigit() or _alive(int(pid)):
+            continue
+        path = os.path.join(directory, name)
+        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
 
 
 if __name__ == "__main__":
