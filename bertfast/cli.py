@@ -17,6 +17,23 @@ COMMANDS = {
 }
 
 
+# Commands whose module imports torch, transformers and the kernels (seconds): their --help is
+# printed from a parser that imports none of them ("module:function" returning it).
+LIGHT_HELP = {
+    "pretrain": "bertfast.training.config:PretrainConfig.command_parser",
+    "finetune": "bertfast.training.config:FinetuneConfig.command_parser",
+    "info": "bertfast.info:parser",
+}
+
+
+def _light_parser(name: str):
+    module, _, attr = LIGHT_HELP[name].partition(":")
+    target = importlib.import_module(module)
+    for part in attr.split("."):
+        target = getattr(target, part)
+    return target()
+
+
 def usage() -> str:
     width = max(map(len, COMMANDS))
     rows = "\n".join(f"  {name:{width}s}  {help_}" for name, (_, help_) in COMMANDS.items())
@@ -32,6 +49,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if name not in COMMANDS:
         print(f"bertfast: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    if name in LIGHT_HELP and any(a in ("-h", "--help") for a in rest):
+        _light_parser(name).print_help()
+        return 0
     try:
         module = importlib.import_module(COMMANDS[name][0])
         return int(module.main(rest) or 0)

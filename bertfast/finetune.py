@@ -332,7 +332,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> FinetuneConfig:
     """Flags over the JSON ``--config`` file over the saved run (``--resume``) over ``--recipe``
     over the defaults."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    return FinetuneConfig.from_command_line(argv, "bertfast finetune", __doc__.split("\n\n")[0],
+    return FinetuneConfig.from_command_line(argv, FinetuneConfig.PROG, FinetuneConfig.DESCRIPTION,
                                             lambda given: given.get("recipe"))
 
 

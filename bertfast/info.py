@@ -6,19 +6,22 @@ device here, which backend dispatch would pick, and any fallbacks that happened 
 """
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import sys
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from bertfast import dispatch
-import bertfast.ops  # noqa: F401  (registers every op's backends)
+# torch, dispatch and the ops are imported where used: `bertfast info --help` imports none of them.
 
 
 def _sample_inputs(op: str, device: torch.device, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
     """Tiny meta-free inputs that describe a typical call of each op (only metadata is read)."""
+    import torch
+
     def t(*shape, dt=dtype):
         return torch.empty(shape, dtype=dt, device=device)
 
@@ -49,6 +52,11 @@ def _autotune_line() -> str:
 
 
 def report() -> str:
+    import torch
+
+    import bertfast.ops  # noqa: F401  (registers every op's backends)
+    from bertfast import dispatch
+
     lines: List[str] = ["bertfast environment", "===================="]
     lines.append(f"python {platform.python_version()}  torch {torch.__version__}  platform {platform.platform()}")
     ok, why = dispatch.triton_availability()
@@ -101,7 +109,12 @@ def report() -> str:
     return "\n".join(lines)
 
 
+def parser() -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog="bertfast info", description=__doc__.split("\n\n")[0].split(": ", 1)[1])
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    parser().parse_args(argv)
     sys.stdout.write(report() + "\n")
     return 0
 

@@ -93,7 +93,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> PretrainConfig:
         return "demo" if wants_demo else None
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    return PretrainConfig.from_command_line(argv, "bertfast pretrain", __doc__.split("\n\n")[0], preset)
+    return PretrainConfig.from_command_line(argv, PretrainConfig.PROG, PretrainConfig.DESCRIPTION, preset)
 
 
 # ============================================================================ set-up

@@ -67,6 +67,13 @@ class RunConfig:
 
     PRESETS: ClassVar[Dict[str, Dict[str, Any]]] = {}
     FILE: ClassVar[str] = "run_config.json"
+    PROG: ClassVar[str] = ""          # the command, and the first line of its --help
+    DESCRIPTION: ClassVar[str] = ""
+
+    @classmethod
+    def command_parser(cls) -> argparse.ArgumentParser:
+        """The command's parser (``bertfast <command> --help`` prints it without importing the command)."""
+        return cls.parser(cls.PROG, cls.DESCRIPTION)
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -305,6 +312,9 @@ MODEL, DATA, SCHEDULE, DIST, LOGS, PARITY = ("model", "data", "schedule", "distr
 class PretrainConfig(RunConfig):
     """Every option of ``bertfast pretrain``; saved as run_config.json in the output directory."""
 
+    PROG: ClassVar[str] = "bertfast pretrain"
+    DESCRIPTION: ClassVar[str] = "BERT pre-training (masked LM + next sentence prediction)"
+
     demo: bool = option(False, "short demonstration run on the embedded corpus", group=MODEL, fixed=True)
     preset: str = option("bert-base", "tiny | small | bert-base | bert-large | demo (the --demo model: L=2 H=128 "
                                       "A=2)", group=MODEL, fixed=True)
@@ -435,6 +445,9 @@ TASK, FT_MODEL, TRAINING, COLUMNS, QA = ("task", "model", "training", "classific
 @dataclass
 class FinetuneConfig(RunConfig):
     """Every option of ``bertfast finetune``; saved as run_config.json in the output directory."""
+
+    PROG: ClassVar[str] = "bertfast finetune"
+    DESCRIPTION: ClassVar[str] = "fine-tune a (pre-trained) BERT on a downstream task"
 
     recipe: Optional[str] = option(None, "start from the paper's settings for a benchmark (flags override them)",
                                    group=TASK, choices=tuple(FINETUNE_RECIPES))
