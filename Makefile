@@ -5,15 +5,26 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test gpu-plan gpu-check gpu-check-dry gpu-loan gpu-land gpu-sizing compile-report bench info
+.PHONY: install install-demo demo test gpu-plan gpu-check gpu-check-dry gpu-loan gpu-land gpu-sizing compile-report bench info
 
+# Everything, the test extras included (onnxruntime, sentence-transformers, peft ...: a few GB).
 install:
+	@echo "[make] installing $(TORCH_SPEC) and bertfast with its test extras (a few minutes on a fresh machine)"
 	$(PYTHON) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PYTHON) -m pip install --quiet -e ".[test]"
 
+# Only what the demo runs (torch, transformers, tokenizers, matplotlib), and nothing when it is there.
+install-demo:
+	@if $(PYTHON) -c "import bertfast.kernels, torch, transformers, tokenizers, matplotlib" 2>/dev/null; then \
+		echo "[make] bertfast and what the demo needs are installed"; \
+	else \
+		echo "[make] installing $(TORCH_SPEC) and bertfast[train] (a minute or two on a fresh machine)"; \
+		$(PYTHON) -m pip install --quiet "$(TORCH_SPEC)" && $(PYTHON) -m pip install --quiet -e ".[train]"; \
+	fi
+
 # The main job: a short pre-training run of a small BERT on the embedded corpus with the fast
 # kernels, printing loss, throughput and a parity check against the reference.
-demo: install
+demo: install-demo
 	$(PYTHON) -m bertfast.cli pretrain --demo
 
 test: install
