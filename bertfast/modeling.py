@@ -44,7 +44,7 @@ from bertfast.config import BertConfig, check_supported, gelu_approximate, head_
 from bertfast.padding import packed_layout, pad_rows, unpad, unpad_mask
 from bertfast.contract import IGNORE_INDEX
 from bertfast.ops.attention import varlen_inference
-from bertfast.ops.mlm_head_loss import check_max_predictions_per_seq
+from bertfast.ops.mlm_head_loss import check_max_predictions_per_seq, masked_positions
 
 Tensor = torch.Tensor
 
@@ -624,6 +624,8 @@ class _WithMLMHead(BertPreTrainedModel):
         if attention_mask is not None:
             labels = labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
         if logits is not None:
+            if max_predictions_per_seq is not None:  # the limit holds whichever head computes the loss
+                masked_positions(labels, max_predictions_per_seq)
             return ops.MLMHeadLoss(*reference.classification_loss(logits, labels))
         if _reference(self.bert):
             return ops.MLMHeadLoss(*reference.classification_loss(reference.mlm_head(head, sequence), labels))

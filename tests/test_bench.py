@@ -494,7 +494,7 @@ def test_quick_cpu_run_end_to_end(tmp_path, capsys):
     if HF_EAGER in impls:
         evaluable.append("hf_eager_base_128")
     for tid in evaluable:
-        assert got[tid]["status"] in (MET, NOT_MET), (tid, got[tid])
+        assert got[tid]["status"] in (MET, NOT_MET), (tid, got[tid]["status"], got[tid]["detail"])
         assert got[tid]["value"] > 0
     assert got["mfu_large_128"]["status"] == NOT_MEASURED  # no BERT-large rows in a quick CPU run
 
