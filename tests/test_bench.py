@@ -494,7 +494,13 @@ def test_quick_cpu_run_end_to_end(tmp_path, capsys):
     if HF_EAGER in impls:
         evaluable.append("hf_eager_base_128")
     for tid in evaluable:
-        assert got[tid]["status"] in (MET, NOT_MET), (tid, got[tid]["status"], got[tid]["detail"])
+        status, detail = got[tid]["status"], got[tid]["detail"]
+        if status == NOT_MEASURED and tid == "attention_vs_flash":
+            # SDPA flash has no CPU kernel with dropout: that case stays unmeasured here, and the
+            # status is then "not measured" whenever the timed cases meet the target (timing-dependent).
+            assert "cannot run here with these settings" in detail, detail
+        else:
+            assert status in (MET, NOT_MET), (tid, status, detail)
         assert got[tid]["value"] > 0
     assert got["mfu_large_128"]["status"] == NOT_MEASURED  # no BERT-large rows in a quick CPU run
 
