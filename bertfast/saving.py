@@ -28,6 +28,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from bertfast.data.shards import process_alive
+
 # ------------------------------------------------------------------ loading
 _WEIGHT_PREFIXES = ("model", "pytorch_model", "adapter_model")
 
@@ -148,18 +150,8 @@ def _remove_stale_staging(parent: str, name: str) -> None:
     pattern = re.compile(re.escape(f".{name}.saving-") + r"(\d+)-[0-9a-f]+")
     for entry in os.listdir(parent):
         m = pattern.fullmatch(entry)
-        if m and not _alive(int(m.group(1))):
+        if m and not process_alive(int(m.group(1))):
             shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, owned by someone else
-        return True
-    return True
 
 
 def disk_full(e: BaseException) -> bool:

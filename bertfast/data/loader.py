@@ -173,8 +173,9 @@ class PretrainingBatches:
 
     def example(self, epoch: int, index: int):
         ids, a_len, nsp, static = self.data.example(index)
-        if len(ids) and int(ids.max()) >= self.data.vocab_size:  # a few hundred ids: cheap, and never a raw IndexError
-            raise self._out_of_vocabulary(index, int(ids.max()))
+        top = int(ids.max()) if len(ids) else -1  # a few hundred ids: cheap, and never a raw IndexError
+        if top >= self.data.vocab_size:
+            raise self._out_of_vocabulary(index, top)
         if static is not None:
             positions, labels = static
         else:

@@ -40,7 +40,7 @@ import numpy as np
 from bertfast.data import corpus as corpus_mod
 from bertfast.data.masking import MaskingConfig, continuation_flags, example_rng, mask_sequence
 from bertfast.data.nsp import TokenizedCorpus, instances_from_document
-from bertfast.data.shards import (FORMAT, INDEX_FILE, id_dtype, pack_examples, shard_is_complete,
+from bertfast.data.shards import (FORMAT, INDEX_FILE, id_dtype, pack_examples, process_alive, shard_is_complete,
                                   write_json_atomic, write_shard)
 from bertfast.data.tokenization import WordPiece, vocab_fingerprint
 
@@ -416,22 +416,12 @@ def remove_stale_temporaries(directory: str) -> List[str]:
         return removed
     for name in names:
         stem, sep, pid = name.rpartition(".tmp-")
-        if not sep or not stem or not pid.isdigit() or _alive(int(pid)):
+        if not sep or not stem or not pid.isdigit() or process_alive(int(pid)):
             continue
         path = os.path.join(directory, name)
         shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
         removed.append(path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process: alive
-        return True
-    return True
 
 
 if __name__ == "__main__":

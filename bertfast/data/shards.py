@@ -39,6 +39,17 @@ def id_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.uint32)
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a writer whose temporary files must be left alone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
 def fsync_dir(path: str) -> None:
     """fsync a directory so a rename inside it survives a crash (best effort)."""
     try:
