@@ -17,10 +17,10 @@ __version__ = "0.1.0"
 
 _WHERE = {
     "BertConfig": "bertfast.config",
-    **{name: "bertfast.modeling" for name in (
-        "BertModel", "BertForPreTraining", "BertForMaskedLM", "BertForSequenceClassification",
-        "BertForTokenClassification", "BertForQuestionAnswering", "BertForMultipleChoice", "BertPreTrainedModel",
-        "reference_execution")},
+    **{name: "bertfast.modeling" for name in ("BertModel", "BertPreTrainedModel", "reference_execution")},
+    **{name: "bertfast.task_models" for name in (
+        "BertForPreTraining", "BertForMaskedLM", "BertForSequenceClassification", "BertForTokenClassification",
+        "BertForQuestionAnswering", "BertForMultipleChoice")},
     "use_backend": "bertfast.dispatch",
     "register_auto": "bertfast.hf",
     "unregister_auto": "bertfast.hf",

@@ -9,7 +9,8 @@ import torch
 
 from bertfast import dispatch
 from bertfast.config import BertConfig
-from bertfast.modeling import BertForPreTraining, reference_execution
+from bertfast.modeling import reference_execution
+from bertfast.task_models import BertForPreTraining
 from bertfast.testing import make_lengths, mask_from_lengths
 
 FP32_TOL = 1e-4

@@ -338,8 +338,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> FinetuneConfig:
 
 # =========================================================================== run
 def load_model(args: FinetuneConfig, task: Task, tok: WordPiece, resume_from: Optional[str] = None):
-    import bertfast.modeling as modeling
-    cls = getattr(modeling, task.model_class_name)
+    import bertfast.task_models as task_models
+    cls = getattr(task_models, task.model_class_name)
     overrides = parse_overrides(args.config_overrides)
     overrides.update(task.config_overrides())
     if resume_from:

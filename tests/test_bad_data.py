@@ -18,6 +18,7 @@ from bertfast.data.prepare import prepare_dataset
 from bertfast.data.shards import PretrainingData
 from bertfast.data.tasks import DataFormatError, read_conll, read_squad, read_table
 from bertfast.data.tokenization import WordPiece
+from bertfast.training import phases
 from bertfast.training.distributed import DistInfo
 
 QUIET = dict(progress=False, log=lambda m: None, workers=1)
@@ -152,11 +153,11 @@ def test_truncation_is_unchanged_and_linear():
 
 # =========================================================================== 3-4. table of bad files
 def _tok():
-    return WordPiece.from_pretrained(pretrain.DEMO_VOCAB)
+    return WordPiece.from_pretrained(phases.DEMO_VOCAB)
 
 
 def _task(kind, *flags):
-    args = finetune.parse_args(["--task", kind, "--preset", "tiny", "--vocab", pretrain.DEMO_VOCAB, *flags])
+    args = finetune.parse_args(["--task", kind, "--preset", "tiny", "--vocab", phases.DEMO_VOCAB, *flags])
     return finetune.make_task(args, _tok(), "fp32")
 
 

@@ -16,7 +16,7 @@ from bertfast.data.loader import BatchSpec, PretrainingBatches, masking_config_f
 from bertfast.data.shards import PretrainingData
 from bertfast.parity import ParityError
 from bertfast.training import checkpoints
-from bertfast.training import optim
+from bertfast.training import optim, phases
 from bertfast.training.config import PretrainConfig
 from bertfast.training.records import read_jsonl
 
@@ -418,12 +418,12 @@ def test_demo_data_is_reproducible_with_the_shipped_vocabulary(tmp_path):
     from bertfast.data.prepare import prepare_dataset
     from bertfast.data.tokenization import read_vocab
 
-    tokens = read_vocab(pretrain.DEMO_VOCAB)
-    assert len(tokens) == pretrain.DEMO_VOCAB_SIZE and tokens[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tokens = read_vocab(phases.DEMO_VOCAB)
+    assert len(tokens) == phases.DEMO_VOCAB_SIZE and tokens[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     outputs = []
     for name in ("a", "b"):
         out = str(tmp_path / name)
-        prepare_dataset([], out, vocab=pretrain.DEMO_VOCAB, max_seq_len=64, workers=None, progress=False,
+        prepare_dataset([], out, vocab=phases.DEMO_VOCAB, max_seq_len=64, workers=None, progress=False,
                         log=lambda *a, **k: None, corpus_max_docs=150)
         outputs.append(out)
     files = sorted(os.path.relpath(os.path.join(root, f), outputs[0])

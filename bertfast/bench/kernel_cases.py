@@ -515,7 +515,7 @@ def _optimizer_case(ctx: SuiteContext, group: str, model: str, config,
     the one named torch eager is the reference. Every path starts from the same weights and zero
     moments; timed calls keep stepping.
     """
-    from bertfast.modeling import BertForPreTraining
+    from bertfast.task_models import BertForPreTraining
     from bertfast.training.optim import parameter_groups
 
     with torch.device("meta"):  # shapes and grouping only: nothing allocated
