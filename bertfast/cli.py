@@ -23,7 +23,22 @@ LIGHT_HELP = {
     "pretrain": "bertfast.training.config:PretrainConfig.command_parser",
     "finetune": "bertfast.training.config:FinetuneConfig.command_parser",
     "info": "bertfast.info:parser",
+    "parity": "bertfast.cli:parity_parser",
+    "bench": "bertfast.bench.options:parser",
 }
+
+
+def parity_parser():
+    """`bertfast parity`'s options (its module imports torch and the models: they are here)."""
+    import argparse
+    parser = argparse.ArgumentParser(
+        prog="bertfast parity",
+        description="Fast model vs reference (and transformers when installed) on a small random BERT: loss, "
+                    "hidden states and gradients, in fp32, with the largest differences and whether they are "
+                    "within tolerance. Exit 1 when a path diverges.")
+    parser.add_argument("--preset", default="small", help="model preset (default: small)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda when torch sees a GPU)")
+    return parser
 
 
 def _light_parser(name: str):

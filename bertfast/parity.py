@@ -190,14 +190,11 @@ def check_during_training(model: torch.nn.Module, batch: Dict[str, torch.Tensor]
 
 def main(argv: Optional[List[str]] = None) -> int:
     """`bertfast parity`: fast vs reference (and transformers when installed) on a small random BERT."""
-    import argparse
-
+    from bertfast.cli import parity_parser
     from bertfast.demo import parity_table
 
-    parser = argparse.ArgumentParser(prog="bertfast parity", description=main.__doc__)
-    parser.add_argument("--preset", default="small", help="model preset (default: small)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args(argv)
-    rows, ok = parity_table(args.preset, torch.device(args.device))
+    args = parity_parser().parse_args(argv)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    rows, ok = parity_table(args.preset, torch.device(device))
     sys.stdout.write(rows + "\n")
     return 0 if ok else 1

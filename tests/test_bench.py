@@ -350,6 +350,46 @@ def test_report_files_parse(tmp_path):
     assert report.speedup(run, triton_row) == pytest.approx(3.0)
 
 
+def test_plot_labels_tell_every_case_apart_and_a_cpu_plot_says_what_it_measures(tmp_path, monkeypatch):
+    """Issue: attention with and without dropout were one label on the plot (dropout was hidden), and a
+    quick CPU run's 0.003x-400x bars looked like speed. Each bar names the fields that vary within its
+    group (the shared ones go in the group's title), and a CPU plot carries its note."""
+    att = dict(batch=2, seqlen=16, heads=2, head_dim=16)
+    rows = []
+    for padding, real_tokens in (("none", 32), ("finetune", 16)):
+        for dropout in (0.0, 0.1):
+            case = dict(att, padding=padding, real_tokens=real_tokens, dropout=dropout, dtype="fp32")
+            rows += [_row("attention", "bertfast:torch varlen", 2.0, **case), _row("attention", TORCH_EAGER, 1.0, **case)]
+    rows += [_row("bias_gelu", "bertfast:torch", 2.0, tokens=64, dtype="fp32"),
+             _row("bias_gelu", TORCH_EAGER, 1.0, tokens=64, dtype="fp32")]
+    run = Run(device=_fake_device("cpu"), config={"quick": True}, rows=rows)
+    series = report._speedup_series(run, "kernels")
+    title, bars = series["attention"]
+    assert title == "attention (batch=2,seqlen=16,heads=2,head_dim=16,dtype=fp32)"
+    labels = [label for label, _, _ in bars]
+    assert len(set(labels)) == len(labels) == 4
+    assert "padding=none,dropout=0.1 fwd+bwd" in labels and "padding=none,dropout=0.0 fwd+bwd" in labels
+    assert series["bias_gelu"] == ("bias_gelu (tokens=64,dtype=fp32)", [("fwd+bwd", "bertfast:torch", 0.5)])
+    # a derived field is shown when only it tells rows apart
+    only_fill = [_row("x", "a", 1.0, fill=0.5), _row("x", "a", 1.0, fill=1.0)]
+    assert report.case_fields(only_fill) == (["fill"], {})
+
+    note = report.plot_note(run)
+    assert "tiny shapes" in note and "harness" in note and "not kernel speed" in note
+    assert note in report.summary(run)
+    texts = []
+    import matplotlib.figure
+    real_text = matplotlib.figure.Figure.text
+    monkeypatch.setattr(matplotlib.figure.Figure, "text",
+                        lambda self, x, y, s, *a, **k: texts.append(s) or real_text(self, x, y, s, *a, **k))
+    _check_png(report.plot_speedups(run, "kernels", str(tmp_path / "cpu.png")))
+    assert any("measure the harness" in t.replace("\n", " ") for t in texts)
+    run.device = _fake_device("cuda")
+    texts.clear()
+    report.plot_speedups(run, "kernels", str(tmp_path / "gpu.png"))
+    assert report.plot_note(run) is None and not any("harness" in t for t in texts)
+
+
 def _check_png(path):
     with open(path, "rb") as f:
         assert f.read(8) == PNG_MAGIC
@@ -450,6 +490,8 @@ def test_quick_cpu_run_end_to_end(tmp_path, capsys):
     assert code == 0
     printed = capsys.readouterr().out
     assert "CPU timings" in printed and "No GPU" in printed
+    # each kernel case's rows follow a line naming it (dropout 0 and 0.1 are told apart)
+    assert "  case batch=2,seqlen=16,heads=2,head_dim=16,padding=none,real_tokens=32,fill=1.0,dropout=0.1" in printed
     data = json.load(open(out / "results.json"))
     assert data["device"]["kind"] == "cpu" and data["config"]["quick"] is True and data["config"]["cpu_reps"] == 1
     assert data["device"]["copy_bandwidth_gbps"]["median"] > 0 and data["device"]["peak_matmul_tflops"]["median"] > 0
@@ -560,8 +602,10 @@ def test_gpu_calibration_and_timing():
 
 # --------------------------------------------------------------------------- selection, budget, merge, README
 def test_implementation_families():
-    from bertfast.bench.results import (BERTFAST, BERTFAST_GRAPHS, BERTFAST_REFERENCE, BERTFAST_STATIC, IMPL_FAMILIES,
-                                        SDPA_CUDNN, TORCH_COMPILE, impl_family)
+    from bertfast.bench.common import DTYPES
+    from bertfast.bench.options import DTYPE_NAMES, IMPL_FAMILIES
+    from bertfast.bench.results import (BERTFAST, BERTFAST_GRAPHS, BERTFAST_REFERENCE, BERTFAST_STATIC, SDPA_CUDNN,
+                                        TORCH_COMPILE, impl_family)
     assert [impl_family(i) for i in ("bertfast:triton varlen", BERTFAST, BERTFAST_STATIC, BERTFAST_GRAPHS,
                                      BERTFAST_REFERENCE, TORCH_EAGER, FULL_HEAD, GEMM_FLOOR, TORCH_COMPILE, SDPA_FLASH,
                                      SDPA_CUDNN, HF_EAGER, HF_COMPILED)] == [
@@ -569,6 +613,7 @@ def test_implementation_families():
         "sdpa", "sdpa", "transformers", "transformers-compiled"]
     assert set(IMPL_FAMILIES) == {"bertfast", "static-shapes", "reference", "eager", "compiled", "sdpa",
                                   "transformers", "transformers-compiled"}
+    assert sorted(DTYPES) == sorted(DTYPE_NAMES)  # --dtype's choices (torch-free) are the dtypes the bench maps
     with pytest.raises(ValueError, match="no family"):
         impl_family("numpy")
 

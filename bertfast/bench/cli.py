@@ -1,7 +1,6 @@
 """`bertfast bench` / `python -m bertfast.bench`: measure this machine, run the suites, write the results."""
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import os
 import signal
@@ -15,46 +14,10 @@ import torch
 from bertfast.bench import device as devmod
 from bertfast.bench import report
 from bertfast.bench.common import DTYPES, Stopped, SuiteContext
-from bertfast.bench.results import IMPL_FAMILIES, Row, Run
+from bertfast.bench.options import IMPL_FAMILIES, parser
+from bertfast.bench.results import Row, Run
 from bertfast.bench.targets import evaluate_targets
 from bertfast.bench.timing import TimingPolicy
-
-SUITES = ("kernels", "model", "overhead", "all")  # all = kernels + model
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="bertfast bench",
-        description="Benchmark bertfast's fused ops and training steps against PyTorch and transformers on "
-                    "this machine. Every path is checked against the reference before it is timed. results.json "
-                    "is saved after every case (marked partial); SIGTERM or Ctrl-C stops the run, which then "
-                    "writes what it measured.")
-    p.add_argument("--suite", choices=SUITES, default="all")
-    p.add_argument("--quick", action="store_true", help="small case lists and short timing (tiny shapes on CPU)")
-    p.add_argument("--out", default=None,
-                   help="output directory (default: benchmarks/results/<gpu>/<date> for a full GPU run, "
-                        "bench-out/<device>/<date> otherwise)")
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="activation dtype (default bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--backends", default="triton,cuda,torch",
-                   help="comma-separated bertfast backends to benchmark (default: all)")
-    p.add_argument("--ops", default=None, help="comma-separated kernel- or overhead-suite ops (default: all)")
-    p.add_argument("--models", default=None, help="comma-separated model-suite benchmarks (default: all)")
-    p.add_argument("--reps", type=int, default=None,
-                   help="CPU only: timed calls per figure after one warm-up call (default 3 with --quick, 5 "
-                        "otherwise); on a GPU the number of calls follows the time budget")
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
-    p.add_argument("--no-transformers", action="store_true", help="skip the transformers rows")
-    p.add_argument("--impls", default=None,
-                   help=f"comma-separated implementation families to run (default: all): {', '.join(IMPL_FAMILIES)}")
-    p.add_argument("--case", default=None, metavar="FIELD=VALUE[,FIELD=VALUE]",
-                   help="run only the cases whose fields have these values (e.g. model=bert-large,seqlen=128)")
-    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                   help="stop starting new cases after this many seconds (calibration included); the cases "
-                        "not reached are recorded as skipped")
-    return p
-
 
 def _case_filter(text: Optional[str]) -> dict:
     out = {}

@@ -86,7 +86,7 @@ class SuiteContext:
     step_policy: TimingPolicy = field(default_factory=lambda: TimingPolicy.steps(True))  # model suite
     ops: Optional[Tuple[str, ...]] = None  # kernel-suite filter (None: all)
     models: Optional[Tuple[str, ...]] = None  # model-suite filter
-    impls: Optional[Tuple[str, ...]] = None  # implementation families (results.IMPL_FAMILIES); None: all
+    impls: Optional[Tuple[str, ...]] = None  # implementation families (options.IMPL_FAMILIES); None: all
     cases: Dict[str, str] = field(default_factory=dict)  # case field -> value every case run must have
     deadline: Optional[float] = None  # time.monotonic() after which no new case starts
     budget_s: Optional[float] = None

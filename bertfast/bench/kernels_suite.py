@@ -24,7 +24,7 @@ import torch
 from bertfast.bench.common import Stopped, SuiteContext, free_memory, short_error, strict_fp32
 from bertfast.bench.gate import compare
 from bertfast.bench.kernel_cases import ALL_DIRECTIONS, CASE_BUILDERS, OPS, STEP, SUITE, Impl, OpCase, Prepared
-from bertfast.bench.results import ERROR, FAILED_PARITY, TORCH_COMPILE, Row, skipped
+from bertfast.bench.results import ERROR, FAILED_PARITY, TORCH_COMPILE, Row, case_text, skipped
 from bertfast.bench.timing import (COLD_L2, PERF_COUNTER, SMALL_KERNEL_MS, host_overhead_us, peak_memory, time_fn,
                                    time_small)
 
@@ -232,6 +232,7 @@ def run(ctx: SuiteContext) -> List[Row]:
                 ctx.log(f"  time budget spent: {len(cases) - i} {op} case(s) not run")
                 rows += ctx.record([r for rest in cases[i:] for r in _skipped_case(ctx, rest, ctx.budget_reason())])
                 break
+            ctx.log(f"  case {case_text(oc.case)}")
             try:
                 case_rows = run_case(ctx, oc)
             except Stopped as stop:  # this case and the op's others not run: skipped rows, then stop

@@ -32,7 +32,7 @@ from bertfast.parity import loss_only
 from bertfast.bench.common import (Stopped, SuiteContext, compile_skip_reason, describe_lengths, dtype_name,
                                    free_memory, generator_for, mask_from, sequence_lengths, short_error, strict_fp32)
 from bertfast.bench.results import (BERTFAST, BERTFAST_GRAPHS, BERTFAST_REFERENCE, BERTFAST_STATIC, ERROR,
-                                    FAILED_PARITY, HF_COMPILED, HF_EAGER, Row, skipped)
+                                    FAILED_PARITY, HF_COMPILED, HF_EAGER, Row, case_text, skipped)
 from bertfast.bench.timing import TimingPolicy, peak_memory, time_cpu_interleaved, time_fn
 
 SUITE = "model"
@@ -468,7 +468,7 @@ def _bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, 
             return
         rows.append(row(impl, time_ms=t, metrics=_figures(ctx, t, bsz, tokens, model_flops), memory=mem,
                         parity=report))
-        ctx.log(f"  {group} {case} {impl:28s} {t.median:9.3f} ms")
+        ctx.log(f"  {group} {case_text(case)} {impl:28s} {t.median:9.3f} ms")
 
     if ctx.torch_device.type == "cpu":
         steps = []

@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Dict, List, Optional, Tuple
+import textwrap
+from typing import Any, Dict, List, Optional, Tuple
 
-from bertfast.bench.results import HF_EAGER, TORCH_EAGER, Row, Run
+from bertfast.bench.results import HF_EAGER, TORCH_EAGER, Row, Run, case_text
 
 BASELINE = {"kernels": TORCH_EAGER, "model": HF_EAGER, "overhead": TORCH_EAGER}
 CPU_BANNER = ("**CPU run.** These are CPU timings (time.perf_counter) of reference and, with "
@@ -184,31 +185,60 @@ def summary(run: Run) -> str:
     out = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
     out += ["  ".join(c.ljust(w) for c, w in zip(l, widths)) for l in lines]
     if not run.device.is_cuda:
-        out.insert(0, f"CPU timings (perf_counter), {cpu_shapes(run)[0]}: not GPU performance.")
+        out.insert(0, plot_note(run) + ".")
     out += ["", f"targets ({run.device.name}):"]
     out += [f"  [{t['status']}] {t['target']}" + (f" - {t['detail']}" if t["detail"] else "") for t in run.targets]
     return "\n".join(out)
 
 
 # --------------------------------------------------------------------------- plots
-def _speedup_series(run: Run, suite: str) -> Dict[str, List[Tuple[str, str, float]]]:
-    """group -> [(case label, impl, speedup)] for ok non-baseline rows with a baseline."""
-    series: Dict[str, List[Tuple[str, str, float]]] = {}
+# Fields that follow from the others (padding gives real_tokens and fill, the masking rate gives
+# predictions): left off a plot's labels when the rows stay distinct without them.
+DERIVED_FIELDS = ("real_tokens", "fill", "predictions")
+
+
+def case_fields(rows: List[Row]) -> Tuple[List[str], Dict[str, Any]]:
+    """(the fields that tell ``rows`` apart, the fields every row shares with their value): a group's
+    plot labels its bars with the first and names the second once, in its title."""
+    keys: List[str] = []
+    for r in rows:
+        keys += [k for k in r.case if k not in keys]
+    values = {k: {repr(r.case.get(k)) for r in rows} for k in keys}
+    shared = {k: rows[0].case.get(k) for k in keys if len(values[k]) == 1 and all(k in r.case for r in rows)}
+    varying = [k for k in keys if k not in shared]
+    core = [k for k in varying if k not in DERIVED_FIELDS]
+    distinct = len({(tuple(repr(r.case.get(k)) for k in core), r.direction, r.impl) for r in rows}) == len(rows)
+    return (core if distinct else varying), shared
+
+
+def _speedup_series(run: Run, suite: str) -> Dict[str, Tuple[str, List[Tuple[str, str, float]]]]:
+    """group -> (its title, [(case label, impl, speedup)]) for ok non-baseline rows with a baseline; a
+    label names the case fields that vary within the group and the direction, the title the others."""
+    rows: Dict[str, List[Tuple[Row, float]]] = {}
     for r in run.rows:
         if r.suite != suite or r.impl == BASELINE[suite]:
             continue
         s = speedup(run, r)
         if s is not None:
-            series.setdefault(r.group, []).append((f"{short_case(r)} {r.direction}", r.impl, s))
+            rows.setdefault(r.group, []).append((r, s))
+    series = {}
+    for group, measured in rows.items():
+        shown, shared = case_fields([r for r, _ in measured])
+        title = group + (f" ({case_text(shared)})" if shared else "")
+        series[group] = (title, [(" ".join(filter(None, (case_text({k: r.case[k] for k in shown if k in r.case}),
+                                                          r.direction))), r.impl, s) for r, s in measured])
     return series
 
 
-PLOT_HIDDEN_FIELDS = ("dtype", "real_tokens", "fill", "predictions", "vocab", "dropout")
-
-
-def short_case(row: Row) -> str:
-    """The case without the fields that do not tell cases apart within a plot."""
-    return ",".join(f"{k}={v}" for k, v in row.case.items() if k not in PLOT_HIDDEN_FIELDS)
+def plot_note(run: Run) -> Optional[str]:
+    """What a CPU run's plot says on itself: tiny shapes time the harness, not the kernels."""
+    if run.device.is_cuda:
+        return None
+    if run.config.get("cpu_model_cases"):
+        return ("CPU timings (perf_counter). Kernel rows: tiny shapes, which measure the harness (Python, dispatch), "
+                "not kernel speed; model rows: MiniLM-sized steps against transformers on this CPU")
+    return ("CPU timings (perf_counter) of tiny shapes: these ratios measure the harness (Python, dispatch, "
+            "interpreter), not kernel speed, and say nothing of a GPU")
 
 
 def plot_speedups(run: Run, suite: str, path: str) -> str:
@@ -219,20 +249,23 @@ def plot_speedups(run: Run, suite: str, path: str) -> str:
     series = _speedup_series(run, suite)
     title = (f"{suite}: speedup vs {BASELINE[suite]} - {run.device.name}"
              + ("" if run.device.is_cuda else " (CPU timings)"))
+    note = plot_note(run)
+    header = [title] + (textwrap.wrap(note, 110) if note else [])
+    header_in = 0.2 * len(header) + 0.15  # inches above the first axes
     if not series:
-        fig, ax = plt.subplots(figsize=(8, 2))
+        fig, ax = plt.subplots(figsize=(10, 1.5 + header_in))
         ax.text(0.5, 0.5, "no speedups measured in this run", ha="center", va="center")
         ax.set_axis_off()
-        ax.set_title(title, fontsize=9)
+        _header(fig, header, header_in)
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
-    impls = sorted({impl for rows in series.values() for _, impl, _ in rows})
+    impls = sorted({impl for _, rows in series.values() for _, impl, _ in rows})
     colors = {impl: plt.get_cmap("tab10")(i % 10) for i, impl in enumerate(impls)}
-    heights = [max(1.2, 0.25 * len(rows) + 0.8) for rows in series.values()]
-    fig, axes = plt.subplots(len(series), 1, figsize=(10, sum(heights)), squeeze=False,
+    heights = [max(1.2, 0.25 * len(rows) + 0.8) for _, rows in series.values()]
+    fig, axes = plt.subplots(len(series), 1, figsize=(10, sum(heights) + header_in), squeeze=False,
                              gridspec_kw={"height_ratios": heights})
-    for ax, (group, rows) in zip(axes[:, 0], series.items()):
+    for ax, (group_title, rows) in zip(axes[:, 0], series.values()):
         labels = [f"{case} | {impl}" for case, impl, _ in rows]
         ys = list(range(len(rows)))
         ax.barh(ys, [s for _, _, s in rows], color=[colors[impl] for _, impl, _ in rows])
@@ -243,14 +276,23 @@ def plot_speedups(run: Run, suite: str, path: str) -> str:
         ax.set_yticks(ys)
         ax.set_yticklabels(labels, fontsize=6)
         ax.invert_yaxis()
-        ax.set_title(group, fontsize=8)
+        ax.set_title(group_title, fontsize=8)
         ax.tick_params(axis="x", labelsize=7)
     axes[-1, 0].set_xlabel(f"speedup (x) vs {BASELINE[suite]}")
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    _header(fig, header, header_in)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _header(fig, lines: List[str], header_in: float) -> None:
+    """The title, then a CPU run's note (in red: it changes how every bar is read), above the axes."""
+    top = 1 - header_in / fig.get_figheight()
+    fig.tight_layout(rect=(0, 0, 1, top))
+    fig.text(0.5, 1 - 0.08 / fig.get_figheight(), lines[0], ha="center", va="top", fontsize=9)
+    if len(lines) > 1:
+        fig.text(0.5, 1 - 0.3 / fig.get_figheight(), "\n".join(lines[1:]), ha="center", va="top", fontsize=8,
+                 color="darkred")
 
 
 # --------------------------------------------------------------------------- all outputs

@@ -40,13 +40,13 @@ HF_EAGER = "transformers sdpa eager"
 HF_COMPILED = "transformers sdpa compiled"
 
 
-# Implementation families: what `bertfast bench --impls` selects.
-IMPL_FAMILIES = ("bertfast", "static-shapes", "reference", "eager", "compiled", "sdpa", "transformers",
-                 "transformers-compiled")
+def case_text(case: Dict[str, Any]) -> str:
+    """A case as its fields, "batch=2,seqlen=16,...": what tells it apart in logs, tables and plots."""
+    return ",".join(f"{k}={v}" for k, v in case.items())
 
 
 def impl_family(impl: str) -> str:
-    """The family of an implementation name (one of IMPL_FAMILIES)."""
+    """The family of an implementation name (one of bertfast.bench.options.IMPL_FAMILIES)."""
     if impl == BERTFAST_REFERENCE:
         return "reference"
     if impl in (BERTFAST_STATIC, BERTFAST_GRAPHS):
@@ -104,7 +104,7 @@ class Row:
         return self.status == OK
 
     def case_key(self) -> str:
-        return ",".join(f"{k}={v}" for k, v in self.case.items())
+        return case_text(self.case)
 
     def label(self) -> str:
         return f"{self.group} [{self.case_key()}] {self.direction}"
