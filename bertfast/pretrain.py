@@ -61,7 +61,8 @@ from bertfast.training.distributed import (DistInfo, all_reduce_max, all_reduce_
                                            gather_objects, init_distributed)
 from bertfast.training.nonfinite import NonFiniteWatch
 from bertfast.training.optim import build_optimizer, lamb_implementation, warmup_linear_decay
-from bertfast.training.phases import Phase, build_config, build_phases, prepare_demo_data, resolve_steps
+from bertfast.training.phases import (Phase, build_config, build_phases, compare_with_readme, demo_environment,
+                                      prepare_demo_data, resolve_steps)
 from bertfast.training.precision import resolve_precision
 from bertfast.training.records import (MetricsLogger, RunningSums, format_duration, library_progress_bars,
                                        plot_loss_curve, read_jsonl)
@@ -534,6 +535,7 @@ def run(args: PretrainConfig) -> RunResult:
         torch.set_num_threads(args.threads)
     stop = StopRequest().install()  # first: a SIGTERM during the set-up still ends with exit 75
     info = init_distributed(args.device)
+    given = args
     try:
         log = (lambda m: print(m, flush=True)) if info.is_main else (lambda m: None)
         if args.demo:
@@ -559,6 +561,9 @@ def run(args: PretrainConfig) -> RunResult:
                       f"{format_duration(time.time() - t0)}; last loss {last['loss']:.4f} (first logged "
                       f"{train[0]['loss']:.4f}); {tok_s:.0f} real tokens/s; MFU "
                       f"{'n/a (no GPU peak known)' if mfu is None else f'{100 * mfu:.1f}%'}", flush=True)
+                if args.demo and result.final_step == trainer.total_steps:
+                    print(compare_with_readme(given, demo_environment(info.device), train[0]["loss"], last["loss"]),
+                          flush=True)
             if result.parity:
                 worst = max(p["max_rel_diff_all_ranks"] for p in result.parity)
                 print(f"[pretrain] parity: {len(result.parity)} check(s), worst relative difference "

@@ -1,5 +1,6 @@
 """bertfast pretrain: two phases, checkpoints (HF layout, atomic, keep-last), bit-exact resume,
 two-process DDP on CPU, parity checks (strict mode names the op), LAMB, schedule, config files."""
+import dataclasses
 import importlib
 import json
 import os
@@ -411,6 +412,42 @@ def test_demo_entry_point(tmp_path, capsys):
     assert rc == 0
     assert "phase 2: seq 512" in out and "[parity] step 3" in out and "-> ok" in out and "tokens/s" in out
     assert os.path.isfile(tmp_path / "demo" / "loss.png")
+    # a shortened demo is not the README's example, and says so rather than comparing losses
+    assert ("[pretrain] demo: not the README's example settings (phase1_steps, phase2_steps, log_every, eval_every, "
+            "parity_every, demo_vocab_size, demo_corpus_max_docs changed), so its losses are not comparable") in out
+
+
+def test_demo_says_whether_its_losses_are_the_readmes():
+    """Issue 37 (13): the demo's losses differed from the README's example with no word on why. The
+    demo names the README's environment and says which case a run is in."""
+    example = phases.DEMO_EXAMPLE
+    env = {k: example[k] for k in ("python", "torch", "transformers", "device", "cpu_capability")}
+    default = PretrainConfig.from_preset("demo")
+    same = phases.compare_with_readme(default, env, example["first_loss"], example["last_loss"] + 4e-5)
+    assert same.startswith("[pretrain] demo: the same losses as the README's example (first 8.9903, last 6.6135")
+    assert "torch 2.13.0+cpu" in same and "cpu_capability AVX512" in same
+    # settings that change no loss leave the comparison on
+    quiet = dataclasses.replace(default, output_dir="elsewhere", no_progress=True, threads=2, overwrite=False)
+    assert phases.compare_with_readme(quiet, env, example["first_loss"], example["last_loss"]) == same
+    other_torch = phases.compare_with_readme(default, dict(env, torch="2.9.0+cpu"), 8.99, 6.7)
+    assert ("losses first 8.9900, last 6.7000 against the README's 8.9903, 6.6135; other losses are expected here: "
+            "this environment differs from the README's in torch 2.9.0+cpu (README: 2.13.0+cpu)") in other_torch
+    gpu = phases.compare_with_readme(default, {**{k: env[k] for k in ("python", "torch", "transformers")},
+                                               "device": "cuda"}, 8.99, 6.7)
+    assert "device cuda (README: cpu)" in gpu and "cpu_capability" not in gpu.split("differs")[1]
+    odd = phases.compare_with_readme(default, env, 8.9903, 6.7)
+    assert "in the README's environment" in odd and "not expected" in odd and "please report" in odd
+    other = phases.compare_with_readme(dataclasses.replace(default, lr=2e-3), env, 8.9903, 6.6135)
+    assert other == "[pretrain] demo: not the README's example settings (lr changed), so its losses are not comparable"
+
+
+def test_readme_quotes_the_demo_example_the_demo_compares_with():
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md"), encoding="utf-8").read()
+    example = phases.DEMO_EXAMPLE
+    assert (f"last loss {example['last_loss']:.4f} (first logged {example['first_loss']:.4f})") in readme
+    python, torch_version, transformers_version = example["python"], example["torch"], example["transformers"]
+    assert f"Python {python}, torch {torch_version} and transformers {transformers_version}" in readme
+    assert "[pretrain] demo: the same losses as the README's example" in readme
 
 
 def test_demo_data_is_reproducible_with_the_shipped_vocabulary(tmp_path):

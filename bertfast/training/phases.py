@@ -20,6 +20,56 @@ from bertfast.training.distributed import DistInfo
 DEMO_VOCAB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "demo_vocab.txt")
 
 
+# The README's example output: the losses a demo with the default settings logs, and where they were
+# measured (tests/test_pretrain.py checks that the README quotes these). Other versions, devices or
+# CPU instruction sets round differently and give other, equally valid, losses.
+DEMO_EXAMPLE = dict(first_loss=8.9903, last_loss=6.6135, python="3.11.7", torch="2.13.0+cpu",
+                    transformers="5.24.0", device="cpu", cpu_capability="AVX512")
+# Settings that change no loss (the thread count: 1 and 2 measured alike): a demo with only these
+# changed is still the README's example.
+DEMO_LOSS_FREE_SETTINGS = ("output_dir", "no_progress", "no_plot", "overwrite", "resume", "threads", "device",
+                           "tensorboard", "keep_last")
+
+
+def demo_environment(device) -> dict:
+    """What decides the demo's rounding, in DEMO_EXAMPLE's keys."""
+    import platform
+
+    import torch
+    import transformers
+    env = dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
+               device=device.type)
+    if device.type == "cpu":
+        env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    return env
+
+
+def compare_with_readme(given: PretrainConfig, environment: dict, first: float, last: float) -> str:
+    """One line saying whether a demo's first and last logged losses are the README's example, and
+    if not, why not: other settings, another environment, or (not expected) neither."""
+    example = DEMO_EXAMPLE
+    default = PretrainConfig.from_preset("demo").to_dict()
+    ran = given.to_dict()
+    changed = [k for k in default if k not in DEMO_LOSS_FREE_SETTINGS and ran.get(k) != default[k]]
+    if changed:
+        return (f"[pretrain] demo: not the README's example settings ({', '.join(changed)} changed), so its "
+                f"losses are not comparable")
+    setting = [k for k in example if k not in ("first_loss", "last_loss")]
+    where = ", ".join(f"{k} {example[k]}" for k in setting)
+    if f"{first:.4f}/{last:.4f}" == f"{example['first_loss']:.4f}/{example['last_loss']:.4f}":  # as printed
+        return (f"[pretrain] demo: the same losses as the README's example (first {example['first_loss']:.4f}, last "
+                f"{example['last_loss']:.4f}; {where})")
+    ours = f"first {first:.4f}, last {last:.4f} against the README's {example['first_loss']:.4f}, " \
+           f"{example['last_loss']:.4f}"
+    differs = [f"{k} {environment[k]} (README: {example[k]})" for k in setting
+               if k in environment and environment[k] != example[k]]
+    if differs:
+        return (f"[pretrain] demo: losses {ours}; other losses are expected here: this environment differs from "
+                f"the README's in {', '.join(differs)}, which rounds differently")
+    return (f"[pretrain] demo: losses {ours} in the README's environment ({where}): not expected (another CPU "
+            f"model can still round differently); please report it with this output and metrics.jsonl")
+
+
 def prepare_demo_data(args: PretrainConfig, info: DistInfo, log) -> PretrainConfig:
     """Prepare the two demo datasets (seq 128 and 512) from the embedded corpus (rank 0 only)."""
     from bertfast.data.prepare import prepare_dataset
