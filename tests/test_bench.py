@@ -359,7 +359,8 @@ def test_plot_labels_tell_every_case_apart_and_a_cpu_plot_says_what_it_measures(
     for padding, real_tokens in (("none", 32), ("finetune", 16)):
         for dropout in (0.0, 0.1):
             case = dict(att, padding=padding, real_tokens=real_tokens, dropout=dropout, dtype="fp32")
-            rows += [_row("attention", "bertfast:torch varlen", 2.0, **case), _row("attention", TORCH_EAGER, 1.0, **case)]
+            rows += [_row("attention", "bertfast:torch varlen", 2.0, **case),
+                     _row("attention", TORCH_EAGER, 1.0, **case)]
     rows += [_row("bias_gelu", "bertfast:torch", 2.0, tokens=64, dtype="fp32"),
              _row("bias_gelu", TORCH_EAGER, 1.0, tokens=64, dtype="fp32")]
     run = Run(device=_fake_device("cpu"), config={"quick": True}, rows=rows)

@@ -1,8 +1,9 @@
 """bertfast.bench: the benchmark harness (`bertfast bench`, `python -m bertfast.bench`).
 
-options (the command's options, torch-free), cli (the run), device (what the machine is; copy bandwidth and peak matmul measured once per run), timing
-(CUDA events / perf_counter, median p20 p80), flops (the work each figure divides), gate
-(parity before timing), kernels_suite (its cases: kernel_cases) and model_suite, targets, report (JSON, markdown, PNG).
+options (the command's options, torch-free), cli (the run), device (what the machine is; copy
+bandwidth and peak matmul measured once per run), timing (CUDA events / perf_counter, median p20
+p80), flops (the work each figure divides), gate (parity before timing), kernels_suite (its cases:
+kernel_cases) and model_suite, targets, report (JSON, markdown, PNG).
 """
 from typing import List, Optional
 
