@@ -5,7 +5,7 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install install-demo demo test gpu-plan gpu-check gpu-check-dry gpu-loan gpu-land gpu-sizing compile-report bench info
+.PHONY: install install-demo demo test gpu-plan gpu-check gpu-check-dry gpu-loan gpu-land gpu-sizing compile-report perf-model bench info
 
 # Everything, the test extras included (onnxruntime, sentence-transformers, peft ...: a few GB).
 install:
@@ -71,6 +71,12 @@ gpu-sizing:
 COMPILE_REPORT_ARGS ?=
 compile-report:
 	$(PYTHON) -m bertfast.gpucheck.compile_report $(COMPILE_REPORT_ARGS)
+
+# H100 speed predicted from the kernels' sm_90 SASS against the targets, beside the latest committed
+# GPU run (docs/perf-model.md); no GPU needed, about 30 s. PERF_MODEL_ARGS="--json FILE" keeps it all.
+PERF_MODEL_ARGS ?=
+perf-model:
+	env -u TRITON_INTERPRET $(PYTHON) -m bertfast.cli perf-model $(PERF_MODEL_ARGS)
 
 bench:
 	$(PYTHON) -m bertfast.cli bench --quick

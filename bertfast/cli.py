@@ -14,6 +14,7 @@ COMMANDS = {
     "bench": ("bertfast.bench", "benchmark kernels and training steps against the usual alternatives"),
     "gpu-check": ("bertfast.gpucheck.runner", "the staged GPU check: plan, run (or --dry-run on CPU), land"),
     "compile-report": ("bertfast.gpucheck.compile_report", "registers/spills/shared memory of every kernel on sm_90"),
+    "perf-model": ("bertfast.perfmodel.report", "H100 speed predicted from the kernels' sm_90 SASS, against the targets"),
 }
 
 
@@ -25,6 +26,7 @@ LIGHT_HELP = {
     "info": "bertfast.info:parser",
     "parity": "bertfast.cli:parity_parser",
     "bench": "bertfast.bench.options:parser",
+    "perf-model": "bertfast.perfmodel.report:parser",
 }
 
 

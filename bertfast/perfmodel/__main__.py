@@ -1,0 +1,5 @@
+import sys
+
+from bertfast.perfmodel.report import main
+
+sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,42 @@
+"""The H100 the performance model predicts for: every constant in one place, with where it comes from.
+
+Datasheet and whitepaper: NVIDIA H100 Tensor Core GPU datasheet and the "NVIDIA H100 Tensor Core GPU
+Architecture" whitepaper (SXM5 part). Throughput per pipe: the CUDA C++ Programming Guide's table of
+arithmetic instruction throughput, compute capability 9.0. The achievable bandwidth: a copy timed on
+an H100 of the machines this project is lent. Where a figure is an assumption, it says so;
+``overlap`` is an assumption that GPU runs refit (docs/perf-model.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str = "H100 SXM5 80GB"
+    sms: int = 132                       # datasheet
+    clock_hz: float = 1.83e9             # the boost clock the datasheet's peaks are computed at (989.4e12 / 540,672)
+    dense_bf16_flops: float = 989.4e12   # datasheet, dense (no sparsity): 4096 FLOP per clock per SM
+    hbm_bytes_per_s: float = 3.35e12     # datasheet, HBM3
+    # A device-to-device copy, read + write counted, on an H100 of the machines this project is lent
+    # (2026-11-13, as the machines' notes record it: this project has not timed an H100 itself yet).
+    achievable_hbm_bytes_per_s: float = 3.0e12
+    issue_per_clock: int = 4             # warp-instructions issued per clock per SM (4 schedulers, 1 each)
+    registers_per_sm: int = 65536
+    shared_per_sm: int = 228 * 1024
+    max_warps_per_sm: int = 64
+    max_blocks_per_sm: int = 32
+    # Warp-instructions per clock per SM each pipe completes: lanes per clock / 32 (programming guide,
+    # cc 9.0: fp32 add/mul/fma 128 lanes, 32-bit integer and logic 64, MUFU 16, conversions 16, warp
+    # shuffle 32). Shared memory moves 128 bytes per clock per SM: a 4-byte-per-lane access is one
+    # clock, a 16-byte one four (shared_bytes_per_clock). "tensor" is timed by FLOPs, not here.
+    pipe_rate: Dict[str, float] = field(default_factory=lambda: {
+        "fp32": 4.0, "int": 2.0, "mufu": 0.5, "convert": 0.5, "shuffle": 1.0})
+    shared_bytes_per_clock: int = 128
+    # Imperfect overlap of the bounds: predicted time = the largest bound + overlap x the others.
+    # An assumption until fitted to measured kernels (report.fit_overlap); 0 is perfect overlap.
+    overlap: float = 0.25
+
+
+H100 = Gpu()

@@ -1,0 +1,194 @@
+"""The kernels the performance model reads: each compiled for sm_90 offline at BERT's shapes, its
+first autotune candidate (the config ``BERTFAST_AUTOTUNE=0`` runs), with the work of one launch.
+
+Launches are recorded as the compile report records them (gpucheck.compile_report.bert_launches
+inside ``compile_only``: nothing runs), then compiled by Triton with the offline driver; the cubin
+is disassembled (sass.disassemble) and ptxas's report gives the registers. ``WORK`` says, per
+kernel, what an element is and how a launch's work divides into main-loop iterations and programs.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import tempfile
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from bertfast.perfmodel.hardware import H100, Gpu
+from bertfast.perfmodel.model import Prediction, Work, predict
+from bertfast.perfmodel.sass import Function, disassemble, parse
+
+HEAD_DIM = 64
+ROWS_PER_GROUP = 32  # bias_gelu's backward on a GPU: 2 x MAX_ROWS_PER_TILE rows per program (kernels/bias_gelu.py)
+
+
+@dataclass
+class Setting:
+    """One benchmark shape: the model, its sequence length and batch, bf16 activations with fp32
+    parameters (autocast), and the dropout probability."""
+
+    model: str = "bert-large"
+    seq: int = 512
+    batch: int = 32
+    dropout: float = 0.1
+
+    @property
+    def tokens(self) -> int:
+        return self.seq * self.batch
+
+    def label(self) -> str:
+        return f"{self.model} seq {self.seq} batch {self.batch} bf16 p={self.dropout:g}"
+
+    def as_report_setting(self):
+        return (self.model, self.seq, self.batch, "bf16", "fp32", self.dropout)
+
+
+@dataclass
+class Launch:
+    op: str
+    kernel: str
+    meta: Dict[str, object]     # constexprs and the first candidate's block sizes, num_warps
+    grid: Tuple[int, ...]
+    args: tuple
+    compile: Callable[[], object]
+
+
+def _numel(shape) -> int:
+    return int(math.prod(shape)) if shape else 1
+
+
+def _bytes(args: Sequence, keep: Callable[[object], bool] = lambda a: True) -> int:
+    return sum(a.numel() * a.element_size() for a in args if hasattr(a, "numel") and keep(a))
+
+
+def _tile(meta: Dict[str, object], *names: str) -> int:
+    return int(math.prod(int(meta[n]) for n in names))
+
+
+def _attention(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
+    from bertfast.gpucheck.compile_report import MODELS
+    heads = MODELS[setting.model][0] // HEAD_DIM
+    scores = setting.batch * heads * setting.seq ** 2
+    tile = _tile(launch.meta, "BLOCK_M", "BLOCK_N")
+    return Work(scores / tile, tile, _numel(launch.grid), int(launch.meta["num_warps"]), _bytes(launch.args))
+
+
+def _no_loop(*tile_names: str) -> Callable[[Setting, Launch, Gpu], Work]:
+    """A kernel whose program handles one tile: as many iterations as programs."""
+    def work(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
+        programs = _numel(launch.grid)
+        return Work(programs, _tile(launch.meta, *tile_names), programs, int(launch.meta.get("num_warps", 4)),
+                    _bytes(launch.args))
+    return work
+
+
+def _row_loop(*tile_names: str, programs: Callable[[Setting, Launch, Gpu], int]):
+    """A kernel whose programs walk row tiles: elements = the first argument's, programs as on a GPU."""
+    def work(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
+        tile = _tile(launch.meta, *tile_names)
+        elements = launch.args[0].numel()
+        return Work(elements / tile, tile, programs(setting, launch, gpu), int(launch.meta.get("num_warps", 4)),
+                    _bytes(launch.args, lambda a: a.dim() == 0 or a.shape[0] != 0))
+    return work
+
+
+def _two_per_sm(setting: Setting, launch: Launch, gpu: Gpu) -> int:
+    return 2 * gpu.sms  # kernels/_rows.py row_groups(per_sm=2) on a GPU
+
+
+def _gelu_groups(setting: Setting, launch: Launch, gpu: Gpu) -> int:
+    n, f = launch.args[0].shape
+    return math.ceil(n / ROWS_PER_GROUP) * math.ceil(f / int(launch.meta["BLOCK_F"]))
+
+
+def _embeddings_fwd(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
+    # Reads the three gathered table rows (fp32 parameters), writes the bf16 output; not the tables.
+    programs = _numel(launch.grid)
+    hidden = launch.args[3].shape[1]
+    moved = setting.tokens * hidden * (3 * launch.args[3].element_size() + 2) + 3 * setting.tokens * 8
+    return Work(programs, _tile(launch.meta, "BLOCK_M", "BLOCK_H"), programs, int(launch.meta["num_warps"]), moved)
+
+
+def _embeddings_bwd(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
+    tile = _tile(launch.meta, "BLOCK_M", "BLOCK_H")
+    elements = launch.args[0].numel()
+    moved = _bytes(launch.args, lambda a: a.dim() < 2 or a.shape[0] == setting.tokens)  # not the tables
+    return Work(elements / tile, tile, _two_per_sm(setting, launch, gpu), int(launch.meta["num_warps"]), moved)
+
+
+# kernel -> how a launch's work is counted (kernels not listed are compiled and counted, not predicted)
+WORK: Dict[str, Callable[[Setting, Launch, Gpu], Work]] = {
+    "_attention_fwd_kernel": _attention,
+    "_attention_bwd_dq_kernel": _attention,
+    "_attention_bwd_dkdv_kernel": _attention,
+    "_attention_bwd_delta_kernel": _no_loop("BLOCK_M", "BLOCK_D"),
+    "_bias_gelu_fwd_kernel": _no_loop("BLOCK_N", "BLOCK_F"),
+    "_bias_gelu_bwd_kernel": _row_loop("BLOCK_N", "BLOCK_F", programs=_gelu_groups),
+    "_bias_dropout_residual_layernorm_fwd_kernel": _no_loop("BLOCK_M", "BLOCK_H"),
+    "_bias_dropout_residual_layernorm_bwd_kernel": _row_loop("BLOCK_M", "BLOCK_H", programs=_two_per_sm),
+    "_embeddings_fwd_kernel": _embeddings_fwd,
+    "_embeddings_bwd_kernel": _embeddings_bwd,
+}
+OPS = ("attention", "bias_gelu", "bias_dropout_residual_layernorm", "embeddings")
+
+
+def record(setting: Setting, ops: Sequence[str] = OPS) -> List[Launch]:
+    """Every kernel launch of ``ops`` at ``setting`` (varlen attention, head dim 64), first candidate."""
+    from bertfast.gpucheck.compile_report import bert_launches
+    from bertfast.kernels._common import compile_only
+
+    launches: List[Launch] = []
+    for case, call in bert_launches([setting.as_report_setting()], (HEAD_DIM,), ops, padded_attention=False):
+        op = case.split(" ", 1)[0]
+
+        def keep(fn, grid, args, consts, configs, key, op=op):
+            meta = dict(consts)
+            if configs[0] is not None:
+                meta.update(configs[0].all_kwargs())
+            shape = grid(meta) if callable(grid) else grid
+            launches.append(Launch(op, fn.__name__, meta, tuple(int(g) for g in shape), tuple(args),
+                                   lambda fn=fn, args=tuple(args), meta=meta: fn.warmup(*args, grid=(1,), **meta)))
+        with compile_only(keep):
+            call()
+    return launches
+
+
+@dataclass
+class Compiled:
+    launch: Launch
+    function: Function
+    registers: Optional[int]
+    shared_bytes: int
+
+
+def compile_launch(launch: Launch) -> Compiled:
+    """sm_90 SASS, registers and shared memory of one launch's first candidate (offline driver set)."""
+    from bertfast.gpucheck.compile_report import parse_ptxas
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        kernel = launch.compile()
+    functions = parse(disassemble(kernel.asm["cubin"]))
+    function = functions.get(launch.kernel) or next(iter(functions.values()))
+    registers = parse_ptxas(log.getvalue()).get(launch.kernel, {}).get("registers")
+    return Compiled(launch, function, registers, int(getattr(kernel.metadata, "shared", 0)))
+
+
+def predict_launch(setting: Setting, compiled: Compiled, gpu: Gpu = H100) -> Optional[Prediction]:
+    rule = WORK.get(compiled.launch.kernel)
+    if rule is None:
+        return None
+    work = rule(setting, compiled.launch, gpu)
+    work.registers, work.shared_bytes = compiled.registers, compiled.shared_bytes
+    return predict(compiled.function, work, gpu)
+
+
+@contextlib.contextmanager
+def offline_triton():
+    """Triton compiling for sm_90 without a GPU, into a fresh cache (so ptxas reports every kernel).
+    It replaces Triton's driver for the rest of the process: run it in a process of its own (the
+    command does; tests run the command)."""
+    from bertfast.gpucheck.compile_report import _prepare_offline_triton
+    with tempfile.TemporaryDirectory() as cache:
+        _prepare_offline_triton(cache)
+        yield

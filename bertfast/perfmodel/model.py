@@ -1,0 +1,135 @@
+"""A kernel's predicted time on the GPU of ``hardware``, from its SASS and the work it is given.
+
+The main loop's instructions (sass.Function.main_loop) run once per tile of work: ``iterations``
+tiles of ``tile_elements`` elements each, over the whole launch; the instructions outside it run
+once per program. Every warp of a program runs the same instructions, so a launch issues
+``instructions x warps`` warp-instructions. Five bounds, each the time the launch would take if
+only that resource limited it:
+
+- tensor: the wgmma FLOPs (one HGMMA per warpgroup of 4 warps) at the dense bf16 peak;
+- issue: warp-instructions at ``issue_per_clock`` per SM;
+- pipe: the busiest execution pipe (fp32, int, MUFU, conversions, shuffles at their rates; shared
+  memory at 128 bytes per clock);
+- memory: the launch's HBM bytes at the achievable bandwidth;
+- and the waves: P programs spread over the SMs give some SMs ceil(P / SMs) programs and others
+  one fewer, so the launch lasts as long as the busiest SM (the bounds are divided by that
+  efficiency, (P / SMs) / ceil(P / SMs)). Programs resident per SM (registers, shared memory,
+  warps) are reported: one program of 4 warps per SM hides latency poorly, which this model does
+  not price.
+
+predicted = (largest of tensor, max(issue, pipe), memory + overlap x the sum of the other two) /
+wave efficiency. ``overlap`` (hardware.Gpu) says how imperfectly the units overlap: 0 would be
+perfect. These are estimates for planning, never measurements.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from bertfast.perfmodel.hardware import H100, Gpu
+from bertfast.perfmodel.sass import Function, Instruction, class_counts
+
+
+@dataclass
+class Work:
+    """What one launch does: its tiles, programs and traffic (the perf model's kernel table)."""
+
+    iterations: float        # main-loop iterations over the launch (programs when there is no loop)
+    tile_elements: int       # elements one iteration (or program) handles
+    programs: int            # programs in the grid
+    warps: int               # warps per program
+    hbm_bytes: float         # bytes the launch moves to and from HBM (each tensor once)
+    registers: Optional[int] = None
+    shared_bytes: int = 0
+
+
+@dataclass
+class Prediction:
+    kernel: str
+    loop: bool                         # False: no loop, the whole body per program
+    per_element: Dict[str, float]      # main-loop thread-instructions per element, by class, and "total"
+    bounds_s: Dict[str, float]         # tensor, issue, pipe, memory
+    parts_s: Dict[str, float]          # tensor, compute (= max(issue, pipe)), memory: what overlaps
+    binding: str                       # the largest bound's name (the pipe's name for "pipe")
+    resident: int                      # programs per SM
+    wave_efficiency: float
+    predicted_s: float
+    tensor_flops: float                # wgmma FLOPs the launch runs
+    notes: List[str] = field(default_factory=list)
+
+    def to_dict(self) -> Dict[str, object]:
+        return {"kernel": self.kernel, "loop": self.loop, "per_element": self.per_element, "bounds_s": self.bounds_s,
+                "parts_s": self.parts_s,
+                "binding": self.binding, "resident_per_sm": self.resident, "wave_efficiency": self.wave_efficiency,
+                "predicted_s": self.predicted_s, "tensor_flops": self.tensor_flops, "notes": self.notes}
+
+
+def resident_per_sm(work: Work, gpu: Gpu = H100) -> int:
+    """Programs one SM holds at once: registers, shared memory, warps and the block limit."""
+    limits = [gpu.max_blocks_per_sm, gpu.max_warps_per_sm // work.warps]
+    if work.registers:
+        # registers are allocated per warp in units of 256 (8 per thread)
+        per_warp = math.ceil(work.registers * 32 / 256) * 256
+        limits.append(gpu.registers_per_sm // (per_warp * work.warps))
+    if work.shared_bytes:
+        limits.append(gpu.shared_per_sm // work.shared_bytes)
+    return max(0, min(limits))
+
+
+def _pipe_clocks(instructions: List[Instruction], gpu: Gpu) -> Dict[str, float]:
+    """Clocks per warp each pipe is busy for one pass over ``instructions``."""
+    clocks: Dict[str, float] = {}
+    for ins in instructions:
+        if ins.cls == "shared":
+            clocks["shared"] = clocks.get("shared", 0.0) + ins.access_bytes * 32 / gpu.shared_bytes_per_clock
+        elif ins.cls in gpu.pipe_rate:
+            clocks[ins.cls] = clocks.get(ins.cls, 0.0) + 1.0 / gpu.pipe_rate[ins.cls]
+    return clocks
+
+
+def predict(function: Function, work: Work, gpu: Gpu = H100) -> Prediction:
+    span = function.main_loop()
+    loop = function.body(span)
+    rest = [ins for i, ins in enumerate(function.instructions) if span is None or not span[0] <= i <= span[1]]
+    if span is None:
+        rest = []  # the whole body is the "loop", run once per program
+    counts = class_counts(loop)
+    threads = 32 * work.warps
+    per_element = {cls: n * threads / work.tile_elements for cls, n in counts.items() if n}
+    per_element["total"] = len(loop) * threads / work.tile_elements
+
+    # Warp-instructions and pipe clocks over the launch (per SM: spread over every SM).
+    warp_instr = (len(loop) * work.iterations + len(rest) * work.programs) * work.warps
+    pipes = {name: c * work.iterations * work.warps for name, c in _pipe_clocks(loop, gpu).items()}
+    for name, c in _pipe_clocks(rest, gpu).items():
+        pipes[name] = pipes.get(name, 0.0) + c * work.programs * work.warps
+    sm_clock = gpu.sms * gpu.clock_hz
+    tensor_flops = sum(ins.mma_flops for ins in loop) * work.iterations * work.warps / 4
+    tensor_flops += sum(ins.mma_flops for ins in rest) * work.programs * work.warps / 4
+    busiest = max(pipes, key=pipes.get) if pipes else "fp32"
+    bounds = {"tensor": tensor_flops / gpu.dense_bf16_flops,
+              "issue": warp_instr / (gpu.issue_per_clock * sm_clock),
+              "pipe": pipes.get(busiest, 0.0) / sm_clock,
+              "memory": work.hbm_bytes / gpu.achievable_hbm_bytes_per_s}
+    compute = max(bounds["issue"], bounds["pipe"])
+    parts = {"tensor": bounds["tensor"], "compute": compute, "memory": bounds["memory"]}
+    top = max(parts, key=parts.get)
+    overlapped = parts[top] + gpu.overlap * (sum(parts.values()) - parts[top])
+    resident = resident_per_sm(work, gpu)
+    notes = []
+    if resident == 0:
+        notes.append("does not fit on an SM (registers or shared memory)")
+        resident = 1
+    per_sm = work.programs / gpu.sms
+    efficiency = per_sm / math.ceil(per_sm)
+    binding = top if top != "compute" else ("issue" if bounds["issue"] >= bounds["pipe"] else busiest)
+    return Prediction(function.name, span is not None, per_element, bounds, parts, binding, resident, efficiency,
+                      overlapped / efficiency, tensor_flops, notes)
+
+
+def time_with_overlap(prediction: Prediction, overlap: float) -> float:
+    """The prediction's time under another overlap constant (what calibration fits)."""
+    parts = prediction.parts_s
+    top = max(parts.values())
+    return (top + overlap * (sum(parts.values()) - top)) / prediction.wave_efficiency

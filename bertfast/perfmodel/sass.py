@@ -1,0 +1,172 @@
+"""Reading sm_90 SASS: instructions, their classes, and a kernel's main loop.
+
+The text is ``cuobjdump -sass`` of a cubin (the disassembler Triton's package carries, or the CUDA
+toolkit's). Each instruction line reads ``/*0140*/  @!P0 OPCODE.MODIFIERS operands ;``. A loop is
+a backward branch: ``BRA`` to an earlier address; its body is every instruction from the target
+to the branch. The main loop is the first loop with the most tensor-core instructions (the attention
+kernels' loop over full key or query blocks: the loop over the masked tail block comes after it and
+does not run when lengths are multiples of the block), else the largest loop (a row kernel's loop
+over row tiles); a kernel without a loop is its whole body, run once per program.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+# Instruction classes: the execution pipe an opcode occupies (hardware.PIPE_RATE gives each pipe's
+# warp-instructions per clock per SM). "uniform", "sync" and "control" only take issue slots.
+CLASSES = ("tensor", "fp32", "int", "mufu", "convert", "shared", "global", "shuffle", "uniform", "sync",
+           "control", "other")
+_CLASS_OF = {
+    "tensor": ("HGMMA", "HMMA", "QGMMA", "IMMA", "BMMA", "DMMA"),
+    # Single-precision arithmetic, and I2FP (Hopper's integer-to-float in the FMA pipe).
+    "fp32": ("FADD", "FMUL", "FFMA", "FMNMX", "FSETP", "FSEL", "FSET", "FCHK", "FSWZADD", "HADD2", "HMUL2",
+             "HFMA2", "HMNMX2", "HSETP2", "I2FP"),
+    # Integer and logic, moves and packing conversions (the 64-lane ALU).
+    "int": ("IMAD", "IADD3", "IADD", "VIADD", "VIADDMNMX", "LOP3", "LOP", "SHF", "SHL", "SHR", "SEL", "PRMT",
+            "ISETP", "LEA", "IABS", "IMNMX", "VIMNMX", "SGXT", "BMSK", "BREV", "FLO", "POPC", "MOV", "CS2R",
+            "P2R", "R2P", "PLOP3", "F2FP", "IDP", "IMUL", "ICMP"),
+    "mufu": ("MUFU",),
+    "convert": ("F2F", "F2I", "I2F", "FRND", "I2I", "F2IP"),
+    "shared": ("LDS", "STS", "LDSM", "STSM", "ATOMS"),
+    "global": ("LDG", "STG", "LDGSTS", "RED", "ATOM", "ATOMG", "LD", "ST", "LDL", "STL", "UTMALDG", "UTMASTG",
+               "UBLKCP", "UTMAPF", "CCTL"),
+    "shuffle": ("SHFL", "REDUX", "VOTE", "MATCH"),
+    "sync": ("BAR", "DEPBAR", "LDGDEPBAR", "MEMBAR", "FENCE", "WARPGROUP", "WARPSYNC", "SYNCS", "ARRIVES",
+             "ERRBAR", "ELECT"),
+    "control": ("BRA", "EXIT", "BSSY", "BSYNC", "RET", "CALL", "JMP", "BRX", "NOP", "YIELD", "BPT", "WARPGROUP_ARRIVE"),
+}
+OPCODE_CLASS = {op: cls for cls, ops in _CLASS_OF.items() for op in ops}
+
+_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Za-z0-9_]+)*)\s*([^;]*);")
+_FUNCTION = re.compile(r"Function\s*:\s*(\S+)")
+_GMMA_SHAPE = re.compile(r"\.(\d+)x(\d+)x(\d+)")
+
+
+@dataclass(frozen=True)
+class Instruction:
+    address: int
+    opcode: str           # "HGMMA"
+    modifiers: str        # ".64x64x16.F32.BF16"
+    operands: str
+    predicate: str = ""   # "@!P0", or "" when unconditional
+
+    @property
+    def cls(self) -> str:
+        if self.opcode.startswith("U") and self.opcode not in OPCODE_CLASS:
+            return "uniform"  # ULDC, UIADD3, UMOV ...: the uniform datapath, one issue slot
+        return OPCODE_CLASS.get(self.opcode, "other")
+
+    @property
+    def branch_target(self) -> Optional[int]:
+        if self.opcode != "BRA":
+            return None
+        m = re.search(r"0x([0-9a-f]+)", self.operands)
+        return int(m.group(1), 16) if m else None
+
+    @property
+    def access_bytes(self) -> int:
+        """Bytes per thread of a load or store: .64 / .128 suffixes, 4 without one (narrower accesses
+        take a full shared-memory wavefront too); LDSM/STSM .M88.N: N 8x8 matrices of 16-bit values."""
+        if self.opcode in ("LDSM", "STSM"):
+            x = re.search(r"\.M88\.(\d)", self.modifiers)
+            return 4 * int(x.group(1)) if x else 4
+        m = re.search(r"\.(64|128)\b", self.modifiers)
+        return int(m.group(1)) // 8 if m else 4
+
+    @property
+    def mma_flops(self) -> int:
+        """Floating-point operations of one wgmma (HGMMA mMnNkK: 2·M·N·K per warpgroup), else 0."""
+        if self.cls != "tensor":
+            return 0
+        m = _GMMA_SHAPE.search(self.modifiers)
+        if not m:
+            return 0
+        a, b, c = (int(x) for x in m.groups())
+        return 2 * a * b * c
+
+
+@dataclass
+class Function:
+    name: str
+    instructions: List[Instruction] = field(default_factory=list)
+
+    def loops(self) -> List[Tuple[int, int]]:
+        """(first index, last index) of every loop body: a branch back to an earlier address (not the
+        branch to itself that ends every kernel after its EXIT)."""
+        index = {ins.address: i for i, ins in enumerate(self.instructions)}
+        out = []
+        for i, ins in enumerate(self.instructions):
+            target = ins.branch_target
+            if target is not None and target < ins.address and target in index:
+                out.append((index[target], i))
+        return out
+
+    def main_loop(self) -> Optional[Tuple[int, int]]:
+        """The first loop with the most tensor-core instructions; without any, the largest loop.
+        None: the kernel has no loop."""
+        loops = self.loops()
+        if not loops:
+            return None
+        tensor = {span: sum(1 for ins in self.body(span) if ins.cls == "tensor") for span in loops}
+        most = max(tensor.values())
+        if most:
+            return min((span for span in loops if tensor[span] == most), key=lambda span: span[0])
+        return max(loops, key=lambda span: (span[1] - span[0], -span[0]))
+
+    def body(self, span: Optional[Tuple[int, int]]) -> List[Instruction]:
+        return self.instructions if span is None else self.instructions[span[0]:span[1] + 1]
+
+
+def parse(text: str) -> Dict[str, Function]:
+    """Functions of a ``cuobjdump -sass`` listing, by name, their instructions in address order."""
+    functions: Dict[str, Function] = {}
+    current: Optional[Function] = None
+    for line in text.splitlines():
+        m = _FUNCTION.search(line)
+        if m:
+            current = functions.setdefault(m.group(1), Function(m.group(1)))
+            continue
+        m = _LINE.search(line)
+        if m and current is not None:
+            current.instructions.append(Instruction(int(m.group(1), 16), m.group(3), m.group(4) or "",
+                                                    m.group(5).strip(), (m.group(2) or "").strip()))
+    return functions
+
+
+def class_counts(instructions: Sequence[Instruction]) -> Dict[str, int]:
+    counts = Counter(ins.cls for ins in instructions)
+    return {cls: counts.get(cls, 0) for cls in CLASSES}
+
+
+def find_cuobjdump() -> Optional[str]:
+    """cuobjdump: the one Triton's NVIDIA backend carries, else the CUDA toolkit's on PATH."""
+    try:
+        import triton
+        bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        if os.access(bundled, os.X_OK):
+            return bundled
+    except ImportError:
+        pass
+    return shutil.which("cuobjdump")
+
+
+def disassemble(cubin: bytes, tool: Optional[str] = None) -> str:
+    tool = tool or find_cuobjdump()
+    if tool is None:
+        raise RuntimeError("perf-model: no cuobjdump found (Triton's NVIDIA backend carries one; or put the CUDA "
+                           "toolkit's bin on PATH)")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        out = subprocess.run([tool, "-sass", path], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"perf-model: cuobjdump failed: {out.stderr.strip()[-300:]}")
+    return out.stdout

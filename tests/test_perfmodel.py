@@ -1,0 +1,109 @@
+"""The performance model: SASS reading pinned against a hand count, the bounds and the prediction
+computed by hand, and `bertfast perf-model` end to end (compiling offline for sm_90, no GPU)."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bertfast.perfmodel import model, sass
+from bertfast.perfmodel.hardware import H100
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "data", "bias_gelu_bwd.sm90.sass")
+
+
+@pytest.fixture(scope="module")
+def gelu_bwd():
+    with open(FIXTURE, encoding="utf-8") as f:
+        functions = sass.parse(f.read())
+    return functions["_bias_gelu_bwd_kernel"]
+
+
+def test_main_loop_matches_a_hand_count_of_its_sass(gelu_bwd):
+    """The loop over row tiles runs from 0x0430 to the backward branch at 0x1e70: 421 instructions,
+    counted by hand (sed over those addresses, opcodes tallied) from the committed listing."""
+    assert len(gelu_bwd.instructions) == 0x23F0 // 16 + 1  # every address, the NOP padding after EXIT too
+    start, end = gelu_bwd.main_loop()
+    body = gelu_bwd.body((start, end))
+    assert (body[0].address, body[-1].address) == (0x430, 0x1E70) and len(body) == 421
+    opcodes = {}
+    for ins in body:
+        opcodes[ins.opcode] = opcodes.get(ins.opcode, 0) + 1
+    assert opcodes == {"FFMA": 128, "FMUL": 112, "SHF": 34, "MUFU": 32, "IMAD": 18, "PRMT": 16, "FSETP": 16,
+                       "FADD": 16, "LEA": 12, "IADD3": 9, "F2FP": 8, "CS2R": 8, "LDG": 4, "ISETP": 3, "STG": 2,
+                       "MOV": 2, "BRA": 1}
+    counts = sass.class_counts(body)
+    assert (counts["fp32"], counts["int"], counts["mufu"], counts["global"], counts["control"]) == (272, 110, 32, 6, 1)
+    assert sum(counts.values()) == 421
+    # the forward branch over the loop and the final branch-to-self are not loops
+    assert gelu_bwd.loops() == [(start, end)]
+    assert body[-1].predicate == "@!P0" and body[-1].branch_target == 0x430
+
+
+def test_instruction_details():
+    hgmma = sass.Instruction(0, "HGMMA", ".64x64x16.F32.BF16", "R24, gdesc[UR12], RZ, !UPT")
+    assert hgmma.cls == "tensor" and hgmma.mma_flops == 2 * 64 * 64 * 16
+    assert sass.Instruction(0, "LDSM", ".16.M88.4", "").access_bytes == 16
+    assert sass.Instruction(0, "STS", ".E.BYPASS.128", "").access_bytes == 16
+    assert sass.Instruction(0, "STS", ".U16", "").access_bytes == 4
+    assert sass.Instruction(0, "UIADD3", "", "").cls == "uniform"
+    assert sass.Instruction(0, "I2FP", ".F32.U32", "").cls == "fp32"
+    assert sass.Instruction(0, "XYZZY", "", "").cls == "other"
+
+
+def test_prediction_by_hand(gelu_bwd):
+    """BERT-large's FFN backward: 16384 x 4096 elements in tiles of 4 x 1024, 8 warps, 2048 programs."""
+    tokens, ffn, tile, warps, programs = 16384, 4096, 4096, 8, 2048
+    moved = 3 * tokens * ffn * 2  # dy, x read, dx written (bf16)
+    work = model.Work(tokens * ffn / tile, tile, programs, warps, moved, registers=73)
+    p = model.predict(gelu_bwd, work, H100)
+    assert p.per_element["total"] == pytest.approx(421 * 32 * warps / tile)
+    assert p.per_element["mufu"] == pytest.approx(32 * 256 / 4096)
+    sm_clock = H100.sms * H100.clock_hz
+    rest = len(gelu_bwd.instructions) - 421
+    warp_instr = (421 * work.iterations + rest * programs) * warps
+    assert p.bounds_s["issue"] == pytest.approx(warp_instr / (4 * sm_clock))
+    assert p.bounds_s["memory"] == pytest.approx(moved / 3.0e12)
+    assert p.bounds_s["tensor"] == 0
+    # memory binds; the other two parts add a quarter of themselves; 2048 programs on 132 SMs: 15.5 -> 16
+    compute = max(p.bounds_s["issue"], p.bounds_s["pipe"])
+    efficiency = (programs / 132) / math.ceil(programs / 132)
+    assert p.binding == "memory" and p.wave_efficiency == pytest.approx(efficiency)
+    assert p.predicted_s == pytest.approx((p.bounds_s["memory"] + 0.25 * compute) / efficiency)
+    assert model.time_with_overlap(p, 0.25) == pytest.approx(p.predicted_s)
+    assert model.time_with_overlap(p, 0.0) == pytest.approx(p.bounds_s["memory"] / efficiency)
+    # 73 registers x 256 threads: 80 per thread allocated, 20,480 per program -> 3 per SM
+    assert p.resident == 3
+
+
+def test_pipe_bound_counts_each_pipe_at_its_rate(gelu_bwd):
+    work = model.Work(1000, 4096, 132, 8, 0.0)
+    p = model.predict(gelu_bwd, work, H100)
+    # per warp and iteration: fp32 272 / 4, int 110 / 2, MUFU 32 / 0.5 -> fp32 68 clocks, MUFU 64, int 55
+    sm_clock = H100.sms * H100.clock_hz
+    assert p.bounds_s["pipe"] == pytest.approx((272 / 4 * 1000 * 8 + 0) / sm_clock, rel=0.05)
+
+
+def test_perf_model_command_reads_every_kernel_and_reports_the_targets(tmp_path):
+    """`bertfast perf-model` end to end: Triton compiles every modelled kernel for sm_90 offline, the
+    attention's main-loop counts are the ones read by hand when the issue was filed (forward 32.8
+    instructions per score element with dropout, 9.2 without), and the report ends with the count."""
+    out = tmp_path / "pm.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # it compiles for the GPU
+    res = subprocess.run([sys.executable, "-m", "bertfast.cli", "perf-model", "--json", str(out), "--no-measured"],
+                         capture_output=True, text=True, timeout=900, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    last = res.stdout.strip().splitlines()[-1]
+    assert last.startswith("predicted: ") and "targets met" in last
+    data = json.loads(out.read_text())
+    names = [t["name"] for t in data["targets"]]
+    assert any(n.startswith("attention fwd+bwd") for n in names) and len(names) == 11
+    fwd = {k["setting"]: k["prediction"]["per_element"]["total"] for k in data["kernels"]
+           if k["kernel"] == "_attention_fwd_kernel"}
+    with_dropout = fwd["bert-large seq 512 batch 32 bf16 p=0.1"]
+    without = fwd["bert-large seq 512 batch 32 bf16 p=0"]
+    assert 20 < with_dropout < 60 and 5 < without < 20  # triton 3.6 and 3.9 compile slightly differently
+    assert all(k["prediction"]["predicted_s"] > 0 for k in data["kernels"])
+    assert "Predictions, not measurements" in res.stdout
