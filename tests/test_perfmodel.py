@@ -86,13 +86,37 @@ def test_pipe_bound_counts_each_pipe_at_its_rate(gelu_bwd):
     assert p.bounds_s["pipe"] == pytest.approx((272 / 4 * 1000 * 8 + 0) / sm_clock, rel=0.05)
 
 
+def test_a_profile_is_read_and_the_overlap_fitted_to_it(tmp_path, gelu_bwd):
+    from bertfast.perfmodel import report
+    from bertfast.perfmodel.hardware import H200, gpu_named
+    text = ("bert-large seq 128 batch 128, bf16 on NVIDIA H200\n\n# bertfast\nwall per step 1 ms\n\n"
+            "  ms/step  share  calls  kernel\n   35.952  25.2%    273  aten::mm\n"
+            "    2.765   1.9%     25  _bias_gelu_bwd_kernel\n\n  ms/step  calls  host op (self time)\n")
+    path = tmp_path / "profile-bertfast.txt"
+    path.write_text(text)
+    profile = report.read_profile(str(path))
+    assert profile.setting.label() == "bert-large seq 128 batch 128 bf16 p=0.1" and profile.device == "NVIDIA H200"
+    assert profile.kernels["_bias_gelu_bwd_kernel"] == (2.765, 25) and profile.kernels["aten::mm"] == (35.952, 273)
+    assert gpu_named(profile.device) is H200 and report.run_gpu(profile) is H200  # no results.json beside it
+    (tmp_path / "other.txt").write_text("fp32 tiny run\n")
+    assert report.read_profile(str(tmp_path / "other.txt")) is None
+
+    # two kernels whose measured times are exactly their predictions at overlap 0.5: the fit finds 0.5
+    work = model.Work(16384 * 4096 / 4096, 4096, 2048, 8, 3 * 16384 * 4096 * 2, registers=73)
+    p = model.predict(gelu_bwd, work, H200)
+    q = model.predict(gelu_bwd, model.Work(2000, 4096, 264, 8, 1e8), H200)
+    rows = [{"prediction": x, "measured_s": model.time_with_overlap(x, 0.5)} for x in (p, q)]
+    assert report.fit_overlap(rows) == pytest.approx(0.5)
+
+
 def test_perf_model_command_reads_every_kernel_and_reports_the_targets(tmp_path):
     """`bertfast perf-model` end to end: Triton compiles every modelled kernel for sm_90 offline, the
     attention's main-loop counts are the ones read by hand when the issue was filed (forward 32.8
-    instructions per score element with dropout, 9.2 without), and the report ends with the count."""
+    instructions per score element with dropout, 9.2 without), the committed GPU profile is set
+    beside the predictions, and the report ends with the count."""
     out = tmp_path / "pm.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # it compiles for the GPU
-    res = subprocess.run([sys.executable, "-m", "bertfast.cli", "perf-model", "--json", str(out), "--no-measured"],
+    res = subprocess.run([sys.executable, "-m", "bertfast.cli", "perf-model", "--json", str(out)],
                          capture_output=True, text=True, timeout=900, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     last = res.stdout.strip().splitlines()[-1]
@@ -107,3 +131,9 @@ def test_perf_model_command_reads_every_kernel_and_reports_the_targets(tmp_path)
     assert 20 < with_dropout < 60 and 5 < without < 20  # triton 3.6 and 3.9 compile slightly differently
     assert all(k["prediction"]["predicted_s"] > 0 for k in data["kernels"])
     assert "Predictions, not measurements" in res.stdout
+    # beside the committed H200 profile: every kernel it timed, and the overlap refitted to them
+    measured = data["measured"]
+    assert measured["profile"].endswith("profile-bertfast.txt") and measured["device"] == "NVIDIA H200"
+    assert {r["kernel"] for r in measured["rows"]} >= {"_attention_fwd_kernel", "_bias_gelu_bwd_kernel"}
+    assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in measured["rows"])
+    assert 0 < measured["overlap_fitted"] < 2

@@ -40,3 +40,11 @@ class Gpu:
 
 
 H100 = Gpu()
+# The H200: the H100's processor (the same SMs, clock and dense bf16 peak, by its datasheet) with
+# HBM3e at 4.8 TB/s; achievable: the copy measured in this project's H200 run (2026-11-26).
+H200 = Gpu(name="H200 SXM 141GB", hbm_bytes_per_s=4.8e12, achievable_hbm_bytes_per_s=4.215e12)
+
+
+def gpu_named(name: str) -> Gpu:
+    """The constants for a device name as torch reports it ('NVIDIA H200', 'NVIDIA H100 80GB HBM3')."""
+    return H200 if "H200" in name.upper() else H100

@@ -8,20 +8,19 @@ import argparse
 import glob
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from bertfast.perfmodel import kernels as K
-from bertfast.perfmodel.hardware import H100, Gpu
+from bertfast.perfmodel.hardware import H100, Gpu, gpu_named
 from bertfast.perfmodel.model import Prediction, time_with_overlap
 
 # The training shapes the targets are stated at (benchmarks/README.md): BERT-large, 16,384 tokens,
 # bf16 activations, fp32 parameters, dropout 0.1, and without dropout for the dropout's cost.
 TARGET_SETTINGS = (K.Setting("bert-large", 512, 32, 0.1), K.Setting("bert-large", 512, 32, 0.0))
-# The GPU benchmark's attention case (kernel suite: batch 32, seq 512, 12 heads of 64, no padding).
-MEASURED_SETTINGS = (K.Setting("bert-base", 512, 32, 0.1), K.Setting("bert-base", 512, 32, 0.0))
 ROW_OPS = ("bias_gelu", "bias_dropout_residual_layernorm", "embeddings")
 ATTENTION_TFLOPS_TARGET = 215.0   # benchmarks/README: FlashAttention-2's published H100 figure
 DROPOUT_COST_TARGET = 0.60        # dropout's extra main-loop instructions per element, fwd+bwd
@@ -64,9 +63,12 @@ def _config(meta: Dict[str, object]) -> str:
     return f"{blocks} w={meta.get('num_warps', '-')}"
 
 
+_COMPILED: Dict[Tuple, K.Compiled] = {}  # one compile per kernel variant and config, shared by the settings
+
+
 def analyse(settings: Sequence[K.Setting], gpu: Gpu = H100, log=print) -> List[KernelResult]:
-    """Compile, read and predict every modelled kernel launch at each setting (compiles are shared)."""
-    compiled: Dict[Tuple, K.Compiled] = {}
+    """Compile, read and predict every modelled kernel launch at each setting, for ``gpu``."""
+    compiled = _COMPILED
     results: List[KernelResult] = []
     with K.offline_triton():
         for setting in settings:
@@ -157,46 +159,81 @@ def targets(results: Sequence[KernelResult], gpu: Gpu = H100) -> List[Dict[str, 
 
 
 # --------------------------------------------------------------------------- measured runs
-def measured_attention(path: str) -> Dict[Tuple[float, str], float]:
-    """{(dropout, fwd|bwd): median seconds} of a committed GPU run's Triton varlen attention at the
-    benchmark's case (batch 32, seq 512, 12 heads of 64, no padding)."""
+@dataclass
+class Profile:
+    """A committed GPU run's profile of the pre-training step (bertfast/bench/profile.py's
+    bertfast.txt): its case, its device, and each kernel's device time per step and calls."""
+
+    path: str
+    setting: K.Setting
+    device: str
+    kernels: Dict[str, Tuple[float, int]]  # name -> (ms per step, calls per step)
+
+
+def read_profile(path: str) -> Optional[Profile]:
+    """The profile at ``path``, or None when it is not one (its first line reads "<model> seq S
+    batch B, <dtype> on <device>"; the kernel table, "ms/step share calls kernel")."""
     with open(path, encoding="utf-8") as f:
-        run = json.load(f)
-    out = {}
-    for row in run.get("rows", []):
-        case = row.get("case", {})
-        if (row.get("group") == "attention" and row.get("impl") == "bertfast:triton varlen"
-                and row.get("status") == "ok" and row.get("direction") in ("fwd", "bwd")
-                and (case.get("batch"), case.get("seqlen"), case.get("heads"), case.get("head_dim"),
-                     case.get("padding")) == (32, 512, 12, 64, "none")):
-            out[(float(case.get("dropout", 0.0)), row["direction"])] = row["time_ms"]["median"] / 1e3
-    return out
+        lines = f.read().splitlines()
+    head = re.match(r"(\S+) seq (\d+) batch (\d+), (\w+) on (.+)$", lines[0]) if lines else None
+    if head is None or head.group(4) != "bf16":
+        return None
+    kernels: Dict[str, Tuple[float, int]] = {}
+    for line in lines:
+        m = re.match(r"\s*([\d.]+)\s+[\d.]+%\s+(\d+)\s+(\S+)", line)
+        if m:
+            kernels[m.group(3)] = (float(m.group(1)), int(m.group(2)))
+    # the model suite's step: BERT's dropout 0.1
+    setting = K.Setting(head.group(1), int(head.group(2)), int(head.group(3)), 0.1)
+    return Profile(path, setting, head.group(5).strip(), kernels)
 
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks",
                        "results")
 
 
-def latest_gpu_run(root: str = RESULTS) -> Optional[str]:
-    """The newest committed GPU run (benchmarks/results/<gpu>/<date>/) that has the attention case."""
-    runs = [p for p in glob.glob(os.path.join(root, "*", "*", "results.json")) if measured_attention(p)]
-    return max(runs, key=lambda p: os.path.basename(os.path.dirname(p))) if runs else None
+def latest_profile(root: str = RESULTS) -> Optional[Profile]:
+    """The newest committed GPU run (benchmarks/results/<gpu>/<date>/) with a profile of bertfast's step."""
+    found = [read_profile(p) for p in glob.glob(os.path.join(root, "*", "*", "profile-bertfast.txt"))]
+    found = [p for p in found if p is not None and p.setting.model in ("bert-base", "bert-large")]
+    return max(found, key=lambda p: os.path.basename(os.path.dirname(p.path))) if found else None
 
 
-def fit_overlap(results: Sequence[KernelResult], measured: Dict[Tuple[float, str], float]) -> Optional[float]:
-    """The overlap constant that best fits the measured attention times (least squares: each
-    predicted time is linear in it)."""
+def run_gpu(profile: Profile) -> Gpu:
+    """The profiled GPU's constants, with the copy bandwidth its run measured when results.json has it."""
+    gpu = gpu_named(profile.device)
+    results = os.path.join(os.path.dirname(profile.path), "results.json")
+    if os.path.exists(results):
+        with open(results, encoding="utf-8") as f:
+            copy = (json.load(f).get("device") or {}).get("copy_bandwidth_gbps") or {}
+        if copy.get("median"):
+            gpu = replace(gpu, achievable_hbm_bytes_per_s=copy["median"] * 1e9)
+    return gpu
+
+
+def compare(results: Sequence[KernelResult], profile: Profile) -> List[Dict[str, object]]:
+    """Each modelled kernel the profile timed: measured and predicted microseconds per call (the
+    first launch recorded of that kernel at the profile's case: the training variant)."""
+    rows, seen = [], set()
+    for r in results:
+        if r.setting != profile.setting or r.prediction is None or r.kernel in seen or r.kernel not in profile.kernels:
+            continue
+        seen.add(r.kernel)
+        ms, calls = profile.kernels[r.kernel]
+        rows.append({"kernel": r.kernel, "measured_s": ms / 1e3 / calls, "calls": calls,
+                     "predicted_s": r.prediction.predicted_s, "prediction": r.prediction})
+    return rows
+
+
+def fit_overlap(rows: Sequence[Dict[str, object]]) -> Optional[float]:
+    """The overlap constant that best fits the measured times, relative errors weighted alike (least
+    squares on time / measured: each predicted time is linear in the constant)."""
     num = den = 0.0
-    for setting in MEASURED_SETTINGS:
-        for direction in ("fwd", "bwd"):
-            seconds = measured.get((setting.dropout, direction))
-            rows = [r for r in _of(results, setting, "attention") if r.direction() == direction]
-            if seconds is None or not rows:
-                continue
-            base = sum(time_with_overlap(r.prediction, 0.0) for r in rows)
-            slope = sum(time_with_overlap(r.prediction, 1.0) for r in rows) - base
-            num += slope * (seconds - base)
-            den += slope * slope
+    for row in rows:
+        base = time_with_overlap(row["prediction"], 0.0) / row["measured_s"]
+        slope = time_with_overlap(row["prediction"], 1.0) / row["measured_s"] - base
+        num += slope * (1.0 - base)
+        den += slope * slope
     return num / den if den else None
 
 
@@ -225,9 +262,9 @@ def parser() -> argparse.ArgumentParser:
                     "needed), against the benchmark targets; beside a committed GPU run's measurements. "
                     "Predictions, not measurements.")
     p.add_argument("--json", default=None, metavar="FILE", help="write the targets and every kernel's figures")
-    p.add_argument("--measured", default=None, metavar="RESULTS_JSON",
-                   help="a GPU run's results.json to compare with (default: the latest committed one under "
-                        "benchmarks/results/ with the attention case)")
+    p.add_argument("--profile", default=None, metavar="PROFILE_TXT",
+                   help="a GPU run's profile of the step (profile-bertfast.txt) to compare with (default: the "
+                        "latest committed under benchmarks/results/)")
     p.add_argument("--no-measured", action="store_true", help="no comparison with a GPU run (faster)")
     return p
 
@@ -239,42 +276,43 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("bertfast perf-model: no cuobjdump (Triton's NVIDIA backend carries one; or put the CUDA toolkit's "
               "bin on PATH)", file=sys.stderr)
         return 2
-    measured_path = None if args.no_measured else (args.measured or latest_gpu_run())
-    settings = list(TARGET_SETTINGS) + (list(MEASURED_SETTINGS) if measured_path else [])
-    results = analyse(settings)
+    profile = None
+    if not args.no_measured:
+        profile = read_profile(args.profile) if args.profile else latest_profile()
+        if args.profile and profile is None:
+            print(f"bertfast perf-model: {args.profile} is not a bf16 profile of the pre-training step "
+                  "(bertfast/bench/profile.py's <impl>.txt)", file=sys.stderr)
+            return 2
+    results = analyse(TARGET_SETTINGS)
     gpu = H100
     print(f"\nPredicted for an {gpu.name} ({gpu.sms} SMs at {gpu.clock_hz / 1e9:.2f} GHz, "
           f"{gpu.achievable_hbm_bytes_per_s / 1e12:.1f} TB/s achievable, overlap {gpu.overlap:g}); "
           "first autotune candidate of each kernel. Predictions, not measurements.\n")
-    print(kernel_table([r for r in results if r.setting in TARGET_SETTINGS]))
+    print(kernel_table(results))
     print()
     for setting in TARGET_SETTINGS:
         att = attention_figures(results, setting)
         print(f"attention, {setting.label()}: " + "; ".join(
             f"{d} {att[d]['seconds'] * 1e6:.0f} us, {att[d]['tflops']:.0f} TFLOP/s, "
             f"{att[d]['instructions_per_element']:.1f} instr/elem" for d in ("fwd", "bwd", "fwd+bwd")))
-    comparison = None
-    if measured_path:
-        measured = measured_attention(measured_path)
-        fitted = fit_overlap(results, measured)
-        comparison = {"run": measured_path, "overlap_fitted": fitted, "rows": []}
-        shown = os.path.relpath(measured_path, os.path.dirname(os.path.dirname(RESULTS)))
-        print(f"\nmeasured ({shown}) beside predicted, attention batch 32, seq 512, 12 heads of 64:")
-        for setting in MEASURED_SETTINGS:
-            now = attention_figures(results, setting)
-            refit = attention_figures(results, setting, overlap=fitted) if fitted is not None else None
-            for direction in ("fwd", "bwd"):
-                seconds = measured.get((setting.dropout, direction))
-                if seconds is None:
-                    continue
-                row = {"dropout": setting.dropout, "direction": direction, "measured_s": seconds,
-                       "predicted_s": now[direction]["seconds"],
-                       "refitted_s": refit[direction]["seconds"] if refit else None}
-                comparison["rows"].append(row)
-                print(f"  p={setting.dropout:g} {direction}: measured {seconds * 1e6:.0f} us, predicted "
-                      f"{row['predicted_s'] * 1e6:.0f} us (overlap {gpu.overlap:g})"
-                      + (f", {row['refitted_s'] * 1e6:.0f} us refitted (overlap {fitted:.2f})" if refit else ""))
-        print("  (the run's configs were autotuned; these predictions read the first candidate of each kernel)")
+    comparison, fitted = None, None
+    if profile is not None:
+        measured_gpu = run_gpu(profile)
+        rows = compare(analyse([profile.setting], measured_gpu, log=lambda m: None), profile)
+        fitted = fit_overlap(rows)
+        shown = os.path.relpath(profile.path, os.path.dirname(os.path.dirname(RESULTS)))
+        print(f"\nmeasured beside predicted: {shown} ({profile.setting.model} seq {profile.setting.seq} batch "
+              f"{profile.setting.batch} on {profile.device}; predicted for it at "
+              f"{measured_gpu.achievable_hbm_bytes_per_s / 1e12:.2f} TB/s), us per call:")
+        for row in rows:
+            refit = time_with_overlap(row["prediction"], fitted) if fitted is not None else None
+            print(f"  {row['kernel'].strip('_').replace('_kernel', ''):38s} measured {row['measured_s'] * 1e6:7.1f}"
+                  f"  predicted {row['predicted_s'] * 1e6:7.1f} (overlap {gpu.overlap:g})"
+                  + (f"  {refit * 1e6:7.1f} (overlap {fitted:.2f})" if refit is not None else ""))
+        print("  (the profile's kernels ran autotuned configs, on the model suite's lengths (about 96% of the "
+              "tokens real); the predictions read each kernel's first candidate at full lengths)")
+        comparison = {"profile": shown, "device": profile.device, "overlap_fitted": fitted,
+                      "rows": [{k: v for k, v in row.items() if k != "prediction"} for row in rows]}
     goals = targets(results)
     print("\ntargets (predicted):")
     for t in goals:
