@@ -109,6 +109,36 @@ def test_a_profile_is_read_and_the_overlap_fitted_to_it(tmp_path, gelu_bwd):
     assert report.fit_overlap(rows) == pytest.approx(0.5)
 
 
+def test_step_budget_counts_parameters_flops_and_a_trace(tmp_path):
+    import gzip
+
+    import bertfast
+    from bertfast.config import BertConfig
+    from bertfast.perfmodel import kernels as K
+    from bertfast.perfmodel import step
+    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64)
+    counted = sum(p.numel() for p in bertfast.BertForPreTraining(config).parameters())
+    assert step.parameters(32, 64, 2, vocab=100, positions=64) == counted
+    assert 330e6 < step.parameters(1024, 4096, 24) < 340e6  # BERT-large
+    # the linear layers of BERT-large at 16,384 tokens: 3 x 24 x 2T(4H^2 + 2HF) = 29.7 TFLOP, plus the heads
+    flops, attention = step.model_flops(K.Setting("bert-large", 128, 128, 0.1))
+    assert attention == pytest.approx(3 * 24 * 4 * 128 * 128 ** 2 * 1024)
+    assert 29.7e12 < flops - attention < 30.5e12
+
+    # a trace: two steps, kernels on two streams overlapping, a GEMM among them
+    events = [{"cat": "user_annotation", "name": "Optimizer.step#AdamW.step", "ts": 0, "dur": 1}] * 2 + [
+        {"cat": "kernel", "name": "nvjet_sm90_tst_256x128", "ts": 0, "dur": 100},
+        {"cat": "kernel", "name": "_bias_gelu_fwd_kernel", "ts": 50, "dur": 100},     # overlaps the GEMM
+        {"cat": "gpu_memset", "name": "Memset", "ts": 300, "dur": 20},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000}]                  # host: not device time
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    got = step.trace_device_time(str(path))
+    assert got == {"busy_ms": pytest.approx(170 / 2 / 1e3), "gemm_ms": pytest.approx(100 / 2 / 1e3), "steps": 2}
+
+
 def test_perf_model_command_reads_every_kernel_and_reports_the_targets(tmp_path):
     """`bertfast perf-model` end to end: Triton compiles every modelled kernel for sm_90 offline, the
     attention's main-loop counts are the ones read by hand when the issue was filed (forward 32.8
@@ -124,6 +154,10 @@ def test_perf_model_command_reads_every_kernel_and_reports_the_targets(tmp_path)
     data = json.loads(out.read_text())
     names = [t["name"] for t in data["targets"]]
     assert any(n.startswith("attention fwd+bwd") for n in names) and len(names) == 11
+    assert all(t["met"] in (True, False) and t["predicted"] > 0 for t in data["targets"])
+    phase1 = data["steps"][0]
+    assert phase1["case"].startswith("BERT-large phase 1") and 0.2 < phase1["mfu"] < 0.7
+    assert {i["name"] for i in phase1["items"]} >= {"GEMMs", "attention", "row ops", "AdamW", "launch gaps"}
     fwd = {k["setting"]: k["prediction"]["per_element"]["total"] for k in data["kernels"]
            if k["kernel"] == "_attention_fwd_kernel"}
     with_dropout = fwd["bert-large seq 512 batch 32 bf16 p=0.1"]
@@ -137,3 +171,6 @@ def test_perf_model_command_reads_every_kernel_and_reports_the_targets(tmp_path)
     assert {r["kernel"] for r in measured["rows"]} >= {"_attention_fwd_kernel", "_bias_gelu_bwd_kernel"}
     assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in measured["rows"])
     assert 0 < measured["overlap_fitted"] < 2
+    # and the step's device time from the committed trace (69.8 ms on the H200) beside its budget
+    assert measured["step"]["measured_busy_ms"] == pytest.approx(69.8, abs=0.1)
+    assert 0.5 < measured["step"]["predicted_ms"] / measured["step"]["measured_busy_ms"] < 2

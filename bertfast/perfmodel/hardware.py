@@ -22,6 +22,11 @@ class Gpu:
     # A device-to-device copy, read + write counted, on an H100 of the machines this project is lent
     # (2026-11-13, as the machines' notes record it: this project has not timed an H100 itself yet).
     achievable_hbm_bytes_per_s: float = 3.0e12
+    # cuBLAS on BERT's GEMMs: the BERT-large seq-128 step's linear layers, 28.9 TFLOP on the model
+    # suite's 15,691 real tokens, in 39.7 ms of GEMM kernels as traced in this project's H200 run
+    # (2026-11-26; the H100 has the same tensor cores).
+    gemm_flops: float = 727e12
+    launch_gap_s: float = 1.0e-6         # assumed: between back-to-back kernels on the device (a CUDA graph)
     issue_per_clock: int = 4             # warp-instructions issued per clock per SM (4 schedulers, 1 each)
     registers_per_sm: int = 65536
     shared_per_sm: int = 228 * 1024

@@ -117,7 +117,8 @@ def _embeddings_bwd(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
     return Work(elements / tile, tile, _two_per_sm(setting, launch, gpu), int(launch.meta["num_warps"]), moved)
 
 
-# kernel -> how a launch's work is counted (kernels not listed are compiled and counted, not predicted)
+# kernel -> how a launch's work is counted; the kernels not listed are not modelled yet (the embeddings'
+# table gradients, the MLM loss, LAMB): the step budget prices their work by its bytes, or not at all
 WORK: Dict[str, Callable[[Setting, Launch, Gpu], Work]] = {
     "_attention_fwd_kernel": _attention,
     "_attention_bwd_dq_kernel": _attention,

@@ -1,0 +1,155 @@
+"""The pre-training step's budget: predicted device time of one BERT training step, line by line.
+
+A step (forward, backward, fused AdamW; bf16 autocast over fp32 weights; full-length sequences, the
+BERT recipe's masked positions) is the sum of:
+
+- GEMMs: the model's linear-layer FLOPs (bertfast.flops, 3 x forward) at the GEMM rate measured
+  for BERT's GEMMs (hardware.Gpu.gemm_flops);
+- attention: every layer's forward and backward kernels, as the kernel model predicts them;
+- row ops: every layer's bias+GELU and two bias+dropout+residual+LayerNorm, forward and backward,
+  and the embeddings, as predicted;
+- memory-bound work the kernels do not cover, at the achievable bandwidth: the MLM loss over the
+  vocabulary at the masked rows, AdamW (28 bytes per parameter), autocast's weight casts (a bf16
+  copy of each fp32 weight in the forward, the fp32 gradient from the bf16 one: 12 bytes per
+  parameter), the QKV weights concatenated in every forward, the QKV bias gradient (a column sum)
+  and the two residual-gradient additions of every layer;
+- launch gaps: the step's kernels back to back on the device (as a CUDA graph replays them).
+
+Predicted device time, sequences per second and MFU (model FLOPs / time / the dense bf16 peak).
+Host time is not in it: a step launched from Python eagerly can take far longer (the GPU runs
+measured it), which `bertfast pretrain --cuda-graphs` removes.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from bertfast.perfmodel import kernels as K
+from bertfast.perfmodel.hardware import Gpu
+
+LAYERS = {"bert-base": 12, "bert-large": 24}
+VOCAB, POSITIONS, TYPES = 30522, 512, 2
+KERNELS_PER_LAYER = 36  # forward ~13 (4 GEMMs, the QKV concat, 4 weight casts, attention, 3 row ops), backward ~23
+MASKED_PER_SEQUENCE = {128: 20, 512: 80}  # the BERT recipe's max_predictions_per_seq
+
+
+@dataclass(frozen=True)
+class StepCase:
+    setting: K.Setting
+    target_mfu: float
+    name: str
+
+
+# The MFU targets (benchmarks/README): phase 1 and 2 of BERT-large, phase 1 of BERT-base, at the
+# benchmark's batches; dropout 0.1.
+STEP_CASES = (StepCase(K.Setting("bert-large", 128, 128, 0.1), 0.50, "BERT-large phase 1 step (seq 128, batch 128)"),
+              StepCase(K.Setting("bert-large", 512, 32, 0.1), 0.45, "BERT-large phase 2 step (seq 512, batch 32)"),
+              StepCase(K.Setting("bert-base", 128, 128, 0.1), 0.50, "BERT-base phase 1 step (seq 128, batch 128)"))
+
+
+def parameters(hidden: int, ffn: int, layers: int, vocab: int = VOCAB, positions: int = POSITIONS) -> int:
+    """BertForPreTraining's parameters (the decoder weight tied to the word embeddings)."""
+    per_layer = 4 * hidden * hidden + 4 * hidden + 2 * hidden * ffn + ffn + hidden + 4 * hidden
+    embeddings = (vocab + positions + TYPES) * hidden + 2 * hidden
+    heads = hidden * hidden + hidden + hidden * hidden + 3 * hidden + vocab + 2 * hidden + 2
+    return layers * per_layer + embeddings + heads
+
+
+def model_flops(setting: K.Setting) -> Tuple[float, float]:
+    """(step FLOPs, of which attention) as bertfast.flops counts them, full-length sequences."""
+    from bertfast.config import BertConfig
+    from bertfast.flops import bert_forward_flops_from_counts, training_step_flops
+    config = BertConfig.preset(setting.model)
+    masked = setting.batch * MASKED_PER_SEQUENCE.get(setting.seq, math.ceil(0.15 * setting.seq))
+    forward = bert_forward_flops_from_counts(config, setting.tokens, setting.batch * setting.seq ** 2, setting.batch,
+                                             "pretraining", masked)
+    attention = config.num_hidden_layers * 4.0 * setting.batch * setting.seq ** 2 * config.hidden_size
+    return training_step_flops(forward), training_step_flops(attention)
+
+
+def _predicted(results, setting: K.Setting, kernel: str, variant_has: str = "") -> float:
+    """The first recorded launch of ``kernel`` at ``setting`` (whose variant contains ``variant_has``)."""
+    for r in results:
+        if r.setting == setting and r.kernel == kernel and r.prediction is not None and variant_has in r.variant:
+            return r.prediction.predicted_s
+    raise KeyError(f"perf-model: no prediction of {kernel} at {setting.label()}")
+
+
+def budget(results, case: StepCase, gpu: Gpu) -> Dict[str, object]:
+    """The step's line items (seconds), its predicted time, sequences per second and MFU on ``gpu``."""
+    from bertfast.gpucheck.compile_report import MODELS
+    s = case.setting
+    hidden, _, ffn = MODELS[s.model]
+    layers = LAYERS[s.model]
+    tokens = s.tokens
+    masked = s.batch * MASKED_PER_SEQUENCE.get(s.seq, math.ceil(0.15 * s.seq))
+    params = parameters(hidden, ffn, layers)
+    flops, attention_flops = model_flops(s)
+    bw = gpu.achievable_hbm_bytes_per_s
+    full = "HAS_BIAS=1"
+    attention = sum(_predicted(results, s, k) for k in ("_attention_fwd_kernel", "_attention_bwd_delta_kernel",
+                                                         "_attention_bwd_dq_kernel", "_attention_bwd_dkdv_kernel"))
+    rows = (_predicted(results, s, "_bias_gelu_fwd_kernel") + _predicted(results, s, "_bias_gelu_bwd_kernel")
+            + 2 * _predicted(results, s, "_bias_dropout_residual_layernorm_fwd_kernel", full)
+            + 2 * _predicted(results, s, "_bias_dropout_residual_layernorm_bwd_kernel", full))
+    embeddings = _predicted(results, s, "_embeddings_fwd_kernel") + _predicted(results, s, "_embeddings_bwd_kernel")
+    items = [
+        ("GEMMs", (flops - attention_flops) / gpu.gemm_flops,
+         f"{(flops - attention_flops) / 1e12:.1f} TFLOP at {gpu.gemm_flops / 1e12:.0f} TFLOP/s"),
+        ("attention", layers * attention, f"{layers} x {attention * 1e6:.0f} us (forward, delta, dQ, dK/dV)"),
+        ("row ops", layers * rows + embeddings,
+         f"{layers} x {rows * 1e6:.0f} us (bias+GELU, 2 x residual LayerNorm, fwd+bwd) + embeddings "
+         f"{embeddings * 1e6:.0f} us"),
+        ("MLM loss", 4.0 * masked * VOCAB / bw, f"{masked} rows x {VOCAB} logits, read and gradient written (bf16)"),
+        ("AdamW", 28.0 * params / bw, f"{params / 1e6:.0f}M parameters x 28 bytes"),
+        ("weight casts", 12.0 * params / bw, "bf16 copies of the fp32 weights, fp32 gradients from bf16: 12 B each"),
+        ("QKV concat", layers * 3 * hidden * hidden * 8.0 / bw, "the three fp32 QKV weights copied every forward"),
+        ("other elementwise", layers * tokens * (3 * hidden * 2.0 + 2 * hidden * 6.0) / bw,
+         "QKV bias gradient (column sum), two residual-gradient additions per layer"),
+        ("launch gaps", (layers * KERNELS_PER_LAYER + 20) * gpu.launch_gap_s,
+         f"~{layers * KERNELS_PER_LAYER + 20} kernels x {gpu.launch_gap_s * 1e6:.1f} us"),
+    ]
+    seconds = sum(t for _, t, _ in items)
+    return {"case": case.name, "setting": s.label(), "items": [{"name": n, "seconds": t, "how": how}
+                                                              for n, t, how in items],
+            "seconds": seconds, "sequences_per_s": s.batch / seconds, "model_flops": flops,
+            "mfu": flops / seconds / gpu.dense_bf16_flops, "target_mfu": case.target_mfu}
+
+
+# --------------------------------------------------------------------------- a GPU run's trace
+GEMM_NAMES = ("nvjet", "gemm", "cutlass", "xmma", "sm90_", "sm80_")
+
+
+def trace_device_time(path: str) -> Optional[Dict[str, float]]:
+    """{busy, gemm} milliseconds per step from a committed chrome trace of bertfast's step (the
+    union of the device's kernel, copy and fill spans; GEMMs: cuBLAS's kernels by name), the steps
+    counted by their optimizer calls. None when the trace has no device events."""
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    if not device:
+        return None
+    steps = sum(1 for e in events if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(
+        "Optimizer.step"))
+    steps = max(1, steps)
+
+    def union(spans: List[Tuple[float, float]]) -> float:
+        total, end = 0.0, float("-inf")
+        for start, stop in sorted(spans):
+            if stop > end:
+                total += stop - max(start, end)
+                end = stop
+        return total
+
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in device]
+    gemm = [(e["ts"], e["ts"] + e["dur"]) for e in device
+            if e.get("cat") == "kernel" and any(n in e["name"].lower() for n in GEMM_NAMES)]
+    return {"busy_ms": union(spans) / steps / 1e3, "gemm_ms": union(gemm) / steps / 1e3, "steps": steps}
+
+
+def settings_for(cases: Sequence[StepCase]) -> List[K.Setting]:
+    return [c.setting for c in cases]
