@@ -15,8 +15,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from bertfast.perfmodel.hardware import H100, Gpu
-from bertfast.perfmodel.model import Prediction, Work, predict
+from bertfast.perfmodel.hardware import Gpu
+from bertfast.perfmodel.model import Work
 from bertfast.perfmodel.sass import Function, disassemble, parse
 
 HEAD_DIM = 64
@@ -173,15 +173,6 @@ def compile_launch(launch: Launch) -> Compiled:
     function = functions.get(launch.kernel) or next(iter(functions.values()))
     registers = parse_ptxas(log.getvalue()).get(launch.kernel, {}).get("registers")
     return Compiled(launch, function, registers, int(getattr(kernel.metadata, "shared", 0)))
-
-
-def predict_launch(setting: Setting, compiled: Compiled, gpu: Gpu = H100) -> Optional[Prediction]:
-    rule = WORK.get(compiled.launch.kernel)
-    if rule is None:
-        return None
-    work = rule(setting, compiled.launch, gpu)
-    work.registers, work.shared_bytes = compiled.registers, compiled.shared_bytes
-    return predict(compiled.function, work, gpu)
 
 
 @contextlib.contextmanager

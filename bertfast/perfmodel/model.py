@@ -3,15 +3,15 @@
 The main loop's instructions (sass.Function.main_loop) run once per tile of work: ``iterations``
 tiles of ``tile_elements`` elements each, over the whole launch; the instructions outside it run
 once per program. Every warp of a program runs the same instructions, so a launch issues
-``instructions x warps`` warp-instructions. Five bounds, each the time the launch would take if
-only that resource limited it:
+``instructions x warps`` warp-instructions. Four bounds, each the time the launch would take if
+only that resource limited it, and the waves:
 
 - tensor: the wgmma FLOPs (one HGMMA per warpgroup of 4 warps) at the dense bf16 peak;
 - issue: warp-instructions at ``issue_per_clock`` per SM;
 - pipe: the busiest execution pipe (fp32, int, MUFU, conversions, shuffles at their rates; shared
   memory at 128 bytes per clock);
 - memory: the launch's HBM bytes at the achievable bandwidth;
-- and the waves: P programs spread over the SMs give some SMs ceil(P / SMs) programs and others
+- waves: P programs spread over the SMs give some SMs ceil(P / SMs) programs and others
   one fewer, so the launch lasts as long as the busiest SM (the bounds are divided by that
   efficiency, (P / SMs) / ceil(P / SMs)). Programs resident per SM (registers, shared memory,
   warps) are reported: one program of 4 warps per SM hides latency poorly, which this model does

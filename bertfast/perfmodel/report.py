@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from bertfast.perfmodel import kernels as K
 from bertfast.perfmodel import step as S
 from bertfast.perfmodel.hardware import H100, Gpu, gpu_named
-from bertfast.perfmodel.model import Prediction, time_with_overlap
+from bertfast.perfmodel.model import Prediction, predict, time_with_overlap
 
 # The training shapes the targets are stated at (benchmarks/README.md): BERT-large, 16,384 tokens,
 # bf16 activations, fp32 parameters, dropout 0.1, and without dropout for the dropout's cost.
@@ -82,9 +82,10 @@ def analyse(settings: Sequence[K.Setting], gpu: Gpu = H100, log=print) -> List[K
                        tuple(str(getattr(a, "dtype", "")) for a in launch.args))
                 if key not in compiled:
                     compiled[key] = K.compile_launch(launch)
-                done = replace(compiled[key], launch=launch)
-                prediction = K.predict_launch(setting, done, gpu)
+                done = compiled[key]
                 work = K.WORK[launch.kernel](setting, launch, gpu)
+                work.registers, work.shared_bytes = done.registers, done.shared_bytes
+                prediction = predict(done.function, work, gpu)
                 results.append(KernelResult(setting, launch.op, launch.kernel, _variant(launch.meta),
                                             _config(launch.meta), done.registers, work.hbm_bytes, prediction))
             log(f"[perf-model] {setting.label()}: {len(launches)} launches read in "
@@ -97,8 +98,7 @@ def _of(results: Sequence[KernelResult], setting: K.Setting, op: str) -> List[Ke
     return [r for r in results if r.setting == setting and r.op == op and r.prediction is not None]
 
 
-def attention_figures(results: Sequence[KernelResult], setting: K.Setting, overlap: Optional[float] = None,
-                      gpu: Gpu = H100) -> Dict[str, Dict[str, float]]:
+def attention_figures(results: Sequence[KernelResult], setting: K.Setting) -> Dict[str, Dict[str, float]]:
     """{fwd, bwd, fwd+bwd: {seconds, tflops, instructions_per_element}} of the attention at ``setting``."""
     from bertfast.gpucheck.compile_report import MODELS
     heads = MODELS[setting.model][0] // K.HEAD_DIM
@@ -106,8 +106,7 @@ def attention_figures(results: Sequence[KernelResult], setting: K.Setting, overl
     out: Dict[str, Dict[str, float]] = {}
     for direction in ("fwd", "bwd"):
         rows = [r for r in _of(results, setting, "attention") if r.direction() == direction]
-        seconds = sum(r.prediction.predicted_s if overlap is None else time_with_overlap(r.prediction, overlap)
-                      for r in rows)
+        seconds = sum(r.prediction.predicted_s for r in rows)
         per_element = sum(r.prediction.per_element["total"] for r in rows if r.prediction.loop)
         out[direction] = {"seconds": seconds, "tflops": CREDITED[direction] * scores / seconds / 1e12,
                           "instructions_per_element": per_element}
@@ -138,8 +137,8 @@ def row_op_figures(results: Sequence[KernelResult], setting: K.Setting, gpu: Gpu
 def targets(results: Sequence[KernelResult], gpu: Gpu = H100) -> List[Dict[str, object]]:
     """The benchmark targets the prediction is held to: name, predicted, target, unit, met."""
     with_dropout, without = TARGET_SETTINGS
-    att = attention_figures(results, with_dropout, gpu=gpu)
-    plain = attention_figures(results, without, gpu=gpu)
+    att = attention_figures(results, with_dropout)
+    plain = attention_figures(results, without)
     cost = att["fwd+bwd"]["instructions_per_element"] / plain["fwd+bwd"]["instructions_per_element"] - 1
     out = [{"name": "attention fwd+bwd, head dim 64, seq 512, dropout 0.1 (BERT-large)",
             "predicted": att["fwd+bwd"]["tflops"], "target": ATTENTION_TFLOPS_TARGET, "unit": "TFLOP/s",
