@@ -20,7 +20,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=["bertfast", "bertfast.ops", "bertfast.cuda", "bertfast.kernels", "bertfast.data", "bertfast.bench",
-              "bertfast.gpucheck", "bertfast.training"],
+              "bertfast.gpucheck", "bertfast.perfmodel", "bertfast.training"],
     package_dir={"bertfast": "bertfast", "bertfast.kernels": "kernels"},
     package_data={"bertfast.data": ["*.txt"], "bertfast.gpucheck": ["measured.json"]},
     install_requires=[
