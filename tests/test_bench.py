@@ -824,6 +824,6 @@ def test_profile_writes_where_a_steps_time_goes(tmp_path):
 
 def test_profile_counts_overlapping_kernels_once():
     """The device's busy time is the union of its kernels' spans (streams overlap), not their sum."""
-    from bertfast.bench.profile import _union_us
-    assert _union_us([(20, 25), (0, 10), (5, 15), (6, 7)]) == 20
-    assert _union_us([]) == 0
+    from bertfast.bench.profile import covered_time
+    assert covered_time([(20, 25), (0, 10), (5, 15), (6, 7)]) == 20
+    assert covered_time([]) == 0

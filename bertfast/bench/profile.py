@@ -103,15 +103,16 @@ def profile_step(step: Callable[[], None], device: torch.device, warmup: int, st
                    if not _on_device(e)), key=lambda k: -k[1])
     spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if _on_device(e)]
     return {"wall_ms": wall * 1e3, "device_ms": sum(k[1] for k in kernels), "kernels": kernels, "host": host,
-            "launches": sum(k[2] for k in kernels), "busy_ms": _union_us(spans) / steps / 1e3}
+            "launches": sum(k[2] for k in kernels), "busy_ms": covered_time(spans) / steps / 1e3}
 
 
 def _on_device(event) -> bool:
     return event.device_type != torch.autograd.DeviceType.CPU
 
 
-def _union_us(spans: List[Tuple[float, float]]) -> float:
-    """The time covered by at least one of the spans (kernels on several streams overlap)."""
+def covered_time(spans: List[Tuple[float, float]]) -> float:
+    """The time covered by at least one of the (start, end) spans, in their unit (kernels on several
+    streams overlap); the perf model reads committed traces with it too."""
     total, end = 0.0, float("-inf")
     for start, stop in sorted(spans):
         if stop > end:

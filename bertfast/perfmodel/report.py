@@ -282,7 +282,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"bertfast perf-model: {args.profile} is not a bf16 profile of the pre-training step "
                   "(bertfast/bench/profile.py's <impl>.txt)", file=sys.stderr)
             return 2
-    settings = list(TARGET_SETTINGS) + [s for s in S.settings_for(S.STEP_CASES) if s not in TARGET_SETTINGS]
+    settings = list(TARGET_SETTINGS) + [c.setting for c in S.STEP_CASES if c.setting not in TARGET_SETTINGS]
     results = analyse(settings)
     gpu = H100
     print(f"\nPredicted for an {gpu.name} ({gpu.sms} SMs at {gpu.clock_hz / 1e9:.2f} GHz, "

@@ -25,7 +25,7 @@ import gzip
 import json
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Tuple
 
 from bertfast.perfmodel import kernels as K
 from bertfast.perfmodel.hardware import Gpu
@@ -127,6 +127,7 @@ def trace_device_time(path: str) -> Optional[Dict[str, float]]:
     """{busy, gemm} milliseconds per step from a committed chrome trace of bertfast's step (the
     union of the device's kernel, copy and fill spans; GEMMs: cuBLAS's kernels by name), the steps
     counted by their optimizer calls. None when the trace has no device events."""
+    from bertfast.bench.profile import covered_time
     with gzip.open(path, "rt", encoding="utf-8") as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -137,19 +138,8 @@ def trace_device_time(path: str) -> Optional[Dict[str, float]]:
         "Optimizer.step"))
     steps = max(1, steps)
 
-    def union(spans: List[Tuple[float, float]]) -> float:
-        total, end = 0.0, float("-inf")
-        for start, stop in sorted(spans):
-            if stop > end:
-                total += stop - max(start, end)
-                end = stop
-        return total
-
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in device]
     gemm = [(e["ts"], e["ts"] + e["dur"]) for e in device
             if e.get("cat") == "kernel" and any(n in e["name"].lower() for n in GEMM_NAMES)]
-    return {"busy_ms": union(spans) / steps / 1e3, "gemm_ms": union(gemm) / steps / 1e3, "steps": steps}
-
-
-def settings_for(cases: Sequence[StepCase]) -> List[K.Setting]:
-    return [c.setting for c in cases]
+    return {"busy_ms": covered_time(spans) / steps / 1e3, "gemm_ms": covered_time(gemm) / steps / 1e3,
+            "steps": steps}
