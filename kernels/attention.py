@@ -40,14 +40,20 @@ Math, per sequence b and head h (i: query row, j: key column, both < len_b):
   dK, dV. Every output element is written by exactly one program (no atomics), so results are
   deterministic for a fixed launch configuration.
 
-Dropout: keep_ij = (u >= p) where u in [0, 1) comes from Philox (tl.randint4x) keyed by
-(seed, b * A + h) -- the seed in the key's low word, the (batch, head) stream in its high
-word -- at counter i * 2**14 + j // 4; one Philox call yields the four uniforms of columns
-4c .. 4c+3. The mask is a pure function of (seed, b, h, i, j): forward, both backward kernels
-and the debug entry points regenerate the same mask whatever their block sizes, nothing is
-stored, and the seed is read from a device tensor so the kernels can live in a CUDA graph.
-The varlen and padded forms of one batch draw the same mask (sequence b of the varlen batch
-is batch row b of the padded one).
+Dropout: keep_ij = (u >= p), u in [0, 1) in steps of 2**-16, from Philox4x32-7 (tl.randint4x,
+N_ROUNDS) keyed by (seed, b * A + h) -- the seed in the key's low word, the (batch, head) stream in
+its high word. One Philox call makes 8 keep decisions, a 16-bit half of each of its 4 words compared
+as an integer (bits >= ceil(p * 2**16), no float per element): group g of row i, at counter
+i * 2**13 + g, holds the columns 32m + 8w + 2q + e of g = 4m + q, decision 2w + e from half e of
+word w. That grouping is the layout of a score tile in registers (each thread holds column pairs
+8 apart), so a group's 8 columns land in one thread and the mask is only reshaped, never moved
+between threads. 7 rounds, as FlashAttention-2 draws its dropout: the fewest with which Philox4x32
+passes TestU01's BigCrush (Salmon et al., SC'11; 10 is their margin for general use). The mask is
+a pure function of (seed, b, h, i, j): forward, both backward kernels and the debug entry points
+regenerate the same mask whatever their block sizes, nothing is stored, and the seed is read from a
+device tensor so the kernels can live in a CUDA graph. The varlen and padded forms of one batch
+draw the same mask (sequence b of the varlen batch is batch row b of the padded one). The keep rate
+is 1 - p to within 2**-16, the scale exactly 1 / (1 - p).
 
 Layouts: varlen q, k, v, out, dout [T, A, D] (sequence b is rows cu_seqlens[b]:cu_seqlens[b+1]);
 padded [B, S, A, D]. Row and head strides are honoured (packed qkv views work); the last dim
@@ -81,27 +87,64 @@ from bertfast.contract import (check_cu_seqlens, check_dropout, check_head_dim, 
 from ._common import autotune, interpreting, launch
 
 _LOG2E = 1.4426950408889634
+N_ROUNDS = tl.constexpr(7)  # Philox rounds of the dropout mask (header)
 
 
 # =========================================================================== jit helpers
 @triton.jit
-def _keep_bits(r, dropout_p):
-    """uint32 Philox output -> int8 keep flag: uniform u = (low 24 bits) / 2**24 in [0, 1), keep u >= p."""
-    u = (r.to(tl.int32, bitcast=True) & 0xFFFFFF).to(tl.float32) * (1.0 / 16777216.0)
-    return (u >= dropout_p).to(tl.int8)
+def _keep_threshold(dropout_p):
+    """keep u >= p for u = bits / 2**16  <=>  bits >= ceil(p * 2**16) (uint32)."""
+    return tl.ceil(dropout_p * 65536.0).to(tl.uint32)
 
 
 @triton.jit
-def _dropout_keep(seed_bh, offs_m, start_n, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] int8 keep flags (1 = kept) of rows offs_m, columns start_n + n."""
-    groups = start_n // 4 + tl.arange(0, BLOCK_N // 4)
-    counter = offs_m[:, None] * 16384 + groups[None, :]  # int32 [BM, BN/4]; 2**14 groups per row
-    r0, r1, r2, r3 = tl.randint4x(seed_bh, counter)
-    # Interleave the four streams along the columns, [BM, BN/4, 2, 2] -> [BM, BN]: column 4c+t
-    # takes stream (0, 2, 1, 3)[t]. Joined as int8 so the layout change moves 1 byte per element.
-    k01 = tl.join(_keep_bits(r0, dropout_p), _keep_bits(r1, dropout_p))
-    k23 = tl.join(_keep_bits(r2, dropout_p), _keep_bits(r3, dropout_p))
-    return tl.reshape(tl.join(k01, k23), (BLOCK_M, BLOCK_N))
+def _groups(start_n, BLOCK_N: tl.constexpr):
+    """The Philox groups of a row that columns start_n .. start_n + BLOCK_N - 1 fall in: 4 per 32
+    columns; a 16-column tile takes the 4 groups of its 32-column block."""
+    tl.static_assert(BLOCK_N % 16 == 0)
+    if BLOCK_N >= 32:
+        groups = (start_n // 32) * 4 + tl.arange(0, BLOCK_N // 8)
+    else:
+        groups = (start_n // 32) * 4 + tl.arange(0, 4)
+    return groups
+
+
+@triton.jit
+def _philox_bits(seed_bh, offs_m, start_n, threshold, BLOCK_N: tl.constexpr):
+    """The 8 keep decisions of each group of _groups (header), as 8 bool [BM, G] tensors: bit 2w + e
+    is half e of Philox word w."""
+    counter = offs_m[:, None] * 8192 + _groups(start_n, BLOCK_N)[None, :]  # 2**13 groups per row
+    r0, r1, r2, r3 = tl.randint4x(seed_bh, counter, N_ROUNDS)
+    hi = (threshold << 16) - 1  # r >> 16 >= t  <=>  r > (t << 16) - 1 (uint32; t = 2**16 wraps: none kept)
+    return ((r0 & 0xFFFF) >= threshold, r0 > hi, (r1 & 0xFFFF) >= threshold, r1 > hi,
+            (r2 & 0xFFFF) >= threshold, r2 > hi, (r3 & 0xFFFF) >= threshold, r3 > hi)
+
+
+@triton.jit
+def _keep_tile(b0, b1, b2, b3, b4, b5, b6, b7, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] keep flags from the groups' decisions (_philox_bits): column
+    32m + 8w + 2q + e of the tile is decision 2w + e of group 4m + q. The tensors are only joined and
+    reshaped, never moved between threads: in the layout of the score tile (each thread holds pairs of
+    columns 8 apart) a group's 8 columns sit in one thread."""
+    if BLOCK_N >= 32:
+        NB: tl.constexpr = BLOCK_N // 32
+        keep = tl.join(tl.join(tl.join(b0, b1), tl.join(b2, b3)),
+                       tl.join(tl.join(b4, b5), tl.join(b6, b7)))                 # [BM, 4NB, e, w0, w1]
+        keep = tl.permute(tl.reshape(keep, (BLOCK_M, NB, 4, 2, 2, 2)), (0, 1, 5, 4, 2, 3))  # [BM, m, w1, w0, q, e]
+    else:
+        # A 16-column tile is half a 32-column block: words 0, 1 (first half) or 2, 3 (second).
+        second = (start_n % 32) != 0
+        keep = tl.join(tl.join(tl.where(second, b4, b0), tl.where(second, b5, b1)),
+                       tl.join(tl.where(second, b6, b2), tl.where(second, b7, b3)))  # [BM, 4, e, w0]
+        keep = tl.permute(keep, (0, 3, 1, 2))                                          # [BM, w0, q, e]
+    return tl.reshape(keep, (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
+def _dropout_keep(seed_bh, offs_m, start_n, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] keep flags (True = kept) of rows offs_m, columns start_n + n."""
+    b0, b1, b2, b3, b4, b5, b6, b7 = _philox_bits(seed_bh, offs_m, start_n, threshold, BLOCK_N)
+    return _keep_tile(b0, b1, b2, b3, b4, b5, b6, b7, start_n, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -158,7 +201,7 @@ def _rng_key(SEED, b, h, num_heads, HAS_DROPOUT: tl.constexpr):
 # =========================================================================== forward
 @triton.jit
 def _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len, offs_m, offs_n,
-               stride_ks, stride_vs, stride_ms, qk_scale, seed_bh, dropout_p,
+               stride_ks, stride_vs, stride_ms, qk_scale, seed_bh, threshold,
                MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -187,7 +230,7 @@ def _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len, o
     if HAS_DROPOUT:
         # l_i sums the undropped probabilities; only the product with V sees the 0/1 mask
         # (the 1 / (1 - p) is applied once, at the end).
-        p = tl.where(_dropout_keep(seed_bh, offs_m, start_n, dropout_p, BLOCK_M, BLOCK_N) != 0, p, 0.0)
+        p = tl.where(_dropout_keep(seed_bh, offs_m, start_n, threshold, BLOCK_M, BLOCK_N), p, 0.0)
     v = _load_tile(v_ptrs + start_n * stride_vs, key_ok, MASKED, HEAD_DIM, BLOCK_D)
     if UPCAST:
         v = v.to(tl.float32)
@@ -242,6 +285,7 @@ def _attention_fwd_kernel(
     kmask_ptrs = KEY_MASK + b64 * stride_mb
 
     seed_bh = _rng_key(SEED, b, h, num_heads, HAS_DROPOUT)
+    threshold = _keep_threshold(dropout_p)
     inv_keep = 1.0 / (1.0 - dropout_p)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -255,12 +299,12 @@ def _attention_fwd_kernel(
     for start_n in range(0, n_full, BLOCK_N):
         acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len,
                                    offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale,
-                                   seed_bh, dropout_p, False, HAS_KEY_MASK, HAS_DROPOUT,
+                                   seed_bh, threshold, False, HAS_KEY_MASK, HAS_DROPOUT,
                                    UPCAST, DOT_PREC, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
     for start_n in range(n_full, seq_len, BLOCK_N):
         acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len,
                                    offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale,
-                                   seed_bh, dropout_p, True, HAS_KEY_MASK, HAS_DROPOUT,
+                                   seed_bh, threshold, True, HAS_KEY_MASK, HAS_DROPOUT,
                                    UPCAST, DOT_PREC, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
 
     empty = l_i == 0.0  # no valid key: out 0, lse +inf (backward then sees P = 0)
@@ -312,11 +356,15 @@ def _attention_bwd_delta_kernel(
 
 @triton.jit
 def _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, start_n, seq_len,
-                  stride_qs, stride_dos, qk_scale, seed_bh, dropout_p, inv_keep,
+                  stride_qs, stride_dos, qk_scale, seed_bh, threshold, inv_keep,
                   MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
-                  DOT_PREC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dK, dV contributions of one query block, in the transposed [keys, queries] orientation.
+                  DOT_PREC: tl.constexpr, QUERY_MAJOR: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dK, dV contributions of one query block. QUERY_MAJOR: scores in the forward's [queries, keys]
+    orientation, so the dropout mask is made in the register layout it has there (_keep_tile), and
+    dV, dK take the transposed P and dS from shared memory; else in [keys, queries], the products'
+    own orientation, with the mask transposed through shared memory. A launch config picks (the
+    first suits wgmma tiles, the second fp32 and the largest head dims, where the first spills).
 
     Keys are not masked here: a padded or out-of-range key only pollutes its own dK/dV row,
     which the caller zeroes or skips. Out-of-range queries load q = dO = 0, lse = delta = 0,
@@ -335,18 +383,32 @@ def _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, st
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)  # [BN, BM]
-    p_t = tl.exp2(s_t * qk_scale - (lse * 1.4426950408889634)[None, :])
-    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # [BN, BM]
-    if HAS_DROPOUT:
-        keep_t = tl.trans(_dropout_keep(seed_bh, offs_m, start_n, dropout_p, BLOCK_M, BLOCK_N)) != 0
-        pz_t = tl.where(keep_t, p_t * inv_keep, 0.0)
-        dp_t = tl.where(keep_t, dp_t * inv_keep, 0.0)
+    # With dropout, P Z = keep P / (1 - p): the caller scales dV by inv_keep once, at the end, and
+    # dS takes it in the FMA that subtracts delta.
+    if QUERY_MAJOR:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BM, BN]
+        p = tl.exp2(s * qk_scale - (lse * 1.4426950408889634)[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # [BM, BN]
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed_bh, offs_m, start_n, threshold, BLOCK_M, BLOCK_N)
+            dv = tl.dot(tl.trans(tl.where(keep, p, 0.0).to(do.dtype)), do, dv, input_precision=DOT_PREC)
+            ds = p * (tl.where(keep, dp, 0.0) * inv_keep - delta[:, None])
+        else:
+            dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PREC)
+            ds = p * (dp - delta[:, None])
+        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PREC)
     else:
-        pz_t = p_t
-    dv = tl.dot(pz_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
-    ds_t = p_t * (dp_t - delta[None, :])
-    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)  # [BN, BM]
+        p_t = tl.exp2(s_t * qk_scale - (lse * 1.4426950408889634)[None, :])
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # [BN, BM]
+        if HAS_DROPOUT:
+            keep_t = tl.trans(_dropout_keep(seed_bh, offs_m, start_n, threshold, BLOCK_M, BLOCK_N))
+            dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv, input_precision=DOT_PREC)
+            ds_t = p_t * (tl.where(keep_t, dp_t, 0.0) * inv_keep - delta[None, :])
+        else:
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+            ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
     return dk, dv
 
 
@@ -374,7 +436,7 @@ def _attention_bwd_dkdv_kernel(
     seqlen, num_heads, softmax_scale, qk_scale, dropout_p, seqlen_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUERY_MAJOR: tl.constexpr,
 ):
     """One program per (key block, head, sequence): dK, dV of BLOCK_N keys over all queries."""
     pid_n = tl.program_id(0)
@@ -406,20 +468,21 @@ def _attention_bwd_dkdv_kernel(
     delta_ptr = DELTA + b64 * stride_lb + h64 * stride_lh + seq_start
 
     seed_bh = _rng_key(SEED, b, h, num_heads, HAS_DROPOUT)
+    threshold = _keep_threshold(dropout_p)
     inv_keep = 1.0 / (1.0 - dropout_p)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     m_full = (seq_len // BLOCK_M) * BLOCK_M
     for start_m in range(0, m_full, BLOCK_M):
         dk, dv = _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, start_n,
-                               seq_len, stride_qs, stride_dos, qk_scale, seed_bh, dropout_p,
-                               inv_keep, False, HAS_DROPOUT, UPCAST, DOT_PREC, HEAD_DIM, BLOCK_D,
-                               BLOCK_M, BLOCK_N)
+                               seq_len, stride_qs, stride_dos, qk_scale, seed_bh, threshold,
+                               inv_keep, False, HAS_DROPOUT, UPCAST, DOT_PREC, QUERY_MAJOR, HEAD_DIM,
+                               BLOCK_D, BLOCK_M, BLOCK_N)
     for start_m in range(m_full, seq_len, BLOCK_M):
         dk, dv = _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, start_n,
-                               seq_len, stride_qs, stride_dos, qk_scale, seed_bh, dropout_p,
-                               inv_keep, True, HAS_DROPOUT, UPCAST, DOT_PREC, HEAD_DIM, BLOCK_D,
-                               BLOCK_M, BLOCK_N)
+                               seq_len, stride_qs, stride_dos, qk_scale, seed_bh, threshold,
+                               inv_keep, True, HAS_DROPOUT, UPCAST, DOT_PREC, QUERY_MAJOR, HEAD_DIM,
+                               BLOCK_D, BLOCK_M, BLOCK_N)
 
     key_ok = key_in
     if HAS_KEY_MASK:
@@ -427,6 +490,8 @@ def _attention_bwd_dkdv_kernel(
                                    mask=key_in, other=0) != 0)
     # Padding keys got garbage from the unmasked recomputation above: their gradient is 0.
     dk = tl.where(key_ok[:, None], dk * softmax_scale, 0.0)
+    if HAS_DROPOUT:
+        dv = dv * inv_keep
     dv = tl.where(key_ok[:, None], dv, 0.0)
     _store_tile(DK + b64 * stride_dkb + seq_start * stride_dks + h64 * stride_dkh
                 + offs_n[:, None] * stride_dks + offs_d[None, :],
@@ -438,7 +503,7 @@ def _attention_bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_q_block(dq, pk, resid, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len,
-                 offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale, seed_bh, dropout_p,
+                 offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale, seed_bh, threshold,
                  inv_keep, MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
                  HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
                  REFINE_DELTA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -460,9 +525,10 @@ def _bwd_q_block(dq, pk, resid, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, 
         p = tl.where(key_ok[None, :], p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # [BM, BN]
     if HAS_DROPOUT:
-        keep = _dropout_keep(seed_bh, offs_m, start_n, dropout_p, BLOCK_M, BLOCK_N) != 0
-        dp = tl.where(keep, dp * inv_keep, 0.0)
-    ds = p * (dp - delta[:, None])
+        keep = _dropout_keep(seed_bh, offs_m, start_n, threshold, BLOCK_M, BLOCK_N)
+        ds = p * (tl.where(keep, dp, 0.0) * inv_keep - delta[:, None])  # one FMA, as dp - delta
+    else:
+        ds = p * (dp - delta[:, None])
     dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
     if REFINE_DELTA:
         pk = tl.dot(p.to(k.dtype), k, pk, input_precision=DOT_PREC)
@@ -528,6 +594,7 @@ def _attention_bwd_dq_kernel(
     kmask_ptrs = KEY_MASK + b64 * stride_mb
 
     seed_bh = _rng_key(SEED, b, h, num_heads, HAS_DROPOUT)
+    threshold = _keep_threshold(dropout_p)
     inv_keep = 1.0 / (1.0 - dropout_p)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     pk = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # sum_j P_ij k_j (REFINE_DELTA only)
@@ -539,12 +606,12 @@ def _attention_bwd_dq_kernel(
     for start_n in range(0, n_full, BLOCK_N):
         dq, pk, resid = _bwd_q_block(dq, pk, resid, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, start_n,
                                      seq_len, offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale,
-                                     seed_bh, dropout_p, inv_keep, False, HAS_KEY_MASK, HAS_DROPOUT, UPCAST,
+                                     seed_bh, threshold, inv_keep, False, HAS_KEY_MASK, HAS_DROPOUT, UPCAST,
                                      DOT_PREC, REFINE_DELTA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
     for start_n in range(n_full, seq_len, BLOCK_N):
         dq, pk, resid = _bwd_q_block(dq, pk, resid, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, start_n,
                                      seq_len, offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale,
-                                     seed_bh, dropout_p, inv_keep, True, HAS_KEY_MASK, HAS_DROPOUT, UPCAST,
+                                     seed_bh, threshold, inv_keep, True, HAS_KEY_MASK, HAS_DROPOUT, UPCAST,
                                      DOT_PREC, REFINE_DELTA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
     if REFINE_DELTA:
         dq -= resid[:, None] * pk
@@ -567,12 +634,13 @@ def _attention_dropout_mask_kernel(
     h = tl.program_id(1)
     b = tl.program_id(2)
     seed_bh = _rng_key(SEED, b, h, num_heads, True)
+    threshold = _keep_threshold(dropout_p)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     base = KEEP + (b.to(tl.int64) * num_heads + h) * seqlen * seqlen
     row_ptrs = base + offs_m[:, None].to(tl.int64) * seqlen
     for start_n in range(0, seqlen, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        keep = _dropout_keep(seed_bh, offs_m, start_n, dropout_p, BLOCK_M, BLOCK_N)
+        keep = _dropout_keep(seed_bh, offs_m, start_n, threshold, BLOCK_M, BLOCK_N)
         tl.store(row_ptrs + offs_n[None, :], keep.to(tl.uint8),
                  mask=(offs_m[:, None] < seqlen) & (offs_n[None, :] < seqlen))
 
@@ -580,47 +648,56 @@ def _attention_dropout_mask_kernel(
 # =========================================================================== launch configurations
 # Autotune candidates, (BLOCK_M = queries, BLOCK_N = keys, num_warps, num_stages), per kernel, per
 # operand class (fp32 runs IEEE dots on the CUDA cores: small tiles) and head-dim tile BLOCK_D (32
-# stands for <= 32). Every entry compiles without register spills for sm_90 with triton 3.6 and
-# 3.9, dropout on and off, varlen and padded, at the tile's own head dim and at one it pads (26,
-# 80: the column masks cost registers) (make compile-report); the first entry is the default
-# (BERTFAST_AUTOTUNE=0). Tiles longer than the sequences need are pruned per call. The 16-bit dQ
-# lists fit its second accumulator (sum_j P_ij k_j, header): (64, 128, 8, 3) at 64, (128, 32, 8, 3)
-# and (64, 32, 4, 4) at 128 and (64, 16, 8, 2) at 256 spill with it (triton 3.9; 3.6 not rechecked).
+# stands for <= 32); dK/dV's add its orientation (_Q: QUERY_MAJOR, _K: keys-major, _bwd_kv_block).
+# Every entry compiles without register spills for sm_90 with triton 3.9 (3.6 not rechecked since
+# the dropout mask of 2026-11-26), dropout on and off, varlen and padded, at the tile's own head dim
+# and at one it pads (26, 80: the column masks cost registers) (make compile-report); the first
+# entry is the default (BERTFAST_AUTOTUNE=0). Tiles longer than the sequences need are pruned per
+# call. The 16-bit dQ lists fit its second accumulator (sum_j P_ij k_j, header): (64, 128, 8, 3)
+# at 64, (128, 32, 8, 3) and (64, 32, 4, 4) at 128 and (64, 16, 8, 2) at 256 spill with it.
+# Query-major dK/dV spills at a padded head dim 26 and at fp32: it leads the 16-bit 64 list only.
+# Since that mask, (32, 16, 8, 2) and (16, 32, 4, 2) spill in dK/dV at 256, (32, 32, 8, 2) in fp32
+# forward and dQ at <= 32, and (16, 32, 4, 2) in 16-bit dQ at 256: they left the lists.
+_Q, _K = True, False
 _CANDIDATES = {
     "fwd": {
         (False, 32): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 32, 4, 4)],
         (False, 64): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 4), (64, 32, 4, 4)],
         (False, 128): [(128, 64, 8, 3), (64, 32, 4, 4), (64, 64, 4, 3)],
-        (True, 32): [(32, 32, 8, 2), (16, 32, 4, 2), (16, 16, 4, 2)],
+        (True, 32): [(16, 32, 4, 2), (16, 16, 4, 2)],
         (True, 64): [(32, 32, 8, 2), (32, 16, 8, 2), (16, 16, 4, 2)],
         (True, 128): [(16, 16, 4, 2)],
         (False, 256): [(64, 32, 8, 2), (32, 32, 4, 2), (64, 32, 8, 1)],
         (True, 256): [(32, 16, 8, 1), (16, 16, 4, 1)],
     },
     "dkdv": {
-        (False, 32): [(32, 64, 4, 3), (64, 128, 8, 3), (64, 64, 8, 2), (32, 128, 8, 3), (16, 64, 4, 3), (32, 32, 4, 4)],
-        (False, 64): [(32, 64, 4, 3), (64, 128, 8, 3), (64, 64, 8, 2), (32, 128, 8, 3), (16, 64, 4, 3), (32, 32, 4, 4)],
-        (False, 128): [(32, 32, 8, 3), (16, 64, 8, 3), (16, 32, 4, 3), (32, 64, 8, 3), (16, 128, 8, 3)],
-        (True, 32): [(32, 32, 8, 2), (32, 16, 4, 2)],
-        (True, 64): [(32, 32, 8, 2), (16, 32, 8, 2), (16, 16, 4, 2), (32, 16, 4, 2)],
-        (True, 128): [(16, 32, 8, 2), (16, 16, 4, 2)],
-        (False, 256): [(32, 32, 8, 2), (32, 16, 8, 2), (16, 32, 4, 2), (32, 32, 8, 1), (64, 32, 8, 1)],
-        (True, 256): [(16, 16, 8, 2), (16, 16, 4, 2)],
+        (False, 32): [(32, 64, 4, 3, _K), (64, 128, 8, 3, _K), (64, 64, 8, 2, _K), (32, 128, 8, 3, _K),
+                      (16, 64, 4, 3, _K), (32, 32, 4, 4, _K)],
+        (False, 64): [(64, 64, 4, 2, _Q), (32, 64, 4, 3, _K), (64, 128, 8, 3, _K), (64, 64, 8, 2, _K),
+                      (32, 128, 8, 3, _K), (16, 64, 4, 3, _K)],
+        (False, 128): [(32, 32, 8, 3, _K), (16, 64, 8, 3, _K), (16, 32, 4, 3, _K), (32, 64, 8, 3, _K),
+                       (16, 128, 8, 3, _K)],
+        (True, 32): [(32, 32, 8, 2, _K), (32, 16, 4, 2, _K)],
+        (True, 64): [(32, 32, 8, 2, _K), (16, 32, 8, 2, _K), (16, 16, 4, 2, _K), (32, 16, 4, 2, _K)],
+        (True, 128): [(16, 32, 8, 2, _K), (16, 16, 4, 2, _K)],
+        (False, 256): [(32, 32, 8, 2, _K), (32, 32, 8, 1, _K), (64, 32, 8, 1, _K)],
+        (True, 256): [(16, 16, 8, 2, _K), (16, 16, 4, 2, _K)],
     },
     "dq": {
         (False, 32): [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 8, 3)],
         (False, 64): [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 8, 3)],
         (False, 128): [(128, 16, 8, 3), (64, 32, 8, 3), (64, 16, 4, 4)],
-        (True, 32): [(32, 32, 8, 2), (32, 16, 4, 2), (16, 16, 4, 2)],
+        (True, 32): [(32, 16, 4, 2), (16, 16, 4, 2)],
         (True, 64): [(32, 16, 8, 2), (32, 16, 4, 2), (16, 16, 4, 2)],
         (True, 128): [(16, 16, 8, 2)],
-        (False, 256): [(16, 32, 4, 2), (16, 32, 8, 2), (32, 32, 8, 1), (32, 16, 8, 2)],
+        (False, 256): [(16, 32, 8, 2), (32, 32, 8, 1), (32, 16, 8, 2)],
         (True, 256): [(16, 16, 4, 2), (16, 16, 4, 1)],
     },
 }
 # Under the interpreter: one fixed, small configuration per kernel. The sizes differ between
-# kernels on purpose so the CPU tests show results do not depend on the block shape.
-_INTERP = {"fwd": {"BLOCK_M": 16, "BLOCK_N": 16}, "dkdv": {"BLOCK_M": 16, "BLOCK_N": 32},
+# kernels on purpose so the CPU tests show results do not depend on the block shape; dK/dV runs
+# query-major, the training path's orientation (a test runs the other).
+_INTERP = {"fwd": {"BLOCK_M": 16, "BLOCK_N": 16}, "dkdv": {"BLOCK_M": 16, "BLOCK_N": 32, "QUERY_MAJOR": True},
            "dq": {"BLOCK_M": 32, "BLOCK_N": 16}, "mask": {"BLOCK_M": 16, "BLOCK_N": 32}}
 _DELTA_BLOCK_M = 64
 
@@ -629,7 +706,8 @@ def _tuned(kernel, which: str):
     """The autotuned kernel over every candidate of ``which``; its pruner picks the table entry."""
     table, configs = {}, {}
     for key, entries in _CANDIDATES[which].items():
-        table[key] = [configs.setdefault(e, triton.Config({"BLOCK_M": e[0], "BLOCK_N": e[1]},
+        table[key] = [configs.setdefault(e, triton.Config({"BLOCK_M": e[0], "BLOCK_N": e[1],
+                                                           **({"QUERY_MAJOR": e[4]} if len(e) > 4 else {})},
                                                           num_warps=e[2], num_stages=e[3]))
                       for e in entries]
 

@@ -33,11 +33,17 @@ class Gpu:
     max_warps_per_sm: int = 64
     max_blocks_per_sm: int = 32
     # Warp-instructions per clock per SM each pipe completes: lanes per clock / 32 (programming guide,
-    # cc 9.0: fp32 add/mul/fma 128 lanes, 32-bit integer and logic 64, MUFU 16, conversions 16, warp
-    # shuffle 32). Shared memory moves 128 bytes per clock per SM: a 4-byte-per-lane access is one
-    # clock, a 16-byte one four (shared_bytes_per_clock). "tensor" is timed by FLOPs, not here.
+    # cc 9.0: fp32 add/mul/fma 128 lanes, 32-bit integer and logic 64, integer multiply-add 64, MUFU 16,
+    # conversions 16, warp shuffle 32). Shared memory moves 128 bytes per clock per SM: a 4-byte-per-lane
+    # access is one clock, a 16-byte one four (shared_bytes_per_clock). "tensor" is timed by FLOPs.
     pipe_rate: Dict[str, float] = field(default_factory=lambda: {
-        "fp32": 4.0, "int": 2.0, "mufu": 0.5, "convert": 0.5, "shuffle": 1.0})
+        "fma": 4.0, "fmaheavy": 2.0, "alu": 2.0, "mufu": 0.5, "convert": 0.5, "shuffle": 1.0})
+    # The pipes each instruction class occupies. Integer multiply-adds run on the FMA pipe's heavy half
+    # (64 lanes), beside FP32 on both halves (128), not on the ALU, which runs the other integer and
+    # logic instructions (Nsight Compute's Kernel Profiling Guide, "Pipelines": fma, fmaheavy, alu).
+    pipes: Dict[str, tuple] = field(default_factory=lambda: {
+        "fp32": ("fma",), "imad": ("fma", "fmaheavy"), "int": ("alu",), "mufu": ("mufu",),
+        "convert": ("convert",), "shuffle": ("shuffle",)})
     shared_bytes_per_clock: int = 128
     # Imperfect overlap of the bounds: predicted time = the largest bound + overlap x the others.
     # An assumption until fitted to measured kernels (report.fit_overlap); 0 is perfect overlap.

@@ -161,6 +161,7 @@ class Compiled:
     function: Function
     registers: Optional[int]
     shared_bytes: int
+    spills: Optional[int] = None  # ptxas's spill stores + loads (bytes); None: no report
 
 
 def compile_launch(launch: Launch) -> Compiled:
@@ -171,8 +172,9 @@ def compile_launch(launch: Launch) -> Compiled:
         kernel = launch.compile()
     functions = parse(disassemble(kernel.asm["cubin"]))
     function = functions.get(launch.kernel) or next(iter(functions.values()))
-    registers = parse_ptxas(log.getvalue()).get(launch.kernel, {}).get("registers")
-    return Compiled(launch, function, registers, int(getattr(kernel.metadata, "shared", 0)))
+    report = parse_ptxas(log.getvalue()).get(launch.kernel, {})
+    spills = report["spill_stores"] + report["spill_loads"] if "spill_stores" in report else None
+    return Compiled(launch, function, report.get("registers"), int(getattr(kernel.metadata, "shared", 0)), spills)
 
 
 @contextlib.contextmanager

@@ -83,8 +83,9 @@ def _pipe_clocks(instructions: List[Instruction], gpu: Gpu) -> Dict[str, float]:
     for ins in instructions:
         if ins.cls == "shared":
             clocks["shared"] = clocks.get("shared", 0.0) + ins.access_bytes * 32 / gpu.shared_bytes_per_clock
-        elif ins.cls in gpu.pipe_rate:
-            clocks[ins.cls] = clocks.get(ins.cls, 0.0) + 1.0 / gpu.pipe_rate[ins.cls]
+        else:
+            for pipe in gpu.pipes.get(ins.cls, ()):
+                clocks[pipe] = clocks.get(pipe, 0.0) + 1.0 / gpu.pipe_rate[pipe]
     return clocks
 
 
@@ -107,7 +108,7 @@ def predict(function: Function, work: Work, gpu: Gpu = H100) -> Prediction:
     sm_clock = gpu.sms * gpu.clock_hz
     tensor_flops = sum(ins.mma_flops for ins in loop) * work.iterations * work.warps / 4
     tensor_flops += sum(ins.mma_flops for ins in rest) * work.programs * work.warps / 4
-    busiest = max(pipes, key=pipes.get) if pipes else "fp32"
+    busiest = max(pipes, key=pipes.get) if pipes else "fma"
     bounds = {"tensor": tensor_flops / gpu.dense_bf16_flops,
               "issue": warp_instr / (gpu.issue_per_clock * sm_clock),
               "pipe": pipes.get(busiest, 0.0) / sm_clock,

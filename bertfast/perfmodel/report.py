@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -86,6 +87,8 @@ def analyse(settings: Sequence[K.Setting], gpu: Gpu = H100, log=print) -> List[K
                 work = K.WORK[launch.kernel](setting, launch, gpu)
                 work.registers, work.shared_bytes = done.registers, done.shared_bytes
                 prediction = predict(done.function, work, gpu)
+                if done.spills:  # local-memory traffic the model does not price
+                    prediction.notes.append(f"spills {done.spills} bytes of registers")
                 results.append(KernelResult(setting, launch.op, launch.kernel, _variant(launch.meta),
                                             _config(launch.meta), done.registers, work.hbm_bytes, prediction))
             log(f"[perf-model] {setting.label()}: {len(launches)} launches read in "
@@ -210,9 +213,35 @@ def run_gpu(profile: Profile) -> Gpu:
     return gpu
 
 
+REPO = os.path.dirname(os.path.dirname(RESULTS))
+
+
+def _git(repo: str, *args: str) -> Optional[str]:
+    try:
+        res = subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout if res.returncode == 0 else None
+
+
+def changed_since(profile_path: str, sources: Sequence[str], repo: str = REPO) -> Optional[bool]:
+    """Whether any of ``sources`` (paths in the repository) changed after the commit that added the
+    profile, committed or not: then the profile measured other code. None outside a git checkout."""
+    added = _git(repo, "log", "--diff-filter=A", "--format=%H", "--", os.path.relpath(profile_path, repo))
+    if not added or not added.split():
+        return None
+    since = _git(repo, "log", "--format=%H", f"{added.split()[-1]}..HEAD", "--", *sources)
+    local = _git(repo, "status", "--porcelain", "--", *sources)
+    if since is None or local is None:
+        return None
+    return bool(since.strip() or local.strip())
+
+
 def compare(results: Sequence[KernelResult], profile: Profile) -> List[Dict[str, object]]:
     """Each modelled kernel the profile timed: measured and predicted microseconds per call (the
-    first launch recorded of that kernel at the profile's case: the training variant)."""
+    first launch recorded of that kernel at the profile's case: the training variant), and whether
+    its source (kernels/<op>.py, and kernels/_rows.py for a row op) changed since the run: then the
+    run measured other code."""
     rows, seen = [], set()
     for r in results:
         if r.setting != profile.setting or r.prediction is None or r.kernel in seen or r.kernel not in profile.kernels:
@@ -220,15 +249,20 @@ def compare(results: Sequence[KernelResult], profile: Profile) -> List[Dict[str,
         seen.add(r.kernel)
         ms, calls = profile.kernels[r.kernel]
         rows.append({"kernel": r.kernel, "measured_s": ms / 1e3 / calls, "calls": calls,
-                     "predicted_s": r.prediction.predicted_s, "prediction": r.prediction})
+                     "predicted_s": r.prediction.predicted_s, "prediction": r.prediction,
+                     "changed_since_run": changed_since(
+                         profile.path, [f"kernels/{r.op}.py"] + (["kernels/_rows.py"] if r.op in ROW_OPS else []))})
     return rows
 
 
 def fit_overlap(rows: Sequence[Dict[str, object]]) -> Optional[float]:
     """The overlap constant that best fits the measured times, relative errors weighted alike (least
-    squares on time / measured: each predicted time is linear in the constant)."""
+    squares on time / measured: each predicted time is linear in the constant). Kernels changed since
+    the run are left out: their measured time is of other code."""
     num = den = 0.0
     for row in rows:
+        if row.get("changed_since_run"):
+            continue
         base = time_with_overlap(row["prediction"], 0.0) / row["measured_s"]
         slope = time_with_overlap(row["prediction"], 1.0) / row["measured_s"] - base
         num += slope * (1.0 - base)
@@ -315,7 +349,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             refit = time_with_overlap(row["prediction"], fitted) if fitted is not None else None
             print(f"  {row['kernel'].strip('_').replace('_kernel', ''):38s} measured {row['measured_s'] * 1e6:7.1f}"
                   f"  predicted {row['predicted_s'] * 1e6:7.1f} (overlap {gpu.overlap:g})"
-                  + (f"  {refit * 1e6:7.1f} (overlap {fitted:.2f})" if refit is not None else ""))
+                  + (f"  {refit * 1e6:7.1f} (overlap {fitted:.2f})" if refit is not None else "")
+                  + ("  [source changed since this run: not fitted]" if row["changed_since_run"] else ""))
         print("  (the profile's kernels ran autotuned configs, on the model suite's lengths (about 96% of the "
               "tokens real); the predictions read each kernel's first candidate at full lengths)")
         comparison = {"profile": shown, "device": profile.device, "overlap_fitted": fitted,
@@ -328,7 +363,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             gemm = next(i for i in plan["items"] if i["name"] == "GEMMs")
             print(f"  the step's device time (its trace, union of device spans): measured {traced['busy_ms']:.1f} ms, "
                   f"predicted {plan['seconds'] * 1e3:.1f} ms; GEMMs measured {traced['gemm_ms']:.1f} ms, predicted "
-                  f"{gemm['seconds'] * 1e3:.1f} ms (the trace's lengths are ~96% real tokens, the budget's full)")
+                  f"{gemm['seconds'] * 1e3:.1f} ms (the trace's lengths are ~96% real tokens, the budget's full"
+                  + ("; the kernels changed since the run are predicted as they are now" if any(
+                      row["changed_since_run"] for row in rows) else "") + ")")
             comparison["step"] = {"measured_busy_ms": traced["busy_ms"], "measured_gemm_ms": traced["gemm_ms"],
                                   "predicted_ms": plan["seconds"] * 1e3, "predicted_gemm_ms": gemm["seconds"] * 1e3}
     goals = targets(results)

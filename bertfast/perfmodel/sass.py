@@ -19,19 +19,23 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-# Instruction classes: the execution pipe an opcode occupies (hardware.PIPE_RATE gives each pipe's
-# warp-instructions per clock per SM). "uniform", "sync" and "control" only take issue slots.
-CLASSES = ("tensor", "fp32", "int", "mufu", "convert", "shared", "global", "shuffle", "uniform", "sync",
+# Instruction classes: what an opcode occupies (hardware.Gpu.pipes maps a class to its pipes, and
+# pipe_rate gives each pipe's warp-instructions per clock per SM). "uniform", "sync" and "control"
+# only take issue slots.
+CLASSES = ("tensor", "fp32", "imad", "int", "mufu", "convert", "shared", "global", "shuffle", "uniform", "sync",
            "control", "other")
 _CLASS_OF = {
     "tensor": ("HGMMA", "HMMA", "QGMMA", "IMMA", "BMMA", "DMMA"),
     # Single-precision arithmetic, and I2FP (Hopper's integer-to-float in the FMA pipe).
     "fp32": ("FADD", "FMUL", "FFMA", "FMNMX", "FSETP", "FSEL", "FSET", "FCHK", "FSWZADD", "HADD2", "HMUL2",
              "HFMA2", "HMNMX2", "HSETP2", "I2FP"),
+    # Integer multiply(-add) and dot products: the FMA pipe's heavy half, not the ALU (IMAD.MOV and
+    # IMAD.SHL are ptxas moving ALU work there).
+    "imad": ("IMAD", "IMUL", "IDP"),
     # Integer and logic, moves and packing conversions (the 64-lane ALU).
-    "int": ("IMAD", "IADD3", "IADD", "VIADD", "VIADDMNMX", "LOP3", "LOP", "SHF", "SHL", "SHR", "SEL", "PRMT",
+    "int": ("IADD3", "IADD", "VIADD", "VIADDMNMX", "LOP3", "LOP", "SHF", "SHL", "SHR", "SEL", "PRMT",
             "ISETP", "LEA", "IABS", "IMNMX", "VIMNMX", "SGXT", "BMSK", "BREV", "FLO", "POPC", "MOV", "CS2R",
-            "P2R", "R2P", "PLOP3", "F2FP", "IDP", "IMUL", "ICMP"),
+            "P2R", "R2P", "PLOP3", "F2FP", "ICMP"),
     "mufu": ("MUFU",),
     "convert": ("F2F", "F2I", "I2F", "FRND", "I2I", "F2IP"),
     "shared": ("LDS", "STS", "LDSM", "STSM", "ATOMS"),

@@ -507,16 +507,17 @@ def test_dropout_mask_fraction_and_independence(backend, p):
         assert abs(frac - want) < 5 * math.sqrt(want * (1 - want) / draws), (frac, want, draws)
 
     near(1 - kf.mean().item(), p, n)
-    # Each column phase (the four outputs of one Philox call) and each (batch, head) stream is fair.
-    for phase in range(4):
-        near(1 - kf[..., phase::4].mean().item(), p, n / 4)
+    # Each column phase mod 32 (Triton: each of the 8 decisions of one Philox call, 16-bit halves of
+    # its 4 words; CUDA: each of its 4 words) and each (batch, head) stream is fair.
+    for phase in range(32):
+        near(1 - kf[..., phase::32].mean().item(), p, n / 32)
     for stream in kf.mean(dim=(2, 3)).flatten().tolist():
         near(1 - stream, p, seqlen * seqlen)
-    # Independence: two keep decisions in one group of four columns, or in neighbouring rows,
-    # coincide as often as independent draws do, (1 - p)^2.
-    for a in range(4):
-        for b in range(a + 1, 4):
-            near((kf[..., a::4] * kf[..., b::4]).mean().item(), (1 - p) ** 2, n / 4)
+    # Independence: two keep decisions d columns apart (1: the two halves of a Philox word; 8, 16:
+    # other words of the same call; 2, 4: neighbouring calls), or in neighbouring rows, coincide as
+    # often as independent draws do, (1 - p)^2.
+    for d in (1, 2, 4, 8, 16):
+        near((kf[..., d:] * kf[..., :-d]).mean().item(), (1 - p) ** 2, n)
     near((kf[:, :, 1:] * kf[:, :, :-1]).mean().item(), (1 - p) ** 2, n)
     flat = keep.reshape(batch * heads, -1)  # no two streams, and no two rows, are the same
     assert all(not torch.equal(flat[i], flat[j]) for i in range(len(flat)) for j in range(i + 1, len(flat)))

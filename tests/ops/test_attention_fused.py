@@ -89,6 +89,62 @@ def test_triton_dropout_does_not_depend_on_block_sizes(monkeypatch):
     torch.testing.assert_close(lse2, lse, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.skipif(GPU, reason="sets the interpreter's launch configuration")
+def test_triton_dkdv_orientations_agree(monkeypatch):
+    """dK/dV computed keys-major (the mask transposed) and query-major (the forward's layout): the
+    same mask, the same gradients (to fp32 rounding: the products run in another order)."""
+    from bertfast.kernels import attention as K
+
+    triton = BackendUnderTest("triton", torch.device("cpu"))
+    seed, p = seed_of(triton, 7), 0.25
+    q, k, v, dout, cu = varlen_inputs(triton, torch.tensor([37, 6, 20]), seed=21)
+    out, lse = K.attention_varlen_fwd(q, k, v, cu, 37, None, p, seed)
+    grads = {}
+    for query_major in (True, False):
+        monkeypatch.setitem(K._INTERP, "dkdv", {"BLOCK_M": 16, "BLOCK_N": 32, "QUERY_MAJOR": query_major})
+        grads[query_major] = K.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 37, None, p, seed)
+    torch.testing.assert_close(grads[False], grads[True], atol=1e-6, rtol=1e-5)
+    assert torch.equal(grads[False][:, 0], grads[True][:, 0])  # dQ: the same kernel
+
+
+def _philox4x32(counter, key, rounds):
+    """Philox4x32-R (Salmon et al., SC'11) on numpy arrays: counter word 0 varies, words 1-3 are 0."""
+    import numpy as np
+    c = [counter.astype(np.uint64), *(np.zeros_like(counter, dtype=np.uint64) for _ in range(3))]
+    k0, k1 = np.uint64(key & 0xFFFFFFFF), np.uint64(key >> 32)
+    mask = np.uint64(0xFFFFFFFF)
+    for _ in range(rounds):
+        p0, p1 = np.uint64(0xD2511F53) * c[0], np.uint64(0xCD9E8D57) * c[2]
+        c = [((p1 >> np.uint64(32)) ^ c[1] ^ k0) & mask, p1 & mask, ((p0 >> np.uint64(32)) ^ c[3] ^ k1) & mask,
+             p0 & mask]
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & mask, (k1 + np.uint64(0xBB67AE85)) & mask
+    return c
+
+
+@pytest.mark.skipif(GPU, reason="the interpreter's integer arithmetic is the contract's; GPU tests compare backends")
+def test_triton_dropout_mask_is_the_documented_function():
+    """kernels/attention.py's header, written out in numpy: Philox4x32-7 keyed by (seed, b * A + h) at
+    counter i * 2**13 + g; column 32m + 8w + 2q + e is group 4m + q, half e of word w, kept when those
+    16 bits are >= ceil(p * 2**16)."""
+    import math
+
+    import numpy as np
+    from bertfast.kernels import attention as K
+
+    batch, heads, seqlen, p, seed = 2, 3, 40, 0.3, 12345
+    keep = K.attention_padded_dropout_mask(batch, seqlen, heads, p, torch.tensor([seed])).numpy()
+    i, j = np.meshgrid(np.arange(seqlen), np.arange(seqlen), indexing="ij")
+    group = (j // 32) * 4 + (j % 8) // 2
+    word, half = (j // 8) % 4, j % 2
+    threshold = math.ceil(p * 65536)
+    for b in range(batch):
+        for h in range(heads):
+            words = _philox4x32((i * 8192 + group).astype(np.uint64), seed + ((b * heads + h) << 32), K.N_ROUNDS.value)
+            r = np.choose(word, words)
+            bits = np.where(half == 1, r >> np.uint64(16), r & np.uint64(0xFFFF))
+            np.testing.assert_array_equal(keep[b, h], bits >= threshold, err_msg=f"sequence {b}, head {h}")
+
+
 # =========================================================================== CUDA
 @pytest.mark.skipif(GPU, reason="bf16 runs in the GPU tests there")
 def test_cuda_bf16_on_the_emulator(fused_backend):
