@@ -657,7 +657,8 @@ def _attention_dropout_mask_kernel(
 # at 64, (128, 32, 8, 3) and (64, 32, 4, 4) at 128 and (64, 16, 8, 2) at 256 spill with it.
 # Query-major dK/dV spills at a padded head dim 26 and at fp32: it leads the 16-bit 64 list only.
 # Since that mask, (32, 16, 8, 2) and (16, 32, 4, 2) spill in dK/dV at 256, (32, 32, 8, 2) in fp32
-# forward and dQ at <= 32, and (16, 32, 4, 2) in 16-bit dQ at 256: they left the lists.
+# forward and dQ at <= 32, (16, 32, 4, 2) in 16-bit dQ at 256, and in fp32 dK/dV (32, 16, 4, 2) at
+# 64 and (16, 16, 4, 2) at 256 (padded, by 8-20 bytes): they left the lists.
 _Q, _K = True, False
 _CANDIDATES = {
     "fwd": {
@@ -678,10 +679,10 @@ _CANDIDATES = {
         (False, 128): [(32, 32, 8, 3, _K), (16, 64, 8, 3, _K), (16, 32, 4, 3, _K), (32, 64, 8, 3, _K),
                        (16, 128, 8, 3, _K)],
         (True, 32): [(32, 32, 8, 2, _K), (32, 16, 4, 2, _K)],
-        (True, 64): [(32, 32, 8, 2, _K), (16, 32, 8, 2, _K), (16, 16, 4, 2, _K), (32, 16, 4, 2, _K)],
+        (True, 64): [(32, 32, 8, 2, _K), (16, 32, 8, 2, _K), (16, 16, 4, 2, _K)],
         (True, 128): [(16, 32, 8, 2, _K), (16, 16, 4, 2, _K)],
         (False, 256): [(32, 32, 8, 2, _K), (32, 32, 8, 1, _K), (64, 32, 8, 1, _K)],
-        (True, 256): [(16, 16, 8, 2, _K), (16, 16, 4, 2, _K)],
+        (True, 256): [(16, 16, 8, 2, _K)],
     },
     "dq": {
         (False, 32): [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 8, 3)],

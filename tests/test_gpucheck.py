@@ -175,6 +175,29 @@ def test_compile_report_fast_part_is_spill_free_on_sm90():
     assert "none spills" in res.stdout
 
 
+def test_recorded_launches_hold_small_stand_ins_and_compiled_kernels_are_not_kept(monkeypatch):
+    """The full matrix must fit a small machine: a recorded launch keeps one-element tensors that
+    Triton specialises like the real ones (dtype, address modulo 16), not the setting's activations,
+    and the report drops each compiled kernel once it has read it."""
+    import torch
+    from bertfast.kernels import _common
+
+    base = torch.empty(64, dtype=torch.bfloat16)
+    for view in (base, base[3:], base[8:]):  # 64-byte aligned, 6 bytes past, 16 bytes past
+        s = compile_report._stand_in(view)
+        assert s.dtype == view.dtype and s.numel() == 1 and s.data_ptr() % 16 == view.data_ptr() % 16
+    assert compile_report._stand_in(7) == 7 and compile_report._stand_in(None) is None
+    monkeypatch.setattr(_common, "interpreting", lambda: False)
+    launches = compile_report.record_settings([("bert-large", 512, 32, "bf16", "fp32", 0.1)])
+    tensors = [a for launch in launches for a in launch.args if isinstance(a, torch.Tensor)]
+    assert tensors and max(t.numel() for t in tensors) == 1
+
+    class Fn:  # Triton's JITFunction keeps (kernel cache, key cache, target, backend, binder) per device
+        device_caches = {0: ({"key": "a compiled kernel"}, {"args": "key"}, "sm_90", None, None)}
+    compile_report._forget_compiled(Fn)
+    assert Fn.device_caches[0][0] == {}
+
+
 # --------------------------------------------------------------------------- landing a run
 def _gpu_run_dir(tmp_path, dry_run=False):
     import torch
