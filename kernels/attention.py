@@ -383,11 +383,12 @@ def _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, st
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
+    lse2 = lse * 1.4426950408889634  # log2 units, for exp2
     # With dropout, P Z = keep P / (1 - p): the caller scales dV by inv_keep once, at the end, and
     # dS takes it in the FMA that subtracts delta.
     if QUERY_MAJOR:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BM, BN]
-        p = tl.exp2(s * qk_scale - (lse * 1.4426950408889634)[:, None])
+        p = tl.exp2(s * qk_scale - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # [BM, BN]
         if HAS_DROPOUT:
             keep = _dropout_keep(seed_bh, offs_m, start_n, threshold, BLOCK_M, BLOCK_N)
@@ -399,7 +400,7 @@ def _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, st
         dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PREC)
     else:
         s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)  # [BN, BM]
-        p_t = tl.exp2(s_t * qk_scale - (lse * 1.4426950408889634)[None, :])
+        p_t = tl.exp2(s_t * qk_scale - lse2[None, :])
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # [BN, BM]
         if HAS_DROPOUT:
             keep_t = tl.trans(_dropout_keep(seed_bh, offs_m, start_n, threshold, BLOCK_M, BLOCK_N))

@@ -5,6 +5,7 @@ overlap constant refitted to them. Predictions are a plan, never a measurement (
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import json
 import os
@@ -224,13 +225,20 @@ def _git(repo: str, *args: str) -> Optional[str]:
     return res.stdout if res.returncode == 0 else None
 
 
+@functools.lru_cache(maxsize=None)
+def _adding_commit(profile_path: str, repo: str) -> Optional[str]:
+    """The commit that added the profile (asked once per profile, not per kernel row)."""
+    added = _git(repo, "log", "--diff-filter=A", "--format=%H", "--", os.path.relpath(profile_path, repo))
+    return added.split()[-1] if added and added.split() else None
+
+
 def changed_since(profile_path: str, sources: Sequence[str], repo: str = REPO) -> Optional[bool]:
     """Whether any of ``sources`` (paths in the repository) changed after the commit that added the
     profile, committed or not: then the profile measured other code. None outside a git checkout."""
-    added = _git(repo, "log", "--diff-filter=A", "--format=%H", "--", os.path.relpath(profile_path, repo))
-    if not added or not added.split():
+    added = _adding_commit(profile_path, repo)
+    if added is None:
         return None
-    since = _git(repo, "log", "--format=%H", f"{added.split()[-1]}..HEAD", "--", *sources)
+    since = _git(repo, "log", "--format=%H", f"{added}..HEAD", "--", *sources)
     local = _git(repo, "status", "--porcelain", "--", *sources)
     if since is None or local is None:
         return None
