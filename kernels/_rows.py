@@ -1,6 +1,7 @@
 """What the Triton row kernels share (bias_gelu, bias_dropout_residual_layernorm, embeddings):
-the row-tile launch configurations, the row groups of backward reductions, the row-op
-dropout RNG, and the LayerNorm row math of both LayerNorm kernels (jit helpers, inlined).
+the row-tile launch configurations, the row groups of backward reductions and the kernel that
+sums their partials (column_sums), the row-op dropout RNG, and the LayerNorm row math of both
+LayerNorm kernels (jit helpers, inlined).
 
 Dropout RNG of the row ops (``row_dropout_keep``): element (row, col) takes 16 bits of
 Philox4x32-10 keyed by the int64 seed tensor, at counter row * ceil(H / 8) + col // 8 (one
@@ -23,11 +24,13 @@ config the autotuner picks (BLOCK_M, num_warps).
 from __future__ import annotations
 
 import functools
-from typing import Tuple
+from typing import Sequence, Tuple
 
 import torch
 import triton
 import triton.language as tl
+
+from ._common import interpreting, launch
 
 MAX_HIDDEN = 8192  # LayerNorm rows (LayerNorm, embeddings) are one register tile: H <= 8192
 MAX_ROWS_PER_TILE = 16  # the largest BLOCK_M in the backward configs; row groups are multiples of it
@@ -195,18 +198,20 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def row_groups(n_rows: int, device: torch.device, per_sm: int = 2):
-    """(G, rows_per_program) for backward kernels that reduce over rows with per-program partials.
-
-    per_sm programs per SM on GPU. The LayerNorm backward uses 2: all resident at once (no partial
-    last wave), each keeping two tiles of loads in flight (it prefetches the next tile), while the
-    [G, H] fp32 partial buffers stay small next to the [N, H] traffic (1% at N = 32K). Three
-    under the interpreter, so tests cross program borders. rows_per_program is a multiple of the
-    largest BLOCK_M, so only a program's last tile is partial.
-    """
+def row_groups(n_rows: int, device: torch.device, per_sm: int):
+    """(G, rows_per_program) for backward kernels that reduce over rows with per-program partials:
+    about per_sm programs per SM on a GPU, three under the interpreter (so tests cross program
+    borders). More programs keep more loads in flight (the LayerNorm backward ran two per SM on the
+    H200 and read at a third of the bandwidth) but write more [G, H] fp32 partials."""
     target = 3 if device.type != "cuda" else per_sm * _sm_count(device.index if device.index is not None
                                                               else torch.cuda.current_device())
-    rpp = triton.cdiv(triton.cdiv(n_rows, target), MAX_ROWS_PER_TILE) * MAX_ROWS_PER_TILE
+    return row_group_shape(n_rows, target)
+
+
+def row_group_shape(n_rows: int, programs: int) -> Tuple[int, int]:
+    """(G, rows_per_program) for about ``programs`` programs: rows_per_program is a multiple of the
+    largest BLOCK_M, so only a program's last tile is partial."""
+    rpp = triton.cdiv(triton.cdiv(n_rows, programs), MAX_ROWS_PER_TILE) * MAX_ROWS_PER_TILE
     return triton.cdiv(n_rows, rpp), rpp
 
 
@@ -219,3 +224,58 @@ def check_hidden(h: int) -> None:
     reasons = hidden_reasons(h)
     if reasons:
         raise ValueError(f"hidden size: expected 1 <= H <= {MAX_HIDDEN}, got {h}")
+
+
+# --------------------------------------------------------------------------- partial sums
+@triton.jit
+def _column_sums_kernel(
+    PART,              # [K, G, C] fp32 partial sums, contiguous
+    OUT0, OUT1, OUT2,  # [C] each, contiguous: the column sums of set 0, 1, 2 (K <= 3), in their dtype
+    G, C,
+    BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    k = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    base = PART + k.to(tl.int64) * G * C
+    acc = tl.zeros([BLOCK_G, BLOCK_C], dtype=tl.float32)
+    for g0 in range(0, G, BLOCK_G):
+        groups = g0 + tl.arange(0, BLOCK_G)
+        acc += tl.load(base + groups.to(tl.int64)[:, None] * C + cols[None, :],
+                       mask=(groups < G)[:, None] & col_ok[None, :], other=0.0)
+    total = exact_sum(acc, 0)
+    if k == 0:
+        tl.store(OUT0 + cols, total.to(OUT0.dtype.element_ty), mask=col_ok)
+    elif k == 1:
+        tl.store(OUT1 + cols, total.to(OUT1.dtype.element_ty), mask=col_ok)
+    else:
+        tl.store(OUT2 + cols, total.to(OUT2.dtype.element_ty), mask=col_ok)
+
+
+_SUMS_BLOCK_C = 32   # one 128-byte segment of each partial row
+_SUMS_BLOCK_G = 512  # a [512, 32] fp32 tile over 8 warps: 64 registers a thread (fixed, whatever G, so
+#                      the compile report compiles what a GPU runs)
+
+
+def column_sums(part: torch.Tensor, dtypes: Sequence[torch.dtype]) -> Tuple[torch.Tensor, ...]:
+    """The sums over G of fp32 partials [K, G, C] (K <= 3): K separate [C] tensors, set k in
+    dtypes[k], each summed in fp32 and rounded once.
+
+    One launch for all K, instead of torch's sum over the middle dim (12 us for [3, 264, 1024] on
+    the H200, slower than the partials' bytes need) and a cast or copy per gradient (custom ops may
+    not return views of one buffer). Programs of 32 columns load up to 512 partial rows at once, so
+    a reduction over G <= 512 makes one trip to memory. The result depends on G (the order of the
+    fp32 additions across tiles) but not on anything else.
+    """
+    k, g, c = part.shape
+    assert part.dtype == torch.float32 and part.is_contiguous() and 1 <= k == len(dtypes) <= 3
+    outs = tuple(torch.empty((c,), dtype=dt, device=part.device) for dt in dtypes)
+    if c == 0:
+        return outs
+    if g == 0:
+        return tuple(o.zero_() for o in outs)
+    block_g = 2 if interpreting() else _SUMS_BLOCK_G  # the interpreter: several tiles and a partial one
+    slots = outs + (outs[0],) * (3 - k)
+    launch(_column_sums_kernel, (triton.cdiv(c, _SUMS_BLOCK_C), k), (part, *slots, g, c),
+           dict(BLOCK_G=block_g, BLOCK_C=_SUMS_BLOCK_C, num_warps=8))
+    return outs

@@ -646,6 +646,37 @@ def _attention_dropout_mask_kernel(
                  mask=(offs_m[:, None] < seqlen) & (offs_n[None, :] < seqlen))
 
 
+# =========================================================================== rows outside every sequence
+@triton.jit
+def _attention_outside_rows_kernel(
+    OUT,         # [T, row_elems] contiguous: rows outside every sequence are set to 0
+    LSE,         # [heads, T] fp32 (written only when HAS_LSE): +inf at those rows
+    CU_SEQLENS,  # int32 [batch + 1]
+    batch, tokens, row_elems, heads, stride_lse_h,
+    HAS_LSE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    # The varlen outputs are allocated empty; the attention kernels write every row of every
+    # sequence, so only rows before cu_seqlens[0] or from cu_seqlens[batch] on are left. This costs
+    # a program per BLOCK_T rows that reads two ints and, on a batch that covers its tokens, exits:
+    # the zero-fill it replaces wrote the whole output (and dqkv, three times its size).
+    pid = tl.program_id(0)
+    lo = pid * BLOCK_T
+    first = tl.load(CU_SEQLENS)
+    last = tl.load(CU_SEQLENS + batch)
+    if (lo < first) | (lo + BLOCK_T > last):
+        rows = lo + tl.arange(0, BLOCK_T)
+        outside = (rows < tokens) & ((rows < first) | (rows >= last))
+        rows64 = rows.to(tl.int64)[:, None]
+        zero = tl.zeros([BLOCK_T, BLOCK_C], dtype=OUT.dtype.element_ty)
+        for c0 in range(0, row_elems, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            tl.store(OUT + rows64 * row_elems + cols[None, :], zero,
+                     mask=outside[:, None] & (cols < row_elems)[None, :])
+        if HAS_LSE:
+            for h in range(0, heads):
+                tl.store(LSE + h * stride_lse_h + rows, tl.full([BLOCK_T], float("inf"), tl.float32), mask=outside)
+
+
 # =========================================================================== launch configurations
 # Autotune candidates, (BLOCK_M = queries, BLOCK_N = keys, num_warps, num_stages), per kernel, per
 # operand class (fp32 runs IEEE dots on the CUDA cores: small tiles) and head-dim tile BLOCK_D (32
@@ -702,6 +733,7 @@ _CANDIDATES = {
 _INTERP = {"fwd": {"BLOCK_M": 16, "BLOCK_N": 16}, "dkdv": {"BLOCK_M": 16, "BLOCK_N": 32, "QUERY_MAJOR": True},
            "dq": {"BLOCK_M": 32, "BLOCK_N": 16}, "mask": {"BLOCK_M": 16, "BLOCK_N": 32}}
 _DELTA_BLOCK_M = 64
+_OUTSIDE_BLOCKS = {"BLOCK_T": 64, "BLOCK_C": 128}
 
 
 def _tuned(kernel, which: str):
@@ -824,6 +856,15 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, seed, b
     launch(_bwd_dkdv_tuned, grid, args, consts, interp=_INTERP["dkdv"])
 
 
+def _clear_outside_rows(out: torch.Tensor, lse: Optional[torch.Tensor], cu_seqlens: torch.Tensor) -> None:
+    """Rows of a varlen output that no sequence covers: 0 (and lse +inf), as the contract says."""
+    tokens = out.shape[0]
+    launch(_attention_outside_rows_kernel, (triton.cdiv(tokens, _OUTSIDE_BLOCKS["BLOCK_T"]),),
+           (out, lse if lse is not None else cu_seqlens, cu_seqlens, cu_seqlens.numel() - 1, tokens,
+            out[0].numel(), lse.shape[0] if lse is not None else 0, lse.stride(0) if lse is not None else 0),
+           dict(HAS_LSE=lse is not None, **_OUTSIDE_BLOCKS))
+
+
 def _grad_out(dout: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     check_tensor("dout", dout, dtypes=(like.dtype,), shape=like.shape, device=like.device)
     # Autograd may hand over expanded or transposed gradients: the kernels need stride(-1) == 1.
@@ -836,19 +877,23 @@ def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     """Attention on unpadded tokens. q, k, v [T, A, D] -> (out [T, A, D], lse [A, T] fp32).
 
     Sequence b is rows cu_seqlens[b]:cu_seqlens[b+1]; max_seqlen must be >= every length.
-    Rows outside every sequence get out 0 and lse +inf (allocated so: no kernel writes them).
+    Rows outside every sequence get out 0 and lse +inf (_clear_outside_rows: the outputs are not
+    zero-filled first, so a max_seqlen below a sequence's length leaves that sequence's later rows
+    unwritten).
     """
     _check_qkv(("q", "k", "v"), (q, k, v), 3, "[T, A, D]")
     tokens, heads, head_dim = q.shape
     batch, max_seqlen = check_cu_seqlens(cu_seqlens, max_seqlen, q.device)
     softmax_scale = _softmax_scale(softmax_scale, head_dim)
     dropout_p = check_dropout(dropout_p, seed, q.device)
-    out = torch.zeros((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
-    lse = torch.full((heads, tokens), float("inf"), dtype=torch.float32, device=q.device)
-    if tokens == 0 or heads == 0 or batch == 0 or max_seqlen == 0:
-        return out, lse
-    _forward(q, k, v, out, lse, cu_seqlens, None, seed, batch, max_seqlen, True,
-             softmax_scale, dropout_p)
+    out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((heads, tokens), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse.fill_(float("inf"))
+    if batch > 0 and max_seqlen > 0:
+        _forward(q, k, v, out, lse, cu_seqlens, None, seed, batch, max_seqlen, True,
+                 softmax_scale, dropout_p)
+    _clear_outside_rows(out, lse, cu_seqlens)
     return out, lse
 
 
@@ -865,11 +910,13 @@ def attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     batch, max_seqlen = check_cu_seqlens(cu_seqlens, max_seqlen, q.device)
     softmax_scale = _softmax_scale(softmax_scale, head_dim)
     dropout_p = check_dropout(dropout_p, seed, q.device)
-    dqkv = torch.zeros((tokens, 3, heads, head_dim), dtype=q.dtype, device=q.device)
-    if tokens == 0 or heads == 0 or batch == 0 or max_seqlen == 0:
+    dqkv = torch.empty((tokens, 3, heads, head_dim), dtype=q.dtype, device=q.device)
+    if dqkv.numel() == 0:
         return dqkv
-    _backward(dout, q, k, v, out, lse, dqkv[:, 0], dqkv[:, 1], dqkv[:, 2], cu_seqlens, None, seed,
-              batch, max_seqlen, True, softmax_scale, dropout_p)
+    if batch > 0 and max_seqlen > 0:
+        _backward(dout, q, k, v, out, lse, dqkv[:, 0], dqkv[:, 1], dqkv[:, 2], cu_seqlens, None, seed,
+                  batch, max_seqlen, True, softmax_scale, dropout_p)
+    _clear_outside_rows(dqkv, None, cu_seqlens)
     return dqkv
 
 

@@ -55,9 +55,9 @@ import triton.language as tl
 from bertfast.contract import check_dropout, check_eps, check_rows, check_tensor, check_vector, row_stride
 
 from ._common import autotune, launch
-from ._rows import (BWD_PER_THREAD, FWD_PER_THREAD, MAX_ROWS_PER_TILE, block_h_for, check_hidden, hidden_reasons,
-                    interpreter_rows, layernorm_bwd_rows, layernorm_rows, load_cols, n_bucket, program_rows,
-                    row_config_pruner, row_dropout, row_groups, row_tile_configs, store_col_sums)
+from ._rows import (BWD_PER_THREAD, FWD_PER_THREAD, MAX_ROWS_PER_TILE, block_h_for, check_hidden, column_sums,
+                    hidden_reasons, interpreter_rows, layernorm_bwd_rows, layernorm_rows, load_cols, n_bucket,
+                    program_rows, row_config_pruner, row_dropout, row_groups, row_tile_configs, store_col_sums)
 
 
 def unsupported(inputs) -> list:
@@ -184,6 +184,12 @@ def _bias_dropout_residual_layernorm_bwd_kernel(
 
 
 # --------------------------------------------------------------------------- launch configs
+# The backward's row groups (_rows.row_groups): programs per SM. Each keeps only its next tile's loads
+# in flight, so the loads in flight per SM grow with the programs (the registers let 5 of 4 warps
+# share one). Two per SM ran at half the bandwidth on the H200; four is where the perf model's
+# latency bound stops binding at BERT-large's 16K rows, for 3 x [G, H] fp32 partials of 6.3 MB
+# (docs/perf-model.md).
+BWD_PROGRAMS_PER_SM = 4
 # Keys: H, the size class of N and every constexpr flag (dtypes are added by the autotuner).
 _fwd_tuned = autotune(row_tile_configs(), ["H", "n_bucket", "HAS_BIAS", "HAS_RES", "HAS_DROPOUT",
                                                   "STORE_PRE", "STORE_KEEP"],
@@ -268,7 +274,7 @@ def bias_dropout_residual_layernorm_bwd(dy: torch.Tensor, pre_norm: torch.Tensor
     if n == 0:
         zero = torch.zeros((h,), dtype=weight.dtype, device=dev)
         return dx, (zero.clone() if has_bias else None), dres, zero.clone(), zero.clone()
-    groups, rpp = row_groups(n, dev)
+    groups, rpp = row_groups(n, dev, BWD_PROGRAMS_PER_SM)
     part = torch.empty((3 if has_bias else 2, groups, h), dtype=torch.float32, device=dev)
     block_h = block_h_for(h)
     args = (dy, pre_norm, mean, rstd, weight, dx, dres if has_residual else dx,
@@ -276,8 +282,5 @@ def bias_dropout_residual_layernorm_bwd(dy: torch.Tensor, pre_norm: torch.Tensor
             n, h, row_stride(dy), row_stride(pre_norm), rpp, dropout_p, n_bucket(n))
     flags = dict(HAS_BIAS=has_bias, HAS_RES=has_residual, HAS_DROPOUT=has_dropout, BLOCK_H=block_h)
     launch(_bwd_tuned, (groups,), args, flags, interp={"BLOCK_M": interpreter_rows(block_h, 4)})
-    sums = part.sum(dim=1)  # [2 or 3, H] fp32
-    dweight = sums[0].to(weight.dtype)
-    dln_bias = sums[1].to(weight.dtype)
-    dbias = sums[2].to(weight.dtype) if has_bias else None
-    return dx, dbias, dres, dweight, dln_bias
+    dweight, dln_bias, *dbias = column_sums(part, [weight.dtype] * part.shape[0])
+    return dx, dbias[0] if has_bias else None, dres, dweight, dln_bias

@@ -34,7 +34,7 @@ import triton.language as tl
 from bertfast.contract import check_bias_gelu, check_rows, row_stride
 
 from ._common import autotune, launch
-from ._rows import MAX_ROWS_PER_TILE, n_bucket
+from ._rows import MAX_ROWS_PER_TILE, column_sums, n_bucket
 
 
 def unsupported(inputs) -> list:
@@ -196,4 +196,4 @@ def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, approxi
     args = (dy, x, bias, dx, part, n, f, row_stride(dy), row_stride(x), rpp, n_bucket(n))
     launch(_bwd_tuned, lambda m: (groups, triton.cdiv(f, m["BLOCK_F"])), args,
            dict(APPROX_TANH=approximate == "tanh"), interp={"BLOCK_N": 4, "BLOCK_F": _interp_block_f(f)})
-    return dx, part.sum(dim=0).to(bias.dtype)
+    return dx, column_sums(part.view(1, groups, f), [bias.dtype])[0]

@@ -49,11 +49,14 @@ from bertfast.contract import (FLOAT_DTYPES, ID_DTYPES, check_dropout, check_eps
                                check_vector, row_stride)
 
 from ._common import autotune, interpreting, launch
-from ._rows import (BWD_PER_THREAD, FWD_PER_THREAD, MAX_ROWS_PER_TILE, block_h_for, check_hidden, hidden_reasons,
-                    interpreter_rows, layernorm_bwd_rows, layernorm_rows, load_cols, n_bucket, program_rows,
-                    row_config_pruner, row_dropout, row_groups, row_tile_configs, store_col_sums)
+from ._rows import (BWD_PER_THREAD, FWD_PER_THREAD, MAX_ROWS_PER_TILE, block_h_for, check_hidden, column_sums,
+                    hidden_reasons, interpreter_rows, layernorm_bwd_rows, layernorm_rows, load_cols, n_bucket,
+                    program_rows, row_config_pruner, row_dropout, row_groups, row_tile_configs, store_col_sums)
 
 _MAX_TYPES_IN_REGISTERS = 4
+# The backward's row groups (_rows.row_groups): programs per SM. Its loop does not prefetch (the
+# gathered rows would not fit in registers twice), so only resident programs keep loads in flight.
+BWD_PROGRAMS_PER_SM = 4
 
 
 def unsupported(inputs) -> list:
@@ -311,9 +314,7 @@ def embeddings_bwd(dy: torch.Tensor, input_ids: torch.Tensor, position_ids: torc
         return (torch.zeros(word.shape, dtype=word.dtype, device=dev), torch.zeros(pos.shape, dtype=pos.dtype, device=dev),
                 torch.zeros(token_type.shape, dtype=token_type.dtype, device=dev), zero.to(ln_weight.dtype),
                 zero.to(ln_bias.dtype))
-    # Four programs per SM: this loop does not prefetch (the gathered rows would not fit in
-    # registers twice), so more resident programs keep the loads in flight.
-    groups, rpp = row_groups(t, dev, per_sm=4)
+    groups, rpp = row_groups(t, dev, BWD_PROGRAMS_PER_SM)
     part = torch.empty((2, groups, h), dtype=torch.float32, device=dev)
     dh = torch.empty((t, h), dtype=torch.float32, device=dev)
     keys = torch.empty(((2 if tt_in_regs else 3) * t,), dtype=torch.int32, device=dev)
@@ -342,6 +343,6 @@ def embeddings_bwd(dy: torch.Tensor, input_ids: torch.Tensor, position_ids: torc
            (dh, order, bounds, dword, dpos, dtt_rows, t, h, v, p_rows, n_rows),
            dict(ROWS=rows, BLOCK_T=_TABLE_BLOCK_T, BLOCK_H=table_block_h, num_warps=_TABLE_WARPS))
     if tt_in_regs:
-        dtt_rows = dtt.sum(dim=0).to(token_type.dtype)  # [TT, H]
-    sums = part.sum(dim=1)    # [2, H]
-    return (dword, dpos, dtt_rows, sums[0].to(ln_weight.dtype), sums[1].to(ln_bias.dtype))
+        dtt_rows = column_sums(dtt.view(1, groups, num_types * h), [token_type.dtype])[0].view(num_types, h)
+    dln_weight, dln_bias = column_sums(part, [ln_weight.dtype, ln_bias.dtype])
+    return dword, dpos, dtt_rows, dln_weight, dln_bias

@@ -96,6 +96,15 @@ def distinct(outputs, inputs=()):
     return tuple(result)
 
 
+def no_zero_grads(ctx) -> None:
+    """For a custom op's setup_context: hand the backward None for outputs nothing differentiated
+    (the saved statistics, pre_norm, lse), not zeros that autograd would otherwise allocate and fill
+    (an [N, H] fill for pre_norm's gradient in every LayerNorm backward; [V, H] fp32 for the MLM
+    loss's saved weight gradient). The backward then returns None for every input when even its
+    main output's gradient is None."""
+    ctx.set_materialize_grads(False)
+
+
 # ------------------------------------------------------------------ shared by the torch backends
 def keep_mask(shape: Sequence[int], dropout_p: float, seed: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
     """The torch backend's dropout keep-mask for a seed (None when p == 0): torch.rand under a

@@ -29,8 +29,8 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from bertfast import contract, dispatch
-from bertfast.ops._common import (PLAIN_TYPES, distinct, keep_mask, launch_directly, register_backends,
-                                  seed_for)
+from bertfast.ops._common import (PLAIN_TYPES, distinct, keep_mask, launch_directly, no_zero_grads,
+                                  register_backends, seed_for)
 from bertfast.padding import packed_layout
 
 Tensor = torch.Tensor
@@ -78,9 +78,12 @@ def _varlen_setup(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(qkv, out, lse, cu_seqlens, seed)
     ctx.args = (max_seqlen, softmax_scale, dropout_p, backend)
+    no_zero_grads(ctx)
 
 
 def _varlen_backward(ctx, dout, _dlse):
+    if dout is None:
+        return (None,) * 7
     qkv, out, lse, cu_seqlens, seed = ctx.saved_tensors
     max_seqlen, softmax_scale, dropout_p, backend = ctx.args
     dqkv = _attention_varlen_backward(dout, qkv, out, lse, cu_seqlens, max_seqlen, softmax_scale, dropout_p,
@@ -149,9 +152,12 @@ def _padded_setup(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, seed)
     ctx.args = (softmax_scale, dropout_p, backend)
+    no_zero_grads(ctx)
 
 
 def _padded_backward(ctx, dout, _dlse):
+    if dout is None:
+        return (None,) * 8
     q, k, v, out, lse, key_padding_mask, seed = ctx.saved_tensors
     softmax_scale, dropout_p, backend = ctx.args
     dq, dk, dv = _attention_padded_backward(dout, q, k, v, out, lse, key_padding_mask, softmax_scale, dropout_p,

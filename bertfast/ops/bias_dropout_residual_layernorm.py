@@ -27,7 +27,7 @@ import torch
 from bertfast import dispatch, reference
 from bertfast.contract import check_dropout
 from bertfast.ops._common import (distinct, empty, keep_mask, launch_directly, layer_norm_bwd, layer_norm_fwd,
-                                  or_none, register_backends, seed_for)
+                                  no_zero_grads, or_none, register_backends, seed_for)
 
 OP = "bias_dropout_residual_layernorm"
 Tensor = torch.Tensor
@@ -86,9 +86,12 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(pre_norm if stored else x, mean, rstd, weight, seed)
     ctx.dropout_p, ctx.backend = dropout_p, backend
     ctx.has_bias, ctx.has_residual = bias is not None, residual is not None
+    no_zero_grads(ctx)
 
 
 def _backward(ctx, dy, _d_pre_norm, _d_mean, _d_rstd):
+    if dy is None:
+        return (None,) * 9
     pre_norm, mean, rstd, weight, seed = ctx.saved_tensors
     dx, dbias, dres, dweight, dln_bias = _bias_dropout_residual_layernorm_backward(
         dy, pre_norm, mean, rstd, weight, ctx.dropout_p, seed, ctx.has_bias, ctx.has_residual, ctx.backend)

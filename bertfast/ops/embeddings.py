@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from bertfast import dispatch, reference
 from bertfast.contract import check_dropout
 from bertfast.ops._common import (distinct, keep_mask, launch_directly, layer_norm_bwd, layer_norm_fwd,
-                                  register_backends, seed_for)
+                                  no_zero_grads, register_backends, seed_for)
 
 OP = "embeddings"
 Tensor = torch.Tensor
@@ -69,9 +69,12 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(input_ids, position_ids, token_type_ids, word, pos, token_type, ln_weight, ln_bias,
                           mean, rstd, seed)
     ctx.dropout_p, ctx.backend = dropout_p, backend
+    no_zero_grads(ctx)
 
 
 def _backward(ctx, dy, _dmean, _drstd):
+    if dy is None:
+        return (None,) * 13
     *tensors, mean, rstd, seed = ctx.saved_tensors
     grads = _embeddings_backward(dy, *tensors, mean, rstd, ctx.dropout_p, seed, ctx.backend)
     return (None, None, None, *grads, None, None, None, None, None)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from bertfast import dispatch
 from bertfast.contract import FLOAT_DTYPES, ID_DTYPES, IGNORE_INDEX, check_tensor, value_checks
-from bertfast.ops._common import distinct, empty, register_backends
+from bertfast.ops._common import distinct, empty, no_zero_grads, register_backends
 from bertfast.ops.bias_dropout_residual_layernorm import bias_dropout_residual_layernorm
 from bertfast.ops.bias_gelu import bias_gelu
 
@@ -61,9 +61,12 @@ def _(x, weight, bias, labels, chunk_rows, compute_grad, backend):
 def _setup(ctx, inputs, output):
     ctx.has_bias, ctx.computed_grad = inputs[2] is not None, inputs[5]
     ctx.save_for_backward(*output[2:])
+    no_zero_grads(ctx)
 
 
 def _backward(ctx, d_loss_sum, _d_correct, _dgx, _dgw, _dgb):
+    if d_loss_sum is None:
+        return (None,) * 7
     if not ctx.computed_grad:
         raise RuntimeError("mlm_head_loss_decoder: backward called on a forward run without gradients")
     gx, gw, gb = ctx.saved_tensors

@@ -27,6 +27,11 @@ class Gpu:
     # (2026-11-26; the H100 has the same tensor cores).
     gemm_flops: float = 727e12
     launch_gap_s: float = 1.0e-6         # assumed: between back-to-back kernels on the device (a CUDA graph)
+    # Assumed: how long a global load takes to return under load (Little's law in model.latency_bound).
+    # Unloaded HBM latency on Hopper is roughly 0.5-0.7 us; queues under load lengthen it. The H200
+    # run's LayerNorm backward (two programs per SM, 8-16 KB of loads in flight per SM) read at
+    # 0.87 TB/s, which puts it at 1.2-2.4 us: 1 us is the optimistic end, until a GPU run refits it.
+    memory_latency_s: float = 1.0e-6
     issue_per_clock: int = 4             # warp-instructions issued per clock per SM (4 schedulers, 1 each)
     registers_per_sm: int = 65536
     shared_per_sm: int = 228 * 1024

@@ -71,7 +71,9 @@ def _attention(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
     heads = MODELS[setting.model][0] // HEAD_DIM
     scores = setting.batch * heads * setting.seq ** 2
     tile = _tile(launch.meta, "BLOCK_M", "BLOCK_N")
-    return Work(scores / tile, tile, _numel(launch.grid), int(launch.meta["num_warps"]), _bytes(launch.args))
+    # Triton pipelines the key (query) blocks' loads over num_stages: num_stages - 1 are in flight.
+    return Work(scores / tile, tile, _numel(launch.grid), int(launch.meta["num_warps"]), _bytes(launch.args),
+                loads_ahead=max(1, int(launch.meta.get("num_stages", 2)) - 1))
 
 
 def _no_loop(*tile_names: str) -> Callable[[Setting, Launch, Gpu], Work]:
@@ -93,13 +95,35 @@ def _row_loop(*tile_names: str, programs: Callable[[Setting, Launch, Gpu], int])
     return work
 
 
-def _two_per_sm(setting: Setting, launch: Launch, gpu: Gpu) -> int:
-    return 2 * gpu.sms  # kernels/_rows.py row_groups(per_sm=2) on a GPU
+def _row_groups(per_sm: Callable[[], int]) -> Callable[[Setting, Launch, Gpu], int]:
+    """The programs of a row_groups launch on ``gpu`` (the recorded grid is the CPU's three)."""
+    def programs(setting: Setting, launch: Launch, gpu: Gpu) -> int:
+        from bertfast.kernels._rows import row_group_shape
+        return row_group_shape(launch.args[0].shape[0], per_sm() * gpu.sms)[0]
+    return programs
+
+
+def _ln_bwd_per_sm() -> int:
+    from bertfast.kernels.bias_dropout_residual_layernorm import BWD_PROGRAMS_PER_SM
+    return BWD_PROGRAMS_PER_SM
+
+
+def _embeddings_bwd_per_sm() -> int:
+    from bertfast.kernels.embeddings import BWD_PROGRAMS_PER_SM
+    return BWD_PROGRAMS_PER_SM
 
 
 def _gelu_groups(setting: Setting, launch: Launch, gpu: Gpu) -> int:
     n, f = launch.args[0].shape
     return math.ceil(n / ROWS_PER_GROUP) * math.ceil(f / int(launch.meta["BLOCK_F"]))
+
+
+def _gelu_bwd(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
+    """Row tiles in groups of 32 rows; each program's [BLOCK_F] fp32 partial is written, and read back."""
+    work = _row_loop("BLOCK_N", "BLOCK_F", programs=_gelu_groups)(setting, launch, gpu)
+    work.overhead_bytes = work.programs * 2 * int(launch.meta["BLOCK_F"]) * 4
+    work.hbm_bytes += work.overhead_bytes
+    return work
 
 
 def _embeddings_fwd(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
@@ -114,7 +138,24 @@ def _embeddings_bwd(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
     tile = _tile(launch.meta, "BLOCK_M", "BLOCK_H")
     elements = launch.args[0].numel()
     moved = _bytes(launch.args, lambda a: a.dim() < 2 or a.shape[0] == setting.tokens)  # not the tables
-    return Work(elements / tile, tile, _two_per_sm(setting, launch, gpu), int(launch.meta["num_warps"]), moved)
+    programs = _row_groups(_embeddings_bwd_per_sm)(setting, launch, gpu)
+    partials = programs * _partial_bytes_per_program(launch, 2)
+    return Work(elements / tile, tile, programs, int(launch.meta["num_warps"]), moved + partials,
+                overhead_bytes=partials)
+
+
+def _partial_bytes_per_program(launch: Launch, sets: int) -> int:
+    """The fp32 [H] partial sums a row-group program writes (and column_sums reads back): ``sets`` of them."""
+    return 2 * sets * launch.args[0].shape[1] * 4
+
+
+def _ln_bwd(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
+    """A row-group loop whose partials are priced at the GPU's G (the recorded ones are the CPU's)."""
+    work = _row_loop("BLOCK_M", "BLOCK_H", programs=_row_groups(_ln_bwd_per_sm))(setting, launch, gpu)
+    has_bias = launch.meta.get("HAS_BIAS") in (True, 1)
+    work.overhead_bytes = work.programs * _partial_bytes_per_program(launch, 3 if has_bias else 2)
+    work.hbm_bytes += work.overhead_bytes
+    return work
 
 
 # kernel -> how a launch's work is counted; the kernels not listed are not modelled yet (the embeddings'
@@ -125,9 +166,9 @@ WORK: Dict[str, Callable[[Setting, Launch, Gpu], Work]] = {
     "_attention_bwd_dkdv_kernel": _attention,
     "_attention_bwd_delta_kernel": _no_loop("BLOCK_M", "BLOCK_D"),
     "_bias_gelu_fwd_kernel": _no_loop("BLOCK_N", "BLOCK_F"),
-    "_bias_gelu_bwd_kernel": _row_loop("BLOCK_N", "BLOCK_F", programs=_gelu_groups),
+    "_bias_gelu_bwd_kernel": _gelu_bwd,
     "_bias_dropout_residual_layernorm_fwd_kernel": _no_loop("BLOCK_M", "BLOCK_H"),
-    "_bias_dropout_residual_layernorm_bwd_kernel": _row_loop("BLOCK_M", "BLOCK_H", programs=_two_per_sm),
+    "_bias_dropout_residual_layernorm_bwd_kernel": _ln_bwd,
     "_embeddings_fwd_kernel": _embeddings_fwd,
     "_embeddings_bwd_kernel": _embeddings_bwd,
 }

@@ -11,21 +11,27 @@ only that resource limited it, and the waves:
 - pipe: the busiest execution pipe (fp32, int, MUFU, conversions, shuffles at their rates; shared
   memory at 128 bytes per clock);
 - memory: the launch's HBM bytes at the achievable bandwidth;
+- latency: Little's law. An SM keeps only the loads its resident programs have issued in flight:
+  the bytes one main-loop iteration (or a loopless program) loads, times the iterations a software
+  pipeline runs ahead (Work.loads_ahead), times the programs running on it at once (registers and
+  the grid allow). Reads then arrive at SMs x in-flight bytes /
+  memory_latency_s at best: a kernel with few programs per SM is bound by latency, not bandwidth
+  (the row kernels that ran two programs per SM measured 2-2.5x their bandwidth bound on the H200);
 - waves: P programs spread over the SMs give some SMs ceil(P / SMs) programs and others
   one fewer, so the launch lasts as long as the busiest SM (the bounds are divided by that
   efficiency, (P / SMs) / ceil(P / SMs)). Programs resident per SM (registers, shared memory,
   warps) are reported: one program of 4 warps per SM hides latency poorly, which this model does
   not price.
 
-predicted = (largest of tensor, max(issue, pipe), memory + overlap x the sum of the other two) /
-wave efficiency. ``overlap`` (hardware.Gpu) says how imperfectly the units overlap: 0 would be
+predicted = (largest of tensor, max(issue, pipe), max(memory, latency) + overlap x the sum of the other
+two) / wave efficiency. ``overlap`` (hardware.Gpu) says how imperfectly the units overlap: 0 would be
 perfect. These are estimates for planning, never measurements.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from bertfast.perfmodel.hardware import H100, Gpu
 from bertfast.perfmodel.sass import Function, Instruction, class_counts
@@ -42,6 +48,9 @@ class Work:
     hbm_bytes: float         # bytes the launch moves to and from HBM (each tensor once)
     registers: Optional[int] = None
     shared_bytes: int = 0
+    overhead_bytes: float = 0.0  # of hbm_bytes, what the op does not need (partial sums): not useful bandwidth
+    loads_ahead: int = 1         # main-loop iterations whose loads are in flight at once (a software
+    #                              pipeline of S stages keeps S - 1)
 
 
 @dataclass
@@ -49,8 +58,9 @@ class Prediction:
     kernel: str
     loop: bool                         # False: no loop, the whole body per program
     per_element: Dict[str, float]      # main-loop thread-instructions per element, by class, and "total"
-    bounds_s: Dict[str, float]         # tensor, issue, pipe, memory
-    parts_s: Dict[str, float]          # tensor, compute (= max(issue, pipe)), memory: what overlaps
+    bounds_s: Dict[str, float]         # tensor, issue, pipe, memory, latency
+    parts_s: Dict[str, float]          # tensor, compute (= max(issue, pipe)), memory (= max(memory,
+    #                                    latency)): what overlaps
     binding: str                       # the largest bound's name (the pipe's name for "pipe")
     resident: int                      # programs per SM
     wave_efficiency: float
@@ -89,6 +99,36 @@ def _pipe_clocks(instructions: List[Instruction], gpu: Gpu) -> Dict[str, float]:
     return clocks
 
 
+_LOADS = ("LDG", "LDGSTS")
+
+
+def global_bytes(instructions: List[Instruction], warps: int) -> Tuple[float, float]:
+    """(loaded, stored) global-memory bytes of one pass over ``instructions`` by a program of
+    ``warps`` warps (every lane of each LDG/LDGSTS and STG counted, masked or not)."""
+    loaded = sum(ins.access_bytes for ins in instructions if ins.opcode in _LOADS) * 32 * warps
+    stored = sum(ins.access_bytes for ins in instructions if ins.opcode == "STG") * 32 * warps
+    return float(loaded), float(stored)
+
+
+def latency_bound(function: Function, work: Work, resident: int, gpu: Gpu = H100) -> float:
+    """Seconds the launch's reads take when each SM has only its programs' loads of one iteration
+    in flight (Little's law; the module's note). 0 when the kernel loads nothing it can count."""
+    span = function.main_loop()
+    loop = function.body(span)
+    rest = [] if span is None else [ins for i, ins in enumerate(function.instructions)
+                                    if not span[0] <= i <= span[1]]
+    loop_loads, loop_stores = global_bytes(loop, work.warps)
+    rest_loads, rest_stores = global_bytes(rest, work.warps)
+    if loop_loads == 0:
+        return 0.0
+    loads = loop_loads * work.iterations + rest_loads * work.programs
+    stores = loop_stores * work.iterations + rest_stores * work.programs
+    read_bytes = work.hbm_bytes * loads / (loads + stores)
+    concurrent = min(max(resident, 1), work.programs / gpu.sms)
+    in_flight = gpu.sms * concurrent * loop_loads * work.loads_ahead
+    return read_bytes * gpu.memory_latency_s / in_flight
+
+
 def predict(function: Function, work: Work, gpu: Gpu = H100) -> Prediction:
     span = function.main_loop()
     loop = function.body(span)
@@ -109,22 +149,24 @@ def predict(function: Function, work: Work, gpu: Gpu = H100) -> Prediction:
     tensor_flops = sum(ins.mma_flops for ins in loop) * work.iterations * work.warps / 4
     tensor_flops += sum(ins.mma_flops for ins in rest) * work.programs * work.warps / 4
     busiest = max(pipes, key=pipes.get) if pipes else "fma"
-    bounds = {"tensor": tensor_flops / gpu.dense_bf16_flops,
-              "issue": warp_instr / (gpu.issue_per_clock * sm_clock),
-              "pipe": pipes.get(busiest, 0.0) / sm_clock,
-              "memory": work.hbm_bytes / gpu.achievable_hbm_bytes_per_s}
-    compute = max(bounds["issue"], bounds["pipe"])
-    parts = {"tensor": bounds["tensor"], "compute": compute, "memory": bounds["memory"]}
-    top = max(parts, key=parts.get)
-    overlapped = parts[top] + gpu.overlap * (sum(parts.values()) - parts[top])
     resident = resident_per_sm(work, gpu)
     notes = []
     if resident == 0:
         notes.append("does not fit on an SM (registers or shared memory)")
         resident = 1
+    bounds = {"tensor": tensor_flops / gpu.dense_bf16_flops,
+              "issue": warp_instr / (gpu.issue_per_clock * sm_clock),
+              "pipe": pipes.get(busiest, 0.0) / sm_clock,
+              "memory": work.hbm_bytes / gpu.achievable_hbm_bytes_per_s,
+              "latency": latency_bound(function, work, resident, gpu)}
+    compute = max(bounds["issue"], bounds["pipe"])
+    parts = {"tensor": bounds["tensor"], "compute": compute, "memory": max(bounds["memory"], bounds["latency"])}
+    top = max(parts, key=parts.get)
+    overlapped = parts[top] + gpu.overlap * (sum(parts.values()) - parts[top])
     per_sm = work.programs / gpu.sms
     efficiency = per_sm / math.ceil(per_sm)
-    binding = top if top != "compute" else ("issue" if bounds["issue"] >= bounds["pipe"] else busiest)
+    binding = {"compute": "issue" if bounds["issue"] >= bounds["pipe"] else busiest,
+               "memory": "latency" if bounds["latency"] > bounds["memory"] else "memory"}.get(top, top)
     return Prediction(function.name, span is not None, per_element, bounds, parts, binding, resident, efficiency,
                       overlapped / efficiency, tensor_flops, notes)
 

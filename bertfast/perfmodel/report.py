@@ -42,7 +42,7 @@ class KernelResult:
     variant: str
     config: str
     registers: Optional[int]
-    hbm_bytes: float
+    hbm_bytes: float  # what the op must move (the prediction also prices its overhead: partial sums)
     prediction: Optional[Prediction]
 
     def direction(self) -> str:
@@ -91,7 +91,8 @@ def analyse(settings: Sequence[K.Setting], gpu: Gpu = H100, log=print) -> List[K
                 if done.spills:  # local-memory traffic the model does not price
                     prediction.notes.append(f"spills {done.spills} bytes of registers")
                 results.append(KernelResult(setting, launch.op, launch.kernel, _variant(launch.meta),
-                                            _config(launch.meta), done.registers, work.hbm_bytes, prediction))
+                                            _config(launch.meta), done.registers, work.hbm_bytes - work.overhead_bytes,
+                                            prediction))
             log(f"[perf-model] {setting.label()}: {len(launches)} launches read in "
                 f"{time.perf_counter() - start:.1f} s")
     return results
@@ -281,7 +282,7 @@ def fit_overlap(rows: Sequence[Dict[str, object]]) -> Optional[float]:
 # --------------------------------------------------------------------------- output
 def kernel_table(results: Sequence[KernelResult]) -> str:
     header = ("setting", "kernel", "variant", "config", "regs", "instr/elem", "binding", "tensor us", "issue us",
-              "pipe us", "memory us", "predicted us")
+              "pipe us", "memory us", "latency us", "predicted us")
     lines = [header]
     for r in results:
         p = r.prediction
@@ -290,7 +291,7 @@ def kernel_table(results: Sequence[KernelResult]) -> str:
         b = p.bounds_s
         lines.append((r.setting.label(), r.kernel.strip("_").replace("_kernel", ""), r.variant, r.config,
                       str(r.registers or "-"), f"{p.per_element['total']:.1f}", p.binding,
-                      *(f"{b[k] * 1e6:.1f}" for k in ("tensor", "issue", "pipe", "memory")),
+                      *(f"{b[k] * 1e6:.1f}" for k in ("tensor", "issue", "pipe", "memory", "latency")),
                       f"{p.predicted_s * 1e6:.1f}"))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)

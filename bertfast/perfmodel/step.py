@@ -32,7 +32,9 @@ from bertfast.perfmodel.hardware import Gpu
 
 LAYERS = {"bert-base": 12, "bert-large": 24}
 VOCAB, POSITIONS, TYPES = 30522, 512, 2
-KERNELS_PER_LAYER = 36  # forward ~13 (4 GEMMs, the QKV concat, 4 weight casts, attention, 3 row ops), backward ~23
+# forward ~14 (4 GEMMs, the QKV concat, 4 weight casts, attention and its outside-rows pass, 3 row ops),
+# backward ~24 (GEMMs, casts, the attention's kernels, row ops and their column sums, residual adds)
+KERNELS_PER_LAYER = 38
 MASKED_PER_SEQUENCE = {128: 20, 512: 80}  # the BERT recipe's max_predictions_per_seq
 
 

@@ -108,6 +108,7 @@ def check_varlen(backend, q, k, v, dout, cu, max_seqlen, scale=None, p=0.0, seed
     (o32, g32), (olo, glo) = references(fn, [q, k, v], q.dtype, dout)
     n = int(cu[-1])  # the reference leaves rows after the last sequence undefined; its gradients are 0 there
     check_close("out", out[:n], o32[:n], None if olo is None else olo[:n], q.dtype, atol=atol)
+    assert not out[n:].any(), "rows after the last sequence: out must be 0"
     for i, name in enumerate(("dq", "dk", "dv")):
         check_close(name, dqkv[:, i], g32[i], glo[i], q.dtype, atol=grad_atol or 2 * atol, rtol=1e-4)
 

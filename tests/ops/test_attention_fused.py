@@ -145,6 +145,25 @@ def test_triton_dropout_mask_is_the_documented_function():
             np.testing.assert_array_equal(keep[b, h], bits >= threshold, err_msg=f"sequence {b}, head {h}")
 
 
+def test_triton_varlen_outputs_are_not_zero_filled_but_rows_outside_every_sequence_are_cleared():
+    """The varlen outputs are allocated empty (a zero-fill wrote all of out and three times that for
+    dqkv); _clear_outside_rows sets the rows before cu_seqlens[0] and from cu_seqlens[B] on to 0 and
+    lse to +inf there, and leaves every row of a sequence to the attention kernels."""
+    from bertfast.kernels import attention as K
+
+    dev = torch.device("cuda" if GPU else "cpu")
+    tokens, row = 150, 3 * A * 16  # 150 rows: three 64-row programs, the last partial
+    for bounds in ([5, 70, 71, 100], [0, 150], [0, 64], [64, 64], [0]):
+        cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
+        out = torch.full((tokens, 3, A, 16), float("nan"), device=dev)
+        lse = torch.full((A, tokens), float("nan"), device=dev)
+        K._clear_outside_rows(out, lse, cu)
+        outside = torch.tensor([r < bounds[0] or r >= bounds[-1] for r in range(tokens)], device=dev)
+        flat = out.reshape(tokens, row)
+        assert (flat[outside] == 0).all() and flat[~outside].isnan().all(), bounds
+        assert torch.isposinf(lse[:, outside]).all() and lse[:, ~outside].isnan().all(), bounds
+
+
 # =========================================================================== CUDA
 @pytest.mark.skipif(GPU, reason="bf16 runs in the GPU tests there")
 def test_cuda_bf16_on_the_emulator(fused_backend):
