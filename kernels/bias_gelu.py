@@ -34,7 +34,7 @@ import triton.language as tl
 from bertfast.contract import check_bias_gelu, check_rows, row_stride
 
 from ._common import autotune, launch
-from ._rows import MAX_ROWS_PER_TILE, column_sums, n_bucket
+from ._rows import MAX_ROWS_PER_TILE, column_sums, n_bucket, row_group_shape
 
 
 def unsupported(inputs) -> list:
@@ -162,10 +162,9 @@ def _row_groups(n: int, device: torch.device):
     little) while the [G, F] fp32 partials add only 4 / (32 * 6) ~ 2% to the bf16 traffic.
     Under the interpreter three groups, so tests cross group borders.
     """
-    if device.type == "cuda":
-        rpp = 2 * MAX_ROWS_PER_TILE
-    else:
-        rpp = triton.cdiv(triton.cdiv(n, 3), MAX_ROWS_PER_TILE) * MAX_ROWS_PER_TILE
+    if device.type != "cuda":
+        return row_group_shape(n, 3)
+    rpp = 2 * MAX_ROWS_PER_TILE
     return triton.cdiv(n, rpp), rpp
 
 

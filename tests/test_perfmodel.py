@@ -84,27 +84,28 @@ def test_latency_bound_is_littles_law_over_the_loads_in_flight(gelu_bwd):
     """The loop loads four 16-byte vectors a thread (LDG.E.128: two rows of dy and of x) and stores two;
     outside it, one load (the bias) and one store (the partial) per program. With 3 programs of 8 warps
     resident per SM, each SM has 3 x 16 KB in flight: reads arrive at 132 x 48 KB / 1 us."""
-    assert model.global_bytes(gelu_bwd.body(gelu_bwd.main_loop()), 8) == (4 * 16 * 256, 2 * 16 * 256)
+    _, loop, rest = model.loop_and_rest(gelu_bwd)
+    assert model.global_bytes(loop, 8) == (4 * 16 * 256, 2 * 16 * 256)
     tokens, ffn, tile, warps, programs = 16384, 4096, 4096, 8, 2048
     moved = 3 * tokens * ffn * 2
     iterations = tokens * ffn / tile
     work = model.Work(iterations, tile, programs, warps, moved, registers=73)
     loads, stores = 16384 * iterations + 4096 * programs, 8192 * iterations + 4096 * programs
     reads = moved * loads / (loads + stores)
-    assert model.latency_bound(gelu_bwd, work, 3, H100) == pytest.approx(reads * 1e-6 / (132 * 3 * 16384))
+    assert model.latency_bound(loop, rest, work, 3, H100) == pytest.approx(reads * 1e-6 / (132 * 3 * 16384))
     # two programs per SM in the grid (264), whatever the registers allow: the bound grows by 3/2
     few = model.Work(iterations, tile, 264, warps, moved, registers=73)
     loads = 16384 * iterations + 4096 * 264
     reads = moved * loads / (loads + 8192 * iterations + 4096 * 264)
-    assert model.latency_bound(gelu_bwd, few, 3, H100) == pytest.approx(reads * 1e-6 / (132 * 2 * 16384))
+    assert model.latency_bound(loop, rest, few, 3, H100) == pytest.approx(reads * 1e-6 / (132 * 2 * 16384))
     # one program on every other SM: 8 KB in flight per SM on average, 1.1 TB/s, below the bandwidth
     p = model.predict(gelu_bwd, model.Work(iterations, tile, 66, warps, moved, registers=73), H100)
     assert p.bounds_s["latency"] > p.bounds_s["memory"] and p.binding == "latency"
     assert p.parts_s["memory"] == p.bounds_s["latency"]
     # a pipeline two iterations deep halves it
     deep = model.Work(iterations, tile, 264, warps, moved, registers=73, loads_ahead=2)
-    assert model.latency_bound(gelu_bwd, deep, 3, H100) == pytest.approx(
-        model.latency_bound(gelu_bwd, few, 3, H100) / 2)
+    assert model.latency_bound(loop, rest, deep, 3, H100) == pytest.approx(
+        model.latency_bound(loop, rest, few, 3, H100) / 2)
 
 
 def test_pipe_bound_counts_each_pipe_at_its_rate(gelu_bwd):

@@ -9,6 +9,7 @@ kernel, what an element is and how a launch's work divides into main-loop iterat
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import math
 import tempfile
@@ -95,22 +96,14 @@ def _row_loop(*tile_names: str, programs: Callable[[Setting, Launch, Gpu], int])
     return work
 
 
-def _row_groups(per_sm: Callable[[], int]) -> Callable[[Setting, Launch, Gpu], int]:
-    """The programs of a row_groups launch on ``gpu`` (the recorded grid is the CPU's three)."""
+def _row_groups(op: str) -> Callable[[Setting, Launch, Gpu], int]:
+    """The programs of ``op``'s row_groups launch on ``gpu`` (the recorded grid is the CPU's three),
+    at the BWD_PROGRAMS_PER_SM of kernels/<op>.py."""
     def programs(setting: Setting, launch: Launch, gpu: Gpu) -> int:
         from bertfast.kernels._rows import row_group_shape
-        return row_group_shape(launch.args[0].shape[0], per_sm() * gpu.sms)[0]
+        per_sm = importlib.import_module(f"bertfast.kernels.{op}").BWD_PROGRAMS_PER_SM
+        return row_group_shape(launch.args[0].shape[0], per_sm * gpu.sms)[0]
     return programs
-
-
-def _ln_bwd_per_sm() -> int:
-    from bertfast.kernels.bias_dropout_residual_layernorm import BWD_PROGRAMS_PER_SM
-    return BWD_PROGRAMS_PER_SM
-
-
-def _embeddings_bwd_per_sm() -> int:
-    from bertfast.kernels.embeddings import BWD_PROGRAMS_PER_SM
-    return BWD_PROGRAMS_PER_SM
 
 
 def _gelu_groups(setting: Setting, launch: Launch, gpu: Gpu) -> int:
@@ -122,7 +115,6 @@ def _gelu_bwd(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
     """Row tiles in groups of 32 rows; each program's [BLOCK_F] fp32 partial is written, and read back."""
     work = _row_loop("BLOCK_N", "BLOCK_F", programs=_gelu_groups)(setting, launch, gpu)
     work.overhead_bytes = work.programs * 2 * int(launch.meta["BLOCK_F"]) * 4
-    work.hbm_bytes += work.overhead_bytes
     return work
 
 
@@ -138,10 +130,9 @@ def _embeddings_bwd(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
     tile = _tile(launch.meta, "BLOCK_M", "BLOCK_H")
     elements = launch.args[0].numel()
     moved = _bytes(launch.args, lambda a: a.dim() < 2 or a.shape[0] == setting.tokens)  # not the tables
-    programs = _row_groups(_embeddings_bwd_per_sm)(setting, launch, gpu)
-    partials = programs * _partial_bytes_per_program(launch, 2)
-    return Work(elements / tile, tile, programs, int(launch.meta["num_warps"]), moved + partials,
-                overhead_bytes=partials)
+    programs = _row_groups("embeddings")(setting, launch, gpu)
+    return Work(elements / tile, tile, programs, int(launch.meta["num_warps"]), moved,
+                overhead_bytes=programs * _partial_bytes_per_program(launch, 2))
 
 
 def _partial_bytes_per_program(launch: Launch, sets: int) -> int:
@@ -151,10 +142,10 @@ def _partial_bytes_per_program(launch: Launch, sets: int) -> int:
 
 def _ln_bwd(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
     """A row-group loop whose partials are priced at the GPU's G (the recorded ones are the CPU's)."""
-    work = _row_loop("BLOCK_M", "BLOCK_H", programs=_row_groups(_ln_bwd_per_sm))(setting, launch, gpu)
+    work = _row_loop("BLOCK_M", "BLOCK_H", programs=_row_groups("bias_dropout_residual_layernorm"))(
+        setting, launch, gpu)
     has_bias = launch.meta.get("HAS_BIAS") in (True, 1)
     work.overhead_bytes = work.programs * _partial_bytes_per_program(launch, 3 if has_bias else 2)
-    work.hbm_bytes += work.overhead_bytes
     return work
 
 

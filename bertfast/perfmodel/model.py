@@ -45,12 +45,16 @@ class Work:
     tile_elements: int       # elements one iteration (or program) handles
     programs: int            # programs in the grid
     warps: int               # warps per program
-    hbm_bytes: float         # bytes the launch moves to and from HBM (each tensor once)
+    hbm_bytes: float         # bytes the op moves to and from HBM (each tensor once)
     registers: Optional[int] = None
     shared_bytes: int = 0
-    overhead_bytes: float = 0.0  # of hbm_bytes, what the op does not need (partial sums): not useful bandwidth
+    overhead_bytes: float = 0.0  # and what the launch moves beside them (partial sums): timed, not useful bandwidth
     loads_ahead: int = 1         # main-loop iterations whose loads are in flight at once (a software
     #                              pipeline of S stages keeps S - 1)
+
+    @property
+    def moved_bytes(self) -> float:
+        return self.hbm_bytes + self.overhead_bytes
 
 
 @dataclass
@@ -110,31 +114,34 @@ def global_bytes(instructions: List[Instruction], warps: int) -> Tuple[float, fl
     return float(loaded), float(stored)
 
 
-def latency_bound(function: Function, work: Work, resident: int, gpu: Gpu = H100) -> float:
+def loop_and_rest(function: Function) -> Tuple[Optional[Tuple[int, int]], List[Instruction], List[Instruction]]:
+    """(the main loop's span, its instructions, the instructions outside it). Without a loop the
+    whole body is the "loop", run once per program, and nothing is outside it."""
+    span = function.main_loop()
+    if span is None:
+        return None, function.instructions, []
+    rest = [ins for i, ins in enumerate(function.instructions) if not span[0] <= i <= span[1]]
+    return span, function.body(span), rest
+
+
+def latency_bound(loop: List[Instruction], rest: List[Instruction], work: Work, resident: int,
+                  gpu: Gpu = H100) -> float:
     """Seconds the launch's reads take when each SM has only its programs' loads of one iteration
     in flight (Little's law; the module's note). 0 when the kernel loads nothing it can count."""
-    span = function.main_loop()
-    loop = function.body(span)
-    rest = [] if span is None else [ins for i, ins in enumerate(function.instructions)
-                                    if not span[0] <= i <= span[1]]
     loop_loads, loop_stores = global_bytes(loop, work.warps)
     rest_loads, rest_stores = global_bytes(rest, work.warps)
     if loop_loads == 0:
         return 0.0
     loads = loop_loads * work.iterations + rest_loads * work.programs
     stores = loop_stores * work.iterations + rest_stores * work.programs
-    read_bytes = work.hbm_bytes * loads / (loads + stores)
+    read_bytes = work.moved_bytes * loads / (loads + stores)
     concurrent = min(max(resident, 1), work.programs / gpu.sms)
     in_flight = gpu.sms * concurrent * loop_loads * work.loads_ahead
     return read_bytes * gpu.memory_latency_s / in_flight
 
 
 def predict(function: Function, work: Work, gpu: Gpu = H100) -> Prediction:
-    span = function.main_loop()
-    loop = function.body(span)
-    rest = [ins for i, ins in enumerate(function.instructions) if span is None or not span[0] <= i <= span[1]]
-    if span is None:
-        rest = []  # the whole body is the "loop", run once per program
+    span, loop, rest = loop_and_rest(function)
     counts = class_counts(loop)
     threads = 32 * work.warps
     per_element = {cls: n * threads / work.tile_elements for cls, n in counts.items() if n}
@@ -157,8 +164,8 @@ def predict(function: Function, work: Work, gpu: Gpu = H100) -> Prediction:
     bounds = {"tensor": tensor_flops / gpu.dense_bf16_flops,
               "issue": warp_instr / (gpu.issue_per_clock * sm_clock),
               "pipe": pipes.get(busiest, 0.0) / sm_clock,
-              "memory": work.hbm_bytes / gpu.achievable_hbm_bytes_per_s,
-              "latency": latency_bound(function, work, resident, gpu)}
+              "memory": work.moved_bytes / gpu.achievable_hbm_bytes_per_s,
+              "latency": latency_bound(loop, rest, work, resident, gpu)}
     compute = max(bounds["issue"], bounds["pipe"])
     parts = {"tensor": bounds["tensor"], "compute": compute, "memory": max(bounds["memory"], bounds["latency"])}
     top = max(parts, key=parts.get)

@@ -91,8 +91,7 @@ def analyse(settings: Sequence[K.Setting], gpu: Gpu = H100, log=print) -> List[K
                 if done.spills:  # local-memory traffic the model does not price
                     prediction.notes.append(f"spills {done.spills} bytes of registers")
                 results.append(KernelResult(setting, launch.op, launch.kernel, _variant(launch.meta),
-                                            _config(launch.meta), done.registers, work.hbm_bytes - work.overhead_bytes,
-                                            prediction))
+                                            _config(launch.meta), done.registers, work.hbm_bytes, prediction))
             log(f"[perf-model] {setting.label()}: {len(launches)} launches read in "
                 f"{time.perf_counter() - start:.1f} s")
     return results
