@@ -312,6 +312,26 @@ def test_targets_failed_parity_and_missing_rows():
     assert {t["status"] for t in cpu.targets} == {NOT_MEASURED}
 
 
+def test_step_targets_take_the_fastest_bertfast_pretrain_step():
+    """`bertfast pretrain --cuda-graphs` is bertfast's step as much as the default one: the step
+    targets take the fastest that passed its gate, and say which; a failed option is passed over."""
+    from bertfast.bench.results import BERTFAST_GRAPHS, BERTFAST_STATIC
+    run = _synthetic_run()
+    case = dict(model="bert-large", seqlen=128, batch=128)
+    run.rows += [_row("pretrain_step", BERTFAST_STATIC, 250.0, "step", "model", {"mfu": 0.48}, **case),
+                 _row("pretrain_step", BERTFAST_GRAPHS, 200.0, "step", "model", {"mfu": 0.6}, **case)]
+    got = {t["id"]: t for t in evaluate_targets(run)}
+    assert (got["mfu_large_128"]["status"], got["mfu_large_128"]["value"]) == (MET, pytest.approx(0.6))
+    assert got["mfu_large_128"]["detail"].endswith(f"(batch 128, {BERTFAST_GRAPHS})")
+    assert got["hf_eager_large_128"]["value"] == pytest.approx(1.5)  # 300 ms vs the graphed 200 ms
+    assert "ms, bertfast cuda graphs vs" in got["hf_eager_large_128"]["detail"]
+    assert "," not in got["mfu_base_128"]["detail"]  # bert-base: the default step is the fastest
+    run.rows[-1] = Row("model", "pretrain_step", case, "step", BERTFAST_GRAPHS, status=FAILED_PARITY,
+                       reason="loss differs")
+    got = {t["id"]: t for t in evaluate_targets(run)}
+    assert got["mfu_large_128"]["value"] == pytest.approx(0.48)  # the static-shape step, 250 ms
+
+
 def test_target_detail_groups_the_cases_not_measured():
     """A stopped bench leaves many cases unmeasured for one reason: one line with their count, after
     the measured cases (the README table stays readable)."""
@@ -599,6 +619,23 @@ def test_gpu_calibration_and_timing():
     x = torch.randn(4096, 4096, device="cuda")
     t = time_fn(lambda: x.mul_(1.0), torch.device("cuda"), TimingPolicy.quick())
     assert t.n >= 3 and 0 < t.p20 <= t.median <= t.p80
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_timing_leaves_out_the_host_time_of_a_call():
+    """A call that spends 3 ms on the host before launching a ~20 us kernel: kernel timing (queued
+    behind a device sleep) reports the kernel; step timing, as users wait for it, the 3 ms."""
+    import time as _time
+    x = torch.randn(2048, 2048, device="cuda")
+
+    def call():
+        _time.sleep(0.003)
+        x.mul_(1.0)
+
+    kernel = time_fn(call, torch.device("cuda"), TimingPolicy.quick())
+    step = time_fn(call, torch.device("cuda"), TimingPolicy.steps(quick=True))
+    assert kernel.median < 0.5, kernel
+    assert step.median > 2.5, step
 
 
 # --------------------------------------------------------------------------- selection, budget, merge, README

@@ -142,6 +142,22 @@ def test_a_profile_is_read_and_the_overlap_fitted_to_it(tmp_path, gelu_bwd):
     assert report.fit_overlap(rows) == pytest.approx(0.5)
 
 
+def test_the_latest_profile_is_the_last_measured_not_the_last_folder_name(tmp_path):
+    """An H200's second run of a day ("2026-11-26-2") and an H100's later first ("2026-11-26"): the
+    runs' own timestamps order them; without a results.json, the folder's name does."""
+    from bertfast.perfmodel import report
+    runs = {("nvidia-h200", "2026-11-26-2"): "2026-11-26T03:39:47+00:00",
+            ("nvidia-h100", "2026-11-26"): "2026-11-26T11:27:48+00:00", ("nvidia-a100", "2026-11-25"): None}
+    for (gpu, day), date in runs.items():
+        run = tmp_path / gpu / day
+        run.mkdir(parents=True)
+        (run / "profile-bertfast.txt").write_text(f"bert-large seq 128 batch 128, bf16 on {gpu}\n")
+        if date:
+            (run / "results.json").write_text(json.dumps({"date": date}))
+    assert report.latest_profile(str(tmp_path)).device == "nvidia-h100"
+    assert report.run_date(str(tmp_path / "nvidia-a100" / "2026-11-25")) == "2026-11-25"
+
+
 def test_step_budget_counts_parameters_flops_and_a_trace(tmp_path):
     import gzip
 

@@ -3,7 +3,12 @@
 GPU (after ``triton.testing.do_bench``): run once, estimate the time per call with a few
 CUDA-event-timed calls, warm up for ``warmup_ms``, then time each of ``rep_ms`` worth of calls
 with its own pair of CUDA events, zeroing a 256 MiB buffer between calls so that every call
-starts with a cold L2 cache. CPU: ``time.perf_counter`` around each call after warm-up calls;
+starts with a cold L2 cache. Kernel timings (``TimingPolicy.ahead_of_host``) queue each call
+behind a device sleep longer than the call's own host time (nvbench's "blocking kernel"): the
+start event then fires only once the call's kernels are all queued, so the figure is the
+device's work and not the host's launch time, which an op's Python wrapper can exceed (the
+H100 run of 2026-11-26 timed a 0.1 ms LayerNorm backward at 0.4 ms that way). Whole steps
+are timed as users run them, host included. CPU: ``time.perf_counter`` around each call after warm-up calls;
 these are CPU timings of interpreter/reference paths on tiny shapes, not GPU figures.
 ``time_cpu_interleaved`` times several callables on a CPU in turns, for ratios between them.
 
@@ -91,6 +96,7 @@ class TimingPolicy:
     cpu_warmup: int = 1
     cpu_reps: int = 5
     flush_l2: bool = True
+    ahead_of_host: bool = True  # GPU: queue each call behind a device sleep (device time, not launch time)
 
     @classmethod
     def quick(cls) -> "TimingPolicy":
@@ -101,9 +107,9 @@ class TimingPolicy:
         """For whole training steps (tens to hundreds of ms each): fixed small counts."""
         if quick:
             return cls(warmup_ms=0.0, rep_ms=0.0, min_reps=3, max_reps=3, cpu_warmup=1, cpu_reps=3,
-                       flush_l2=False)
+                       flush_l2=False, ahead_of_host=False)
         return cls(warmup_ms=300.0, rep_ms=2000.0, min_reps=10, max_reps=50, cpu_warmup=2, cpu_reps=5,
-                   flush_l2=False)
+                   flush_l2=False, ahead_of_host=False)
 
 
 def method_for(device: torch.device) -> str:
@@ -178,25 +184,67 @@ def time_cpu_interleaved(fns: Sequence[Callable[[], object]], policy: Optional[T
             for i, result in enumerate(results)]
 
 
+_SLEEP_CYCLES_PER_MS: Dict[int, float] = {}
+
+
+def _sleep_cycles_per_ms(device: torch.device) -> Optional[float]:
+    """Clock cycles of ``torch.cuda._sleep`` per millisecond on ``device``, measured once; None where
+    this torch has no ``_sleep`` (the calls are then timed as queued, host time included)."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is None:
+        return None
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    if index not in _SLEEP_CYCLES_PER_MS:
+        cycles = 20_000_000  # ~10 ms at a GPU's clock: long against the events' resolution
+        sleep(1000)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        sleep(cycles)
+        end.record()
+        torch.cuda.synchronize(device)
+        _SLEEP_CYCLES_PER_MS[index] = cycles / max(start.elapsed_time(end), 1e-3)
+    return _SLEEP_CYCLES_PER_MS[index]
+
+
+def _host_ms(fn, device: torch.device, calls: int = 3) -> float:
+    """The longest host time of one call of ``fn`` (its launches, not its kernels), the device idle."""
+    worst = 0.0
+    for _ in range(calls):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        worst = max(worst, (time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize(device)
+    return worst
+
+
 def _time_cuda(fn, device: torch.device, policy: TimingPolicy, setup) -> Stat:
     with torch.cuda.device(device):
         flush = _l2_flush_buffer(device) if policy.flush_l2 else None
+
+        # First call (compilation, autotuning, allocator growth).
+        if setup is not None:
+            setup()
+        fn()
+        torch.cuda.synchronize(device)
+        hold = 0
+        rate = _sleep_cycles_per_ms(device) if policy.ahead_of_host else None
+        if rate is not None:  # the sleep outlasts the call's host time by half, plus 0.1 ms
+            hold = int(rate * (1.5 * _host_ms(fn, device) + 0.1))
 
         def one(start: torch.cuda.Event, end: torch.cuda.Event) -> None:
             if setup is not None:
                 setup()
             if flush is not None:
                 flush.zero_()
+            if hold:
+                torch.cuda._sleep(hold)
             start.record()
             fn()
             end.record()
 
-        # First call (compilation, autotuning, allocator growth), then a small estimate.
-        if setup is not None:
-            setup()
-        fn()
-        torch.cuda.synchronize(device)
-        n_est = 3
+        n_est = 3  # a small estimate of the time per call
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(n_est)]
         for s, e in events:
@@ -219,7 +267,7 @@ def _time_cuda(fn, device: torch.device, policy: TimingPolicy, setup) -> Stat:
 
 
 # How a figure was timed (Row.timing).
-COLD_L2 = "cuda events, cold L2"
+COLD_L2 = "cuda events, cold L2, queued ahead of the host"
 GRAPH_REPLAY = "cuda graph replay"
 BACK_TO_BACK = "back to back"
 PERF_COUNTER = "perf_counter (CPU)"

@@ -195,11 +195,21 @@ RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
                        "results")
 
 
+def run_date(run_dir: str) -> str:
+    """When a committed run (benchmarks/results/<gpu>/<date>/) was measured: its results.json's
+    timestamp, else its folder's name. Folder names alone do not order two GPUs' runs of one day."""
+    try:
+        with open(os.path.join(run_dir, "results.json"), encoding="utf-8") as f:
+            return str(json.load(f).get("date") or os.path.basename(run_dir))
+    except (OSError, ValueError):
+        return os.path.basename(run_dir)
+
+
 def latest_profile(root: str = RESULTS) -> Optional[Profile]:
     """The newest committed GPU run (benchmarks/results/<gpu>/<date>/) with a profile of bertfast's step."""
     found = [read_profile(p) for p in glob.glob(os.path.join(root, "*", "*", "profile-bertfast.txt"))]
     found = [p for p in found if p is not None and p.setting.model in ("bert-base", "bert-large")]
-    return max(found, key=lambda p: os.path.basename(os.path.dirname(p.path))) if found else None
+    return max(found, key=lambda p: run_date(os.path.dirname(p.path))) if found else None
 
 
 def run_gpu(profile: Profile) -> Gpu:
