@@ -111,6 +111,34 @@ def test_each_replay_draws_new_dropout_masks():
     assert len(set(losses[-3:])) == 3                                   # each replay: new masks
 
 
+def _cuda_kernels(fn):
+    """Names of the CUDA kernels ``fn`` runs (a graph replay's too)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def test_graphed_adamw_step_neither_zeroes_nor_adds_into_its_gradients():
+    """The captured AdamW step keeps the backward's own gradients, as the eager step does: a
+    BERT-large replay on an H100 spent 2.1 ms zeroing fixed gradient buffers and adding into them."""
+    torch.manual_seed(0)
+    model, eager_model = _model(), _model()
+    graphed, eager = _step(model, "graph"), _step(eager_model, "eager")
+    mb = _batch(0)
+    for _ in range(4):  # warm-up 3, then the capture and its first replay
+        graphed([mb], _forward(graphed, model, 4 * S))
+        eager([mb], _forward(eager, eager_model, 4 * S))
+    addresses = [p.grad.data_ptr() for p in model.parameters() if p.grad is not None]
+    replay = _cuda_kernels(lambda: graphed([mb], _forward(graphed, model, 4 * S)))
+    eager_step = _cuda_kernels(lambda: eager([mb], _forward(eager, eager_model, 4 * S)))
+    assert graphed.replays == 2 and len(replay) > 50, replay  # the profiler sees into the replay
+    assert [p.grad.data_ptr() for p in model.parameters() if p.grad is not None] == addresses
+    assert not [k for k in replay if "ZeroFunctor" in k], replay  # torch._foreach_zero_ of the gradients
+    replay_adds, eager_adds = ([k for k in kernels if "CUDAFunctor_add" in k] for kernels in (replay, eager_step))
+    assert len(replay_adds) <= len(eager_adds), (replay_adds, eager_adds)
+
+
 class _Scaled:
     """A model output whose loss is multiplied by the batch's "scale" (NaN makes the step non-finite)."""
 
