@@ -227,17 +227,25 @@ def test_row_strided_inputs(backend):
         strided[k] = wide[:, :h]
     (y, pre, mean, rstd, keep), grads = check(backend, strided, p, seed)
     (y_c, pre_c, mean_c, rstd_c, keep_c), grads_c = run(backend, inp, p, seed)
-    # Each output by name, and how it differs: a failure on a GPU says where to look.
-    for name, got, want in (("keep", keep, keep_c), ("pre_norm", pre, pre_c), ("mean", mean, mean_c),
-                            ("rstd", rstd, rstd_c), ("y", y, y_c)) + tuple(
-                                (f"d{k}", grads[k], grads_c[k]) for k in NAMES):
+    # Each output by name, and how it differs: a failure on a GPU says where to look. The mask and
+    # pre_norm are elementwise: the same bits. What goes through a row reduction may differ in the
+    # last bit or two: Triton specialises a kernel on its strides (400 is a multiple of 16, 200 not),
+    # and the two compiles lay the row out differently (the H100 run of 2026-11-26: y differed in 107
+    # of 1800 elements by at most 2.4e-7, mean and rstd equal). A read past the row gives NaN.
+    for name, got, want in (("keep", keep, keep_c), ("pre_norm", pre, pre_c)):
         assert_same_bits(name, got, want)
+    for name, got, want in (("mean", mean, mean_c), ("rstd", rstd, rstd_c), ("y", y, y_c)) + tuple(
+            (f"d{k}", grads[k], grads_c[k]) for k in NAMES):
+        if got is None or want is None:
+            assert got is None and want is None, name
+            continue
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     # A row-strided pre_norm in the backward (a view of a wider saved buffer).
     pre_wide = torch.full((n, 2 * h), float("nan"), device=backend.device)
     pre_wide[:, :h] = pre
     dx = backend.module(OP).bias_dropout_residual_layernorm_bwd(inp["dy"], pre_wide[:, :h], mean, rstd,
                                                                 inp["weight"], p, seed, True, True)[0]
-    assert torch.equal(dx, grads_c["x"])
+    torch.testing.assert_close(dx, grads_c["x"], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("has_bias,has_res,p", [(True, True, 0.1), (False, False, 0.0)])
