@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from bertfast.gpucheck import compile_report, runner, stages
 from bertfast.gpucheck.stages import STAGES, Stage, Step
@@ -34,6 +35,8 @@ def test_plan_fits_a_lent_gpu_machine():
     assert list(build) == ["install", "requirements", "build", "info", "memcheck", "racecheck"]
     assert build["install"].env == {"BERTFAST_BUILD_CUDA": "0"} and build["build"].env["BERTFAST_BUILD_CUDA"] == "1"
     assert "compute-sanitizer" in build["memcheck"].argv and "compute-sanitizer" in build["racecheck"].argv
+    # racecheck fails inside cuBLAS's fp32-out GEMM (three GPU runs): it alone takes the bf16-out path.
+    assert "--no-fp32-out-gemms" in build["racecheck"].argv and "--no-fp32-out-gemms" not in build["memcheck"].argv
     # Only the sanitizers need the extension: the Triton tests and the benchmarks never wait on its build.
     assert [step.name for s in STAGES for step in s.steps if stages.EXTENSION in step.needs] == ["memcheck",
                                                                                                "racecheck"]
@@ -78,6 +81,22 @@ def test_step_output_is_logged_and_a_step_past_its_limit_is_stopped(tmp_path):
                                                  "time.sleep(60)"], dict(os.environ), str(log), 1)
     assert slow["status"] == "timed out" and slow["seconds"] < 30
     assert "started" in log.read_text() and "stopped at the step's limit of 1 s" in log.read_text()
+
+
+def test_sanitize_can_keep_the_mlm_weight_gradient_off_fp32_out_gemms(monkeypatch, capsys):
+    """--no-fp32-out-gemms: the op's weight gradient through input-dtype GEMMs (a probe that once
+    found fp32-out GEMMs is overridden); the calls still run and finish finite."""
+    import importlib
+    from bertfast.gpucheck import sanitize
+    mlm_head_loss = importlib.import_module("bertfast.ops.mlm_head_loss")  # the module, not the op
+    monkeypatch.setattr(mlm_head_loss, "FP32_OUT_GEMMS", True)
+    monkeypatch.setitem(mlm_head_loss._FP32_GEMM_CAPS, ("cuda", 0, torch.bfloat16), (True, True))
+    assert mlm_head_loss._fp32_gemm_caps(torch.device("cuda", 0), torch.bfloat16) == (True, True)
+    assert sanitize.main(["--backend", "torch", "--device", "cpu", "--case", "mlm_head_loss",
+                          "--no-fp32-out-gemms"]) == 0
+    assert mlm_head_loss.FP32_OUT_GEMMS is False
+    assert mlm_head_loss._fp32_gemm_caps(torch.device("cuda", 0), torch.bfloat16) == (False, False)
+    assert "GEMMs write the input dtype" in capsys.readouterr().out
 
 
 def test_findings_read_pytest_and_sanitizer_summaries(tmp_path):

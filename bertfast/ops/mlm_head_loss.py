@@ -208,6 +208,10 @@ def default_chunk_rows(num_rows: int, vocab_size: int, element_size: int,
 
 
 _FP32_GEMM_CAPS = {}
+# False: the weight gradient's GEMMs write the input dtype, as on CPU. Only the GPU check's
+# racecheck sets it (compute-sanitizer's racecheck fails inside cuBLAS's bf16-in, fp32-out GEMM:
+# bertfast.gpucheck.sanitize --no-fp32-out-gemms).
+FP32_OUT_GEMMS = True
 
 
 def _fp32_gemm_caps(device: torch.device, dtype: torch.dtype) -> Tuple[bool, bool]:
@@ -215,6 +219,8 @@ def _fp32_gemm_caps(device: torch.device, dtype: torch.dtype) -> Tuple[bool, boo
     inputs on this device; probed once on tiny tensors. CUDA torch has out_dtype GEMMs
     (which forms accept an fp32 self differs between versions); CPU torch has neither.
     """
+    if not FP32_OUT_GEMMS:
+        return False, False
     key = (device.type, device.index, dtype)
     if key not in _FP32_GEMM_CAPS:
         a = torch.ones(16, 8, device=device, dtype=dtype)
