@@ -856,6 +856,10 @@ def test_profile_writes_where_a_steps_time_goes(tmp_path):
     assert text.startswith("tiny seq 16 batch 2, fp32 on CPU") and "wall per step" in text
     assert "aten::" in text  # the host ops by self time
     assert "bertfast" in (out / "summary.txt").read_text()
+    # the host's Python by function: bertfast's own op wrappers among them
+    python = (out / "bertfast.python.txt").read_text()
+    assert "1 step under cProfile" in python and "Ordered by: internal time" in python
+    assert "Ordered by: cumulative time" in python and "bertfast/ops/" in python
     assert profile.main(["--device", "cpu", "--impls", "bertfast,deepspeed", "--out", str(out)]) == 2
 
 

@@ -11,8 +11,12 @@ device's busy time per step (the time at least one kernel, copy or fill runs; fa
 time means the host is the bottleneck: launches, syncs, Python), the kernels grouped by name with
 their share of the device time, and the host-side ops by their own time. DIR/summary.txt puts the
 implementations side by side; --trace adds DIR/<impl>.trace.json.gz (chrome://tracing,
-ui.perfetto.dev) to find the gaps between kernels. The GPU check runs it after the headline
-(scripts/gpu-loan.sh).
+ui.perfetto.dev) to find the gaps between kernels. For the steps that run Python per kernel
+(bertfast, transformers; not the graph replay) DIR/<impl>.python.txt holds cProfile's view of the
+host: the functions by their own time and by their time with callees, per step. The H100 run of
+2026-11-26 found the eager BERT-large step idle half the time with ~300 us of host time per fused
+op call, and could not say how much of it was Triton's launch, the autotuner, the op wrappers or
+autograd: that file says. The GPU check runs it after the headline (scripts/gpu-loan.sh).
 """
 from __future__ import annotations
 
@@ -106,6 +110,32 @@ def profile_step(step: Callable[[], None], device: torch.device, warmup: int, st
             "launches": sum(k[2] for k in kernels), "busy_ms": covered_time(spans) / steps / 1e3}
 
 
+def python_profile(step: Callable[[], None], device: torch.device, steps: int, top: int = 40) -> str:
+    """cProfile over ``steps`` calls of an already warmed-up step: the host's Python by function,
+    sorted by own time, then by time with callees (cProfile slows Python down, so shares, not
+    microseconds, are the figure)."""
+    import cProfile
+    import io
+    import pstats
+
+    _sync(device)
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    prof.disable()
+    wall = (time.perf_counter() - start) / steps
+    out = io.StringIO()
+    out.write(f"{steps} step{'s' if steps != 1 else ''} under cProfile, {wall * 1e3:.1f} ms per step (slower "
+              f"than unprofiled)\n\n")
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
+
+
 def _on_device(event) -> bool:
     return event.device_type != torch.autograd.DeviceType.CPU
 
@@ -175,6 +205,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         text = report(impl, p)
         with open(os.path.join(args.out, f"{name}.txt"), "w") as fh:
             fh.write(f"{case} on {device_name}\n\n{text}")
+        if name != "graphs":  # a replay runs no Python per kernel
+            with open(os.path.join(args.out, f"{name}.python.txt"), "w") as fh:
+                fh.write(f"{case} on {device_name}, {impl}: where the host's time goes\n\n"
+                         + python_profile(step, device, args.steps))
         top = ", ".join(f"{name[:60]} {ms:.1f} ms" for name, ms, _ in p["kernels"][:5])
         summary.append(f"{impl:28s} wall {p['wall_ms']:8.2f} ms/step, device busy {p['busy_ms']:8.2f} ms, "
                        f"{p['launches']} device ops; top: {top}")
