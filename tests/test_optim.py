@@ -428,6 +428,52 @@ def test_adamw_matches_torchs_for_loop(fused):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("max_norm", [0.05, 0.0], ids=["clipping", "no-clipping"])
+def test_fused_adamw_clips_in_its_own_kernel_as_clip_grad_norm_would(max_norm):
+    """TrainStep hands fused AdamW the clipping factor as its grad_scale: no separate pass over the
+    gradients (they leave the backward unclipped), and the parameters after a few steps those of
+    clip_grad_norm_ then AdamW. Clipping off (0): only the norm is taken. Other optimizers clip
+    with clip_grad_norm_ as before."""
+    from bertfast.training.step import TrainStep
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    if DEVICE.type not in _get_fused_kernels_supported_devices() or not hasattr(torch.nn.utils, "get_total_norm"):
+        pytest.skip("no fused AdamW or no torch.nn.utils.get_total_norm in this torch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 3)).to(DEVICE)
+    twin = copy.deepcopy(model)
+    opt = optim.build_optimizer(model, "adamw", 1e-2, weight_decay=0.1)
+    step = TrainStep(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), DEVICE, "fp32",
+                     max_grad_norm=max_norm)
+    assert step.clips_in_optimizer
+    loop = torch.optim.AdamW(optim.parameter_groups(twin, 0.1), lr=1e-2, eps=1e-6, weight_decay=0.1,
+                             foreach=False, fused=False)
+
+    class Out:
+        def __init__(self, loss):
+            self.loss = loss
+
+    for i in range(4):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(i)).to(DEVICE)
+        done = step([{"x": x}], lambda batch: Out(model(batch["x"]).square().mean() * 10))
+        loop.zero_grad(set_to_none=True)
+        (twin(x).square().mean() * 10).backward()
+        norm = torch.nn.utils.clip_grad_norm_(twin.parameters(), max_norm or float("inf"))
+        loop.step()
+        torch.testing.assert_close(done.grad_norm, norm, rtol=1e-6, atol=0)
+        assert (step.grad_scale is not None) == (max_norm > 0 and bool(norm > max_norm))
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    # the gradients of the last step, unclipped by the step itself (the optimizer read them scaled)
+    model.zero_grad(set_to_none=True)
+    model(x).square().mean().mul(10).backward()
+    raw = [p.grad.clone() for p in model.parameters()]
+    step.clip()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), raw))
+    lamb = optim.build_optimizer(model, "lamb", 1e-2)
+    assert not TrainStep(model, lamb, torch.optim.lr_scheduler.LambdaLR(lamb, lambda s: 1.0), DEVICE, "fp32",
+                         max_grad_norm=1.0).clips_in_optimizer
+
+
 # --------------------------------------------------------------------------- the benchmark cases
 def _bench_rows(ops, backends=("torch",)):
     from bertfast.bench import device, kernels_suite

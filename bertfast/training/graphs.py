@@ -202,7 +202,7 @@ class GraphedTrainStep(TrainStep):
                     skipped = self.step_unless_nonfinite(finite)
                 else:
                     skipped = None
-                    self.optimizer.step()
+                    self.optimizer_step()
             self.captured = (outputs, step_loss, grad_norm, finite, skipped)
         finally:
             for g, flag in zip(self.optimizer.param_groups, capturable):
