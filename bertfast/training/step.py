@@ -166,8 +166,9 @@ class TrainStep:
             return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
         if self.max_grad_norm != float("inf"):
-            # clip_grad_norm_'s factor, max_norm / (norm + 1e-6) capped at 1, as a divisor
-            self.grad_scale = 1.0 / torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            # clip_grad_norm_'s factor, max_norm / (norm + 1e-6) capped at 1, as a divisor (fp32: the
+            # kernel reads a float, whatever the gradients' dtype)
+            self.grad_scale = (1.0 / torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)).float()
         return norm
 
     # The optimizer's state is saved by the caller (FSDP gathers it); these are the rest.
