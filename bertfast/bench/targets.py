@@ -5,8 +5,9 @@ the run is on a CPU (the targets are GPU targets; CPU timings of reference/inter
 say nothing about them). A fast path that FAILED PARITY has no speed: its target is "not met".
 Kernel targets take the faster of the two fast backends (triton, cuda) per case; step targets
 the fastest of bertfast's own pre-training steps (``bertfast pretrain``, ``--static-shapes``,
-``--cuda-graphs``), and the detail names it. MFU targets are against the datasheet dense bf16 peak (989.4 TFLOP/s on H100 SXM and H200); where the GPU
-is not in the datasheet table, against the measured matmul peak, and the detail says which.
+``--cuda-graphs``), and the detail names it. MFU targets are against the datasheet dense bf16
+peak (989.4 TFLOP/s on H100 SXM and H200); where the GPU is not in the datasheet table, against
+the measured matmul peak, and the detail says which.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from bertfast.bench.results import (BERTFAST, BERTFAST_GRAPHS, BERTFAST_STATIC, FAILED_PARITY, FULL_HEAD,
-                                    GEMM_FLOOR, HF_COMPILED, HF_EAGER, SDPA_CUDNN, SDPA_FLASH, SDPA_MEM_EFFICIENT, Row, Run, is_fast_impl)
+                                    GEMM_FLOOR, HF_COMPILED, HF_EAGER, SDPA_CUDNN, SDPA_FLASH, SDPA_MEM_EFFICIENT,
+                                    Row, Run, is_fast_impl)
 
 MET, NOT_MET, NOT_MEASURED = "met", "not met", "not measured"
 FINETUNE_RATIO = 0.85  # padded real tokens/s within 15% of unpadded

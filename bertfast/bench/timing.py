@@ -8,8 +8,9 @@ behind a device sleep longer than the call's own host time (nvbench's "blocking 
 start event then fires only once the call's kernels are all queued, so the figure is the
 device's work and not the host's launch time, which an op's Python wrapper can exceed (the
 H100 run of 2026-11-26 timed a 0.1 ms LayerNorm backward at 0.4 ms that way). Whole steps
-are timed as users run them, host included. CPU: ``time.perf_counter`` around each call after warm-up calls;
-these are CPU timings of interpreter/reference paths on tiny shapes, not GPU figures.
+are timed as users run them, host included. CPU: ``time.perf_counter`` around each call after
+warm-up calls; these are CPU timings of interpreter/reference paths on tiny shapes, not GPU
+figures.
 ``time_cpu_interleaved`` times several callables on a CPU in turns, for ratios between them.
 
 Kernels that take less than SMALL_KERNEL_MS per call are timed again without the L2 flush and
@@ -207,10 +208,12 @@ def _sleep_cycles_per_ms(device: torch.device) -> Optional[float]:
     return _SLEEP_CYCLES_PER_MS[index]
 
 
-def _host_ms(fn, device: torch.device, calls: int = 3) -> float:
+def _host_ms(fn, device: torch.device, setup, calls: int = 3) -> float:
     """The longest host time of one call of ``fn`` (its launches, not its kernels), the device idle."""
     worst = 0.0
     for _ in range(calls):
+        if setup is not None:
+            setup()
         torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         fn()
@@ -228,10 +231,11 @@ def _time_cuda(fn, device: torch.device, policy: TimingPolicy, setup) -> Stat:
             setup()
         fn()
         torch.cuda.synchronize(device)
-        hold = 0
+        hold, hold_ms = 0, 0.0
         rate = _sleep_cycles_per_ms(device) if policy.ahead_of_host else None
         if rate is not None:  # the sleep outlasts the call's host time by half, plus 0.1 ms
-            hold = int(rate * (1.5 * _host_ms(fn, device) + 0.1))
+            hold_ms = 1.5 * _host_ms(fn, device, setup) + 0.1
+            hold = int(rate * hold_ms)
 
         def one(start: torch.cuda.Event, end: torch.cuda.Event) -> None:
             if setup is not None:
@@ -253,7 +257,8 @@ def _time_cuda(fn, device: torch.device, policy: TimingPolicy, setup) -> Stat:
         estimate = max(sum(s.elapsed_time(e) for s, e in events) / n_est, 1e-4)
 
         n_warmup = int(policy.warmup_ms / estimate)
-        n_reps = min(max(int(policy.rep_ms / estimate), policy.min_reps), policy.max_reps)
+        # each timed call also waits out its sleep: the budget counts it
+        n_reps = min(max(int(policy.rep_ms / (estimate + hold_ms)), policy.min_reps), policy.max_reps)
         for _ in range(n_warmup):
             if setup is not None:
                 setup()
