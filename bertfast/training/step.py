@@ -77,8 +77,7 @@ class TrainStep:
         # The clipping factor handed to fused AdamW as grad_scale (module docstring); needs
         # torch.nn.utils.get_total_norm (torch 2.6).
         self.clips_in_optimizer = (self.scaler is None and plain and hasattr(torch.nn.utils, "get_total_norm")
-                                   and isinstance(optimizer, torch.optim.AdamW)
-                                   and all(g.get("fused") for g in groups))
+                                   and _fused_adamw(optimizer))
         self.grad_scale: Optional[torch.Tensor] = None  # this step's, set by gradients()
 
     autocast_cache = True  # off where the step is captured in a CUDA graph
@@ -186,8 +185,13 @@ def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     """Does ``optimizer.step()`` honour a device ``found_inf`` flag, skipping with no host read (and
     so also run from a CUDA graph)? torch's fused AdamW and a capturable LAMB do."""
     if isinstance(optimizer, torch.optim.AdamW):
-        return all(g.get("fused") for g in optimizer.param_groups)
+        return _fused_adamw(optimizer)
     return isinstance(optimizer, Lamb) and optimizer.capturable
+
+
+def _fused_adamw(optimizer: torch.optim.Optimizer) -> bool:
+    """torch's AdamW on its fused kernel: it takes found_inf and grad_scale as device tensors."""
+    return isinstance(optimizer, torch.optim.AdamW) and all(g.get("fused") for g in optimizer.param_groups)
 
 
 def _every_rank_on_device(flag: torch.Tensor) -> torch.Tensor:
