@@ -503,9 +503,18 @@ class BertModel(BertPreTrainedModel):
                           want_states: bool, want_probs: bool):
         """The reference encoder on packed sequences, run as a padded batch [K, max_length_q]:
         (sequence [1, T, H], states like it, attention probabilities [K, A, S, S] per layer, the
-        padded sequences [K, S, H] whose first tokens the pooler reads)."""
+        padded sequences [K, S, H] whose first tokens the pooler reads).
+
+        Only the sequences that hold tokens run: a packed row's spare slots are empty (half the
+        slots of ``pack_batch``'s default), and run padded they would double the reference's
+        memory. An empty slot's sequence is zeros (it pools to 0) and its probabilities zeros (no
+        key), as its padded run gave."""
         tokens = position_ids.shape[1]
         index, mask = packed_layout(packed.cu_seqlens, packed.max_seqlen, tokens)  # [K, S] each
+        slots = index.shape[0]
+        held = (packed.cu_seqlens.diff() > 0).nonzero().flatten()  # a host read: the reference is no step
+        if 0 < held.numel() < slots:
+            index, mask = index[held], mask[held]
         spread = lambda t: None if t is None else t[0].index_select(0, index.flatten()).view(  # noqa: E731
             index.shape + tuple(t.shape[2:]))
         sequence, states, probs = reference.encoder(self, spread(input_ids), mask.long(), spread(token_type_ids),
@@ -513,7 +522,12 @@ class BertModel(BertPreTrainedModel):
                                                     want_probs)
         pack = lambda x: x[mask][None]  # noqa: E731  [K, S, H] -> [1, T, H]: sequences in order, one after another
         states = None if states is None else tuple(pack(s) for s in states)
-        return pack(sequence), states, probs, sequence
+        packed_sequence = pack(sequence)
+        if index.shape[0] < slots:  # back to all K slots, zeros at the empty ones
+            every = lambda x: x.new_zeros((slots,) + tuple(x.shape[1:])).index_copy(0, held, x)  # noqa: E731
+            sequence = every(sequence)
+            probs = None if probs is None else tuple(every(p) for p in probs)
+        return packed_sequence, states, probs, sequence
 
 
 # ================================================================= heads

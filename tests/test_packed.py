@@ -105,6 +105,39 @@ def test_packed_encoder_outputs_and_default_positions(execution):
     assert not out.pooler_output[4:].any()                    # ... an empty slot pools to 0
 
 
+def test_packed_reference_runs_only_the_slots_holding_tokens(monkeypatch):
+    """The reference runs a packed row as a padded batch of its non-empty sequences (the spare
+    slots would double its memory: the 2026-11-26 H100 bench ran out of 80 GB on BERT-large
+    seq-512's packed gate), and still answers for all K slots: the real sequences' attention
+    probabilities as the padded batch's (at real queries), zeros at the empty slots, which pool to 0."""
+    from bertfast import reference
+
+    torch.manual_seed(2)
+    model = bertfast.BertModel(_config()).eval()
+    padded = _padded(model.config.vocab_size)
+    packed = _pack(padded, tokens=22, slots=8)                # 3 sequences, 1 dummy tail, 4 empty slots
+    seen = []
+    encoder = reference.encoder
+    monkeypatch.setattr(reference, "encoder", lambda bert, ids, mask, *a: seen.append(tuple(ids.shape)) or
+                        encoder(bert, ids, mask, *a))
+    with reference_execution(model), torch.no_grad():
+        ref = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"],
+                    token_type_ids=padded["token_type_ids"], output_attentions=True)
+        out = model(input_ids=packed["input_ids"], token_type_ids=packed["token_type_ids"],
+                    cu_seq_lens_q=packed["cu_seq_lens_q"], max_length_q=S, output_attentions=True)
+    assert seen == [(3, S), (4, S)]                           # the padded batch, then the 4 held slots
+    assert len(out.attentions) == model.config.num_hidden_layers
+    for got, want in zip(out.attentions, ref.attentions):
+        assert got.shape == (8,) + tuple(want.shape[1:])
+        for b, n in enumerate(LENGTHS):                      # the real queries' rows (padded ones read other inputs)
+            torch.testing.assert_close(got[b, :, :n], want[b, :, :n], atol=1e-6, rtol=1e-5)
+        assert got[3].any() and not got[4:].any()
+    mask = padded["attention_mask"].bool()
+    torch.testing.assert_close(out.last_hidden_state[0, :15], ref.last_hidden_state[mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.pooler_output[:3], ref.pooler_output, atol=1e-5, rtol=1e-5)
+    assert not out.pooler_output[4:].any()
+
+
 def test_pack_batch_layout_and_errors():
     batch = _padded(100, lengths=[5, 3, 7])
     packed = pack_batch(batch, tokens=30, max_seqlen=S)
