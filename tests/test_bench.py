@@ -132,6 +132,24 @@ def test_a_packed_pretrain_step_that_disagrees_is_not_timed(monkeypatch):
     assert static.status == FAILED_PARITY and "packed_vs_padded_loss_rel_diff" in static.reason
 
 
+def test_a_parity_gate_that_cannot_run_is_an_error_not_a_parity_failure(monkeypatch):
+    """The H100 run of 2026-11-26 reported BERT-large seq-512's packed steps as FAILED PARITY when
+    their fp32 gate ran out of memory: the gate gave no verdict, and the row says so."""
+    from bertfast.bench import model_suite
+    from bertfast.bench.results import BERTFAST_STATIC, ERROR
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1024.00 MiB")
+
+    monkeypatch.setattr(model_suite, "parity_packed", out_of_memory)
+    rows = model_suite.run(_cpu_ctx(models=("pretrain",), impls=("bertfast", "static-shapes")))
+    by_impl = {r.impl: r for r in rows}
+    static = by_impl[BERTFAST_STATIC]
+    assert static.status == ERROR and static.time_ms is None
+    assert static.reason.startswith("while checking parity: OutOfMemoryError: CUDA out of memory"), static.reason
+    assert by_impl["bertfast"].ok  # the padded gate ran and passed: that row is timed
+
+
 # --------------------------------------------------------------------------- work counts
 def test_attention_flops_hand_computed():
     # fwd = 4 * (3^2 + 5^2) * A * D = 4 * 34 * 2 * 4
@@ -241,6 +259,17 @@ def _fake_device(kind: str) -> devmod.DeviceInfo:
     info.copy_bandwidth_gbps = Stat(3000.0, 2900.0, 3100.0, 10)
     info.peak_matmul_tflops = Stat(800.0, 790.0, 810.0, 10)
     return info
+
+
+def test_a_gpu_run_names_its_host_cpu():
+    """Host-bound eager steps run at the host's pace: a GPU run's header names its CPU, and results
+    written before the field existed still load (without one)."""
+    info = _fake_device("cuda")
+    info.host_cpu, info.cpu_threads = "Fake Xeon 8480", 16
+    assert "host Fake Xeon 8480 (16 threads)" in info.describe()
+    assert devmod.DeviceInfo.from_dict(info.to_dict()).host_cpu == "Fake Xeon 8480"
+    old = {k: v for k, v in info.to_dict().items() if k != "host_cpu"}
+    assert "CPU not recorded" in devmod.DeviceInfo.from_dict(old).describe()
 
 
 def _row(group, impl, ms, direction="fwd+bwd", suite="kernels", metrics=None, memory=None, **case):

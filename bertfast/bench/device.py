@@ -86,6 +86,10 @@ class DeviceInfo:
     cpu_threads: int = 1
     triton_interpret: bool = False
     datasheet_bf16_tflops: Optional[float] = None  # the vendor's dense bf16 peak (None: unknown GPU, CPU)
+    # A GPU's host CPU: an eager step whose launches outlast its kernels runs at the host's pace
+    # (bertfast's eager BERT-large step took 133 ms on one H100 machine and 180 ms on another the
+    # same day, its code path unchanged; neither run recorded its CPU).
+    host_cpu: Optional[str] = None
     # Measured once per run by calibrate().
     copy_bandwidth_gbps: Optional[Stat] = None
     peak_matmul_tflops: Optional[Stat] = None
@@ -103,7 +107,8 @@ class DeviceInfo:
         if self.is_cuda:
             text = (f"{self.name} (sm {self.capability}, {self.multiprocessors} SMs, "
                     f"{(self.memory_bytes or 0) / 2**30:.0f} GiB), driver {self.driver_version}, "
-                    f"CUDA {self.cuda_version}")
+                    f"CUDA {self.cuda_version}; host {self.host_cpu or 'CPU not recorded'} "
+                    f"({self.cpu_threads} threads)")
         else:
             text = (f"CPU: {self.name} ({self.cpu_threads} threads) - no GPU; CPU timings of "
                     f"torch-backend/interpreter paths")
@@ -148,7 +153,8 @@ def detect(device: Optional[str] = None) -> DeviceInfo:
             cudnn_version=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
             driver_version=_nvidia_driver(),
             capability=f"{props.major}.{props.minor}", multiprocessors=props.multi_processor_count,
-            memory_bytes=int(props.total_memory), datasheet_bf16_tflops=datasheet_bf16_tflops(props.name), **common)
+            memory_bytes=int(props.total_memory), datasheet_bf16_tflops=datasheet_bf16_tflops(props.name),
+            host_cpu=_cpu_name(), **common)
     name = _cpu_name()
     return DeviceInfo(kind="cpu", name=name, slug="cpu-" + slugify(name), **common)
 

@@ -249,6 +249,14 @@ def parity_packed(model, batch, packed, padded: Optional[float] = None) -> Dict[
     return report
 
 
+def _gate_failure(report: Dict[str, Any]) -> Dict[str, str]:
+    """A row's status and reason for a gate that did not pass: FAILED PARITY where it ran and the
+    paths disagree, ERROR where it could not run (the fp32 gate's memory, say: no verdict on parity)."""
+    if report.get("error"):
+        return {"status": ERROR, "reason": f"while checking parity: {report['error']}"}
+    return {"status": FAILED_PARITY, "reason": _parity_message(report)}
+
+
 def _parity_message(report: Dict[str, Any]) -> str:
     shown = {k: (f"{v:.3e}" if isinstance(v, float) else v) for k, v in report.items() if k != "ok"}
     return "disagrees with the reference: " + ", ".join(f"{k}={v}" for k, v in shown.items())
@@ -402,8 +410,7 @@ def _bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, 
             plans.append((BERTFAST, lambda: (make_infer_step(ctx, model, batch) if kind == "inference"
                                              else make_train_step(ctx, model, batch)), report))
         else:
-            rows.append(row(BERTFAST, status=FAILED_PARITY, reason=report.get("error") or _parity_message(report),
-                            parity=report))
+            rows.append(row(BERTFAST, parity=report, **_gate_failure(report)))
     if kind == "pretrain":
         packed_gate: Optional[Tuple[Any, Dict[str, Any]]] = None  # (packed batch, report): one for both rows
         for impl, graphs in ((BERTFAST_STATIC, False), (BERTFAST_GRAPHS, True)):
@@ -424,8 +431,7 @@ def _bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, 
             if report.get("ok"):
                 plans.append((impl, lambda g=graphs: make_packed_train_step(ctx, model, packed, g), report))
             else:
-                rows.append(row(impl, status=FAILED_PARITY, reason=report.get("error") or _parity_message(report),
-                                parity=report))
+                rows.append(row(impl, parity=report, **_gate_failure(report)))
     if ctx.wants(BERTFAST_REFERENCE):
         plans.append((BERTFAST_REFERENCE, lambda: (make_infer_step(ctx, model, batch, reference=True)
                                                    if kind == "inference"
