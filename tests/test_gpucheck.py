@@ -556,19 +556,21 @@ def test_steps_chosen_by_step_or_skip_and_the_summary_keeps_each_steps_newest_re
 
 def test_a_deadline_cuts_a_steps_limit_and_a_step_with_no_time_left_is_not_started(tmp_path):
     """A loan's command ends at its deadline with its logs (scripts/gpu-loan.sh passes --until): the
-    step running then is stopped at the deadline, not at its own limit, and the next is not started."""
+    step running then is stopped in time to end by the deadline, not at its own limit, even where it
+    ignores SIGTERM for the whole grace (the H100 run of 2026-11-26 overran by the 10 s its bench took
+    to write its results), and the next is not started."""
     import time
-    slow = Step("info", [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"], 120,
-                needs=())
+    slow = Step("info", [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                         "print('started', flush=True); time.sleep(60)"], 120, needs=())
     after = Step("memcheck", [sys.executable, "-c", "print('never')"], 30, needs=())
     stage = Stage(1, "build", "test", [slow, after])
     start = time.time()
     record = runner.run_stage(stage, str(tmp_path), False, lambda text: None, _ready_machine(tmp_path),
-                              until=start + 18)
+                              until=start + 28)
     took = time.time() - start
     steps = {r["step"]: r for r in record["steps"]}
     assert steps["info"]["status"] == "timed out" and 15 <= steps["info"]["limit_s"] <= 18
-    assert steps["info"]["cut_from_s"] == 120 and took < 40
+    assert steps["info"]["cut_from_s"] == 120 and took < 28 + 2  # the deadline, and the runner's bookkeeping
     assert steps["memcheck"]["status"] == "skipped" and "left before the deadline" in steps["memcheck"]["detail"]
     assert not (tmp_path / "stage1-build" / "memcheck.log").exists()
     table = runner.summary_table({"stages": [record]})

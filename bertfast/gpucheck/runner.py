@@ -83,10 +83,13 @@ def _fill(arg: str, out: str, python: str = sys.executable) -> str:
 
 
 # --------------------------------------------------------------------------- running one step
+KILL_GRACE_S = 10  # after SIGTERM, the time a step has to write its results before SIGKILL
+
+
 def _kill(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(10)
+        proc.wait(KILL_GRACE_S)
     except (ProcessLookupError, subprocess.TimeoutExpired):
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -323,7 +326,8 @@ def run_stage(s: Stage, out: str, dry_run: bool, log, machine: Optional[Machine]
             continue
         limit = step.limit_s
         if until is not None:
-            left = int(until - time.time())
+            # a step stopped at its limit may take the kill's grace to end: both fit before the deadline
+            left = int(until - time.time()) - KILL_GRACE_S
             if left < MIN_STEP_S:
                 records.append(dict(record, status="skipped", seconds=0.0,
                                     detail=f"not started: {max(left, 0)} s left before the deadline"))
