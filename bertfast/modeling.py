@@ -507,8 +507,8 @@ class BertModel(BertPreTrainedModel):
 
         Only the sequences that hold tokens run: a packed row's spare slots are empty (half the
         slots of ``pack_batch``'s default), and run padded they would double the reference's
-        memory. An empty slot's sequence is zeros (it pools to 0) and its probabilities zeros (no
-        key), as its padded run gave."""
+        memory. An empty slot's sequence is zeros (it pools to 0 either way) and its probabilities
+        zeros, as its padded run gave (no key)."""
         tokens = position_ids.shape[1]
         index, mask = packed_layout(packed.cu_seqlens, packed.max_seqlen, tokens)  # [K, S] each
         slots = index.shape[0]
