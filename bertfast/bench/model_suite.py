@@ -456,10 +456,10 @@ def _bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, 
             except Exception as exc:  # noqa: BLE001
                 # Environments where compile cannot run were skipped above (compile_skip_reason):
                 # anything raised here is an error, shown as one.
-                rows.append(row(impl, status=ERROR, reason=f"while checking parity: {short_error(exc)}"))
+                rows.append(row(impl, **_gate_failure({"error": short_error(exc)})))
                 continue
             if not report["ok"]:
-                rows.append(row(impl, status=FAILED_PARITY, reason=_parity_message(report), parity=report))
+                rows.append(row(impl, parity=report, **_gate_failure(report)))
                 continue
             if kind == "inference":
                 plans.append((impl, lambda f=forward: make_infer_step(ctx, f, batch), report))

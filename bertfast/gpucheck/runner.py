@@ -326,15 +326,16 @@ def run_stage(s: Stage, out: str, dry_run: bool, log, machine: Optional[Machine]
             continue
         limit = step.limit_s
         if until is not None:
+            left = int(until - time.time())
             # a step stopped at its limit may take the kill's grace to end: both fit before the deadline
-            left = int(until - time.time()) - KILL_GRACE_S
-            if left < MIN_STEP_S:
+            room = left - KILL_GRACE_S
+            if room < MIN_STEP_S:
                 records.append(dict(record, status="skipped", seconds=0.0,
                                     detail=f"not started: {max(left, 0)} s left before the deadline"))
                 log(f"--- {step.name}: not started, {max(left, 0)} s left before the deadline")
                 continue
-            if left < limit:
-                limit = record["limit_s"] = left
+            if room < limit:
+                limit = record["limit_s"] = room
                 record["cut_from_s"] = step.limit_s
         record.update(_run_one(step, out, stage_dir, dry_run, machine, log, mode, limit))
         records.append(record)
