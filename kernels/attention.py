@@ -49,11 +49,31 @@ word w. That grouping is the layout of a score tile in registers (each thread ho
 8 apart), so a group's 8 columns land in one thread and the mask is only reshaped, never moved
 between threads. 7 rounds, as FlashAttention-2 draws its dropout: the fewest with which Philox4x32
 passes TestU01's BigCrush (Salmon et al., SC'11; 10 is their margin for general use). The mask is
-a pure function of (seed, b, h, i, j): forward, both backward kernels and the debug entry points
-regenerate the same mask whatever their block sizes, nothing is stored, and the seed is read from a
-device tensor so the kernels can live in a CUDA graph. The varlen and padded forms of one batch
-draw the same mask (sequence b of the varlen batch is batch row b of the padded one). The keep rate
-is 1 - p to within 2**-16, the scale exactly 1 / (1 - p).
+a pure function of (seed, b, h, i, j): the forward and the debug entry points draw the same mask
+whatever their block sizes, and the seed is read from a device tensor so the kernels can live in a
+CUDA graph. The varlen and padded forms of one batch draw the same mask (sequence b of the varlen
+batch is batch row b of the padded one). The keep rate is 1 - p to within 2**-16, the scale
+exactly 1 / (1 - p).
+
+Keep bits: the forward records its decisions for the backward, one bit per score element, and both
+backward kernels read them back instead of drawing the mask again (a Philox call costs ~9
+instructions per decision, a bit read back ~1; the mask was drawn three times). The uint8
+[B, A, L / 2, L / 4] tensor holds element (16R + 8h + r, 16C + 8w + 2q + e) of (b, h)'s [L, L]
+scores in bit 4h + 2w + e of byte (8R + r, 4C + q): the 8 elements of a byte are the ones one
+thread holds of a 16 x 16 block in the layout of a score tile in registers (rows r and r + 8,
+column pairs 8 apart), so packing and unpacking never move data between threads, whatever the
+tile. The forward packs each tile from its dropped probabilities, so a bit is the decision where
+the forward's P_ij != 0 and reads dropped where P_ij == 0. The backward's P_ij is never larger
+than the forward's (the same exponent against the final max and sum instead of a running max; up
+to the rounding of lse, at a P below 2**-126 that no fp32 sum keeps), so where a bit differs from
+the draw the backward's P_ij is 0 and the bit does not count. (Packing the draws themselves
+compiles to a second Philox chain in the store's layout.) L is the padded length rounded up to
+KEEP_ALIGN, a multiple of every tile, so tiles that overhang a sequence stay inside the tensor and
+no byte load or store is masked: the bytes past a sequence's end belong to rows and columns whose
+P is 0 or whose gradients are dropped. 1/8 byte per score element: 17 MB per layer at BERT-large,
+seq 512, batch 32. With P Z = kept / (1 - p), kept = keep ? P : 0, the backward forms
+dS (1 - p) = kept dP - P (1 - p) delta from one select of P, which is also dV's operand, and
+scales dQ, dK and dV by 1 / (1 - p) once, at the end.
 
 Layouts: varlen q, k, v, out, dout [T, A, D] (sequence b is rows cu_seqlens[b]:cu_seqlens[b+1]);
 padded [B, S, A, D]. Row and head strides are honoured (packed qkv views work); the last dim
@@ -148,6 +168,53 @@ def _dropout_keep(seed_bh, offs_m, start_n, threshold, BLOCK_M: tl.constexpr, BL
 
 
 @triton.jit
+def _drop_and_record(p, seed_bh, offs_m, start_n, threshold, keep_base, keep_rows, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """The forward's probability tile p with its dropped elements 0, and its keep bits stored for the
+    backward (header, "Keep bits") at keep_base + keep_rows[:, None] + byte column."""
+    p = tl.where(_dropout_keep(seed_bh, offs_m, start_n, threshold, BLOCK_M, BLOCK_N), p, 0.0)
+    # Packed from the dropped tile (bit = P != 0, header), summing over its (h, w, e) axes, which each
+    # thread holds in registers: the sum is not rematerialised, so only the bytes change layout for the
+    # store. (Packed from the draws, the store compiles to a second Philox chain in its own layout.)
+    bits = tl.reshape(p != 0.0, (BLOCK_M // 16, 2, 8, BLOCK_N // 16, 2, 4, 2))        # [R, h, r, C, w, q, e]
+    bits = tl.permute(bits, (0, 2, 3, 5, 1, 4, 6))                                    # [R, r, C, q, h, w, e]
+    bits = tl.reshape(bits, (BLOCK_M // 2, BLOCK_N // 4, 8)).to(tl.int32)              # [byte row, col, bit]
+    byte = tl.sum(bits << tl.arange(0, 8)[None, None, :], 2)
+    cols = start_n // 4 + tl.arange(0, BLOCK_N // 4)
+    tl.store(keep_base + (keep_rows[:, None] + cols[None, :]), byte.to(tl.uint8))
+    return p
+
+
+@triton.jit
+def _stored_keep(keep_base, keep_rows, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The forward's keep flags of a [BLOCK_M, BLOCK_N] tile read back from its bytes (_drop_and_record),
+    each byte tested against the bit of each of its 8 elements, laid out as [R, h, r, C, w, q, e]: the
+    h, w, e axes each thread holds in registers, so the bits are constants there, one test per
+    element, and no bool tensors are joined and permuted (which compiled to byte shuffles per element)."""
+    cols = start_n // 4 + tl.arange(0, BLOCK_N // 4)
+    byte = tl.load(keep_base + (keep_rows[:, None] + cols[None, :])).to(tl.int32)    # [BM / 2, BN / 4]
+    h = tl.arange(0, 2)[:, None, None]
+    w = tl.arange(0, 2)[None, :, None]
+    e = tl.arange(0, 2)[None, None, :]
+    bit = tl.reshape(1 << (4 * h + 2 * w + e), (1, 2, 1, 1, 2, 1, 2))
+    keep = (tl.reshape(byte, (BLOCK_M // 16, 1, 8, BLOCK_N // 16, 1, 4, 1)) & bit) != 0
+    return tl.reshape(keep, (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
+def _keep_block(KEEP, b64, h64, num_heads, keep_len):
+    """(sequence b, head h)'s block of the keep bits [B, A, L / 2, L / 4] (header)."""
+    return KEEP + (b64 * num_heads + h64) * (keep_len // 2) * (keep_len // 4)
+
+
+@triton.jit
+def _keep_rows(start_m, keep_len, BLOCK_M: tl.constexpr):
+    """Offsets in a (b, h) block of the byte rows of query rows start_m .. start_m + BLOCK_M - 1 (int32
+    offsets from _keep_block, not pointers: half the registers held across the loops)."""
+    return (start_m // 2 + tl.arange(0, BLOCK_M // 2)) * (keep_len // 4)
+
+
+@triton.jit
 def _load_tile(ptrs, row_ok, MASK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """A [rows, BLOCK_D] tile: rows outside row_ok (when MASK_ROWS) and columns >= HEAD_DIM read 0,
     so the padded columns add nothing to any dot product."""
@@ -200,8 +267,8 @@ def _rng_key(SEED, b, h, num_heads, HAS_DROPOUT: tl.constexpr):
 
 # =========================================================================== forward
 @triton.jit
-def _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len, offs_m, offs_n,
-               stride_ks, stride_vs, stride_ms, qk_scale, seed_bh, threshold,
+def _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, keep_base, keep_rows, start_n, seq_len, offs_m,
+               offs_n, stride_ks, stride_vs, stride_ms, qk_scale, seed_bh, threshold,
                MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -230,7 +297,7 @@ def _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len, o
     if HAS_DROPOUT:
         # l_i sums the undropped probabilities; only the product with V sees the 0/1 mask
         # (the 1 / (1 - p) is applied once, at the end).
-        p = tl.where(_dropout_keep(seed_bh, offs_m, start_n, threshold, BLOCK_M, BLOCK_N), p, 0.0)
+        p = _drop_and_record(p, seed_bh, offs_m, start_n, threshold, keep_base, keep_rows, BLOCK_M, BLOCK_N)
     v = _load_tile(v_ptrs + start_n * stride_vs, key_ok, MASKED, HEAD_DIM, BLOCK_D)
     if UPCAST:
         v = v.to(tl.float32)
@@ -248,13 +315,14 @@ def _attention_fwd_kernel(
     CU_SEQLENS,  # int32 [B + 1] sequence starts (varlen only)
     KEY_MASK,    # [B, S] 1 = token, 0 = pad (padded form with a mask only)
     SEED,        # int64 [1] dropout seed (dropout only)
+    KEEP,        # uint8 [B, A, L / 2, L / 4] keep bits (dropout only); written (header)
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh,
     stride_mb, stride_ms,
-    seqlen, num_heads, qk_scale, dropout_p, seqlen_bucket,
+    seqlen, num_heads, qk_scale, dropout_p, seqlen_bucket, keep_len,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -287,6 +355,8 @@ def _attention_fwd_kernel(
     seed_bh = _rng_key(SEED, b, h, num_heads, HAS_DROPOUT)
     threshold = _keep_threshold(dropout_p)
     inv_keep = 1.0 / (1.0 - dropout_p)
+    keep_base = _keep_block(KEEP, b64, h64, num_heads, keep_len)
+    keep_rows = _keep_rows(start_m, keep_len, BLOCK_M)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -297,13 +367,13 @@ def _attention_fwd_kernel(
     else:
         n_full = (seq_len // BLOCK_N) * BLOCK_N
     for start_n in range(0, n_full, BLOCK_N):
-        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len,
-                                   offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale,
+        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, keep_base, keep_rows, start_n,
+                                   seq_len, offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale,
                                    seed_bh, threshold, False, HAS_KEY_MASK, HAS_DROPOUT,
                                    UPCAST, DOT_PREC, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
     for start_n in range(n_full, seq_len, BLOCK_N):
-        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len,
-                                   offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale,
+        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, keep_base, keep_rows, start_n,
+                                   seq_len, offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale,
                                    seed_bh, threshold, True, HAS_KEY_MASK, HAS_DROPOUT,
                                    UPCAST, DOT_PREC, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
 
@@ -355,16 +425,17 @@ def _attention_bwd_delta_kernel(
 
 
 @triton.jit
-def _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, start_n, seq_len,
-                  stride_qs, stride_dos, qk_scale, seed_bh, threshold, inv_keep,
+def _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, keep_base, keep_rows, start_m, start_n,
+                  seq_len, stride_qs, stride_dos, qk_scale, keep_len, keep_frac,
                   MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
                   DOT_PREC: tl.constexpr, QUERY_MAJOR: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK, dV contributions of one query block. QUERY_MAJOR: scores in the forward's [queries, keys]
-    orientation, so the dropout mask is made in the register layout it has there (_keep_tile), and
-    dV, dK take the transposed P and dS from shared memory; else in [keys, queries], the products'
-    own orientation, with the mask transposed through shared memory. A launch config picks (the
-    first suits wgmma tiles, the second fp32 and the largest head dims, where the first spills).
+    orientation, so the dropout mask is unpacked in the register layout it has there (_stored_keep),
+    and dV, dK take the transposed P and dS from shared memory; else in [keys, queries], the
+    products' own orientation, with the mask transposed through shared memory. A launch config
+    picks (the first suits wgmma tiles, the second fp32 and the largest head dims, where the first
+    spills).
 
     Keys are not masked here: a padded or out-of-range key only pollutes its own dK/dV row,
     which the caller zeroes or skips. Out-of-range queries load q = dO = 0, lse = delta = 0,
@@ -384,16 +455,21 @@ def _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, st
         q = q.to(tl.float32)
         do = do.to(tl.float32)
     lse2 = lse * 1.4426950408889634  # log2 units, for exp2
-    # With dropout, P Z = keep P / (1 - p): the caller scales dV by inv_keep once, at the end, and
-    # dS takes it in the FMA that subtracts delta.
+    # With dropout, P Z = kept / (1 - p), kept = keep ? P : 0, and dS = P (Z dP - delta) =
+    # (kept dP - P (1 - p) delta) / (1 - p): the block sums the numerators, from one select of P that
+    # is also dV's operand, and the caller scales dK and dV by 1 / (1 - p) once, at the end.
+    if HAS_DROPOUT:
+        delta = delta * keep_frac
     if QUERY_MAJOR:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BM, BN]
         p = tl.exp2(s * qk_scale - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # [BM, BN]
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed_bh, offs_m, start_n, threshold, BLOCK_M, BLOCK_N)
-            dv = tl.dot(tl.trans(tl.where(keep, p, 0.0).to(do.dtype)), do, dv, input_precision=DOT_PREC)
-            ds = p * (tl.where(keep, dp, 0.0) * inv_keep - delta[:, None])
+            keep = _stored_keep(keep_base, keep_rows + (start_m // 2) * (keep_len // 4), start_n, BLOCK_M,
+                                BLOCK_N)
+            kept = tl.where(keep, p, 0.0)
+            dv = tl.dot(tl.trans(kept.to(do.dtype)), do, dv, input_precision=DOT_PREC)
+            ds = kept * dp - p * delta[:, None]
         else:
             dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PREC)
             ds = p * (dp - delta[:, None])
@@ -403,9 +479,11 @@ def _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, st
         p_t = tl.exp2(s_t * qk_scale - lse2[None, :])
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # [BN, BM]
         if HAS_DROPOUT:
-            keep_t = tl.trans(_dropout_keep(seed_bh, offs_m, start_n, threshold, BLOCK_M, BLOCK_N))
-            dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv, input_precision=DOT_PREC)
-            ds_t = p_t * (tl.where(keep_t, dp_t, 0.0) * inv_keep - delta[None, :])
+            keep_t = tl.trans(_stored_keep(keep_base, keep_rows + (start_m // 2) * (keep_len // 4), start_n,
+                                           BLOCK_M, BLOCK_N))
+            kept_t = tl.where(keep_t, p_t, 0.0)
+            dv = tl.dot(kept_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+            ds_t = kept_t * dp_t - p_t * delta[None, :]
         else:
             dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
             ds_t = p_t * (dp_t - delta[None, :])
@@ -425,7 +503,7 @@ def _attention_bwd_dkdv_kernel(
     DV,          # written: dV, q layout (its own strides)
     CU_SEQLENS,  # int32 [B + 1] (varlen only)
     KEY_MASK,    # [B, S] 1 = token (padded form with a mask only)
-    SEED,        # int64 [1] (dropout only)
+    KEEP,        # uint8 keep bits from the forward (dropout only)
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -434,7 +512,7 @@ def _attention_bwd_dkdv_kernel(
     stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh,
     stride_mb, stride_ms,
-    seqlen, num_heads, softmax_scale, qk_scale, dropout_p, seqlen_bucket,
+    seqlen, num_heads, softmax_scale, qk_scale, dropout_p, seqlen_bucket, keep_len,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUERY_MAJOR: tl.constexpr,
@@ -468,31 +546,33 @@ def _attention_bwd_dkdv_kernel(
     lse_ptr = LSE + b64 * stride_lb + h64 * stride_lh + seq_start
     delta_ptr = DELTA + b64 * stride_lb + h64 * stride_lh + seq_start
 
-    seed_bh = _rng_key(SEED, b, h, num_heads, HAS_DROPOUT)
-    threshold = _keep_threshold(dropout_p)
-    inv_keep = 1.0 / (1.0 - dropout_p)
+    keep_base = _keep_block(KEEP, b64, h64, num_heads, keep_len)
+    keep_rows = _keep_rows(0, keep_len, BLOCK_M)
+    keep_frac = 1.0 - dropout_p
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     m_full = (seq_len // BLOCK_M) * BLOCK_M
     for start_m in range(0, m_full, BLOCK_M):
-        dk, dv = _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, start_n,
-                               seq_len, stride_qs, stride_dos, qk_scale, seed_bh, threshold,
-                               inv_keep, False, HAS_DROPOUT, UPCAST, DOT_PREC, QUERY_MAJOR, HEAD_DIM,
-                               BLOCK_D, BLOCK_M, BLOCK_N)
+        dk, dv = _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, keep_base, keep_rows, start_m,
+                               start_n, seq_len, stride_qs, stride_dos, qk_scale, keep_len, keep_frac, False,
+                               HAS_DROPOUT, UPCAST, DOT_PREC, QUERY_MAJOR, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
     for start_m in range(m_full, seq_len, BLOCK_M):
-        dk, dv = _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, start_n,
-                               seq_len, stride_qs, stride_dos, qk_scale, seed_bh, threshold,
-                               inv_keep, True, HAS_DROPOUT, UPCAST, DOT_PREC, QUERY_MAJOR, HEAD_DIM,
-                               BLOCK_D, BLOCK_M, BLOCK_N)
+        dk, dv = _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, keep_base, keep_rows, start_m,
+                               start_n, seq_len, stride_qs, stride_dos, qk_scale, keep_len, keep_frac, True,
+                               HAS_DROPOUT, UPCAST, DOT_PREC, QUERY_MAJOR, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
 
     key_ok = key_in
     if HAS_KEY_MASK:
         key_ok = key_ok & (tl.load(KEY_MASK + b64 * stride_mb + offs_n * stride_ms,
                                    mask=key_in, other=0) != 0)
     # Padding keys got garbage from the unmasked recomputation above: their gradient is 0.
-    dk = tl.where(key_ok[:, None], dk * softmax_scale, 0.0)
     if HAS_DROPOUT:
+        inv_keep = 1.0 / keep_frac
+        dk = dk * (softmax_scale * inv_keep)
         dv = dv * inv_keep
+    else:
+        dk = dk * softmax_scale
+    dk = tl.where(key_ok[:, None], dk, 0.0)
     dv = tl.where(key_ok[:, None], dv, 0.0)
     _store_tile(DK + b64 * stride_dkb + seq_start * stride_dks + h64 * stride_dkh
                 + offs_n[:, None] * stride_dks + offs_d[None, :],
@@ -503,14 +583,14 @@ def _attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _bwd_q_block(dq, pk, resid, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, start_n, seq_len,
-                 offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale, seed_bh, threshold,
-                 inv_keep, MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-                 HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-                 REFINE_DELTA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _bwd_q_block(dq, pk, resid, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, keep_base, keep_rows, start_n,
+                 seq_len, offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale,
+                 MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                 UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, REFINE_DELTA: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ contribution of one key block; with REFINE_DELTA also sum_j P_ij k_j (pk) and the row
-    sums of dS (resid), for the refinement of delta (header)."""
+    sums of dS (resid), for the refinement of delta (header). With dropout, dS times (1 - p) as in
+    _bwd_kv_block (delta arrives times (1 - p)); the caller scales by 1 / (1 - p)."""
     key_ok = (start_n + offs_n) < seq_len  # read only when MASKED
     k = _load_tile(k_ptrs + start_n * stride_ks, key_ok, MASKED, HEAD_DIM, BLOCK_D)
     v = _load_tile(v_ptrs + start_n * stride_vs, key_ok, MASKED, HEAD_DIM, BLOCK_D)
@@ -526,8 +606,8 @@ def _bwd_q_block(dq, pk, resid, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, 
         p = tl.where(key_ok[None, :], p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # [BM, BN]
     if HAS_DROPOUT:
-        keep = _dropout_keep(seed_bh, offs_m, start_n, threshold, BLOCK_M, BLOCK_N)
-        ds = p * (tl.where(keep, dp, 0.0) * inv_keep - delta[:, None])  # one FMA, as dp - delta
+        kept = tl.where(_stored_keep(keep_base, keep_rows, start_n, BLOCK_M, BLOCK_N), p, 0.0)
+        ds = kept * dp - p * delta[:, None]
     else:
         ds = p * (dp - delta[:, None])
     dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
@@ -549,7 +629,7 @@ def _attention_bwd_dq_kernel(
     DQ,          # written: dQ, q layout (its own strides)
     CU_SEQLENS,  # int32 [B + 1] (varlen only)
     KEY_MASK,    # [B, S] 1 = token (padded form with a mask only)
-    SEED,        # int64 [1] (dropout only)
+    KEEP,        # uint8 keep bits from the forward (dropout only)
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -557,7 +637,7 @@ def _attention_bwd_dq_kernel(
     stride_dqb, stride_dqs, stride_dqh,
     stride_lb, stride_lh,
     stride_mb, stride_ms,
-    seqlen, num_heads, softmax_scale, qk_scale, dropout_p, seqlen_bucket,
+    seqlen, num_heads, softmax_scale, qk_scale, dropout_p, seqlen_bucket, keep_len,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, REFINE_DELTA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -594,9 +674,12 @@ def _attention_bwd_dq_kernel(
               + offs_n[:, None] * stride_vs + offs_d[None, :])
     kmask_ptrs = KEY_MASK + b64 * stride_mb
 
-    seed_bh = _rng_key(SEED, b, h, num_heads, HAS_DROPOUT)
-    threshold = _keep_threshold(dropout_p)
+    keep_base = _keep_block(KEEP, b64, h64, num_heads, keep_len)
+    keep_rows = _keep_rows(start_m, keep_len, BLOCK_M)
     inv_keep = 1.0 / (1.0 - dropout_p)
+    delta_in = delta
+    if HAS_DROPOUT:
+        delta_in = delta * (1.0 - dropout_p)  # the blocks' dS are times (1 - p)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     pk = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # sum_j P_ij k_j (REFINE_DELTA only)
     resid = tl.zeros([BLOCK_M], tl.float32)        # r_i = sum_j dS'_ij (REFINE_DELTA only)
@@ -605,19 +688,19 @@ def _attention_bwd_dq_kernel(
     else:
         n_full = (seq_len // BLOCK_N) * BLOCK_N
     for start_n in range(0, n_full, BLOCK_N):
-        dq, pk, resid = _bwd_q_block(dq, pk, resid, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, start_n,
-                                     seq_len, offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale,
-                                     seed_bh, threshold, inv_keep, False, HAS_KEY_MASK, HAS_DROPOUT, UPCAST,
+        dq, pk, resid = _bwd_q_block(dq, pk, resid, q, do, lse2, delta_in, k_ptrs, v_ptrs, kmask_ptrs, keep_base,
+                                     keep_rows, start_n, seq_len, offs_m, offs_n, stride_ks, stride_vs, stride_ms,
+                                     qk_scale, False, HAS_KEY_MASK, HAS_DROPOUT, UPCAST,
                                      DOT_PREC, REFINE_DELTA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
     for start_n in range(n_full, seq_len, BLOCK_N):
-        dq, pk, resid = _bwd_q_block(dq, pk, resid, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, start_n,
-                                     seq_len, offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale,
-                                     seed_bh, threshold, inv_keep, True, HAS_KEY_MASK, HAS_DROPOUT, UPCAST,
+        dq, pk, resid = _bwd_q_block(dq, pk, resid, q, do, lse2, delta_in, k_ptrs, v_ptrs, kmask_ptrs, keep_base,
+                                     keep_rows, start_n, seq_len, offs_m, offs_n, stride_ks, stride_vs, stride_ms,
+                                     qk_scale, True, HAS_KEY_MASK, HAS_DROPOUT, UPCAST,
                                      DOT_PREC, REFINE_DELTA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
     if REFINE_DELTA:
         dq -= resid[:, None] * pk
-        tl.store(DELTA_OUT + lse_off, delta + resid, mask=row_ok)
-    dq = dq * softmax_scale
+        tl.store(DELTA_OUT + lse_off, delta + resid * inv_keep, mask=row_ok)
+    dq = dq * (softmax_scale * inv_keep)
     _store_tile(DQ + b64 * stride_dqb + seq_start * stride_dqs + h64 * stride_dqh
                 + offs_m[:, None] * stride_dqs + offs_d[None, :],
                 dq.to(DQ.dtype.element_ty), row_ok, HEAD_DIM, BLOCK_D)
@@ -690,23 +773,27 @@ def _attention_outside_rows_kernel(
 # Query-major dK/dV spills at a padded head dim 26 and at fp32: it leads the 16-bit 64 list only.
 # Since that mask, (32, 16, 8, 2) and (16, 32, 4, 2) spill in dK/dV at 256, (32, 32, 8, 2) in fp32
 # forward and dQ at <= 32, (16, 32, 4, 2) in 16-bit dQ at 256, and in fp32 dK/dV (32, 16, 4, 2) at
-# 64 and (16, 16, 4, 2) at 256 (padded, by 8-20 bytes): they left the lists.
+# 64 and (16, 16, 4, 2) at 256 (padded, by 8-20 bytes): they left the lists. The keep bits (header)
+# cost registers where dropout is on: query-major dK/dV (64, 64, 4, 2), the 16-bit 64 default, spills
+# by 12-16 bytes and (128, 64, 8, 2) leads that list instead; the forward at a padded head dim 26
+# spills in (64, 64, 4, 3) and (128, 32, 4, 4), the fp32 forward at 256 in (32, 16, 8, 1) and the
+# fp32 dQ at 64 in (32, 16, 4, 2): they left the lists.
 _Q, _K = True, False
 _CANDIDATES = {
     "fwd": {
-        (False, 32): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 32, 4, 4)],
+        (False, 32): [(128, 64, 8, 3), (64, 32, 4, 4)],
         (False, 64): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 4), (64, 32, 4, 4)],
         (False, 128): [(128, 64, 8, 3), (64, 32, 4, 4), (64, 64, 4, 3)],
         (True, 32): [(16, 32, 4, 2), (16, 16, 4, 2)],
         (True, 64): [(32, 32, 8, 2), (32, 16, 8, 2), (16, 16, 4, 2)],
         (True, 128): [(16, 16, 4, 2)],
         (False, 256): [(64, 32, 8, 2), (32, 32, 4, 2), (64, 32, 8, 1)],
-        (True, 256): [(32, 16, 8, 1), (16, 16, 4, 1)],
+        (True, 256): [(16, 16, 4, 1)],
     },
     "dkdv": {
         (False, 32): [(32, 64, 4, 3, _K), (64, 128, 8, 3, _K), (64, 64, 8, 2, _K), (32, 128, 8, 3, _K),
                       (16, 64, 4, 3, _K), (32, 32, 4, 4, _K)],
-        (False, 64): [(64, 64, 4, 2, _Q), (32, 64, 4, 3, _K), (64, 128, 8, 3, _K), (64, 64, 8, 2, _K),
+        (False, 64): [(128, 64, 8, 2, _Q), (32, 64, 4, 3, _K), (64, 128, 8, 3, _K), (64, 64, 8, 2, _K),
                       (32, 128, 8, 3, _K), (16, 64, 4, 3, _K)],
         (False, 128): [(32, 32, 8, 3, _K), (16, 64, 8, 3, _K), (16, 32, 4, 3, _K), (32, 64, 8, 3, _K),
                        (16, 128, 8, 3, _K)],
@@ -721,7 +808,7 @@ _CANDIDATES = {
         (False, 64): [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 8, 3)],
         (False, 128): [(128, 16, 8, 3), (64, 32, 8, 3), (64, 16, 4, 4)],
         (True, 32): [(32, 16, 4, 2), (16, 16, 4, 2)],
-        (True, 64): [(32, 16, 8, 2), (32, 16, 4, 2), (16, 16, 4, 2)],
+        (True, 64): [(32, 16, 8, 2), (16, 16, 4, 2)],
         (True, 128): [(16, 16, 8, 2)],
         (False, 256): [(16, 32, 8, 2), (32, 32, 8, 1), (32, 16, 8, 2)],
         (True, 256): [(16, 16, 4, 2), (16, 16, 4, 1)],
@@ -733,6 +820,9 @@ _CANDIDATES = {
 _INTERP = {"fwd": {"BLOCK_M": 16, "BLOCK_N": 16}, "dkdv": {"BLOCK_M": 16, "BLOCK_N": 32, "QUERY_MAJOR": True},
            "dq": {"BLOCK_M": 32, "BLOCK_N": 16}, "mask": {"BLOCK_M": 16, "BLOCK_N": 32}}
 _DELTA_BLOCK_M = 64
+# The keep bits' rows and columns are padded to a multiple of every tile, so no kernel masks its
+# byte loads and stores (header, "Keep bits"); _tuned checks each candidate against it.
+KEEP_ALIGN = 128
 _OUTSIDE_BLOCKS = {"BLOCK_T": 64, "BLOCK_C": 128}
 
 
@@ -740,6 +830,7 @@ def _tuned(kernel, which: str):
     """The autotuned kernel over every candidate of ``which``; its pruner picks the table entry."""
     table, configs = {}, {}
     for key, entries in _CANDIDATES[which].items():
+        assert all(KEEP_ALIGN % e[0] == 0 and KEEP_ALIGN % e[1] == 0 for e in entries), (which, key)
         table[key] = [configs.setdefault(e, triton.Config({"BLOCK_M": e[0], "BLOCK_N": e[1],
                                                            **({"QUERY_MAJOR": e[4]} if len(e) > 4 else {})},
                                                           num_warps=e[2], num_stages=e[3]))
@@ -801,7 +892,7 @@ def _lse_strides(lse: torch.Tensor, varlen: bool):
 
 
 # =========================================================================== launchers
-def _forward(q, k, v, out, lse, cu_seqlens, key_mask, seed, batch, seqlen, varlen,
+def _forward(q, k, v, out, lse, cu_seqlens, key_mask, seed, keep, batch, seqlen, varlen,
              softmax_scale, dropout_p):
     heads, head_dim = q.shape[-2], q.shape[-1]
     upcast, prec = _dot_flags(q.dtype)
@@ -809,17 +900,17 @@ def _forward(q, k, v, out, lse, cu_seqlens, key_mask, seed, batch, seqlen, varle
     mask_strides = (key_mask.stride(0), key_mask.stride(1)) if key_mask is not None else (0, 0)
     args = (q, k, v, out, lse,
             cu_seqlens if varlen else dummy, key_mask if key_mask is not None else dummy,
-            seed if dropout_p > 0 else dummy,
+            seed if dropout_p > 0 else dummy, keep if dropout_p > 0 else dummy,
             *_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(out, varlen),
             *_lse_strides(lse, varlen), *mask_strides,
-            seqlen, heads, softmax_scale * _LOG2E, dropout_p, triton.next_power_of_2(seqlen))
+            seqlen, heads, softmax_scale * _LOG2E, dropout_p, triton.next_power_of_2(seqlen), _keep_len(keep))
     consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), IS_VARLEN=varlen, HAS_KEY_MASK=key_mask is not None,
                   HAS_DROPOUT=dropout_p > 0, UPCAST=upcast, DOT_PREC=prec)
     grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_M"]), heads, batch)  # noqa: E731
     launch(_fwd_tuned, grid, args, consts, interp=_INTERP["fwd"])
 
 
-def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, seed, batch, seqlen,
+def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, keep, batch, seqlen,
               varlen, softmax_scale, dropout_p):
     heads, head_dim = q.shape[-2], q.shape[-1]
     upcast, prec = _dot_flags(q.dtype)
@@ -838,19 +929,19 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, seed, b
 
     mask_strides = (key_mask.stride(0), key_mask.stride(1)) if key_mask is not None else (0, 0)
     kmask = key_mask if key_mask is not None else lse
-    seed_arg = seed if dropout_p > 0 else lse
+    keep_arg = keep if dropout_p > 0 else lse
     tail = (*_lse_strides(lse, varlen), *mask_strides,
-            seqlen, heads, softmax_scale, softmax_scale * _LOG2E, dropout_p, bucket)
+            seqlen, heads, softmax_scale, softmax_scale * _LOG2E, dropout_p, bucket, _keep_len(keep))
     consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), IS_VARLEN=varlen, HAS_KEY_MASK=key_mask is not None,
                   HAS_DROPOUT=dropout_p > 0, UPCAST=upcast, DOT_PREC=prec)
     qkv_strides = (*_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(dout, varlen))
 
-    args = (q, k, v, dout, lse, delta, delta_out, dq, cu, kmask, seed_arg,
+    args = (q, k, v, dout, lse, delta, delta_out, dq, cu, kmask, keep_arg,
             *qkv_strides, *_bsh(dq, varlen), *tail)
     grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_M"]), heads, batch)  # noqa: E731
     launch(_bwd_dq_tuned, grid, args, dict(consts, REFINE_DELTA=refine), interp=_INTERP["dq"])
 
-    args = (q, k, v, dout, lse, delta_out, dk, dv, cu, kmask, seed_arg,
+    args = (q, k, v, dout, lse, delta_out, dk, dv, cu, kmask, keep_arg,
             *qkv_strides, *_bsh(dk, varlen), *_bsh(dv, varlen), *tail)
     grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_N"]), heads, batch)  # noqa: E731
     launch(_bwd_dkdv_tuned, grid, args, consts, interp=_INTERP["dkdv"])
@@ -865,6 +956,30 @@ def _clear_outside_rows(out: torch.Tensor, lse: Optional[torch.Tensor], cu_seqle
            dict(HAS_LSE=lse is not None, **_OUTSIDE_BLOCKS))
 
 
+def dropout_keep_shape(batch: int, heads: int, seqlen: int, dropout_p: float) -> Tuple[int, ...]:
+    """The keep bits a forward with dropout writes for its backward (header): uint8 [B, A, L / 2, L / 4],
+    L = seqlen rounded up to KEEP_ALIGN; (0,) without dropout."""
+    if dropout_p == 0.0 or batch * heads * seqlen == 0:
+        return (0,)
+    length = triton.cdiv(seqlen, KEEP_ALIGN) * KEEP_ALIGN
+    return (batch, heads, length // 2, length // 4)
+
+
+def _new_keep(batch: int, heads: int, seqlen: int, dropout_p: float, device: torch.device) -> torch.Tensor:
+    return torch.empty(dropout_keep_shape(batch, heads, seqlen, dropout_p), dtype=torch.uint8, device=device)
+
+
+def _check_keep(keep: torch.Tensor, batch: int, heads: int, seqlen: int, dropout_p: float,
+                device: torch.device) -> None:
+    want = dropout_keep_shape(batch, heads, seqlen, dropout_p)
+    if dropout_p > 0.0 or keep.numel():
+        check_tensor("keep", keep, dtypes=(torch.uint8,), shape=want, device=device)
+
+
+def _keep_len(keep: torch.Tensor) -> int:
+    return keep.shape[3] * 4 if keep.dim() == 4 else 0
+
+
 def _grad_out(dout: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     check_tensor("dout", dout, dtypes=(like.dtype,), shape=like.shape, device=like.device)
     # Autograd may hand over expanded or transposed gradients: the kernels need stride(-1) == 1.
@@ -873,8 +988,9 @@ def _grad_out(dout: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                          max_seqlen: int, softmax_scale: Optional[float], dropout_p: float,
-                         seed: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Attention on unpadded tokens. q, k, v [T, A, D] -> (out [T, A, D], lse [A, T] fp32).
+                         seed: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention on unpadded tokens. q, k, v [T, A, D] -> (out [T, A, D], lse [A, T] fp32, keep bits
+    for the backward: dropout_keep_shape, uint8).
 
     Sequence b is rows cu_seqlens[b]:cu_seqlens[b+1]; max_seqlen must be >= every length.
     Rows outside every sequence get out 0 and lse +inf (_clear_outside_rows: the outputs are not
@@ -888,21 +1004,22 @@ def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     dropout_p = check_dropout(dropout_p, seed, q.device)
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((heads, tokens), dtype=torch.float32, device=q.device)
+    keep = _new_keep(batch, heads, max_seqlen, dropout_p, q.device)
     if out.numel() == 0:
-        return out, lse.fill_(float("inf"))
+        return out, lse.fill_(float("inf")), keep
     if batch > 0 and max_seqlen > 0:
-        _forward(q, k, v, out, lse, cu_seqlens, None, seed, batch, max_seqlen, True,
+        _forward(q, k, v, out, lse, cu_seqlens, None, seed, keep, batch, max_seqlen, True,
                  softmax_scale, dropout_p)
     _clear_outside_rows(out, lse, cu_seqlens)
-    return out, lse
+    return out, lse, keep
 
 
 def attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor,
                          max_seqlen: int, softmax_scale: Optional[float], dropout_p: float,
-                         seed: Optional[torch.Tensor]) -> torch.Tensor:
+                         seed: Optional[torch.Tensor], keep: torch.Tensor) -> torch.Tensor:
     """Gradients of attention_varlen_fwd -> dqkv [T, 3, A, D] (dq = dqkv[:, 0], dk, dv likewise;
-    0 at rows outside every sequence)."""
+    0 at rows outside every sequence). keep: the forward's keep bits (the seed is not read)."""
     _check_qkv(("q", "k", "v", "out"), (q, k, v, out), 3, "[T, A, D]")
     dout = _grad_out(dout, q)
     tokens, heads, head_dim = q.shape
@@ -913,8 +1030,9 @@ def attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     dqkv = torch.empty((tokens, 3, heads, head_dim), dtype=q.dtype, device=q.device)
     if dqkv.numel() == 0:
         return dqkv
+    _check_keep(keep, batch, heads, max_seqlen, dropout_p, q.device)
     if batch > 0 and max_seqlen > 0:
-        _backward(dout, q, k, v, out, lse, dqkv[:, 0], dqkv[:, 1], dqkv[:, 2], cu_seqlens, None, seed,
+        _backward(dout, q, k, v, out, lse, dqkv[:, 0], dqkv[:, 1], dqkv[:, 2], cu_seqlens, None, keep,
                   batch, max_seqlen, True, softmax_scale, dropout_p)
     _clear_outside_rows(dqkv, None, cu_seqlens)
     return dqkv
@@ -923,9 +1041,10 @@ def attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 def attention_padded_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          key_padding_mask: Optional[torch.Tensor], softmax_scale: Optional[float],
                          dropout_p: float, seed: Optional[torch.Tensor]
-                         ) -> Tuple[torch.Tensor, torch.Tensor]:
+                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention on padded tensors. q, k, v [B, S, A, D], key_padding_mask [B, S] (1 = token, any
-    pattern; None = no padding) -> (out [B, S, A, D], lse [B, A, S] fp32).
+    pattern; None = no padding) -> (out [B, S, A, D], lse [B, A, S] fp32, keep bits for the
+    backward: dropout_keep_shape, uint8).
 
     Query rows at pad positions still attend to the valid keys; a row with no valid key gives 0.
     """
@@ -936,18 +1055,20 @@ def attention_padded_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dropout_p = check_dropout(dropout_p, seed, q.device)
     out = torch.empty((batch, seqlen, heads, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, seqlen), dtype=torch.float32, device=q.device)
+    keep = _new_keep(batch, heads, seqlen, dropout_p, q.device)
     if out.numel() == 0:
-        return out, lse.fill_(float("inf"))
-    _forward(q, k, v, out, lse, None, key_mask, seed, batch, seqlen, False, softmax_scale, dropout_p)
-    return out, lse
+        return out, lse.fill_(float("inf")), keep
+    _forward(q, k, v, out, lse, None, key_mask, seed, keep, batch, seqlen, False, softmax_scale, dropout_p)
+    return out, lse, keep
 
 
 def attention_padded_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          out: torch.Tensor, lse: torch.Tensor,
                          key_padding_mask: Optional[torch.Tensor], softmax_scale: Optional[float],
-                         dropout_p: float, seed: Optional[torch.Tensor]
+                         dropout_p: float, seed: Optional[torch.Tensor], keep: torch.Tensor
                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of attention_padded_fwd -> (dq, dk, dv), each [B, S, A, D]; 0 at padding keys."""
+    """Gradients of attention_padded_fwd -> (dq, dk, dv), each [B, S, A, D]; 0 at padding keys.
+    keep: the forward's keep bits (the seed is not read)."""
     _check_qkv(("q", "k", "v", "out"), (q, k, v, out), 4, "[B, S, A, D]")
     dout = _grad_out(dout, q)
     batch, seqlen, heads, head_dim = q.shape
@@ -959,7 +1080,8 @@ def attention_padded_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                   for _ in range(3))
     if dq.numel() == 0:
         return dq, dk, dv
-    _backward(dout, q, k, v, out, lse, dq, dk, dv, None, key_mask, seed, batch, seqlen, False,
+    _check_keep(keep, batch, heads, seqlen, dropout_p, q.device)
+    _backward(dout, q, k, v, out, lse, dq, dk, dv, None, key_mask, keep, batch, seqlen, False,
               softmax_scale, dropout_p)
     return dq, dk, dv
 
@@ -996,5 +1118,6 @@ def attention_padded_dropout_mask(batch: int, seqlen: int, num_heads: int, dropo
 
 __all__ = [
     "attention_varlen_fwd", "attention_varlen_bwd", "attention_padded_fwd", "attention_padded_bwd",
+    "dropout_keep_shape",
     "attention_varlen_dropout_mask", "attention_padded_dropout_mask", "block_d",
 ]

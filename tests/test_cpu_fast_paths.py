@@ -53,8 +53,9 @@ def test_varlen_runs_cpu_flash_only_without_dropout(lengths, dropout_p):
     q, k, v = torch.randn(tokens, 3, heads, head_dim).unbind(1)
     seed = torch.tensor([7]) if dropout_p else None
     with _AtenLog() as log:
-        out, lse = impl.attention_varlen_fwd(q, k, v, cu, max(lengths), None, dropout_p, seed)
-        impl.attention_varlen_bwd(torch.randn_like(out), q, k, v, out, lse, cu, max(lengths), None, dropout_p, seed)
+        out, lse, keep = impl.attention_varlen_fwd(q, k, v, cu, max(lengths), None, dropout_p, seed)
+        impl.attention_varlen_bwd(torch.randn_like(out), q, k, v, out, lse, cu, max(lengths), None, dropout_p, seed,
+                                  keep)
     assert (FLASH in log.ops and FLASH_BWD in log.ops) == (dropout_p == 0.0), sorted(map(str, log.ops))
 
 
@@ -65,8 +66,9 @@ def test_padded_runs_cpu_flash_only_without_dropout(dropout_p):
     mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
     seed = torch.tensor([3]) if dropout_p else None
     with _AtenLog() as log:
-        out, lse = impl.attention_padded_fwd(q, k, v, mask, None, dropout_p, seed)
-        grads = impl.attention_padded_bwd(torch.randn_like(out), q, k, v, out, lse, mask, None, dropout_p, seed)
+        out, lse, keep = impl.attention_padded_fwd(q, k, v, mask, None, dropout_p, seed)
+        grads = impl.attention_padded_bwd(torch.randn_like(out), q, k, v, out, lse, mask, None, dropout_p, seed,
+                                          keep)
     assert (FLASH in log.ops) == (dropout_p == 0.0)
     # the fully padded sequence: out 0, lse +inf, no gradient, whichever path ran
     assert not out[1].any() and torch.isposinf(lse[1]).all() and not grads[0][1].any()

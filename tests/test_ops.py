@@ -14,7 +14,7 @@ from bertfast import dispatch
 # The launcher functions of each op's contract (bertfast/ops/<op>.py), by op module.
 CONTRACT = {
     "attention": ("attention_varlen_fwd", "attention_varlen_bwd", "attention_padded_fwd", "attention_padded_bwd",
-                  "attention_varlen_dropout_mask", "attention_padded_dropout_mask"),
+                  "attention_varlen_dropout_mask", "attention_padded_dropout_mask", "dropout_keep_shape"),
     "bias_gelu": ("bias_gelu_fwd", "bias_gelu_bwd"),
     "bias_dropout_residual_layernorm": ("bias_dropout_residual_layernorm_fwd", "bias_dropout_residual_layernorm_bwd"),
     "embeddings": ("embeddings_fwd", "embeddings_bwd"),

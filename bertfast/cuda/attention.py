@@ -8,6 +8,7 @@ other one element by element (packed qkv with head dim 26 in fp16, say).
 
 Dropout: keep = uniform(philox(seed, (b * A + a) * S + i, j // 4)[j % 4]) >= p (S = max_seqlen),
 kept probabilities scaled by 1 / (1 - p); the *_dropout_mask functions return exactly that mask.
+The forward records nothing of it (dropout_keep_shape is (0,)): the backward draws it again.
 """
 from __future__ import annotations
 
@@ -68,6 +69,10 @@ def _bsh(t: torch.Tensor, varlen: bool) -> Tuple[int, int, int]:
     return (0, t.stride(0), t.stride(1)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
 
 
+def dropout_keep_shape(batch: int, heads: int, seqlen: int, dropout_p: float) -> Tuple[int, ...]:
+    return (0,)
+
+
 def _fwd(q, k, v, cu_seqlens, key_mask, batch, seqlen, varlen, softmax_scale, dropout_p, seed):
     dev = q.device
     heads, head_dim = q.shape[-2], q.shape[-1]
@@ -79,14 +84,15 @@ def _fwd(q, k, v, cu_seqlens, key_mask, batch, seqlen, varlen, softmax_scale, dr
         out = torch.empty(q.shape, dtype=q.dtype, device=dev)
         lse = torch.empty((batch, heads, seqlen), dtype=torch.float32, device=dev)
         lse_strides = (lse.stride(0), lse.stride(1))
+    no_keep = torch.empty((0,), dtype=torch.uint8, device=dev)
     if out.numel() == 0 or batch == 0 or seqlen == 0:
-        return out.zero_(), lse.fill_(float("inf"))
+        return out.zero_(), lse.fill_(float("inf")), no_keep
     C.launch(dev, "attention_fwd", q.data_ptr(), _bsh(q, varlen), k.data_ptr(), _bsh(k, varlen), v.data_ptr(),
             _bsh(v, varlen), out.data_ptr(), _bsh(out, varlen), lse.data_ptr(), *lse_strides,
             C.ptr(cu_seqlens), C.ptr(key_mask), key_mask.stride(0) if key_mask is not None else 0,
             batch, heads, head_dim, seqlen, softmax_scale, dropout_p, C.seed_ptr(seed, dropout_p),
             C.DTYPE_CODE[q.dtype])
-    return out, lse
+    return out, lse, no_keep
 
 
 def _bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, batch, seqlen, varlen, softmax_scale,
@@ -107,9 +113,9 @@ def _bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, batch, seqle
 
 def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                          max_seqlen: int, softmax_scale: Optional[float], dropout_p: float,
-                         seed: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+                         seed: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention on unpadded tokens: q, k, v [T, A, D] (views of a packed [T, 3, A, D] are fine)
-    -> (out [T, A, D], lse [A, T] fp32; +inf where a row has no key). Sequence b is rows
+    -> (out [T, A, D], lse [A, T] fp32; +inf where a row has no key, keep: empty). Sequence b is rows
     cu_seqlens[b]:cu_seqlens[b+1]; max_seqlen >= every length. Rows outside every sequence get
     out 0 and lse +inf."""
     _check_qkv(("q", "k", "v"), (q, k, v), 3, "[T, A, D]")
@@ -123,7 +129,7 @@ def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
 def attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                          softmax_scale: Optional[float], dropout_p: float,
-                         seed: Optional[torch.Tensor]) -> torch.Tensor:
+                         seed: Optional[torch.Tensor], keep: torch.Tensor) -> torch.Tensor:
     """Gradients of attention_varlen_fwd -> dqkv [T, 3, A, D] (dq = dqkv[:, 0], dk, dv likewise;
     zero at rows outside every sequence)."""
     _check_qkv(("q", "k", "v", "out"), (q, k, v, out), 3, "[T, A, D]")
@@ -145,10 +151,10 @@ def attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 
 def attention_padded_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          key_padding_mask: Optional[torch.Tensor], softmax_scale: Optional[float], dropout_p: float,
-                         seed: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+                         seed: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention on padded tensors: q, k, v [B, S, A, D], key_padding_mask [B, S] (1 = token, any
-    pattern; None = none) -> (out [B, S, A, D], lse [B, A, S] fp32). Query rows at pad positions
-    attend to the valid keys; a sequence with no valid key gives out 0 (lse +inf)."""
+    pattern; None = none) -> (out [B, S, A, D], lse [B, A, S] fp32, keep: empty). Query rows at pad
+    positions attend to the valid keys; a sequence with no valid key gives out 0 (lse +inf)."""
     _check_qkv(("q", "k", "v"), (q, k, v), 4, "[B, S, A, D]")
     batch, seqlen = q.shape[0], q.shape[1]
     if batch > MAX_BATCH:
@@ -162,8 +168,8 @@ def attention_padded_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def attention_padded_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          out: torch.Tensor, lse: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
-                         softmax_scale: Optional[float], dropout_p: float, seed: Optional[torch.Tensor]
-                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         softmax_scale: Optional[float], dropout_p: float, seed: Optional[torch.Tensor],
+                         keep: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of attention_padded_fwd -> (dq, dk, dv), each [B, S, A, D]; 0 at padding keys."""
     _check_qkv(("q", "k", "v", "out"), (q, k, v, out), 4, "[B, S, A, D]")
     C.on_device(dout=dout, lse=lse)

@@ -192,14 +192,14 @@ def bert_launches(settings: Sequence[Setting], head_dims: Sequence[int] = (64,),
                 qkv = empty(tokens, 3, heads_here, head_dim)
                 q, k, v = qkv.unbind(1)
                 cu = torch.arange(0, tokens + 1, seq, dtype=torch.int32)
-                out, lse = A.attention_varlen_fwd(q, k, v, cu, seq, 0.125, p, seed)
-                A.attention_varlen_bwd(out, q, k, v, out, lse, cu, seq, 0.125, p, seed)
+                out, lse, keep = A.attention_varlen_fwd(q, k, v, cu, seq, 0.125, p, seed)
+                A.attention_varlen_bwd(out, q, k, v, out, lse, cu, seq, 0.125, p, seed, keep)
                 if not padded_attention:
                     continue
                 qp = empty(batch, seq, heads_here, head_dim)
                 mask = torch.ones(batch, seq, dtype=torch.bool)
-                outp, lsep = A.attention_padded_fwd(qp, qp, qp, mask, 0.125, p, seed)
-                A.attention_padded_bwd(outp, qp, qp, qp, outp, lsep, mask, 0.125, p, seed)
+                outp, lsep, keepp = A.attention_padded_fwd(qp, qp, qp, mask, 0.125, p, seed)
+                A.attention_padded_bwd(outp, qp, qp, qp, outp, lsep, mask, 0.125, p, seed, keepp)
 
         def bias_gelu():
             x, bias = empty(tokens, ffn), empty(ffn, dtype=par)

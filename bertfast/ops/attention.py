@@ -14,11 +14,14 @@ are bertfast.kernels.attention and bertfast.cuda.attention):
   * A query row with no valid key: out 0, lse +inf, zero gradients, never NaN.
   * Outputs contiguous in q's dtype; lse fp32, [A, T] (varlen) or [B, A, S] (padded).
   * Dropout on the probabilities: keep with probability 1 - p, scale 1 / (1 - p); the mask is a
-    function of (seed, sequence, head, query row, key column), so the backward regenerates it.
-    (One exception, not a backend: eager training on a CPU with the torch backend keeps the
-    probabilities and mask for the backward instead, in _KeptProbs; same numbers, faster there.)
-    Each backend draws its own stream; attention_{varlen,padded}_dropout_mask return the mask a
-    backend draws, and the varlen and padded forms of one batch draw the same one.
+    function of (seed, sequence, head, query row, key column). The forward returns, third, what it
+    records of the mask for the backward (``keep``, uint8 of dropout_keep_shape(batch, heads,
+    seqlen, p): Triton's keep bits), and the backward takes it last; a backend whose shape is (0,)
+    records nothing and its backward regenerates the mask from the seed. (One exception, not a
+    backend: eager training on a CPU with the torch backend keeps the probabilities and mask for
+    the backward instead, in _KeptProbs; same numbers, faster there.) Each backend draws its own
+    stream; attention_{varlen,padded}_dropout_mask return the mask a backend draws, and the varlen
+    and padded forms of one batch draw the same one.
   * Head dims are each backend's limit (``unsupported``): Triton and CUDA serve every head dim from
     contract.MIN_HEAD_DIM (8) to MAX_HEAD_DIM (256), power of two or not; torch serves any.
 """
@@ -42,10 +45,14 @@ def _impl(op, backend):
     return dispatch.get(op, backend).impl
 
 
+def _fake_keep(like: Tensor, op: str, backend: str, batch: int, heads: int, seqlen: int, dropout_p: float) -> Tensor:
+    return like.new_empty(_impl(op, backend).dropout_keep_shape(batch, heads, seqlen, dropout_p), dtype=torch.uint8)
+
+
 # ------------------------------------------------------------------ variable length
 @torch.library.custom_op("bertfast::attention_varlen", mutates_args=())
 def _attention_varlen(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, softmax_scale: float, dropout_p: float,
-                      seed: Optional[Tensor], backend: str) -> tuple[Tensor, Tensor]:
+                      seed: Optional[Tensor], backend: str) -> tuple[Tensor, Tensor, Tensor]:
     q, k, v = qkv.unbind(1)
     outputs = _impl("attention_varlen", backend).attention_varlen_fwd(q, k, v, cu_seqlens, max_seqlen,
                                                                       softmax_scale, dropout_p, seed)
@@ -55,39 +62,40 @@ def _attention_varlen(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, softmax_
 @_attention_varlen.register_fake
 def _(qkv, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed, backend):
     tokens, _, heads, head_dim = qkv.shape
-    return qkv.new_empty((tokens, heads, head_dim)), qkv.new_empty((heads, tokens), dtype=torch.float32)
+    keep = _fake_keep(qkv, "attention_varlen", backend, cu_seqlens.shape[0] - 1, heads, max_seqlen, dropout_p)
+    return qkv.new_empty((tokens, heads, head_dim)), qkv.new_empty((heads, tokens), dtype=torch.float32), keep
 
 
 @torch.library.custom_op("bertfast::attention_varlen_backward", mutates_args=())
 def _attention_varlen_backward(dout: Tensor, qkv: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor,
                                max_seqlen: int, softmax_scale: float, dropout_p: float, seed: Optional[Tensor],
-                               backend: str) -> Tensor:
+                               keep: Tensor, backend: str) -> Tensor:
     q, k, v = qkv.unbind(1)
     dqkv = _impl("attention_varlen", backend).attention_varlen_bwd(
-        dout.contiguous(), q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed)
-    return distinct([dqkv], [dout, qkv, out, lse])[0]
+        dout.contiguous(), q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed, keep)
+    return distinct([dqkv], [dout, qkv, out, lse, keep])[0]
 
 
 @_attention_varlen_backward.register_fake
-def _(dout, qkv, out, lse, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed, backend):
+def _(dout, qkv, out, lse, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed, keep, backend):
     return qkv.new_empty(qkv.shape)
 
 
 def _varlen_setup(ctx, inputs, output):
     qkv, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed, backend = inputs
-    out, lse = output
-    ctx.save_for_backward(qkv, out, lse, cu_seqlens, seed)
+    out, lse, keep = output
+    ctx.save_for_backward(qkv, out, lse, cu_seqlens, seed, keep)
     ctx.args = (max_seqlen, softmax_scale, dropout_p, backend)
     no_zero_grads(ctx)
 
 
-def _varlen_backward(ctx, dout, _dlse):
+def _varlen_backward(ctx, dout, _dlse, _dkeep):
     if dout is None:
         return (None,) * 7
-    qkv, out, lse, cu_seqlens, seed = ctx.saved_tensors
+    qkv, out, lse, cu_seqlens, seed, keep = ctx.saved_tensors
     max_seqlen, softmax_scale, dropout_p, backend = ctx.args
     dqkv = _attention_varlen_backward(dout, qkv, out, lse, cu_seqlens, max_seqlen, softmax_scale, dropout_p,
-                                      seed, backend)
+                                      seed, keep, backend)
     return dqkv, None, None, None, None, None, None
 
 
@@ -120,7 +128,7 @@ def attention_varlen(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p
 # ------------------------------------------------------------------ padded + mask
 @torch.library.custom_op("bertfast::attention_padded", mutates_args=())
 def _attention_padded(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor, softmax_scale: float,
-                      dropout_p: float, seed: Optional[Tensor], backend: str) -> tuple[Tensor, Tensor]:
+                      dropout_p: float, seed: Optional[Tensor], backend: str) -> tuple[Tensor, Tensor, Tensor]:
     outputs = _impl("attention_padded", backend).attention_padded_fwd(q, k, v, key_padding_mask, softmax_scale,
                                                                       dropout_p, seed)
     return distinct(outputs, [q, k, v])
@@ -130,38 +138,39 @@ def _attention_padded(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor,
 def _(q, k, v, key_padding_mask, softmax_scale, dropout_p, seed, backend):
     batch, seqlen, heads, _ = q.shape
     # Every backend returns contiguous tensors, whatever the strides of q, k, v.
-    return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen), dtype=torch.float32)
+    keep = _fake_keep(q, "attention_padded", backend, batch, heads, seqlen, dropout_p)
+    return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen), dtype=torch.float32), keep
 
 
 @torch.library.custom_op("bertfast::attention_padded_backward", mutates_args=())
 def _attention_padded_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                                key_padding_mask: Tensor, softmax_scale: float, dropout_p: float,
-                               seed: Optional[Tensor], backend: str) -> tuple[Tensor, Tensor, Tensor]:
+                               seed: Optional[Tensor], keep: Tensor, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     grads = _impl("attention_padded", backend).attention_padded_bwd(
-        dout.contiguous(), q, k, v, out, lse, key_padding_mask, softmax_scale, dropout_p, seed)
-    return distinct(grads, [dout, q, k, v, out, lse])
+        dout.contiguous(), q, k, v, out, lse, key_padding_mask, softmax_scale, dropout_p, seed, keep)
+    return distinct(grads, [dout, q, k, v, out, lse, keep])
 
 
 @_attention_padded_backward.register_fake
-def _(dout, q, k, v, out, lse, key_padding_mask, softmax_scale, dropout_p, seed, backend):
+def _(dout, q, k, v, out, lse, key_padding_mask, softmax_scale, dropout_p, seed, keep, backend):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _padded_setup(ctx, inputs, output):
     q, k, v, key_padding_mask, softmax_scale, dropout_p, seed, backend = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, seed)
+    out, lse, keep = output
+    ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, seed, keep)
     ctx.args = (softmax_scale, dropout_p, backend)
     no_zero_grads(ctx)
 
 
-def _padded_backward(ctx, dout, _dlse):
+def _padded_backward(ctx, dout, _dlse, _dkeep):
     if dout is None:
         return (None,) * 8
-    q, k, v, out, lse, key_padding_mask, seed = ctx.saved_tensors
+    q, k, v, out, lse, key_padding_mask, seed, keep = ctx.saved_tensors
     softmax_scale, dropout_p, backend = ctx.args
     dq, dk, dv = _attention_padded_backward(dout, q, k, v, out, lse, key_padding_mask, softmax_scale, dropout_p,
-                                            seed, backend)
+                                            seed, keep, backend)
     return dq, dk, dv, None, None, None, None, None
 
 
@@ -331,18 +340,27 @@ def kept_probs_varlen(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, softmax_
     return form.unpad(out)
 
 
+def dropout_keep_shape(batch, heads, seqlen, dropout_p):
+    """Nothing recorded: the backward redraws the mask from the seed."""
+    return (0,)
+
+
+def _no_keep(like: Tensor) -> Tensor:
+    return like.new_empty((0,), dtype=torch.uint8)
+
+
 def attention_padded_fwd(q, k, v, key_padding_mask, softmax_scale, dropout_p, seed):
     batch, seqlen, heads, head_dim = q.shape
     mask = None if key_padding_mask is None else key_padding_mask.bool()
     scale = contract.softmax_scale(softmax_scale, head_dim)
     if _cpu_flash(q, dropout_p):
-        return _flash_fwd(q, k, v, mask, scale)
+        return (*_flash_fwd(q, k, v, mask, scale), _no_keep(q))
     keep = keep_mask((batch, heads, seqlen, seqlen), dropout_p, seed, q.device)
     probs, lse = _probs(q, k, mask, scale, None)
-    return _math_fwd(q, k, v, probs, dropout_p, keep), lse
+    return _math_fwd(q, k, v, probs, dropout_p, keep), lse, _no_keep(q)
 
 
-def attention_padded_bwd(dout, q, k, v, out, lse, key_padding_mask, softmax_scale, dropout_p, seed):
+def attention_padded_bwd(dout, q, k, v, out, lse, key_padding_mask, softmax_scale, dropout_p, seed, keep):
     batch, seqlen, heads, head_dim = q.shape
     mask = None if key_padding_mask is None else key_padding_mask.bool()
     scale = contract.softmax_scale(softmax_scale, head_dim)
@@ -394,8 +412,9 @@ class _PaddedForm:
 
 def attention_varlen_fwd(q, k, v, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed):
     form = _PaddedForm(cu_seqlens, max_seqlen, q.shape[0])
-    out, lse = attention_padded_fwd(*(form.pad(t) for t in (q, k, v)), form.mask, softmax_scale, dropout_p, seed)
-    return form.unpad(out), form.unpad(lse.transpose(1, 2), float("inf")).t().contiguous()
+    out, lse, keep = attention_padded_fwd(*(form.pad(t) for t in (q, k, v)), form.mask, softmax_scale, dropout_p,
+                                          seed)
+    return form.unpad(out), form.unpad(lse.transpose(1, 2), float("inf")).t().contiguous(), keep
 
 
 def varlen_inference(cu_seqlens: Tensor, max_seqlen: int, tokens: int) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
@@ -408,12 +427,12 @@ def varlen_inference(cu_seqlens: Tensor, max_seqlen: int, tokens: int) -> Callab
     return run
 
 
-def attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed):
+def attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed, keep):
     form = _PaddedForm(cu_seqlens, max_seqlen, q.shape[0])
     # Padded query rows get lse +inf: probabilities 0, so they add nothing to dk and dv.
     lse_p = form.pad(lse.t(), float("inf")).transpose(1, 2)                      # [B, A, S]
     grads = attention_padded_bwd(*(form.pad(t) for t in (dout, q, k, v, out)), lse_p, form.mask, softmax_scale,
-                                 dropout_p, seed)
+                                 dropout_p, seed, keep)
     return form.unpad(torch.stack(grads, dim=2))                                 # [T, 3, A, D]
 
 

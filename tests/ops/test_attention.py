@@ -97,8 +97,8 @@ def check_varlen(backend, q, k, v, dout, cu, max_seqlen, scale=None, p=0.0, seed
     returns (out, lse, dqkv)."""
     impl = backend.module(VARLEN)
     tokens, heads, head_dim = q.shape
-    out, lse = impl.attention_varlen_fwd(q, k, v, cu, max_seqlen, scale, p, seed)
-    dqkv = impl.attention_varlen_bwd(dout, q, k, v, out, lse, cu, max_seqlen, scale, p, seed)
+    out, lse, bits = impl.attention_varlen_fwd(q, k, v, cu, max_seqlen, scale, p, seed)
+    dqkv = impl.attention_varlen_bwd(dout, q, k, v, out, lse, cu, max_seqlen, scale, p, seed, bits)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     assert lse.shape == (heads, tokens) and lse.dtype == FP32
     assert dqkv.shape == (tokens, 3, heads, head_dim) and dqkv.dtype == q.dtype and dqkv.is_contiguous()
@@ -129,8 +129,8 @@ def check_padded(backend, q, k, v, dout, mask, scale=None, p=0.0, seed=None, ato
     impl = backend.module(PADDED)
     batch, seqlen, heads, head_dim = q.shape
     kpm = None if mask is None else mask.to(backend.device)
-    out, lse = impl.attention_padded_fwd(q, k, v, kpm, scale, p, seed)
-    grads = impl.attention_padded_bwd(dout, q, k, v, out, lse, kpm, scale, p, seed)
+    out, lse, bits = impl.attention_padded_fwd(q, k, v, kpm, scale, p, seed)
+    grads = impl.attention_padded_bwd(dout, q, k, v, out, lse, kpm, scale, p, seed, bits)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     assert lse.shape == (batch, heads, seqlen) and lse.dtype == FP32
     for g in grads:
@@ -217,16 +217,17 @@ def test_softmax_scale_none_is_inverse_sqrt_head_dim(backend, form):
         lengths = torch.tensor([6, 11])
         q, k, v, dout, cu = varlen_inputs(backend, lengths, head_dim=head_dim, seed=5)
         out, lse, dqkv = check_varlen(backend, q, k, v, dout, cu, 11, scale=None)
-        out2, lse2 = impl.attention_varlen_fwd(q, k, v, cu, 11, explicit, 0.0, None)
-        grads, grads2 = [dqkv], [impl.attention_varlen_bwd(dout, q, k, v, out2, lse2, cu, 11, explicit, 0.0, None)]
+        out2, lse2, bits = impl.attention_varlen_fwd(q, k, v, cu, 11, explicit, 0.0, None)
+        grads, grads2 = [dqkv], [impl.attention_varlen_bwd(dout, q, k, v, out2, lse2, cu, 11, explicit, 0.0, None,
+                                                           bits)]
     else:
         impl = backend.module(PADDED)
         q, k, v, dout = padded_inputs(backend, 2, 11, head_dim=head_dim, seed=5)
         mask = key_mask("random", 2, 11, seed=5)
         out, lse, grads = check_padded(backend, q, k, v, dout, mask, scale=None)
         mask = mask.to(backend.device)
-        out2, lse2 = impl.attention_padded_fwd(q, k, v, mask, explicit, 0.0, None)
-        grads2 = impl.attention_padded_bwd(dout, q, k, v, out2, lse2, mask, explicit, 0.0, None)
+        out2, lse2, bits = impl.attention_padded_fwd(q, k, v, mask, explicit, 0.0, None)
+        grads2 = impl.attention_padded_bwd(dout, q, k, v, out2, lse2, mask, explicit, 0.0, None, bits)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
     assert all(torch.equal(a, b) for a, b in zip(grads, grads2))
 
@@ -244,8 +245,8 @@ def test_max_seqlen_is_an_upper_bound(backend):
     lengths = torch.tensor([9, 14])
     q, k, v, dout, cu = varlen_inputs(backend, lengths, seed=7)
     out, lse, dqkv = check_varlen(backend, q, k, v, dout, cu, 14)
-    out2, lse2 = impl.attention_varlen_fwd(q, k, v, cu, 37, None, 0.0, None)
-    dqkv2 = impl.attention_varlen_bwd(dout, q, k, v, out2, lse2, cu, 37, None, 0.0, None)
+    out2, lse2, bits = impl.attention_varlen_fwd(q, k, v, cu, 37, None, 0.0, None)
+    dqkv2 = impl.attention_varlen_bwd(dout, q, k, v, out2, lse2, cu, 37, None, 0.0, None, bits)
     for a, b in ((out, out2), (lse, lse2), (dqkv, dqkv2)):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
@@ -312,22 +313,22 @@ def test_empty_inputs(backend):
     empty = torch.empty(0, 3, A, D, device=backend.device).unbind(1)
     for cu, max_seqlen in ((torch.zeros(4, dtype=torch.int32), 0), (torch.zeros(1, dtype=torch.int32), 0)):
         cu = cu.to(backend.device)  # three zero-length sequences; no sequence at all
-        out, lse = v_impl.attention_varlen_fwd(*empty, cu, max_seqlen, None, 0.1, seed)
-        dqkv = v_impl.attention_varlen_bwd(out, *empty, out, lse, cu, max_seqlen, None, 0.1, seed)
+        out, lse, bits = v_impl.attention_varlen_fwd(*empty, cu, max_seqlen, None, 0.1, seed)
+        dqkv = v_impl.attention_varlen_bwd(out, *empty, out, lse, cu, max_seqlen, None, 0.1, seed, bits)
         assert out.shape == (0, A, D) and lse.shape == (A, 0) and dqkv.shape == (0, 3, A, D)
         keep = v_impl.attention_varlen_dropout_mask(cu, max_seqlen, A, 0.1, seed)
         assert keep.shape == (cu.numel() - 1, A, 0, 0)
     for batch, seqlen in ((0, 5), (2, 0)):
         q = torch.empty(batch, seqlen, A, D, device=backend.device)
-        out, lse = p_impl.attention_padded_fwd(q, q, q, None, None, 0.1, seed)
-        grads = p_impl.attention_padded_bwd(out, q, q, q, out, lse, None, None, 0.1, seed)
+        out, lse, bits = p_impl.attention_padded_fwd(q, q, q, None, None, 0.1, seed)
+        grads = p_impl.attention_padded_bwd(out, q, q, q, out, lse, None, None, 0.1, seed, bits)
         assert out.shape == q.shape and lse.shape == (batch, A, seqlen) and all(g.shape == q.shape for g in grads)
         assert p_impl.attention_padded_dropout_mask(batch, seqlen, A, 0.1, seed).shape == (batch, A, seqlen, seqlen)
     # Rows but no sequence: every row is outside, so out 0, lse +inf, dqkv 0.
     q, k, v, dout, _ = varlen_inputs(backend, torch.tensor([4]), seed=11)
     cu = torch.zeros(1, dtype=torch.int32, device=backend.device)
-    out, lse = v_impl.attention_varlen_fwd(q, k, v, cu, 0, None, 0.0, None)
-    dqkv = v_impl.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 0, None, 0.0, None)
+    out, lse, bits = v_impl.attention_varlen_fwd(q, k, v, cu, 0, None, 0.0, None)
+    dqkv = v_impl.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 0, None, 0.0, None, bits)
     assert not out.any() and torch.isposinf(lse).all() and not dqkv.any() and dqkv.shape == (4, 3, A, D)
 
 
@@ -430,9 +431,9 @@ def test_dropout_scales_kept_values(backend):
     impl, seqlen, p = backend.module(PADDED), 32, 0.25
     q = torch.zeros(1, seqlen, A, 16, device=backend.device, dtype=FP16)
     v = torch.ones_like(q)
-    out0, _ = impl.attention_padded_fwd(q, q, v, None, 0.125, 0.0, None)
+    out0 = impl.attention_padded_fwd(q, q, v, None, 0.125, 0.0, None)[0]
     torch.testing.assert_close(out0, v, atol=1e-3, rtol=0)
-    out, _ = impl.attention_padded_fwd(q, q, v, None, 0.125, p, seed_of(backend, 4))
+    out = impl.attention_padded_fwd(q, q, v, None, 0.125, p, seed_of(backend, 4))[0]
     keep = impl.attention_padded_dropout_mask(1, seqlen, A, p, seed_of(backend, 4))
     kept = keep.float().mean(-1).transpose(1, 2)  # [1, S, A]
     torch.testing.assert_close(out.float() * (1 - p), kept[..., None].expand(out.shape), atol=2e-3, rtol=0)
@@ -446,8 +447,8 @@ def test_dropout_same_seed_same_result(backend):
 
     def run(value):
         s = seed_of(backend, value)
-        out, lse = impl.attention_varlen_fwd(q, k, v, cu, 12, 0.2, 0.1, s)
-        return out, lse, impl.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 12, 0.2, 0.1, s)
+        out, lse, bits = impl.attention_varlen_fwd(q, k, v, cu, 12, 0.2, 0.1, s)
+        return out, lse, impl.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 12, 0.2, 0.1, s, bits)
 
     a, b, c = run(5), run(5), run(6)
     assert all(torch.equal(x, y) for x, y in zip(a, b))  # bitwise: the backward regenerates the mask
@@ -458,8 +459,8 @@ def test_dropout_same_seed_same_result(backend):
 def test_dropout_zero_needs_no_seed_and_ignores_one(backend):
     impl = backend.module(VARLEN)
     q, k, v, _, cu = varlen_inputs(backend, torch.tensor([5, 9]), seed=16)
-    o1, l1 = impl.attention_varlen_fwd(q, k, v, cu, 9, None, 0.0, None)
-    o2, l2 = impl.attention_varlen_fwd(q, k, v, cu, 9, None, 0.0, seed_of(backend, 7))
+    o1, l1, _ = impl.attention_varlen_fwd(q, k, v, cu, 9, None, 0.0, None)
+    o2, l2, _ = impl.attention_varlen_fwd(q, k, v, cu, 9, None, 0.0, seed_of(backend, 7))
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
     keep = backend.module(PADDED).attention_padded_dropout_mask(2, 8, A, 0.0, None)
     assert keep.dtype == torch.bool and keep.shape == (2, A, 8, 8) and keep.all()
@@ -477,8 +478,8 @@ def test_varlen_and_padded_forms_draw_the_same_mask(backend):
     # And the kernels: sequence b of the varlen batch is batch row b of the padded one.
     lengths = torch.tensor([5, 12, 0])
     q, k, v, dout, cu = varlen_inputs(backend, lengths, seed=17)
-    out, lse = v_impl.attention_varlen_fwd(q, k, v, cu, 12, None, p, seed)
-    dqkv = v_impl.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 12, None, p, seed)
+    out, lse, bits = v_impl.attention_varlen_fwd(q, k, v, cu, 12, None, p, seed)
+    dqkv = v_impl.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 12, None, p, seed, bits)
     mask = mask_from_lengths(lengths, 12).to(backend.device)
     rows = mask.bool().flatten()
 
@@ -486,8 +487,8 @@ def test_varlen_and_padded_forms_draw_the_same_mask(backend):
         return t.new_zeros(3 * 12, *t.shape[1:]).index_copy(0, rows.nonzero().flatten(), t).view(3, 12, *t.shape[1:])
 
     qp, kp, vp, dp = (pad(t) for t in (q, k, v, dout))
-    outp, lsep = p_impl.attention_padded_fwd(qp, kp, vp, mask, None, p, seed)
-    gradsp = p_impl.attention_padded_bwd(dp, qp, kp, vp, outp, lsep, mask, None, p, seed)
+    outp, lsep, bitsp = p_impl.attention_padded_fwd(qp, kp, vp, mask, None, p, seed)
+    gradsp = p_impl.attention_padded_bwd(dp, qp, kp, vp, outp, lsep, mask, None, p, seed, bitsp)
     close = dict(atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(outp.flatten(0, 1)[rows], out, **close)
     torch.testing.assert_close(lsep.transpose(1, 2).flatten(0, 1)[rows], lse.t(), **close)

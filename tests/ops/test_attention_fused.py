@@ -16,6 +16,27 @@ from test_attention import (A, BF16, FP16, PADDED, VARLEN, check_padded, check_v
                             seed_of, varlen_inputs)
 
 GPU = torch.cuda.is_available()
+NO_KEEP = torch.empty(0, dtype=torch.uint8)  # keep bits of a forward without dropout
+
+
+def unpack_keep_bits(bits, seqlen):
+    """Triton's keep bits [B, A, L / 2, L / 4] as the bool mask [B, A, seqlen, seqlen] they record, written
+    out from kernels/attention.py's header ("Keep bits"): bit 4h + 2w + e of byte (8R + r, 4C + q) is
+    element (16R + 8h + r, 16C + 8w + 2q + e)."""
+    batch, heads, half, _ = bits.shape
+    length = 2 * half
+    flags = torch.stack([(bits.cpu().to(torch.int32) >> k) & 1 for k in range(8)], -1).bool()
+    flags = flags.view(batch, heads, length // 16, 8, length // 16, 4, 2, 2, 2)  # [..., R, r, C, q, h, w, e]
+    flags = flags.permute(0, 1, 2, 6, 3, 4, 7, 5, 8)                              # [..., R, h, r, C, w, q, e]
+    return flags.reshape(batch, heads, length, length)[:, :, :seqlen, :seqlen]
+
+
+def assert_bits_record(bits, keep, lengths):
+    """The keep bits hold mask ``keep`` [B, A, S, S] on each sequence's own [len, len] block (the bytes
+    past a sequence's end are not defined)."""
+    recorded = unpack_keep_bits(bits, keep.shape[-1])
+    for b, length in enumerate(lengths):
+        assert torch.equal(recorded[b, :, :length, :length], keep[b, :, :length, :length].cpu()), f"sequence {b}"
 
 
 # =========================================================================== launchers (Triton and CUDA)
@@ -42,7 +63,7 @@ def test_launcher_errors_are_clear(fused_backend):
     with pytest.raises(ValueError, match="contiguous last"):
         impl.attention_varlen_fwd(qt, qt, qt, cu, 10, 0.1, 0.0, None)
     with pytest.raises(ValueError, match=r"lse: expected shape \(2, 10\)"):
-        impl.attention_varlen_bwd(q, q, q, q, q, torch.zeros(10, A, device=dev), cu, 10, 0.1, 0.0, None)
+        impl.attention_varlen_bwd(q, q, q, q, q, torch.zeros(10, A, device=dev), cu, 10, 0.1, 0.0, None, NO_KEEP)
     qp = torch.randn(2, 5, A, 32, device=dev)
     padded = fused_backend.module(PADDED)
     with pytest.raises(ValueError, match="key_padding_mask"):
@@ -72,21 +93,58 @@ def test_triton_autotuned_launch_path_under_interpreter(stand_in_tuner):
 
 @pytest.mark.skipif(GPU, reason="sets the interpreter's block sizes")
 def test_triton_dropout_does_not_depend_on_block_sizes(monkeypatch):
-    """The mask is a pure function of (seed, sequence, head, row, column): other blocks, same mask."""
+    """The mask is a pure function of (seed, sequence, head, row, column): other blocks, same mask,
+    the same keep bits (a 16-column forward tile packs them from the draws, a wider one from the
+    dropped tile), and the same gradients from either."""
     from bertfast.kernels import attention as K
 
     triton = BackendUnderTest("triton", torch.device("cpu"))
     seed, p = seed_of(triton, 99), 0.3
-    q, k, v, _, cu = varlen_inputs(triton, torch.tensor([37, 6]), seed=19)
+    q, k, v, dout, cu = varlen_inputs(triton, torch.tensor([37, 6]), seed=19)
     keep = K.attention_varlen_dropout_mask(cu, 37, A, p, seed)
-    out, lse = K.attention_varlen_fwd(q, k, v, cu, 37, None, p, seed)
+    out, lse, bits = K.attention_varlen_fwd(q, k, v, cu, 37, None, p, seed)
     monkeypatch.setitem(K._INTERP, "mask", {"BLOCK_M": 32, "BLOCK_N": 16})
     monkeypatch.setitem(K._INTERP, "fwd", {"BLOCK_M": 32, "BLOCK_N": 64})
     assert torch.equal(keep, K.attention_varlen_dropout_mask(cu, 37, A, p, seed))
-    out2, lse2 = K.attention_varlen_fwd(q, k, v, cu, 37, None, p, seed)
+    out2, lse2, bits2 = K.attention_varlen_fwd(q, k, v, cu, 37, None, p, seed)
+    assert_bits_record(bits, keep, [37, 6])
+    assert_bits_record(bits2, keep, [37, 6])
+    grads = [K.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 37, None, p, seed, b) for b in (bits, bits2)]
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)
     # Other blocks round differently; one mask bit flipped would move an output by ~0.1.
     torch.testing.assert_close(out2, out, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(lse2, lse, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.skipif(GPU, reason="the interpreter's launch configuration")
+def test_triton_backward_reads_the_forwards_keep_bits():
+    """Both backward kernels take the mask from the keep bits, not from the seed: handed bits that keep
+    everything, they give the gradients of the all-kept mask (still scaled by 1 / (1 - p)); handed none,
+    or bits of another shape, they refuse."""
+    from bertfast import reference as R
+    from bertfast.kernels import attention as K
+
+    triton = BackendUnderTest("triton", torch.device("cpu"))
+    seed, p = seed_of(triton, 3), 0.2
+    lengths = [37, 6]
+    q, k, v, dout, cu = varlen_inputs(triton, torch.tensor(lengths), seed=22)
+    out, lse, bits = K.attention_varlen_fwd(q, k, v, cu, 37, None, p, seed)
+    assert bits.dtype == torch.uint8 and bits.shape == K.dropout_keep_shape(2, A, 37, p) == (2, A, 64, 32)
+    assert_bits_record(bits, K.attention_varlen_dropout_mask(cu, 37, A, p, seed), lengths)
+
+    every = torch.ones((2, A, 37, 37), dtype=torch.bool)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out_every = R.attention_varlen(*leaves, cu, 37, None, p, every)  # delta = dO . out needs its forward
+    out_every.backward(dout)
+    dqkv = K.attention_varlen_bwd(dout, q, k, v, out_every.detach(), lse, cu, 37, None, p, seed,
+                                  torch.full_like(bits, 255))
+    for i, leaf in enumerate(leaves):
+        torch.testing.assert_close(dqkv[:, i], leaf.grad, atol=1e-5, rtol=1e-4)
+
+    with pytest.raises(ValueError, match=r"keep: expected shape \(2, 2, 64, 32\), got \(0,\)"):
+        K.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 37, None, p, seed, NO_KEEP)
+    with pytest.raises(ValueError, match="keep: expected dtype"):
+        K.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 37, None, p, seed, bits.to(torch.int32))
 
 
 @pytest.mark.skipif(GPU, reason="sets the interpreter's launch configuration")
@@ -98,11 +156,11 @@ def test_triton_dkdv_orientations_agree(monkeypatch):
     triton = BackendUnderTest("triton", torch.device("cpu"))
     seed, p = seed_of(triton, 7), 0.25
     q, k, v, dout, cu = varlen_inputs(triton, torch.tensor([37, 6, 20]), seed=21)
-    out, lse = K.attention_varlen_fwd(q, k, v, cu, 37, None, p, seed)
+    out, lse, bits = K.attention_varlen_fwd(q, k, v, cu, 37, None, p, seed)
     grads = {}
     for query_major in (True, False):
         monkeypatch.setitem(K._INTERP, "dkdv", {"BLOCK_M": 16, "BLOCK_N": 32, "QUERY_MAJOR": query_major})
-        grads[query_major] = K.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 37, None, p, seed)
+        grads[query_major] = K.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 37, None, p, seed, bits)
     torch.testing.assert_close(grads[False], grads[True], atol=1e-6, rtol=1e-5)
     assert torch.equal(grads[False][:, 0], grads[True][:, 0])  # dQ: the same kernel
 
@@ -189,7 +247,7 @@ def test_cuda_validation(cuda_on_cpu):
     cuda_on_cpu.reaches(C.attention_varlen_fwd, q, k, v, cu, 5, 0.2, 0.1, seed)
     cuda_on_cpu.reaches(C.attention_varlen_fwd, q, k, v, cu, 5, None, 0.0, None)  # None: 1/sqrt(D)
     cuda_on_cpu.reaches(C.attention_varlen_bwd, torch.randn(t, a, d, dtype=FP16), q, k, v,
-                        torch.randn(t, a, d, dtype=FP16), lse, cu, 5, 0.2, 0.0, None)
+                        torch.randn(t, a, d, dtype=FP16), lse, cu, 5, 0.2, 0.0, None, NO_KEEP)
     # Any head dim in [8, 256]; rows need no alignment (the kernels fall back to element accesses).
     cuda_on_cpu.reaches(C.attention_varlen_fwd, q[..., :26], k[..., :26], v[..., :26], cu, 5, 0.2, 0.0, None)
     for bad in (7, 264):
@@ -209,7 +267,7 @@ def test_cuda_validation(cuda_on_cpu):
                         None)
     cuda_on_cpu.rejects("seed: expected an int64 tensor", C.attention_varlen_fwd, q, k, v, cu, 5, 0.2, 0.1, None)
     cuda_on_cpu.rejects(r"lse: expected shape \(2, 9\)", C.attention_varlen_bwd, q, q, k, v, q, lse.t(), cu, 5, 0.2,
-                        0.0, None)
+                        0.0, None, NO_KEEP)
     cuda_on_cpu.rejects("softmax_scale", C.attention_varlen_fwd, q, k, v, cu, 5, float("inf"), 0.0, None)
 
     b, s = 2, 5
@@ -217,13 +275,14 @@ def test_cuda_validation(cuda_on_cpu):
     mask = torch.tensor([[1, 1, 0, 1, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
     cuda_on_cpu.reaches(C.attention_padded_fwd, qp, qp, qp, mask, 0.2, 0.0, None)
     cuda_on_cpu.reaches(C.attention_padded_fwd, qp, qp, qp, mask.long(), 0.2, 0.0, None)
-    cuda_on_cpu.reaches(C.attention_padded_bwd, qp, qp, qp, qp, qp, torch.zeros(b, a, s), None, 0.2, 0.0, None)
+    cuda_on_cpu.reaches(C.attention_padded_bwd, qp, qp, qp, qp, qp, torch.zeros(b, a, s), None, 0.2, 0.0, None,
+                        NO_KEEP)
     cuda_on_cpu.rejects(r"key_padding_mask: expected shape \(2, 5\)", C.attention_padded_fwd, qp, qp, qp,
                         mask[:, :4], 0.2, 0.0, None)
     cuda_on_cpu.rejects("bool or integer", C.attention_padded_fwd, qp, qp, qp, mask.float(), 0.2, 0.0, None)
     cuda_on_cpu.rejects("expected 4 dimensions", C.attention_padded_fwd, qp[0], qp[0], qp[0], None, 0.2, 0.0, None)
     cuda_on_cpu.rejects(r"lse: expected shape \(2, 2, 5\)", C.attention_padded_bwd, qp, qp, qp, qp, qp,
-                        torch.zeros(b, s, a), None, 0.2, 0.0, None)
+                        torch.zeros(b, s, a), None, 0.2, 0.0, None, NO_KEEP)
 
     cuda_on_cpu.reaches(C.attention_padded_dropout_mask, 2, 5, 2, 0.1, seed)
     cuda_on_cpu.reaches(C.attention_varlen_dropout_mask, cu, 5, 2, 0.1, seed)
