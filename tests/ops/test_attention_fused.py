@@ -94,8 +94,7 @@ def test_triton_autotuned_launch_path_under_interpreter(stand_in_tuner):
 @pytest.mark.skipif(GPU, reason="sets the interpreter's block sizes")
 def test_triton_dropout_does_not_depend_on_block_sizes(monkeypatch):
     """The mask is a pure function of (seed, sequence, head, row, column): other blocks, same mask,
-    the same keep bits (a 16-column forward tile packs them from the draws, a wider one from the
-    dropped tile), and the same gradients from either."""
+    the same keep bits from a 16 x 16 and a 32 x 64 forward tile, and the same gradients from either."""
     from bertfast.kernels import attention as K
 
     triton = BackendUnderTest("triton", torch.device("cpu"))
