@@ -460,14 +460,13 @@ def _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, keep_base, 
     # is also dV's operand, and the caller scales dK and dV by 1 / (1 - p) once, at the end.
     if HAS_DROPOUT:
         delta = delta * keep_frac
+        block_rows = keep_rows + (start_m // 2) * (keep_len // 4)  # this query block's byte rows
     if QUERY_MAJOR:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BM, BN]
         p = tl.exp2(s * qk_scale - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # [BM, BN]
         if HAS_DROPOUT:
-            keep = _stored_keep(keep_base, keep_rows + (start_m // 2) * (keep_len // 4), start_n, BLOCK_M,
-                                BLOCK_N)
-            kept = tl.where(keep, p, 0.0)
+            kept = tl.where(_stored_keep(keep_base, block_rows, start_n, BLOCK_M, BLOCK_N), p, 0.0)
             dv = tl.dot(tl.trans(kept.to(do.dtype)), do, dv, input_precision=DOT_PREC)
             ds = kept * dp - p * delta[:, None]
         else:
@@ -479,8 +478,7 @@ def _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, keep_base, 
         p_t = tl.exp2(s_t * qk_scale - lse2[None, :])
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # [BN, BM]
         if HAS_DROPOUT:
-            keep_t = tl.trans(_stored_keep(keep_base, keep_rows + (start_m // 2) * (keep_len // 4), start_n,
-                                           BLOCK_M, BLOCK_N))
+            keep_t = tl.trans(_stored_keep(keep_base, block_rows, start_n, BLOCK_M, BLOCK_N))
             kept_t = tl.where(keep_t, p_t, 0.0)
             dv = tl.dot(kept_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
             ds_t = kept_t * dp_t - p_t * delta[None, :]
@@ -676,10 +674,11 @@ def _attention_bwd_dq_kernel(
 
     keep_base = _keep_block(KEEP, b64, h64, num_heads, keep_len)
     keep_rows = _keep_rows(start_m, keep_len, BLOCK_M)
-    inv_keep = 1.0 / (1.0 - dropout_p)
+    keep_frac = 1.0 - dropout_p
+    inv_keep = 1.0 / keep_frac
     delta_in = delta
     if HAS_DROPOUT:
-        delta_in = delta * (1.0 - dropout_p)  # the blocks' dS are times (1 - p)
+        delta_in = delta * keep_frac  # the blocks' dS are times (1 - p)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     pk = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # sum_j P_ij k_j (REFINE_DELTA only)
     resid = tl.zeros([BLOCK_M], tl.float32)        # r_i = sum_j dS'_ij (REFINE_DELTA only)
