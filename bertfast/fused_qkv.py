@@ -13,8 +13,9 @@ PEFT targets, optimizers). One GEMM would need one [3H, H] weight:
 
 So with nothing to differentiate (inference), three GEMMs write their columns of the one output
 (addmm with out=, which takes a strided output as it is): no weight is copied and the result is
-the packed qkv. Under autograd, autocast or torch.compile, where out= does not apply, the weights
-are concatenated and one GEMM runs (a training step's copy of the weights is small next to it).
+the packed qkv. Under autocast or torch.compile, where out= does not apply, the weights are
+concatenated and one GEMM runs. What is differentiated takes bertfast.residual_linear instead
+(one concatenated GEMM too, whose backward also sums the residual's gradient).
 """
 from __future__ import annotations
 

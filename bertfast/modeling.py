@@ -38,7 +38,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions, MaskedLMOutput
 from transformers.models.bert import modeling_bert as hf_bert
 
-from bertfast import dispatch, fused_qkv, model_inputs, ops, reference, saving
+from bertfast import dispatch, fused_qkv, model_inputs, ops, reference, residual_linear, saving
 from bertfast.config import BertConfig, check_supported, gelu_approximate, head_dim
 from bertfast.padding import packed_layout, pad_rows, unpad, unpad_mask
 from bertfast.ops.attention import varlen_inference
@@ -204,19 +204,33 @@ class BertSelfAttention(nn.Module):
     def qkv(self, x: Tensor) -> Tensor:
         """rows [N, H] -> [N, 3, A, D] in one buffer for plain Linears (bertfast.fused_qkv); anything else
         (a LoRA layer, a hooked module) is called as a module."""
+        return self.qkv_keeping_input(x)[0]
+
+    def qkv_keeping_input(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        """(qkv [N, 3, A, D], x to use as the residual). Differentiated through plain Linears, both come
+        from one node (bertfast.residual_linear), so x's two gradients are summed in the QKV GEMM."""
         shape = (x.shape[0], 3, self.num_attention_heads, self.attention_head_size)
         linears = (self.query, self.key, self.value)
         if _biased_linear(*linears):
-            return fused_qkv.linear(x, [m.weight for m in linears], [m.bias for m in linears]).view(shape)
-        return torch.stack([self.query(x), self.key(x), self.value(x)], dim=1).view(shape)
+            weights, biases = [m.weight for m in linears], [m.bias for m in linears]
+            if residual_linear.records_grad(x, *weights, *biases):
+                qkv, residual = residual_linear.linear(x, weights, biases)
+                return qkv.view(shape), residual
+            return fused_qkv.linear(x, weights, biases).view(shape), x
+        return torch.stack([self.query(x), self.key(x), self.value(x)], dim=1).view(shape), x
+
+    def context_keeping_input(self, x: Tensor, rows: Rows) -> Tuple[Tensor, Tensor]:
+        """rows [N, H] -> (context [N, H], x to use as the residual: see qkv_keeping_input)."""
+        if rows.plain is not None:
+            shape = (x.shape[0], self.num_attention_heads, self.attention_head_size)
+            return rows.plain(*(m(x).reshape(shape) for m in (self.query, self.key, self.value))).reshape(x.shape), x
+        p = self.dropout.p if self.training else 0.0
+        qkv, residual = self.qkv_keeping_input(x)
+        return rows.attend(qkv, p).reshape(x.shape), residual
 
     def forward(self, x: Tensor, rows: Rows) -> Tensor:
         """rows [N, H] -> context [N, H]."""
-        if rows.plain is not None:
-            shape = (x.shape[0], self.num_attention_heads, self.attention_head_size)
-            return rows.plain(*(m(x).reshape(shape) for m in (self.query, self.key, self.value))).reshape(x.shape)
-        p = self.dropout.p if self.training else 0.0
-        return rows.attend(self.qkv(x), p).reshape(x.shape)
+        return self.context_keeping_input(x, rows)[0]
 
 
 class BertSelfOutput(nn.Module):
@@ -255,16 +269,26 @@ class BertAttention(nn.Module):
         self.output = BertSelfOutput(config)
 
     def forward(self, x: Tensor, rows: Rows) -> Tensor:
-        return self.output(self.self(x, rows), x, rows.plain is not None)
+        if hooked(self.self):  # called as a module, so its hooks run
+            return self.output(self.self(x, rows), x, rows.plain is not None)
+        context, residual = self.self.context_keeping_input(x, rows)
+        return self.output(context, residual, rows.plain is not None)
 
 
-def _dense_gelu(dense: nn.Linear, x: Tensor, approximate: str) -> Tensor:
-    """GELU(x @ W^T + b), the bias add fused into the GELU op (on a CPU, into the GEMM)."""
-    if _biased_linear(dense):
-        if _bias_in_gemm(x, dense, "bias_gelu"):
-            return F.gelu(F.linear(x, dense.weight, dense.bias), approximate=approximate)
-        return ops.bias_gelu(F.linear(x, dense.weight), dense.bias, approximate)
-    return F.gelu(dense(x), approximate=approximate)
+def _dense_gelu(dense: nn.Linear, x: Tensor, approximate: str) -> Tuple[Tensor, Tensor]:
+    """(GELU(x @ W^T + b), x to use as the residual), the bias add fused into the GELU op (on a CPU,
+    into the GEMM). Differentiated, the GEMM and the residual come from one node
+    (bertfast.residual_linear), so x's two gradients are summed in the GEMM."""
+    if not _biased_linear(dense):
+        return F.gelu(dense(x), approximate=approximate), x
+    in_gemm = _bias_in_gemm(x, dense, "bias_gelu")
+    if residual_linear.records_grad(x, dense.weight, dense.bias):
+        y, residual = residual_linear.linear(x, [dense.weight], [dense.bias] if in_gemm else None)
+    else:
+        y, residual = F.linear(x, dense.weight, dense.bias if in_gemm else None), x
+    if in_gemm:
+        return F.gelu(y, approximate=approximate), residual
+    return ops.bias_gelu(y, dense.bias, approximate), residual
 
 
 class BertIntermediate(nn.Module):
@@ -274,8 +298,12 @@ class BertIntermediate(nn.Module):
         self.approximate = gelu_approximate(config)
 
     def forward(self, x: Tensor, plain: bool = False) -> Tensor:
+        return self.gelu_keeping_input(x, plain)[0]
+
+    def gelu_keeping_input(self, x: Tensor, plain: bool = False) -> Tuple[Tensor, Tensor]:
+        """(GELU(dense(x)), x to use as the residual: see _dense_gelu)."""
         if plain:
-            return F.gelu(self.dense(x), approximate=self.approximate)
+            return F.gelu(self.dense(x), approximate=self.approximate), x
         return _dense_gelu(self.dense, x, self.approximate)
 
 
@@ -290,7 +318,9 @@ class BertLayer(GradientCheckpointingLayer):
         """x positional (gradient checkpointing re-runs the layer on it)."""
         h = self.attention(x, rows)
         plain = rows.plain is not None
-        return self.output(self.intermediate(h, plain), h, plain)
+        if hooked(self.intermediate):  # called as a module, so its hooks run
+            return self.output(self.intermediate(h, plain), h, plain)
+        return self.output(*self.intermediate.gelu_keeping_input(h, plain), plain)
 
 
 class BertEncoder(nn.Module):
@@ -539,7 +569,7 @@ class BertPredictionHeadTransform(nn.Module):
         self.approximate = gelu_approximate(config)
 
     def forward(self, h: Tensor) -> Tensor:
-        return _layer_norm(self.LayerNorm, _dense_gelu(self.dense, h, self.approximate))
+        return _layer_norm(self.LayerNorm, _dense_gelu(self.dense, h, self.approximate)[0])
 
 
 class BertLMPredictionHead(nn.Module):

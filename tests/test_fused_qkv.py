@@ -50,7 +50,7 @@ def test_inference_writes_columns_without_concatenating_weights(mode):
     assert qkv.is_contiguous()
 
 
-def test_training_and_autocast_concatenate_and_match():
+def test_training_and_autocast_match_the_concatenated_projection():
     _, attn = _attention()
     x = torch.randn(5, attn.query.in_features, requires_grad=True)
     out = attn.qkv(x).flatten(1)

@@ -11,8 +11,9 @@ BERT recipe's masked positions) is the sum of:
 - memory-bound work the kernels do not cover, at the achievable bandwidth: the MLM loss over the
   vocabulary at the masked rows, AdamW (28 bytes per parameter), autocast's weight casts (a bf16
   copy of each fp32 weight in the forward, the fp32 gradient from the bf16 one: 12 bytes per
-  parameter), the QKV weights concatenated in every forward, the QKV bias gradient (a column sum)
-  and the two residual-gradient additions of every layer;
+  parameter), the QKV weights' casts concatenated in every forward, the QKV bias gradient (a column
+  sum) and the residual gradients the input-gradient GEMMs read (bertfast.residual_linear: each
+  layer's two residual-gradient additions happen in the GEMMs, addmm with beta = 1);
 - launch gaps: the step's kernels back to back on the device (as a CUDA graph replays them).
 
 Predicted device time, sequences per second and MFU (model FLOPs / time / the dense bf16 peak).
@@ -33,8 +34,9 @@ from bertfast.perfmodel.hardware import Gpu
 LAYERS = {"bert-base": 12, "bert-large": 24}
 VOCAB, POSITIONS, TYPES = 30522, 512, 2
 # forward ~14 (4 GEMMs, the QKV concat, 4 weight casts, attention and its outside-rows pass, 3 row ops),
-# backward ~24 (GEMMs, casts, the attention's kernels, row ops and their column sums, residual adds)
-KERNELS_PER_LAYER = 38
+# backward ~22 (GEMMs, casts, the attention's kernels, row ops and their column sums; the residual
+# gradients are summed in the GEMMs, bertfast.residual_linear)
+KERNELS_PER_LAYER = 36
 MASKED_PER_SEQUENCE = {128: 20, 512: 80}  # the BERT recipe's max_predictions_per_seq
 
 
@@ -111,9 +113,12 @@ def budget(results, case: StepCase, gpu: Gpu) -> Dict[str, object]:
                                          "the gradients it clipped as it read them: 8 B a parameter (pretrain clips "
                                          "at 1.0 by default)"),
         ("weight casts", 12.0 * params / bw, "bf16 copies of the fp32 weights, fp32 gradients from bf16: 12 B each"),
-        ("QKV concat", layers * 3 * hidden * hidden * 8.0 / bw, "the three fp32 QKV weights copied every forward"),
-        ("other elementwise", layers * tokens * (3 * hidden * 2.0 + 2 * hidden * 6.0) / bw,
-         "QKV bias gradient (column sum), two residual-gradient additions per layer"),
+        ("QKV concat", layers * 3 * hidden * hidden * 4.0 / bw,
+         "the three QKV weights' bf16 casts copied into one every forward"),
+        ("QKV bias grad", layers * tokens * 3 * hidden * 2.0 / bw, "a column sum of the QKV gradient, every layer"),
+        ("residual grads", layers * tokens * 2 * hidden * 2.0 / bw,
+         "each layer's two residual gradients, read by the QKV and FFN-input GEMMs that sum them (addmm, "
+         "beta = 1; priced at the bandwidth, as if the GEMMs did not hide them)"),
         ("launch gaps", (layers * KERNELS_PER_LAYER + 20) * gpu.launch_gap_s,
          f"~{layers * KERNELS_PER_LAYER + 20} kernels x {gpu.launch_gap_s * 1e6:.1f} us"),
     ]

@@ -1,0 +1,164 @@
+"""A GEMM whose input is also a residual (bertfast.residual_linear): the input's two gradients are summed
+by the input-gradient GEMM (addmm), not by autograd in an [N, H] add of its own, and every gradient
+equals plain autograd's.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import bertfast
+from bertfast import dispatch, residual_linear
+
+
+class _AtenLog(TorchDispatchMode):
+    """Every aten call reaching this mode, with its output's shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.calls.append((func, tuple(out.shape) if isinstance(out, torch.Tensor) else None))
+        return out
+
+
+def _inputs(count, with_bias, dtype=torch.float32, rows=6, width=8, out=5):
+    torch.manual_seed(0)
+    x = torch.randn(rows, width, dtype=dtype, requires_grad=True)
+    weights = [torch.randn(out + i, width, requires_grad=True) for i in range(count)]
+    biases = [torch.randn(out + i, requires_grad=True) for i in range(count)] if with_bias else None
+    return x, weights, biases
+
+
+def _grads(loss, tensors):
+    return torch.autograd.grad(loss, tensors)
+
+
+@pytest.mark.parametrize("count", [1, 3])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_outputs_and_every_gradient_match_plain_autograd(count, with_bias):
+    x, weights, biases = _inputs(count, with_bias)
+    params = [x, *weights, *(biases or [])]
+    y, residual = residual_linear.linear(x, weights, biases)
+    expected_y = F.linear(x, torch.cat(weights), None if biases is None else torch.cat(biases))
+    torch.testing.assert_close(y, expected_y)
+    assert torch.equal(residual, x)
+    dy, dres = torch.randn_like(y), torch.randn_like(x)
+    got = _grads((y * dy).sum() + (residual * dres).sum(), params)
+    want = _grads((expected_y * dy).sum() + (x * dres).sum(), params)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_autocast_computes_in_bf16_and_returns_parameter_dtype_gradients():
+    x, weights, biases = _inputs(3, True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        xb = x.to(torch.bfloat16)
+        y, residual = residual_linear.linear(xb, weights, biases)
+        expected = F.linear(xb, torch.cat(weights), torch.cat(biases))
+    assert y.dtype == torch.bfloat16 and residual.dtype == torch.bfloat16
+    torch.testing.assert_close(y, expected)
+    dy, dres = torch.randn_like(y), torch.randn_like(residual)
+    params = [x, *weights, *biases]
+    got = _grads((y.float() * dy.float()).sum() + (residual.float() * dres.float()).sum(), params)
+    want = _grads((expected.float() * dy.float()).sum() + (xb.float() * dres.float()).sum(), params)
+    for g, w, p in zip(got, want, params):
+        assert g.dtype == p.dtype
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
+
+
+def test_an_fp32_input_under_autocast_gets_an_fp32_gradient():
+    x, weights, _ = _inputs(1, False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, residual = residual_linear.linear(x, weights)
+    assert y.dtype == torch.bfloat16 and residual.dtype == torch.float32
+    (dx,) = _grads(y.float().sum() + residual.sum(), [x])
+    assert dx.dtype == torch.float32
+    torch.testing.assert_close(dx, 1.0 + torch.ones(6, 5) @ weights[0], rtol=2e-2, atol=2e-2)
+
+
+def test_only_one_output_used():
+    x, weights, biases = _inputs(1, True)
+    y, residual = residual_linear.linear(x, weights, biases)
+    (dx,) = _grads(residual.sum() * 3, [x])  # the GEMM's output unused
+    torch.testing.assert_close(dx, torch.full_like(x, 3.0))
+    y, residual = residual_linear.linear(x, weights, biases)
+    (dx,) = _grads(y.sum(), [x])  # the residual unused
+    torch.testing.assert_close(dx, torch.ones(6, 5) @ weights[0])
+
+
+def test_frozen_parameters_get_no_gradient_and_the_input_still_does():
+    x, weights, biases = _inputs(3, True)
+    weights[1].requires_grad_(False)
+    biases[2].requires_grad_(False)
+    y, residual = residual_linear.linear(x, weights, biases)
+    (y.sum() + residual.sum()).backward()
+    assert weights[1].grad is None and biases[2].grad is None
+    assert x.grad is not None and weights[0].grad is not None and biases[0].grad is not None
+
+
+def test_one_bias_per_weight():
+    x, weights, biases = _inputs(3, True)
+    with pytest.raises(ValueError, match="one bias per weight"):
+        residual_linear.linear(x, weights, biases[:2])
+
+
+def _model():
+    torch.manual_seed(0)
+    config = bertfast.BertConfig.preset("tiny")
+    return bertfast.BertModel(config, add_pooling_layer=False), config
+
+
+def _backward_log(model, ids, mask, fold, monkeypatch):
+    if not fold:
+        monkeypatch.setattr(residual_linear, "records_grad", lambda *tensors: False)
+    model.zero_grad()
+    out = model(ids, attention_mask=mask).last_hidden_state
+    loss = (out * mask[..., None]).square().sum()
+    with _AtenLog() as log:
+        loss.backward()
+    monkeypatch.undo()
+    return log.calls, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_a_layer_backward_adds_no_residual_gradients_of_its_own(monkeypatch):
+    """Each layer's two residual-gradient additions ([N, H] adds autograd makes for a tensor used twice)
+    are gone: the QKV and FFN-input GEMMs sum them (addmm with an [N, H] input). Gradients unchanged."""
+    model, config = _model()
+    model.train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    ids = torch.randint(5, 100, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    rows, width = int(mask.sum()), config.hidden_size
+    with dispatch.use_backend("torch"):
+        folded, got = _backward_log(model, ids, mask, True, monkeypatch)
+        plain, want = _backward_log(model, ids, mask, False, monkeypatch)
+
+    def count(calls, func):
+        return sum(1 for f, shape in calls if f == func and shape == (rows, width))
+
+    layers = config.num_hidden_layers
+    add = torch.ops.aten.add.Tensor
+    assert count(plain, add) - count(folded, add) == 2 * layers
+    assert count(folded, torch.ops.aten.addmm.default) == 2 * layers
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_hooked_modules_are_still_called_as_modules():
+    model, config = _model()
+    layer = model.encoder.layer[0]
+    calls = []
+    layer.intermediate.register_forward_hook(lambda *args: calls.append("intermediate"))
+    layer.attention.self.register_forward_hook(lambda *args: calls.append("self"))
+    ids = torch.randint(5, 100, (2, 5))
+    out = model(ids).last_hidden_state
+    out.sum().backward()
+    assert calls == ["self", "intermediate"]
+    assert layer.attention.self.query.weight.grad is not None
