@@ -217,6 +217,27 @@ def test_recorded_launches_hold_small_stand_ins_and_compiled_kernels_are_not_kep
     assert Fn.device_caches[0][0] == {}
 
 
+def test_full_matrix_compiles_fp16_attention_at_head_dim_64_and_attention_only_at_every_one(monkeypatch):
+    """fp16 attention compiles like its bf16 twin (compile_report.FULL_MATRIX_FP16_ATTENTION_HEAD_DIMS):
+    the full matrix keeps it at head dim 64 and every head dim in bf16 and fp32; --attention-only keeps
+    fp16 at every other head dim."""
+    from bertfast.kernels import _common
+    monkeypatch.setattr(_common, "interpreting", lambda: False)
+
+    def head_dims(launches):
+        out = {}
+        for launch in launches:
+            if launch.fn.__name__ == "_attention_fwd_kernel":
+                dtype = str(launch.args[0].dtype).replace("torch.", "")
+                out.setdefault(dtype, set()).add(launch.consts["HEAD_DIM"])
+        return out
+    every = set(compile_report.ATTENTION_HEAD_DIMS)
+    full = head_dims(compile_report.record_launches(fast=False))
+    assert full["bfloat16"] == every and full["float32"] == every
+    assert full["float16"] == set(compile_report.FULL_MATRIX_FP16_ATTENTION_HEAD_DIMS) == {64}
+    assert head_dims(compile_report.record_launches(fast=False, attention_only=True))["float16"] == every - {64}
+
+
 # --------------------------------------------------------------------------- landing a run
 def _gpu_run_dir(tmp_path, dry_run=False):
     import torch

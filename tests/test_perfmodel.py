@@ -188,6 +188,34 @@ def test_step_budget_counts_parameters_flops_and_a_trace(tmp_path):
     assert got == {"busy_ms": pytest.approx(170 / 2 / 1e3), "gemm_ms": pytest.approx(100 / 2 / 1e3), "steps": 2}
 
 
+def test_step_budget_lines_and_its_ceiling_from_given_kernel_predictions():
+    """The budget sums the kernels' predictions and the memory-bound lines; its ceiling replaces the row
+    ops by their bytes at the achievable bandwidth and drops the lines fused work would remove."""
+    from types import SimpleNamespace
+
+    from bertfast.perfmodel import step
+    case = step.STEP_CASES[0]  # BERT-large phase 1
+    us = 1e-6
+    kernels = {"_attention_fwd_kernel": 60, "_attention_bwd_delta_kernel": 20, "_attention_bwd_dq_kernel": 80,
+               "_attention_bwd_dkdv_kernel": 100, "_bias_gelu_fwd_kernel": 100, "_bias_gelu_bwd_kernel": 160,
+               "_bias_dropout_residual_layernorm_fwd_kernel": 66, "_bias_dropout_residual_layernorm_bwd_kernel": 58,
+               "_embeddings_fwd_kernel": 88, "_embeddings_bwd_kernel": 47}
+    # each kernel's bytes: what it would move in half its predicted time
+    results = [SimpleNamespace(setting=case.setting, kernel=k, variant="HAS_BIAS=1", hbm_bytes=t * us / 2 * 3e12,
+                               prediction=SimpleNamespace(predicted_s=t * us)) for k, t in kernels.items()]
+    plan = step.budget(results, case, H100)
+    items = {i["name"]: i["seconds"] for i in plan["items"]}
+    assert plan["seconds"] == pytest.approx(sum(items.values()))
+    assert items["attention"] == pytest.approx(24 * 260 * us)
+    rows = 100 + 160 + 2 * 66 + 2 * 58
+    assert items["row ops"] == pytest.approx((24 * rows + 88 + 47) * us)
+    assert items["residual grads"] > 0 and items["weight casts"] > 0
+    ceiling = plan["ceiling"]
+    removed = sum(items[n] for n in step.REMOVABLE)
+    assert ceiling["seconds"] == pytest.approx(plan["seconds"] - removed - items["row ops"] / 2)
+    assert ceiling["mfu"] == pytest.approx(plan["mfu"] * plan["seconds"] / ceiling["seconds"])
+
+
 @pytest.mark.skipif(sass.find_cuobjdump() is None, reason="no cuobjdump (Triton's NVIDIA backend carries one)")
 def test_perf_model_command_reads_every_kernel_and_reports_the_targets(tmp_path):
     """`bertfast perf-model` end to end: Triton compiles every modelled kernel for sm_90 offline, the
@@ -209,6 +237,8 @@ def test_perf_model_command_reads_every_kernel_and_reports_the_targets(tmp_path)
     phase1 = data["steps"][0]
     assert phase1["case"].startswith("BERT-large phase 1") and 0.2 < phase1["mfu"] < 0.7
     assert {i["name"] for i in phase1["items"]} >= {"GEMMs", "attention", "row ops", "AdamW", "launch gaps"}
+    steps = [t for t in data["targets"] if t["name"].endswith(" MFU")]
+    assert len(steps) == 3 and all(t["predicted"] <= t["ceiling"] < 100 for t in steps)
     fwd = {k["setting"]: k["prediction"]["per_element"]["total"] for k in data["kernels"]
            if k["kernel"] == "_attention_fwd_kernel"}
     with_dropout = fwd["bert-large seq 512 batch 32 bf16 p=0.1"]

@@ -3,7 +3,8 @@
 Triton: each launcher runs at BERT-base and BERT-large shapes (seq 128 and 512; fp16/bf16/fp32
 activations with parameters in the activation dtype or fp32, as under autocast; dropout on
 and off; attention at head dim 64 and at ATTENTION_HEAD_DIMS, every kernel tile up to 256 and
-head dims that are no power of two; the LAMB optimizer's kernels for those parameter dtypes)
+head dims that are no power of two, in fp16 at head dim 64 only (FULL_MATRIX_FP16_ATTENTION_HEAD_DIMS
+says why); the LAMB optimizer's kernels for those parameter dtypes)
 inside ``kernels._common.compile_only``, so nothing runs and
 every launch is recorded with its autotune candidates (its config list pruned for that
 shape, as the autotuner would). Each candidate is then compiled for the target by Triton
@@ -51,6 +52,12 @@ ATTENTION_HEAD_DIMS = (16, 26, 32, 64, 80, 128, 256)
 # and off: about a quarter of the full matrix's compiles.
 ATTENTION_MATRIX = [("bert-large", 512, 32, "bf16", "fp32", 0.1), ("bert-large", 512, 32, "fp16", "act", 0.0),
                     ("bert-base", 128, 128, "fp32", "act", 0.1)]
+# The full matrix compiles fp16 attention at these head dims only. fp16 attention compiles to its bf16
+# twin's registers, spills and shared memory: every one of the 404 fp16/bf16 pairs of forward, dQ and
+# dK/dV candidates at every head dim and dropout setting of the full report of 2026-11-26 (triton 3.9,
+# with the keep bits) matched. Compiling them all was a third of the full matrix's time;
+# --attention-only still compiles fp16 at every head dim.
+FULL_MATRIX_FP16_ATTENTION_HEAD_DIMS = (64,)
 
 
 @dataclasses.dataclass
@@ -166,9 +173,11 @@ def _matrix(fast: bool) -> List[Setting]:
 
 
 def bert_launches(settings: Sequence[Setting], head_dims: Sequence[int] = (64,), ops: Sequence[str] = OPS,
-                  padded_attention: bool = True) -> Iterator[Tuple[str, Callable[[], None]]]:
+                  padded_attention: bool = True, fp16_head_dims: Optional[Sequence[int]] = None
+                  ) -> Iterator[Tuple[str, Callable[[], None]]]:
     """(case label, function that calls the launchers of ``ops`` at that setting) for every setting;
-    attention at each of ``head_dims``, varlen and (``padded_attention``) padded."""
+    attention at each of ``head_dims`` (fp16 attention only at those also in ``fp16_head_dims``, when
+    given), varlen and (``padded_attention``) padded."""
     import torch
     from bertfast.kernels import attention as A, bias_gelu as G, embeddings as E, mlm_head_loss as M
     from bertfast.kernels import bias_dropout_residual_layernorm as L
@@ -188,6 +197,8 @@ def bert_launches(settings: Sequence[Setting], head_dims: Sequence[int] = (64,),
 
         def attention():
             for head_dim in head_dims:
+                if act_name == "fp16" and fp16_head_dims is not None and head_dim not in fp16_head_dims:
+                    continue
                 heads_here = hidden // head_dim
                 qkv = empty(tokens, 3, heads_here, head_dim)
                 q, k, v = qkv.unbind(1)
@@ -255,17 +266,18 @@ def record_launches(fast: bool, attention_only: bool = False) -> List[Launch]:
     if attention_only:
         dims = tuple(d for d in ATTENTION_HEAD_DIMS if d != 64)
         return record_settings(ATTENTION_MATRIX, dims, ("attention",))
-    return record_settings(_matrix(fast), (64,) if fast else ATTENTION_HEAD_DIMS)
+    return record_settings(_matrix(fast), (64,) if fast else ATTENTION_HEAD_DIMS,
+                           fp16_head_dims=FULL_MATRIX_FP16_ATTENTION_HEAD_DIMS)
 
 
 def record_settings(settings: Sequence[Setting], head_dims: Sequence[int] = (64,), ops: Sequence[str] = OPS,
-                    padded_attention: bool = True) -> List[Launch]:
+                    padded_attention: bool = True, fp16_head_dims: Optional[Sequence[int]] = None) -> List[Launch]:
     """Every distinct launch (kernel, flags, dtypes) at these settings, with its candidates and the
     autotuner keys it was launched with (see bert_launches)."""
     from bertfast.kernels._common import compile_only
 
     by_variant: Dict[tuple, Launch] = {}
-    for case, call in bert_launches(settings, head_dims, ops, padded_attention):
+    for case, call in bert_launches(settings, head_dims, ops, padded_attention, fp16_head_dims):
         def record(fn, grid, args, consts, configs, key, case=case):
             variant = (fn.__name__, tuple(sorted(consts.items())), _dtypes(args))
             if variant not in by_variant:

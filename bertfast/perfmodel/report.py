@@ -157,7 +157,8 @@ def targets(results: Sequence[KernelResult], gpu: Gpu = H100) -> List[Dict[str, 
     for case in S.STEP_CASES:
         plan = S.budget(results, case, gpu)
         out.append({"name": f"{case.name} MFU", "predicted": 100 * plan["mfu"], "target": 100 * case.target_mfu,
-                    "unit": "% MFU (device time; a CUDA-graph step)", "met": plan["mfu"] >= case.target_mfu})
+                    "unit": "% MFU (device time; a CUDA-graph step)", "met": plan["mfu"] >= case.target_mfu,
+                    "ceiling": 100 * plan["ceiling"]["mfu"]})
     return out
 
 
@@ -355,6 +356,8 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"sequences/s, {100 * plan['mfu']:.1f}% MFU (target {100 * plan['target_mfu']:.0f}%)")
         for item in plan["items"]:
             print(f"  {item['name']:18s} {item['seconds'] * 1e3:7.2f} ms  {item['how']}")
+        ceiling = plan["ceiling"]
+        print(f"  ceiling: {ceiling['seconds'] * 1e3:.1f} ms, {100 * ceiling['mfu']:.1f}% MFU, with {ceiling['how']}")
     comparison, fitted = None, None
     if profile is not None:
         measured_gpu = run_gpu(profile)
@@ -393,8 +396,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     goals = targets(results)
     print("\ntargets (predicted):")
     for t in goals:
+        reach = ""
+        if "ceiling" in t and not t["met"]:
+            reach = f"; ceiling {t['ceiling']:.1f}" + (", short of the target: out of reach by memory-bound work "
+                                                        "alone" if t["ceiling"] < t["target"] else "")
         print(f"  [{'met' if t['met'] else 'NOT MET'}] {t['name']}: {t['predicted']:.1f} {t['unit']} "
-              f"(target {t['target']:g})")
+              f"(target {t['target']:g}{reach})")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"gpu": gpu.name, "overlap": gpu.overlap, "targets": goals, "steps": plans,
