@@ -62,7 +62,7 @@ from bertfast.training.distributed import (DistInfo, all_reduce_max, all_reduce_
 from bertfast.training.nonfinite import NonFiniteWatch
 from bertfast.training.optim import build_optimizer, lamb_implementation, warmup_linear_decay
 from bertfast.training.phases import (Phase, build_config, build_phases, compare_with_readme, demo_environment,
-                                      prepare_demo_data, resolve_steps)
+                                      prepare_demo_data, resolve_steps, size_micro_batches)
 from bertfast.training.precision import resolve_precision
 from bertfast.training.records import (MetricsLogger, RunningSums, format_duration, library_progress_bars,
                                        plot_loss_curve, read_jsonl)
@@ -540,7 +540,7 @@ def run(args: PretrainConfig) -> RunResult:
         log = (lambda m: print(m, flush=True)) if info.is_main else (lambda m: None)
         if args.demo:
             args = prepare_demo_data(args, info, log)
-        args = resolve_steps(args)
+        args = size_micro_batches(resolve_steps(args), info, log)
         trainer = Pretrainer(args, info, stop)
         try:
             with library_progress_bars(info.is_main and not args.no_progress):

@@ -469,3 +469,44 @@ def test_demo_data_is_reproducible_with_the_shipped_vocabulary(tmp_path):
     for rel in files:
         with open(os.path.join(outputs[0], rel), "rb") as a, open(os.path.join(outputs[1], rel), "rb") as b:
             assert a.read() == b.read(), rel
+
+
+# --------------------------------------------------------------------------- micro-batch sizing
+def test_auto_micro_batch_is_the_largest_divisor_of_the_rank_share_within_the_tokens():
+    assert phases.auto_micro_batch(256, 128, 16384) == 128   # BERT-large phase 1 on an H100
+    assert phases.auto_micro_batch(256, 512, 16384) == 32    # phase 2
+    assert phases.auto_micro_batch(32, 128, 16384) == 32     # the rank's share caps it
+    assert phases.auto_micro_batch(96, 128, 8192) == 48      # 64 would not divide 96
+    assert phases.auto_micro_batch(7, 512, 256) == 1         # never below one sequence
+    assert phases.auto_micro_batch(256, 128, 4096) == 32     # a CPU: the former default
+
+
+def test_micro_batch_tokens_by_device(monkeypatch):
+    assert phases.micro_batch_tokens(torch.device("cpu")) == phases.MICRO_BATCH_TOKENS
+    for memory, tokens in ((80 * 2 ** 30, phases.LARGE_GPU_MICRO_BATCH_TOKENS),
+                           (24 * 2 ** 30, phases.MICRO_BATCH_TOKENS)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device, memory=memory: types.SimpleNamespace(total_memory=memory))
+        assert phases.micro_batch_tokens(torch.device("cuda", 0)) == tokens
+
+
+def test_micro_batches_sized_per_phase_unless_given(monkeypatch):
+    lengths = {"p1": 128, "p2": 512}
+    monkeypatch.setattr(phases, "PretrainingData", lambda directory, split: types.SimpleNamespace(
+        max_seq_len=lengths[directory]))
+    monkeypatch.setattr(phases, "micro_batch_tokens", lambda device: 16384)
+    info = types.SimpleNamespace(device=torch.device("cpu"), world_size=2)
+    base = PretrainConfig(data="p1", data_phase2="p2", phase1_steps=10, phase2_steps=2, global_batch_size=512,
+                          phase2_global_batch_size=128)
+    logged = []
+    sized = phases.size_micro_batches(phases.resolve_steps(base), info, logged.append)
+    assert (sized.micro_batch_size, sized.phase2_micro_batch_size) == (128, 32)  # 256 and 64 per rank
+    assert len(logged) == 2 and "16384 tokens" in logged[0]
+    # given: kept; phase 2 with none given takes phase 1's, as before
+    given = phases.resolve_steps(dataclasses.replace(base, micro_batch_size=16))
+    assert phases.size_micro_batches(given, info, logged.append).phase2_micro_batch_size == 16
+    only2 = phases.resolve_steps(dataclasses.replace(base, phase2_micro_batch_size=4))
+    assert (phases.size_micro_batches(only2, info, print).micro_batch_size, only2.phase2_micro_batch_size) == (128, 4)
+    # a phase with no steps is not sized (its data need not exist)
+    no2 = phases.resolve_steps(dataclasses.replace(base, phase2_steps=0, data_phase2=None))
+    assert phases.size_micro_batches(no2, info, print).phase2_micro_batch_size is None

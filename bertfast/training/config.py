@@ -357,9 +357,13 @@ class PretrainConfig(RunConfig):
     total_steps: Optional[int] = option(None, "with --phase2-fraction, instead of phase steps", group=SCHEDULE)
     phase2_fraction: float = option(0.1, group=SCHEDULE)
     global_batch_size: int = option(256, group=SCHEDULE)
-    micro_batch_size: int = option(32, group=SCHEDULE)
+    micro_batch_size: Optional[int] = option(None, "sequences per forward pass on each rank (default: sized for the "
+                                                   "device: up to 16,384 tokens on a GPU of 40 GB or more, else "
+                                                   "4,096)", group=SCHEDULE)
     phase2_global_batch_size: Optional[int] = option(None, group=SCHEDULE)
-    phase2_micro_batch_size: Optional[int] = option(None, group=SCHEDULE)
+    phase2_micro_batch_size: Optional[int] = option(None, "default: --micro-batch-size when given, else sized "
+                                                          "for the device at phase 2's sequence length",
+                                                    group=SCHEDULE)
     optimizer: str = option("adamw", group=SCHEDULE, choices=("adamw", "lamb"), fixed=True)
     lr: float = option(1e-4, group=SCHEDULE)
     weight_decay: float = option(0.01, group=SCHEDULE)

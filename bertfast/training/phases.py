@@ -112,6 +112,51 @@ def resolve_steps(args: PretrainConfig) -> PretrainConfig:
                                phase2_micro_batch_size=args.phase2_micro_batch_size or args.micro_batch_size)
 
 
+# The micro-batch a phase gets when none is given (--micro-batch-size, --phase2-micro-batch-size):
+# about this many tokens per forward pass on each rank. 16,384 on a GPU of 40 GB or more: the
+# benchmark's batches (128 sequences at seq 128, phase 1; 32 at seq 512, phase 2), where BERT-large's
+# activations take about 14 GB in bf16 and an H100's step is long enough (~70 ms) for the host to
+# launch it; a smaller micro-batch leaves an eager step waiting on the host (docs/training.md).
+# 4,096 elsewhere (a CPU, a smaller GPU): 32 sequences at seq 128, 8 at seq 512.
+LARGE_GPU_MICRO_BATCH_TOKENS = 16384
+MICRO_BATCH_TOKENS = 4096
+LARGE_GPU_BYTES = 40 * 2 ** 30
+
+
+def micro_batch_tokens(device) -> int:
+    """The tokens of a micro-batch sized for ``device`` (see LARGE_GPU_MICRO_BATCH_TOKENS)."""
+    import torch
+    if device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory >= LARGE_GPU_BYTES:
+        return LARGE_GPU_MICRO_BATCH_TOKENS
+    return MICRO_BATCH_TOKENS
+
+
+def auto_micro_batch(per_rank: int, max_seq_len: int, tokens: int) -> int:
+    """The most sequences of ``max_seq_len`` within ``tokens`` (at least one) that divide the rank's
+    share ``per_rank`` of the global batch, so the micro-batches make it up exactly."""
+    cap = max(1, min(per_rank, tokens // max_seq_len))
+    return max(d for d in range(1, cap + 1) if per_rank % d == 0)
+
+
+def size_micro_batches(args: PretrainConfig, info: DistInfo, log=print) -> PretrainConfig:
+    """``args`` (with its steps resolved) with a micro-batch size for each phase that has none: sized
+    for the device and the phase's sequence length (micro_batch_tokens). A phase 2 with none given
+    takes phase 1's when that was given, as before the sizing."""
+    sizes = {}
+    tokens = None
+    for field, steps, directory, global_batch in (
+            ("micro_batch_size", args.phase1_steps, args.data, args.global_batch_size),
+            ("phase2_micro_batch_size", args.phase2_steps, args.data_phase2, args.phase2_global_batch_size)):
+        if getattr(args, field) is not None or not steps:
+            continue
+        tokens = tokens or micro_batch_tokens(info.device)
+        max_seq_len = PretrainingData(directory, "train").max_seq_len
+        sizes[field] = auto_micro_batch(max(1, global_batch // info.world_size), max_seq_len, tokens)
+        log(f"[pretrain] {field.replace('_', '-')}: {sizes[field]} (sized for {info.device.type}: up to {tokens} "
+            f"tokens of {max_seq_len}-token sequences a micro-batch; --{field.replace('_', '-')} sets it)")
+    return dataclasses.replace(args, **sizes) if sizes else args
+
+
 def build_config(args: PretrainConfig, vocab_size: int, max_seq_len: int) -> BertConfig:
     overrides = parse_overrides(args.config_overrides)
     if args.init_checkpoint:
