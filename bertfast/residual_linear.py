@@ -5,7 +5,8 @@ In a post-LN BERT layer the layer input x feeds the QKV GEMM and, as the residua
 after attention; that LayerNorm's output h feeds the FFN's first GEMM and, as the residual, the
 LayerNorm after the FFN. Under plain autograd each gets two gradients, the LayerNorm backward's
 and dy @ W, which the engine adds in an [N, H] pass of its own (reads two, writes one: 12 bytes an
-element in bf16, twice a layer; about 1.6 ms of a BERT-large step on an H100). ``linear`` returns
+element in bf16, twice a layer: 1.6 ms of a BERT-large step as docs/perf-model.md predicts it for
+an H100). ``linear`` returns
 y = x @ W^T (+ b) and x again as outputs of one node, so its backward receives both gradients
 and forms dx with one addmm (beta = 1): the GEMM reads the residual's gradient in its epilogue.
 
@@ -59,7 +60,7 @@ class _LinearKeepingInput(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             y = F.linear(xc, weight, bias)
         ctx.save_for_backward(xc, weight)
-        ctx.count, ctx.has_bias, ctx.rows = count, has_bias, [w.shape[0] for w in params[:count]]
+        ctx.count, ctx.has_bias, ctx.out_features = count, has_bias, [w.shape[0] for w in params[:count]]
         return y, x  # x as-is: autograd makes it a view whose gradient comes to this node
 
     @staticmethod
@@ -69,7 +70,7 @@ class _LinearKeepingInput(torch.autograd.Function):
         count = ctx.count
         none: List[Optional[Tensor]] = [None] * (count * (2 if ctx.has_bias else 1))
         if dy is None:  # y unused: only the residual's gradient flows through
-            return (dres, None, None, *none)
+            return (dres if needs[0] else None, None, None, *none)
         dy = dy.reshape(-1, dy.shape[-1])
         with torch.autocast(dy.device.type, enabled=False):
             dx = None
@@ -86,11 +87,11 @@ class _LinearKeepingInput(torch.autograd.Function):
             weights_needed = needs[3:3 + count]
             if any(weights_needed):
                 dw = dy.t().mm(xc.reshape(-1, xc.shape[-1]))
-                for i, part in enumerate(dw.split(ctx.rows) if count > 1 else (dw,)):
+                for i, part in enumerate(dw.split(ctx.out_features) if count > 1 else (dw,)):
                     grads[i] = part if weights_needed[i] else None
             if ctx.has_bias and any(needs[3 + count:]):
                 db = dy.sum(0, dtype=torch.float32)
-                for i, part in enumerate(db.split(ctx.rows) if count > 1 else (db,)):
+                for i, part in enumerate(db.split(ctx.out_features) if count > 1 else (db,)):
                     grads[count + i] = part if needs[3 + count + i] else None
         return (dx, None, None, *grads)
 
