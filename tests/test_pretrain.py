@@ -492,8 +492,7 @@ def test_micro_batch_tokens_by_device(monkeypatch):
 
 def test_micro_batches_sized_per_phase_unless_given(monkeypatch):
     lengths = {"p1": 128, "p2": 512}
-    monkeypatch.setattr(phases, "PretrainingData", lambda directory, split: types.SimpleNamespace(
-        max_seq_len=lengths[directory]))
+    monkeypatch.setattr(phases, "dataset_index", lambda directory: {"max_seq_len": lengths[directory]})
     monkeypatch.setattr(phases, "micro_batch_tokens", lambda device: 16384)
     info = types.SimpleNamespace(device=torch.device("cpu"), world_size=2)
     base = PretrainConfig(data="p1", data_phase2="p2", phase1_steps=10, phase2_steps=2, global_batch_size=512,

@@ -218,15 +218,21 @@ def read_index(index_path: str) -> dict:
     return index
 
 
+def dataset_index(directory: str) -> dict:
+    """The checked index of a prepared directory (read_index), without opening its shards."""
+    index_path = os.path.join(directory, INDEX_FILE)
+    if not os.path.isfile(index_path):
+        raise FileNotFoundError(f"{directory!r} is not a prepared pre-training dataset "
+                                f"(no {INDEX_FILE}); run `bertfast prepare` first")
+    return read_index(index_path)
+
+
 class PretrainingData:
     """All shards of one split of a prepared directory, indexed 0..N-1 across shards."""
 
     def __init__(self, directory: str, split: str = "train"):
         index_path = os.path.join(directory, INDEX_FILE)
-        if not os.path.isfile(index_path):
-            raise FileNotFoundError(f"{directory!r} is not a prepared pre-training dataset "
-                                    f"(no {INDEX_FILE}); run `bertfast prepare` first")
-        self.index = read_index(index_path)
+        self.index = dataset_index(directory)
         names: List[str] = self.index["splits"].get(split, [])
         if not names:
             raise MissingSplitError(f"{directory!r} has no shards for split {split!r}")

@@ -93,6 +93,7 @@ ROW_KERNELS = (("_bias_gelu_fwd_kernel", ""), ("_bias_gelu_bwd_kernel", ""),
                                              "_bias_dropout_residual_layernorm_fwd_kernel",
                                              "_bias_dropout_residual_layernorm_bwd_kernel",
                                              "_bias_dropout_residual_layernorm_bwd_kernel")])
+EMBEDDING_KERNELS = ("_embeddings_fwd_kernel", "_embeddings_bwd_kernel")
 # Line items that are not the model's work: fused away, they cost nothing.
 REMOVABLE = ("weight casts", "QKV concat", "QKV bias grad", "residual grads")
 CEILING = ("every row op and the embeddings moving their bytes at the achievable bandwidth, and no weight "
@@ -114,7 +115,7 @@ def budget(results, case: StepCase, gpu: Gpu) -> Dict[str, object]:
     attention = sum(_predicted(results, s, k) for k in ("_attention_fwd_kernel", "_attention_bwd_delta_kernel",
                                                          "_attention_bwd_dq_kernel", "_attention_bwd_dkdv_kernel"))
     rows = sum(_predicted(results, s, k, v) for k, v in ROW_KERNELS)
-    embeddings = _predicted(results, s, "_embeddings_fwd_kernel") + _predicted(results, s, "_embeddings_bwd_kernel")
+    embeddings = sum(_predicted(results, s, k) for k in EMBEDDING_KERNELS)
     items = [
         ("GEMMs", (flops - attention_flops) / gpu.gemm_flops,
          f"{(flops - attention_flops) / 1e12:.1f} TFLOP at {gpu.gemm_flops / 1e12:.0f} TFLOP/s"),
@@ -141,9 +142,8 @@ def budget(results, case: StepCase, gpu: Gpu) -> Dict[str, object]:
     # The ceiling: this step with its memory-bound work done as well as it can be, the GEMMs,
     # attention, loss, optimizer and launches as above.
     row_bytes = sum(_launch(results, s, k, v).hbm_bytes for k, v in ROW_KERNELS)
-    embedding_bytes = sum(_launch(results, s, k).hbm_bytes for k in ("_embeddings_fwd_kernel",
-                                                                     "_embeddings_bwd_kernel"))
-    best = dict((n, t) for n, t, _ in items)
+    embedding_bytes = sum(_launch(results, s, k).hbm_bytes for k in EMBEDDING_KERNELS)
+    best = {n: t for n, t, _ in items}
     best["row ops"] = (layers * row_bytes + embedding_bytes) / bw
     for name in REMOVABLE:
         best[name] = 0.0

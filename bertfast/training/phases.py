@@ -11,7 +11,7 @@ from typing import List, Optional
 
 from bertfast.config import BertConfig
 from bertfast.data.loader import BatchSpec, PretrainingBatches, masking_config_for
-from bertfast.data.shards import MissingSplitError, PretrainingData
+from bertfast.data.shards import MissingSplitError, PretrainingData, dataset_index
 from bertfast.training.config import DEMO_MODEL, DEMO_VOCAB_SIZE, PretrainConfig, parse_overrides
 from bertfast.training.distributed import DistInfo
 
@@ -150,7 +150,7 @@ def size_micro_batches(args: PretrainConfig, info: DistInfo, log=print) -> Pretr
         if getattr(args, field) is not None or not steps:
             continue
         tokens = tokens or micro_batch_tokens(info.device)
-        max_seq_len = PretrainingData(directory, "train").max_seq_len
+        max_seq_len = int(dataset_index(directory)["max_seq_len"])  # the index alone: build_phases opens the shards
         sizes[field] = auto_micro_batch(max(1, global_batch // info.world_size), max_seq_len, tokens)
         log(f"[pretrain] {field.replace('_', '-')}: {sizes[field]} (sized for {info.device.type}: up to {tokens} "
             f"tokens of {max_seq_len}-token sequences a micro-batch; --{field.replace('_', '-')} sets it)")
