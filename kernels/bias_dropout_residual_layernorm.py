@@ -36,8 +36,8 @@ Dropout RNG: the row-op scheme of kernels/_rows.py (row_dropout_keep), a pure fu
 
 Launch: on GPU the row-tile shape (rows per program, num_warps) is autotuned per H, size class
 of N, dtypes and flags; under the interpreter a fixed tile of ~4K elements is used. The forward
-runs one program per BLOCK_M rows; the backward runs about two programs per SM, each walking a
-contiguous block of rows one tile at a time and prefetching the next tile.
+runs one program per BLOCK_M rows; the backward runs about four programs per SM, each walking a
+contiguous block of rows one tile at a time with the next two tiles' loads in flight.
 
 Limits: H <= 8192 (one row per register tile); any number of rows; x / residual / dy /
 pre_norm may be row-strided (stride(1) == 1, stride(0) >= H), anything else is a ValueError.
@@ -153,21 +153,26 @@ def _bias_dropout_residual_layernorm_bwd_kernel(
     acc_dw = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
     acc_db = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
     acc_dbias = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
-    # Software pipelining by hand: the loads of tile i + 1 are issued before tile i is computed,
-    # so each program keeps two tiles of loads in flight (Triton does not pipeline plain loads).
-    dy_next, z_next, mean_next, rstd_next = _load_bwd_tile(
-        DY, PRE, MEAN, RSTD, row_start + tl.arange(0, BLOCK_M), row_end, cols, col_ok, stride_dy, stride_pre)
+    # Software pipelining by hand, BWD_TILES_AHEAD (2) tiles deep: while tile i is computed, the
+    # loads of tiles i + 1 and i + 2 are in flight (Triton does not pipeline plain loads). With one
+    # tile ahead the H100 read at 76% of the copy bandwidth, bound by the loads' latency.
+    first = row_start + tl.arange(0, BLOCK_M)
+    dy_1, z_1, mean_1, rstd_1 = _load_bwd_tile(DY, PRE, MEAN, RSTD, first, row_end, cols, col_ok, stride_dy,
+                                               stride_pre)
+    dy_2, z_2, mean_2, rstd_2 = _load_bwd_tile(DY, PRE, MEAN, RSTD, first + BLOCK_M, row_end, cols, col_ok,
+                                               stride_dy, stride_pre)
     for m0 in range(row_start, row_end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < row_end
         mask = row_ok[:, None] & col_ok[None, :]
         rows64 = rows.to(tl.int64)[:, None]
-        dy = dy_next.to(tl.float32)
-        z = z_next.to(tl.float32)
-        mean = mean_next
-        rstd = rstd_next
-        dy_next, z_next, mean_next, rstd_next = _load_bwd_tile(
-            DY, PRE, MEAN, RSTD, rows + BLOCK_M, row_end, cols, col_ok, stride_dy, stride_pre)
+        dy = dy_1.to(tl.float32)
+        z = z_1.to(tl.float32)
+        mean = mean_1
+        rstd = rstd_1
+        dy_1, z_1, mean_1, rstd_1 = dy_2, z_2, mean_2, rstd_2
+        dy_2, z_2, mean_2, rstd_2 = _load_bwd_tile(
+            DY, PRE, MEAN, RSTD, rows + 2 * BLOCK_M, row_end, cols, col_ok, stride_dy, stride_pre)
         dz, acc_dw, acc_db = layernorm_bwd_rows(dy, z, mean, rstd, w, acc_dw, acc_db, H)
         out_offs = rows64 * H + cols[None, :]
         if HAS_RES:
@@ -184,12 +189,14 @@ def _bias_dropout_residual_layernorm_bwd_kernel(
 
 
 # --------------------------------------------------------------------------- launch configs
-# The backward's row groups (_rows.row_groups): programs per SM. Each keeps only its next tile's loads
-# in flight, so the loads in flight per SM grow with the programs (the registers let 5 of 4 warps
-# share one). Two per SM ran at half the bandwidth on the H200; four is where the perf model's
-# latency bound stops binding at BERT-large's 16K rows, for 3 x [G, H] fp32 partials of 6.3 MB
-# (docs/perf-model.md).
+# The backward's row groups (_rows.row_groups): programs per SM. Each keeps BWD_TILES_AHEAD tiles of
+# loads in flight, so the loads in flight per SM grow with the programs (the registers let 4 of 4
+# warps share one). Four, two tiles ahead each, keep the perf model's latency bound (1.9 us, fitted to
+# the H100) under the bandwidth bound at BERT-large's 16K rows, for 3 x [G, H] fp32 partials of 6.3 MB
+# (docs/perf-model.md); four one tile ahead read at 76% of the copy bandwidth on the H100, two per SM
+# at half the bandwidth on the H200.
 BWD_PROGRAMS_PER_SM = 4
+BWD_TILES_AHEAD = 2  # the kernel's prefetch depth (what the perf model reads)
 # Keys: H, the size class of N and every constexpr flag (dtypes are added by the autotuner).
 _fwd_tuned = autotune(row_tile_configs(), ["H", "n_bucket", "HAS_BIAS", "HAS_RES", "HAS_DROPOUT",
                                                   "STORE_PRE", "STORE_KEEP"],

@@ -69,15 +69,22 @@ def test_prediction_by_hand(gelu_bwd):
     assert p.bounds_s["issue"] == pytest.approx(warp_instr / (4 * sm_clock))
     assert p.bounds_s["memory"] == pytest.approx(moved / 3.0e12)
     assert p.bounds_s["tensor"] == 0
-    # memory binds; the other two parts add a quarter of themselves; 2048 programs on 132 SMs: 15.5 -> 16
+    # memory binds a kernel without tensor-core work: the other two parts add memory_overlap (fitted to
+    # the H100: 0) of themselves; 2048 programs on 132 SMs: 15.5 -> 16, more than one wave of them
     compute = max(p.bounds_s["issue"], p.bounds_s["pipe"])
     efficiency = (programs / 132) / math.ceil(programs / 132)
-    assert p.binding == "memory" and p.wave_efficiency == pytest.approx(efficiency)
-    assert p.predicted_s == pytest.approx((p.bounds_s["memory"] + 0.25 * compute) / efficiency)
-    assert model.time_with_overlap(p, 0.25) == pytest.approx(p.predicted_s)
+    assert p.binding == "memory" and p.wave_efficiency == pytest.approx(efficiency) and not p.single_wave
+    assert p.predicted_s == pytest.approx((p.bounds_s["memory"] + H100.memory_overlap * compute) / efficiency)
+    assert model.time_with_overlap(p, 0.25) == pytest.approx((p.bounds_s["memory"] + 0.25 * compute) / efficiency)
     assert model.time_with_overlap(p, 0.0) == pytest.approx(p.bounds_s["memory"] / efficiency)
     # 73 registers x 256 threads: 80 per thread allocated, 20,480 per program -> 3 per SM
     assert p.resident == 3
+    # 330 programs (2.5 per SM), all resident at once (3 per SM): the memory part is not divided by the
+    # waves' efficiency (HBM is shared by every SM), the compute part is
+    one = model.predict(gelu_bwd, model.Work(tokens * ffn / tile, tile, 330, warps, moved, registers=73), H100)
+    assert one.single_wave and one.wave_efficiency == pytest.approx(2.5 / 3)
+    assert model.retime(one, 0.25, 0.5) == pytest.approx(
+        one.parts_s["memory"] + 0.5 * max(one.bounds_s["issue"], one.bounds_s["pipe"]) / (2.5 / 3))
 
 
 def test_latency_bound_is_littles_law_over_the_loads_in_flight(gelu_bwd):
@@ -92,12 +99,13 @@ def test_latency_bound_is_littles_law_over_the_loads_in_flight(gelu_bwd):
     work = model.Work(iterations, tile, programs, warps, moved, registers=73)
     loads, stores = 16384 * iterations + 4096 * programs, 8192 * iterations + 4096 * programs
     reads = moved * loads / (loads + stores)
-    assert model.latency_bound(loop, rest, work, 3, H100) == pytest.approx(reads * 1e-6 / (132 * 3 * 16384))
+    latency = H100.memory_latency_s
+    assert model.latency_bound(loop, rest, work, 3, H100) == pytest.approx(reads * latency / (132 * 3 * 16384))
     # two programs per SM in the grid (264), whatever the registers allow: the bound grows by 3/2
     few = model.Work(iterations, tile, 264, warps, moved, registers=73)
     loads = 16384 * iterations + 4096 * 264
     reads = moved * loads / (loads + 8192 * iterations + 4096 * 264)
-    assert model.latency_bound(loop, rest, few, 3, H100) == pytest.approx(reads * 1e-6 / (132 * 2 * 16384))
+    assert model.latency_bound(loop, rest, few, 3, H100) == pytest.approx(reads * latency / (132 * 2 * 16384))
     # one program on every other SM: 8 KB in flight per SM on average, 1.1 TB/s, below the bandwidth
     p = model.predict(gelu_bwd, model.Work(iterations, tile, 66, warps, moved, registers=73), H100)
     assert p.bounds_s["latency"] > p.bounds_s["memory"] and p.binding == "latency"
@@ -134,12 +142,36 @@ def test_a_profile_is_read_and_the_overlap_fitted_to_it(tmp_path, gelu_bwd):
     (tmp_path / "other.txt").write_text("fp32 tiny run\n")
     assert report.read_profile(str(tmp_path / "other.txt")) is None
 
-    # two kernels whose measured times are exactly their predictions at overlap 0.5: the fit finds 0.5
-    work = model.Work(16384 * 4096 / 4096, 4096, 2048, 8, 3 * 16384 * 4096 * 2, registers=73)
-    p = model.predict(gelu_bwd, work, H200)
-    q = model.predict(gelu_bwd, model.Work(2000, 4096, 264, 8, 1e8), H200)
-    rows = [{"prediction": x, "measured_s": model.time_with_overlap(x, 0.5)} for x in (p, q)]
-    assert report.fit_overlap(rows) == pytest.approx(0.5)
+    # two kernels the issue slots bind, measured at exactly their predictions at overlap 0.5: the fit
+    # finds 0.5; a memory-bound row beside them does not move it
+    issue_bound = [model.predict(gelu_bwd, model.Work(2000, 4096, n, 8, 1e6), H200) for n in (264, 2048)]
+    assert all(x.binding == "issue" for x in issue_bound)
+    rows = [{"prediction": x, "measured_s": model.time_with_overlap(x, 0.5)} for x in issue_bound]
+    memory = model.predict(gelu_bwd, model.Work(16384, 4096, 2048, 8, 3 * 16384 * 4096 * 2, registers=73), H200)
+    assert report.memory_bound(memory)
+    assert report.fit_overlap(rows + [{"prediction": memory, "measured_s": 3 * memory.predicted_s}]) \
+        == pytest.approx(0.5)
+    assert report.fit_overlap([{"prediction": memory, "measured_s": memory.predicted_s}]) is None
+
+
+def test_the_memory_constants_are_fitted_to_the_memory_bound_kernels(gelu_bwd):
+    """A bandwidth-bound and a latency-bound row kernel measured at their predictions with
+    memory_overlap 0.1 and the memory latency 1.5 x the constant's: the fit finds both; without a
+    latency-bound kernel the latency is left unfitted."""
+    from bertfast.perfmodel import report
+    moved = 3 * 16384 * 4096 * 2
+    wide = model.predict(gelu_bwd, model.Work(16384, 4096, 2048, 8, moved, registers=73), H100)
+    narrow = model.predict(gelu_bwd, model.Work(16384, 4096, 66, 8, moved, registers=73), H100)
+    assert wide.binding == "memory" and narrow.binding == "latency"
+    factor = 4.0 ** (41 / 140)  # on the fit's grid, about 1.5
+    rows = [{"prediction": x, "measured_s": model.retime(x, 0.25, 0.1, factor)} for x in (wide, narrow)]
+    fitted = report.fit_memory_constants(rows, H100)
+    assert fitted["memory_overlap"] == pytest.approx(0.1)
+    assert fitted["memory_latency_s"] == pytest.approx(H100.memory_latency_s * factor)
+    fitted = report.fit_memory_constants(rows[:1], H100)
+    assert fitted["memory_overlap"] == pytest.approx(0.1) and fitted["memory_latency_s"] is None
+    changed = [dict(row, changed_since_run=True) for row in rows]
+    assert report.fit_memory_constants(changed, H100) == {"memory_overlap": None, "memory_latency_s": None}
 
 
 def test_the_latest_profile_is_the_last_measured_not_the_last_folder_name(tmp_path):
@@ -256,11 +288,18 @@ def test_perf_model_command_reads_every_kernel_and_reports_the_targets(tmp_path)
     assert measured["profile"].endswith("profile-bertfast.txt") and measured["device"] == "NVIDIA H100 80GB HBM3"
     assert {r["kernel"] for r in measured["rows"]} >= {"_attention_fwd_kernel", "_bias_gelu_bwd_kernel"}
     assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in measured["rows"])
-    # fitted to the kernels whose source has not changed since the run; none left: nothing fitted
-    if all(r["changed_since_run"] for r in measured["rows"]):
-        assert measured["overlap_fitted"] is None
+    # fitted to the kernels whose source has not changed since the run (none left: nothing fitted), and
+    # the row kernels among them predicted within 10% of their measured time once refitted
+    kept = [r for r in measured["rows"] if not r["changed_since_run"]]
+    assert measured["overlap_fitted"] is None or 0 <= measured["overlap_fitted"] < 2
+    rows = [r for r in kept if not r["kernel"].startswith("_attention")]
+    if rows:
+        assert 0 <= measured["memory_overlap_fitted"] <= 1
+        assert all(0.9 < r["refit_s"] / r["measured_s"] < 1.1 for r in rows), rows
     else:
-        assert 0 <= measured["overlap_fitted"] < 2
+        assert measured["memory_overlap_fitted"] is None
+    assert all(r["token_scale"] == pytest.approx(16384 / 15914) for r in measured["rows"]
+               if not r["kernel"].startswith("_attention"))
     # and the step's device time from the committed trace (68.5 ms on the H100) beside its budget
     assert measured["step"]["measured_busy_ms"] == pytest.approx(68.5, abs=0.1)
     assert 0.5 < measured["step"]["predicted_ms"] / measured["step"]["measured_busy_ms"] < 2
@@ -295,7 +334,7 @@ def test_a_kernel_changed_since_the_profiled_run_is_marked_and_not_fitted(tmp_pa
     assert report.changed_since(str(profile), ["kernels/bias_gelu.py"], str(tmp_path)) is False
     assert report.changed_since(str(tmp_path / "nowhere.txt"), ["kernels/bias_gelu.py"], str(tmp_path)) is None
     # A changed kernel's row does not move the fitted overlap.
-    work = model.Work(100, 4096, 132, 8, 1e9)
+    work = model.Work(100, 4096, 132, 8, 1e3)
     with open(FIXTURE, encoding="utf-8") as f:
         pred = model.predict(sass.parse(f.read())["_bias_gelu_bwd_kernel"], work, H100)
     row = {"prediction": pred, "measured_s": model.time_with_overlap(pred, 0.4)}

@@ -3,8 +3,10 @@
 Datasheet and whitepaper: NVIDIA H100 Tensor Core GPU datasheet and the "NVIDIA H100 Tensor Core GPU
 Architecture" whitepaper (SXM5 part). Throughput per pipe: the CUDA C++ Programming Guide's table of
 arithmetic instruction throughput, compute capability 9.0. The achievable bandwidth: a copy timed on
-an H100 of the machines this project is lent. Where a figure is an assumption, it says so;
-``overlap`` is an assumption that GPU runs refit (docs/perf-model.md).
+an H100 of the machines this project is lent. Where a figure is an assumption, it says so; the
+memory latency and the overlap where memory binds a row kernel are fitted to a GPU run's kernels;
+``overlap`` (the attention's) is assumed until a run measures such a kernel unchanged since
+(docs/perf-model.md).
 """
 from __future__ import annotations
 
@@ -27,11 +29,12 @@ class Gpu:
     # (2026-11-26; the H100 has the same tensor cores).
     gemm_flops: float = 727e12
     launch_gap_s: float = 1.0e-6         # assumed: between back-to-back kernels on the device (a CUDA graph)
-    # Assumed: how long a global load takes to return under load (Little's law in model.latency_bound).
-    # Unloaded HBM latency on Hopper is roughly 0.5-0.7 us; queues under load lengthen it. The H200
-    # run's LayerNorm backward (two programs per SM, 8-16 KB of loads in flight per SM) read at
-    # 0.87 TB/s, which puts it at 1.2-2.4 us: 1 us is the optimistic end, until a GPU run refits it.
-    memory_latency_s: float = 1.0e-6
+    # How long a global load takes to return under load (Little's law in model.latency_bound): fitted
+    # to the H100 run of 2026-11-26 (report.fit_memory_constants), whose LayerNorm backward (four
+    # programs per SM, one 4 KB row of loads each in flight) read at 2.3 TB/s, 76% of the copy
+    # bandwidth, at real lengths. Unloaded HBM latency on Hopper is roughly 0.5-0.7 us; queues under
+    # load lengthen it (the H200 run's older LayerNorm backward put it at 1.2-2.4 us).
+    memory_latency_s: float = 1.9e-6
     issue_per_clock: int = 4             # warp-instructions issued per clock per SM (4 schedulers, 1 each)
     registers_per_sm: int = 65536
     shared_per_sm: int = 228 * 1024
@@ -50,9 +53,16 @@ class Gpu:
         "fp32": ("fma",), "imad": ("fma", "fmaheavy"), "int": ("alu",), "mufu": ("mufu",),
         "convert": ("convert",), "shuffle": ("shuffle",)})
     shared_bytes_per_clock: int = 128
-    # Imperfect overlap of the bounds: predicted time = the largest bound + overlap x the others.
-    # An assumption until fitted to measured kernels (report.fit_overlap); 0 is perfect overlap.
+    # Imperfect overlap of the bounds: predicted time = the largest bound + overlap x the others
+    # (0 is perfect overlap). For kernels with tensor-core work (the attention), whatever binds them,
+    # and where the issue slots bind: an assumption, until a GPU run measures such a kernel unchanged
+    # since (report.fit_overlap).
     overlap: float = 0.25
+    # Where memory binds a kernel without tensor-core work (the row kernels): fitted with
+    # memory_latency_s to the same H100 run (report.fit_memory_constants). Its
+    # bias+GELU forward and LayerNorm forward moved their bytes at the copy bandwidth (99% and 102%),
+    # their instructions hidden under their loads; the former 0.25 had predicted 14-20% more time.
+    memory_overlap: float = 0.0
 
 
 H100 = Gpu()

@@ -23,9 +23,13 @@ only that resource limited it, and the waves:
   warps) are reported: one program of 4 warps per SM hides latency poorly, which this model does
   not price.
 
-predicted = (largest of tensor, max(issue, pipe), max(memory, latency) + overlap x the sum of the other
-two) / wave efficiency. ``overlap`` (hardware.Gpu) says how imperfectly the units overlap: 0 would be
-perfect. These are estimates for planning, never measurements.
+predicted = the largest of tensor, max(issue, pipe) and max(memory, latency) + overlap x the sum of the
+other two, each part divided by the wave efficiency except the memory part of a launch whose programs
+are all resident at once (HBM bandwidth is shared by the whole GPU: an SM with one program fewer does
+not slow the others' reads). ``overlap`` (hardware.Gpu) says how imperfectly the units overlap, 0
+being perfect: ``memory_overlap`` where memory binds a kernel without tensor-core work (a row
+kernel's arithmetic hides under its loads), ``overlap`` elsewhere (the attention, whatever binds it). These are estimates for planning,
+never measurements.
 """
 from __future__ import annotations
 
@@ -68,6 +72,7 @@ class Prediction:
     binding: str                       # the largest bound's name (the pipe's name for "pipe")
     resident: int                      # programs per SM
     wave_efficiency: float
+    single_wave: bool                  # every program resident at once (the memory part is not divided)
     predicted_s: float
     tensor_flops: float                # wgmma FLOPs the launch runs
     notes: List[str] = field(default_factory=list)
@@ -76,7 +81,7 @@ class Prediction:
         return {"kernel": self.kernel, "loop": self.loop, "per_element": self.per_element, "bounds_s": self.bounds_s,
                 "parts_s": self.parts_s,
                 "binding": self.binding, "resident_per_sm": self.resident, "wave_efficiency": self.wave_efficiency,
-                "predicted_s": self.predicted_s, "tensor_flops": self.tensor_flops, "notes": self.notes}
+                "single_wave": self.single_wave, "predicted_s": self.predicted_s, "tensor_flops": self.tensor_flops, "notes": self.notes}
 
 
 def resident_per_sm(work: Work, gpu: Gpu = H100) -> int:
@@ -169,17 +174,29 @@ def predict(function: Function, work: Work, gpu: Gpu = H100) -> Prediction:
     compute = max(bounds["issue"], bounds["pipe"])
     parts = {"tensor": bounds["tensor"], "compute": compute, "memory": max(bounds["memory"], bounds["latency"])}
     top = max(parts, key=parts.get)
-    overlapped = parts[top] + gpu.overlap * (sum(parts.values()) - parts[top])
     per_sm = work.programs / gpu.sms
     efficiency = per_sm / math.ceil(per_sm)
+    single_wave = work.programs <= resident * gpu.sms
     binding = {"compute": "issue" if bounds["issue"] >= bounds["pipe"] else busiest,
                "memory": "latency" if bounds["latency"] > bounds["memory"] else "memory"}.get(top, top)
-    return Prediction(function.name, span is not None, per_element, bounds, parts, binding, resident, efficiency,
-                      overlapped / efficiency, tensor_flops, notes)
+    prediction = Prediction(function.name, span is not None, per_element, bounds, parts, binding, resident,
+                            efficiency, single_wave, 0.0, tensor_flops, notes)
+    prediction.predicted_s = retime(prediction, gpu.overlap, gpu.memory_overlap)
+    return prediction
+
+
+def retime(prediction: Prediction, overlap: float, memory_overlap: float, latency_factor: float = 1.0) -> float:
+    """The prediction's time under other constants (what calibration fits): the two overlaps, and
+    the memory latency scaled by ``latency_factor`` (the latency bound is linear in it)."""
+    b, efficiency = prediction.bounds_s, prediction.wave_efficiency
+    memory = max(b["memory"], b["latency"] * latency_factor)
+    parts = {"tensor": b["tensor"] / efficiency, "compute": max(b["issue"], b["pipe"]) / efficiency,
+             "memory": memory if prediction.single_wave else memory / efficiency}
+    top = max(parts, key=parts.get)
+    streaming = top == "memory" and b["tensor"] == 0
+    return parts[top] + (memory_overlap if streaming else overlap) * (sum(parts.values()) - parts[top])
 
 
 def time_with_overlap(prediction: Prediction, overlap: float) -> float:
-    """The prediction's time under another overlap constant (what calibration fits)."""
-    parts = prediction.parts_s
-    top = max(parts.values())
-    return (top + overlap * (sum(parts.values()) - top)) / prediction.wave_efficiency
+    """The prediction's time with one overlap constant for every binding (the tests' hand checks)."""
+    return retime(prediction, overlap, overlap)

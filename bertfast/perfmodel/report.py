@@ -1,6 +1,6 @@
 """`bertfast perf-model`: the predicted H100 speed of bertfast's Triton kernels, read from their sm_90
 SASS, against the benchmark targets; beside the measured figures of a committed GPU run, with the
-overlap constant refitted to them. Predictions are a plan, never a measurement (docs/perf-model.md).
+overlap and memory constants refitted to them. Predictions are a plan, never a measurement (docs/perf-model.md).
 """
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import argparse
 import functools
 import glob
 import json
+import math
 import os
 import re
 import subprocess
@@ -19,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from bertfast.perfmodel import kernels as K
 from bertfast.perfmodel import step as S
 from bertfast.perfmodel.hardware import H100, Gpu, gpu_named
-from bertfast.perfmodel.model import Prediction, predict, time_with_overlap
+from bertfast.perfmodel.model import Prediction, predict, retime
 
 # The training shapes the targets are stated at (benchmarks/README.md): BERT-large, 16,384 tokens,
 # bf16 activations, fp32 parameters, dropout 0.1, and without dropout for the dropout's cost.
@@ -216,12 +217,9 @@ def latest_profile(root: str = RESULTS) -> Optional[Profile]:
 def run_gpu(profile: Profile) -> Gpu:
     """The profiled GPU's constants, with the copy bandwidth its run measured when results.json has it."""
     gpu = gpu_named(profile.device)
-    results = os.path.join(os.path.dirname(profile.path), "results.json")
-    if os.path.exists(results):
-        with open(results, encoding="utf-8") as f:
-            copy = (json.load(f).get("device") or {}).get("copy_bandwidth_gbps") or {}
-        if copy.get("median"):
-            gpu = replace(gpu, achievable_hbm_bytes_per_s=copy["median"] * 1e9)
+    copy = (run_results(os.path.dirname(profile.path)).get("device") or {}).get("copy_bandwidth_gbps") or {}
+    if copy.get("median"):
+        gpu = replace(gpu, achievable_hbm_bytes_per_s=copy["median"] * 1e9)
     return gpu
 
 
@@ -256,39 +254,102 @@ def changed_since(profile_path: str, sources: Sequence[str], repo: str = REPO) -
     return bool(since.strip() or local.strip())
 
 
+def run_results(run_dir: str) -> Dict[str, object]:
+    """A committed run's results.json ({} when it has none or cannot be read)."""
+    try:
+        with open(os.path.join(run_dir, "results.json"), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def profiled_tokens(profile: Profile) -> Optional[int]:
+    """The real tokens of the profiled step (the model suite's pretrain_step case of the same run), or
+    None when the run does not say."""
+    for row in run_results(os.path.dirname(profile.path)).get("rows") or []:
+        case = row.get("case") or {}
+        if (row.get("group") == "pretrain_step" and case.get("model") == profile.setting.model
+                and case.get("seqlen") == profile.setting.seq and case.get("batch") == profile.setting.batch
+                and case.get("real_tokens")):
+            return int(case["real_tokens"])
+    return None
+
+
 def compare(results: Sequence[KernelResult], profile: Profile) -> List[Dict[str, object]]:
-    """Each modelled kernel the profile timed: measured and predicted microseconds per call (the
-    first launch recorded of that kernel at the profile's case: the training variant), and whether
-    its source (kernels/<op>.py, and kernels/_rows.py for a row op) changed since the run: then the
-    run measured other code."""
+    """Each modelled kernel the profile timed: measured and predicted seconds per call (the first
+    launch recorded of that kernel at the profile's case: the training variant), and whether its
+    source (kernels/<op>.py, and kernels/_rows.py for a row op) changed since the run: then the run
+    measured other code.
+
+    A call is a layer's: a kernel with a few calls more than a whole number per layer (the MLM head's
+    bias+GELU and LayerNorm over its masked rows, a sixth of a layer's LayerNorm rows at most) has its
+    time divided by the layers' calls alone, which overstates a layer call by that share (under 0.4%).
+    A row kernel's time is linear in its rows, so it is scaled from the profiled step's real tokens to
+    the prediction's full lengths (``token_scale``); the attention's, quadratic in each length, is not.
+    """
+    from bertfast.perfmodel.step import LAYERS
+    layers = LAYERS.get(profile.setting.model, 1)
+    tokens = profiled_tokens(profile)
     rows, seen = [], set()
     for r in results:
         if r.setting != profile.setting or r.prediction is None or r.kernel in seen or r.kernel not in profile.kernels:
             continue
         seen.add(r.kernel)
         ms, calls = profile.kernels[r.kernel]
-        rows.append({"kernel": r.kernel, "measured_s": ms / 1e3 / calls, "calls": calls,
+        layer_calls = calls // layers * layers or calls
+        scale = profile.setting.tokens / tokens if tokens and r.op in ROW_OPS else 1.0
+        rows.append({"kernel": r.kernel, "measured_s": ms / 1e3 / layer_calls * scale, "calls": calls,
+                     "layer_calls": layer_calls, "token_scale": scale,
                      "predicted_s": r.prediction.predicted_s, "prediction": r.prediction,
                      "changed_since_run": changed_since(
                          profile.path, [f"kernels/{r.op}.py"] + (["kernels/_rows.py"] if r.op in ROW_OPS else []))})
     return rows
 
 
-def fit_overlap(rows: Sequence[Dict[str, object]]) -> Optional[float]:
-    """The overlap constant that best fits the measured times, relative errors weighted alike (least
-    squares on time / measured: each predicted time is linear in the constant), and never below 0
-    (perfect overlap): kernels that run faster than their binding bound say that bound's constant is
-    low for them (the row ops beat the 3.0 TB/s copy figure on the H100), not that units overlap better
-    than perfectly. Kernels changed since the run are left out: their measured time is of other code."""
+def memory_bound(prediction: Prediction) -> bool:
+    """Whether ``memory_overlap`` prices the kernel: memory binds it and it has no tensor-core work."""
+    return prediction.binding in ("memory", "latency") and prediction.bounds_s["tensor"] == 0
+
+
+def fit_overlap(rows: Sequence[Dict[str, object]], memory_overlap: float = 0.0) -> Optional[float]:
+    """The overlap constant of the kernels ``memory_overlap`` does not price, best fitting their measured
+    times, relative errors weighted alike (least squares on time / measured: each predicted time is
+    linear in the constant), and never below 0 (perfect overlap): a kernel that runs faster than its
+    binding bound says that bound's constant is low for it, not that units overlap better than
+    perfectly. Kernels changed since the run are left out: their measured time is of other code.
+    None when no row is left."""
     num = den = 0.0
     for row in rows:
-        if row.get("changed_since_run"):
+        if row.get("changed_since_run") or memory_bound(row["prediction"]):
             continue
-        base = time_with_overlap(row["prediction"], 0.0) / row["measured_s"]
-        slope = time_with_overlap(row["prediction"], 1.0) / row["measured_s"] - base
+        base = retime(row["prediction"], 0.0, memory_overlap) / row["measured_s"]
+        slope = retime(row["prediction"], 1.0, memory_overlap) / row["measured_s"] - base
         num += slope * (1.0 - base)
         den += slope * slope
     return max(0.0, num / den) if den else None
+
+
+# The memory-bound fit's grid: overlaps 0 to 1, latency factors 1/4 to 4 (about 1% apart)
+_OVERLAPS = [i / 100 for i in range(101)]
+_FACTORS = [4.0 ** ((i - 140) / 140) for i in range(281)]
+
+
+def fit_memory_constants(rows: Sequence[Dict[str, object]], gpu: Gpu = H100) -> Dict[str, Optional[float]]:
+    """``memory_overlap`` and ``memory_latency_s`` best fitting the memory-bound kernels unchanged
+    since the run (least squares on time / measured over a grid; the overlap never below 0). The
+    latency is only fitted when some kernel's time depends on it (a latency-bound one): otherwise,
+    and for a constant no row decides, None. Of equally good latencies the one nearest ``gpu``'s wins."""
+    kept = [r for r in rows if not r.get("changed_since_run") and memory_bound(r["prediction"])]
+    if not kept:
+        return {"memory_overlap": None, "memory_latency_s": None}
+
+    def loss(o: float, f: float) -> float:
+        return sum((retime(r["prediction"], 0.0, o, f) / r["measured_s"] - 1.0) ** 2 for r in kept)
+    best = min(((round(loss(o, f), 12), abs(math.log(f)), o, f) for o in _OVERLAPS for f in _FACTORS))
+    _, _, overlap, factor = best
+    decides = any(retime(r["prediction"], 0.0, overlap, f) != retime(r["prediction"], 0.0, overlap, factor)
+                  for r in kept for f in (factor * 0.9, factor * 1.1))
+    return {"memory_overlap": overlap, "memory_latency_s": gpu.memory_latency_s * factor if decides else None}
 
 
 # --------------------------------------------------------------------------- output
@@ -341,7 +402,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     results = analyse(settings)
     gpu = H100
     print(f"\nPredicted for an {gpu.name} ({gpu.sms} SMs at {gpu.clock_hz / 1e9:.2f} GHz, "
-          f"{gpu.achievable_hbm_bytes_per_s / 1e12:.1f} TB/s achievable, overlap {gpu.overlap:g}); "
+          f"{gpu.achievable_hbm_bytes_per_s / 1e12:.1f} TB/s achievable, memory latency "
+          f"{gpu.memory_latency_s * 1e6:.2f} us, overlap {gpu.overlap:g}, {gpu.memory_overlap:g} where memory binds); "
           "first autotune candidate of each kernel. Predictions, not measurements.\n")
     print(kernel_table([r for r in results if r.setting in TARGET_SETTINGS]))
     print()
@@ -363,20 +425,36 @@ def main(argv: Optional[List[str]] = None) -> int:
         measured_gpu = run_gpu(profile)
         measured_results = analyse([profile.setting], measured_gpu, log=lambda m: None)
         rows = compare(measured_results, profile)
-        fitted = fit_overlap(rows)
+        fitted = fit_overlap(rows, measured_gpu.memory_overlap)
+        fitted_memory = fit_memory_constants(rows, measured_gpu)
+        refit = (fitted if fitted is not None else measured_gpu.overlap,
+                 fitted_memory["memory_overlap"] if fitted_memory["memory_overlap"] is not None
+                 else measured_gpu.memory_overlap,
+                 (fitted_memory["memory_latency_s"] or measured_gpu.memory_latency_s) / measured_gpu.memory_latency_s)
         shown = os.path.relpath(profile.path, os.path.dirname(os.path.dirname(RESULTS)))
         print(f"\nmeasured beside predicted: {shown} ({profile.setting.model} seq {profile.setting.seq} batch "
               f"{profile.setting.batch} on {profile.device}; predicted for it at "
-              f"{measured_gpu.achievable_hbm_bytes_per_s / 1e12:.2f} TB/s), us per call:")
+              f"{measured_gpu.achievable_hbm_bytes_per_s / 1e12:.2f} TB/s), us per layer call:")
         for row in rows:
-            refit = time_with_overlap(row["prediction"], fitted) if fitted is not None else None
+            row["refit_s"] = retime(row["prediction"], *refit)
             print(f"  {row['kernel'].strip('_').replace('_kernel', ''):38s} measured {row['measured_s'] * 1e6:7.1f}"
-                  f"  predicted {row['predicted_s'] * 1e6:7.1f} (overlap {gpu.overlap:g})"
-                  + (f"  {refit * 1e6:7.1f} (overlap {fitted:.2f})" if refit is not None else "")
+                  f"  predicted {row['predicted_s'] * 1e6:7.1f}  refitted {row['refit_s'] * 1e6:7.1f}"
                   + ("  [source changed since this run: not fitted]" if row["changed_since_run"] else ""))
-        print("  (the profile's kernels ran autotuned configs, on the model suite's lengths (about 96% of the "
-              "tokens real); the predictions read each kernel's first candidate at full lengths)")
+        latency = fitted_memory["memory_latency_s"]
+        print(f"  fitted to the kernels unchanged since the run: overlap "
+              + (f"{fitted:.2f}" if fitted is not None else "- (none of them has tensor-core work or is issue-bound)")
+              + f" (assumed {measured_gpu.overlap:g}); memory_overlap "
+              + (f"{fitted_memory['memory_overlap']:.2f}" if fitted_memory["memory_overlap"] is not None else "-")
+              + f" ({measured_gpu.memory_overlap:g}); memory_latency_s "
+              + (f"{latency * 1e6:.2f} us" if latency is not None else "- (no latency-bound kernel)")
+              + f" ({measured_gpu.memory_latency_s * 1e6:.2f} us)")
+        tokens = profiled_tokens(profile)
+        print("  (the profile's kernels ran autotuned configs on the model suite's lengths"
+              + (f" ({tokens:,} real tokens of {profile.setting.tokens:,}: row kernels scaled to full lengths)"
+                 if tokens else "") + "; the predictions read each kernel's first candidate at full lengths)")
         comparison = {"profile": shown, "device": profile.device, "overlap_fitted": fitted,
+                      "memory_overlap_fitted": fitted_memory["memory_overlap"],
+                      "memory_latency_s_fitted": latency,
                       "rows": [{k: v for k, v in row.items() if k != "prediction"} for row in rows]}
         trace = os.path.join(os.path.dirname(profile.path), "profile-bertfast.trace.json.gz")
         traced = S.trace_device_time(trace) if os.path.exists(trace) else None
@@ -404,7 +482,8 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"(target {t['target']:g}{reach})")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"gpu": gpu.name, "overlap": gpu.overlap, "targets": goals, "steps": plans,
+            json.dump({"gpu": gpu.name, "overlap": gpu.overlap, "memory_overlap": gpu.memory_overlap,
+                       "memory_latency_s": gpu.memory_latency_s, "targets": goals, "steps": plans,
                        "kernels": [r.to_dict() for r in results], "measured": comparison}, f, indent=1)
     print(f"\npredicted: {sum(1 for t in goals if t['met'])} of {len(goals)} targets met")
     return 0

@@ -159,6 +159,7 @@ CASES = [  # (N, H, has_bias, has_residual, p): every bias/residual combination 
     (16, 40, True, False, 0.0),
     (13, 64, False, True, 0.5),
     (6, 100, False, True, 0.0),
+    (45, 64, True, True, 0.1),      # backward: three programs of four tiles (two in flight), a partial last
 ]
 
 
