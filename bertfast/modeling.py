@@ -233,6 +233,14 @@ class BertSelfAttention(nn.Module):
         return self.context_keeping_input(x, rows)[0]
 
 
+def _linear(h: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """F.linear, differentiated through bertfast.residual_linear.dense: the weight gradient of fp32
+    weights under autocast comes from the GEMM in fp32, with no cast pass after it."""
+    if residual_linear.records_grad(h, weight, bias):
+        return residual_linear.dense(h, weight, bias)
+    return F.linear(h, weight, bias)
+
+
 class BertSelfOutput(nn.Module):
     """dense, dropout and the residual LayerNorm after attention (and, as BertOutput, after the FFN)."""
 
@@ -250,9 +258,9 @@ class BertSelfOutput(nn.Module):
         if not fusable(self.dense):
             y, bias = self.dense(h), None
         elif _bias_in_gemm(h, self.dense, "bias_dropout_residual_layernorm"):
-            y, bias = F.linear(h, self.dense.weight, self.dense.bias), None
+            y, bias = _linear(h, self.dense.weight, self.dense.bias), None
         else:
-            y, bias = F.linear(h, self.dense.weight), self.dense.bias  # bias fused into the LayerNorm op
+            y, bias = _linear(h, self.dense.weight), self.dense.bias  # bias fused into the LayerNorm op
         p = self.dropout.p if self.training else 0.0
         return ops.bias_dropout_residual_layernorm(y, bias, residual, ln.weight, ln.bias, ln.eps, p)
 

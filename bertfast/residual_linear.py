@@ -13,8 +13,13 @@ and forms dx with one addmm (beta = 1): the GEMM reads the residual's gradient i
 Autocast is honoured as F.linear would be (floating inputs cast to the autocast dtype, the
 weights' casts made once and saved for the backward, as autocast's own cast would be); the
 backward runs in the dtypes the forward saved. Parameter gradients come back in each parameter's
-dtype; the bias gradient is summed in fp32. Several weights (the query, key and value) are
-concatenated into one GEMM, as ``fused_qkv`` does under autograd.
+dtype; the bias gradient is summed in fp32. The weight gradient of fp32 weights under bf16 or fp16
+autocast comes from an fp32-out GEMM where the device has one (CUDA: cuBLAS accumulates in fp32
+anyway), not rounded to bf16 and then cast back by autograd in a pass of its own (6 bytes a
+parameter; on the H100 that cast ran at half the copy bandwidth). Several weights (the query, key
+and value) are concatenated into one GEMM, as ``fused_qkv`` does under autograd. ``dense`` is the
+same node for a GEMM whose input is no residual (the attention's and the FFN's output
+projections), for its weight gradient.
 
 Only for what is differentiated: with no gradient to record there is nothing to fold, and
 ``fused_qkv`` writes the QKV columns without concatenating weights.
@@ -25,6 +30,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from bertfast.ops._common import PLAIN_TYPES, fp32_gemm_caps
 
 Tensor = torch.Tensor
 
@@ -45,6 +52,24 @@ def _cast(t: Tensor, dtype: Optional[torch.dtype]) -> Tensor:
     return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != torch.float64 else t
 
 
+def _weight_grad(dy: Tensor, x: Tensor, dtype: torch.dtype) -> Tensor:
+    """dy^T @ x for a weight of ``dtype``: written in fp32 by the GEMM when the weight is fp32 and
+    dy of lower precision on a device with fp32-out GEMMs (on plain tensors only, not while
+    torch.compile traces or on fake tensors: the probe runs real GEMMs); else in dy's dtype, which
+    autograd then casts to the weight's."""
+    if (dtype == torch.float32 and dy.dtype in (torch.bfloat16, torch.float16)
+            and not torch.compiler.is_compiling() and type(dy) in PLAIN_TYPES and type(x) in PLAIN_TYPES
+            and fp32_gemm_caps(dy.device, dy.dtype)[1]):
+        return _mm_fp32(dy.t(), x)
+    return dy.t().mm(x)
+
+
+def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b written in fp32 by the GEMM (fp32_gemm_caps says the device has it)."""
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
+    return torch.mm(a, b, out_dtype=torch.float32, out=out)
+
+
 class _LinearKeepingInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, count: int, has_bias: bool, *params: Tensor) -> Tuple[Tensor, Tensor]:
@@ -61,6 +86,7 @@ class _LinearKeepingInput(torch.autograd.Function):
             y = F.linear(xc, weight, bias)
         ctx.save_for_backward(xc, weight)
         ctx.count, ctx.has_bias, ctx.out_features = count, has_bias, [w.shape[0] for w in params[:count]]
+        ctx.weight_dtype = params[0].dtype
         return y, x  # x as-is: autograd makes it a view whose gradient comes to this node
 
     @staticmethod
@@ -86,7 +112,7 @@ class _LinearKeepingInput(torch.autograd.Function):
             grads = list(none)
             weights_needed = needs[3:3 + count]
             if any(weights_needed):
-                dw = dy.t().mm(xc.reshape(-1, xc.shape[-1]))
+                dw = _weight_grad(dy, xc.reshape(-1, xc.shape[-1]), ctx.weight_dtype)
                 for i, part in enumerate(dw.split(ctx.out_features) if count > 1 else (dw,)):
                     grads[i] = part if weights_needed[i] else None
             if ctx.has_bias and any(needs[3 + count:]):
@@ -103,3 +129,8 @@ def linear(x: Tensor, weights: Sequence[Tensor], biases: Optional[Sequence[Tenso
         raise ValueError(f"residual_linear: expected one bias per weight ({len(weights)}), got {len(biases)}")
     params = list(weights) + (list(biases) if biases is not None else [])
     return _LinearKeepingInput.apply(x, len(weights), biases is not None, *params)
+
+
+def dense(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """x @ W^T (+ b) through the same node, its input no residual: for the weight gradient."""
+    return linear(x, [weight], None if bias is None else [bias])[0]

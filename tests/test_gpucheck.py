@@ -86,16 +86,15 @@ def test_step_output_is_logged_and_a_step_past_its_limit_is_stopped(tmp_path):
 def test_sanitize_can_keep_the_mlm_weight_gradient_off_fp32_out_gemms(monkeypatch, capsys):
     """--no-fp32-out-gemms: the op's weight gradient through input-dtype GEMMs (a probe that once
     found fp32-out GEMMs is overridden); the calls still run and finish finite."""
-    import importlib
     from bertfast.gpucheck import sanitize
-    mlm_head_loss = importlib.import_module("bertfast.ops.mlm_head_loss")  # the module, not the op
-    monkeypatch.setattr(mlm_head_loss, "FP32_OUT_GEMMS", True)
-    monkeypatch.setitem(mlm_head_loss._FP32_GEMM_CAPS, ("cuda", 0, torch.bfloat16), (True, True))
-    assert mlm_head_loss._fp32_gemm_caps(torch.device("cuda", 0), torch.bfloat16) == (True, True)
+    from bertfast.ops import _common
+    monkeypatch.setattr(_common, "FP32_OUT_GEMMS", True)
+    monkeypatch.setitem(_common._FP32_GEMM_CAPS, ("cuda", 0, torch.bfloat16), (True, True))
+    assert _common.fp32_gemm_caps(torch.device("cuda", 0), torch.bfloat16) == (True, True)
     assert sanitize.main(["--backend", "torch", "--device", "cpu", "--case", "mlm_head_loss",
                           "--no-fp32-out-gemms"]) == 0
-    assert mlm_head_loss.FP32_OUT_GEMMS is False
-    assert mlm_head_loss._fp32_gemm_caps(torch.device("cuda", 0), torch.bfloat16) == (False, False)
+    assert _common.FP32_OUT_GEMMS is False
+    assert _common.fp32_gemm_caps(torch.device("cuda", 0), torch.bfloat16) == (False, False)
     assert "GEMMs write the input dtype" in capsys.readouterr().out
 
 

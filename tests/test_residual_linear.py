@@ -105,6 +105,56 @@ def test_one_bias_per_weight():
         residual_linear.linear(x, weights, biases[:2])
 
 
+def test_fp32_weights_get_their_gradient_from_an_fp32_out_gemm_where_the_device_has_one(monkeypatch):
+    """Under bf16 autocast, fp32 weights' gradients are the GEMM's fp32 result (on CUDA, cuBLAS writing
+    fp32), not a bf16 product cast back: here a CPU stand-in for the fp32-out GEMM, called once per
+    backward, and the gradients equal its product exactly. fp32 inputs take the plain GEMM."""
+    calls = []
+
+    def mm_fp32(a, b):
+        calls.append((a.dtype, b.dtype))
+        return a.float() @ b.float()
+    monkeypatch.setattr(residual_linear, "fp32_gemm_caps", lambda device, dtype: (True, True))
+    monkeypatch.setattr(residual_linear, "_mm_fp32", mm_fp32)
+    x, weights, biases = _inputs(3, True, rows=64, width=32, out=16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        xb = x.to(torch.bfloat16)
+        y, _ = residual_linear.linear(xb, weights, biases)
+    dy = torch.randn_like(y)
+    got = _grads((y.float() * dy.float()).sum(), weights)
+    assert calls == [(torch.bfloat16, torch.bfloat16)]
+    full = dy.t().float() @ xb.float()
+    for g, want in zip(got, full.split([w.shape[0] for w in weights])):
+        assert g.dtype == torch.float32 and torch.equal(g, want)
+    rounded = (dy.t() @ xb).float()  # what the bf16 GEMM and autograd's cast gave: coarser
+    assert not torch.equal(torch.cat(got), rounded)
+    # dense: the same node without the residual
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = residual_linear.dense(xb, weights[0], biases[0])
+    (dw,) = _grads((y.float() * dy[:, :16].float()).sum(), [weights[0]])
+    assert len(calls) == 2 and torch.equal(dw, dy[:, :16].t().float() @ xb.float())
+    # fp32 throughout: nothing to round, the plain GEMM
+    y, _ = residual_linear.linear(x, weights[:1])
+    _grads(y.sum(), weights[:1])
+    assert len(calls) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_weight_gradient_is_cublas_fp32_out_gemm():
+    from bertfast.ops._common import fp32_gemm_caps
+    if not fp32_gemm_caps(torch.device("cuda"), torch.bfloat16)[1]:
+        pytest.skip("this torch has no fp32-out GEMM for bf16 inputs")
+    torch.manual_seed(0)
+    x = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(96, 64, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = residual_linear.dense(x, weight)
+    dy = torch.randn_like(y)
+    (dw,) = _grads((y.float() * dy.float()).sum(), [weight])
+    want = torch.mm(dy.t(), x, out_dtype=torch.float32)
+    assert dw.dtype == torch.float32 and torch.equal(dw, want)
+
+
 def _model():
     torch.manual_seed(0)
     config = bertfast.BertConfig.preset("tiny")

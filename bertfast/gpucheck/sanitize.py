@@ -9,7 +9,8 @@ checks only that every call finishes with finite results; correctness is the tes
     python -m bertfast.gpucheck.sanitize --backend torch --device cpu   # the CPU dry run
     python -m bertfast.gpucheck.sanitize --case mlm_head_loss --dtype bfloat16  # one failing call alone
 
-``--no-fp32-out-gemms`` (the racecheck step): the MLM loss's weight gradient uses bf16-out GEMMs.
+``--no-fp32-out-gemms`` (the racecheck step): the MLM loss's weight gradient (and any layer's,
+bertfast.residual_linear) uses bf16-out GEMMs.
 In all three GPU runs (H200 twice, H100) racecheck failed inside torch's bf16-in, fp32-out cuBLAS
 GEMM ("The Sanitizer failed to handle a hardware exception", then CUBLAS_STATUS_INTERNAL_ERROR);
 memcheck passes it. Every bertfast kernel of the op still runs and is checked; if racecheck still
@@ -143,9 +144,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "fp32-out one)")
     args = p.parse_args(argv)
     if args.no_fp32_out_gemms:
-        import importlib
-        # the module: bertfast.ops exports the op function under the same name
-        importlib.import_module("bertfast.ops.mlm_head_loss").FP32_OUT_GEMMS = False
+        from bertfast.ops import _common
+        _common.FP32_OUT_GEMMS = False
         print("mlm_head_loss: the weight gradient's GEMMs write the input dtype (--no-fp32-out-gemms)")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("sanitize: --device cuda but torch sees no CUDA device", file=sys.stderr)

@@ -55,6 +55,41 @@ def launch_directly(*tensors: Optional[torch.Tensor]) -> bool:
     return all(t is None or (type(t) in PLAIN_TYPES and not (grad and t.requires_grad)) for t in tensors)
 
 
+# False: GEMMs of low-precision inputs write the input dtype, as on CPU. Only the GPU check's
+# racecheck sets it (compute-sanitizer's racecheck fails inside cuBLAS's bf16-in, fp32-out GEMM:
+# bertfast.gpucheck.sanitize --no-fp32-out-gemms).
+FP32_OUT_GEMMS = True
+_FP32_GEMM_CAPS = {}
+
+
+def fp32_gemm_caps(device: torch.device, dtype: torch.dtype) -> Tuple[bool, bool]:
+    """(addmm accumulates into an fp32 buffer, mm writes an fp32 out=) for low-precision
+    inputs on this device; probed once on tiny tensors. CUDA torch has out_dtype GEMMs
+    (which forms accept an fp32 self differs between versions); CPU torch has neither.
+    """
+    if not FP32_OUT_GEMMS:
+        return False, False
+    key = (device.type, device.index, dtype)
+    if key not in _FP32_GEMM_CAPS:
+        a = torch.ones(16, 8, device=device, dtype=dtype)
+        b = torch.ones(8, 16, device=device, dtype=dtype)
+        can_addmm = can_mm = False
+        try:
+            acc = torch.full((16, 16), 1.0, device=device, dtype=torch.float32)
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            can_addmm = bool((acc == 9.0).all())
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass
+        try:
+            out = torch.empty(16, 16, device=device, dtype=torch.float32)
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+            can_mm = bool((out == 8.0).all())
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass
+        _FP32_GEMM_CAPS[key] = (can_addmm, can_mm)
+    return _FP32_GEMM_CAPS[key]
+
+
 def new_seed(device: torch.device) -> torch.Tensor:
     """A fresh dropout seed, int64 [1] on ``device``.
 

@@ -21,14 +21,14 @@ bertfast.kernels.mlm_head_loss and bertfast.cuda.mlm_head_loss.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
 from bertfast import dispatch
 from bertfast.contract import FLOAT_DTYPES, ID_DTYPES, IGNORE_INDEX, check_tensor, value_checks
-from bertfast.ops._common import distinct, empty, no_zero_grads, register_backends
+from bertfast.ops._common import distinct, empty, fp32_gemm_caps, no_zero_grads, register_backends
 from bertfast.ops.bias_dropout_residual_layernorm import bias_dropout_residual_layernorm
 from bertfast.ops.bias_gelu import bias_gelu
 
@@ -207,41 +207,6 @@ def default_chunk_rows(num_rows: int, vocab_size: int, element_size: int,
     return min(cap, -(-per_chunk // CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE)
 
 
-_FP32_GEMM_CAPS = {}
-# False: the weight gradient's GEMMs write the input dtype, as on CPU. Only the GPU check's
-# racecheck sets it (compute-sanitizer's racecheck fails inside cuBLAS's bf16-in, fp32-out GEMM:
-# bertfast.gpucheck.sanitize --no-fp32-out-gemms).
-FP32_OUT_GEMMS = True
-
-
-def _fp32_gemm_caps(device: torch.device, dtype: torch.dtype) -> Tuple[bool, bool]:
-    """(addmm accumulates into an fp32 buffer, mm writes an fp32 out=) for low-precision
-    inputs on this device; probed once on tiny tensors. CUDA torch has out_dtype GEMMs
-    (which forms accept an fp32 self differs between versions); CPU torch has neither.
-    """
-    if not FP32_OUT_GEMMS:
-        return False, False
-    key = (device.type, device.index, dtype)
-    if key not in _FP32_GEMM_CAPS:
-        a = torch.ones(16, 8, device=device, dtype=dtype)
-        b = torch.ones(8, 16, device=device, dtype=dtype)
-        can_addmm = can_mm = False
-        try:
-            acc = torch.full((16, 16), 1.0, device=device, dtype=torch.float32)
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            can_addmm = bool((acc == 9.0).all())
-        except (RuntimeError, TypeError, NotImplementedError):
-            pass
-        try:
-            out = torch.empty(16, 16, device=device, dtype=torch.float32)
-            torch.mm(a, b, out_dtype=torch.float32, out=out)
-            can_mm = bool((out == 8.0).all())
-        except (RuntimeError, TypeError, NotImplementedError):
-            pass
-        _FP32_GEMM_CAPS[key] = (can_addmm, can_mm)
-    return _FP32_GEMM_CAPS[key]
-
-
 def _accumulate_grad_weight(acc: torch.Tensor, dlogits_t: torch.Tensor, x_c: torch.Tensor,
                             first: bool) -> None:
     """acc [V, H] fp32 = (first) or += dlogits_t [V, rows] @ x_c [rows, H].
@@ -256,7 +221,7 @@ def _accumulate_grad_weight(acc: torch.Tensor, dlogits_t: torch.Tensor, x_c: tor
         else:
             acc.addmm_(dlogits_t, x_c)
         return
-    can_addmm, can_mm = _fp32_gemm_caps(x_c.device, x_c.dtype)
+    can_addmm, can_mm = fp32_gemm_caps(x_c.device, x_c.dtype)
     if first and can_mm:
         torch.mm(dlogits_t, x_c, out_dtype=torch.float32, out=acc)
     elif first:

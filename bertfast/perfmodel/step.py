@@ -10,8 +10,9 @@ BERT recipe's masked positions) is the sum of:
   and the embeddings, as predicted;
 - memory-bound work the kernels do not cover, at the achievable bandwidth: the MLM loss over the
   vocabulary at the masked rows, AdamW (28 bytes per parameter), autocast's weight casts (a bf16
-  copy of each fp32 weight in the forward, the fp32 gradient from the bf16 one: 12 bytes per
-  parameter), the QKV weights' casts concatenated in every forward, the QKV bias gradient (a column
+  copy of each fp32 weight in the forward, 6 bytes per parameter; the weight gradients come fp32
+  from their GEMMs, bertfast.residual_linear, but the pooler's and NSP head's, cast from bf16 at
+  6 more), the QKV weights' casts concatenated in every forward, the QKV bias gradient (a column
   sum) and the residual gradients the input-gradient GEMMs read (bertfast.residual_linear: each
   layer's two residual-gradient additions happen in the GEMMs, addmm with beta = 1);
 - launch gaps: the step's kernels back to back on the device (as a CUDA graph replays them).
@@ -34,9 +35,9 @@ from bertfast.perfmodel.hardware import Gpu
 LAYERS = {"bert-base": 12, "bert-large": 24}
 VOCAB, POSITIONS, TYPES = 30522, 512, 2
 # forward ~14 (4 GEMMs, the QKV concat, 4 weight casts, attention and its outside-rows pass, 3 row ops),
-# backward ~22 (GEMMs, casts, the attention's kernels, row ops and their column sums; the residual
-# gradients are summed in the GEMMs, bertfast.residual_linear)
-KERNELS_PER_LAYER = 36
+# backward ~18 (GEMMs, the attention's kernels, row ops and their column sums; the weight gradients
+# come fp32 from the GEMMs and the residual gradients are summed in them, bertfast.residual_linear)
+KERNELS_PER_LAYER = 32
 MASKED_PER_SEQUENCE = {128: 20, 512: 80}  # the BERT recipe's max_predictions_per_seq
 
 
@@ -110,6 +111,7 @@ def budget(results, case: StepCase, gpu: Gpu) -> Dict[str, object]:
     tokens = s.tokens
     masked = s.batch * MASKED_PER_SEQUENCE.get(s.seq, math.ceil(0.15 * s.seq))
     params = parameters(hidden, ffn, layers)
+    cast_grads = hidden * hidden + hidden + 2 * hidden + 2  # through F.linear under autocast: bf16, then cast
     flops, attention_flops = model_flops(s)
     bw = gpu.achievable_hbm_bytes_per_s
     attention = sum(_predicted(results, s, k) for k in ("_attention_fwd_kernel", "_attention_bwd_delta_kernel",
@@ -128,7 +130,9 @@ def budget(results, case: StepCase, gpu: Gpu) -> Dict[str, object]:
         ("clipping", 8.0 * params / bw, "the gradient norm (fp32 gradients read), and fused AdamW writing back "
                                          "the gradients it clipped as it read them: 8 B a parameter (pretrain clips "
                                          "at 1.0 by default)"),
-        ("weight casts", 12.0 * params / bw, "bf16 copies of the fp32 weights, fp32 gradients from bf16: 12 B each"),
+        ("weight casts", (6.0 * params + 6.0 * cast_grads) / bw,
+         "bf16 copies of the fp32 weights every forward (6 B each); the gradients come fp32 from their GEMMs "
+         f"(bertfast.residual_linear) and kernels, but {cast_grads / 1e6:.1f}M (the pooler's, NSP's) cast from bf16"),
         ("QKV concat", layers * 3 * hidden * hidden * 4.0 / bw,
          "the three QKV weights' bf16 casts copied into one every forward"),
         ("QKV bias grad", layers * tokens * 3 * hidden * 2.0 / bw, "a column sum of the QKV gradient, every layer"),
