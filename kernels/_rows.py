@@ -152,14 +152,16 @@ def row_tile_configs(max_rows: int = 64):
             for w in (2, 4, 8, 16)]
 
 
-def row_config_pruner(per_thread: Tuple[int, ...]):
+def row_config_pruner(per_thread: Tuple[int, ...], max_warps: int = 16):
     """early_config_prune for row kernels: tiles of >= 1K elements (several rows per program for
     small H) and no more rows than the problem has, giving each thread ``per_thread`` elements, in
     that order of preference (fewer rows first). Elements per thread set the register footprint:
     the compile report (sm_90, triton 3.6 and 3.9) finds spills at 16 per thread in the backward
     kernels (three fp32 accumulators and a prefetched tile) and in some forward variants, none
     at 4 or 8. When no tile gives an allowed count (H = 8192 needs 16 at 16 warps), the tiles
-    with the fewest elements per thread remain."""
+    with the fewest elements per thread remain. Of the tiles giving an allowed count, those of
+    more than ``max_warps`` warps are left out while others remain (16 warps cap a thread at 128
+    registers)."""
     def prune(configs, named_args, **kwargs):
         block_h = kwargs["BLOCK_H"]
         rows_cap = max(1, named_args.get("n_bucket", 1 << 16))
@@ -170,6 +172,7 @@ def row_config_pruner(per_thread: Tuple[int, ...]):
                 if per(c) >= 4 and c.kwargs["BLOCK_M"] <= rows_cap
                 and (c.kwargs["BLOCK_M"] * block_h >= 1024 or c.kwargs["BLOCK_M"] >= rows_cap)]
         kept = [c for c in fits if per(c) in per_thread]
+        kept = [c for c in kept if c.num_warps <= max_warps] or kept
         if not kept and fits:
             fewest = min(per(c) for c in fits)
             kept = [c for c in fits if per(c) == fewest]

@@ -763,9 +763,9 @@ def _attention_outside_rows_kernel(
 # Autotune candidates, (BLOCK_M = queries, BLOCK_N = keys, num_warps, num_stages), per kernel, per
 # operand class (fp32 runs IEEE dots on the CUDA cores: small tiles) and head-dim tile BLOCK_D (32
 # stands for <= 32); dK/dV's add its orientation (_Q: QUERY_MAJOR, _K: keys-major, _bwd_kv_block).
-# Every entry compiles without register spills for sm_90 with triton 3.9 (3.6 not rechecked since
-# the dropout mask of 2026-11-26), dropout on and off, varlen and padded, at the tile's own head dim
-# and at one it pads (26, 80: the column masks cost registers) (make compile-report); the first
+# Every entry compiles without register spills for sm_90 with triton 3.9 and 3.6 (the GPU machine's),
+# dropout on and off, varlen and padded, at the tile's own head dim and at one it pads (26, 80: the
+# column masks cost registers) (make compile-report, benchmarks/compile-report/); the first
 # entry is the default (BERTFAST_AUTOTUNE=0). Tiles longer than the sequences need are pruned per
 # call. The 16-bit dQ lists fit its second accumulator (sum_j P_ij k_j, header): (64, 128, 8, 3)
 # at 64, (128, 32, 8, 3) and (64, 32, 4, 4) at 128 and (64, 16, 8, 2) at 256 spill with it.
@@ -776,16 +776,19 @@ def _attention_outside_rows_kernel(
 # cost registers where dropout is on: query-major dK/dV (64, 64, 4, 2), the 16-bit 64 default, spills
 # by 12-16 bytes and (128, 64, 8, 2) leads that list instead; the forward at a padded head dim 26
 # spills in (64, 64, 4, 3) and (128, 32, 4, 4), the fp32 forward at 256 in (32, 16, 8, 1) and the
-# fp32 dQ at 64 in (32, 16, 4, 2): they left the lists.
+# fp32 dQ at 64 in (32, 16, 4, 2): they left the lists. Triton 3.6 spills by 8-20 bytes where 3.9
+# does not in the 16-bit forward at 128 (64, 64, 4, 3), gone, and at 4 warps in three fp32 entries:
+# the forward's (16, 32, 4, 2) at <= 32 and (16, 16, 4, 2) at 128, and dQ's (32, 16, 4, 2) at <= 32,
+# which run at 8 warps instead.
 _Q, _K = True, False
 _CANDIDATES = {
     "fwd": {
         (False, 32): [(128, 64, 8, 3), (64, 32, 4, 4)],
         (False, 64): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 4), (64, 32, 4, 4)],
-        (False, 128): [(128, 64, 8, 3), (64, 32, 4, 4), (64, 64, 4, 3)],
-        (True, 32): [(16, 32, 4, 2), (16, 16, 4, 2)],
+        (False, 128): [(128, 64, 8, 3), (64, 32, 4, 4)],
+        (True, 32): [(16, 32, 8, 2), (16, 16, 4, 2)],
         (True, 64): [(32, 32, 8, 2), (32, 16, 8, 2), (16, 16, 4, 2)],
-        (True, 128): [(16, 16, 4, 2)],
+        (True, 128): [(16, 16, 8, 2)],
         (False, 256): [(64, 32, 8, 2), (32, 32, 4, 2), (64, 32, 8, 1)],
         (True, 256): [(16, 16, 4, 1)],
     },
@@ -806,7 +809,7 @@ _CANDIDATES = {
         (False, 32): [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 8, 3)],
         (False, 64): [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 8, 3)],
         (False, 128): [(128, 16, 8, 3), (64, 32, 8, 3), (64, 16, 4, 4)],
-        (True, 32): [(32, 16, 4, 2), (16, 16, 4, 2)],
+        (True, 32): [(32, 16, 8, 2), (16, 16, 4, 2)],
         (True, 64): [(32, 16, 8, 2), (16, 16, 4, 2)],
         (True, 128): [(16, 16, 8, 2)],
         (False, 256): [(16, 32, 8, 2), (32, 32, 8, 1), (32, 16, 8, 2)],
