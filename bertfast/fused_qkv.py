@@ -15,7 +15,8 @@ So with nothing to differentiate (inference), three GEMMs write their columns of
 (addmm with out=, which takes a strided output as it is): no weight is copied and the result is
 the packed qkv. Under autocast or torch.compile, where out= does not apply, the weights are
 concatenated and one GEMM runs. What is differentiated takes bertfast.residual_linear instead
-(one concatenated GEMM too, whose backward also sums the residual's gradient).
+(one GEMM too, each weight cast into its rows of one buffer; its backward also sums the residual's
+gradient).
 """
 from __future__ import annotations
 

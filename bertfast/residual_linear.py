@@ -13,13 +13,13 @@ and forms dx with one addmm (beta = 1): the GEMM reads the residual's gradient i
 Autocast is honoured as F.linear would be (floating inputs cast to the autocast dtype, the
 weights' casts made once and saved for the backward, as autocast's own cast would be); the
 backward runs in the dtypes the forward saved. Parameter gradients come back in each parameter's
-dtype; the bias gradient is summed in fp32. The weight gradient of fp32 weights under bf16 or fp16
-autocast comes from an fp32-out GEMM where the device has one (CUDA: cuBLAS accumulates in fp32
-anyway), not rounded to bf16 and then cast back by autograd in a pass of its own (6 bytes a
-parameter; on the H100 that cast ran at half the copy bandwidth). Several weights (the query, key
-and value) are concatenated into one GEMM, as ``fused_qkv`` does under autograd. ``dense`` is the
-same node for a GEMM whose input is no residual (the attention's and the FFN's output
-projections), for its weight gradient.
+dtype; the bias gradient is summed in fp32. Several weights (the query, key and value) run as one
+GEMM, each cast into its rows of one buffer (no concatenation after the casts). The weight
+gradient of fp32 weights under bf16 or fp16 autocast comes from an fp32-out GEMM where the device
+has one (CUDA: cuBLAS accumulates in fp32 anyway), not rounded to bf16 and then cast back by
+autograd in a pass of its own (6 bytes a parameter; on the H100 that cast ran at half the copy
+bandwidth). ``dense`` is the same node for a GEMM whose input is no residual (the attention's and
+the FFN's output projections), for its weight gradient.
 
 Only for what is differentiated: with no gradient to record there is nothing to fold, and
 ``fused_qkv`` writes the QKV columns without concatenating weights.
@@ -47,9 +47,27 @@ def _compute_dtype(x: Tensor) -> Optional[torch.dtype]:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
-def _cast(t: Tensor, dtype: Optional[torch.dtype]) -> Tensor:
+def _cast_dtype(t: Tensor, dtype: Optional[torch.dtype]) -> torch.dtype:
     # autocast casts floating tensors but fp64
-    return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+    return dtype if dtype is not None and t.is_floating_point() and t.dtype != torch.float64 else t.dtype
+
+
+def _cast(t: Tensor, dtype: Optional[torch.dtype]) -> Tensor:
+    return t.to(_cast_dtype(t, dtype))
+
+
+def _cast_cat(parts: Sequence[Tensor], dtype: Optional[torch.dtype]) -> Tensor:
+    """The parts concatenated along dim 0, each cast as autocast would: one part cast alone, several
+    cast straight into their rows of one buffer (no cast copies concatenated in a pass of their own)."""
+    if len(parts) == 1:
+        return _cast(parts[0], dtype)
+    dtypes = {_cast_dtype(p, dtype) for p in parts}
+    if len(dtypes) != 1:
+        return torch.cat([_cast(p, dtype) for p in parts])
+    out = parts[0].new_empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=dtypes.pop())
+    for part, rows in zip(parts, out.split([p.shape[0] for p in parts])):
+        rows.copy_(part)
+    return out
 
 
 def _weight_grad(dy: Tensor, x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -75,12 +93,8 @@ class _LinearKeepingInput(torch.autograd.Function):
     def forward(ctx, x: Tensor, count: int, has_bias: bool, *params: Tensor) -> Tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)
         dtype = _compute_dtype(x)
-        weights = [_cast(w, dtype) for w in params[:count]]
-        weight = weights[0] if count == 1 else torch.cat(weights)
-        bias = None
-        if has_bias:
-            biases = [_cast(b, dtype) for b in params[count:]]
-            bias = biases[0] if count == 1 else torch.cat(biases)
+        weight = _cast_cat(params[:count], dtype)
+        bias = _cast_cat(params[count:], dtype) if has_bias else None
         xc = _cast(x, dtype)
         with torch.autocast(x.device.type, enabled=False):
             y = F.linear(xc, weight, bias)

@@ -69,6 +69,18 @@ def test_bf16_autocast_computes_in_bf16_and_returns_parameter_dtype_gradients():
         torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
 
 
+def test_several_weights_are_cast_into_one_buffer_not_concatenated():
+    """Under autocast the query, key and value weights (and biases) are each cast into their rows of
+    one buffer: no cat of cast copies."""
+    x, weights, biases = _inputs(3, True)
+    with _AtenLog() as log, torch.autocast("cpu", dtype=torch.bfloat16):
+        y, _ = residual_linear.linear(x.to(torch.bfloat16), weights, biases)
+    funcs = [f for f, _ in log.calls]
+    assert torch.ops.aten.cat.default not in funcs
+    assert sum(1 for f in funcs if f == torch.ops.aten.copy_.default) == 6
+    torch.testing.assert_close(y.float(), F.linear(x, torch.cat(weights), torch.cat(biases)), rtol=3e-2, atol=3e-2)
+
+
 def test_an_fp32_input_under_autocast_gets_an_fp32_gradient():
     x, weights, _ = _inputs(1, False)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -10,9 +10,9 @@ BERT recipe's masked positions) is the sum of:
   and the embeddings, as predicted;
 - memory-bound work the kernels do not cover, at the achievable bandwidth: the MLM loss over the
   vocabulary at the masked rows, AdamW (28 bytes per parameter), autocast's weight casts (a bf16
-  copy of each fp32 weight in the forward, 6 bytes per parameter; the weight gradients come fp32
-  from their GEMMs, bertfast.residual_linear, but the pooler's and NSP head's, cast from bf16 at
-  6 more), the QKV weights' casts concatenated in every forward, the QKV bias gradient (a column
+  copy of each fp32 weight in the forward, 6 bytes per parameter, the query's, key's and value's
+  into one buffer; the weight gradients come fp32 from their GEMMs but the pooler's and NSP
+  head's, cast from bf16 at 6 more: bertfast.residual_linear), the QKV bias gradient (a column
   sum) and the residual gradients the input-gradient GEMMs read (bertfast.residual_linear: each
   layer's two residual-gradient additions happen in the GEMMs, addmm with beta = 1);
 - launch gaps: the step's kernels back to back on the device (as a CUDA graph replays them).
@@ -34,7 +34,8 @@ from bertfast.perfmodel.hardware import Gpu
 
 LAYERS = {"bert-base": 12, "bert-large": 24}
 VOCAB, POSITIONS, TYPES = 30522, 512, 2
-# forward ~14 (4 GEMMs, the QKV concat, 4 weight casts, attention and its outside-rows pass, 3 row ops),
+# forward ~14 (4 GEMMs, the weights' casts, the QKV's into one buffer, attention and its outside-rows
+# pass, 3 row ops),
 # backward ~18 (GEMMs, the attention's kernels, row ops and their column sums; the weight gradients
 # come fp32 from the GEMMs and the residual gradients are summed in them, bertfast.residual_linear)
 KERNELS_PER_LAYER = 32
@@ -96,9 +97,9 @@ ROW_KERNELS = (("_bias_gelu_fwd_kernel", ""), ("_bias_gelu_bwd_kernel", ""),
                                              "_bias_dropout_residual_layernorm_bwd_kernel")])
 EMBEDDING_KERNELS = ("_embeddings_fwd_kernel", "_embeddings_bwd_kernel")
 # Line items that are not the model's work: fused away, they cost nothing.
-REMOVABLE = ("weight casts", "QKV concat", "QKV bias grad", "residual grads")
+REMOVABLE = ("weight casts", "QKV bias grad", "residual grads")
 CEILING = ("every row op and the embeddings moving their bytes at the achievable bandwidth, and no weight "
-           "casts, QKV concatenation, separate QKV bias gradient or residual-gradient reads; GEMMs, attention, "
+           "casts, separate QKV bias gradient or residual-gradient reads; GEMMs, attention, "
            "loss, optimizer and launch gaps as predicted")
 
 
@@ -133,8 +134,6 @@ def budget(results, case: StepCase, gpu: Gpu) -> Dict[str, object]:
         ("weight casts", (6.0 * params + 6.0 * cast_grads) / bw,
          "bf16 copies of the fp32 weights every forward (6 B each); the gradients come fp32 from their GEMMs "
          f"(bertfast.residual_linear) and kernels, but {cast_grads / 1e6:.1f}M (the pooler's, NSP's) cast from bf16"),
-        ("QKV concat", layers * 3 * hidden * hidden * 4.0 / bw,
-         "the three QKV weights' bf16 casts copied into one every forward"),
         ("QKV bias grad", layers * tokens * 3 * hidden * 2.0 / bw, "a column sum of the QKV gradient, every layer"),
         ("residual grads", layers * tokens * 2 * hidden * 2.0 / bw,
          "each layer's two residual gradients, read by the QKV and FFN-input GEMMs that sum them (addmm, "
