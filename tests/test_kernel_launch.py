@@ -75,3 +75,16 @@ def test_candidates_per_tuning_key_are_bounded_at_bert_shapes(monkeypatch):
     for launch in launches:
         assert 1 <= len(launch.configs) <= _common.MAX_CANDIDATES, (launch.fn.__name__, launch.case,
                                                                       [str(c) for c in launch.configs])
+
+
+def test_row_tile_pruner_prefers_tiles_of_few_warps_where_they_give_the_allowed_count():
+    """The LayerNorm backward's pruner (max_warps=8): at H = 1024 its 16-warp tile leaves (two prefetched
+    fp32 tiles spill there with triton 3.6); at H = 8192 only 16 warps give 16 per thread, so it stays."""
+    from bertfast.kernels._rows import BWD_PER_THREAD, MAX_ROWS_PER_TILE, row_config_pruner, row_tile_configs
+    configs = row_tile_configs(MAX_ROWS_PER_TILE)
+
+    def shapes(pruner, block_h):
+        return [(c.kwargs["BLOCK_M"], c.num_warps) for c in pruner(configs, {"n_bucket": 1 << 14}, BLOCK_H=block_h)]
+    assert shapes(row_config_pruner(BWD_PER_THREAD), 1024) == [(1, 4), (2, 8), (4, 16)]
+    assert shapes(row_config_pruner(BWD_PER_THREAD, max_warps=8), 1024) == [(1, 4), (2, 8)]
+    assert shapes(row_config_pruner(BWD_PER_THREAD, max_warps=8), 8192) == [(1, 16)]

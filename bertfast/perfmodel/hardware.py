@@ -59,9 +59,9 @@ class Gpu:
     # since (report.fit_overlap).
     overlap: float = 0.25
     # Where memory binds a kernel without tensor-core work (the row kernels): fitted with
-    # memory_latency_s to the same H100 run (report.fit_memory_constants). Its
-    # bias+GELU forward and LayerNorm forward moved their bytes at the copy bandwidth (99% and 102%),
-    # their instructions hidden under their loads; the former 0.25 had predicted 14-20% more time.
+    # memory_latency_s to the same H100 run (report.fit_memory_constants). Its bias+GELU forward and
+    # LayerNorm forward moved their bytes at the copy bandwidth (99% and 102%), their instructions
+    # hidden under their loads; the former 0.25 had predicted 14-20% more time.
     memory_overlap: float = 0.0
 
 

@@ -28,8 +28,8 @@ other two, each part divided by the wave efficiency except the memory part of a 
 are all resident at once (HBM bandwidth is shared by the whole GPU: an SM with one program fewer does
 not slow the others' reads). ``overlap`` (hardware.Gpu) says how imperfectly the units overlap, 0
 being perfect: ``memory_overlap`` where memory binds a kernel without tensor-core work (a row
-kernel's arithmetic hides under its loads), ``overlap`` elsewhere (the attention, whatever binds it). These are estimates for planning,
-never measurements.
+kernel's arithmetic hides under its loads), ``overlap`` elsewhere (the attention, whatever binds
+it). These are estimates for planning, never measurements.
 """
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ class Prediction:
         return {"kernel": self.kernel, "loop": self.loop, "per_element": self.per_element, "bounds_s": self.bounds_s,
                 "parts_s": self.parts_s,
                 "binding": self.binding, "resident_per_sm": self.resident, "wave_efficiency": self.wave_efficiency,
-                "single_wave": self.single_wave, "predicted_s": self.predicted_s, "tensor_flops": self.tensor_flops, "notes": self.notes}
+                "single_wave": self.single_wave, "predicted_s": self.predicted_s, "tensor_flops": self.tensor_flops,
+                "notes": self.notes}
 
 
 def resident_per_sm(work: Work, gpu: Gpu = H100) -> int:
