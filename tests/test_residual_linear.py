@@ -151,7 +151,7 @@ def test_fp32_weights_get_their_gradient_from_an_fp32_out_gemm_where_the_device_
     assert len(calls) == 2
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_on_a_gpu_the_weight_gradient_is_cublas_fp32_out_gemm():
     from bertfast.ops._common import fp32_gemm_caps
     if not fp32_gemm_caps(torch.device("cuda"), torch.bfloat16)[1]:
