@@ -191,10 +191,10 @@ def _bias_dropout_residual_layernorm_bwd_kernel(
 # --------------------------------------------------------------------------- launch configs
 # The backward's row groups (_rows.row_groups): programs per SM. Each keeps BWD_TILES_AHEAD tiles of
 # loads in flight, so the loads in flight per SM grow with the programs (at 120-128 registers a
-# thread an SM holds four programs of 4 warps). Four, two tiles ahead each, keep the perf model's latency bound (1.9 us, fitted to
-# the H100) under the bandwidth bound at BERT-large's 16K rows, for 3 x [G, H] fp32 partials of 6.3 MB
-# (docs/perf-model.md); four one tile ahead read at 76% of the copy bandwidth on the H100, two per SM
-# at half the bandwidth on the H200.
+# thread an SM holds four programs of 4 warps). Four, two tiles ahead each, keep the perf model's
+# latency bound (1.9 us, fitted to the H100) under the bandwidth bound at BERT-large's 16K rows, for
+# 3 x [G, H] fp32 partials of 6.3 MB (docs/perf-model.md); four one tile ahead read at 76% of the
+# copy bandwidth on the H100, two per SM at half the bandwidth on the H200.
 BWD_PROGRAMS_PER_SM = 4
 BWD_TILES_AHEAD = 2  # the kernel's prefetch depth (what the perf model reads)
 # Keys: H, the size class of N and every constexpr flag (dtypes are added by the autotuner).

@@ -186,18 +186,30 @@ def predict(function: Function, work: Work, gpu: Gpu = H100) -> Prediction:
     return prediction
 
 
-def retime(prediction: Prediction, overlap: float, memory_overlap: float, latency_factor: float = 1.0) -> float:
-    """The prediction's time under other constants (what calibration fits): the two overlaps, and
-    the memory latency scaled by ``latency_factor`` (the latency bound is linear in it)."""
+def _waved_parts(prediction: Prediction, latency_factor: float) -> Tuple[Dict[str, float], str]:
+    """(tensor, compute and memory parts after the waves, the largest's name), the memory latency
+    scaled by ``latency_factor`` (the latency bound is linear in it)."""
     b, efficiency = prediction.bounds_s, prediction.wave_efficiency
     memory = max(b["memory"], b["latency"] * latency_factor)
     parts = {"tensor": b["tensor"] / efficiency, "compute": max(b["issue"], b["pipe"]) / efficiency,
              "memory": memory if prediction.single_wave else memory / efficiency}
-    top = max(parts, key=parts.get)
-    streaming = top == "memory" and b["tensor"] == 0
-    return parts[top] + (memory_overlap if streaming else overlap) * (sum(parts.values()) - parts[top])
+    return parts, max(parts, key=parts.get)
+
+
+def streaming(prediction: Prediction, latency_factor: float = 1.0) -> bool:
+    """Whether ``memory_overlap`` prices the kernel: memory binds it and it has no tensor-core work."""
+    return _waved_parts(prediction, latency_factor)[1] == "memory" and prediction.bounds_s["tensor"] == 0
+
+
+def retime(prediction: Prediction, overlap: float, memory_overlap: float, latency_factor: float = 1.0) -> float:
+    """The prediction's time under other constants (what calibration fits): the two overlaps, and
+    the memory latency scaled by ``latency_factor``."""
+    parts, top = _waved_parts(prediction, latency_factor)
+    chosen = memory_overlap if streaming(prediction, latency_factor) else overlap
+    return parts[top] + chosen * (sum(parts.values()) - parts[top])
 
 
 def time_with_overlap(prediction: Prediction, overlap: float) -> float:
-    """The prediction's time with one overlap constant for every binding (the tests' hand checks)."""
+    """The prediction's time with one overlap constant whatever binds it (report.fit_overlap, for the
+    kernels memory_overlap does not price)."""
     return retime(prediction, overlap, overlap)

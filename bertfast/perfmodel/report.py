@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from bertfast.perfmodel import kernels as K
 from bertfast.perfmodel import step as S
 from bertfast.perfmodel.hardware import H100, Gpu, gpu_named
-from bertfast.perfmodel.model import Prediction, predict, retime
+from bertfast.perfmodel.model import Prediction, predict, retime, streaming, time_with_overlap
 
 # The training shapes the targets are stated at (benchmarks/README.md): BERT-large, 16,384 tokens,
 # bf16 activations, fp32 parameters, dropout 0.1, and without dropout for the dropout's cost.
@@ -254,8 +254,10 @@ def changed_since(profile_path: str, sources: Sequence[str], repo: str = REPO) -
     return bool(since.strip() or local.strip())
 
 
+@functools.lru_cache(maxsize=None)
 def run_results(run_dir: str) -> Dict[str, object]:
-    """A committed run's results.json ({} when it has none or cannot be read)."""
+    """A committed run's results.json ({} when it has none or cannot be read), read once (its GPU's
+    copy bandwidth and the profiled step's tokens come from it)."""
     try:
         with open(os.path.join(run_dir, "results.json"), encoding="utf-8") as f:
             return json.load(f)
@@ -306,12 +308,7 @@ def compare(results: Sequence[KernelResult], profile: Profile) -> List[Dict[str,
     return rows
 
 
-def memory_bound(prediction: Prediction) -> bool:
-    """Whether ``memory_overlap`` prices the kernel: memory binds it and it has no tensor-core work."""
-    return prediction.binding in ("memory", "latency") and prediction.bounds_s["tensor"] == 0
-
-
-def fit_overlap(rows: Sequence[Dict[str, object]], memory_overlap: float = 0.0) -> Optional[float]:
+def fit_overlap(rows: Sequence[Dict[str, object]]) -> Optional[float]:
     """The overlap constant of the kernels ``memory_overlap`` does not price, best fitting their measured
     times, relative errors weighted alike (least squares on time / measured: each predicted time is
     linear in the constant), and never below 0 (perfect overlap): a kernel that runs faster than its
@@ -320,10 +317,10 @@ def fit_overlap(rows: Sequence[Dict[str, object]], memory_overlap: float = 0.0) 
     None when no row is left."""
     num = den = 0.0
     for row in rows:
-        if row.get("changed_since_run") or memory_bound(row["prediction"]):
+        if row.get("changed_since_run") or streaming(row["prediction"]):
             continue
-        base = retime(row["prediction"], 0.0, memory_overlap) / row["measured_s"]
-        slope = retime(row["prediction"], 1.0, memory_overlap) / row["measured_s"] - base
+        base = time_with_overlap(row["prediction"], 0.0) / row["measured_s"]
+        slope = time_with_overlap(row["prediction"], 1.0) / row["measured_s"] - base
         num += slope * (1.0 - base)
         den += slope * slope
     return max(0.0, num / den) if den else None
@@ -339,7 +336,7 @@ def fit_memory_constants(rows: Sequence[Dict[str, object]], gpu: Gpu = H100) -> 
     since the run (least squares on time / measured over a grid; the overlap never below 0). The
     latency is only fitted when some kernel's time depends on it (a latency-bound one): otherwise,
     and for a constant no row decides, None. Of equally good latencies the one nearest ``gpu``'s wins."""
-    kept = [r for r in rows if not r.get("changed_since_run") and memory_bound(r["prediction"])]
+    kept = [r for r in rows if not r.get("changed_since_run") and streaming(r["prediction"])]
     if not kept:
         return {"memory_overlap": None, "memory_latency_s": None}
 
@@ -425,7 +422,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         measured_gpu = run_gpu(profile)
         measured_results = analyse([profile.setting], measured_gpu, log=lambda m: None)
         rows = compare(measured_results, profile)
-        fitted = fit_overlap(rows, measured_gpu.memory_overlap)
+        fitted = fit_overlap(rows)
         fitted_memory = fit_memory_constants(rows, measured_gpu)
         refit = (fitted if fitted is not None else measured_gpu.overlap,
                  fitted_memory["memory_overlap"] if fitted_memory["memory_overlap"] is not None
