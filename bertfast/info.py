@@ -70,7 +70,8 @@ def report() -> str:
         lines.append(f"triton: unavailable: {why}")
     ok, why = dispatch.cuda_ext_availability()
     lines.append(f"CUDA extension bertfast._C: {'built and importable' if ok else 'unavailable: ' + why}")
-    from bertfast.training.optim import lamb_summary
+    from bertfast.training.optim import adamw_summary, lamb_summary
+    lines.append(adamw_summary())
     lines.append(lamb_summary())
     devices = [torch.device("cpu")]
     if torch.cuda.is_available():

@@ -193,9 +193,13 @@ class Pretrainer:
         # The triton one (CUDA) keeps its step counts on the device, as fused AdamW does:
         # --cuda-graphs captures it, and --on-nonfinite skip skips with no host read.
         lamb = lamb_implementation(None, list(self.model.parameters())) if args.optimizer == "lamb" else None
+        # AdamW is the triton one where it can run (fp32 CUDA parameters): it writes the bf16 (fp16)
+        # working copies of the GEMM weights that the forward then reads instead of casting them.
+        working = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision) if args.optimizer == "adamw" \
+            else None
         self.optimizer = build_optimizer(self.model, args.optimizer, args.lr, args.weight_decay,
                                          (args.beta1, args.beta2), args.adam_eps, implementation=lamb,
-                                         capturable=lamb == "triton")
+                                         capturable=lamb == "triton", working_dtype=working)
         self.total_steps = sum(ph.steps for ph in self.phases)
         schedule = warmup_linear_decay(self.optimizer, args.warmup_steps, self.total_steps)
         if args.cuda_graphs:

@@ -18,8 +18,10 @@ GEMM, each cast into its rows of one buffer (no concatenation after the casts). 
 gradient of fp32 weights under bf16 or fp16 autocast comes from an fp32-out GEMM where the device
 has one (CUDA: cuBLAS accumulates in fp32 anyway), not rounded to bf16 and then cast back by
 autograd in a pass of its own (6 bytes a parameter; on the H100 that cast ran at half the copy
-bandwidth). ``dense`` is the same node for a GEMM whose input is no residual (the attention's and
-the FFN's output projections), for its weight gradient.
+bandwidth). Where the optimizer keeps bf16 working copies of the weights
+(bertfast.working_weights), the forward reads them instead of casting. ``dense`` is the same node
+for a GEMM whose input is no residual (the attention's and the FFN's output projections), for its
+weight gradient.
 
 Only for what is differentiated: with no gradient to record there is nothing to fold, and
 ``fused_qkv`` writes the QKV columns without concatenating weights.
@@ -31,6 +33,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from bertfast import working_weights
 from bertfast.ops._common import PLAIN_TYPES, fp32_gemm_caps
 
 Tensor = torch.Tensor
@@ -70,6 +73,13 @@ def _cast_cat(parts: Sequence[Tensor], dtype: Optional[torch.dtype]) -> Tensor:
     return out
 
 
+def _cast_or_copy(parts: Sequence[Tensor], dtype: Optional[torch.dtype]) -> Tensor:
+    """The parts concatenated and cast as autocast would: their working copy where the optimizer
+    keeps a fresh one (bertfast.working_weights), else ``_cast_cat``."""
+    copy = working_weights.lookup(parts, dtype)
+    return copy if copy is not None else _cast_cat(parts, dtype)
+
+
 def _weight_grad(dy: Tensor, x: Tensor, dtype: torch.dtype) -> Tensor:
     """dy^T @ x for a weight of ``dtype``: written in fp32 by the GEMM when the weight is fp32 and
     dy of lower precision on a device with fp32-out GEMMs (on plain tensors only, not while
@@ -93,8 +103,8 @@ class _LinearKeepingInput(torch.autograd.Function):
     def forward(ctx, x: Tensor, count: int, has_bias: bool, *params: Tensor) -> Tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)
         dtype = _compute_dtype(x)
-        weight = _cast_cat(params[:count], dtype)
-        bias = _cast_cat(params[count:], dtype) if has_bias else None
+        weight = _cast_or_copy(params[:count], dtype)
+        bias = _cast_or_copy(params[count:], dtype) if has_bias else None
         xc = _cast(x, dtype)
         with torch.autocast(x.device.type, enabled=False):
             y = F.linear(xc, weight, bias)

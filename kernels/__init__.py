@@ -2,6 +2,6 @@
 
 Each file holds the math of its op (forward and backward) in a header comment, the
 ``@triton.jit`` kernels, and launchers that validate, allocate and launch. Launchers take
-and return plain tensors; autograd and dispatch live in ``bertfast.ops``. ``lamb.py`` is the
-LAMB optimizer's step, outside dispatch (``bertfast.training.optim`` chooses it).
+and return plain tensors; autograd and dispatch live in ``bertfast.ops``. ``lamb.py`` and
+``adamw.py`` are the optimizers' steps, outside dispatch (``bertfast.training.optim`` chooses them).
 """

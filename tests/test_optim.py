@@ -316,7 +316,8 @@ def test_capturable_and_found_inf_are_refused_where_they_cannot_work():
 # --------------------------------------------------------------------------- choosing the implementation
 def _fake_params(device_type, **extra):
     """Stand-ins with the attributes the choice reads (device, dtype): CUDA without a GPU."""
-    return [types.SimpleNamespace(device=torch.device(device_type), dtype=torch.float32, **extra)]
+    return [types.SimpleNamespace(device=torch.device(device_type), dtype=torch.float32,
+                                  is_floating_point=lambda: True, **extra)]
 
 
 def test_default_and_forced_implementations(monkeypatch):
@@ -394,18 +395,25 @@ def test_build_optimizer_wires_both_optimizers(monkeypatch):
     assert optim.build_optimizer(model, "lamb", 1e-3).implementation == "foreach"
     with pytest.raises(ValueError, match="fused= chooses AdamW's kernel"):
         optim.build_optimizer(model, "lamb", 1e-3, fused=True)
-    with pytest.raises(ValueError, match="implementation= and capturable= are LAMB's"):
-        optim.build_optimizer(model, "adamw", 1e-3, implementation="triton")
-    with pytest.raises(ValueError, match="implementation= and capturable= are LAMB's"):
+    with pytest.raises(ValueError, match="capturable= is LAMB's"):
         optim.build_optimizer(model, "adamw", 1e-3, capturable=True)
+    with pytest.raises(ValueError, match="AdamW takes fused= or implementation=, not both"):
+        optim.build_optimizer(model, "adamw", 1e-3, fused=True, implementation="triton")
+    with pytest.raises(ValueError, match="working_dtype= is the triton AdamW's"):
+        optim.build_optimizer(model, "lamb", 1e-3, working_dtype=torch.bfloat16)
 
 
 # --------------------------------------------------------------------------- AdamW
-def test_adamw_is_fused_where_torch_has_it_and_foreach_otherwise():
+def test_adamw_is_triton_on_cuda_fused_where_torch_has_it_and_foreach_otherwise(monkeypatch):
+    monkeypatch.delenv(optim.ADAMW_ENV, raising=False)
     model = torch.nn.Linear(4, 3).to(DEVICE)
     auto = optim.build_optimizer(model, "adamw", 1e-3)
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-    assert auto.defaults["fused"] == (DEVICE.type in _get_fused_kernels_supported_devices())
+    if GPU and optim.triton_adamw_availability()[0]:
+        assert isinstance(auto, optim.AdamW) and auto.implementation == "triton"
+    else:
+        assert type(auto) is torch.optim.AdamW
+        assert auto.defaults["fused"] == (DEVICE.type in _get_fused_kernels_supported_devices())
     forced = optim.build_optimizer(model, "adamw", 1e-3, fused=False)
     assert not forced.defaults["fused"] and forced.defaults["foreach"]
 
@@ -428,20 +436,25 @@ def test_adamw_matches_torchs_for_loop(fused):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("implementation", ["fused", "triton"])
 @pytest.mark.parametrize("max_norm", [0.05, 0.0], ids=["clipping", "no-clipping"])
-def test_fused_adamw_clips_in_its_own_kernel_as_clip_grad_norm_would(max_norm):
+def test_fused_adamw_clips_in_its_own_kernel_as_clip_grad_norm_would(max_norm, implementation):
     """TrainStep hands fused AdamW the clipping factor as its grad_scale: no separate pass over the
     gradients (they leave the backward unclipped), and the parameters after a few steps those of
     clip_grad_norm_ then AdamW. Clipping off (0): only the norm is taken. Other optimizers clip
     with clip_grad_norm_ as before."""
     from bertfast.training.step import TrainStep
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-    if DEVICE.type not in _get_fused_kernels_supported_devices() or not hasattr(torch.nn.utils, "get_total_norm"):
-        pytest.skip("no fused AdamW or no torch.nn.utils.get_total_norm in this torch")
+    if implementation == "fused" and DEVICE.type not in _get_fused_kernels_supported_devices():
+        pytest.skip("no fused AdamW in this torch")
+    if not hasattr(torch.nn.utils, "get_total_norm"):
+        pytest.skip("no torch.nn.utils.get_total_norm in this torch")
+    if implementation == "triton":
+        _require_triton_adamw()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 3)).to(DEVICE)
     twin = copy.deepcopy(model)
-    opt = optim.build_optimizer(model, "adamw", 1e-2, weight_decay=0.1)
+    opt = optim.build_optimizer(model, "adamw", 1e-2, weight_decay=0.1, implementation=implementation)
     step = TrainStep(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), DEVICE, "fp32",
                      max_grad_norm=max_norm)
     assert step.clips_in_optimizer
@@ -472,6 +485,181 @@ def test_fused_adamw_clips_in_its_own_kernel_as_clip_grad_norm_would(max_norm):
     lamb = optim.build_optimizer(model, "lamb", 1e-2)
     assert not TrainStep(model, lamb, torch.optim.lr_scheduler.LambdaLR(lamb, lambda s: 1.0), DEVICE, "fp32",
                          max_grad_norm=1.0).clips_in_optimizer
+
+
+# --------------------------------------------------------------------------- AdamW's triton implementation
+def _require_triton_adamw():
+    ok, why = optim.triton_adamw_availability()
+    if not ok:
+        pytest.skip(f"the triton AdamW is unavailable: {why}")
+
+
+def _adamw_pair(params, lr=1e-2, **hyper):
+    """The triton AdamW over ``params`` and torch's for-loop AdamW over a copy, both in the
+    decayed / not-decayed groups of the LAMB tests (eps 1e-6 unless given: the defaults differ)."""
+    hyper.setdefault("eps", 1e-6)
+    twin = {n: torch.nn.Parameter(p.detach().clone()) for n, p in params.items()}
+
+    def groups(ps):
+        return [{"params": [ps[n] for n in DECAYED], "weight_decay": 0.1},
+                {"params": [ps[n] for n in NOT_DECAYED], "weight_decay": 0.0}]
+    fast = optim.AdamW(groups(params), lr=lr, **hyper)
+    loop = torch.optim.AdamW(groups(twin), lr=lr, foreach=False, fused=False, **hyper)
+    return fast, twin, loop
+
+
+@pytest.mark.parametrize("hyper", [dict(), dict(betas=(0.8, 0.95), eps=1e-8)], ids=["default", "betas"])
+def test_triton_adamw_matches_torchs_for_loop(hyper):
+    """Every tensor of the LAMB cases (empty, one element, zero gradient, none at all, across chunks
+    and tails), decayed and not, over four steps: parameters and moments as torch's loop computes
+    them (fp32: the same formula, in another order: within 1e-6 of each tensor's largest value)."""
+    _require_triton_adamw()
+    params = _params()
+    fast, twin, loop = _adamw_pair(params, **hyper)
+    for step in range(4):
+        _set_grads(params, step)
+        _set_grads(twin, step)
+        fast.step()
+        loop.step()
+    for name in params:
+        _close(name, params[name], twin[name])
+        got, want = fast.state[params[name]], loop.state[twin[name]]
+        assert set(got) == set(want), name
+        if want:
+            assert float(got["step"]) == float(want["step"]) == (0 if name == "no_grad" else 4), name
+            assert got["step"].device == params[name].device and got["step"].dtype == torch.float32
+            for key in ("exp_avg", "exp_avg_sq"):
+                _close(f"{name} {key}", got[key], want[key])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_adamw_writes_each_working_copy_as_torch_casts_the_weight(dtype):
+    """The GEMM weights' copies (the QKV weights in one buffer) hold exactly the cast of each
+    updated weight, rounded to nearest even as torch rounds, after every step; a weight with no
+    copy (LayerNorm) is updated all the same; the forward then finds them fresh."""
+    _require_triton_adamw()
+    from bertfast import working_weights
+
+    model = bertfast.BertForMaskedLM(bertfast.BertConfig.preset("tiny")).to(DEVICE)
+    opt = optim.build_optimizer(model, "adamw", 1e-2, implementation="triton", working_dtype=dtype)
+    working = opt.working
+    attention = model.bert.encoder.layer[0].attention.self
+    qkv = [attention.query.weight, attention.key.weight, attention.value.weight]
+    ln = model.bert.embeddings.LayerNorm.weight
+    assert working.copy_of(ln) is None and working.copy_of(qkv[0]) is not None
+    for step in range(3):
+        before = ln.detach().clone()
+        g = torch.Generator().manual_seed(step)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g).to(DEVICE)
+        opt.step()
+        assert not torch.equal(ln, before)
+        for name, p in model.named_parameters():
+            copy_ = working.copy_of(p)
+            if copy_ is not None:
+                assert torch.equal(copy_, p.detach().to(dtype).view(-1)), (step, name)
+        buffer = working_weights.lookup(qkv, dtype)
+        assert buffer is not None and torch.equal(buffer, torch.cat(qkv).to(dtype))
+
+
+def test_triton_adamw_skips_a_step_on_found_inf_and_leaves_gradients_it_divides_unwritten():
+    """found_inf set: parameters, moments and steps stay as they were. grad_scale set: the step is
+    torch's on the gradients divided by it, and the gradients are not written back."""
+    _require_triton_adamw()
+    params = _params()
+    fast, twin, loop = _adamw_pair(params)
+    _set_grads(params, 0)
+    _set_grads(twin, 0)
+    fast.step()
+    loop.step()
+    kept = {n: p.detach().clone() for n, p in params.items()}
+    state = {n: {k: v.clone() for k, v in fast.state[p].items()} for n, p in params.items()}
+    _set_grads(params, 1)
+    fast.found_inf = torch.ones((), device=DEVICE)
+    fast.step()
+    del fast.found_inf
+    for name, p in params.items():
+        assert torch.equal(p, kept[name]), name
+        assert all(torch.equal(fast.state[p][k], v) for k, v in state[name].items()), name
+    grads = {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
+    fast.grad_scale = torch.full((), 4.0, device=DEVICE)
+    fast.step()
+    del fast.grad_scale
+    assert all(torch.equal(params[n].grad, g) for n, g in grads.items())
+    for name, p in twin.items():
+        p.grad = None if name not in grads else grads[name] / 4.0
+    loop.step()
+    for name in params:
+        _close(name, params[name], twin[name])
+
+
+def test_a_triton_adamw_checkpoint_resumes_identically_and_loads_into_torchs_adamw():
+    _require_triton_adamw()
+    params = _params()
+    fast, _, _ = _adamw_pair(params)
+    for step in range(2):
+        _set_grads(params, step)
+        fast.step()
+    buffer = io.BytesIO()
+    torch.save({"params": {n: p.detach() for n, p in params.items()}, "opt": fast.state_dict()}, buffer)
+    for step in range(2, 4):
+        _set_grads(params, step)
+        fast.step()
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed = {n: torch.nn.Parameter(p.clone()) for n, p in saved["params"].items()}
+    again, twin, loop = _adamw_pair(resumed)
+    again.load_state_dict(saved["opt"])
+    loop.load_state_dict(copy.deepcopy(saved["opt"]))  # torch keeps the loaded moments: not shared
+    for step in range(2, 4):
+        _set_grads(resumed, step)
+        _set_grads(twin, step)
+        again.step()
+        loop.step()
+    _assert_identical(params, fast, resumed, again)
+    for name in params:
+        _close(name, twin[name], params[name])
+
+
+def test_triton_adamw_choice_and_refusals(monkeypatch):
+    monkeypatch.delenv(optim.ADAMW_ENV, raising=False)
+    cpu = [torch.nn.Parameter(torch.zeros(2))]
+    assert optim.adamw_implementation(None, cpu) in ("fused", "foreach")     # CPU: never the interpreter
+    monkeypatch.setenv(optim.ADAMW_ENV, "foreach")
+    assert optim.adamw_implementation(None, cpu) == "foreach"
+    assert optim.adamw_implementation("triton", cpu) == "triton"             # the argument wins
+    monkeypatch.setenv(optim.ADAMW_ENV, "apex")
+    with pytest.raises(ValueError, match=r"BERTFAST_ADAMW must be one of \['triton', 'fused', 'foreach'\], "
+                                         r"got 'apex'"):
+        optim.adamw_implementation(None, cpu)
+    monkeypatch.delenv(optim.ADAMW_ENV)
+    with pytest.raises(ValueError, match=r"needs fp32 parameters, got \['torch.float16'\]"):
+        optim.adamw_implementation("triton", [torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))])
+    with pytest.raises(ValueError, match="amsgrad and maximize are torch's AdamW's only"):
+        optim.AdamW([{"params": cpu, "amsgrad": True}])
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="triton AdamW was forced but cannot run these parameters: CPU parameters "
+                                         "need TRITON_INTERPRET=1"):
+        optim.adamw_implementation("triton", cpu)
+    if optim.triton_adamw_availability()[0]:
+        assert optim.adamw_implementation(None, _fake_params("cuda")) == "triton"
+    assert optim.adamw_implementation(None, _fake_params("cuda", full_tensor=None)) != "triton"  # FSDP
+
+
+def test_a_broken_triton_adamw_falls_back_visibly(monkeypatch, caplog):
+    monkeypatch.delenv(optim.ADAMW_ENV, raising=False)
+    why = "import of bertfast.kernels.adamw failed: ImportError: a broken install"
+    monkeypatch.setattr(optim, "triton_adamw_availability", lambda: (False, why))
+    monkeypatch.delitem(dispatch.FALLBACKS, ("adamw", "triton"), raising=False)
+    try:
+        with caplog.at_level(logging.WARNING, logger="bertfast.optim"):
+            assert optim.adamw_implementation(None, _fake_params("cuda")) in ("fused", "foreach")
+        assert "AdamW falls back from triton to torch's: " + why in caplog.text
+        from bertfast.info import report
+        text = report()
+        assert "adamw: triton skipped: " + why in text and "AdamW optimizer: torch's fused or foreach" in text
+    finally:
+        dispatch.FALLBACKS.pop(("adamw", "triton"), None)
 
 
 # --------------------------------------------------------------------------- the benchmark cases
@@ -506,10 +694,14 @@ def test_benchmark_cases_gate_then_time_both_optimizers(monkeypatch):
 
 
 @pytest.mark.skipif(GPU, reason="the CPU case list (one tiny model); a GPU runs BERT's parameters")
-def test_benchmark_cases_gate_then_time_the_triton_lambs():
-    """Under the interpreter: the host-step and the capturable triton LAMB pass the gate and are timed."""
+def test_benchmark_cases_gate_then_time_the_triton_optimizers():
+    """Under the interpreter: the host-step and the capturable triton LAMB, and the triton AdamW,
+    pass the gate and are timed."""
     _require("triton")
-    rows = _bench_rows(("lamb",), backends=("triton",))
-    assert set(rows) == {("lamb", "bertfast:triton"), ("lamb", "bertfast:triton capturable"), ("lamb", "torch eager")}
+    _require_triton_adamw()
+    rows = _bench_rows(("lamb", "adamw"), backends=("triton",))
+    assert set(rows) == {("lamb", "bertfast:triton"), ("lamb", "bertfast:triton capturable"), ("lamb", "torch eager"),
+                         ("adamw", "bertfast:triton"), ("adamw", "torch fused"), ("adamw", "torch foreach"),
+                         ("adamw", "torch eager")}
     for key, row in rows.items():
         assert row.ok and row.time_ms.median > 0, (key, row.reason)

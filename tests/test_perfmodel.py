@@ -199,8 +199,13 @@ def test_step_budget_counts_parameters_flops_and_a_trace(tmp_path):
     from bertfast.perfmodel import step
     config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64, max_position_embeddings=64)
-    counted = sum(p.numel() for p in bertfast.BertForPreTraining(config).parameters())
+    model = bertfast.BertForPreTraining(config)
+    counted = sum(p.numel() for p in model.parameters())
     assert step.parameters(32, 64, 2, vocab=100, positions=64) == counted
+    from bertfast.working_weights import WorkingWeights
+    working = WorkingWeights(model)  # the weights bertfast's AdamW writes working copies of
+    assert step.working_copies(32, 64, 2) == working.numel
+    working.release()
     assert 330e6 < step.parameters(1024, 4096, 24) < 340e6  # BERT-large
     # the linear layers of BERT-large at 16,384 tokens: 3 x 24 x 2T(4H^2 + 2HF) = 29.7 TFLOP, plus the heads
     flops, attention = step.model_flops(K.Setting("bert-large", 128, 128, 0.1))
@@ -242,6 +247,10 @@ def test_step_budget_lines_and_its_ceiling_from_given_kernel_predictions():
     rows = 100 + 160 + 2 * 66 + 2 * 58
     assert items["row ops"] == pytest.approx((24 * rows + 88 + 47) * us)
     assert items["residual grads"] > 0 and items["weight casts"] > 0
+    params, copies, bw = step.parameters(1024, 4096, 24), step.working_copies(1024, 4096, 24), \
+        H100.achievable_hbm_bytes_per_s
+    assert items["AdamW"] == pytest.approx((28 * params + 2 * copies) / bw)  # and the working copies it writes
+    assert items["clipping"] == pytest.approx(4 * params / bw)               # the norm's read only
     ceiling = plan["ceiling"]
     removed = sum(items[n] for n in step.REMOVABLE)
     assert ceiling["seconds"] == pytest.approx(plan["seconds"] - removed - items["row ops"] / 2)

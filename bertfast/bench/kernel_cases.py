@@ -6,8 +6,8 @@ Implementations: ``bertfast:<backend>`` (the public op under ``bertfast.ops.use_
 that same math, and for attention torch SDPA with the flash backend (equal-length batches
 only: it takes no mask), the memory-efficient backend (with the padding mask) and the cuDNN
 backend. The MLM head adds the transformers-style full-sequence head and its GEMM floor.
-The optimizer steps (adamw, lamb; direction ``step``) compare torch's fused, foreach and for-loop
-AdamW, and bertfast's LAMB (triton kernels, host-step and capturable, and foreach) with its
+The optimizer steps (adamw, lamb; direction ``step``) compare bertfast's triton AdamW and torch's
+fused, foreach and for-loop AdamW, and bertfast's LAMB (triton kernels, host-step and capturable, and foreach) with its
 reference loop (``torch eager``).
 
 Dropout cases (attention, bias_dropout_residual_layernorm at p = 0.1) cannot be compared with
@@ -546,7 +546,7 @@ def _optimizer_case(ctx: SuiteContext, group: str, model: str, config,
 
 
 def adamw_cases(ctx: SuiteContext) -> List[OpCase]:
-    from bertfast.training.optim import fused_adamw_devices
+    from bertfast.training.optim import AdamW, adamw_implementation, fused_adamw_devices
 
     fused_devices = fused_adamw_devices()
 
@@ -554,8 +554,14 @@ def adamw_cases(ctx: SuiteContext) -> List[OpCase]:
         return lambda groups: torch.optim.AdamW(groups, lr=OPTIMIZER_LR, eps=1e-6, weight_decay=0.01, **kind)
     fused_skip = ("" if ctx.torch_device.type in fused_devices
                   else f"torch {torch.__version__} has no fused AdamW for {ctx.torch_device.type}")
-    impls = [(TORCH_FUSED, adamw(fused=True), fused_skip), (TORCH_FOREACH, adamw(foreach=True), ""),
-             (TORCH_EAGER, adamw(foreach=False, fused=False), "")]
+    impls = []
+    if "triton" in ctx.backends:
+        skip = _triton_skip(ctx, adamw_implementation)
+        # bertfast's kernel, without working copies (pretrain's writes 2 bytes more per GEMM weight)
+        impls.append((bertfast_impl("triton"), lambda groups: AdamW(groups, lr=OPTIMIZER_LR, eps=1e-6,
+                                                                    weight_decay=0.01), skip))
+    impls += [(TORCH_FUSED, adamw(fused=True), fused_skip), (TORCH_FOREACH, adamw(foreach=True), ""),
+              (TORCH_EAGER, adamw(foreach=False, fused=False), "")]
 
     _note_optimizers(ctx)
     return [_optimizer_case(ctx, "adamw", model, config, impls) for model, config in _optimizer_models(ctx)]
@@ -570,11 +576,7 @@ def lamb_cases(ctx: SuiteContext) -> List[OpCase]:
 
     impls = []
     if "triton" in ctx.backends:
-        try:  # the reason it cannot run here (no TRITON_INTERPRET on CPU, triton missing), if any
-            lamb_implementation("triton", [torch.empty(0, device=ctx.torch_device)])
-            skip = ""
-        except ValueError as exc:
-            skip = str(exc)
+        skip = _triton_skip(ctx, lamb_implementation)
         impls.append((bertfast_impl("triton"), lamb("triton"), skip))
         # What --cuda-graphs runs: the same kernels, with the steps and scalars on the device.
         impls.append((bertfast_impl("triton", "capturable"), lamb("triton", capturable=True), skip))
@@ -584,6 +586,16 @@ def lamb_cases(ctx: SuiteContext) -> List[OpCase]:
 
     _note_optimizers(ctx)
     return [_optimizer_case(ctx, "lamb", model, config, impls) for model, config in _optimizer_models(ctx)]
+
+
+def _triton_skip(ctx: SuiteContext, implementation: Callable) -> str:
+    """Why an optimizer's triton implementation cannot run on this device (no TRITON_INTERPRET on
+    a CPU, triton missing), or "" where it can: what its ``implementation("triton", ...)`` refuses."""
+    try:
+        implementation("triton", [torch.empty(0, device=ctx.torch_device)])
+        return ""
+    except ValueError as exc:
+        return str(exc)
 
 
 def _note_optimizers(ctx: SuiteContext) -> None:

@@ -4,7 +4,8 @@ Triton: each launcher runs at BERT-base and BERT-large shapes (seq 128 and 512; 
 activations with parameters in the activation dtype or fp32, as under autocast; dropout on
 and off; attention at head dim 64 and at ATTENTION_HEAD_DIMS, every kernel tile up to 256 and
 head dims that are no power of two, in fp16 at head dim 64 only (FULL_MATRIX_FP16_ATTENTION_HEAD_DIMS
-says why); the LAMB optimizer's kernels for those parameter dtypes)
+says why); the LAMB optimizer's kernels for those parameter dtypes, and the AdamW kernel for fp32
+parameters with working copies in the activation dtype)
 inside ``kernels._common.compile_only``, so nothing runs and
 every launch is recorded with its autotune candidates (its config list pruned for that
 shape, as the autotuner would). Each candidate is then compiled for the target by Triton
@@ -155,7 +156,7 @@ class Launch:
 
 
 Setting = Tuple[str, int, int, str, str, float]
-OPS = ("attention", "bias_gelu", "bias_dropout_residual_layernorm", "embeddings", "mlm_head_loss", "lamb")
+OPS = ("attention", "bias_gelu", "bias_dropout_residual_layernorm", "embeddings", "mlm_head_loss", "lamb", "adamw")
 
 
 def _matrix(fast: bool) -> List[Setting]:
@@ -254,9 +255,29 @@ def bert_launches(settings: Sequence[Setting], head_dims: Sequence[int] = (64,),
                 K.lamb_step(tables, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=decay, max_trust_ratio=10.0,
                             **scalars)
 
+        def adamw():
+            # fp32 masters only (bertfast's AdamW takes no others); a working copy in the activations'
+            # dtype where it is bf16 or fp16, as pretrain writes one; the scalars on the host or (the
+            # step a CUDA graph captures, clipping and skipping) on the device; aligned or not.
+            from bertfast.kernels import adamw as K
+            if par != torch.float32:
+                return
+            copy_dtype = act if act in (torch.bfloat16, torch.float16) else None
+            for shape, decay, on_device, offset in (((hidden, hidden), 0.01, True, 0), ((hidden,), 0.0, False, 0),
+                                                    ((hidden, hidden), 0.01, False, 1)):
+                w = empty(shape[0] * (shape[1] if len(shape) > 1 else 1) + offset, dtype=par)[offset:]
+                copy_ = empty(w.numel() + offset, dtype=copy_dtype)[offset:] if copy_dtype is not None else None
+                tables = K.AdamWTables()
+                tables.update([w], [w], [torch.empty(w.shape)], [torch.empty(w.shape)], [copy_])
+                scalars = (dict(lr=torch.empty(()), found_inf=torch.empty(()), grad_scale=torch.empty(()))
+                           if on_device else dict(lr=1e-3))
+                K.adamw_step(tables, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=decay,
+                             bias=torch.empty(1, 2), **scalars)
+
         for name, fn in (("attention", attention), ("bias_gelu", bias_gelu),
                          ("bias_dropout_residual_layernorm", bias_dropout_residual_layernorm),
-                         ("embeddings", embeddings), ("mlm_head_loss", mlm_head_loss), ("lamb", lamb)):
+                         ("embeddings", embeddings), ("mlm_head_loss", mlm_head_loss), ("lamb", lamb),
+                         ("adamw", adamw)):
             if name in ops:
                 yield f"{name} [{label}]", fn
 

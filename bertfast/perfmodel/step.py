@@ -1,7 +1,7 @@
 """The pre-training step's budget: predicted device time of one BERT training step, line by line.
 
-A step (forward, backward, fused AdamW; bf16 autocast over fp32 weights; full-length sequences, the
-BERT recipe's masked positions) is the sum of:
+A step (forward, backward, bertfast's AdamW; bf16 autocast over fp32 weights; full-length
+sequences, the BERT recipe's masked positions) is the sum of:
 
 - GEMMs: the model's linear-layer FLOPs (bertfast.flops, 3 x forward) at the GEMM rate measured
   for BERT's GEMMs (hardware.Gpu.gemm_flops);
@@ -9,12 +9,15 @@ BERT recipe's masked positions) is the sum of:
 - row ops: every layer's bias+GELU and two bias+dropout+residual+LayerNorm, forward and backward,
   and the embeddings, as predicted;
 - memory-bound work the kernels do not cover, at the achievable bandwidth: the MLM loss over the
-  vocabulary at the masked rows, AdamW (28 bytes per parameter), autocast's weight casts (a bf16
-  copy of each fp32 weight in the forward, 6 bytes per parameter, the query's, key's and value's
-  into one buffer; the weight gradients come fp32 from their GEMMs but the pooler's and NSP
-  head's, cast from bf16 at 6 more: bertfast.residual_linear), the QKV bias gradient (a column
-  sum) and the residual gradients the input-gradient GEMMs read (bertfast.residual_linear: each
-  layer's two residual-gradient additions happen in the GEMMs, addmm with beta = 1);
+  vocabulary at the masked rows; AdamW (kernels/adamw.py: 28 bytes per parameter, and 2 more for
+  the bf16 working copy it writes of each encoder GEMM weight, bertfast.working_weights); the
+  clipping's gradient norm (4 bytes per parameter: the optimizer divides by the clipping factor as
+  it reads each gradient, writing nothing back); autocast's casts of the weights without a working
+  copy (the embeddings, the heads, the pooler: 6 bytes per parameter; the weight gradients come
+  fp32 from their GEMMs but the pooler's and NSP head's, cast from bf16 at 6 more:
+  bertfast.residual_linear); the QKV bias gradient (a column sum) and the residual gradients the
+  input-gradient GEMMs read (bertfast.residual_linear: each layer's two residual-gradient additions
+  happen in the GEMMs, addmm with beta = 1);
 - launch gaps: the step's kernels back to back on the device (as a CUDA graph replays them).
 
 Predicted device time, sequences per second and MFU (model FLOPs / time / the dense bf16 peak).
@@ -34,11 +37,10 @@ from bertfast.perfmodel.hardware import Gpu
 
 LAYERS = {"bert-base": 12, "bert-large": 24}
 VOCAB, POSITIONS, TYPES = 30522, 512, 2
-# forward ~14 (4 GEMMs, the weights' casts, the QKV's into one buffer, attention and its outside-rows
-# pass, 3 row ops),
+# forward ~9 (4 GEMMs on the weights' working copies, attention and its outside-rows pass, 3 row ops),
 # backward ~18 (GEMMs, the attention's kernels, row ops and their column sums; the weight gradients
 # come fp32 from the GEMMs and the residual gradients are summed in them, bertfast.residual_linear)
-KERNELS_PER_LAYER = 32
+KERNELS_PER_LAYER = 27
 MASKED_PER_SEQUENCE = {128: 20, 512: 80}  # the BERT recipe's max_predictions_per_seq
 
 
@@ -62,6 +64,12 @@ def parameters(hidden: int, ffn: int, layers: int, vocab: int = VOCAB, positions
     embeddings = (vocab + positions + TYPES) * hidden + 2 * hidden
     heads = hidden * hidden + hidden + hidden * hidden + 3 * hidden + vocab + 2 * hidden + 2
     return layers * per_layer + embeddings + heads
+
+
+def working_copies(hidden: int, ffn: int, layers: int) -> int:
+    """The encoder GEMM weights and biases with a bf16 working copy (bertfast.working_weights): every
+    layer's parameters but its two LayerNorms'."""
+    return layers * (4 * hidden * hidden + 4 * hidden + 2 * hidden * ffn + ffn + hidden)
 
 
 def model_flops(setting: K.Setting) -> Tuple[float, float]:
@@ -112,6 +120,7 @@ def budget(results, case: StepCase, gpu: Gpu) -> Dict[str, object]:
     tokens = s.tokens
     masked = s.batch * MASKED_PER_SEQUENCE.get(s.seq, math.ceil(0.15 * s.seq))
     params = parameters(hidden, ffn, layers)
+    copies = working_copies(hidden, ffn, layers)
     cast_grads = hidden * hidden + hidden + 2 * hidden + 2  # through F.linear under autocast: bf16, then cast
     flops, attention_flops = model_flops(s)
     bw = gpu.achievable_hbm_bytes_per_s
@@ -127,12 +136,15 @@ def budget(results, case: StepCase, gpu: Gpu) -> Dict[str, object]:
          f"{layers} x {rows * 1e6:.0f} us (bias+GELU, 2 x residual LayerNorm, fwd+bwd) + embeddings "
          f"{embeddings * 1e6:.0f} us"),
         ("MLM loss", 4.0 * masked * VOCAB / bw, f"{masked} rows x {VOCAB} logits, read and gradient written (bf16)"),
-        ("AdamW", 28.0 * params / bw, f"{params / 1e6:.0f}M parameters x 28 bytes"),
-        ("clipping", 8.0 * params / bw, "the gradient norm (fp32 gradients read), and fused AdamW writing back "
-                                         "the gradients it clipped as it read them: 8 B a parameter (pretrain clips "
-                                         "at 1.0 by default)"),
-        ("weight casts", (6.0 * params + 6.0 * cast_grads) / bw,
-         "bf16 copies of the fp32 weights every forward (6 B each); the gradients come fp32 from their GEMMs "
+        ("AdamW", (28.0 * params + 2.0 * copies) / bw,
+         f"{params / 1e6:.0f}M parameters x 28 bytes, and the bf16 working copies of {copies / 1e6:.0f}M "
+         "(the encoder's GEMM weights) x 2"),
+        ("clipping", 4.0 * params / bw, "the gradient norm (fp32 gradients read; AdamW divides each gradient "
+                                         "by the clipping factor as it reads it, writing nothing back; pretrain "
+                                         "clips at 1.0 by default)"),
+        ("weight casts", (6.0 * (params - copies) + 6.0 * cast_grads) / bw,
+         f"bf16 casts every forward of the {(params - copies) / 1e6:.0f}M fp32 weights without a working copy "
+         "(the embeddings, heads, pooler, LayerNorms: 6 B each); the gradients come fp32 from their GEMMs "
          f"(bertfast.residual_linear) and kernels, but {cast_grads / 1e6:.1f}M (the pooler's, NSP's) cast from bf16"),
         ("QKV bias grad", layers * tokens * 3 * hidden * 2.0 / bw, "a column sum of the QKV gradient, every layer"),
         ("residual grads", layers * tokens * 2 * hidden * 2.0 / bw,

@@ -13,10 +13,10 @@ every micro-batch, clipping, the optimizer) is one launch. What that needs, and 
   then on (no zero-fill, no add: 2.1 ms of a BERT-large step on an H100 went to those), except
   under LAMB, whose triton step reads them through an address table uploaded before the capture:
   there they get buffers of their own first, which the graph zeroes and the backward adds into;
-* an optimizer whose every input is on the device: torch's fused AdamW (its step counts are
-  device tensors) or a capturable LAMB (``Lamb(capturable=True)``, the triton implementation: its
-  step counts and bias corrections too), with the learning rate in a device tensor the scheduler
-  fills between replays;
+* an optimizer whose every input is on the device: a fused AdamW, torch's (its step counts are
+  device tensors) or bertfast's triton one (its update a second graph: see ``_capture``), or a
+  capturable LAMB (``Lamb(capturable=True)``, the triton implementation: its step counts and bias
+  corrections too), with the learning rate in a device tensor the scheduler fills between replays;
 * dropout seeds drawn from torch's CUDA generator, which is graph-safe (each replay draws anew);
 * ``--on-nonfinite skip`` on the device: the step's "not finite" flag is the optimizer's found_inf
   (``TrainStep.step_unless_nonfinite``), so a skipped replay changes nothing but the schedule;
@@ -115,6 +115,8 @@ class GraphedTrainStep(TrainStep):
         self.signature: Optional[Tuple] = None   # of the batches the graph below was captured for
         self.eager_steps = 0                      # with that signature, before the capture
         self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.optimizer_graph: Optional[torch.cuda.CUDAGraph] = None  # bertfast's AdamW: its step (see _capture)
+        self._held: Tuple = ()
         self.static_batches: List[Batch] = []    # what the graph reads
         self.captured: Optional[Tuple[list, Tensor, Tensor, Tensor, Optional[Tensor]]] = None  # what it writes
         self.replays = 0
@@ -137,6 +139,8 @@ class GraphedTrainStep(TrainStep):
                     if isinstance(v, Tensor):
                         static[k].copy_(v, non_blocking=True)
         self.graph.replay()
+        if self.optimizer_graph is not None:
+            self.optimizer_graph.replay()
         self.replays += 1
         outputs, step_loss, grad_norm, finite, skipped = self.captured
         self._advance_schedule()
@@ -174,11 +178,14 @@ class GraphedTrainStep(TrainStep):
         for group in self.optimizer.param_groups:
             if not isinstance(group["lr"], Tensor):  # filled by the scheduler from now on
                 group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=self.device)
-        # AdamW: no gradient before the capture, so the captured backward hands each parameter its
-        # own gradient tensor (from the graph's pool), as an eager step's does; an unused parameter
-        # keeps none. LAMB: fixed buffers for the parameters the eager steps gave a gradient (no
-        # others: an unused parameter must not take a zero-gradient step), zeroed by the graph and
-        # accumulated into by its backward, with its address tables built from them here.
+        # No gradient before the capture, so the captured backward hands each parameter its own
+        # gradient tensor (from the graph's pool), as an eager step's does; an unused parameter keeps
+        # none. bertfast's AdamW reads the gradients through an address table, uploaded on the host:
+        # its step is a second graph in the same pool, captured once the first has allocated the
+        # gradients and the table holds their addresses. LAMB: fixed buffers for the parameters the
+        # eager steps gave a gradient (no others: an unused parameter must not take a zero-gradient
+        # step), zeroed by the graph and accumulated into by its backward, with its address tables
+        # built from them here.
         self.optimizer.zero_grad(set_to_none=True)
         grads = []
         if isinstance(self.optimizer, optim.Lamb):
@@ -186,6 +193,7 @@ class GraphedTrainStep(TrainStep):
             for p, g in zip(self.grad_params, grads):
                 p.grad = g
             self.optimizer.prepare_tables()
+        split = isinstance(self.optimizer, optim.AdamW)
         graph = torch.cuda.CUDAGraph()
         adamw = isinstance(self.optimizer, torch.optim.AdamW)
         capturable = [g["capturable"] for g in self.optimizer.param_groups] if adamw else []
@@ -198,12 +206,18 @@ class GraphedTrainStep(TrainStep):
                 if grads:
                     torch._foreach_zero_(grads)
                 outputs, step_loss, grad_norm, finite = self.gradients(self.static_batches, forward)
-                if self.skip_nonfinite:
-                    skipped = self.step_unless_nonfinite(finite)
-                else:
-                    skipped = None
-                    self.optimizer_step()
+                skipped = self.skipped_on_device(finite) if self.skip_nonfinite else None
+                found_inf = skipped.to(torch.float32) if skipped is not None else None
+                if not split:
+                    self.optimizer_step(found_inf=found_inf)
+            if split:
+                self.optimizer.prepare_tables()
+                self.optimizer_graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.optimizer_graph, pool=graph.pool(), capture_error_mode="thread_local"):
+                    self.optimizer_step(found_inf=found_inf)
+            # what the graphs read and write, kept alive (and at their addresses) while they are replayed
             self.captured = (outputs, step_loss, grad_norm, finite, skipped)
+            self._held = (found_inf, self.grad_scale)
         finally:
             for g, flag in zip(self.optimizer.param_groups, capturable):
                 g["capturable"] = flag
@@ -211,7 +225,8 @@ class GraphedTrainStep(TrainStep):
 
     def _release(self) -> None:
         """Drop the graph and what it holds; the gradients it wrote are not an eager step's to add to."""
-        self.graph, self.captured, self.static_batches = None, None, []
+        self.graph, self.optimizer_graph, self.captured, self.static_batches = None, None, None, []
+        self._held = ()
         self.eager_steps = 0
         self.optimizer.zero_grad(set_to_none=True)
 

@@ -3,9 +3,19 @@
 Parameter groups leave biases and LayerNorm parameters without weight decay (the paper's
 recipe). The schedule is a linear warm-up, then linear decay to zero.
 
-AdamW is torch's: its fused kernel wherever the installed torch has one for the parameters'
-device (CUDA, and CPU since torch 2.4), else its multi-tensor ``foreach`` form; ``fused=`` of
-``build_optimizer`` forces either.
+AdamW has three implementations of torch's AdamW step, with torch's state layout (per
+parameter: "step", an fp32 device scalar as fused AdamW keeps it; "exp_avg" and "exp_avg_sq"):
+  triton   ``AdamW``, bertfast.kernels.adamw: one launch per parameter group, every scalar on the
+           device (capturable, found_inf and grad_scale as torch's fused AdamW takes them), the
+           gradient read divided by grad_scale but not written back, and the bf16 working copy of
+           each GEMM weight written with the weight (``working=``, bertfast.working_weights), so the
+           forward casts nothing. fp32 CUDA parameters (or CPU ones under the interpreter, forced).
+  fused    torch's fused kernel, where the installed torch has one (CUDA, CPU since torch 2.4).
+  foreach  torch's multi-tensor form.
+Default: triton where it can run, else fused where torch has it, else foreach; ``implementation=``
+(or BERTFAST_ADAMW=triton|fused|foreach) forces one, and ``fused=True``/``False`` means fused/foreach.
+When triton cannot be imported for CUDA parameters, AdamW runs torch's fused kernel, logs a warning
+and records the reason for `bertfast info`.
 
 LAMB (You et al., 2019, "Large batch optimization for deep learning"), for large batches, per
 parameter w with gradient g at step t:
@@ -44,13 +54,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from bertfast import dispatch
+from bertfast import dispatch, working_weights
 
 log = logging.getLogger("bertfast.optim")
 
 NO_DECAY_PATTERNS = ("bias", "LayerNorm.weight", "LayerNorm.bias", "layer_norm", "layernorm")
 LAMB_IMPLEMENTATIONS = ("reference", "foreach", "triton")
 LAMB_ENV = "BERTFAST_LAMB"
+ADAMW_IMPLEMENTATIONS = ("triton", "fused", "foreach")
+ADAMW_ENV = "BERTFAST_ADAMW"
 # The foreach LAMB holds two fp32 temporaries per element it updates at once; it updates at most
 # this many elements at a time (256 MiB of temporaries), so BERT-large does not need 2.7 GB more.
 FOREACH_BATCH_ELEMENTS = 1 << 25
@@ -84,9 +96,18 @@ def triton_lamb_availability() -> Tuple[bool, str]:
     return _TRITON_LAMB.availability()
 
 
-def _triton_reasons(params: Sequence[torch.Tensor], forced: bool) -> List[str]:
-    """Why the triton LAMB cannot run these parameters (none: it can)."""
-    ok, why = triton_lamb_availability()
+_TRITON_ADAMW = dispatch.Backend("adamw", "triton", "bertfast.kernels.adamw", lambda forced, **inputs: [],
+                                 availability_fn=dispatch.triton_availability)
+
+
+def triton_adamw_availability() -> Tuple[bool, str]:
+    """(True, "") when triton and bertfast.kernels.adamw import, else (False, why); cached."""
+    return _TRITON_ADAMW.availability()
+
+
+def _triton_reasons(params: Sequence[torch.Tensor], forced: bool, optimizer: str = "lamb") -> List[str]:
+    """Why the triton LAMB (or AdamW) cannot run these parameters (none: it can)."""
+    ok, why = triton_lamb_availability() if optimizer == "lamb" else triton_adamw_availability()
     if not ok:
         return [why]
     reasons = []
@@ -98,10 +119,12 @@ def _triton_reasons(params: Sequence[torch.Tensor], forced: bool) -> List[str]:
         reasons.append(f"needs CUDA parameters (CPU ones only when forced, under TRITON_INTERPRET=1), got {devices}")
     if any(hasattr(p, "full_tensor") for p in params):
         reasons.append("the parameters are DTensors (FSDP): the trust ratio needs each tensor's full norm, "
-                       "which the foreach implementation reduces across ranks")
-    dtypes = sorted({str(p.dtype) for p in params} - {"torch.float32", "torch.float16", "torch.bfloat16"})
+                       "which the foreach implementation reduces across ranks" if optimizer == "lamb" else
+                       "the parameters are DTensors (FSDP)")
+    allowed = {"torch.float32", "torch.float16", "torch.bfloat16"} if optimizer == "lamb" else {"torch.float32"}
+    dtypes = sorted({str(p.dtype) for p in params} - allowed)
     if dtypes:
-        reasons.append(f"needs fp32, fp16 or bf16 parameters, got {dtypes}")
+        reasons.append(f"needs {'fp32, fp16 or bf16' if optimizer == 'lamb' else 'fp32'} parameters, got {dtypes}")
     return reasons
 
 
@@ -134,6 +157,171 @@ def lamb_summary() -> str:
             else f"LAMB optimizer: foreach everywhere (triton LAMB unavailable: {why})")
     forced = os.environ.get(LAMB_ENV)
     return text + (f"; {LAMB_ENV}={forced} forces that one" if forced else "")
+
+
+def adamw_implementation(requested: Optional[str], params: Sequence[torch.Tensor]) -> str:
+    """The AdamW implementation for these parameters: ``requested``, else $BERTFAST_ADAMW, else
+    triton where it can run them, fused where torch has a fused kernel for them, foreach otherwise."""
+    forced = requested if requested is not None else (os.environ.get(ADAMW_ENV) or None)
+    if forced is not None:
+        if forced not in ADAMW_IMPLEMENTATIONS:
+            source = "implementation" if requested is not None else ADAMW_ENV
+            raise ValueError(f"{source} must be one of {list(ADAMW_IMPLEMENTATIONS)}, got {forced!r}")
+        reasons = (_triton_reasons(params, forced=True, optimizer="adamw") if forced == "triton" else
+                   [] if forced == "foreach" or _fused_adamw_supported(params) else
+                   [f"torch {torch.__version__} has no fused AdamW for {sorted({p.device.type for p in params})}"])
+        if reasons:
+            raise ValueError(f"bertfast: the {forced} AdamW was forced but cannot run these parameters: "
+                             f"{'; '.join(reasons)}")
+        return forced
+    if params and not _triton_reasons(params, forced=False, optimizer="adamw"):
+        return "triton"
+    ok, why = triton_adamw_availability()
+    if not ok and any(p.device.type == "cuda" for p in params) and ("adamw", "triton") not in dispatch.FALLBACKS:
+        dispatch.FALLBACKS[("adamw", "triton")] = why
+        log.warning("bertfast: AdamW falls back from triton to torch's: %s", why)
+    return "fused" if _fused_adamw_supported(params) else "foreach"
+
+
+def adamw_summary() -> str:
+    """One line for `bertfast info`: which AdamW implementation runs where."""
+    ok, why = triton_adamw_availability()
+    text = ("AdamW optimizer: triton kernel for fp32 CUDA parameters (writing bf16 working copies of the "
+            "encoder's weights in pretrain), torch's fused or foreach otherwise" if ok else
+            f"AdamW optimizer: torch's fused or foreach everywhere (triton AdamW unavailable: {why})")
+    forced = os.environ.get(ADAMW_ENV)
+    return text + (f"; {ADAMW_ENV}={forced} forces that one" if forced else "")
+
+
+# --------------------------------------------------------------------------- AdamW
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW (hyper-parameters, parameter groups, fused state layout) stepped by bertfast's
+    triton kernel (see the module docstring); capturable, and it takes ``found_inf`` and
+    ``grad_scale`` attributes set for one step, as torch's fused AdamW does.
+
+    working: bertfast.working_weights.WorkingWeights whose copies the kernel writes with the weights.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01, working=None):
+        # capturable: torch's load_state_dict then puts each step on its parameter's device as fp32.
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False,
+                         fused=False, capturable=True)
+        params = [p for g in self.param_groups for p in g["params"]]
+        reasons = _triton_reasons(params, forced=True, optimizer="adamw")
+        if reasons:
+            raise ValueError(f"bertfast AdamW (triton) cannot run these parameters: {'; '.join(reasons)}")
+        for group in self.param_groups:
+            if group["amsgrad"] or group["maximize"]:
+                raise ValueError("bertfast AdamW (triton): amsgrad and maximize are torch's AdamW's only")
+        self.implementation = "triton"
+        self.working = working
+        self._tables: Dict[Tuple, Any] = {}
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        found_inf = getattr(self, "found_inf", None)   # set for one step by TrainStep
+        grad_scale = getattr(self, "grad_scale", None)
+        used = set()
+        for index, group in enumerate(self.param_groups):
+            for key, lists in self._gather(group).items():
+                used.add((index, key))
+                self._triton_step((index, key), *lists, group, found_inf, grad_scale)
+        for stale in set(self._tables) - used:
+            del self._tables[stale]
+        return loss
+
+    @torch.no_grad()
+    def prepare_tables(self) -> None:
+        """Build the device tables for the parameters' current gradients, advancing nothing: a CUDA
+        graph capturing the next step then finds them built. The gradients must keep their buffers."""
+        for index, group in enumerate(self.param_groups):
+            for key, (params, grads, exp_avgs, exp_avg_sqs, copies, _) in self._gather(group).items():
+                self._tables_for((index, key)).update(params, grads, exp_avgs, exp_avg_sqs, copies)
+
+    def _tables_for(self, key: Tuple):
+        from bertfast.kernels import adamw as kernels
+
+        tables = self._tables.get(key)
+        if tables is None:
+            tables = self._tables[key] = kernels.AdamWTables()
+        return tables
+
+    def _gather(self, group: Dict[str, Any]) -> Dict[Tuple, Tuple[List, ...]]:
+        """The parameters with a gradient and their state (created), in sets of one device and
+        gradient dtype, each keyed by those and by its members."""
+        sets: Dict[Tuple, Tuple[List, ...]] = {}
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise RuntimeError("AdamW does not support sparse gradients")
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            lists = sets.setdefault((p.device, g.dtype), ([], [], [], [], [], []))
+            for target, value in zip(lists, (p, g, state["exp_avg"], state["exp_avg_sq"],
+                                             self.working.copy_of(p) if self.working is not None else None,
+                                             state["step"])):
+                target.append(value)
+        return {kind + (tuple(map(id, lists[0])),): lists for kind, lists in sets.items()}
+
+    def _triton_step(self, key: Tuple, params: List[torch.Tensor], grads: List[torch.Tensor],
+                     exp_avgs: List[torch.Tensor], exp_avg_sqs: List[torch.Tensor],
+                     copies: List[Optional[torch.Tensor]], steps: List[torch.Tensor], group: Dict[str, Any],
+                     found_inf: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor]) -> None:
+        from bertfast.kernels import adamw as kernels
+
+        tables = self._tables_for(key)
+        tables.update(params, grads, exp_avgs, exp_avg_sqs, copies)
+        b1, b2 = group["betas"]
+        # A skipped step (found_inf 1) advances by 0, as torch's fused AdamW counts.
+        torch._foreach_add_(steps, 1.0)
+        if found_inf is not None:
+            torch._foreach_sub_(steps, [found_inf] * len(steps))
+        if not tables.count:
+            return
+        # In fp64 as torch's kernel takes 1 - b^t, then rounded to fp32 as the kernel reads it.
+        t = torch.stack([steps[i] for i in tables.kept]).double()
+        bias = torch.stack((1 - torch.pow(b1, t), torch.sqrt(1 - torch.pow(b2, t))), dim=1).float()
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            lr = lr.to(torch.float32)
+        kernels.adamw_step(tables, lr=lr, beta1=b1, beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
+                           bias=bias, found_inf=found_inf, grad_scale=grad_scale)
+        working_weights.written(params, copies)  # raw-pointer writes: what they leave fresh or stale
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("implementation", "triton")
+        self.__dict__.setdefault("working", None)
+        self._tables = {}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's, its groups marked not capturable: torch's AdamW loads the saved flags with the
+        hyper-parameters, and a capturable one refuses CPU parameters."""
+        state_dict = super().state_dict()
+        state_dict["param_groups"] = [{**g, "capturable": False} for g in state_dict["param_groups"]]
+        return state_dict
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """torch's (any AdamW's state dict), then this one's flags, and each step an fp32 scalar on
+        its parameter's device, as the kernel's bias corrections read it."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            group.update(capturable=True, fused=False, foreach=False)
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state and "step" in state:
+                    state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).to(p.device)
+        self._tables.clear()
 
 
 # --------------------------------------------------------------------------- LAMB
@@ -304,6 +492,7 @@ class Lamb(torch.optim.Optimizer):
         kernels.lamb_step(tables, lr=lr, beta1=b1, beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
                           bias_correction1=c1, bias_correction2=c2, bias=bias, found_inf=found_inf,
                           max_trust_ratio=group["max_trust_ratio"])
+        working_weights.written(params, [None] * len(params))  # raw-pointer writes: any working copy is stale
 
     def __getstate__(self) -> Dict[str, Any]:  # pickle and deepcopy keep the choices, not the device tables
         return {**super().__getstate__(), "implementation": self.implementation, "capturable": self.capturable}
@@ -410,23 +599,35 @@ def _fused_adamw_supported(params: Sequence[torch.Tensor]) -> bool:
 def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: float = 0.01,
                     betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                     fused: Optional[bool] = None, implementation: Optional[str] = None,
-                    capturable: bool = False) -> torch.optim.Optimizer:
+                    capturable: bool = False, working_dtype: Optional[torch.dtype] = None) -> torch.optim.Optimizer:
     """'adamw' (the paper's Adam with decoupled weight decay) or 'lamb', over ``parameter_groups``.
 
-    fused (AdamW only): None picks torch's fused kernel where it has one for the parameters'
-    device, else foreach; True forces the fused kernel, False the foreach form.
-    implementation, capturable (LAMB only): see ``Lamb``. (Fused AdamW keeps its steps on the
-    device already.)
+    implementation: AdamW's ("triton", "fused", "foreach": ``adamw_implementation``) or LAMB's
+    (see ``Lamb``); fused (AdamW only): True forces torch's fused kernel, False its foreach form.
+    capturable (LAMB only): see ``Lamb`` (AdamW's every form is capturable).
+    working_dtype (AdamW only): bf16 or fp16, the autocast dtype of the forward; where the triton
+    AdamW runs, it writes working copies of the GEMM weights in it (bertfast.working_weights).
     """
     groups = parameter_groups(model, weight_decay)
     if name == "adamw":
-        if implementation is not None or capturable:
-            raise ValueError(f"implementation= and capturable= are LAMB's; AdamW takes fused= (its fused form "
-                             f"is capturable), got implementation={implementation!r}, capturable={capturable!r}")
-        if fused is None:
-            fused = _fused_adamw_supported([p for g in groups for p in g["params"]])
-        kwargs = {"fused": True} if fused else {"foreach": True}
+        if capturable:
+            raise ValueError("capturable= is LAMB's; every form of AdamW is capturable")
+        if fused is not None:
+            if implementation is not None:
+                raise ValueError(f"AdamW takes fused= or implementation=, not both (got fused={fused!r}, "
+                                 f"implementation={implementation!r})")
+            implementation = "fused" if fused else "foreach"
+        implementation = adamw_implementation(implementation, [p for g in groups for p in g["params"]])
+        if implementation == "triton":
+            working = None
+            if working_dtype is not None:
+                from bertfast.working_weights import WorkingWeights
+                working = WorkingWeights(model, working_dtype)
+            return AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, working=working)
+        kwargs = {"fused": True} if implementation == "fused" else {"foreach": True}
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kwargs)
+    if working_dtype is not None:
+        raise ValueError(f"working_dtype= is the triton AdamW's, got it for {name!r}")
     if name == "lamb":
         if fused is not None:
             raise ValueError(f"fused= chooses AdamW's kernel; LAMB takes implementation=, got fused={fused!r}")

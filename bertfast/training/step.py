@@ -8,17 +8,18 @@ Nothing here reads a value back to the host: the step's loss, gradient norm and 
 are finite stay device tensors (``training.nonfinite`` reads them at the log interval).
 
 ``skip_nonfinite`` leaves the parameters untouched when the loss or the gradient norm is not
-finite. With torch's fused AdamW or a capturable LAMB (and no fp16 loss scaler) the skip happens
-on the device: the flag goes to the optimizer as its ``found_inf`` (what GradScaler hands fused
-AdamW), which then leaves the parameters, the moments and the step count as they were; no host
-read, so it can be captured in a CUDA graph. Any other optimizer reads the flag on the host,
-once per step.
+finite. With a fused AdamW (torch's or bertfast's triton one) or a capturable LAMB (and no fp16
+loss scaler) the skip happens on the device: the flag goes to the optimizer as its ``found_inf``
+(what GradScaler hands fused AdamW), which then leaves the parameters, the moments and the step
+count as they were; no host read, so it can be captured in a CUDA graph. Any other optimizer
+reads the flag on the host, once per step.
 
-Clipping with torch's fused AdamW (no fp16 scaler, plain tensors) happens inside the optimizer:
-the clipping factor goes to it as ``grad_scale`` (what GradScaler hands fused optimizers; the
-kernel divides each gradient by it as it reads it), so no separate pass multiplies every
-gradient (1.0 ms of the H100's BERT-large step, 2026-11-26). With clipping off, only the norm is
-taken. Other optimizers get torch's ``clip_grad_norm_``.
+Clipping with a fused AdamW (no fp16 scaler, plain tensors) happens inside the optimizer: the
+clipping factor goes to it as ``grad_scale`` (what GradScaler hands fused optimizers; the kernel
+divides each gradient by it as it reads it), so no separate pass multiplies every gradient (1.0 ms
+of the H100's BERT-large step, 2026-11-26). torch's kernel writes the divided gradient back;
+bertfast's triton AdamW does not. With clipping off, only the norm is taken. Other optimizers get
+torch's ``clip_grad_norm_``.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from typing import Any, Callable, ContextManager, Dict, Optional, Sequence, Unio
 import torch
 
 from bertfast.contract import checks_on_device
-from bertfast.training.optim import Lamb
+from bertfast.training.optim import AdamW, Lamb
 from bertfast.training.precision import autocast_context
 
 Batch = Dict[str, torch.Tensor]
@@ -115,9 +116,14 @@ class TrainStep:
         """The optimizer's step (fused AdamW, capturable LAMB), which changes nothing where ``finite``
         is false on any rank; returns that device flag ("skipped"). No host read: a CUDA graph can
         capture it."""
-        skipped = ~_every_rank_on_device(finite)
+        skipped = self.skipped_on_device(finite)
         self.optimizer_step(found_inf=skipped.to(torch.float32))
         return skipped
+
+    @staticmethod
+    def skipped_on_device(finite: torch.Tensor) -> torch.Tensor:
+        """Whether ``finite`` is false on any rank, as a device bool (no host read)."""
+        return ~_every_rank_on_device(finite)
 
     def optimizer_step(self, found_inf: Optional[torch.Tensor] = None) -> None:
         """The optimizer's step, handed for this step only the ``found_inf`` flag and the clipping's
@@ -190,8 +196,10 @@ def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _fused_adamw(optimizer: torch.optim.Optimizer) -> bool:
-    """torch's AdamW on its fused kernel: it takes found_inf and grad_scale as device tensors."""
-    return isinstance(optimizer, torch.optim.AdamW) and all(g.get("fused") for g in optimizer.param_groups)
+    """torch's AdamW on its fused kernel, or bertfast's (triton): they take found_inf and
+    grad_scale as device tensors."""
+    return isinstance(optimizer, AdamW) or (isinstance(optimizer, torch.optim.AdamW)
+                                            and all(g.get("fused") for g in optimizer.param_groups))
 
 
 def _every_rank_on_device(flag: torch.Tensor) -> torch.Tensor:
