@@ -114,8 +114,8 @@ def _train(model, working_dtype, steps=3):
 
 def test_training_on_working_copies_is_bit_identical_to_casting_and_casts_no_encoder_weight(monkeypatch):
     """The triton AdamW (under the interpreter on a CPU, its GPU-sized chunks) with and without
-    working copies, three bf16 steps: the same losses and weights bit for bit, and with copies no
-    encoder GEMM weight is cast in a forward (without them, every one is)."""
+    working copies, three bf16 steps: the same losses and weights (bit for bit on a CPU), and with
+    copies no encoder GEMM weight is cast in a forward (without them, every one is)."""
     ok, why = optim.triton_adamw_availability()
     if not ok:
         pytest.skip(f"the triton AdamW is unavailable: {why}")
@@ -127,9 +127,13 @@ def test_training_on_working_copies_is_bit_identical_to_casting_and_casts_no_enc
     copy_counts, copy_losses = _train(copying, torch.bfloat16)
     assert all(count >= 4 * casting.config.num_hidden_layers for count in cast_counts), cast_counts
     assert copy_counts == [0, 0, 0]
-    assert all(torch.equal(a, b) for a, b in zip(cast_losses, copy_losses)), (cast_losses, copy_losses)
+    # On a GPU two runs of the same step need not agree to the bit (cuBLAS picks its algorithms, the
+    # gradients of the tables are summed in any order): close there, identical on a CPU.
+    same = torch.equal if DEVICE.type == "cpu" else (
+        lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-6))
+    assert all(same(a, b) for a, b in zip(cast_losses, copy_losses)), (cast_losses, copy_losses)
     for (name, a), b in zip(casting.named_parameters(), copying.parameters()):
-        assert torch.equal(a, b), name
+        assert same(a, b), name
 
 
 def test_raw_pointer_writes_leave_only_the_copies_written_beside_them_fresh(monkeypatch):
