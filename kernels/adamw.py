@@ -10,7 +10,7 @@ state dict and its hyper-parameters mean what torch's do):
   w = w - (lr / c1) m / (sqrt(v) / c2s + eps)     c1 = 1 - b1^t, c2s = sqrt(1 - b2^t)
   copy = bf16(w)                          (where the tensor has a working copy: rounded to nearest even)
 
-Tables (kernels.lamb's layout, cached in ``AdamWTables``; rebuilt only when a tensor's storage moves):
+Tables (kernels.lamb's TensorTables, cached in ``AdamWTables``; rebuilt only when a tensor's storage moves):
   TENSORS  int64 [T, 5]: addresses of w, g, m, v and of w's working copy (0: none)
   CHUNKS   int64 [C, 3]: tensor index, first element, element count (at most CHUNK elements)
   BIAS     fp32 [T, 2]: each tensor's (c1, c2s), computed on the device from its step count
@@ -36,7 +36,7 @@ import triton.language as tl
 from bertfast.contract import FLOAT_DTYPES, check_tensor
 
 from . import _common
-from .lamb import ALIGNMENT, BLOCK, CHUNK, INTERP_BLOCK, INTERP_CHUNK, NUM_WARPS, _TORCH_TO_TL, _upload, chunk_table
+from .lamb import NUM_WARPS, _TORCH_TO_TL, TensorTables
 
 COPY_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -167,51 +167,27 @@ def check_adamw_tensors(params: Sequence[torch.Tensor], grads: Sequence[torch.Te
                                  f"with strides {t.stride()}")
 
 
-class AdamWTables:
-    """The device tables of one set of tensors, kept between steps; ``update`` rebuilds only what
-    moved (gradients are often new tensors each step), as kernels.lamb.LambTables."""
+class AdamWTables(TensorTables):
+    """AdamW's tables (see the module docstring): addresses of w, g, m, v and of w's working copy."""
+
+    NAME = "AdamW"
+    CAPTURE_HINT = ("call AdamW.prepare_tables() before capturing with the gradients the captured step "
+                    "will write")
 
     def __init__(self):
-        self.sizes = self.addresses = None
-        self.block = self.chunk = 0
-        self.chunks = self.tensors = None
-        self.n_chunks = 0
-        self.kept = []  # the tables' tensors, as indices into the lists given to update
-        self.aligned = True
-        self.param_dtype = self.grad_dtype = self.copy_dtype = None
+        super().__init__()
+        self.copy_dtype = None
+
+    def check(self, params, grads, exp_avgs, exp_avg_sqs, copies) -> None:
+        check_adamw_tensors(params, grads, exp_avgs, exp_avg_sqs, copies)
 
     def update(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
-               copies: Sequence[Optional[torch.Tensor]]) -> None:
-        sizes = tuple(map(torch.Tensor.numel, params))
-        addresses = tuple(t.data_ptr() if t is not None else 0
-                          for ts in (params, grads, exp_avgs, exp_avg_sqs, copies) for t in ts)
-        block, chunk = (INTERP_BLOCK, INTERP_CHUNK) if _common.interpreting() else (BLOCK, CHUNK)
-        if addresses == self.addresses and sizes == self.sizes and chunk == self.chunk:
-            return
-        if params and params[0].is_cuda and torch.cuda.is_current_stream_capturing():
-            # The upload below would be captured as a copy from a host buffer the graph does not own.
-            raise RuntimeError("AdamW: the tensors moved during a CUDA graph capture, so its device tables would "
-                               "have to be rebuilt inside the graph; call AdamW.prepare_tables() before capturing "
-                               "with the gradients the captured step will write")
-        check_adamw_tensors(params, grads, exp_avgs, exp_avg_sqs, copies)
-        kept = [i for i, n in enumerate(sizes) if n]  # empty tensors have nothing to update
-        n = len(params)
-        if kept:
-            device = params[0].device
-            if sizes != self.sizes or chunk != self.chunk:
-                rows, _ = chunk_table([sizes[i] for i in kept], chunk)
-                self.chunks, self.n_chunks = _upload(rows, torch.int64, device), len(rows)
-            self.tensors = _upload([tuple(addresses[i + k * n] for k in range(5)) for i in kept], torch.int64, device)
-        self.aligned = all(addresses[i + k * n] % ALIGNMENT == 0 for i in kept for k in range(5))
-        self.param_dtype, self.grad_dtype = (params[0].dtype, grads[0].dtype) if params else (None, None)
-        self.copy_dtype = next((c.dtype for c in copies if c is not None), None)
-        self.sizes, self.addresses, self.block, self.chunk, self.kept = sizes, addresses, block, chunk, kept
-
-    @property
-    def count(self) -> int:
-        """The tensors in the tables: those with elements."""
-        return len(self.kept)
+               copies: Sequence[Optional[torch.Tensor]]) -> bool:
+        rebuilt = super().update(params, grads, exp_avgs, exp_avg_sqs, copies)
+        if rebuilt:
+            self.copy_dtype = next((c.dtype for c in copies if c is not None), None)
+        return rebuilt
 
 
 # --------------------------------------------------------------------------- launcher

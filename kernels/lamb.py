@@ -258,59 +258,97 @@ def _upload(rows, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return table
 
 
-class LambTables:
-    """The device tables of one group of tensors (see the module docstring), kept between steps.
+class TensorTables:
+    """The device tables of one set of tensors, kept between steps: the chunk table, and a row per
+    tensor of its addresses (the parameter's, then one from each other list given to ``update``;
+    None is address 0) followed by ``extra_columns``. Shared by the LAMB and AdamW kernels.
 
     ``update`` compares the tensors' addresses with the last step's (gradients are often new
-    tensors each step) and rebuilds only what changed: the chunk table and the scratch buffers
-    when the tensors' sizes change, the address table when any storage moved.
+    tensors each step) and rebuilds only what changed: the chunk table (and ``resized`` scratch)
+    when the tensors' sizes change, the address table when any storage moved. Subclasses name
+    themselves (``NAME``, ``CAPTURE_HINT``) and check their tensors (``check``).
     """
+
+    NAME = ""
+    CAPTURE_HINT = ""
 
     def __init__(self):
         self.sizes: Optional[Tuple[int, ...]] = None
         self.addresses: Optional[Tuple[int, ...]] = None
-        self.block = self.chunk = 0
-        self.chunks = self.tensors = self.partials = self.trust = None
-        self.ranges: List[Tuple[int, int]] = []
+        self.block = self.chunk = self.n_chunks = 0
+        self.chunks = self.tensors = None
+        self.ranges: List[Tuple[int, int]] = []  # each kept tensor's first and end chunk
         self.kept: List[int] = []  # the tables' tensors, as indices into the lists given to update
         self.aligned = True
         self.param_dtype = self.grad_dtype = None
 
-    def update(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-               exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor]) -> None:
-        # Checked every step, so kept cheap: two tuples of plain ints (~50 ns per tensor).
+    def check(self, params: Sequence[torch.Tensor], *others: Sequence[Optional[torch.Tensor]]) -> None:
+        raise NotImplementedError
+
+    def resized(self, n_chunks: int, n_tensors: int, device: torch.device) -> None:
+        """The chunk table was rebuilt for n_chunks chunks of n_tensors tensors: scratch to size."""
+
+    def extra_columns(self, tensor: int) -> Tuple[int, ...]:
+        """Columns after the addresses in the kept tensor's row."""
+        return ()
+
+    def update(self, params: Sequence[torch.Tensor], *others: Sequence[Optional[torch.Tensor]]) -> bool:
+        """Tables for these tensors (``others[0]`` the gradients); True when anything was rebuilt."""
+        # Checked every step, so kept cheap: tuples of plain ints (~50 ns per tensor).
         sizes = tuple(map(torch.Tensor.numel, params))
-        addresses = tuple(map(torch.Tensor.data_ptr, params)) + tuple(map(torch.Tensor.data_ptr, grads)) + \
-            tuple(map(torch.Tensor.data_ptr, exp_avgs)) + tuple(map(torch.Tensor.data_ptr, exp_avg_sqs))
+        addresses = tuple(map(torch.Tensor.data_ptr, params)) + tuple(
+            0 if t is None else t.data_ptr() for ts in others for t in ts)
         block, chunk = (INTERP_BLOCK, INTERP_CHUNK) if _common.interpreting() else (BLOCK, CHUNK)
         if addresses == self.addresses and sizes == self.sizes and chunk == self.chunk:
-            return
+            return False
         if params and params[0].is_cuda and torch.cuda.is_current_stream_capturing():
             # The upload below would be captured as a copy from a host buffer the graph does not own.
-            raise RuntimeError("LAMB: the tensors moved during a CUDA graph capture, so its device tables would "
-                               "have to be rebuilt inside the graph; give the gradients fixed buffers and call "
-                               "Lamb.prepare_tables() before capturing (GraphedTrainStep does)")
-        check_lamb_tensors(params, grads, exp_avgs, exp_avg_sqs)
+            raise RuntimeError(f"{self.NAME}: the tensors moved during a CUDA graph capture, so its device tables "
+                               f"would have to be rebuilt inside the graph; {self.CAPTURE_HINT}")
+        self.check(params, *others)
         kept = [i for i, n in enumerate(sizes) if n]  # empty tensors have nothing to update
         if sizes != self.sizes or chunk != self.chunk:
             rows, self.ranges = chunk_table([sizes[i] for i in kept], chunk)
+            self.n_chunks = len(rows)
             if kept:
-                device = params[0].device
-                self.chunks = _upload(rows, torch.int64, device)
-                self.partials = torch.empty((len(rows), 2), dtype=torch.float32, device=device)
-                self.trust = torch.empty((len(kept),), dtype=torch.float32, device=device)
-        n = len(params)
+                self.chunks = _upload(rows, torch.int64, params[0].device)
+                self.resized(len(rows), len(kept), params[0].device)
+        n, columns = len(params), 1 + len(others)
         if kept:
-            self.tensors = _upload([tuple(addresses[i + k * n] for k in range(4)) + self.ranges[j]
+            self.tensors = _upload([tuple(addresses[i + k * n] for k in range(columns)) + self.extra_columns(j)
                                     for j, i in enumerate(kept)], torch.int64, params[0].device)
-        self.aligned = all(addresses[i + k * n] % ALIGNMENT == 0 for i in kept for k in range(4))
-        self.param_dtype, self.grad_dtype = (params[0].dtype, grads[0].dtype) if params else (None, None)
+        self.aligned = all(addresses[i + k * n] % ALIGNMENT == 0 for i in kept for k in range(columns))
+        self.param_dtype, self.grad_dtype = (params[0].dtype, others[0][0].dtype) if params else (None, None)
         self.sizes, self.addresses, self.block, self.chunk, self.kept = sizes, addresses, block, chunk, kept
+        return True
 
     @property
     def count(self) -> int:
         """The tensors in the tables: those with elements."""
         return len(self.kept)
+
+
+class LambTables(TensorTables):
+    """LAMB's tables (see the module docstring): addresses of w, g, m, v and each tensor's chunk
+    range; PARTIALS and TRUST sized with them."""
+
+    NAME = "LAMB"
+    CAPTURE_HINT = ("give the gradients fixed buffers and call Lamb.prepare_tables() before capturing "
+                    "(GraphedTrainStep does)")
+
+    def __init__(self):
+        super().__init__()
+        self.partials = self.trust = None
+
+    def check(self, params, grads, exp_avgs, exp_avg_sqs) -> None:
+        check_lamb_tensors(params, grads, exp_avgs, exp_avg_sqs)
+
+    def resized(self, n_chunks: int, n_tensors: int, device: torch.device) -> None:
+        self.partials = torch.empty((n_chunks, 2), dtype=torch.float32, device=device)
+        self.trust = torch.empty((n_tensors,), dtype=torch.float32, device=device)
+
+    def extra_columns(self, tensor: int) -> Tuple[int, ...]:
+        return self.ranges[tensor]
 
 
 # --------------------------------------------------------------------------- launcher

@@ -15,6 +15,15 @@ pytestmark = pytest.mark.gpu_capable
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@pytest.fixture
+def gpu_sized_chunks(monkeypatch):
+    """The optimizer kernels' GPU chunks under the interpreter too (kernels.lamb's TensorTables, which
+    AdamW's tables are): a tiny model's step is then a few programs, not hundreds."""
+    from bertfast.kernels import lamb as tables
+    monkeypatch.setattr(tables, "INTERP_BLOCK", tables.BLOCK)
+    monkeypatch.setattr(tables, "INTERP_CHUNK", tables.CHUNK)
+
+
 def _model(dropout=0.0):
     torch.manual_seed(0)
     config = bertfast.BertConfig.preset("tiny", hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
@@ -112,16 +121,13 @@ def _train(model, working_dtype, steps=3):
     return casts, losses
 
 
-def test_training_on_working_copies_is_bit_identical_to_casting_and_casts_no_encoder_weight(monkeypatch):
+def test_training_on_working_copies_is_bit_identical_to_casting_and_casts_no_encoder_weight(gpu_sized_chunks):
     """The triton AdamW (under the interpreter on a CPU, its GPU-sized chunks) with and without
     working copies, three bf16 steps: the same losses and weights (bit for bit on a CPU), and with
     copies no encoder GEMM weight is cast in a forward (without them, every one is)."""
     ok, why = optim.triton_adamw_availability()
     if not ok:
         pytest.skip(f"the triton AdamW is unavailable: {why}")
-    from bertfast.kernels import adamw as kernels
-    monkeypatch.setattr(kernels, "INTERP_BLOCK", kernels.BLOCK)
-    monkeypatch.setattr(kernels, "INTERP_CHUNK", kernels.CHUNK)
     casting, copying = _model(), _model()
     cast_counts, cast_losses = _train(casting, None)
     copy_counts, copy_losses = _train(copying, torch.bfloat16)
@@ -136,16 +142,13 @@ def test_training_on_working_copies_is_bit_identical_to_casting_and_casts_no_enc
         assert same(a, b), name
 
 
-def test_raw_pointer_writes_leave_only_the_copies_written_beside_them_fresh(monkeypatch):
+def test_raw_pointer_writes_leave_only_the_copies_written_beside_them_fresh(gpu_sized_chunks):
     """bertfast's optimizer kernels bump no version counter, so they report what they wrote: a
     weight written with its registered copy stays fresh; written without it (LAMB; an AdamW with
     no copies, or with a set another has since taken over) it goes stale; a set released or
     collected is forgotten."""
     import gc
 
-    from bertfast.kernels import adamw as kernels
-    monkeypatch.setattr(kernels, "INTERP_BLOCK", kernels.BLOCK)
-    monkeypatch.setattr(kernels, "INTERP_CHUNK", kernels.CHUNK)
     model = _model()
     weights, _ = _qkv(model)
     bf16 = torch.bfloat16
