@@ -40,6 +40,17 @@ Math, per sequence b and head h (i: query row, j: key column, both < len_b):
   dK, dV. Every output element is written by exactly one program (no atomics), so results are
   deterministic for a fixed launch configuration.
 
+  Short sequences (up to FUSED_BWD_MAX_SEQLEN tokens, head dims up to FUSED_BWD_MAX_HEAD_DIM: BERT's
+  pre-training phase 1 and most fine-tuning): one kernel, one program per (sequence, head), holding
+  every key and value of its sequence and the dK, dV accumulators while it walks the query blocks.
+  Each query block sees its whole rows of scores, so
+      (1 - p) delta_i = sum_j kept_ij dP_ij            (fp32, from the tile: exact, nothing to refine)
+  and its dQ_i = scale / (1 - p) sum_j dS'_ij k_j is complete when the block ends: written, no
+  atomics. Five products per score element where the three kernels make seven (S and dP twice),
+  the preprocessing kernel and the stored output are not read, and the scores, K and V are loaded
+  once. The tiles are keys-major ([keys, queries], the orientation of dK's and dV's products, whose
+  operands then come from registers; the keep bits are transposed in shared memory, and dS for dQ).
+
 Dropout: keep_ij = (u >= p), u in [0, 1) in steps of 2**-16, from Philox4x32-7 (tl.randint4x,
 N_ROUNDS) keyed by (seed, b * A + h) -- the seed in the key's low word, the (batch, head) stream in
 its high word. One Philox call makes 8 keep decisions, a 16-bit half of each of its 4 words compared
@@ -705,6 +716,129 @@ def _attention_bwd_dq_kernel(
                 dq.to(DQ.dtype.element_ty), row_ok, HEAD_DIM, BLOCK_D)
 
 
+# =========================================================================== backward, short sequences
+@triton.jit
+def _bwd_fused_block(dk, dv, k, v, key_ok, q_base, do_base, dq_base, lse_ptr, keep_base, keep_rows, start_m,
+                     seq_len, stride_qs, stride_dos, stride_dqs, qk_scale, dq_scale, keep_len,
+                     HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One query block against every key of its sequence: its dQ, written, and its dK, dV
+    contributions. The block sees whole rows of scores, so delta is their row sum in fp32,
+    delta_i (1 - p) = sum_j kept_ij dP_ij (header: no delta kernel, nothing to refine)."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < seq_len
+    # Tile pointers from the (b, h) base and int32 offsets, made here: [BLOCK_M, BLOCK_D] 64-bit
+    # pointers held across the loop cost 2 registers an element, three of them more than the
+    # score tiles.
+    q = _load_tile(q_base + (offs_m[:, None] * stride_qs + offs_d[None, :]), row_ok, True, HEAD_DIM, BLOCK_D)
+    do = _load_tile(do_base + (offs_m[:, None] * stride_dos + offs_d[None, :]), row_ok, True, HEAD_DIM, BLOCK_D)
+    lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=float("inf"))  # rows past the end: P = 0
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    # Keys-major: scores as [keys, queries], the products' own orientation, so dV and dK take P and
+    # dS from registers and only dQ's operand is transposed (in shared memory); the [BLOCK_N, BLOCK_M]
+    # tiles share the [BLOCK_N, BLOCK_D] accumulators' layout.
+    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)  # [BN, BM]
+    p_t = tl.exp2(s_t * qk_scale - (lse * 1.4426950408889634)[None, :])
+    p_t = tl.where(key_ok[:, None], p_t, 0.0)  # keys past the end or padding: their recomputed P is not 0
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # [BN, BM]
+    if HAS_DROPOUT:
+        block_rows = keep_rows + (start_m // 2) * (keep_len // 4)
+        kept_t = tl.where(tl.trans(_stored_keep(keep_base, block_rows, 0, BLOCK_M, BLOCK_N)), p_t, 0.0)
+    else:
+        kept_t = p_t
+    dv = tl.dot(kept_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+    # dS (1 - p) = kept dP - P (1 - p) delta (as _bwd_kv_block), (1 - p) delta = sum_j kept dP.
+    kdp_t = kept_t * dp_t
+    ds_t = kdp_t - p_t * tl.sum(kdp_t, 0)[None, :]
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PREC) * dq_scale
+    _store_tile(dq_base + (offs_m[:, None] * stride_dqs + offs_d[None, :]), dq.to(dq_base.dtype.element_ty), row_ok,
+                HEAD_DIM, BLOCK_D)
+    return dk, dv
+
+
+@triton.jit
+def _attention_bwd_fused_kernel(
+    Q,           # [B, S, A, D] or [T, A, D] queries
+    K,           # keys, same layout
+    V,           # values, same layout
+    DO,          # upstream gradient of the output, same layout
+    LSE,         # fp32 [B, A, S] or [A, T] from the forward
+    DQ,          # written: dQ, q layout (its own strides)
+    DK,          # written: dK
+    DV,          # written: dV
+    CU_SEQLENS,  # int32 [B + 1] (varlen only)
+    KEY_MASK,    # [B, S] 1 = token (padded form with a mask only)
+    KEEP,        # uint8 keep bits from the forward (dropout only)
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    stride_lb, stride_lh,
+    stride_mb, stride_ms,
+    seqlen, num_heads, softmax_scale, qk_scale, dropout_p, seqlen_bucket, keep_len,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program per (head, sequence) of at most BLOCK_N tokens: every key at once, the query
+    blocks in turn; dQ, dK and dV in one pass (header, "Short sequences")."""
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    seq_start, seq_len = _seq_range(CU_SEQLENS, b, seqlen, IS_VARLEN)
+    if seq_len <= 0:
+        return
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    key_in = offs_n < seq_len
+    k = _load_tile(K + b64 * stride_kb + seq_start * stride_ks + h64 * stride_kh
+                   + offs_n[:, None] * stride_ks + offs_d[None, :], key_in, True, HEAD_DIM, BLOCK_D)
+    v = _load_tile(V + b64 * stride_vb + seq_start * stride_vs + h64 * stride_vh
+                   + offs_n[:, None] * stride_vs + offs_d[None, :], key_in, True, HEAD_DIM, BLOCK_D)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    key_ok = key_in
+    if HAS_KEY_MASK:
+        key_ok = key_ok & (tl.load(KEY_MASK + b64 * stride_mb + offs_n * stride_ms, mask=key_in, other=0) != 0)
+    q_base = Q + b64 * stride_qb + seq_start * stride_qs + h64 * stride_qh
+    do_base = DO + b64 * stride_dob + seq_start * stride_dos + h64 * stride_doh
+    dq_base = DQ + b64 * stride_dqb + seq_start * stride_dqs + h64 * stride_dqh
+    lse_ptr = LSE + b64 * stride_lb + h64 * stride_lh + seq_start
+    keep_base = _keep_block(KEEP, b64, h64, num_heads, keep_len)
+    keep_rows = _keep_rows(0, keep_len, BLOCK_M)
+    inv_keep = 1.0
+    if HAS_DROPOUT:
+        inv_keep = 1.0 / (1.0 - dropout_p)
+    dq_scale = softmax_scale * inv_keep
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    # One loop, its rows and keys always masked: unmasked copies for full blocks and full-length
+    # sequences save about one instruction per score element (~4%) and triple the compile time.
+    for start_m in range(0, seq_len, BLOCK_M):
+        dk, dv = _bwd_fused_block(dk, dv, k, v, key_ok, q_base, do_base, dq_base, lse_ptr, keep_base, keep_rows,
+                                  start_m, seq_len, stride_qs, stride_dos, stride_dqs, qk_scale, dq_scale, keep_len,
+                                  HAS_DROPOUT, UPCAST, DOT_PREC, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+    # A padding key's P is 0 in every row, so its dK and dV rows are 0 already.
+    dk = dk * (softmax_scale * inv_keep)
+    dv = dv * inv_keep
+    _store_tile(DK + b64 * stride_dkb + seq_start * stride_dks + h64 * stride_dkh
+                + offs_n[:, None] * stride_dks + offs_d[None, :],
+                dk.to(DK.dtype.element_ty), key_in, HEAD_DIM, BLOCK_D)
+    _store_tile(DV + b64 * stride_dvb + seq_start * stride_dvs + h64 * stride_dvh
+                + offs_n[:, None] * stride_dvs + offs_d[None, :],
+                dv.to(DV.dtype.element_ty), key_in, HEAD_DIM, BLOCK_D)
+
+
 # =========================================================================== dropout mask (debug)
 @triton.jit
 def _attention_dropout_mask_kernel(
@@ -820,12 +954,61 @@ _CANDIDATES = {
 # kernels on purpose so the CPU tests show results do not depend on the block shape; dK/dV runs
 # query-major, the training path's orientation (a test runs the other).
 _INTERP = {"fwd": {"BLOCK_M": 16, "BLOCK_N": 16}, "dkdv": {"BLOCK_M": 16, "BLOCK_N": 32, "QUERY_MAJOR": True},
-           "dq": {"BLOCK_M": 32, "BLOCK_N": 16}, "mask": {"BLOCK_M": 16, "BLOCK_N": 32}}
+           "dq": {"BLOCK_M": 32, "BLOCK_N": 16}, "mask": {"BLOCK_M": 16, "BLOCK_N": 32},
+           "fused": {"BLOCK_M": 16}}  # its BLOCK_N: fused_block_n
 _DELTA_BLOCK_M = 64
 # The keep bits' rows and columns are padded to a multiple of every tile, so no kernel masks its
 # byte loads and stores (header, "Keep bits"); _tuned checks each candidate against it.
 KEEP_ALIGN = 128
 _OUTSIDE_BLOCKS = {"BLOCK_T": 64, "BLOCK_C": 128}
+
+
+# The short-sequence backward (_attention_bwd_fused_kernel): one program holds every key of its
+# sequence, BLOCK_N = fused_block_n(seqlen), so its candidates are listed per key tile, (BLOCK_M =
+# queries a step, num_warps, num_stages), and its pruner keeps that tile's. It serves sequences up to
+# FUSED_BWD_MAX_SEQLEN tokens (fp32: its IEEE dots on the CUDA cores spill at every 128-key tile
+# tried, up to 16 warps, and at 64 keys with triton 3.6) at head dims up to FUSED_BWD_MAX_HEAD_DIM
+# (the [keys, head dim] dK and dV accumulators stay in registers); longer sequences take the three
+# kernels above. At 128 keys the
+# tiles are keys-major so that 8 warps hold the [128, 64] accumulators and the [128, 64] score tiles
+# in one layout (query-major, a [64, 128] score tile took the accumulators' 8 x 1 warp layout, each
+# warpgroup holding all of it: spills); 226-255 registers, one program per SM; 3 stages put both
+# query blocks' loads in flight at once (the program runs two). Spilling, so left out: (32, 4, 3)
+# at 128 keys, (64, 4, 3) at 64; in fp32, (16, 4, 2) at 16 and 32 keys.
+FUSED_BWD_MAX_SEQLEN = {False: 128, True: 32}  # by fp32 operands
+FUSED_BWD_MAX_HEAD_DIM = 64
+_FUSED_CANDIDATES = {
+    False: {128: [(64, 8, 3), (64, 8, 2)], 64: [(32, 4, 3), (32, 4, 2)], 32: [(32, 4, 2), (16, 4, 2)],
+            16: [(16, 4, 2)]},
+    True: {32: [(16, 8, 2)], 16: [(16, 4, 1)]},
+}
+
+
+def fused_block_n(seqlen: int) -> int:
+    """The short-sequence backward's key tile: every key of the longest sequence."""
+    return max(16, triton.next_power_of_2(seqlen))
+
+
+def fused_backward(seqlen: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the backward takes the one-pass kernel (_attention_bwd_fused_kernel)."""
+    return seqlen <= FUSED_BWD_MAX_SEQLEN[dtype == torch.float32] and head_dim <= FUSED_BWD_MAX_HEAD_DIM
+
+
+def _fused_tuned(kernel):
+    """The autotuned one-pass backward: its pruner keeps the candidates of the call's key tile."""
+    table, configs = {}, {}
+    for fp32, tiles in _FUSED_CANDIDATES.items():
+        assert max(tiles) == FUSED_BWD_MAX_SEQLEN[fp32]
+        for block_n, entries in tiles.items():
+            assert KEEP_ALIGN % block_n == 0 and all(KEEP_ALIGN % e[0] == 0 for e in entries), (fp32, block_n)
+            table[(fp32, block_n)] = [
+                configs.setdefault((e[0], block_n) + e[1:], triton.Config({"BLOCK_M": e[0], "BLOCK_N": block_n},
+                                                                         num_warps=e[1], num_stages=e[2]))
+                for e in entries]
+
+    def prune(_configs, named_args, **kwargs):
+        return table[(named_args["Q"].dtype == torch.float32, max(16, named_args["seqlen_bucket"]))]
+    return autotune(list(configs.values()), _AUTOTUNE_KEY, prune)(kernel)
 
 
 def _tuned(kernel, which: str):
@@ -850,6 +1033,7 @@ _AUTOTUNE_KEY = ["seqlen_bucket", "HEAD_DIM", "IS_VARLEN", "HAS_KEY_MASK", "HAS_
 _fwd_tuned = _tuned(_attention_fwd_kernel, "fwd")
 _bwd_dkdv_tuned = _tuned(_attention_bwd_dkdv_kernel, "dkdv")
 _bwd_dq_tuned = _tuned(_attention_bwd_dq_kernel, "dq")
+_bwd_fused_tuned = _fused_tuned(_attention_bwd_fused_kernel)
 
 
 # =========================================================================== validation
@@ -917,26 +1101,32 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, keep, b
     heads, head_dim = q.shape[-2], q.shape[-1]
     upcast, prec = _dot_flags(q.dtype)
     lse = lse.contiguous()
+    cu = cu_seqlens if varlen else lse
+    mask_strides = (key_mask.stride(0), key_mask.stride(1)) if key_mask is not None else (0, 0)
+    kmask = key_mask if key_mask is not None else lse
+    keep_arg = keep if dropout_p > 0 else lse
+    bucket = triton.next_power_of_2(seqlen)
+    consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), IS_VARLEN=varlen, HAS_KEY_MASK=key_mask is not None,
+                  HAS_DROPOUT=dropout_p > 0, UPCAST=upcast, DOT_PREC=prec)
+    tail = (*_lse_strides(lse, varlen), *mask_strides,
+            seqlen, heads, softmax_scale, softmax_scale * _LOG2E, dropout_p, bucket, _keep_len(keep))
+    qkv_strides = (*_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(dout, varlen))
+
+    if fused_backward(seqlen, head_dim, q.dtype):
+        args = (q, k, v, dout, lse, dq, dk, dv, cu, kmask, keep_arg,
+                *qkv_strides, *_bsh(dq, varlen), *_bsh(dk, varlen), *_bsh(dv, varlen), *tail)
+        interp = dict(_INTERP["fused"], BLOCK_N=fused_block_n(seqlen))
+        launch(_bwd_fused_tuned, (1, heads, batch), args, consts, interp=interp)
+        return
     delta = torch.empty_like(lse)  # same layout as lse: d = rowsum(dO * O)
     # fp16/bf16: the dQ kernel refines d into delta (header) for the dK/dV kernel; fp32: d is delta
     refine = q.dtype != torch.float32
     delta_out = torch.empty_like(lse) if refine else delta
-    cu = cu_seqlens if varlen else lse
-    bucket = triton.next_power_of_2(seqlen)
 
     delta_block = _INTERP["fwd"]["BLOCK_M"] if interpreting() else _DELTA_BLOCK_M
     launch(_attention_bwd_delta_kernel, (triton.cdiv(seqlen, delta_block), heads, batch),
            (out, dout, delta, cu, *_bsh(out, varlen), *_bsh(dout, varlen), *_lse_strides(lse, varlen), seqlen),
            dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), IS_VARLEN=varlen, BLOCK_M=delta_block))
-
-    mask_strides = (key_mask.stride(0), key_mask.stride(1)) if key_mask is not None else (0, 0)
-    kmask = key_mask if key_mask is not None else lse
-    keep_arg = keep if dropout_p > 0 else lse
-    tail = (*_lse_strides(lse, varlen), *mask_strides,
-            seqlen, heads, softmax_scale, softmax_scale * _LOG2E, dropout_p, bucket, _keep_len(keep))
-    consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), IS_VARLEN=varlen, HAS_KEY_MASK=key_mask is not None,
-                  HAS_DROPOUT=dropout_p > 0, UPCAST=upcast, DOT_PREC=prec)
-    qkv_strides = (*_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(dout, varlen))
 
     args = (q, k, v, dout, lse, delta, delta_out, dq, cu, kmask, keep_arg,
             *qkv_strides, *_bsh(dq, varlen), *tail)

@@ -68,7 +68,8 @@ def test_candidates_per_tuning_key_are_bounded_at_bert_shapes(monkeypatch):
     monkeypatch.setattr(_common, "interpreting", lambda: False)
     launches = record_launches(fast=False)
     kernels = {launch.fn.__name__ for launch in launches}
-    assert {"_attention_fwd_kernel", "_attention_bwd_dkdv_kernel", "_attention_bwd_dq_kernel", "_bias_gelu_fwd_kernel",
+    assert {"_attention_fwd_kernel", "_attention_bwd_dkdv_kernel", "_attention_bwd_dq_kernel",
+            "_attention_bwd_fused_kernel", "_bias_gelu_fwd_kernel",
             "_bias_gelu_bwd_kernel", "_bias_dropout_residual_layernorm_fwd_kernel",
             "_bias_dropout_residual_layernorm_bwd_kernel", "_embeddings_fwd_kernel", "_embeddings_bwd_kernel",
             "_mlm_head_loss_fwd_kernel"} <= kernels

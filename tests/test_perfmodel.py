@@ -55,6 +55,39 @@ def test_instruction_details():
     assert sass.Instruction(0, "XYZZY", "", "").cls == "other"
 
 
+def _listing(*blocks):
+    """A ``cuobjdump -sass`` listing of one function from (opcode, count) runs, a loop closed by
+    ("LOOP", start index): a BRA back to that instruction."""
+    lines, index = ["Function : k"], 0
+    for op, n in blocks:
+        for _ in range(n):
+            if op == "LOOP":
+                lines.append(f"        /*{index * 16:04x}*/                   BRA 0x{n * 16:x} ;")
+                index += 1
+                break
+            modifiers = ".64x64x16.F32.BF16" if op == "HGMMA" else ""
+            lines.append(f"        /*{index * 16:04x}*/                   {op}{modifiers} R0, R1, R2 ;")
+            index += 1
+    return sass.parse("\n".join(lines))["k"]
+
+
+def test_the_main_loop_is_the_shortest_with_the_most_tensor_work_and_its_copies_do_not_run():
+    """Three loops of 2 HGMMAs: the masked copies (longer, their selects) before and after the unmasked
+    one, as the attention's one-pass backward compiles: the shortest is the main loop; the copies,
+    idle at full lengths, are not counted once per program beside it; a loop without tensor work is."""
+    f = _listing(("FFMA", 2),                                              # 0-1: prologue
+                 ("HGMMA", 2), ("FSEL", 6), ("LOOP", 2),                    # 2-10: masked copy
+                 ("HGMMA", 2), ("FSEL", 1), ("LOOP", 11),                   # 11-14: the main loop
+                 ("HGMMA", 2), ("FSEL", 4), ("LOOP", 15),                   # 15-21: masked tail
+                 ("IADD3", 3), ("LOOP", 22),                                # 22-25: no tensor work
+                 ("STG", 1), ("EXIT", 1))
+    assert f.loops() == [(2, 10), (11, 14), (15, 21), (22, 25)]
+    assert f.main_loop() == (11, 14) and f.tail_copies() == [(2, 10), (15, 21)]
+    span, loop, rest = model.loop_and_rest(f)
+    assert span == (11, 14) and len(loop) == 4
+    assert [ins.opcode for ins in rest] == ["FFMA", "FFMA", "IADD3", "IADD3", "IADD3", "BRA", "STG", "EXIT"]
+
+
 def test_prediction_by_hand(gelu_bwd):
     """BERT-large's FFN backward: 16384 x 4096 elements in tiles of 4 x 1024, 8 warps, 2048 programs."""
     tokens, ffn, tile, warps, programs = 16384, 4096, 4096, 8, 2048
@@ -255,6 +288,19 @@ def test_step_budget_lines_and_its_ceiling_from_given_kernel_predictions():
     removed = sum(items[n] for n in step.REMOVABLE)
     assert ceiling["seconds"] == pytest.approx(plan["seconds"] - removed - items["row ops"] / 2)
     assert ceiling["mfu"] == pytest.approx(plan["mfu"] * plan["seconds"] / ceiling["seconds"])
+    assert items["launch gaps"] == pytest.approx((24 * (23 + 4) + 20) * H100.launch_gap_s)
+
+    # The one-pass backward in place of delta, dQ and dK/dV: its time, and two kernels a layer fewer.
+    del kernels["_attention_bwd_delta_kernel"], kernels["_attention_bwd_dq_kernel"]
+    kernels["_attention_bwd_fused_kernel"] = kernels.pop("_attention_bwd_dkdv_kernel")
+    results = [SimpleNamespace(setting=case.setting, kernel=k, variant="HAS_BIAS=1", hbm_bytes=t * us / 2 * 3e12,
+                               prediction=SimpleNamespace(predicted_s=t * us)) for k, t in kernels.items()]
+    fused = {i["name"]: i for i in step.budget(results, case, H100)["items"]}
+    assert fused["attention"]["seconds"] == pytest.approx(24 * 160 * us)
+    assert "forward, one-pass backward" in fused["attention"]["how"]
+    assert fused["launch gaps"]["seconds"] == pytest.approx((24 * (23 + 2) + 20) * H100.launch_gap_s)
+    with pytest.raises(KeyError, match="forward and backward"):
+        step.budget([r for r in results if r.kernel != "_attention_bwd_fused_kernel"], case, H100)
 
 
 @pytest.mark.skipif(sass.find_cuobjdump() is None, reason="no cuobjdump (Triton's NVIDIA backend carries one)")
@@ -286,6 +332,13 @@ def test_perf_model_command_reads_every_kernel_and_reports_the_targets(tmp_path)
     without = fwd["bert-large seq 512 batch 32 bf16 p=0"]
     assert 12 < with_dropout < 30 and 5 < without < 20  # triton 3.6 and 3.9 compile slightly differently
     assert with_dropout > without + 4  # the mask is drawn in the loop
+    # seq 128 takes the one-pass backward (kernels/attention.py), seq 512 the three kernels
+    backward = {(k["setting"].split(" batch")[0], k["kernel"]) for k in data["kernels"]
+                if k["kernel"].startswith("_attention_bwd")}
+    assert ("bert-large seq 128", "_attention_bwd_fused_kernel") in backward
+    assert ("bert-large seq 512", "_attention_bwd_dkdv_kernel") in backward
+    assert ("bert-large seq 512", "_attention_bwd_fused_kernel") not in backward
+    assert "one-pass backward" in next(i["how"] for i in phase1["items"] if i["name"] == "attention")
     # ptxas's report was read for every kernel, and no first candidate spills (the compile report's rule)
     assert all(k["registers"] for k in data["kernels"])
     assert not [k["kernel"] for k in data["kernels"] if any("spills" in n for n in k["prediction"]["notes"])]

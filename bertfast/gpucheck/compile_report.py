@@ -18,8 +18,8 @@ device's limit there, failing with a clear error: csrc/attention_host.cuh, ``pre
 
 A kernel fails the report when it spills registers (any spill store), needs more shared
 memory than an sm_90 block can have (227 KiB), or does not compile. Exit status 1 when any
-fails. ``--fast`` (what CI runs) covers the training configuration only: BERT-large, bf16
-activations, fp32 parameters, dropout 0.1. Runs with triton 3.6 and 3.9.
+fails. ``--fast`` (what CI runs) covers the training configuration only: BERT-large at seq 512
+and 128, bf16 activations, fp32 parameters, dropout 0.1. Runs with triton 3.6 and 3.9.
 """
 from __future__ import annotations
 
@@ -59,6 +59,12 @@ ATTENTION_MATRIX = [("bert-large", 512, 32, "bf16", "fp32", 0.1), ("bert-large",
 # with the keep bits) matched. Compiling them all was a third of the full matrix's time;
 # --attention-only still compiles fp16 at every head dim.
 FULL_MATRIX_FP16_ATTENTION_HEAD_DIMS = (64,)
+# The attention's one-pass backward holds a whole sequence in its key tile, so its candidates are
+# listed per length (kernels/attention.py, _FUSED_CANDIDATES): the full matrix also compiles it at
+# these shorter lengths, with and without a key mask, at head dim 64 and at 26 (masked columns).
+SHORT_SEQUENCES = (16, 32, 64)
+SHORT_SEQUENCE_HEAD_DIMS = (26, 64)
+SHORT_SEQUENCE_KERNELS = ("_attention_bwd_fused_kernel",)
 
 
 @dataclasses.dataclass
@@ -161,8 +167,8 @@ OPS = ("attention", "bias_gelu", "bias_dropout_residual_layernorm", "embeddings"
 
 def _matrix(fast: bool) -> List[Setting]:
     """(model, seq, batch, act dtype name, params 'fp32'|'act', dropout p) settings."""
-    if fast:
-        return [("bert-large", 512, 32, "bf16", "fp32", 0.1)]
+    if fast:  # phase 2, then phase 1 (its attention backward is the one-pass kernel)
+        return [("bert-large", 512, 32, "bf16", "fp32", 0.1), ("bert-large", 128, 128, "bf16", "fp32", 0.1)]
     out = []
     for model in MODELS:
         for seq, batch in SEQ_BATCH:
@@ -174,11 +180,12 @@ def _matrix(fast: bool) -> List[Setting]:
 
 
 def bert_launches(settings: Sequence[Setting], head_dims: Sequence[int] = (64,), ops: Sequence[str] = OPS,
-                  padded_attention: bool = True, fp16_head_dims: Optional[Sequence[int]] = None
-                  ) -> Iterator[Tuple[str, Callable[[], None]]]:
+                  padded_attention: bool = True, fp16_head_dims: Optional[Sequence[int]] = None,
+                  short_sequences: bool = False) -> Iterator[Tuple[str, Callable[[], None]]]:
     """(case label, function that calls the launchers of ``ops`` at that setting) for every setting;
     attention at each of ``head_dims`` (fp16 attention only at those also in ``fp16_head_dims``, when
-    given), varlen and (``padded_attention``) padded."""
+    given), varlen and (``padded_attention``) padded; with ``short_sequences``, at seq 128 the
+    backward also at SHORT_SEQUENCES, at the head dims of SHORT_SEQUENCE_HEAD_DIMS given."""
     import torch
     from bertfast.kernels import attention as A, bias_gelu as G, embeddings as E, mlm_head_loss as M
     from bertfast.kernels import bias_dropout_residual_layernorm as L
@@ -212,6 +219,15 @@ def bert_launches(settings: Sequence[Setting], head_dims: Sequence[int] = (64,),
                 mask = torch.ones(batch, seq, dtype=torch.bool)
                 outp, lsep, keepp = A.attention_padded_fwd(qp, qp, qp, mask, 0.125, p, seed)
                 A.attention_padded_bwd(outp, qp, qp, qp, outp, lsep, mask, 0.125, p, seed, keepp)
+                if short_sequences and seq == 128 and head_dim in SHORT_SEQUENCE_HEAD_DIMS:
+                    for short in SHORT_SEQUENCES:
+                        if not A.fused_backward(short, head_dim, act):
+                            continue
+                        qs = empty(2, short, heads_here, head_dim)
+                        lses = torch.empty(2, heads_here, short)
+                        keeps = torch.empty(A.dropout_keep_shape(2, heads_here, short, p), dtype=torch.uint8)
+                        for mask_s in (None, torch.ones(2, short, dtype=torch.bool)):
+                            A.attention_padded_bwd(qs, qs, qs, qs, qs, lses, mask_s, 0.125, p, seed, keeps)
 
         def bias_gelu():
             x, bias = empty(tokens, ffn), empty(ffn, dtype=par)
@@ -286,21 +302,25 @@ def record_launches(fast: bool, attention_only: bool = False) -> List[Launch]:
     """Every distinct launch (kernel, flags, dtypes) the report's BERT settings make, with its candidates."""
     if attention_only:
         dims = tuple(d for d in ATTENTION_HEAD_DIMS if d != 64)
-        return record_settings(ATTENTION_MATRIX, dims, ("attention",))
+        return record_settings(ATTENTION_MATRIX, dims, ("attention",), short_sequences=True)
     return record_settings(_matrix(fast), (64,) if fast else ATTENTION_HEAD_DIMS,
-                           fp16_head_dims=FULL_MATRIX_FP16_ATTENTION_HEAD_DIMS)
+                           fp16_head_dims=FULL_MATRIX_FP16_ATTENTION_HEAD_DIMS, short_sequences=not fast)
 
 
 def record_settings(settings: Sequence[Setting], head_dims: Sequence[int] = (64,), ops: Sequence[str] = OPS,
-                    padded_attention: bool = True, fp16_head_dims: Optional[Sequence[int]] = None) -> List[Launch]:
+                    padded_attention: bool = True, fp16_head_dims: Optional[Sequence[int]] = None,
+                    short_sequences: bool = False) -> List[Launch]:
     """Every distinct launch (kernel, flags, dtypes) at these settings, with its candidates and the
-    autotuner keys it was launched with (see bert_launches)."""
+    autotuner keys it was launched with (see bert_launches); ``short_sequences``: the attention's
+    one-pass backward also at every shorter key tile (SHORT_SEQUENCES), a launch per tile."""
     from bertfast.kernels._common import compile_only
 
     by_variant: Dict[tuple, Launch] = {}
-    for case, call in bert_launches(settings, head_dims, ops, padded_attention, fp16_head_dims):
+    for case, call in bert_launches(settings, head_dims, ops, padded_attention, fp16_head_dims, short_sequences):
         def record(fn, grid, args, consts, configs, key, case=case):
             variant = (fn.__name__, tuple(sorted(consts.items())), _dtypes(args))
+            if fn.__name__ in SHORT_SEQUENCE_KERNELS:  # its candidates are its key tile's
+                variant += (configs[0].kwargs["BLOCK_N"],)
             if variant not in by_variant:
                 by_variant[variant] = Launch(fn, tuple(_stand_in(a) for a in args), dict(consts), list(configs),
                                              case)

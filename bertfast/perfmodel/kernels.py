@@ -158,6 +158,7 @@ WORK: Dict[str, Callable[[Setting, Launch, Gpu], Work]] = {
     "_attention_bwd_dq_kernel": _attention,
     "_attention_bwd_dkdv_kernel": _attention,
     "_attention_bwd_delta_kernel": _no_loop("BLOCK_M", "BLOCK_D"),
+    "_attention_bwd_fused_kernel": _attention,
     "_bias_gelu_fwd_kernel": _no_loop("BLOCK_N", "BLOCK_F"),
     "_bias_gelu_bwd_kernel": _gelu_bwd,
     "_bias_dropout_residual_layernorm_fwd_kernel": _no_loop("BLOCK_M", "BLOCK_H"),

@@ -121,12 +121,14 @@ def global_bytes(instructions: List[Instruction], warps: int) -> Tuple[float, fl
 
 
 def loop_and_rest(function: Function) -> Tuple[Optional[Tuple[int, int]], List[Instruction], List[Instruction]]:
-    """(the main loop's span, its instructions, the instructions outside it). Without a loop the
-    whole body is the "loop", run once per program, and nothing is outside it."""
+    """(the main loop's span, its instructions, the instructions outside it that run: not its tail
+    copies, sass.Function.tail_copies, idle at the full lengths predicted). Without a loop the whole
+    body is the "loop", run once per program, and nothing is outside it."""
     span = function.main_loop()
     if span is None:
         return None, function.instructions, []
-    rest = [ins for i, ins in enumerate(function.instructions) if not span[0] <= i <= span[1]]
+    skipped = [span, *function.tail_copies()]
+    rest = [ins for i, ins in enumerate(function.instructions) if not any(a <= i <= b for a, b in skipped)]
     return span, function.body(span), rest
 
 

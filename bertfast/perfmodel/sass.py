@@ -3,10 +3,12 @@
 The text is ``cuobjdump -sass`` of a cubin (the disassembler Triton's package carries, or the CUDA
 toolkit's). Each instruction line reads ``/*0140*/  @!P0 OPCODE.MODIFIERS operands ;``. A loop is
 a backward branch: ``BRA`` to an earlier address; its body is every instruction from the target
-to the branch. The main loop is the first loop with the most tensor-core instructions (the attention
-kernels' loop over full key or query blocks: the loop over the masked tail block comes after it and
-does not run when lengths are multiples of the block), else the largest loop (a row kernel's loop
-over row tiles); a kernel without a loop is its whole body, run once per program.
+to the branch. The main loop is the shortest loop with the most tensor-core instructions, the first
+of equals (the attention kernels' loop over full key or query blocks); its copies, the loops with as
+many tensor-core instructions (over the masked tail block, or with masked keys: longer, their masks
+cost instructions), do not run when lengths are multiples of the block (``tail_copies``). Without
+tensor-core work the main loop is the largest loop (a row kernel's loop over row tiles); a kernel
+without a loop is its whole body, run once per program.
 """
 from __future__ import annotations
 
@@ -112,17 +114,28 @@ class Function:
                 out.append((index[target], i))
         return out
 
+    def _tensor(self, span: Tuple[int, int]) -> int:
+        return sum(1 for ins in self.body(span) if ins.cls == "tensor")
+
     def main_loop(self) -> Optional[Tuple[int, int]]:
-        """The first loop with the most tensor-core instructions; without any, the largest loop.
-        None: the kernel has no loop."""
+        """The shortest loop with the most tensor-core instructions (the first of equals); without any,
+        the largest loop. None: the kernel has no loop."""
         loops = self.loops()
         if not loops:
             return None
-        tensor = {span: sum(1 for ins in self.body(span) if ins.cls == "tensor") for span in loops}
+        tensor = {span: self._tensor(span) for span in loops}
         most = max(tensor.values())
         if most:
-            return min((span for span in loops if tensor[span] == most), key=lambda span: span[0])
+            return min((span for span in loops if tensor[span] == most), key=lambda span: (span[1] - span[0], span[0]))
         return max(loops, key=lambda span: (span[1] - span[0], -span[0]))
+
+    def tail_copies(self) -> List[Tuple[int, int]]:
+        """The other loops with the main loop's tensor-core work: its copies for a masked tail block or
+        masked keys, which do not run at lengths that are multiples of the block."""
+        main = self.main_loop()
+        if main is None or not self._tensor(main):
+            return []
+        return [span for span in self.loops() if span != main and self._tensor(span) == self._tensor(main)]
 
     def body(self, span: Optional[Tuple[int, int]]) -> List[Instruction]:
         return self.instructions if span is None else self.instructions[span[0]:span[1] + 1]

@@ -37,10 +37,11 @@ from bertfast.perfmodel.hardware import Gpu
 
 LAYERS = {"bert-base": 12, "bert-large": 24}
 VOCAB, POSITIONS, TYPES = 30522, 512, 2
-# forward ~9 (4 GEMMs on the weights' working copies, attention and its outside-rows pass, 3 row ops),
-# backward ~18 (GEMMs, the attention's kernels, row ops and their column sums; the weight gradients
-# come fp32 from the GEMMs and the residual gradients are summed in them, bertfast.residual_linear)
-KERNELS_PER_LAYER = 27
+# Besides the attention's kernels (ATTENTION_KERNELS): forward 8 (4 GEMMs on the weights' working
+# copies, the attention's outside-rows pass, 3 row ops), backward 15 (8 GEMMs, the outside-rows pass,
+# 3 row ops and their column sums; the weight gradients come fp32 from the GEMMs and the residual
+# gradients are summed in them, bertfast.residual_linear)
+KERNELS_PER_LAYER_BESIDE_ATTENTION = 23
 MASKED_PER_SEQUENCE = {128: 20, 512: 80}  # the BERT recipe's max_predictions_per_seq
 
 
@@ -92,6 +93,22 @@ def _launch(results, setting: K.Setting, kernel: str, variant_has: str = ""):
     raise KeyError(f"perf-model: no prediction of {kernel} at {setting.label()}")
 
 
+# The attention kernels a training step runs, by their step-budget names: the backward is the one-pass
+# kernel for sequences up to kernels/attention.py's FUSED_BWD_MAX_SEQLEN, else three kernels.
+ATTENTION_KERNELS = {"_attention_fwd_kernel": "forward", "_attention_bwd_fused_kernel": "one-pass backward",
+                     "_attention_bwd_delta_kernel": "delta", "_attention_bwd_dq_kernel": "dQ",
+                     "_attention_bwd_dkdv_kernel": "dK/dV"}
+
+
+def attention_launches(results, setting: K.Setting) -> Dict[str, object]:
+    """The first recorded launch of each attention kernel at ``setting``, in the order of ATTENTION_KERNELS."""
+    found = {k: _launch(results, setting, k) for k in ATTENTION_KERNELS
+             if any(r.setting == setting and r.kernel == k and r.prediction is not None for r in results)}
+    if "_attention_fwd_kernel" not in found or len(found) < 2:
+        raise KeyError(f"perf-model: no prediction of the attention's forward and backward at {setting.label()}")
+    return found
+
+
 def _predicted(results, setting: K.Setting, kernel: str, variant_has: str = "") -> float:
     return _launch(results, setting, kernel, variant_has).prediction.predicted_s
 
@@ -124,14 +141,16 @@ def budget(results, case: StepCase, gpu: Gpu) -> Dict[str, object]:
     cast_grads = hidden * hidden + hidden + 2 * hidden + 2  # through F.linear under autocast: bf16, then cast
     flops, attention_flops = model_flops(s)
     bw = gpu.achievable_hbm_bytes_per_s
-    attention = sum(_predicted(results, s, k) for k in ("_attention_fwd_kernel", "_attention_bwd_delta_kernel",
-                                                         "_attention_bwd_dq_kernel", "_attention_bwd_dkdv_kernel"))
+    attention_kernels = attention_launches(results, s)
+    attention = sum(r.prediction.predicted_s for r in attention_kernels.values())
+    launches = layers * (KERNELS_PER_LAYER_BESIDE_ATTENTION + len(attention_kernels)) + 20
     rows = sum(_predicted(results, s, k, v) for k, v in ROW_KERNELS)
     embeddings = sum(_predicted(results, s, k) for k in EMBEDDING_KERNELS)
     items = [
         ("GEMMs", (flops - attention_flops) / gpu.gemm_flops,
          f"{(flops - attention_flops) / 1e12:.1f} TFLOP at {gpu.gemm_flops / 1e12:.0f} TFLOP/s"),
-        ("attention", layers * attention, f"{layers} x {attention * 1e6:.0f} us (forward, delta, dQ, dK/dV)"),
+        ("attention", layers * attention,
+         f"{layers} x {attention * 1e6:.0f} us ({', '.join(ATTENTION_KERNELS.get(k, k) for k in attention_kernels)})"),
         ("row ops", layers * rows + embeddings,
          f"{layers} x {rows * 1e6:.0f} us (bias+GELU, 2 x residual LayerNorm, fwd+bwd) + embeddings "
          f"{embeddings * 1e6:.0f} us"),
@@ -150,8 +169,7 @@ def budget(results, case: StepCase, gpu: Gpu) -> Dict[str, object]:
         ("residual grads", layers * tokens * 2 * hidden * 2.0 / bw,
          "each layer's two residual gradients, read by the QKV and FFN-input GEMMs that sum them (addmm, "
          "beta = 1; priced at the bandwidth, as if the GEMMs did not hide them)"),
-        ("launch gaps", (layers * KERNELS_PER_LAYER + 20) * gpu.launch_gap_s,
-         f"~{layers * KERNELS_PER_LAYER + 20} kernels x {gpu.launch_gap_s * 1e6:.1f} us"),
+        ("launch gaps", launches * gpu.launch_gap_s, f"~{launches} kernels x {gpu.launch_gap_s * 1e6:.1f} us"),
     ]
     seconds = sum(t for _, t, _ in items)
     # The ceiling: this step with its memory-bound work done as well as it can be, the GEMMs,

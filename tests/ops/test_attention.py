@@ -16,8 +16,9 @@ Triton and CUDA serve every head dim from 8 to 256, power of two or not (TinyBER
 outputs. Oracle: bertfast.reference in fp32 with autograd, fed the backend's own dropout mask
 (fp32: atol 1e-5, gradients 2e-5 + rtol 1e-4 as they sum over keys in another order; fp16: the
 low-precision rule, bertfast.testing.assert_close_lowp). Without a GPU, Triton runs under the
-interpreter (blocks 16x16 forward, 16x32 dK/dV, 32x16 dQ, 16x32 mask, so tails and several
-blocks are exercised) and CUDA on the CPU emulator (tests/ops/conftest.py), so shapes stay
+interpreter (blocks 16x16 forward, 16x32 dK/dV, 32x16 dQ, 16x32 mask, 16 queries in the one-pass
+backward that short sequences take, so tails and several blocks are exercised; the three-kernel
+backward of longer ones runs forced in test_attention_fused.py) and CUDA on the CPU emulator (tests/ops/conftest.py), so shapes stay
 small; bf16 on a GPU, and on the emulator (test_attention_fused.py: the interpreter's bf16 is wrong).
 """
 import math
@@ -628,14 +629,15 @@ def test_gpu_lowp_bert_sizes(backend, dtype, seqlen, heads, form):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", ["varlen", "padded"])
-def test_gpu_dropout_bf16_bert_size(backend, form):
-    lengths, seed = _bert_lengths(512), seed_of(backend, 77)
+@pytest.mark.parametrize("seqlen", [128, 512])  # Triton: the one-pass backward, then the three kernels
+def test_gpu_dropout_bf16_bert_size(backend, seqlen, form):
+    lengths, seed = _bert_lengths(seqlen), seed_of(backend, 77)
     if form == "varlen":
         q, k, v, dout, cu = varlen_inputs(backend, lengths, BF16, 64, 12)
-        check_varlen(backend, q, k, v, dout, cu, 512, p=0.1, seed=seed)
+        check_varlen(backend, q, k, v, dout, cu, seqlen, p=0.1, seed=seed)
     else:
-        q, k, v, dout = padded_inputs(backend, 4, 512, BF16, 64, 12)
-        check_padded(backend, q, k, v, dout, mask_from_lengths(lengths, 512), p=0.1, seed=seed)
+        q, k, v, dout = padded_inputs(backend, 4, seqlen, BF16, 64, 12)
+        check_padded(backend, q, k, v, dout, mask_from_lengths(lengths, seqlen), p=0.1, seed=seed)
 
 
 @pytest.mark.gpu

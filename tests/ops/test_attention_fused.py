@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from bertfast.testing import BackendUnderTest
-from test_attention import (A, BF16, FP16, PADDED, VARLEN, check_padded, check_varlen, key_mask, padded_inputs,
-                            seed_of, varlen_inputs)
+from test_attention import (A, BF16, FP16, FP32, PADDED, VARLEN, check_padded, check_varlen, key_mask,
+                            lengths_of, padded_inputs, seed_of, varlen_inputs)
 
 GPU = torch.cuda.is_available()
 NO_KEEP = torch.empty(0, dtype=torch.uint8)  # keep bits of a forward without dropout
@@ -75,20 +75,107 @@ def test_launcher_errors_are_clear(fused_backend):
 
 
 # =========================================================================== Triton
+@pytest.fixture(params=["one-pass", "three-kernel"])
+def triton_backward(request, monkeypatch):
+    """Triton's attention backward as each path runs it: the one-pass kernel (what sequences up to
+    FUSED_BWD_MAX_SEQLEN take, so every short test) or the three kernels (longer ones), forced."""
+    from bertfast.kernels import attention as K
+
+    if request.param == "three-kernel":
+        monkeypatch.setattr(K, "FUSED_BWD_MAX_SEQLEN", {False: 0, True: 0})
+    return request.param
+
+
 @pytest.mark.skipif(GPU, reason="on a GPU every Triton attention test takes this path")
-def test_triton_autotuned_launch_path_under_interpreter(stand_in_tuner):
+def test_triton_autotuned_launch_path_under_interpreter(stand_in_tuner, triton_backward):
     """Each pruned candidate runs once on the real buffers (pure outputs) and the best is relaunched."""
     from bertfast.kernels import attention as K
 
-    stand_in_tuner(K._fwd_tuned, K._bwd_dkdv_tuned, K._bwd_dq_tuned)
+    tuned = (K._fwd_tuned, K._bwd_fused_tuned) if triton_backward == "one-pass" else (
+        K._fwd_tuned, K._bwd_dkdv_tuned, K._bwd_dq_tuned)
+    stand_in_tuner(*tuned)
     triton = BackendUnderTest("triton", torch.device("cpu"))
     lengths = torch.tensor([9, 20])
     q, k, v, dout, cu = varlen_inputs(triton, lengths, seed=18)
     check_varlen(triton, q, k, v, dout, cu, 20, p=0.2, seed=seed_of(triton, 5))
     q, k, v, dout = padded_inputs(triton, 2, 20, seed=18)
     check_padded(triton, q, k, v, dout, key_mask("scattered", 2, 20, seed=18))
-    for kernel in (K._fwd_tuned, K._bwd_dkdv_tuned, K._bwd_dq_tuned):
+    for kernel in tuned:
         assert len(kernel.cache) == 2  # one tuning key per form
+
+
+def _launched(monkeypatch, call):
+    """The names of the kernels ``call`` launches (recorded, nothing runs)."""
+    from bertfast.kernels import _common
+
+    names = []
+    monkeypatch.setattr(_common, "interpreting", lambda: False)
+    with _common.compile_only(lambda fn, *rest: names.append(fn.__name__)):
+        call()
+    return names
+
+
+@pytest.mark.parametrize("seqlen,dtype,head_dim,one_pass", [
+    (128, BF16, 64, True), (129, BF16, 64, False), (128, FP16, 26, True), (128, BF16, 80, False),
+    (32, FP32, 64, True), (33, FP32, 64, False), (1, FP32, 8, True)])
+def test_triton_backward_takes_one_pass_up_to_its_limits(monkeypatch, seqlen, dtype, head_dim, one_pass):
+    """Sequences up to FUSED_BWD_MAX_SEQLEN (128; fp32 32) at head dims up to 64 take the one-pass
+    kernel, whose key tile holds the whole sequence; the others the three kernels."""
+    from bertfast.kernels import attention as K
+
+    q = torch.empty(2 * seqlen, 3, 2, head_dim, dtype=dtype).unbind(1)
+    cu = torch.tensor([0, seqlen, 2 * seqlen], dtype=torch.int32)
+    lse = torch.empty(2, 2 * seqlen)
+    names = _launched(monkeypatch, lambda: K.attention_varlen_bwd(q[0], *q, q[0], lse, cu, seqlen, None, 0.0, None,
+                                                                  NO_KEEP))
+    backward = [n for n in names if n != "_attention_outside_rows_kernel"]
+    assert backward == (["_attention_bwd_fused_kernel"] if one_pass else
+                        ["_attention_bwd_delta_kernel", "_attention_bwd_dq_kernel", "_attention_bwd_dkdv_kernel"])
+    assert K.fused_backward(seqlen, head_dim, dtype) is one_pass
+    assert K.fused_block_n(seqlen) >= seqlen
+
+
+PATH_CASES = {  # up to 30 tokens: the one-pass kernel's fp32 limit is 32
+    "varlen-fp32": ("varlen", "random", FP32, 32, 0.0),
+    "varlen-empty-dropout": ("varlen", "empty", FP32, 32, 0.2),  # zero-length sequences, one 30 long
+    "varlen-fp16-dropout-d26": ("varlen", "random", FP16, 26, 0.1),
+    "padded-scattered-dropout": ("padded", "scattered", FP32, 32, 0.2),  # keys anywhere, one sequence all pads
+    "padded-fp16": ("padded", "random", FP16, 16, 0.0),
+}
+
+
+@pytest.mark.parametrize("case", list(PATH_CASES))
+def test_triton_backward_paths_match_the_reference(triton_backward, case):
+    """Both backward paths, forced, against the reference (fed the kernels' own mask): tails of query
+    blocks, padding keys, empty sequences and rows, a padded head dim, dropout."""
+    form, kind, dtype, head_dim, p = PATH_CASES[case]
+    triton = BackendUnderTest("triton", torch.device("cuda" if GPU else "cpu"))
+    seed = seed_of(triton, 31) if p else None
+    if form == "varlen":
+        lengths = lengths_of(kind, 3, 30, seed=4)
+        q, k, v, dout, cu = varlen_inputs(triton, lengths, dtype, head_dim, seed=4)
+        check_varlen(triton, q, k, v, dout, cu, 30, p=p, seed=seed)
+    else:
+        q, k, v, dout = padded_inputs(triton, 3, 30, dtype, head_dim, seed=4)
+        check_padded(triton, q, k, v, dout, key_mask(kind, 3, 30, seed=4), p=p, seed=seed)
+
+
+def test_triton_backward_paths_agree(monkeypatch):
+    """The one-pass kernel and the three kernels: the same gradients to fp32 rounding (delta from the
+    score rows or from dO . O, the products summed in other orders), with dropout and padding keys."""
+    from bertfast.kernels import attention as K
+
+    dev = torch.device("cuda" if GPU else "cpu")
+    triton = BackendUnderTest("triton", dev)
+    seed, p = seed_of(triton, 8), 0.25
+    q, k, v, dout = padded_inputs(triton, 3, 30, FP32, 32, seed=6)
+    mask = key_mask("random", 3, 30, seed=6).to(dev)
+    out, lse, bits = K.attention_padded_fwd(q, k, v, mask, None, p, seed)
+    one_pass = K.attention_padded_bwd(dout, q, k, v, out, lse, mask, None, p, seed, bits)
+    monkeypatch.setattr(K, "FUSED_BWD_MAX_SEQLEN", {False: 0, True: 0})
+    three = K.attention_padded_bwd(dout, q, k, v, out, lse, mask, None, p, seed, bits)
+    for name, a, b in zip(("dq", "dk", "dv"), one_pass, three):
+        torch.testing.assert_close(a, b, atol=5e-6, rtol=1e-5, msg=name)
 
 
 @pytest.mark.skipif(GPU, reason="sets the interpreter's block sizes")
@@ -116,8 +203,8 @@ def test_triton_dropout_does_not_depend_on_block_sizes(monkeypatch):
 
 
 @pytest.mark.skipif(GPU, reason="the interpreter's launch configuration")
-def test_triton_backward_reads_the_forwards_keep_bits():
-    """Both backward kernels take the mask from the keep bits, not from the seed: handed bits that keep
+def test_triton_backward_reads_the_forwards_keep_bits(triton_backward):
+    """Every backward kernel takes the mask from the keep bits, not from the seed: handed bits that keep
     everything, they give the gradients of the all-kept mask (still scaled by 1 / (1 - p)); handed none,
     or bits of another shape, they refuse."""
     from bertfast import reference as R
@@ -125,33 +212,35 @@ def test_triton_backward_reads_the_forwards_keep_bits():
 
     triton = BackendUnderTest("triton", torch.device("cpu"))
     seed, p = seed_of(triton, 3), 0.2
-    lengths = [37, 6]
+    lengths = [30, 6]  # within the one-pass kernel's fp32 limit
     q, k, v, dout, cu = varlen_inputs(triton, torch.tensor(lengths), seed=22)
-    out, lse, bits = K.attention_varlen_fwd(q, k, v, cu, 37, None, p, seed)
-    assert bits.dtype == torch.uint8 and bits.shape == K.dropout_keep_shape(2, A, 37, p) == (2, A, 64, 32)
-    assert_bits_record(bits, K.attention_varlen_dropout_mask(cu, 37, A, p, seed), lengths)
+    out, lse, bits = K.attention_varlen_fwd(q, k, v, cu, 30, None, p, seed)
+    assert bits.dtype == torch.uint8 and bits.shape == K.dropout_keep_shape(2, A, 30, p) == (2, A, 64, 32)
+    assert_bits_record(bits, K.attention_varlen_dropout_mask(cu, 30, A, p, seed), lengths)
 
-    every = torch.ones((2, A, 37, 37), dtype=torch.bool)
+    every = torch.ones((2, A, 30, 30), dtype=torch.bool)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out_every = R.attention_varlen(*leaves, cu, 37, None, p, every)  # delta = dO . out needs its forward
+    out_every = R.attention_varlen(*leaves, cu, 30, None, p, every)  # (the three kernels' delta reads it)
     out_every.backward(dout)
-    dqkv = K.attention_varlen_bwd(dout, q, k, v, out_every.detach(), lse, cu, 37, None, p, seed,
+    dqkv = K.attention_varlen_bwd(dout, q, k, v, out_every.detach(), lse, cu, 30, None, p, seed,
                                   torch.full_like(bits, 255))
     for i, leaf in enumerate(leaves):
         torch.testing.assert_close(dqkv[:, i], leaf.grad, atol=1e-5, rtol=1e-4)
 
     with pytest.raises(ValueError, match=r"keep: expected shape \(2, 2, 64, 32\), got \(0,\)"):
-        K.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 37, None, p, seed, NO_KEEP)
+        K.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 30, None, p, seed, NO_KEEP)
     with pytest.raises(ValueError, match="keep: expected dtype"):
-        K.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 37, None, p, seed, bits.to(torch.int32))
+        K.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 30, None, p, seed, bits.to(torch.int32))
 
 
 @pytest.mark.skipif(GPU, reason="sets the interpreter's launch configuration")
 def test_triton_dkdv_orientations_agree(monkeypatch):
-    """dK/dV computed keys-major (the mask transposed) and query-major (the forward's layout): the
-    same mask, the same gradients (to fp32 rounding: the products run in another order)."""
+    """The three-kernel backward's dK/dV computed keys-major (the mask transposed) and query-major (the
+    forward's layout): the same mask, the same gradients (to fp32 rounding: the products run in another
+    order)."""
     from bertfast.kernels import attention as K
 
+    monkeypatch.setattr(K, "FUSED_BWD_MAX_SEQLEN", {False: 0, True: 0})
     triton = BackendUnderTest("triton", torch.device("cpu"))
     seed, p = seed_of(triton, 7), 0.25
     q, k, v, dout, cu = varlen_inputs(triton, torch.tensor([37, 6, 20]), seed=21)
