@@ -276,6 +276,35 @@ def _rng_key(SEED, b, h, num_heads, HAS_DROPOUT: tl.constexpr):
     return key
 
 
+@triton.jit
+def _key_block(K, V, b64, h64, seq_start, offs_n, key_in, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+               stride_vh, UPCAST: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The K and V rows offs_n of sequence b, head h (rows outside key_in read 0) that a backward
+    program holds for its whole loop; fp32 when UPCAST."""
+    offs_d = tl.arange(0, BLOCK_D)
+    k = _load_tile(K + b64 * stride_kb + seq_start * stride_ks + h64 * stride_kh
+                   + offs_n[:, None] * stride_ks + offs_d[None, :], key_in, True, HEAD_DIM, BLOCK_D)
+    v = _load_tile(V + b64 * stride_vb + seq_start * stride_vs + h64 * stride_vh
+                   + offs_n[:, None] * stride_vs + offs_d[None, :], key_in, True, HEAD_DIM, BLOCK_D)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def _store_key_grads(DK, DV, dk, dv, b64, h64, seq_start, offs_n, key_in, stride_dkb, stride_dks, stride_dkh,
+                     stride_dvb, stride_dvs, stride_dvh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dK and dV of _key_block's keys, the rows in key_in, in DK's and DV's dtypes."""
+    offs_d = tl.arange(0, BLOCK_D)
+    _store_tile(DK + b64 * stride_dkb + seq_start * stride_dks + h64 * stride_dkh
+                + offs_n[:, None] * stride_dks + offs_d[None, :],
+                dk.to(DK.dtype.element_ty), key_in, HEAD_DIM, BLOCK_D)
+    _store_tile(DV + b64 * stride_dvb + seq_start * stride_dvs + h64 * stride_dvh
+                + offs_n[:, None] * stride_dvs + offs_d[None, :],
+                dv.to(DV.dtype.element_ty), key_in, HEAD_DIM, BLOCK_D)
+
+
 # =========================================================================== forward
 @triton.jit
 def _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, keep_base, keep_rows, start_n, seq_len, offs_m,
@@ -541,13 +570,8 @@ def _attention_bwd_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     key_in = offs_n < seq_len
 
-    k = _load_tile(K + b64 * stride_kb + seq_start * stride_ks + h64 * stride_kh
-                   + offs_n[:, None] * stride_ks + offs_d[None, :], key_in, True, HEAD_DIM, BLOCK_D)
-    v = _load_tile(V + b64 * stride_vb + seq_start * stride_vs + h64 * stride_vh
-                   + offs_n[:, None] * stride_vs + offs_d[None, :], key_in, True, HEAD_DIM, BLOCK_D)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k, v = _key_block(K, V, b64, h64, seq_start, offs_n, key_in, stride_kb, stride_ks, stride_kh, stride_vb,
+                      stride_vs, stride_vh, UPCAST, HEAD_DIM, BLOCK_D)
     q_ptrs = (Q + b64 * stride_qb + seq_start * stride_qs + h64 * stride_qh
               + offs_m0[:, None] * stride_qs + offs_d[None, :])
     do_ptrs = (DO + b64 * stride_dob + seq_start * stride_dos + h64 * stride_doh
@@ -583,12 +607,8 @@ def _attention_bwd_dkdv_kernel(
         dk = dk * softmax_scale
     dk = tl.where(key_ok[:, None], dk, 0.0)
     dv = tl.where(key_ok[:, None], dv, 0.0)
-    _store_tile(DK + b64 * stride_dkb + seq_start * stride_dks + h64 * stride_dkh
-                + offs_n[:, None] * stride_dks + offs_d[None, :],
-                dk.to(DK.dtype.element_ty), key_in, HEAD_DIM, BLOCK_D)
-    _store_tile(DV + b64 * stride_dvb + seq_start * stride_dvs + h64 * stride_dvh
-                + offs_n[:, None] * stride_dvs + offs_d[None, :],
-                dv.to(DV.dtype.element_ty), key_in, HEAD_DIM, BLOCK_D)
+    _store_key_grads(DK, DV, dk, dv, b64, h64, seq_start, offs_n, key_in, stride_dkb, stride_dks, stride_dkh,
+                     stride_dvb, stride_dvs, stride_dvh, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -797,15 +817,9 @@ def _attention_bwd_fused_kernel(
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
     key_in = offs_n < seq_len
-    k = _load_tile(K + b64 * stride_kb + seq_start * stride_ks + h64 * stride_kh
-                   + offs_n[:, None] * stride_ks + offs_d[None, :], key_in, True, HEAD_DIM, BLOCK_D)
-    v = _load_tile(V + b64 * stride_vb + seq_start * stride_vs + h64 * stride_vh
-                   + offs_n[:, None] * stride_vs + offs_d[None, :], key_in, True, HEAD_DIM, BLOCK_D)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k, v = _key_block(K, V, b64, h64, seq_start, offs_n, key_in, stride_kb, stride_ks, stride_kh, stride_vb,
+                      stride_vs, stride_vh, UPCAST, HEAD_DIM, BLOCK_D)
     key_ok = key_in
     if HAS_KEY_MASK:
         key_ok = key_ok & (tl.load(KEY_MASK + b64 * stride_mb + offs_n * stride_ms, mask=key_in, other=0) != 0)
@@ -831,12 +845,8 @@ def _attention_bwd_fused_kernel(
     # A padding key's P is 0 in every row, so its dK and dV rows are 0 already.
     dk = dk * (softmax_scale * inv_keep)
     dv = dv * inv_keep
-    _store_tile(DK + b64 * stride_dkb + seq_start * stride_dks + h64 * stride_dkh
-                + offs_n[:, None] * stride_dks + offs_d[None, :],
-                dk.to(DK.dtype.element_ty), key_in, HEAD_DIM, BLOCK_D)
-    _store_tile(DV + b64 * stride_dvb + seq_start * stride_dvs + h64 * stride_dvh
-                + offs_n[:, None] * stride_dvs + offs_d[None, :],
-                dv.to(DV.dtype.element_ty), key_in, HEAD_DIM, BLOCK_D)
+    _store_key_grads(DK, DV, dk, dv, b64, h64, seq_start, offs_n, key_in, stride_dkb, stride_dks, stride_dkh,
+                     stride_dvb, stride_dvs, stride_dvh, HEAD_DIM, BLOCK_D)
 
 
 # =========================================================================== dropout mask (debug)
