@@ -153,6 +153,21 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, max_seqlen, device=None) -> Tuple
     return cu_seqlens.numel() - 1, max_seqlen
 
 
+def qkv_bias_grad(dqkv: torch.Tensor, bias_dtype: Optional[torch.dtype]):
+    """What attention_varlen_bwd returns: dqkv [T, 3, A, D] alone, or given bias_dtype (dqkv, the
+    QKV bias gradient [3, A, D] = the column sums of dqkv, summed in fp32, in bias_dtype). The
+    backends that do not sum it in their kernels sum it here."""
+    if check_bias_dtype(bias_dtype) is None:
+        return dqkv
+    return dqkv, dqkv.sum(0, dtype=torch.float32).to(bias_dtype)
+
+
+def check_bias_dtype(bias_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    if bias_dtype is not None and bias_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"bias_dtype: expected one of {FLOAT_DTYPES} or None, got {bias_dtype!r}")
+    return bias_dtype
+
+
 def check_qkv(names, tensors, ndim: int, layout: str) -> None:
     """Attention operands: one float dtype, shape and device; a contiguous last (head) dim."""
     ref_name, ref = names[0], tensors[0]

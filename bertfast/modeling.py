@@ -176,7 +176,10 @@ def _layer_norm(ln: nn.Module, h: Tensor) -> Tensor:
 class Rows:
     """What the layers of one forward share about its token rows.
 
-    attend(qkv [N, 3, A, D], dropout_p) -> [N, A, D]: the fused attention op on them.
+    attend(qkv [N, 3, A, D], dropout_p, qkv_bias) -> [N, A, D]: the fused attention op on them.
+    takes_qkv_bias: whether attend forms the gradient of the QKV biases it is given (the varlen op,
+    whose Triton backward sums it as it writes dqkv: ops.attention_varlen's qkv_bias); then the QKV
+    GEMM's node leaves it out. False: attend is given none.
     plain: None, or, when every op of the layers would run its plain-PyTorch backend with nothing
     to differentiate (inference on a CPU, ``_plain_attention``), that backend's attention
     (q, k, v [N, A, D] each) -> [N, A, D] with the batch layout worked out once. The layers then
@@ -184,11 +187,11 @@ class Rows:
     without the ops' host time (about a tenth of a MiniLM layer at batch 1).
     """
 
-    __slots__ = ("attend", "plain")
+    __slots__ = ("attend", "plain", "takes_qkv_bias")
 
-    def __init__(self, attend: Callable[[Tensor, float], Tensor],
-                 plain: Optional[Callable[[Tensor, Tensor, Tensor], Tensor]] = None):
-        self.attend, self.plain = attend, plain
+    def __init__(self, attend: Callable[[Tensor, float, List[Tensor]], Tensor],
+                 plain: Optional[Callable[[Tensor, Tensor, Tensor], Tensor]] = None, takes_qkv_bias: bool = False):
+        self.attend, self.plain, self.takes_qkv_bias = attend, plain, takes_qkv_bias
 
 
 class BertSelfAttention(nn.Module):
@@ -206,18 +209,20 @@ class BertSelfAttention(nn.Module):
         (a LoRA layer, a hooked module) is called as a module."""
         return self.qkv_keeping_input(x)[0]
 
-    def qkv_keeping_input(self, x: Tensor) -> Tuple[Tensor, Tensor]:
-        """(qkv [N, 3, A, D], x to use as the residual). Differentiated through plain Linears, both come
-        from one node (bertfast.residual_linear), so x's two gradients are summed in the QKV GEMM."""
+    def qkv_keeping_input(self, x: Tensor, attention_takes_bias: bool = False) -> Tuple[Tensor, Tensor, List[Tensor]]:
+        """(qkv [N, 3, A, D], x to use as the residual, the biases whose gradient the attention is to
+        form). Differentiated through plain Linears, both come from one node (bertfast.residual_linear),
+        so x's two gradients are summed in the QKV GEMM; with attention_takes_bias that node leaves
+        the biases' gradient to the attention (Rows.takes_qkv_bias), else the list is empty."""
         shape = (x.shape[0], 3, self.num_attention_heads, self.attention_head_size)
         linears = (self.query, self.key, self.value)
         if _biased_linear(*linears):
             weights, biases = [m.weight for m in linears], [m.bias for m in linears]
             if residual_linear.records_grad(x, *weights, *biases):
-                qkv, residual = residual_linear.linear(x, weights, biases)
-                return qkv.view(shape), residual
-            return fused_qkv.linear(x, weights, biases).view(shape), x
-        return torch.stack([self.query(x), self.key(x), self.value(x)], dim=1).view(shape), x
+                qkv, residual = residual_linear.linear(x, weights, biases, bias_grad=not attention_takes_bias)
+                return qkv.view(shape), residual, biases if attention_takes_bias else []
+            return fused_qkv.linear(x, weights, biases).view(shape), x, []
+        return torch.stack([self.query(x), self.key(x), self.value(x)], dim=1).view(shape), x, []
 
     def context_keeping_input(self, x: Tensor, rows: Rows) -> Tuple[Tensor, Tensor]:
         """rows [N, H] -> (context [N, H], x to use as the residual: see qkv_keeping_input)."""
@@ -225,8 +230,8 @@ class BertSelfAttention(nn.Module):
             shape = (x.shape[0], self.num_attention_heads, self.attention_head_size)
             return rows.plain(*(m(x).reshape(shape) for m in (self.query, self.key, self.value))).reshape(x.shape), x
         p = self.dropout.p if self.training else 0.0
-        qkv, residual = self.qkv_keeping_input(x)
-        return rows.attend(qkv, p).reshape(x.shape), residual
+        qkv, residual, biases = self.qkv_keeping_input(x, rows.takes_qkv_bias)
+        return rows.attend(qkv, p, biases).reshape(x.shape), residual
 
     def forward(self, x: Tensor, rows: Rows) -> Tensor:
         """rows [N, H] -> context [N, H]."""
@@ -475,7 +480,7 @@ class BertModel(BertPreTrainedModel):
             rows = None
             key_mask = attention_mask.bool()
 
-            def attend(qkv: Tensor, p: float) -> Tensor:
+            def attend(qkv: Tensor, p: float, _biases: List[Tensor]) -> Tensor:
                 q, k, v = qkv.view(batch, seqlen, 3, *qkv.shape[2:]).unbind(2)  # [B, S, A, D] each
                 return ops.attention(q, k, v, key_mask, p).reshape(qkv.shape[0], *qkv.shape[2:])
 
@@ -484,14 +489,15 @@ class BertModel(BertPreTrainedModel):
         else:
             rows, cu_seqlens, max_seqlen = unpad_mask(attention_mask)
 
-            def attend(qkv: Tensor, p: float) -> Tensor:
-                return ops.attention_varlen(qkv, cu_seqlens, max_seqlen, p)
+            def attend(qkv: Tensor, p: float, biases: List[Tensor]) -> Tensor:
+                return ops.attention_varlen(qkv, cu_seqlens, max_seqlen, p, qkv_bias=biases)
 
             gather = lambda t: None if t is None else unpad(t, rows)  # noqa: E731
             restore = lambda x: pad_rows(x, rows, batch, seqlen)  # noqa: E731
         x = self.embeddings(gather(input_ids), gather(position_ids), gather(token_type_ids), gather(inputs_embeds))
         plain = None if rows is None else self._plain_attention(x, cu_seqlens, max_seqlen)
-        x, states = self.encoder(x, rows=Rows(attend, plain), restore=restore, want_states=want_states)
+        x, states = self.encoder(x, rows=Rows(attend, plain, takes_qkv_bias=rows is not None), restore=restore,
+                                 want_states=want_states)
         return restore(x), states, rows, x
 
     def _encode_packed(self, packed: model_inputs.Packed, input_ids, token_type_ids, position_ids, inputs_embeds,
@@ -501,14 +507,15 @@ class BertModel(BertPreTrainedModel):
         tokens, width = position_ids.shape[1], self.config.hidden_size
         flat = lambda t: None if t is None else t.reshape((tokens,) + tuple(t.shape[2:]))  # noqa: E731
 
-        def attend(qkv: Tensor, p: float) -> Tensor:
-            return ops.attention_varlen(qkv, packed.cu_seqlens, packed.max_seqlen, p)
+        def attend(qkv: Tensor, p: float, biases: List[Tensor]) -> Tensor:
+            return ops.attention_varlen(qkv, packed.cu_seqlens, packed.max_seqlen, p, qkv_bias=biases)
 
         restore = lambda x: x.view(1, tokens, width)  # noqa: E731
         x = self.embeddings(flat(input_ids), flat(position_ids), flat(token_type_ids), flat(inputs_embeds))
         plain = None if torch.compiler.is_compiling() else self._plain_attention(x, packed.cu_seqlens,
                                                                                  packed.max_seqlen)
-        x, states = self.encoder(x, rows=Rows(attend, plain), restore=restore, want_states=want_states)
+        x, states = self.encoder(x, rows=Rows(attend, plain, takes_qkv_bias=True), restore=restore,
+                                 want_states=want_states)
         return restore(x), states, x
 
     def _plain_attention(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int):

@@ -100,7 +100,7 @@ def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
 
 class _LinearKeepingInput(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, count: int, has_bias: bool, *params: Tensor) -> Tuple[Tensor, Tensor]:
+    def forward(ctx, x: Tensor, count: int, has_bias: bool, bias_grad: bool, *params: Tensor) -> Tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)
         dtype = _compute_dtype(x)
         weight = _cast_or_copy(params[:count], dtype)
@@ -110,6 +110,7 @@ class _LinearKeepingInput(torch.autograd.Function):
             y = F.linear(xc, weight, bias)
         ctx.save_for_backward(xc, weight)
         ctx.count, ctx.has_bias, ctx.out_features = count, has_bias, [w.shape[0] for w in params[:count]]
+        ctx.bias_grad = bias_grad
         ctx.weight_dtype = params[0].dtype
         return y, x  # x as-is: autograd makes it a view whose gradient comes to this node
 
@@ -120,7 +121,7 @@ class _LinearKeepingInput(torch.autograd.Function):
         count = ctx.count
         none: List[Optional[Tensor]] = [None] * (count * (2 if ctx.has_bias else 1))
         if dy is None:  # y unused: only the residual's gradient flows through
-            return (dres if needs[0] else None, None, None, *none)
+            return (dres if needs[0] else None, None, None, None, *none)
         dy = dy.reshape(-1, dy.shape[-1])
         with torch.autocast(dy.device.type, enabled=False):
             dx = None
@@ -134,25 +135,28 @@ class _LinearKeepingInput(torch.autograd.Function):
                     dx = flat_res + dy.mm(weight).to(flat_res.dtype)
                 dx = dx.view(xc.shape)
             grads = list(none)
-            weights_needed = needs[3:3 + count]
+            weights_needed = needs[4:4 + count]
             if any(weights_needed):
                 dw = _weight_grad(dy, xc.reshape(-1, xc.shape[-1]), ctx.weight_dtype)
                 for i, part in enumerate(dw.split(ctx.out_features) if count > 1 else (dw,)):
                     grads[i] = part if weights_needed[i] else None
-            if ctx.has_bias and any(needs[3 + count:]):
+            if ctx.has_bias and ctx.bias_grad and any(needs[4 + count:]):
                 db = dy.sum(0, dtype=torch.float32)
                 for i, part in enumerate(db.split(ctx.out_features) if count > 1 else (db,)):
-                    grads[count + i] = part if needs[3 + count + i] else None
-        return (dx, None, None, *grads)
+                    grads[count + i] = part if needs[4 + count + i] else None
+        return (dx, None, None, None, *grads)
 
 
-def linear(x: Tensor, weights: Sequence[Tensor], biases: Optional[Sequence[Tensor]] = None) -> Tuple[Tensor, Tensor]:
+def linear(x: Tensor, weights: Sequence[Tensor], biases: Optional[Sequence[Tensor]] = None,
+           bias_grad: bool = True) -> Tuple[Tensor, Tensor]:
     """(x @ cat(weights)^T + cat(biases), x): the GEMM's output and x to use as the residual, whose
-    gradient the backward adds in the input-gradient GEMM. ``biases`` None: no bias in the GEMM."""
+    gradient the backward adds in the input-gradient GEMM. ``biases`` None: no bias in the GEMM.
+    bias_grad False: the biases' gradient is formed by the op that takes the output (the attention:
+    bertfast.ops.attention_varlen's qkv_bias) and this node gives them none."""
     if biases is not None and len(biases) != len(weights):
         raise ValueError(f"residual_linear: expected one bias per weight ({len(weights)}), got {len(biases)}")
     params = list(weights) + (list(biases) if biases is not None else [])
-    return _LinearKeepingInput.apply(x, len(weights), biases is not None, *params)
+    return _LinearKeepingInput.apply(x, len(weights), biases is not None, bias_grad, *params)
 
 
 def dense(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:

@@ -66,6 +66,19 @@ CUDA graph. The varlen and padded forms of one batch draw the same mask (sequenc
 batch is batch row b of the padded one). The keep rate is 1 - p to within 2**-16, the scale
 exactly 1 / (1 - p).
 
+QKV bias gradient (varlen, when asked: attention_varlen_bwd's bias_dtype). The QKV GEMM adds
+the bias, so its gradient is the column sum of dqkv over the tokens, which the backward kernels
+hold in registers: each query block also sums the columns of its dQ rows, each key block those of
+its dK and dV rows (fp32, before rounding), into a row of fp32 partials [B * G, 3 * A * D] (block i
+of sequence b at row b * G + i), and column_sums adds the rows. G = bias_grad_rows: as many blocks
+as the smallest candidate tile leaves, so whichever candidate runs has a row per block, the rows
+it leaves zero (zero-filled; autotuning runs on a scratch copy). 3 MB at BERT-large seq 128, batch
+128, where a column sum of dqkv reads 100 MB. Deterministic: no atomics, a fixed order of additions.
+The one-pass kernel stores each query block's sums as the block ends: one sum carried across its
+loop spilled at 255 registers. (ptxas also spilled, at some small fp32 configs, the index
+arithmetic of a sum stored in the reduction's own layout, hoisted across the loop: the dQ and
+dK/dV kernels store theirs from the tile's own layout, dK/dV's before the tiles themselves.)
+
 Keep bits: the forward records its decisions for the backward, one bit per score element, and both
 backward kernels read them back instead of drawing the mask again (a Philox call costs ~9
 instructions per decision, a bit read back ~1; the mask was drawn three times). The uint8
@@ -112,10 +125,13 @@ import torch
 import triton
 import triton.language as tl
 
-from bertfast.contract import (check_cu_seqlens, check_dropout, check_head_dim, check_key_padding_mask, check_qkv,
-                               check_tensor, head_dim_reasons, softmax_scale as _softmax_scale)
+from bertfast.contract import (check_bias_dtype, check_cu_seqlens, check_dropout, check_head_dim,
+                               check_key_padding_mask, check_qkv, check_tensor, head_dim_reasons,
+                               softmax_scale as _softmax_scale)
 
+from . import _common
 from ._common import autotune, interpreting, launch
+from ._rows import column_sums
 
 _LOG2E = 1.4426950408889634
 N_ROUNDS = tl.constexpr(7)  # Philox rounds of the dropout mask (header)
@@ -303,6 +319,28 @@ def _store_key_grads(DK, DV, dk, dv, b64, h64, seq_start, offs_n, key_in, stride
     _store_tile(DV + b64 * stride_dvb + seq_start * stride_dvs + h64 * stride_dvh
                 + offs_n[:, None] * stride_dvs + offs_d[None, :],
                 dv.to(DV.dtype.element_ty), key_in, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _store_bias_grad_tile(DB, row, stride_db, which, h, num_heads, tile, HEAD_DIM: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """_store_bias_grad of tile's column sums, stored from the tile's own layout (its first row
+    holds them): no layout conversion, whose index arithmetic ptxas would spill across the loop."""
+    offs_r = tl.arange(0, BLOCK_R)[:, None]
+    offs_d = tl.arange(0, BLOCK_D)[None, :]
+    sums = tl.broadcast_to(tl.sum(tile, 0, keep_dims=True), [BLOCK_R, BLOCK_D])
+    col = (which * num_heads + h) * HEAD_DIM
+    tl.store(DB + row.to(tl.int64) * stride_db + col + (offs_r * 0 + offs_d), sums,
+             mask=(offs_r == 0) & (offs_d < HEAD_DIM))
+
+
+@triton.jit
+def _store_bias_grad(DB, row, stride_db, which, h, num_heads, grad, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """grad [BLOCK_D], the column sums of one program's dQ (which 0), dK (1) or dV (2) rows of head h,
+    into row ``row`` of the QKV bias gradient's fp32 partials (header, "QKV bias gradient")."""
+    offs_d = tl.arange(0, BLOCK_D)
+    col = (which * num_heads + h) * HEAD_DIM
+    tl.store(DB + row.to(tl.int64) * stride_db + col + offs_d, grad, mask=offs_d < HEAD_DIM)
 
 
 # =========================================================================== forward
@@ -542,6 +580,7 @@ def _attention_bwd_dkdv_kernel(
     CU_SEQLENS,  # int32 [B + 1] (varlen only)
     KEY_MASK,    # [B, S] 1 = token (padded form with a mask only)
     KEEP,        # uint8 keep bits from the forward (dropout only)
+    DB,          # fp32 [B * db_rows, 3 * A * D], zeros: QKV bias gradient partials (HAS_DB only)
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -550,9 +589,10 @@ def _attention_bwd_dkdv_kernel(
     stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh,
     stride_mb, stride_ms,
-    seqlen, num_heads, softmax_scale, qk_scale, dropout_p, seqlen_bucket, keep_len,
+    stride_db, db_rows,
+    seqlen, num_heads, softmax_scale, qk_scale, dropout_p, inv_keep, seqlen_bucket, keep_len,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, HAS_DB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUERY_MAJOR: tl.constexpr,
 ):
     """One program per (key block, head, sequence): dK, dV of BLOCK_N keys over all queries."""
@@ -600,13 +640,16 @@ def _attention_bwd_dkdv_kernel(
                                    mask=key_in, other=0) != 0)
     # Padding keys got garbage from the unmasked recomputation above: their gradient is 0.
     if HAS_DROPOUT:
-        inv_keep = 1.0 / keep_frac
         dk = dk * (softmax_scale * inv_keep)
         dv = dv * inv_keep
     else:
         dk = dk * softmax_scale
     dk = tl.where(key_ok[:, None], dk, 0.0)
     dv = tl.where(key_ok[:, None], dv, 0.0)
+    if HAS_DB:
+        row = b64 * db_rows + start_n // BLOCK_N
+        _store_bias_grad_tile(DB, row, stride_db, 1, h64, num_heads, dk, HEAD_DIM, BLOCK_N, BLOCK_D)
+        _store_bias_grad_tile(DB, row, stride_db, 2, h64, num_heads, dv, HEAD_DIM, BLOCK_N, BLOCK_D)
     _store_key_grads(DK, DV, dk, dv, b64, h64, seq_start, offs_n, key_in, stride_dkb, stride_dks, stride_dkh,
                      stride_dvb, stride_dvs, stride_dvh, HEAD_DIM, BLOCK_D)
 
@@ -659,6 +702,7 @@ def _attention_bwd_dq_kernel(
     CU_SEQLENS,  # int32 [B + 1] (varlen only)
     KEY_MASK,    # [B, S] 1 = token (padded form with a mask only)
     KEEP,        # uint8 keep bits from the forward (dropout only)
+    DB,          # fp32 [B * db_rows, 3 * A * D], zeros: QKV bias gradient partials (HAS_DB only)
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -666,10 +710,11 @@ def _attention_bwd_dq_kernel(
     stride_dqb, stride_dqs, stride_dqh,
     stride_lb, stride_lh,
     stride_mb, stride_ms,
-    seqlen, num_heads, softmax_scale, qk_scale, dropout_p, seqlen_bucket, keep_len,
+    stride_db, db_rows,
+    seqlen, num_heads, softmax_scale, qk_scale, dropout_p, inv_keep, seqlen_bucket, keep_len,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, REFINE_DELTA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, HAS_DB: tl.constexpr,
+    REFINE_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per (query block, head, sequence): dQ of BLOCK_M queries over all keys, and
     with REFINE_DELTA their delta refined (header)."""
@@ -706,7 +751,6 @@ def _attention_bwd_dq_kernel(
     keep_base = _keep_block(KEEP, b64, h64, num_heads, keep_len)
     keep_rows = _keep_rows(start_m, keep_len, BLOCK_M)
     keep_frac = 1.0 - dropout_p
-    inv_keep = 1.0 / keep_frac
     delta_in = delta
     if HAS_DROPOUT:
         delta_in = delta * keep_frac  # the blocks' dS are times (1 - p)
@@ -731,6 +775,9 @@ def _attention_bwd_dq_kernel(
         dq -= resid[:, None] * pk
         tl.store(DELTA_OUT + lse_off, delta + resid * inv_keep, mask=row_ok)
     dq = dq * (softmax_scale * inv_keep)
+    if HAS_DB:  # rows past the end: q, dO 0, so dS 0 and dQ 0
+        _store_bias_grad_tile(DB, b64 * db_rows + pid_m, stride_db, 0, h64, num_heads, dq, HEAD_DIM, BLOCK_M,
+                              BLOCK_D)
     _store_tile(DQ + b64 * stride_dqb + seq_start * stride_dqs + h64 * stride_dqh
                 + offs_m[:, None] * stride_dqs + offs_d[None, :],
                 dq.to(DQ.dtype.element_ty), row_ok, HEAD_DIM, BLOCK_D)
@@ -738,12 +785,14 @@ def _attention_bwd_dq_kernel(
 
 # =========================================================================== backward, short sequences
 @triton.jit
-def _bwd_fused_block(dk, dv, k, v, key_ok, q_base, do_base, dq_base, lse_ptr, keep_base, keep_rows, start_m,
-                     seq_len, stride_qs, stride_dos, stride_dqs, qk_scale, dq_scale, keep_len,
-                     HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+def _bwd_fused_block(dk, dv, k, v, key_ok, q_base, do_base, dq_base, lse_ptr, keep_base, keep_rows,
+                     start_m, seq_len, stride_qs, stride_dos, stride_dqs, qk_scale, dq_scale, keep_len,
+                     DB, db_row, stride_db, h, num_heads,
+                     HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, HAS_DB: tl.constexpr,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One query block against every key of its sequence: its dQ, written, and its dK, dV
-    contributions. The block sees whole rows of scores, so delta is their row sum in fp32,
+    """One query block against every key of its sequence: its dQ, written (and with HAS_DB its
+    column sums, into row db_row of the bias gradient's partials), and its dK, dV contributions.
+    The block sees whole rows of scores, so delta is their row sum in fp32,
     delta_i (1 - p) = sum_j kept_ij dP_ij (header: no delta kernel, nothing to refine)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -777,6 +826,8 @@ def _bwd_fused_block(dk, dv, k, v, key_ok, q_base, do_base, dq_base, lse_ptr, ke
     dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PREC) * dq_scale
     _store_tile(dq_base + (offs_m[:, None] * stride_dqs + offs_d[None, :]), dq.to(dq_base.dtype.element_ty), row_ok,
                 HEAD_DIM, BLOCK_D)
+    if HAS_DB:  # rows past the end have P = 0, so dQ 0
+        _store_bias_grad(DB, db_row, stride_db, 0, h, num_heads, tl.sum(dq, 0), HEAD_DIM, BLOCK_D)
     return dk, dv
 
 
@@ -793,6 +844,7 @@ def _attention_bwd_fused_kernel(
     CU_SEQLENS,  # int32 [B + 1] (varlen only)
     KEY_MASK,    # [B, S] 1 = token (padded form with a mask only)
     KEEP,        # uint8 keep bits from the forward (dropout only)
+    DB,          # fp32 [B * db_rows, 3 * A * D], zeros: QKV bias gradient partials (HAS_DB only)
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -802,9 +854,10 @@ def _attention_bwd_fused_kernel(
     stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh,
     stride_mb, stride_ms,
-    seqlen, num_heads, softmax_scale, qk_scale, dropout_p, seqlen_bucket, keep_len,
+    stride_db, db_rows,
+    seqlen, num_heads, softmax_scale, qk_scale, dropout_p, inv_keep, seqlen_bucket, keep_len,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, HAS_DB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per (head, sequence) of at most BLOCK_N tokens: every key at once, the query
@@ -829,24 +882,32 @@ def _attention_bwd_fused_kernel(
     lse_ptr = LSE + b64 * stride_lb + h64 * stride_lh + seq_start
     keep_base = _keep_block(KEEP, b64, h64, num_heads, keep_len)
     keep_rows = _keep_rows(0, keep_len, BLOCK_M)
-    inv_keep = 1.0
+    # 1 / (1 - p) divided here, not taken from inv_keep as the other backward kernels take it: with
+    # the argument ptxas spilled this kernel at (32, 4, 2), head dim 26
+    inv_keep_k = 1.0
     if HAS_DROPOUT:
-        inv_keep = 1.0 / (1.0 - dropout_p)
-    dq_scale = softmax_scale * inv_keep
+        inv_keep_k = 1.0 / (1.0 - dropout_p)
+    dq_scale = softmax_scale * inv_keep_k
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     # One loop, its rows and keys always masked: unmasked copies for full blocks and full-length
     # sequences save about one instruction per score element (~4%) and triple the compile time.
     for start_m in range(0, seq_len, BLOCK_M):
+        # each query block's dQ column sums in a partials row of its own (a sum held across the loop
+        # spilled at 255 registers)
         dk, dv = _bwd_fused_block(dk, dv, k, v, key_ok, q_base, do_base, dq_base, lse_ptr, keep_base, keep_rows,
                                   start_m, seq_len, stride_qs, stride_dos, stride_dqs, qk_scale, dq_scale, keep_len,
-                                  HAS_DROPOUT, UPCAST, DOT_PREC, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+                                  DB, b * db_rows + start_m // BLOCK_M, stride_db, h, num_heads, HAS_DROPOUT, UPCAST,
+                                  DOT_PREC, HAS_DB, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
     # A padding key's P is 0 in every row, so its dK and dV rows are 0 already.
-    dk = dk * (softmax_scale * inv_keep)
-    dv = dv * inv_keep
+    dk = dk * (softmax_scale * inv_keep_k)
+    dv = dv * inv_keep_k
     _store_key_grads(DK, DV, dk, dv, b64, h64, seq_start, offs_n, key_in, stride_dkb, stride_dks, stride_dkh,
                      stride_dvb, stride_dvs, stride_dvh, HEAD_DIM, BLOCK_D)
+    if HAS_DB:
+        _store_bias_grad(DB, b * db_rows, stride_db, 1, h, num_heads, tl.sum(dk, 0), HEAD_DIM, BLOCK_D)
+        _store_bias_grad(DB, b * db_rows, stride_db, 2, h, num_heads, tl.sum(dv, 0), HEAD_DIM, BLOCK_D)
 
 
 # =========================================================================== dropout mask (debug)
@@ -923,7 +984,9 @@ def _attention_outside_rows_kernel(
 # fp32 dQ at 64 in (32, 16, 4, 2): they left the lists. Triton 3.6 spills by 8-20 bytes where 3.9
 # does not in the 16-bit forward at 128 (64, 64, 4, 3), gone, and at 4 warps in three fp32 entries:
 # the forward's (16, 32, 4, 2) at <= 32 and (16, 16, 4, 2) at 128, and dQ's (32, 16, 4, 2) at <= 32,
-# which run at 8 warps instead.
+# which run at 8 warps instead. With the QKV bias gradient's sums (and 1 / (1 - p) an argument of the
+# dQ and dK/dV kernels) the fp32 dQ spills by 4-8 bytes in (16, 16, 4, 2) at <= 32 (3.9 and 3.6,
+# dropout) and (16, 16, 4, 1) at 256 (3.6, padded, dropout): they left the lists.
 _Q, _K = True, False
 _CANDIDATES = {
     "fwd": {
@@ -953,11 +1016,11 @@ _CANDIDATES = {
         (False, 32): [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 8, 3)],
         (False, 64): [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 8, 3)],
         (False, 128): [(128, 16, 8, 3), (64, 32, 8, 3), (64, 16, 4, 4)],
-        (True, 32): [(32, 16, 8, 2), (16, 16, 4, 2)],
+        (True, 32): [(32, 16, 8, 2)],
         (True, 64): [(32, 16, 8, 2), (16, 16, 4, 2)],
         (True, 128): [(16, 16, 8, 2)],
         (False, 256): [(16, 32, 8, 2), (32, 32, 8, 1), (32, 16, 8, 2)],
-        (True, 256): [(16, 16, 4, 2), (16, 16, 4, 1)],
+        (True, 256): [(16, 16, 4, 2)],
     },
 }
 # Under the interpreter: one fixed, small configuration per kernel. The sizes differ between
@@ -1107,7 +1170,9 @@ def _forward(q, k, v, out, lse, cu_seqlens, key_mask, seed, keep, batch, seqlen,
 
 
 def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, keep, batch, seqlen,
-              varlen, softmax_scale, dropout_p):
+              varlen, softmax_scale, dropout_p, bias_dtype=None):
+    """Launches the backward into dq, dk, dv; given bias_dtype, returns the QKV bias gradient
+    [3 * A * D] in it (header, "QKV bias gradient")."""
     heads, head_dim = q.shape[-2], q.shape[-1]
     upcast, prec = _dot_flags(q.dtype)
     lse = lse.contiguous()
@@ -1117,17 +1182,28 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, keep, b
     keep_arg = keep if dropout_p > 0 else lse
     bucket = triton.next_power_of_2(seqlen)
     consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), IS_VARLEN=varlen, HAS_KEY_MASK=key_mask is not None,
-                  HAS_DROPOUT=dropout_p > 0, UPCAST=upcast, DOT_PREC=prec)
-    tail = (*_lse_strides(lse, varlen), *mask_strides,
-            seqlen, heads, softmax_scale, softmax_scale * _LOG2E, dropout_p, bucket, _keep_len(keep))
+                  HAS_DROPOUT=dropout_p > 0, UPCAST=upcast, DOT_PREC=prec, HAS_DB=bias_dtype is not None)
     qkv_strides = (*_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(dout, varlen))
+    fused = fused_backward(seqlen, head_dim, q.dtype)
+    db_rows = bias_grad_rows(seqlen, head_dim, q.dtype, fused)
+    db = None
+    if bias_dtype is not None:
+        db = torch.zeros((batch * db_rows, 3 * heads * head_dim), dtype=torch.float32, device=q.device)
+    # Tuned on a scratch DB: a candidate with smaller blocks writes rows the chosen one leaves at 0.
+    scratch = ("DB",) if db is not None else ()
+    # 1 / (1 - p) from here for the dQ and dK/dV kernels: divided there, 1 - p stayed live across their
+    # loops and ptxas spilled it at small fp32 tiles
+    tail = (*_lse_strides(lse, varlen), *mask_strides, db.stride(0) if db is not None else 0, db_rows,
+            seqlen, heads, softmax_scale, softmax_scale * _LOG2E, dropout_p, 1.0 / (1.0 - dropout_p), bucket,
+            _keep_len(keep))
+    db_arg = db if db is not None else lse
 
-    if fused_backward(seqlen, head_dim, q.dtype):
-        args = (q, k, v, dout, lse, dq, dk, dv, cu, kmask, keep_arg,
+    if fused:
+        args = (q, k, v, dout, lse, dq, dk, dv, cu, kmask, keep_arg, db_arg,
                 *qkv_strides, *_bsh(dq, varlen), *_bsh(dk, varlen), *_bsh(dv, varlen), *tail)
         interp = dict(_INTERP["fused"], BLOCK_N=fused_block_n(seqlen))
-        launch(_bwd_fused_tuned, (1, heads, batch), args, consts, interp=interp)
-        return
+        launch(_bwd_fused_tuned, (1, heads, batch), args, consts, interp=interp, scratch=scratch)
+        return None if db is None else column_sums(db.unsqueeze(0), [bias_dtype])[0]
     delta = torch.empty_like(lse)  # same layout as lse: d = rowsum(dO * O)
     # fp16/bf16: the dQ kernel refines d into delta (header) for the dK/dV kernel; fp32: d is delta
     refine = q.dtype != torch.float32
@@ -1138,15 +1214,39 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, keep, b
            (out, dout, delta, cu, *_bsh(out, varlen), *_bsh(dout, varlen), *_lse_strides(lse, varlen), seqlen),
            dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), IS_VARLEN=varlen, BLOCK_M=delta_block))
 
-    args = (q, k, v, dout, lse, delta, delta_out, dq, cu, kmask, keep_arg,
+    args = (q, k, v, dout, lse, delta, delta_out, dq, cu, kmask, keep_arg, db_arg,
             *qkv_strides, *_bsh(dq, varlen), *tail)
     grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_M"]), heads, batch)  # noqa: E731
-    launch(_bwd_dq_tuned, grid, args, dict(consts, REFINE_DELTA=refine), interp=_INTERP["dq"])
+    launch(_bwd_dq_tuned, grid, args, dict(consts, REFINE_DELTA=refine), interp=_INTERP["dq"], scratch=scratch)
 
-    args = (q, k, v, dout, lse, delta_out, dk, dv, cu, kmask, keep_arg,
+    args = (q, k, v, dout, lse, delta_out, dk, dv, cu, kmask, keep_arg, db_arg,
             *qkv_strides, *_bsh(dk, varlen), *_bsh(dv, varlen), *tail)
     grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_N"]), heads, batch)  # noqa: E731
-    launch(_bwd_dkdv_tuned, grid, args, consts, interp=_INTERP["dkdv"])
+    launch(_bwd_dkdv_tuned, grid, args, consts, interp=_INTERP["dkdv"], scratch=scratch)
+    return None if db is None else column_sums(db.unsqueeze(0), [bias_dtype])[0]
+
+
+def bias_grad_rows(seqlen: int, head_dim: int, dtype: torch.dtype, one_pass: Optional[bool] = None,
+                   interpreted: Optional[bool] = None) -> int:
+    """Rows of the QKV bias gradient's partials per sequence (header): a row per block of the
+    smallest any candidate may take (zeros where the chosen blocks leave none), query blocks for the
+    one-pass kernel, query and key blocks for the three. one_pass: which backward runs (None:
+    fused_backward's choice); interpreted: whether the interpreter's blocks run (None: whether
+    launch() would run them now)."""
+    if one_pass is None:
+        one_pass = fused_backward(seqlen, head_dim, dtype)
+    if interpreted is None:
+        interpreted = _common.interpreting()  # launch()'s own test, which decides which blocks run
+    fp32 = dtype == torch.float32
+    if one_pass:
+        smallest = _INTERP["fused"]["BLOCK_M"] if interpreted else min(
+            e[0] for e in _FUSED_CANDIDATES[fp32][fused_block_n(seqlen)])
+    elif interpreted:
+        smallest = min(_INTERP["dq"]["BLOCK_M"], _INTERP["dkdv"]["BLOCK_N"])
+    else:
+        key = (fp32, max(block_d(head_dim), 32))
+        smallest = min(min(e[0] for e in _CANDIDATES["dq"][key]), min(e[1] for e in _CANDIDATES["dkdv"][key]))
+    return triton.cdiv(seqlen, smallest)
 
 
 def _clear_outside_rows(out: torch.Tensor, lse: Optional[torch.Tensor], cu_seqlens: torch.Tensor) -> None:
@@ -1219,9 +1319,12 @@ def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
 def attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor,
                          max_seqlen: int, softmax_scale: Optional[float], dropout_p: float,
-                         seed: Optional[torch.Tensor], keep: torch.Tensor) -> torch.Tensor:
+                         seed: Optional[torch.Tensor], keep: torch.Tensor,
+                         bias_dtype: Optional[torch.dtype] = None):
     """Gradients of attention_varlen_fwd -> dqkv [T, 3, A, D] (dq = dqkv[:, 0], dk, dv likewise;
-    0 at rows outside every sequence). keep: the forward's keep bits (the seed is not read)."""
+    0 at rows outside every sequence). keep: the forward's keep bits (the seed is not read).
+    Given bias_dtype: (dqkv, dbias [3, A, D] in bias_dtype), dbias the column sums of dqkv, summed
+    in fp32 by the kernels (header, "QKV bias gradient")."""
     _check_qkv(("q", "k", "v", "out"), (q, k, v, out), 3, "[T, A, D]")
     dout = _grad_out(dout, q)
     tokens, heads, head_dim = q.shape
@@ -1229,15 +1332,20 @@ def attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     batch, max_seqlen = check_cu_seqlens(cu_seqlens, max_seqlen, q.device)
     softmax_scale = _softmax_scale(softmax_scale, head_dim)
     dropout_p = check_dropout(dropout_p, seed, q.device)
+    check_bias_dtype(bias_dtype)
     dqkv = torch.empty((tokens, 3, heads, head_dim), dtype=q.dtype, device=q.device)
-    if dqkv.numel() == 0:
+    dbias = None
+    if dqkv.numel() > 0:
+        _check_keep(keep, batch, heads, max_seqlen, dropout_p, q.device)
+        if batch > 0 and max_seqlen > 0:
+            dbias = _backward(dout, q, k, v, out, lse, dqkv[:, 0], dqkv[:, 1], dqkv[:, 2], cu_seqlens, None, keep,
+                              batch, max_seqlen, True, softmax_scale, dropout_p, bias_dtype)
+        _clear_outside_rows(dqkv, None, cu_seqlens)
+    if bias_dtype is None:
         return dqkv
-    _check_keep(keep, batch, heads, max_seqlen, dropout_p, q.device)
-    if batch > 0 and max_seqlen > 0:
-        _backward(dout, q, k, v, out, lse, dqkv[:, 0], dqkv[:, 1], dqkv[:, 2], cu_seqlens, None, keep,
-                  batch, max_seqlen, True, softmax_scale, dropout_p)
-    _clear_outside_rows(dqkv, None, cu_seqlens)
-    return dqkv
+    if dbias is None:  # no token in any sequence
+        dbias = torch.zeros(3 * heads * head_dim, dtype=bias_dtype, device=q.device)
+    return dqkv, dbias.view(3, heads, head_dim)
 
 
 def attention_padded_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -288,7 +288,12 @@ def test_step_budget_lines_and_its_ceiling_from_given_kernel_predictions():
     removed = sum(items[n] for n in step.REMOVABLE)
     assert ceiling["seconds"] == pytest.approx(plan["seconds"] - removed - items["row ops"] / 2)
     assert ceiling["mfu"] == pytest.approx(plan["mfu"] * plan["seconds"] / ceiling["seconds"])
-    assert items["launch gaps"] == pytest.approx((24 * (23 + 4) + 20) * H100.launch_gap_s)
+    # the attention's four kernels, and the QKV bias gradient's zero-fill and column sum
+    assert items["launch gaps"] == pytest.approx((24 * (23 + 4 + 2) + 20) * H100.launch_gap_s)
+    # its partials: a row per 64-token block (the smallest bf16 candidate at head dim 64) of 3 x 1024 fp32,
+    # zero-filled and read back, and one memory latency a layer
+    partials = 128 * 2 * 3 * 1024 * 4
+    assert items["QKV bias grad"] == pytest.approx(24 * (2 * partials / bw + H100.memory_latency_s))
 
     # The one-pass backward in place of delta, dQ and dK/dV: its time, and two kernels a layer fewer.
     del kernels["_attention_bwd_delta_kernel"], kernels["_attention_bwd_dq_kernel"]
@@ -298,7 +303,9 @@ def test_step_budget_lines_and_its_ceiling_from_given_kernel_predictions():
     fused = {i["name"]: i for i in step.budget(results, case, H100)["items"]}
     assert fused["attention"]["seconds"] == pytest.approx(24 * 160 * us)
     assert "forward, one-pass backward" in fused["attention"]["how"]
-    assert fused["launch gaps"]["seconds"] == pytest.approx((24 * (23 + 2) + 20) * H100.launch_gap_s)
+    assert fused["launch gaps"]["seconds"] == pytest.approx((24 * (23 + 2 + 2) + 20) * H100.launch_gap_s)
+    # a row per 64-query block (the smallest one-pass candidate's at 128 tokens): as many as above
+    assert fused["QKV bias grad"]["seconds"] == pytest.approx(items["QKV bias grad"])
     with pytest.raises(KeyError, match="forward and backward"):
         step.budget([r for r in results if r.kernel != "_attention_bwd_fused_kernel"], case, H100)
 

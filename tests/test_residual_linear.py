@@ -2,6 +2,8 @@
 by the input-gradient GEMM (addmm), not by autograd in an [N, H] add of its own, and every gradient
 equals plain autograd's.
 """
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -211,6 +213,44 @@ def test_a_layer_backward_adds_no_residual_gradients_of_its_own(monkeypatch):
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_bias_grad_false_leaves_the_biases_gradient_to_another_op():
+    x, weights, biases = _inputs(3, True)
+    y, residual = residual_linear.linear(x, weights, biases, bias_grad=False)
+    torch.testing.assert_close(y, F.linear(x, torch.cat(weights), torch.cat(biases)))
+    grads = torch.autograd.grad((y.square().sum() + residual.sum()), [x, *weights, *biases], allow_unused=True)
+    assert all(g is not None for g in grads[:4]) and all(g is None for g in grads[4:])
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_the_qkv_bias_gradient_comes_from_the_attention(monkeypatch, dropout):
+    """In training the QKV GEMM's node leaves its biases' gradient to the attention op, whose backward
+    forms it (bertfast.ops.attention_varlen's qkv_bias: the Triton kernels sum it as they write dqkv):
+    one bias gradient per layer from there, and the GEMM's node sums none. (Gradients against plain
+    autograd: test_a_layer_backward_adds_no_residual_gradients_of_its_own.)"""
+    attention_op = importlib.import_module("bertfast.ops.attention")  # the package exports a function of that name
+    model, config = _model()
+    model.train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = dropout
+    calls = []
+    split = attention_op._split_bias_grad
+    monkeypatch.setattr(attention_op, "_split_bias_grad", lambda *args: calls.append(1) or split(*args))
+    ids = torch.randint(5, 100, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    with dispatch.use_backend("torch"):
+        out = model(ids, attention_mask=mask).last_hidden_state
+    with _AtenLog() as log:
+        out.square().sum().backward()
+    width = 3 * config.hidden_size
+    assert len(calls) == config.num_hidden_layers
+    assert not [f for f, shape in log.calls if f == torch.ops.aten.sum.dim_IntList and shape == (width,)]
+    for layer in model.encoder.layer:
+        assert all(m.bias.grad is not None and m.bias.grad.abs().sum() > 0
+                   for m in (layer.attention.self.query, layer.attention.self.key, layer.attention.self.value))
 
 
 def test_hooked_modules_are_still_called_as_modules():

@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 import torch
 
 from bertfast.contract import (check_cu_seqlens, check_dropout, check_head_dim, check_key_padding_mask, check_qkv,
-                               check_tensor, head_dim_reasons, softmax_scale as _softmax_scale)
+                               check_tensor, head_dim_reasons, qkv_bias_grad, softmax_scale as _softmax_scale)
 from bertfast.cuda import _common as C
 
 MAX_BATCH = 65535  # sequences per launch: the grid's z dimension
@@ -129,9 +129,10 @@ def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
 def attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                          softmax_scale: Optional[float], dropout_p: float,
-                         seed: Optional[torch.Tensor], keep: torch.Tensor) -> torch.Tensor:
+                         seed: Optional[torch.Tensor], keep: torch.Tensor, bias_dtype: Optional[torch.dtype] = None):
     """Gradients of attention_varlen_fwd -> dqkv [T, 3, A, D] (dq = dqkv[:, 0], dk, dv likewise;
-    zero at rows outside every sequence)."""
+    zero at rows outside every sequence); given bias_dtype, with the QKV bias gradient
+    (contract.qkv_bias_grad: summed from dqkv, not in the kernel)."""
     _check_qkv(("q", "k", "v", "out"), (q, k, v, out), 3, "[T, A, D]")
     C.on_device(dout=dout, lse=lse)
     check_tensor("dout", dout, dtypes=(q.dtype,), shape=q.shape, device=q.device)
@@ -142,11 +143,10 @@ def attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     C.on_device(seed=seed)
     dropout_p = check_dropout(dropout_p, seed, q.device)
     dqkv = torch.zeros((tokens, 3, heads, head_dim), dtype=q.dtype, device=q.device)
-    if dqkv.numel() == 0 or batch == 0 or max_seqlen == 0:
-        return dqkv
-    _bwd(_unit_stride_or_copy(dout), q, k, v, out, lse, dqkv[:, 0], dqkv[:, 1], dqkv[:, 2], cu_seqlens, None, batch,
-         max_seqlen, True, softmax_scale, dropout_p, seed)
-    return dqkv
+    if dqkv.numel() > 0 and batch > 0 and max_seqlen > 0:
+        _bwd(_unit_stride_or_copy(dout), q, k, v, out, lse, dqkv[:, 0], dqkv[:, 1], dqkv[:, 2], cu_seqlens, None,
+             batch, max_seqlen, True, softmax_scale, dropout_p, seed)
+    return qkv_bias_grad(dqkv, bias_dtype)
 
 
 def attention_padded_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

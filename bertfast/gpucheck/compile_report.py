@@ -212,7 +212,8 @@ def bert_launches(settings: Sequence[Setting], head_dims: Sequence[int] = (64,),
                 q, k, v = qkv.unbind(1)
                 cu = torch.arange(0, tokens + 1, seq, dtype=torch.int32)
                 out, lse, keep = A.attention_varlen_fwd(q, k, v, cu, seq, 0.125, p, seed)
-                A.attention_varlen_bwd(out, q, k, v, out, lse, cu, seq, 0.125, p, seed, keep)
+                # as training asks: with the gradient of the QKV GEMM's fp32 biases
+                A.attention_varlen_bwd(out, q, k, v, out, lse, cu, seq, 0.125, p, seed, keep, torch.float32)
                 if not padded_attention:
                     continue
                 qp = empty(batch, seq, heads_here, head_dim)

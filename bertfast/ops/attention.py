@@ -22,12 +22,17 @@ are bertfast.kernels.attention and bertfast.cuda.attention):
     the backward instead, in _KeptProbs; same numbers, faster there.) Each backend draws its own
     stream; attention_{varlen,padded}_dropout_mask return the mask a backend draws, and the varlen
     and padded forms of one batch draw the same one.
+  * varlen, given the QKV GEMM's biases (``qkv_bias``: the bias already in qkv): the backward also
+    returns their gradient, the column sums of dqkv; the backend's attention_varlen_bwd takes
+    bias_dtype and returns (dqkv, dbias [3, A, D]) (contract.qkv_bias_grad). The Triton kernels sum
+    it from registers as they write dqkv, so no pass over dqkv is made for it.
   * Head dims are each backend's limit (``unsupported``): Triton and CUDA serve every head dim from
     contract.MIN_HEAD_DIM (8) to MAX_HEAD_DIM (256), power of two or not; torch serves any.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+import math
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -52,7 +57,8 @@ def _fake_keep(like: Tensor, op: str, backend: str, batch: int, heads: int, seql
 # ------------------------------------------------------------------ variable length
 @torch.library.custom_op("bertfast::attention_varlen", mutates_args=())
 def _attention_varlen(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, softmax_scale: float, dropout_p: float,
-                      seed: Optional[Tensor], backend: str) -> tuple[Tensor, Tensor, Tensor]:
+                      seed: Optional[Tensor], backend: str, qkv_bias: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """qkv_bias: not read; inputs so that the backward returns their gradient."""
     q, k, v = qkv.unbind(1)
     outputs = _impl("attention_varlen", backend).attention_varlen_fwd(q, k, v, cu_seqlens, max_seqlen,
                                                                       softmax_scale, dropout_p, seed)
@@ -60,7 +66,7 @@ def _attention_varlen(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, softmax_
 
 
 @_attention_varlen.register_fake
-def _(qkv, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed, backend):
+def _(qkv, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed, backend, qkv_bias):
     tokens, _, heads, head_dim = qkv.shape
     keep = _fake_keep(qkv, "attention_varlen", backend, cu_seqlens.shape[0] - 1, heads, max_seqlen, dropout_p)
     return qkv.new_empty((tokens, heads, head_dim)), qkv.new_empty((heads, tokens), dtype=torch.float32), keep
@@ -69,45 +75,103 @@ def _(qkv, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed, backend):
 @torch.library.custom_op("bertfast::attention_varlen_backward", mutates_args=())
 def _attention_varlen_backward(dout: Tensor, qkv: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor,
                                max_seqlen: int, softmax_scale: float, dropout_p: float, seed: Optional[Tensor],
-                               keep: Tensor, backend: str) -> Tensor:
+                               keep: Tensor, backend: str,
+                               bias_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor]:
+    """(dqkv, the QKV bias gradient [3, A, D] in bias_dtype, or an empty tensor without bias_dtype)."""
     q, k, v = qkv.unbind(1)
-    dqkv = _impl("attention_varlen", backend).attention_varlen_bwd(
-        dout.contiguous(), q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed, keep)
-    return distinct([dqkv], [dout, qkv, out, lse, keep])[0]
+    grads = _impl("attention_varlen", backend).attention_varlen_bwd(
+        dout.contiguous(), q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed, keep,
+        bias_dtype)
+    if bias_dtype is None:
+        grads = (grads, qkv.new_empty((0,)))
+    return distinct(grads, [dout, qkv, out, lse, keep])
 
 
 @_attention_varlen_backward.register_fake
-def _(dout, qkv, out, lse, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed, keep, backend):
-    return qkv.new_empty(qkv.shape)
+def _(dout, qkv, out, lse, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed, keep, backend, bias_dtype):
+    dbias = qkv.new_empty((0,)) if bias_dtype is None else qkv.new_empty(qkv.shape[1:], dtype=bias_dtype)
+    return qkv.new_empty(qkv.shape), dbias
 
 
 def _varlen_setup(ctx, inputs, output):
-    qkv, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed, backend = inputs
+    qkv, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed, backend, qkv_bias = inputs
     out, lse, keep = output
     ctx.save_for_backward(qkv, out, lse, cu_seqlens, seed, keep)
     ctx.args = (max_seqlen, softmax_scale, dropout_p, backend)
+    ctx.biases = [(b.shape, b.dtype) for b in qkv_bias]
     no_zero_grads(ctx)
 
 
 def _varlen_backward(ctx, dout, _dlse, _dkeep):
     if dout is None:
-        return (None,) * 7
+        return (None,) * 7 + ([None] * len(ctx.biases),)
     qkv, out, lse, cu_seqlens, seed, keep = ctx.saved_tensors
     max_seqlen, softmax_scale, dropout_p, backend = ctx.args
-    dqkv = _attention_varlen_backward(dout, qkv, out, lse, cu_seqlens, max_seqlen, softmax_scale, dropout_p,
-                                      seed, keep, backend)
-    return dqkv, None, None, None, None, None, None
+    dqkv, dbias = _attention_varlen_backward(dout, qkv, out, lse, cu_seqlens, max_seqlen, softmax_scale, dropout_p,
+                                             seed, keep, backend, _bias_dtype(ctx.biases))
+    return dqkv, None, None, None, None, None, None, _split_bias_grad(dbias, ctx.biases)
 
 
 _attention_varlen.register_autograd(_varlen_backward, setup_context=_varlen_setup)
 
 
+def _bias_dtype(biases) -> Optional[torch.dtype]:
+    """The dtype the backend returns the QKV bias gradient in: the biases' own, or fp32 where they
+    differ or are another dtype (fp64: summed in fp32, as the GEMM's node sums a bias gradient)."""
+    if not biases:
+        return None
+    dtypes = {dtype for _, dtype in biases}
+    return dtypes.pop() if len(dtypes) == 1 and dtypes <= set(contract.FLOAT_DTYPES) else torch.float32
+
+
+def _split_bias_grad(dbias: Tensor, biases) -> list:
+    """The gradient [3, A, D] cut into the biases' shapes and dtypes (views where the dtypes agree)."""
+    if not biases:
+        return []
+    parts = dbias.flatten().split([math.prod(shape) for shape, _ in biases])
+    return [part.view(shape).to(dtype) for part, (shape, dtype) in zip(parts, biases)]
+
+
+def _check_qkv_bias(qkv_bias: Sequence[Tensor], qkv: Tensor) -> list:
+    biases = list(qkv_bias)
+    total, want = sum(b.numel() for b in biases), math.prod(qkv.shape[1:])
+    if biases and total != want:
+        raise ValueError(f"attention_varlen: expected qkv_bias of {want} elements in all (3 x heads x head_dim, "
+                         f"the QKV GEMM's bias), got {total} in {[tuple(b.shape) for b in biases]}")
+    for b in biases:
+        if not b.is_floating_point() or b.device != qkv.device:
+            raise ValueError(f"attention_varlen: expected qkv_bias of floating dtype on {qkv.device}, "
+                             f"got {b.dtype} on {b.device}")
+    return biases
+
+
+class _QkvBiasGrad(torch.autograd.Function):
+    """qkv as it is, and in the backward the QKV bias gradient summed from dqkv: for the entry
+    points that do not run the custom op (_KeptProbs)."""
+
+    @staticmethod
+    def forward(ctx, qkv, *biases):
+        ctx.biases = [(b.shape, b.dtype) for b in biases]
+        return qkv.view_as(qkv)
+
+    @staticmethod
+    def backward(ctx, dqkv):
+        _, dbias = contract.qkv_bias_grad(dqkv, _bias_dtype(ctx.biases))
+        return dqkv, *_split_bias_grad(dbias, ctx.biases)
+
+
 def attention_varlen(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float = 0.0,
-                     softmax_scale: Optional[float] = None) -> Tensor:
-    """Self-attention over unpadded tokens. qkv [T, 3, A, D] -> [T, A, D]."""
+                     softmax_scale: Optional[float] = None, qkv_bias: Sequence[Tensor] = ()) -> Tensor:
+    """Self-attention over unpadded tokens. qkv [T, 3, A, D] -> [T, A, D].
+
+    qkv_bias: the bias the QKV GEMM has already added to qkv (one [3 * A * D] tensor, or the query's,
+    key's and value's in that order), not added again: the attention's backward returns its
+    gradient, summed by the Triton kernels as they write dqkv, so the GEMM's backward should not
+    (bertfast.residual_linear.linear's bias_grad=False)."""
     if qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError(f"attention_varlen: expected qkv of shape [tokens, 3, heads, head_dim], "
                          f"got {tuple(qkv.shape)}")
+    biases = _check_qkv_bias(qkv_bias, qkv)
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
         raise ValueError(f"attention_varlen: expected cu_seqlens int32 [batch + 1], "
                          f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
@@ -117,12 +181,14 @@ def attention_varlen(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p
     scale = contract.softmax_scale(softmax_scale, qkv.shape[-1])
     backend = dispatch.select("attention_varlen", q=qkv, cu_seqlens=cu_seqlens)
     seed = seed_for(dropout_p, qkv.device)
-    if launch_directly(qkv):
+    if launch_directly(qkv, *biases):
         return _impl("attention_varlen", backend).attention_varlen_fwd(*qkv.unbind(1), cu_seqlens, int(max_seqlen),
                                                                        scale, dropout_p, seed)[0]
     if keeps_probs(backend, dropout_p, qkv):
+        if biases:
+            qkv = _QkvBiasGrad.apply(qkv, *biases)
         return kept_probs_varlen(qkv, cu_seqlens, int(max_seqlen), scale, dropout_p, seed)
-    return _attention_varlen(qkv, cu_seqlens, int(max_seqlen), scale, dropout_p, seed, backend)[0]
+    return _attention_varlen(qkv, cu_seqlens, int(max_seqlen), scale, dropout_p, seed, backend, biases)[0]
 
 
 # ------------------------------------------------------------------ padded + mask
@@ -427,13 +493,14 @@ def varlen_inference(cu_seqlens: Tensor, max_seqlen: int, tokens: int) -> Callab
     return run
 
 
-def attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed, keep):
+def attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed, keep,
+                         bias_dtype=None):
     form = _PaddedForm(cu_seqlens, max_seqlen, q.shape[0])
     # Padded query rows get lse +inf: probabilities 0, so they add nothing to dk and dv.
     lse_p = form.pad(lse.t(), float("inf")).transpose(1, 2)                      # [B, A, S]
     grads = attention_padded_bwd(*(form.pad(t) for t in (dout, q, k, v, out)), lse_p, form.mask, softmax_scale,
                                  dropout_p, seed, keep)
-    return form.unpad(torch.stack(grads, dim=2))                                 # [T, 3, A, D]
+    return contract.qkv_bias_grad(form.unpad(torch.stack(grads, dim=2)), bias_dtype)  # [T, 3, A, D]
 
 
 def attention_varlen_dropout_mask(cu_seqlens, max_seqlen, num_heads, dropout_p, seed):

@@ -15,9 +15,10 @@ sequences, the BERT recipe's masked positions) is the sum of:
   it reads each gradient, writing nothing back); autocast's casts of the weights without a working
   copy (the embeddings, the heads, the pooler: 6 bytes per parameter; the weight gradients come
   fp32 from their GEMMs but the pooler's and NSP head's, cast from bf16 at 6 more:
-  bertfast.residual_linear); the QKV bias gradient (a column sum) and the residual gradients the
-  input-gradient GEMMs read (bertfast.residual_linear: each layer's two residual-gradient additions
-  happen in the GEMMs, addmm with beta = 1);
+  bertfast.residual_linear); the QKV bias gradient (the attention's backward kernels write its fp32
+  partials, a row per block, which a column sum reads back: kernels/attention.py)
+  and the residual gradients the input-gradient GEMMs read (bertfast.residual_linear: each layer's
+  two residual-gradient additions happen in the GEMMs, addmm with beta = 1);
 - launch gaps: the step's kernels back to back on the device (as a CUDA graph replays them).
 
 Predicted device time, sequences per second and MFU (model FLOPs / time / the dense bf16 peak).
@@ -109,6 +110,15 @@ def attention_launches(results, setting: K.Setting) -> Dict[str, object]:
     return found
 
 
+def _bias_grad_rows(seqlen: int, one_pass: bool) -> int:
+    """Rows of the QKV bias gradient's partials per sequence on a GPU (kernels/attention.py), bf16,
+    head dim 64."""
+    import torch
+
+    from bertfast.kernels.attention import bias_grad_rows
+    return bias_grad_rows(seqlen, K.HEAD_DIM, torch.bfloat16, one_pass, interpreted=False)
+
+
 def _predicted(results, setting: K.Setting, kernel: str, variant_has: str = "") -> float:
     return _launch(results, setting, kernel, variant_has).prediction.predicted_s
 
@@ -143,7 +153,12 @@ def budget(results, case: StepCase, gpu: Gpu) -> Dict[str, object]:
     bw = gpu.achievable_hbm_bytes_per_s
     attention_kernels = attention_launches(results, s)
     attention = sum(r.prediction.predicted_s for r in attention_kernels.values())
-    launches = layers * (KERNELS_PER_LAYER_BESIDE_ATTENTION + len(attention_kernels)) + 20
+    # The QKV bias gradient's partials (kernels/attention.py): zero-filled, written by the attention's
+    # backward kernels, read back by a column sum.
+    one_pass = "_attention_bwd_fused_kernel" in attention_kernels
+    partial_bytes = s.batch * _bias_grad_rows(s.seq, one_pass) * 3 * hidden * 4.0
+    bias_grad = 2 * partial_bytes / bw + gpu.memory_latency_s
+    launches = layers * (KERNELS_PER_LAYER_BESIDE_ATTENTION + len(attention_kernels) + 2) + 20
     rows = sum(_predicted(results, s, k, v) for k, v in ROW_KERNELS)
     embeddings = sum(_predicted(results, s, k) for k in EMBEDDING_KERNELS)
     items = [
@@ -165,7 +180,10 @@ def budget(results, case: StepCase, gpu: Gpu) -> Dict[str, object]:
          f"bf16 casts every forward of the {(params - copies) / 1e6:.0f}M fp32 weights without a working copy "
          "(the embeddings, heads, pooler, LayerNorms: 6 B each); the gradients come fp32 from their GEMMs "
          f"(bertfast.residual_linear) and kernels, but {cast_grads / 1e6:.1f}M (the pooler's, NSP's) cast from bf16"),
-        ("QKV bias grad", layers * tokens * 3 * hidden * 2.0 / bw, "a column sum of the QKV gradient, every layer"),
+        ("QKV bias grad", layers * bias_grad,
+         f"{layers} x the {partial_bytes / 1e6:.1f} MB of fp32 partials the attention's backward writes, "
+         f"zero-filled and summed by a column sum (one memory latency), where a column sum of the QKV gradient "
+         f"read {tokens * 3 * hidden * 2.0 / 1e6:.0f} MB"),
         ("residual grads", layers * tokens * 2 * hidden * 2.0 / bw,
          "each layer's two residual gradients, read by the QKV and FFN-input GEMMs that sum them (addmm, "
          "beta = 1; priced at the bandwidth, as if the GEMMs did not hide them)"),

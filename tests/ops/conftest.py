@@ -90,6 +90,16 @@ def backend(request, monkeypatch):
     yield from _backend(request, monkeypatch)
 
 
+@pytest.fixture(params=BACKENDS)
+def cpu_backend(request, monkeypatch):
+    """Every backend in turn on the CPU only (the interpreter, the emulator), for what the GPU tests
+    cover otherwise: skipped where there is a GPU, and not in the GPU check's selection (each test
+    there costs the lent machine seconds)."""
+    if GPU:
+        pytest.skip("the CPU backends only: on a GPU the contract tests cover this")
+    yield from _backend(request, monkeypatch)
+
+
 @pytest.fixture(params=FUSED)
 def fused_backend(request, monkeypatch):
     """Triton and CUDA: the backends whose launchers validate their own arguments (the torch

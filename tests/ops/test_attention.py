@@ -94,15 +94,16 @@ def _lse_atol(dtype):
 
 
 def check_varlen(backend, q, k, v, dout, cu, max_seqlen, scale=None, p=0.0, seed=None, atol=1e-5, grad_atol=None):
-    """The backend's varlen launchers against the reference, fed the backend's own dropout mask;
-    returns (out, lse, dqkv)."""
+    """The backend's varlen launchers against the reference, fed the backend's own dropout mask, the
+    backward asked for the QKV bias gradient as training asks (fp32 biases); returns (out, lse, dqkv)."""
     impl = backend.module(VARLEN)
     tokens, heads, head_dim = q.shape
     out, lse, bits = impl.attention_varlen_fwd(q, k, v, cu, max_seqlen, scale, p, seed)
-    dqkv = impl.attention_varlen_bwd(dout, q, k, v, out, lse, cu, max_seqlen, scale, p, seed, bits)
+    dqkv, dbias = impl.attention_varlen_bwd(dout, q, k, v, out, lse, cu, max_seqlen, scale, p, seed, bits, FP32)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     assert lse.shape == (heads, tokens) and lse.dtype == FP32
     assert dqkv.shape == (tokens, 3, heads, head_dim) and dqkv.dtype == q.dtype and dqkv.is_contiguous()
+    check_bias_grad(dbias, dqkv, FP32)
 
     keep = impl.attention_varlen_dropout_mask(cu, max_seqlen, heads, p, seed) if p else None
     fn = lambda q_, k_, v_: R.attention_varlen(q_, k_, v_, cu, max_seqlen, scale, p, keep)  # noqa: E731
@@ -122,6 +123,17 @@ def check_varlen(backend, q, k, v, dout, cu, max_seqlen, scale=None, p=0.0, seed
             want[:, s0:s1] = torch.logsumexp(scores * _scale(scale, head_dim), -1)
     torch.testing.assert_close(lse.cpu(), want, atol=_lse_atol(q.dtype), rtol=1e-5)
     return out, lse, dqkv
+
+
+def check_bias_grad(dbias, dqkv, dtype):
+    """dbias [3, A, D] in dtype is the column sums of dqkv [T, 3, A, D]. A backend may sum its fp32
+    values before rounding them into dqkv: each element of dqkv is then off by up to half an ulp."""
+    assert dbias.shape == dqkv.shape[1:] and dbias.dtype == dtype and dbias.device == dqkv.device
+    want = dqkv.double().sum(0)
+    ulp = {FP32: 2 ** -23, FP16: 2 ** -10, BF16: 2 ** -7}
+    tol = (dqkv.double().abs().sum(0) * (ulp[dqkv.dtype] + ulp[dtype]) + 1e-6).cpu()
+    err = (dbias.double() - want).abs().cpu()
+    assert (err <= tol).all(), f"QKV bias gradient: max error {err.max().item():.3g} (max allowed {tol.min():.3g})"
 
 
 def check_padded(backend, q, k, v, dout, mask, scale=None, p=0.0, seed=None, atol=1e-5, grad_atol=None):
@@ -331,6 +343,12 @@ def test_empty_inputs(backend):
     out, lse, bits = v_impl.attention_varlen_fwd(q, k, v, cu, 0, None, 0.0, None)
     dqkv = v_impl.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 0, None, 0.0, None, bits)
     assert not out.any() and torch.isposinf(lse).all() and not dqkv.any() and dqkv.shape == (4, 3, A, D)
+    # The QKV bias gradient where no token is: 0, in the dtype asked for.
+    for rows, cu_ in ((q, cu), (empty[0], torch.zeros(4, dtype=torch.int32, device=backend.device))):
+        qkv = rows, rows, rows
+        out, lse, bits = v_impl.attention_varlen_fwd(*qkv, cu_, 0, None, 0.0, None)
+        dqkv, dbias = v_impl.attention_varlen_bwd(out, *qkv, out, lse, cu_, 0, None, 0.0, None, bits, FP16)
+        assert dbias.shape == (3, A, D) and dbias.dtype == FP16 and not dbias.any() and not dqkv.any()
 
 
 @pytest.mark.parametrize("form", ["varlen", "padded"])
@@ -393,6 +411,44 @@ def test_op_autograd_matches_reference(backend, form, dropout_p):
     (o32, (g32,)), _ = references(lambda x: ref(x, keep), [qkv], FP32, dout)
     check_close("out", out, o32, None, FP32)
     check_close("dqkv", qkv.grad, g32, None, FP32, atol=2e-5, rtol=1e-4)
+
+
+def test_op_forms_the_qkv_bias_gradient(cpu_backend):
+    """Given the QKV GEMM's biases (qkv_bias), the op's backward returns their gradient, the column sums
+    of dqkv, in each bias's shape and dtype, and dqkv as without them: one [3AD] bias or three of mixed
+    dtypes (summed in fp32, each cast to its own), with and without dropout. With the torch backend and
+    dropout this is the _KeptProbs path, without dropout the custom op; elsewhere the custom op. On a
+    GPU, check_varlen covers each backend's bias gradient (every varlen contract and GPU-size test)."""
+    backend = cpu_backend
+    g = torch.Generator().manual_seed(17)
+    lengths = torch.tensor([4, 1, 0, 6])
+    cu = cu_seqlens_from_lengths(lengths).to(backend.device)
+    qkv = backend.tensor(13, 3, A, D, generator=g)  # two rows after the last sequence
+    width = 3 * A * D
+    rows = torch.arange(13, device=backend.device)[:, None, None]
+    dout = torch.ones(13, A, D, device=backend.device).mul_(rows % 3 - 1.0)
+    for shapes, dtypes in (([(width,)], [FP32]), ([(A * D,)] * 3, [FP32, FP16, FP32])):
+        params = [torch.randn(shape, generator=g).to(device=backend.device, dtype=dtype).requires_grad_()
+                  for shape, dtype in zip(shapes, dtypes)]
+        for dropout_p in (0.0, 0.25):
+            grads = []
+            for with_bias in (False, True):
+                x = qkv.clone().requires_grad_()
+                torch.manual_seed(5)
+                with backend.forced():
+                    out = ops.attention_varlen(x, cu, 6, dropout_p, qkv_bias=params if with_bias else ())
+                out.backward(dout)
+                grads.append(x.grad)
+            case = f"{len(params)} biases, dropout {dropout_p}"
+            assert torch.equal(grads[0], grads[1]), f"{case}: the bias gradient changed dqkv"
+            sums = grads[1].double().sum(0).flatten()
+            for param, part in zip(params, sums.split([t.numel() for t in params])):
+                assert param.grad.dtype == param.dtype and param.grad.shape == param.shape, case
+                tol = 1e-3 if param.dtype == FP16 else 1e-5
+                torch.testing.assert_close(param.grad.double(), part.view(param.shape), atol=tol, rtol=tol, msg=case)
+                param.grad = None
+    with pytest.raises(ValueError, match=rf"qkv_bias of {width} elements in all .* got {width - 1}"):
+        ops.attention_varlen(qkv.clone().requires_grad_(), cu, 6, qkv_bias=[params[0][:-1], *params[1:]])
 
 
 # --------------------------------------------------------------------------- dropout
@@ -557,7 +613,11 @@ def opcheck_samples():
     mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)  # sequence 1 fully padded
     varlen, padded = torch.ops.bertfast.attention_varlen, torch.ops.bertfast.attention_padded
     return {
-        "varlen-dropout": (varlen, (leaf(8, 3, 2, 16), cu, 5, 0.25, 0.1, torch.tensor([7]), "torch")),
+        "varlen-dropout": (varlen, (leaf(8, 3, 2, 16), cu, 5, 0.25, 0.1, torch.tensor([7]), "torch", [])),
+        # with the QKV biases, whose gradient the backward returns: one [3 * A * D], or three in fp64
+        "varlen-bias": (varlen, (leaf(8, 3, 2, 16), cu, 5, 0.25, 0.0, None, "torch", [leaf(96)])),
+        "varlen-biases": (varlen, (leaf(8, 3, 2, 16), cu, 5, 0.25, 0.1, torch.tensor([7]), "torch",
+                                   [leaf(32).double() for _ in range(3)])),
         "padded": (padded, (leaf(2, 5, 2, 16), leaf(2, 5, 2, 16), leaf(2, 5, 2, 16), mask, 0.25, 0.0, None, "torch")),
         # q, k, v as transformers passes them: [B, A, S, D] transposed to [B, S, A, D]
         "padded-transposed": (padded, (*(leaf(2, 2, 5, 16).transpose(1, 2) for _ in range(3)), mask, 0.25, 0.0,
@@ -565,7 +625,7 @@ def opcheck_samples():
     }
 
 
-@pytest.mark.parametrize("sample", ["varlen-dropout", "padded", "padded-transposed"])
+@pytest.mark.parametrize("sample", ["varlen-dropout", "varlen-bias", "varlen-biases", "padded", "padded-transposed"])
 def test_opcheck(sample):
     op, args = opcheck_samples()[sample]
     torch.library.opcheck(op, args)

@@ -160,6 +160,28 @@ def test_triton_backward_paths_match_the_reference(triton_backward, case):
         check_padded(triton, q, k, v, dout, key_mask(kind, 3, 30, seed=4), p=p, seed=seed)
 
 
+@pytest.mark.parametrize("dtype", [FP32, FP16], ids=["fp32", "fp16"])
+def test_triton_qkv_bias_gradient_from_the_backward_kernels(triton_backward, dtype):
+    """Each backward path sums the QKV bias gradient from its registers (kernels/attention.py, "QKV bias
+    gradient"): the column sums of dqkv in the dtype asked for, with empty sequences, a padded head dim,
+    dropout and rows after the last sequence, and dqkv bit for bit as without it."""
+    from bertfast.kernels import attention as K
+    from test_attention import check_bias_grad
+
+    dev = torch.device("cuda" if GPU else "cpu")
+    triton = BackendUnderTest("triton", dev)
+    seed, p = seed_of(triton, 12), 0.2
+    lengths = torch.tensor([30, 0, 17, 1])
+    q, k, v, dout, cu = varlen_inputs(triton, lengths, FP32, 26, extra=3, seed=9)
+    out, lse, bits = K.attention_varlen_fwd(q, k, v, cu, 30, None, p, seed)
+    plain = K.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 30, None, p, seed, bits)
+    dqkv, dbias = K.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 30, None, p, seed, bits, dtype)
+    assert torch.equal(dqkv, plain)
+    check_bias_grad(dbias, dqkv, dtype)
+    with pytest.raises(ValueError, match="bias_dtype: expected one of"):
+        K.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 30, None, p, seed, bits, torch.int32)
+
+
 def test_triton_backward_paths_agree(monkeypatch):
     """The one-pass kernel and the three kernels: the same gradients to fp32 rounding (delta from the
     score rows or from dO . O, the products summed in other orders), with dropout and padding keys."""
