@@ -91,13 +91,18 @@ the forward's P_ij != 0 and reads dropped where P_ij == 0. The backward's P_ij i
 than the forward's (the same exponent against the final max and sum instead of a running max; up
 to the rounding of lse, at a P below 2**-126 that no fp32 sum keeps), so where a bit differs from
 the draw the backward's P_ij is 0 and the bit does not count. (Packing the draws themselves
-compiles to a second Philox chain in the store's layout.) L is the padded length rounded up to
-KEEP_ALIGN, a multiple of every tile, so tiles that overhang a sequence stay inside the tensor and
-no byte load or store is masked: the bytes past a sequence's end belong to rows and columns whose
-P is 0 or whose gradients are dropped. 1/8 byte per score element: 17 MB per layer at BERT-large,
-seq 512, batch 32. With P Z = kept / (1 - p), kept = keep ? P : 0, the backward forms
-dS (1 - p) = kept dP - P (1 - p) delta from one select of P, which is also dV's operand, and
-scales dQ, dK and dV by 1 / (1 - p) once, at the end.
+compiles to a second Philox chain in the store's layout.) fp32 (BYTEWISE_KEEP) does just that: its
+dots run on the CUDA cores in blocked layouts, where a byte's 8 elements span threads and warps, and
+with this packing (reshape, permute, a sum across warps) and unpacking its gradients with dropout
+came out wrong on an H200 (2026-11-27; 16-bit passed; which half failed is not known). So fp32 draws
+each byte in the byte's own layout (two Philox calls a byte: the same decisions, recorded also where
+P is 0) and reads each element's bit from its own byte: elementwise code, nothing moves between
+threads. L is the padded length rounded up to KEEP_ALIGN, a multiple of every tile, so tiles that
+overhang a sequence stay inside the tensor and no byte load or store is masked: the bytes past a
+sequence's end belong to rows and columns whose P is 0 or whose gradients are dropped. 1/8 byte per
+score element: 17 MB per layer at BERT-large, seq 512, batch 32. With P Z = kept / (1 - p),
+kept = keep ? P : 0, the backward forms dS (1 - p) = kept dP - P (1 - p) delta from one select of P,
+which is also dV's operand, and scales dQ, dK and dV by 1 / (1 - p) once, at the end.
 
 Layouts: varlen q, k, v, out, dout [T, A, D] (sequence b is rows cu_seqlens[b]:cu_seqlens[b+1]);
 padded [B, S, A, D]. Row and head strides are honoured (packed qkv views work); the last dim
@@ -195,19 +200,23 @@ def _dropout_keep(seed_bh, offs_m, start_n, threshold, BLOCK_M: tl.constexpr, BL
 
 
 @triton.jit
-def _drop_and_record(p, seed_bh, offs_m, start_n, threshold, keep_base, keep_rows, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
+def _drop_and_record(p, seed_bh, offs_m, start_m, start_n, threshold, keep_base, keep_rows, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BYTEWISE_KEEP: tl.constexpr):
     """The forward's probability tile p with its dropped elements 0, and its keep bits stored for the
     backward (header, "Keep bits") at keep_base + keep_rows[:, None] + byte column."""
     p = tl.where(_dropout_keep(seed_bh, offs_m, start_n, threshold, BLOCK_M, BLOCK_N), p, 0.0)
-    # Packed from the dropped tile (bit = P != 0, header), summing over its (h, w, e) axes, which each
-    # thread holds in registers: the sum is not rematerialised, so only the bytes change layout for the
-    # store. (Packed from the draws, the store compiles to a second Philox chain in its own layout.)
-    bits = tl.reshape(p != 0.0, (BLOCK_M // 16, 2, 8, BLOCK_N // 16, 2, 4, 2))        # [R, h, r, C, w, q, e]
-    bits = tl.permute(bits, (0, 2, 3, 5, 1, 4, 6))                                    # [R, r, C, q, h, w, e]
-    bits = tl.reshape(bits, (BLOCK_M // 2, BLOCK_N // 4, 8)).to(tl.int32)              # [byte row, col, bit]
-    byte = tl.sum(bits << tl.arange(0, 8)[None, None, :], 2)
-    cols = start_n // 4 + tl.arange(0, BLOCK_N // 4)
+    if BYTEWISE_KEEP:
+        cols = start_n // 4 + tl.arange(0, BLOCK_N // 4)
+        byte = _drawn_keep_bytes(seed_bh, start_m, cols, threshold, BLOCK_M, BLOCK_N)
+    else:
+        # Packed from the dropped tile (bit = P != 0, header), summing over its (h, w, e) axes, which each
+        # thread holds in registers: the sum is not rematerialised, so only the bytes change layout for
+        # the store. (Packed from the draws, the store compiles to a second Philox chain in its own layout.)
+        bits = tl.reshape(p != 0.0, (BLOCK_M // 16, 2, 8, BLOCK_N // 16, 2, 4, 2))        # [R, h, r, C, w, q, e]
+        bits = tl.permute(bits, (0, 2, 3, 5, 1, 4, 6))                                    # [R, r, C, q, h, w, e]
+        bits = tl.reshape(bits, (BLOCK_M // 2, BLOCK_N // 4, 8)).to(tl.int32)              # [byte row, col, bit]
+        byte = tl.sum(bits << tl.arange(0, 8)[None, None, :], 2)
+        cols = start_n // 4 + tl.arange(0, BLOCK_N // 4)
     tl.store(keep_base + (keep_rows[:, None] + cols[None, :]), byte.to(tl.uint8))
     return p
 
@@ -226,6 +235,55 @@ def _stored_keep(keep_base, keep_rows, start_n, BLOCK_M: tl.constexpr, BLOCK_N: 
     bit = tl.reshape(1 << (4 * h + 2 * w + e), (1, 2, 1, 1, 2, 1, 2))
     keep = (tl.reshape(byte, (BLOCK_M // 16, 1, 8, BLOCK_N // 16, 1, 4, 1)) & bit) != 0
     return tl.reshape(keep, (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
+def _drawn_keep_bytes(seed_bh, start_m, cols, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """BYTEWISE_KEEP: the bytes of query rows start_m .. start_m + BLOCK_M - 1 at byte columns cols,
+    [BLOCK_M / 2, BLOCK_N / 4] int32, drawn in their own layout (header, "Keep bits"): byte (8R + r, 4C + q)
+    of rows 16R + 8h + r takes, for each h, words 2 (C % 2) and 2 (C % 2) + 1 of the Philox call of
+    group 4 (C // 2) + q (columns 16C + 8w + 2q + e are word 2 (C % 2) + w, half e)."""
+    a = tl.arange(0, BLOCK_M // 2)
+    rows = start_m + (a // 8) * 16 + a % 8  # h = 0; h = 1 is 8 rows further
+    groups = (cols // 8) * 4 + cols % 4
+    odd = ((cols // 4) % 2 == 1)[None, :]
+    hi = (threshold << 16) - 1  # as _philox_bits
+    byte = tl.zeros([BLOCK_M // 2, BLOCK_N // 4], tl.int32)
+    for h in tl.static_range(2):
+        r0, r1, r2, r3 = tl.randint4x(seed_bh, (rows + 8 * h)[:, None] * 8192 + groups[None, :], N_ROUNDS)
+        w0 = tl.where(odd, r2, r0)
+        w1 = tl.where(odd, r3, r1)
+        nibble = (((w0 & 0xFFFF) >= threshold).to(tl.int32) | ((w0 > hi).to(tl.int32) << 1)
+                  | (((w1 & 0xFFFF) >= threshold).to(tl.int32) << 2) | ((w1 > hi).to(tl.int32) << 3))
+        byte = byte | (nibble << (4 * h))
+    return byte
+
+
+@triton.jit
+def _gathered_keep(keep_base, rows, cols, keep_len):
+    """BYTEWISE_KEEP: the keep flags of elements (rows, cols) of the (b, h) block (broadcasting index
+    tensors, either orientation), each read from its own byte (header, "Keep bits")."""
+    byte_rows = (rows // 16) * 8 + rows % 8
+    byte = tl.load(keep_base + (byte_rows * (keep_len // 4) + (cols // 16) * 4 + (cols % 8) // 2))
+    return ((byte.to(tl.int32) >> (4 * ((rows // 8) % 2) + 2 * ((cols // 8) % 2) + cols % 2)) & 1) != 0
+
+
+@triton.jit
+def _keep_flags(keep_base, block_rows, offs_m, start_n, keep_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BYTEWISE_KEEP: tl.constexpr, KEYS_MAJOR: tl.constexpr):
+    """The forward's keep flags of query rows offs_m (byte rows block_rows) and keys start_n ..
+    start_n + BLOCK_N - 1: [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] KEYS_MAJOR."""
+    if BYTEWISE_KEEP:
+        keys = start_n + tl.arange(0, BLOCK_N)
+        if KEYS_MAJOR:
+            keep = _gathered_keep(keep_base, offs_m[None, :], keys[:, None], keep_len)
+        else:
+            keep = _gathered_keep(keep_base, offs_m[:, None], keys[None, :], keep_len)
+    else:
+        keep = _stored_keep(keep_base, block_rows, start_n, BLOCK_M, BLOCK_N)
+        if KEYS_MAJOR:
+            keep = tl.trans(keep)
+    return keep
 
 
 @triton.jit
@@ -345,11 +403,11 @@ def _store_bias_grad(DB, row, stride_db, which, h, num_heads, grad, HEAD_DIM: tl
 
 # =========================================================================== forward
 @triton.jit
-def _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, keep_base, keep_rows, start_n, seq_len, offs_m,
+def _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, keep_base, keep_rows, start_m, start_n, seq_len, offs_m,
                offs_n, stride_ks, stride_vs, stride_ms, qk_scale, seed_bh, threshold,
                MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-               UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BYTEWISE_KEEP: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One key block of the online softmax; MASKED handles the tail block and key padding."""
     key_ok = (start_n + offs_n) < seq_len  # [BN]; read only when MASKED
     k = _load_tile(k_ptrs + start_n * stride_ks, key_ok, MASKED, HEAD_DIM, BLOCK_D)
@@ -375,7 +433,8 @@ def _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, keep_base, keep_row
     if HAS_DROPOUT:
         # l_i sums the undropped probabilities; only the product with V sees the 0/1 mask
         # (the 1 / (1 - p) is applied once, at the end).
-        p = _drop_and_record(p, seed_bh, offs_m, start_n, threshold, keep_base, keep_rows, BLOCK_M, BLOCK_N)
+        p = _drop_and_record(p, seed_bh, offs_m, start_m, start_n, threshold, keep_base, keep_rows, BLOCK_M, BLOCK_N,
+                             BYTEWISE_KEEP)
     v = _load_tile(v_ptrs + start_n * stride_vs, key_ok, MASKED, HEAD_DIM, BLOCK_D)
     if UPCAST:
         v = v.to(tl.float32)
@@ -402,7 +461,7 @@ def _attention_fwd_kernel(
     stride_mb, stride_ms,
     seqlen, num_heads, qk_scale, dropout_p, seqlen_bucket, keep_len,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BYTEWISE_KEEP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -445,15 +504,15 @@ def _attention_fwd_kernel(
     else:
         n_full = (seq_len // BLOCK_N) * BLOCK_N
     for start_n in range(0, n_full, BLOCK_N):
-        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, keep_base, keep_rows, start_n,
-                                   seq_len, offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale,
+        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, keep_base, keep_rows, start_m,
+                                   start_n, seq_len, offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale,
                                    seed_bh, threshold, False, HAS_KEY_MASK, HAS_DROPOUT,
-                                   UPCAST, DOT_PREC, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+                                   UPCAST, DOT_PREC, BYTEWISE_KEEP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
     for start_n in range(n_full, seq_len, BLOCK_N):
-        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, keep_base, keep_rows, start_n,
-                                   seq_len, offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale,
+        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, kmask_ptrs, keep_base, keep_rows, start_m,
+                                   start_n, seq_len, offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale,
                                    seed_bh, threshold, True, HAS_KEY_MASK, HAS_DROPOUT,
-                                   UPCAST, DOT_PREC, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+                                   UPCAST, DOT_PREC, BYTEWISE_KEEP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
 
     empty = l_i == 0.0  # no valid key: out 0, lse +inf (backward then sees P = 0)
     l_safe = tl.where(empty, 1.0, l_i)
@@ -505,8 +564,8 @@ def _attention_bwd_delta_kernel(
 @triton.jit
 def _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, keep_base, keep_rows, start_m, start_n,
                   seq_len, stride_qs, stride_dos, qk_scale, keep_len, keep_frac,
-                  MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
-                  DOT_PREC: tl.constexpr, QUERY_MAJOR: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+                  BYTEWISE_KEEP: tl.constexpr, QUERY_MAJOR: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK, dV contributions of one query block. QUERY_MAJOR: scores in the forward's [queries, keys]
     orientation, so the dropout mask is unpacked in the register layout it has there (_stored_keep),
@@ -544,7 +603,9 @@ def _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, keep_base, 
         p = tl.exp2(s * qk_scale - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # [BM, BN]
         if HAS_DROPOUT:
-            kept = tl.where(_stored_keep(keep_base, block_rows, start_n, BLOCK_M, BLOCK_N), p, 0.0)
+            keep = _keep_flags(keep_base, block_rows, offs_m, start_n, keep_len, BLOCK_M, BLOCK_N, BYTEWISE_KEEP,
+                               False)
+            kept = tl.where(keep, p, 0.0)
             dv = tl.dot(tl.trans(kept.to(do.dtype)), do, dv, input_precision=DOT_PREC)
             ds = kept * dp - p * delta[:, None]
         else:
@@ -556,7 +617,8 @@ def _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, keep_base, 
         p_t = tl.exp2(s_t * qk_scale - lse2[None, :])
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # [BN, BM]
         if HAS_DROPOUT:
-            keep_t = tl.trans(_stored_keep(keep_base, block_rows, start_n, BLOCK_M, BLOCK_N))
+            keep_t = _keep_flags(keep_base, block_rows, offs_m, start_n, keep_len, BLOCK_M, BLOCK_N, BYTEWISE_KEEP,
+                                 True)
             kept_t = tl.where(keep_t, p_t, 0.0)
             dv = tl.dot(kept_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
             ds_t = kept_t * dp_t - p_t * delta[None, :]
@@ -592,7 +654,8 @@ def _attention_bwd_dkdv_kernel(
     stride_db, db_rows,
     seqlen, num_heads, softmax_scale, qk_scale, dropout_p, inv_keep, seqlen_bucket, keep_len,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, HAS_DB: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BYTEWISE_KEEP: tl.constexpr,
+    HAS_DB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUERY_MAJOR: tl.constexpr,
 ):
     """One program per (key block, head, sequence): dK, dV of BLOCK_N keys over all queries."""
@@ -628,11 +691,13 @@ def _attention_bwd_dkdv_kernel(
     for start_m in range(0, m_full, BLOCK_M):
         dk, dv = _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, keep_base, keep_rows, start_m,
                                start_n, seq_len, stride_qs, stride_dos, qk_scale, keep_len, keep_frac, False,
-                               HAS_DROPOUT, UPCAST, DOT_PREC, QUERY_MAJOR, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+                               HAS_DROPOUT, UPCAST, DOT_PREC, BYTEWISE_KEEP, QUERY_MAJOR, HEAD_DIM, BLOCK_D, BLOCK_M,
+                               BLOCK_N)
     for start_m in range(m_full, seq_len, BLOCK_M):
         dk, dv = _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, keep_base, keep_rows, start_m,
                                start_n, seq_len, stride_qs, stride_dos, qk_scale, keep_len, keep_frac, True,
-                               HAS_DROPOUT, UPCAST, DOT_PREC, QUERY_MAJOR, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+                               HAS_DROPOUT, UPCAST, DOT_PREC, BYTEWISE_KEEP, QUERY_MAJOR, HEAD_DIM, BLOCK_D, BLOCK_M,
+                               BLOCK_N)
 
     key_ok = key_in
     if HAS_KEY_MASK:
@@ -656,9 +721,10 @@ def _attention_bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_q_block(dq, pk, resid, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, keep_base, keep_rows, start_n,
-                 seq_len, offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale,
+                 seq_len, offs_m, offs_n, stride_ks, stride_vs, stride_ms, qk_scale, keep_len,
                  MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                 UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, REFINE_DELTA: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BYTEWISE_KEEP: tl.constexpr,
+                 REFINE_DELTA: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ contribution of one key block; with REFINE_DELTA also sum_j P_ij k_j (pk) and the row
     sums of dS (resid), for the refinement of delta (header). With dropout, dS times (1 - p) as in
@@ -678,7 +744,8 @@ def _bwd_q_block(dq, pk, resid, q, do, lse2, delta, k_ptrs, v_ptrs, kmask_ptrs, 
         p = tl.where(key_ok[None, :], p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # [BM, BN]
     if HAS_DROPOUT:
-        kept = tl.where(_stored_keep(keep_base, keep_rows, start_n, BLOCK_M, BLOCK_N), p, 0.0)
+        keep = _keep_flags(keep_base, keep_rows, offs_m, start_n, keep_len, BLOCK_M, BLOCK_N, BYTEWISE_KEEP, False)
+        kept = tl.where(keep, p, 0.0)
         ds = kept * dp - p * delta[:, None]
     else:
         ds = p * (dp - delta[:, None])
@@ -713,7 +780,8 @@ def _attention_bwd_dq_kernel(
     stride_db, db_rows,
     seqlen, num_heads, softmax_scale, qk_scale, dropout_p, inv_keep, seqlen_bucket, keep_len,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, HAS_DB: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BYTEWISE_KEEP: tl.constexpr,
+    HAS_DB: tl.constexpr,
     REFINE_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per (query block, head, sequence): dQ of BLOCK_M queries over all keys, and
@@ -764,13 +832,13 @@ def _attention_bwd_dq_kernel(
     for start_n in range(0, n_full, BLOCK_N):
         dq, pk, resid = _bwd_q_block(dq, pk, resid, q, do, lse2, delta_in, k_ptrs, v_ptrs, kmask_ptrs, keep_base,
                                      keep_rows, start_n, seq_len, offs_m, offs_n, stride_ks, stride_vs, stride_ms,
-                                     qk_scale, False, HAS_KEY_MASK, HAS_DROPOUT, UPCAST,
-                                     DOT_PREC, REFINE_DELTA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+                                     qk_scale, keep_len, False, HAS_KEY_MASK, HAS_DROPOUT, UPCAST,
+                                     DOT_PREC, BYTEWISE_KEEP, REFINE_DELTA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
     for start_n in range(n_full, seq_len, BLOCK_N):
         dq, pk, resid = _bwd_q_block(dq, pk, resid, q, do, lse2, delta_in, k_ptrs, v_ptrs, kmask_ptrs, keep_base,
                                      keep_rows, start_n, seq_len, offs_m, offs_n, stride_ks, stride_vs, stride_ms,
-                                     qk_scale, True, HAS_KEY_MASK, HAS_DROPOUT, UPCAST,
-                                     DOT_PREC, REFINE_DELTA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+                                     qk_scale, keep_len, True, HAS_KEY_MASK, HAS_DROPOUT, UPCAST,
+                                     DOT_PREC, BYTEWISE_KEEP, REFINE_DELTA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
     if REFINE_DELTA:
         dq -= resid[:, None] * pk
         tl.store(DELTA_OUT + lse_off, delta + resid * inv_keep, mask=row_ok)
@@ -788,8 +856,9 @@ def _attention_bwd_dq_kernel(
 def _bwd_fused_block(dk, dv, k, v, key_ok, q_base, do_base, dq_base, lse_ptr, keep_base, keep_rows,
                      start_m, seq_len, stride_qs, stride_dos, stride_dqs, qk_scale, dq_scale, keep_len,
                      DB, db_row, stride_db, h, num_heads,
-                     HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, HAS_DB: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+                     BYTEWISE_KEEP: tl.constexpr, HAS_DB: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One query block against every key of its sequence: its dQ, written (and with HAS_DB its
     column sums, into row db_row of the bias gradient's partials), and its dK, dV contributions.
     The block sees whole rows of scores, so delta is their row sum in fp32,
@@ -815,7 +884,8 @@ def _bwd_fused_block(dk, dv, k, v, key_ok, q_base, do_base, dq_base, lse_ptr, ke
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # [BN, BM]
     if HAS_DROPOUT:
         block_rows = keep_rows + (start_m // 2) * (keep_len // 4)
-        kept_t = tl.where(tl.trans(_stored_keep(keep_base, block_rows, 0, BLOCK_M, BLOCK_N)), p_t, 0.0)
+        keep_t = _keep_flags(keep_base, block_rows, offs_m, 0, keep_len, BLOCK_M, BLOCK_N, BYTEWISE_KEEP, True)
+        kept_t = tl.where(keep_t, p_t, 0.0)
     else:
         kept_t = p_t
     dv = tl.dot(kept_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
@@ -857,7 +927,8 @@ def _attention_bwd_fused_kernel(
     stride_db, db_rows,
     seqlen, num_heads, softmax_scale, qk_scale, dropout_p, inv_keep, seqlen_bucket, keep_len,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, HAS_DB: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BYTEWISE_KEEP: tl.constexpr,
+    HAS_DB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per (head, sequence) of at most BLOCK_N tokens: every key at once, the query
@@ -899,7 +970,7 @@ def _attention_bwd_fused_kernel(
         dk, dv = _bwd_fused_block(dk, dv, k, v, key_ok, q_base, do_base, dq_base, lse_ptr, keep_base, keep_rows,
                                   start_m, seq_len, stride_qs, stride_dos, stride_dqs, qk_scale, dq_scale, keep_len,
                                   DB, b * db_rows + start_m // BLOCK_M, stride_db, h, num_heads, HAS_DROPOUT, UPCAST,
-                                  DOT_PREC, HAS_DB, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+                                  DOT_PREC, BYTEWISE_KEEP, HAS_DB, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
     # A padding key's P is 0 in every row, so its dK and dV rows are 0 already.
     dk = dk * (softmax_scale * inv_keep_k)
     dv = dv * inv_keep_k
@@ -986,7 +1057,10 @@ def _attention_outside_rows_kernel(
 # the forward's (16, 32, 4, 2) at <= 32 and (16, 16, 4, 2) at 128, and dQ's (32, 16, 4, 2) at <= 32,
 # which run at 8 warps instead. With the QKV bias gradient's sums (and 1 / (1 - p) an argument of the
 # dQ and dK/dV kernels) the fp32 dQ spills by 4-8 bytes in (16, 16, 4, 2) at <= 32 (3.9 and 3.6,
-# dropout) and (16, 16, 4, 1) at 256 (3.6, padded, dropout): they left the lists.
+# dropout) and (16, 16, 4, 1) at 256 (3.6, padded, dropout): they left the lists. With fp32's keep
+# bits drawn and read bytewise (header), the fp32 forward at 256 spilled 4-8 bytes in (16, 16, 4, 1)
+# (3.9, dropout), which (16, 16, 8, 1) replaces, and dK/dV at 128 12 bytes in (16, 16, 4, 2) (3.6,
+# varlen), which left the list.
 _Q, _K = True, False
 _CANDIDATES = {
     "fwd": {
@@ -997,7 +1071,7 @@ _CANDIDATES = {
         (True, 64): [(32, 32, 8, 2), (32, 16, 8, 2), (16, 16, 4, 2)],
         (True, 128): [(16, 16, 8, 2)],
         (False, 256): [(64, 32, 8, 2), (32, 32, 4, 2), (64, 32, 8, 1)],
-        (True, 256): [(16, 16, 4, 1)],
+        (True, 256): [(16, 16, 8, 1)],
     },
     "dkdv": {
         (False, 32): [(32, 64, 4, 3, _K), (64, 128, 8, 3, _K), (64, 64, 8, 2, _K), (32, 128, 8, 3, _K),
@@ -1008,7 +1082,7 @@ _CANDIDATES = {
                        (16, 128, 8, 3, _K)],
         (True, 32): [(32, 32, 8, 2, _K), (32, 16, 4, 2, _K)],
         (True, 64): [(32, 32, 8, 2, _K), (16, 32, 8, 2, _K), (16, 16, 4, 2, _K)],
-        (True, 128): [(16, 32, 8, 2, _K), (16, 16, 4, 2, _K)],
+        (True, 128): [(16, 32, 8, 2, _K)],
         (False, 256): [(32, 32, 8, 2, _K), (32, 32, 8, 1, _K), (64, 32, 8, 1, _K)],
         (True, 256): [(16, 16, 8, 2, _K)],
     },
@@ -1141,6 +1215,11 @@ def _dot_flags(dtype: torch.dtype):
     return upcast, prec
 
 
+def _bytewise_keep(dtype: torch.dtype) -> bool:
+    """BYTEWISE_KEEP (header, "Keep bits"): fp32, whose dots run in the CUDA cores' blocked layouts."""
+    return dtype == torch.float32
+
+
 def _bsh(t: torch.Tensor, varlen: bool):
     """(batch, row, head) element strides; varlen tensors have no batch dim."""
     return (0, t.stride(0), t.stride(1)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
@@ -1164,7 +1243,7 @@ def _forward(q, k, v, out, lse, cu_seqlens, key_mask, seed, keep, batch, seqlen,
             *_lse_strides(lse, varlen), *mask_strides,
             seqlen, heads, softmax_scale * _LOG2E, dropout_p, triton.next_power_of_2(seqlen), _keep_len(keep))
     consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), IS_VARLEN=varlen, HAS_KEY_MASK=key_mask is not None,
-                  HAS_DROPOUT=dropout_p > 0, UPCAST=upcast, DOT_PREC=prec)
+                  HAS_DROPOUT=dropout_p > 0, UPCAST=upcast, DOT_PREC=prec, BYTEWISE_KEEP=_bytewise_keep(q.dtype))
     grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_M"]), heads, batch)  # noqa: E731
     launch(_fwd_tuned, grid, args, consts, interp=_INTERP["fwd"])
 
@@ -1182,7 +1261,8 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, keep, b
     keep_arg = keep if dropout_p > 0 else lse
     bucket = triton.next_power_of_2(seqlen)
     consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), IS_VARLEN=varlen, HAS_KEY_MASK=key_mask is not None,
-                  HAS_DROPOUT=dropout_p > 0, UPCAST=upcast, DOT_PREC=prec, HAS_DB=bias_dtype is not None)
+                  HAS_DROPOUT=dropout_p > 0, UPCAST=upcast, DOT_PREC=prec, BYTEWISE_KEEP=_bytewise_keep(q.dtype),
+                  HAS_DB=bias_dtype is not None)
     qkv_strides = (*_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(dout, varlen))
     fused = fused_backward(seqlen, head_dim, q.dtype)
     db_rows = bias_grad_rows(seqlen, head_dim, q.dtype, fused)
