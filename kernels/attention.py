@@ -162,14 +162,28 @@ def _groups(start_n, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _philox_words(seed_bh, rows, groups):
+    """The 4 Philox words of group ``groups`` of row ``rows`` (broadcasting tensors; header)."""
+    return tl.randint4x(seed_bh, rows * 8192 + groups, N_ROUNDS)  # 2**13 groups per row
+
+
+@triton.jit
+def _kept_halves(word, threshold):
+    """The keep decisions of a Philox word's two 16-bit halves (header): (low half, high half)."""
+    hi = (threshold << 16) - 1  # r >> 16 >= t  <=>  r > (t << 16) - 1 (uint32; t = 2**16 wraps: none kept)
+    return (word & 0xFFFF) >= threshold, word > hi
+
+
+@triton.jit
 def _philox_bits(seed_bh, offs_m, start_n, threshold, BLOCK_N: tl.constexpr):
     """The 8 keep decisions of each group of _groups (header), as 8 bool [BM, G] tensors: bit 2w + e
     is half e of Philox word w."""
-    counter = offs_m[:, None] * 8192 + _groups(start_n, BLOCK_N)[None, :]  # 2**13 groups per row
-    r0, r1, r2, r3 = tl.randint4x(seed_bh, counter, N_ROUNDS)
-    hi = (threshold << 16) - 1  # r >> 16 >= t  <=>  r > (t << 16) - 1 (uint32; t = 2**16 wraps: none kept)
-    return ((r0 & 0xFFFF) >= threshold, r0 > hi, (r1 & 0xFFFF) >= threshold, r1 > hi,
-            (r2 & 0xFFFF) >= threshold, r2 > hi, (r3 & 0xFFFF) >= threshold, r3 > hi)
+    r0, r1, r2, r3 = _philox_words(seed_bh, offs_m[:, None], _groups(start_n, BLOCK_N)[None, :])
+    b0, b1 = _kept_halves(r0, threshold)
+    b2, b3 = _kept_halves(r1, threshold)
+    b4, b5 = _kept_halves(r2, threshold)
+    b6, b7 = _kept_halves(r3, threshold)
+    return b0, b1, b2, b3, b4, b5, b6, b7
 
 
 @triton.jit
@@ -247,14 +261,12 @@ def _drawn_keep_bytes(seed_bh, start_m, cols, threshold, BLOCK_M: tl.constexpr, 
     rows = start_m + (a // 8) * 16 + a % 8  # h = 0; h = 1 is 8 rows further
     groups = (cols // 8) * 4 + cols % 4
     odd = ((cols // 4) % 2 == 1)[None, :]
-    hi = (threshold << 16) - 1  # as _philox_bits
     byte = tl.zeros([BLOCK_M // 2, BLOCK_N // 4], tl.int32)
     for h in tl.static_range(2):
-        r0, r1, r2, r3 = tl.randint4x(seed_bh, (rows + 8 * h)[:, None] * 8192 + groups[None, :], N_ROUNDS)
-        w0 = tl.where(odd, r2, r0)
-        w1 = tl.where(odd, r3, r1)
-        nibble = (((w0 & 0xFFFF) >= threshold).to(tl.int32) | ((w0 > hi).to(tl.int32) << 1)
-                  | (((w1 & 0xFFFF) >= threshold).to(tl.int32) << 2) | ((w1 > hi).to(tl.int32) << 3))
+        r0, r1, r2, r3 = _philox_words(seed_bh, (rows + 8 * h)[:, None], groups[None, :])
+        k0, k1 = _kept_halves(tl.where(odd, r2, r0), threshold)  # w = 0: bits 0, 1
+        k2, k3 = _kept_halves(tl.where(odd, r3, r1), threshold)  # w = 1: bits 2, 3
+        nibble = k0.to(tl.int32) | (k1.to(tl.int32) << 1) | (k2.to(tl.int32) << 2) | (k3.to(tl.int32) << 3)
         byte = byte | (nibble << (4 * h))
     return byte
 
