@@ -34,9 +34,11 @@ from ._common import interpreting, launch
 
 MAX_HIDDEN = 8192  # LayerNorm rows (LayerNorm, embeddings) are one register tile: H <= 8192
 MAX_ROWS_PER_TILE = 16  # the largest BLOCK_M in the backward configs; row groups are multiples of it
-# Elements per thread of the row-tile candidates: 8 first (a 16-byte vector of bf16), then 4; the
-# backward only 8 (row_config_pruner says why).
-FWD_PER_THREAD = (8, 4)
+# Elements per thread of the row-tile candidates. The forward: 16 first (two 16-byte vectors of
+# bf16; a row of BERT's 768 or 1024 takes 2 warps, whose LayerNorm sums cross one warp boundary:
+# 54 instructions an element on sm_90 against 70 at 8, which left BERT-base's LayerNorm forward
+# issue-bound: docs/perf-model.md), then 8, then 4. The backward only 8 (row_config_pruner says why).
+FWD_PER_THREAD = (16, 8, 4)
 BWD_PER_THREAD = (8,)
 
 
@@ -157,11 +159,11 @@ def row_config_pruner(per_thread: Tuple[int, ...], max_warps: int = 16):
     small H) and no more rows than the problem has, giving each thread ``per_thread`` elements, in
     that order of preference (fewer rows first). Elements per thread set the register footprint:
     the compile report (sm_90, triton 3.6 and 3.9) finds spills at 16 per thread in the backward
-    kernels (three fp32 accumulators and a prefetched tile) and in some forward variants, none
-    at 4 or 8. When no tile gives an allowed count (H = 8192 needs 16 at 16 warps), the tiles
-    with the fewest elements per thread remain. Of the tiles giving an allowed count, those of
-    more than ``max_warps`` warps are left out while others remain (16 warps cap a thread at 128
-    registers)."""
+    kernels (three fp32 accumulators and a prefetched tile), none at 4 or 8, and none in the
+    forwards' tiles at 16 of up to 8 warps (their pruners' max_warps). When no tile gives an
+    allowed count (the backward's 8 at H = 8192 needs 32 warps), the tiles with the fewest elements
+    per thread remain. Of the tiles giving an allowed count, those of more than ``max_warps`` warps
+    are left out while others remain (16 warps cap a thread at 128 registers)."""
     def prune(configs, named_args, **kwargs):
         block_h = kwargs["BLOCK_H"]
         rows_cap = max(1, named_args.get("n_bucket", 1 << 16))

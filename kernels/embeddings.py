@@ -217,8 +217,9 @@ def _table_grads_kernel(
                 tl.store(DTT + (r - V - P).to(tl.int64) * H + cols, g.to(DTT.dtype.element_ty), mask=col_ok)
 
 
+# At most 8 warps: the forward's three per-thread counts give six tiles at H = 1024 (MAX_CANDIDATES).
 _fwd_tuned = autotune(row_tile_configs(), ["H", "n_bucket", "HAS_DROPOUT", "STORE_KEEP"],
-                      row_config_pruner(FWD_PER_THREAD))(_embeddings_fwd_kernel)
+                      row_config_pruner(FWD_PER_THREAD, max_warps=8))(_embeddings_fwd_kernel)
 # The backward writes every buffer it is given (no accumulation): the autotuner runs it as it is.
 _bwd_tuned = autotune(row_tile_configs(MAX_ROWS_PER_TILE), ["H", "n_bucket", "HAS_DROPOUT", "TT_IN_REGS", "TT_BLOCK"],
                       row_config_pruner(BWD_PER_THREAD))(_embeddings_bwd_kernel)

@@ -223,6 +223,57 @@ def test_the_latest_profile_is_the_last_measured_not_the_last_folder_name(tmp_pa
     assert report.run_date(str(tmp_path / "nvidia-a100" / "2026-11-25")) == "2026-11-25"
 
 
+_RECORD_BYTES = """
+import json
+from bertfast.perfmodel import kernels as K
+out = []
+launches = K.record(K.Setting("bert-base", 128, 8, 0.1))  # the one-pass attention backward
+launches += [x for x in K.record(K.Setting("bert-base", 512, 2, 0.1)) if x.op == "attention"]  # three kernels
+for launch in launches:
+    if launch.kernel not in K.WORK:
+        continue
+    ptrs = [a.data_ptr() if hasattr(a, "data_ptr") else None for a in launch.args]
+    unused = set(launch.unused_names())
+    used_by = {}  # storage -> the parameters given it that the kernel touches
+    for ptr, name in zip(ptrs, launch.names):
+        if ptr is not None and name not in unused:
+            used_by.setdefault(ptr, []).append(name)
+    shared = [names for names in used_by.values() if len(names) > 1]
+    out.append({"kernel": launch.kernel, "meta": {k: str(v) for k, v in launch.meta.items()},
+                "names": list(launch.names), "shared_and_used": shared, "bytes": K._bytes(launch)})
+print(json.dumps(out))
+"""
+
+
+def test_a_launch_counts_the_bytes_its_kernel_touches_not_its_stand_ins():
+    """A kernel's HBM bytes are the tensors it reads and writes: a parameter its flags leave unused
+    (CONDITIONAL_ARGS) is given another argument in its place and counts nothing (the LayerNorm
+    forward's traffic read 25% high while its keep-mask slot, given y, was counted). The compile
+    report's inputs give every parameter the kernel touches a tensor of its own, so a storage two
+    touched parameters share is a stand-in CONDITIONAL_ARGS does not know of: it fails here."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # recorded, not interpreted
+    res = subprocess.run([sys.executable, "-c", _RECORD_BYTES], capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    launches = json.loads(res.stdout.strip().splitlines()[-1])
+    from bertfast.perfmodel.kernels import CONDITIONAL_ARGS, WORK
+    assert {x["kernel"] for x in launches} == set(WORK)
+    for x in launches:
+        assert x["names"] and not x["shared_and_used"], x  # one storage, at most one tensor touched
+        assert set(CONDITIONAL_ARGS.get(x["kernel"], {})) <= set(x["names"]), x["kernel"]
+    tokens, hidden, ffn = 128 * 8, 768, 3072
+    ln_fwd = [x for x in launches if x["kernel"] == "_bias_dropout_residual_layernorm_fwd_kernel"]
+    full, plain = ln_fwd[0], ln_fwd[1]
+    assert full["meta"]["STORE_KEEP"] == "False" and full["meta"]["HAS_RES"] == "True"
+    # x, residual read, y and pre_norm written (bf16); the fp32 mean and rstd; bias, weight, ln bias;
+    # the seed: not the keep-mask slot (y again), counted before
+    assert full["bytes"] == 4 * tokens * hidden * 2 + 2 * tokens * 4 + 3 * hidden * 4 + 8
+    assert plain["meta"]["HAS_RES"] == "False"
+    assert plain["bytes"] == 2 * tokens * hidden * 2 + 2 * tokens * 4 + 2 * hidden * 4  # x, y; mean, rstd; w, b
+    gelu_bwd = next(x for x in launches if x["kernel"] == "_bias_gelu_bwd_kernel")
+    assert gelu_bwd["bytes"] >= 3 * tokens * ffn * 2  # dy and x read, dx written: three tensors
+
+
 def test_step_budget_counts_parameters_flops_and_a_trace(tmp_path):
     import gzip
 

@@ -213,7 +213,8 @@ def bert_launches(settings: Sequence[Setting], head_dims: Sequence[int] = (64,),
                 cu = torch.arange(0, tokens + 1, seq, dtype=torch.int32)
                 out, lse, keep = A.attention_varlen_fwd(q, k, v, cu, seq, 0.125, p, seed)
                 # as training asks: with the gradient of the QKV GEMM's fp32 biases
-                A.attention_varlen_bwd(out, q, k, v, out, lse, cu, seq, 0.125, p, seed, keep, torch.float32)
+                A.attention_varlen_bwd(torch.empty_like(out), q, k, v, out, lse, cu, seq, 0.125, p, seed, keep,
+                                       torch.float32)
                 if not padded_attention:
                     continue
                 qp = empty(batch, seq, heads_here, head_dim)
@@ -233,22 +234,23 @@ def bert_launches(settings: Sequence[Setting], head_dims: Sequence[int] = (64,),
         def bias_gelu():
             x, bias = empty(tokens, ffn), empty(ffn, dtype=par)
             G.bias_gelu_fwd(x, bias)
-            G.bias_gelu_bwd(x, x, bias)
+            G.bias_gelu_bwd(torch.empty_like(x), x, bias)
 
         def bias_dropout_residual_layernorm():
-            x, vec = empty(tokens, hidden), empty(hidden, dtype=par)
-            y, pre, mean, rstd = L.bias_dropout_residual_layernorm_fwd(x, vec, x, vec, vec, 1e-12, p, seed)
-            L.bias_dropout_residual_layernorm_bwd(y, pre, mean, rstd, vec, p, seed, True, True)
-            y, _, mean, rstd = L.bias_dropout_residual_layernorm_fwd(x, None, None, vec, vec, 1e-12, 0.0, None)
-            L.bias_dropout_residual_layernorm_bwd(y, x, mean, rstd, vec, 0.0, None, False, False)
+            x, residual = empty(tokens, hidden), empty(tokens, hidden)
+            bias, w, b = (empty(hidden, dtype=par) for _ in range(3))
+            y, pre, mean, rstd = L.bias_dropout_residual_layernorm_fwd(x, bias, residual, w, b, 1e-12, p, seed)
+            L.bias_dropout_residual_layernorm_bwd(y, pre, mean, rstd, w, p, seed, True, True)
+            y, _, mean, rstd = L.bias_dropout_residual_layernorm_fwd(x, None, None, w, b, 1e-12, 0.0, None)
+            L.bias_dropout_residual_layernorm_bwd(y, x, mean, rstd, w, 0.0, None, False, False)
 
         def embeddings():
-            ids = torch.zeros(tokens, dtype=torch.int64)
+            ids = [torch.zeros(tokens, dtype=torch.int64) for _ in range(3)]  # word, position, token type
             tables = (empty(VOCAB, hidden, dtype=par), empty(POSITIONS, hidden, dtype=par),
                       empty(TYPES, hidden, dtype=par))
             vec = empty(hidden, dtype=par)
-            y, mean, rstd = E.embeddings_fwd(ids, ids, ids, *tables, vec, vec, 1e-12, p, seed, act)
-            E.embeddings_bwd(y, ids, ids, ids, *tables, vec, vec, mean, rstd, p, seed)
+            y, mean, rstd = E.embeddings_fwd(*ids, *tables, vec, empty(hidden, dtype=par), 1e-12, p, seed, act)
+            E.embeddings_bwd(torch.empty_like(y), *ids, *tables, vec, vec, mean, rstd, p, seed)
 
         def mlm_head_loss():
             labels = torch.zeros(MASKED_ROWS, dtype=torch.int64)

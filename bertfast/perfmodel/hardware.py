@@ -60,7 +60,8 @@ class Gpu:
     overlap: float = 0.25
     # Where memory binds a kernel without tensor-core work (the row kernels): fitted with
     # memory_latency_s to the same H100 run (report.fit_memory_constants). Its bias+GELU forward and
-    # LayerNorm forward moved their bytes at the copy bandwidth (99% and 102%), their instructions
+    # LayerNorm forward moved their bytes at the copy bandwidth (99% and 102%, the latter's bytes then
+    # counted 25% high: 82% of its true 134 MB; kernels.CONDITIONAL_ARGS), their instructions
     # hidden under their loads; the former 0.25 had predicted 14-20% more time.
     memory_overlap: float = 0.0
 
