@@ -39,6 +39,7 @@ MAX_ROWS_PER_TILE = 16  # the largest BLOCK_M in the backward configs; row group
 # 54 instructions an element on sm_90 against 70 at 8, which left BERT-base's LayerNorm forward
 # issue-bound: docs/perf-model.md), then 8, then 4. The backward only 8 (row_config_pruner says why).
 FWD_PER_THREAD = (16, 8, 4)
+FWD_MAX_WARPS = 8  # the forwards' pruners: their three per-thread counts give six tiles at H = 1024
 BWD_PER_THREAD = (8,)
 
 
@@ -160,9 +161,8 @@ def row_config_pruner(per_thread: Tuple[int, ...], max_warps: int = 16):
     that order of preference (fewer rows first). Elements per thread set the register footprint:
     the compile report (sm_90, triton 3.6 and 3.9) finds spills at 16 per thread in the backward
     kernels (three fp32 accumulators and a prefetched tile), none at 4 or 8, and none in the
-    forwards' tiles at 16 of up to 8 warps (their pruners' max_warps). When no tile gives an
-    allowed count (the backward's 8 at H = 8192 needs 32 warps), the tiles with the fewest elements
-    per thread remain. Of the tiles giving an allowed count, those of more than ``max_warps`` warps
+    forwards' tiles at 16 of up to FWD_MAX_WARPS warps. When no tile gives an allowed count (the
+    backward's 8 at H = 8192 needs 32 warps), the tiles with the fewest elements per thread remain. Of the tiles giving an allowed count, those of more than ``max_warps`` warps
     are left out while others remain (16 warps cap a thread at 128 registers)."""
     def prune(configs, named_args, **kwargs):
         block_h = kwargs["BLOCK_H"]

@@ -55,9 +55,10 @@ import triton.language as tl
 from bertfast.contract import check_dropout, check_eps, check_rows, check_tensor, check_vector, row_stride
 
 from ._common import autotune, launch
-from ._rows import (BWD_PER_THREAD, FWD_PER_THREAD, MAX_ROWS_PER_TILE, block_h_for, check_hidden, column_sums,
-                    hidden_reasons, interpreter_rows, layernorm_bwd_rows, layernorm_rows, load_cols, n_bucket,
-                    program_rows, row_config_pruner, row_dropout, row_groups, row_tile_configs, store_col_sums)
+from ._rows import (BWD_PER_THREAD, FWD_MAX_WARPS, FWD_PER_THREAD, MAX_ROWS_PER_TILE, block_h_for, check_hidden,
+                    column_sums, hidden_reasons, interpreter_rows, layernorm_bwd_rows, layernorm_rows, load_cols,
+                    n_bucket, program_rows, row_config_pruner, row_dropout, row_groups, row_tile_configs,
+                    store_col_sums)
 
 
 def unsupported(inputs) -> list:
@@ -197,11 +198,11 @@ def _bias_dropout_residual_layernorm_bwd_kernel(
 # copy bandwidth on the H100, two per SM at half the bandwidth on the H200.
 BWD_PROGRAMS_PER_SM = 4
 BWD_TILES_AHEAD = 2  # the kernel's prefetch depth (what the perf model reads)
-# Keys: H, the size class of N and every constexpr flag (dtypes are added by the autotuner). At most 8
-# warps: the forward's three per-thread counts give six tiles at H = 1024 (MAX_CANDIDATES).
+# Keys: H, the size class of N and every constexpr flag (dtypes are added by the autotuner).
 _fwd_tuned = autotune(row_tile_configs(), ["H", "n_bucket", "HAS_BIAS", "HAS_RES", "HAS_DROPOUT",
                                                   "STORE_PRE", "STORE_KEEP"],
-                            row_config_pruner(FWD_PER_THREAD, max_warps=8))(_bias_dropout_residual_layernorm_fwd_kernel)
+                            row_config_pruner(FWD_PER_THREAD, FWD_MAX_WARPS)
+                            )(_bias_dropout_residual_layernorm_fwd_kernel)
 # At most 8 warps: two prefetched fp32 tiles spill at 16 (128 registers a thread; triton 3.6, sm_90).
 _bwd_tuned = autotune(row_tile_configs(MAX_ROWS_PER_TILE), ["H", "n_bucket", "HAS_BIAS", "HAS_RES", "HAS_DROPOUT"],
                             row_config_pruner(BWD_PER_THREAD, max_warps=8)

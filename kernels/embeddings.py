@@ -49,9 +49,10 @@ from bertfast.contract import (FLOAT_DTYPES, ID_DTYPES, check_dropout, check_eps
                                check_vector, row_stride)
 
 from ._common import autotune, interpreting, launch
-from ._rows import (BWD_PER_THREAD, FWD_PER_THREAD, MAX_ROWS_PER_TILE, block_h_for, check_hidden, column_sums,
-                    hidden_reasons, interpreter_rows, layernorm_bwd_rows, layernorm_rows, load_cols, n_bucket,
-                    program_rows, row_config_pruner, row_dropout, row_groups, row_tile_configs, store_col_sums)
+from ._rows import (BWD_PER_THREAD, FWD_MAX_WARPS, FWD_PER_THREAD, MAX_ROWS_PER_TILE, block_h_for, check_hidden,
+                    column_sums, hidden_reasons, interpreter_rows, layernorm_bwd_rows, layernorm_rows, load_cols,
+                    n_bucket, program_rows, row_config_pruner, row_dropout, row_groups, row_tile_configs,
+                    store_col_sums)
 
 _MAX_TYPES_IN_REGISTERS = 4
 # The backward's row groups (_rows.row_groups): programs per SM. Its loop does not prefetch (the
@@ -217,9 +218,8 @@ def _table_grads_kernel(
                 tl.store(DTT + (r - V - P).to(tl.int64) * H + cols, g.to(DTT.dtype.element_ty), mask=col_ok)
 
 
-# At most 8 warps: the forward's three per-thread counts give six tiles at H = 1024 (MAX_CANDIDATES).
 _fwd_tuned = autotune(row_tile_configs(), ["H", "n_bucket", "HAS_DROPOUT", "STORE_KEEP"],
-                      row_config_pruner(FWD_PER_THREAD, max_warps=8))(_embeddings_fwd_kernel)
+                      row_config_pruner(FWD_PER_THREAD, FWD_MAX_WARPS))(_embeddings_fwd_kernel)
 # The backward writes every buffer it is given (no accumulation): the autotuner runs it as it is.
 _bwd_tuned = autotune(row_tile_configs(MAX_ROWS_PER_TILE), ["H", "n_bucket", "HAS_DROPOUT", "TT_IN_REGS", "TT_BLOCK"],
                       row_config_pruner(BWD_PER_THREAD))(_embeddings_bwd_kernel)

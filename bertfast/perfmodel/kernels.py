@@ -53,7 +53,7 @@ class Launch:
     grid: Tuple[int, ...]
     args: tuple
     compile: Callable[[], object]
-    names: Tuple[str, ...] = ()  # the kernel's parameter name of each argument
+    names: Tuple[str, ...]      # the kernel's parameter name of each argument
 
     def unused_names(self) -> List[str]:
         """The parameters CONDITIONAL_ARGS says this launch's flags leave untouched."""
@@ -62,7 +62,7 @@ class Launch:
     def used_args(self) -> List[object]:
         """The arguments the kernel touches: not the stand-ins passed for unused_names."""
         unused = set(self.unused_names())
-        return [a for a, name in zip(self.args, self.names or ("",) * len(self.args)) if name not in unused]
+        return [a for a, name in zip(self.args, self.names) if name not in unused]
 
 
 # A kernel's pointer arguments that it reads or writes only when a constexpr flag is set. Otherwise its
