@@ -892,6 +892,40 @@ def test_profile_writes_where_a_steps_time_goes(tmp_path):
     assert profile.main(["--device", "cpu", "--impls", "bertfast,deepspeed", "--out", str(out)]) == 2
 
 
+def test_profile_rebuilt_from_a_stopped_profiles_trace(tmp_path):
+    """--from-trace: a profile stopped after its trace was written (the H200 run of 2026-11-27) still
+    gives the kernel table the perf model reads, per step (the trace's optimizer calls), the device's
+    busy time a union of spans; the wall time and host ops said to be missing, not made up."""
+    import gzip, json
+    from bertfast.bench import profile
+    from bertfast.perfmodel.report import read_profile
+    events = [{"cat": "user_annotation", "name": "Optimizer.step#AdamW.step", "ts": 0, "dur": 1}] * 2 + [
+        {"cat": "kernel", "name": "_bias_gelu_fwd_kernel", "ts": 0, "dur": 30},
+        {"cat": "kernel", "name": "nvjet_sm90_gemm", "ts": 10, "dur": 40},  # overlaps the first: busy once
+        {"cat": "gpu_memset", "name": "Memset (Device)", "ts": 60, "dur": 20},
+        {"cat": "kernel", "name": "_bias_gelu_fwd_kernel", "ts": 100, "dur": 50},
+        {"cat": "kernel", "name": "nvjet_sm90_gemm", "ts": 150, "dur": 20},
+        {"cat": "gpu_memset", "name": "Memset (Device)", "ts": 200, "dur": 20},
+        {"cat": "gpu_user_annotation", "name": "Optimizer.step#AdamW.step", "ts": 0, "dur": 500},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 900}]
+    trace = tmp_path / "bertfast.trace.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events, "deviceProperties": [{"name": "NVIDIA H200"}]}, f)
+    out = tmp_path / "prof"
+    assert profile.main(["--from-trace", str(trace), "--out", str(out)]) == 0
+    text = (out / "bertfast.txt").read_text()
+    assert "wall per step not in the trace; device busy 0.08 ms; kernels 0.09 ms; 3 device ops" in text
+    assert "host ops: not rebuilt" in text and "2 steps" in text
+    read = read_profile(str(out / "bertfast.txt"))
+    assert read.device == "NVIDIA H200" and read.setting.label() == "bert-large seq 128 batch 128 bf16 p=0.1"
+    assert read.kernels == {"_bias_gelu_fwd_kernel": (0.04, 1), "nvjet_sm90_gemm": (0.03, 1), "Memset": (0.02, 1)}
+    # a trace of another implementation's name, or one without device events, is a clear error
+    assert profile.main(["--from-trace", str(tmp_path / "deepspeed.trace.json"), "--out", str(out)]) == 2
+    empty = tmp_path / "graphs.trace.json"
+    empty.write_text(json.dumps({"traceEvents": events[-1:]}))
+    assert profile.main(["--from-trace", str(empty), "--out", str(out)]) == 2
+
+
 def test_profile_counts_overlapping_kernels_once():
     """The device's busy time is the union of its kernels' spans (streams overlap), not their sum."""
     from bertfast.bench.profile import covered_time

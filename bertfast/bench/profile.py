@@ -17,11 +17,19 @@ host: the functions by their own time and by their time with callees, per step. 
 2026-11-26 found the eager BERT-large step idle half the time with ~300 us of host time per fused
 op call, and could not say how much of it was Triton's launch, the autotuner, the op wrappers or
 autograd: that file says. The GPU check runs it after the headline (scripts/gpu-loan.sh).
+
+    python -m bertfast.bench.profile --from-trace DIR/bertfast.trace.json --out DIR
+
+rebuilds DIR/bertfast.txt's device part from a trace whose profile was stopped before it wrote its
+table (the H200 run of 2026-11-27 ran out of its loan while gzipping the trace): the kernels per
+step, counted by the trace's optimizer steps, and the device's busy time; the wall time and the host
+ops are not in a trace's device events, and the file says so.
 """
 from __future__ import annotations
 
 import argparse
 import gzip
+import json
 import os
 import shutil
 import sys
@@ -74,10 +82,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profile_step(step: Callable[[], None], device: torch.device, warmup: int, steps: int,
-                 trace: Optional[str] = None) -> Dict:
-    """Warm up (autotuning, compiles, lazy state), then profile ``steps`` calls (their chrome
-    trace gzipped into ``trace`` when given)."""
+def profile_step(step: Callable[[], None], device: torch.device, warmup: int, steps: int) -> Tuple[Dict, object]:
+    """Warm up (autotuning, compiles, lazy state), then profile ``steps`` calls: the figures, and the
+    profiler (for ``export_trace``)."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(warmup):
@@ -90,12 +97,6 @@ def profile_step(step: Callable[[], None], device: torch.device, warmup: int, st
             step()
         _sync(device)
         wall = (time.perf_counter() - start) / steps
-    if trace:
-        raw = trace[:-len(".gz")]
-        prof.export_chrome_trace(raw)
-        with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        os.remove(raw)
     events = prof.key_averages()
     device_attr = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
     # The device's own events (kernels, copies, fills) only: a host op's entry also carries the time
@@ -107,6 +108,54 @@ def profile_step(step: Callable[[], None], device: torch.device, warmup: int, st
                    if not _on_device(e)), key=lambda k: -k[1])
     spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if _on_device(e)]
     return {"wall_ms": wall * 1e3, "device_ms": sum(k[1] for k in kernels), "kernels": kernels, "host": host,
+            "launches": sum(k[2] for k in kernels), "busy_ms": covered_time(spans) / steps / 1e3}, prof
+
+
+def export_trace(prof, trace: str) -> None:
+    """The profiler's chrome trace gzipped into ``trace`` (written under a temporary name and renamed,
+    so a process stopped on the way leaves the raw trace, never an empty or partial .gz)."""
+    raw = trace[:-len(".gz")]
+    prof.export_chrome_trace(raw)
+    with open(raw, "rb") as src, gzip.open(trace + ".part", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.replace(trace + ".part", trace)
+    os.remove(raw)
+
+
+# The trace's device events: kernels, copies and fills (its annotations of host ranges on the device's
+# timeline, "gpu_user_annotation", would count their kernels twice).
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def read_trace(path: str) -> Tuple[List[Dict], Optional[str]]:
+    """A chrome trace's events (.json or .json.gz) and the name of its first GPU, when it names one."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    props = trace.get("deviceProperties") if isinstance(trace, dict) else None
+    return events, (props[0].get("name") if props else None)
+
+
+def trace_steps(events: List[Dict]) -> int:
+    """How many steps a trace of training steps holds: its optimizer calls (host annotations)."""
+    return sum(1 for e in events if e.get("cat") == "user_annotation"
+               and str(e.get("name", "")).startswith("Optimizer.step"))
+
+
+def profile_from_trace(events: List[Dict], steps: int) -> Dict:
+    """``profile_step``'s figures from a trace's device events, per step; no wall time and no host ops
+    (None and [])."""
+    device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e]
+    by_name: Dict[str, List[float]] = {}
+    for e in device:
+        entry = by_name.setdefault(e["name"], [0.0, 0])
+        entry[0] += e["dur"]
+        entry[1] += 1
+    kernels = sorted(((name, us / steps / 1e3, count // steps) for name, (us, count) in by_name.items()),
+                     key=lambda k: -k[1])
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in device]
+    return {"wall_ms": None, "device_ms": sum(k[1] for k in kernels), "kernels": kernels, "host": [],
             "launches": sum(k[2] for k in kernels), "busy_ms": covered_time(spans) / steps / 1e3}
 
 
@@ -152,17 +201,23 @@ def covered_time(spans: List[Tuple[float, float]]) -> float:
 
 
 def report(impl: str, p: Dict, top: int = 30) -> str:
-    idle = 1 - p["busy_ms"] / p["wall_ms"] if p["wall_ms"] else 0.0
-    device = (f"device busy {p['busy_ms']:.2f} ms, idle {100 * idle:.0f}% of the wall time; kernels "
-              f"{p['device_ms']:.2f} ms; {p['launches']} device ops per step" if p["launches"] else
-              "no device ops (a CPU run)")
-    lines = [f"# {impl}", f"wall per step {p['wall_ms']:.2f} ms; {device}", "",
+    if p["wall_ms"] is None:  # rebuilt from a trace
+        wall, idle = "wall per step not in the trace", ""
+    else:
+        wall = f"wall per step {p['wall_ms']:.2f} ms"
+        idle = f", idle {100 * (1 - p['busy_ms'] / p['wall_ms']):.0f}% of the wall time" if p["wall_ms"] else ""
+    device = (f"device busy {p['busy_ms']:.2f} ms{idle}; kernels {p['device_ms']:.2f} ms; {p['launches']} device "
+              f"ops per step" if p["launches"] else "no device ops (a CPU run)")
+    lines = [f"# {impl}", f"{wall}; {device}", "",
              f"{'ms/step':>9} {'share':>6} {'calls':>6}  kernel"]
     for name, ms, count in p["kernels"][:top]:
         share = ms / p["device_ms"] if p["device_ms"] else 0.0
         lines.append(f"{ms:9.3f} {100 * share:5.1f}% {count:6d}  {name[:140]}")
-    lines += ["", f"{'ms/step':>9} {'calls':>6}  host op (self time)"]
-    lines += [f"{ms:9.3f} {count:6d}  {name[:140]}" for name, ms, count in p["host"][:top]]
+    if p["wall_ms"] is None:
+        lines += ["", "host ops: not rebuilt from a trace (its host events hold times with their callees)"]
+    else:
+        lines += ["", f"{'ms/step':>9} {'calls':>6}  host op (self time)"]
+        lines += [f"{ms:9.3f} {count:6d}  {name[:140]}" for name, ms, count in p["host"][:top]]
     return "\n".join(lines) + "\n"
 
 
@@ -180,7 +235,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", required=True, help="directory for <impl>.txt and summary.txt")
     ap.add_argument("--trace", action="store_true", help="also write DIR/<impl>.trace.json.gz")
+    ap.add_argument("--from-trace", metavar="TRACE",
+                    help="profile nothing: rebuild DIR/<impl>.txt from TRACE (<impl>.trace.json or .json.gz, a "
+                         "stopped profile's), for the case the other options name (the steps: the trace's "
+                         "optimizer calls, else --steps)")
     args = ap.parse_args(argv)
+    if args.from_trace:
+        return _from_trace(args)
     impls = [i.strip() for i in args.impls.split(",") if i.strip()]
     unknown = [i for i in impls if i not in IMPLS]
     if unknown or not impls:
@@ -191,20 +252,21 @@ def main(argv: Optional[List[str]] = None) -> int:
               file=sys.stderr)
         return 2
     device = torch.device(args.device)
+    case = _case(args, device.type)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     if device.type == "cpu":
         dtype = torch.float32
     os.makedirs(args.out, exist_ok=True)
-    case = f"{args.model} seq {args.seqlen} batch {args.batch}, {args.dtype if device.type == 'cuda' else 'fp32'}"
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     summary = [f"pre-training step profile: {case} on {device_name}", ""]
     for name, step in _steps(args.model, args.seqlen, args.batch, device, dtype, impls):
         impl = IMPLS[name]
-        trace = os.path.join(args.out, f"{name}.trace.json.gz") if args.trace else None
-        p = profile_step(step, device, args.warmup, args.steps, trace)
-        text = report(impl, p)
+        p, prof = profile_step(step, device, args.warmup, args.steps)
         with open(os.path.join(args.out, f"{name}.txt"), "w") as fh:
-            fh.write(f"{case} on {device_name}\n\n{text}")
+            fh.write(f"{case} on {device_name}\n\n{report(impl, p)}")
+        if args.trace:
+            export_trace(prof, os.path.join(args.out, f"{name}.trace.json.gz"))
+        del prof
         if name != "graphs":  # a replay runs no Python per kernel
             with open(os.path.join(args.out, f"{name}.python.txt"), "w") as fh:
                 fh.write(f"{case} on {device_name}, {impl}: where the host's time goes\n\n"
@@ -216,6 +278,37 @@ def main(argv: Optional[List[str]] = None) -> int:
         del step
     with open(os.path.join(args.out, "summary.txt"), "w") as fh:
         fh.write("\n".join(summary) + "\n")
+    return 0
+
+
+def _case(args, device_type: str) -> str:
+    """The first line's case (the perf model reads it back: bertfast/perfmodel/report.py read_profile)."""
+    return f"{args.model} seq {args.seqlen} batch {args.batch}, {args.dtype if device_type == 'cuda' else 'fp32'}"
+
+
+def _from_trace(args) -> int:
+    name = os.path.basename(args.from_trace).split(".trace.json")[0]
+    if name not in IMPLS:
+        print(f"profile: --from-trace expects <impl>.trace.json[.gz] with <impl> one of {', '.join(IMPLS)}, got "
+              f"{args.from_trace!r}", file=sys.stderr)
+        return 2
+    try:
+        events, gpu = read_trace(args.from_trace)
+    except (OSError, ValueError, EOFError) as err:
+        print(f"profile: cannot read the trace {args.from_trace}: {err}", file=sys.stderr)
+        return 2
+    steps = trace_steps(events) or args.steps
+    p = profile_from_trace(events, steps)
+    if not p["launches"]:
+        print(f"profile: {args.from_trace} has no device events (kernels, copies, fills) to rebuild a table from",
+              file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    device_type = "cuda" if gpu else "cpu"
+    with open(os.path.join(args.out, f"{name}.txt"), "w") as fh:
+        fh.write(f"{_case(args, device_type)} on {gpu or 'CPU'}\n\n{report(IMPLS[name], p)}"
+                 f"\n(rebuilt from {os.path.basename(args.from_trace)}: {steps} steps)\n")
+    print(f"profile: wrote {os.path.join(args.out, name + '.txt')} from {args.from_trace} ({steps} steps)")
     return 0
 
 

@@ -27,8 +27,6 @@ measured it), which `bertfast pretrain --cuda-graphs` removes.
 """
 from __future__ import annotations
 
-import gzip
-import json
 import math
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
@@ -214,16 +212,12 @@ def trace_device_time(path: str) -> Optional[Dict[str, float]]:
     """{busy, gemm} milliseconds per step from a committed chrome trace of bertfast's step (the
     union of the device's kernel, copy and fill spans; GEMMs: cuBLAS's kernels by name), the steps
     counted by their optimizer calls. None when the trace has no device events."""
-    from bertfast.bench.profile import covered_time
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    from bertfast.bench.profile import DEVICE_CATEGORIES, covered_time, read_trace, trace_steps
+    events, _ = read_trace(path)
+    device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e]
     if not device:
         return None
-    steps = sum(1 for e in events if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(
-        "Optimizer.step"))
-    steps = max(1, steps)
+    steps = max(1, trace_steps(events))
 
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in device]
     gemm = [(e["ts"], e["ts"] + e["dur"]) for e in device
