@@ -62,8 +62,41 @@ def autotune(configs: List[triton.Config], key: List[str], prune: Optional[Calla
     in ``launch(..., scratch=...)`` instead.
     """
     prune_by = {"early_config_prune": prune} if prune is not None else None
-    return triton.autotune(configs, key=key, prune_configs_by=prune_by, do_bench=_short_bench,
-                           cache_results=True)
+    decorate = triton.autotune(configs, key=key, prune_configs_by=prune_by, do_bench=_short_bench,
+                               cache_results=True)
+
+    def register(fn):
+        tuner = decorate(fn)
+        _TUNERS.append(tuner)
+        return tuner
+    return register
+
+
+_TUNERS: List = []  # every kernel autotune() made, for tuned_configs()
+
+
+def config_text(config: triton.Config) -> str:
+    """A config as one line: its meta-parameters, then warps and stages."""
+    params = " ".join(f"{k}={v}" for k, v in config.kwargs.items())
+    return f"{params} num_warps={config.num_warps} num_stages={config.num_stages}".strip()
+
+
+def tuned_configs() -> Dict[str, List[Dict[str, object]]]:
+    """The configs Triton's autotuner chose in this process (or read from its disk cache), per kernel
+    and tuning key: what a GPU run's timings ran, for the perf model to predict the same. Empty in the
+    fixed and interpreter modes, which tune nothing; a list of one candidate is not tuned either."""
+    chosen: Dict[str, List[Dict[str, object]]] = {}
+    for tuner in _TUNERS:
+        for key, config in getattr(tuner, "cache", {}).items():
+            chosen.setdefault(jit_function(tuner).__name__, []).append(
+                {"key": list(key_values(key)), "config": config_text(config)})
+    return chosen
+
+
+def key_values(key: Sequence) -> Tuple:
+    """A tuning key as JSON keeps it (numbers and flags as they are, anything else, dtypes, as text),
+    so a key written by a GPU run compares equal to the one compile_only records offline."""
+    return tuple(k if isinstance(k, (int, float, bool)) else str(k) for k in key)
 
 
 def _is_tuned(kernel) -> bool:

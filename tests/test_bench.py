@@ -505,6 +505,23 @@ def test_kernel_suite_refuses_to_time_a_wrong_backend(wrong_cuda_backend):
     assert md.count("**FAILED PARITY**") == 3
 
 
+def test_results_list_the_autotuned_configs_in_a_table_not_in_the_config_line():
+    """A GPU run's autotuner choices (config["tuned_configs"], a merged run's per part) get their own
+    table in results.md, once per kernel and key; the config line leaves them out."""
+    from bertfast.bench import device as devmod
+    chosen = {"_bias_gelu_fwd_kernel": [{"key": [3072, 16384, False, "torch.bfloat16"],
+                                         "config": "BLOCK_F=1024 BLOCK_N=4 num_warps=8 num_stages=3"}]}
+    run = Run(device=devmod.detect("cpu"), config={"parts": [{"suite": "model", "tuned_configs": chosen},
+                                                             {"suite": "kernels", "tuned_configs": chosen}]})
+    md = report.markdown(run)
+    config_line = next(line for line in md.splitlines() if line.startswith("- config:"))
+    assert "tuned_configs" not in config_line and '"suite": "kernels"' in config_line
+    table = md.split("## Autotuned configs", 1)[1].split("## Conventions")[0]
+    assert table.count("_bias_gelu_fwd_kernel") == 1
+    assert '`[3072, 16384, false, "torch.bfloat16"]` | BLOCK_F=1024 BLOCK_N=4 num_warps=8 num_stages=3' in table
+    assert "## Autotuned configs" not in report.markdown(Run(device=run.device, config={}))
+
+
 def test_model_suite_refuses_to_time_a_fast_model_on_a_wrong_backend(wrong_cuda_backend):
     from bertfast.bench import model_suite
     ctx = _cpu_ctx(models=("inference",))
@@ -884,6 +901,7 @@ def test_profile_writes_where_a_steps_time_goes(tmp_path):
     assert not (out / "bertfast.trace.json").exists()
     assert text.startswith("tiny seq 16 batch 2, fp32 on CPU") and "wall per step" in text
     assert "aten::" in text  # the host ops by self time
+    assert "autotuned configs: none" in text  # nothing is tuned on CPU (a GPU run lists its choices)
     assert "bertfast" in (out / "summary.txt").read_text()
     # the host's Python by function: bertfast's own op wrappers among them
     python = (out / "bertfast.python.txt").read_text()

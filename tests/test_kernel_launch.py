@@ -40,6 +40,26 @@ def test_fixed_mode_runs_the_first_candidate_without_tuning(stand_in_tuner, monk
     assert len(launched) == 2
 
 
+def test_tuned_configs_report_what_the_autotuner_chose_under_the_key_recorded_offline(stand_in_tuner):
+    """tuned_configs() lists each autotuned kernel's choice per tuning key, as a GPU run writes it for
+    the perf model (bertfast/bench/profile.py): the key Triton's autotuner used equals the one
+    compile_only records offline for the same arguments, and the config is one of the candidates."""
+    from bertfast.kernels import attention, bias_dropout_residual_layernorm  # noqa: F401  (their tuners)
+    assert {"_bias_gelu_fwd_kernel", "_bias_gelu_bwd_kernel", "_attention_fwd_kernel",
+            "_bias_dropout_residual_layernorm_fwd_kernel"} <= {_common.jit_function(t).__name__
+                                                               for t in _common._TUNERS}
+    stand_in_tuner(BG._fwd_tuned, BG._bwd_tuned)
+    assert "_bias_gelu_fwd_kernel" not in _common.tuned_configs()  # nothing tuned yet
+    x, bias, _ = _bias_gelu_inputs()
+    y = BG.bias_gelu_fwd(x, bias)
+    chosen = _common.tuned_configs()["_bias_gelu_fwd_kernel"]
+    args, consts = (x, bias, y, 37, 300, 300, 64), {"APPROX_TANH": False}
+    offline = _common.key_values(_common._tuning_key(BG._fwd_tuned, args, consts))
+    assert [tuple(c["key"]) for c in chosen] == [offline]
+    assert chosen[0]["config"] in {_common.config_text(c) for c in _common.candidates(BG._fwd_tuned, args, consts)}
+    assert "BLOCK_F=" in chosen[0]["config"] and "num_warps=" in chosen[0]["config"]
+
+
 def test_autotune_switch_rejects_other_values(monkeypatch):
     monkeypatch.setenv(_common.AUTOTUNE_ENV, "yes")
     with pytest.raises(ValueError, match="BERTFAST_AUTOTUNE: expected 0 or 1, got 'yes'"):

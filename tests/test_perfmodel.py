@@ -171,6 +171,15 @@ def test_a_profile_is_read_and_the_overlap_fitted_to_it(tmp_path, gelu_bwd):
     profile = report.read_profile(str(path))
     assert profile.setting.label() == "bert-large seq 128 batch 128 bf16 p=0.1" and profile.device == "NVIDIA H200"
     assert profile.kernels["_bias_gelu_bwd_kernel"] == (2.765, 25) and profile.kernels["aten::mm"] == (35.952, 273)
+    assert profile.tuned == {}  # profiles before 2026-11-27's second H200 run did not list the configs
+    # the autotuner's choices as bertfast/bench/profile.py writes them (tuned_report): kernel, key, config
+    path.write_text(text + "\nautotuned configs (kernel | tuning key | config):\n"
+                    '  _bias_gelu_bwd_kernel | [4096, 16384, false, "torch.bfloat16"] | BLOCK_F=1024 BLOCK_N=4 '
+                    "num_warps=8 num_stages=3\n")
+    profile = report.read_profile(str(path))
+    assert profile.kernels["_bias_gelu_bwd_kernel"] == (2.765, 25)
+    assert profile.tuned == {"_bias_gelu_bwd_kernel": {(4096, 16384, False, "torch.bfloat16"):
+                                                       "BLOCK_F=1024 BLOCK_N=4 num_warps=8 num_stages=3"}}
     assert gpu_named(profile.device) is H200 and report.run_gpu(profile) is H200  # no results.json beside it
     (tmp_path / "other.txt").write_text("fp32 tiny run\n")
     assert report.read_profile(str(tmp_path / "other.txt")) is None
@@ -272,6 +281,51 @@ def test_a_launch_counts_the_bytes_its_kernel_touches_not_its_stand_ins():
     assert plain["bytes"] == 2 * tokens * hidden * 2 + 2 * tokens * 4 + 2 * hidden * 4  # x, y; mean, rstd; w, b
     gelu_bwd = next(x for x in launches if x["kernel"] == "_bias_gelu_bwd_kernel")
     assert gelu_bwd["bytes"] >= 3 * tokens * ffn * 2  # dy and x read, dx written: three tensors
+
+
+_RECORD_TUNED = """
+import json
+from bertfast.kernels._common import compile_only, config_text, key_values
+from bertfast.perfmodel import kernels as K
+setting = K.Setting("bert-base", 128, 8, 0.1)
+seen = {}  # the LayerNorm forward's first launch: its tuning key and candidates
+def look(fn, grid, args, consts, configs, key):
+    if fn.__name__ == "_bias_dropout_residual_layernorm_fwd_kernel" and fn.__name__ not in seen:
+        seen[fn.__name__] = (key_values(key), [config_text(c) for c in configs])
+from bertfast.gpucheck.compile_report import bert_launches
+for case, call in bert_launches([setting.as_report_setting()], (K.HEAD_DIM,), ("bias_dropout_residual_layernorm",),
+                                padded_attention=False):
+    with compile_only(look):
+        call()
+key, candidates = seen["_bias_dropout_residual_layernorm_fwd_kernel"]
+out = {"candidates": candidates}
+for name, text in (("second", candidates[1]), ("stale", "BLOCK_H=3 BLOCK_M=7 num_warps=1 num_stages=1")):
+    tuned = {"_bias_dropout_residual_layernorm_fwd_kernel": {key: text}}
+    launches = [x for x in K.record(setting, ("bias_dropout_residual_layernorm",), tuned)]
+    out[name] = [{"kernel": x.kernel, "tuned": x.tuned, "meta": {k: str(v) for k, v in x.meta.items()}}
+                 for x in launches]
+print(json.dumps(out))
+"""
+
+
+def test_the_model_predicts_the_config_a_gpu_run_tuned():
+    """A profile's autotuned configs (Profile.tuned) are what record() compiles and predicts for the
+    launch with the same tuning key: the run's chosen candidate, not the first; a config no longer
+    among the candidates (the list changed since the run) leaves the first, marked untuned."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # recorded, not interpreted
+    res = subprocess.run([sys.executable, "-c", _RECORD_TUNED], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(out["candidates"]) > 1
+    chosen = dict(item.split("=") for item in out["candidates"][1].split())
+    first = dict(item.split("=") for item in out["candidates"][0].split())
+    assert chosen != first
+    for name, expect in (("second", chosen), ("stale", first)):
+        ln_fwd = [x for x in out[name] if x["kernel"] == "_bias_dropout_residual_layernorm_fwd_kernel"]
+        assert ln_fwd[0]["tuned"] is (name == "second")
+        assert {k: ln_fwd[0]["meta"][k] for k in expect} == expect, (name, ln_fwd[0])
+        # the other launches (another key: no residual, the backward) keep their first candidates
+        assert not any(x["tuned"] for x in out[name][1:])
 
 
 def test_step_budget_counts_parameters_flops_and_a_trace(tmp_path):

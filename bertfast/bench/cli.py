@@ -152,6 +152,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               "impls": list(impls) if impls else None, "cases": cases or None,
               "time_budget_s": args.time_budget, "autotune": _autotune_mode(info)}
     run = Run(device=info, config=config)
+    from bertfast.kernels._common import tuned_configs
     if info.is_cuda and config["autotune"].startswith("fixed"):
         ctx.note(f"Triton autotuning off: {config['autotune']}")
     out_dir = args.out or default_out_dir(info, quick)
@@ -164,13 +165,16 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     def save_partial(rows: List[Row]) -> None:  # after each case, JSON only: what a run killed later keeps
         elapsed = round(time.monotonic() - started, 1)
-        report.write_json(Run(device=info, config=dict(config, partial=True, elapsed_s=elapsed), rows=rows,
+        report.write_json(Run(device=info, config=dict(config, partial=True, elapsed_s=elapsed,
+                                                       tuned_configs=tuned_configs()), rows=rows,
                               notes=list(ctx.notes), date=run.date), out_dir)
 
     ctx.on_record = save_partial
     stopped = run_suites(args.suite, ctx)
     run.rows = list(ctx.rows)
     run.config["elapsed_s"] = round(time.monotonic() - started, 1)
+    # what the timings ran: the perf model predicts these configs (its default is each first candidate)
+    run.config["tuned_configs"] = tuned_configs()
     if stopped is not None:
         log(f"stopped by {stopped.why}: writing the results of the cases that ended")
         run.config["stopped"] = stopped.why

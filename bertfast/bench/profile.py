@@ -263,7 +263,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         impl = IMPLS[name]
         p, prof = profile_step(step, device, args.warmup, args.steps)
         with open(os.path.join(args.out, f"{name}.txt"), "w") as fh:
-            fh.write(f"{case} on {device_name}\n\n{report(impl, p)}")
+            fh.write(f"{case} on {device_name}\n\n{report(impl, p)}\n{tuned_report()}")
         if args.trace:
             export_trace(prof, os.path.join(args.out, f"{name}.trace.json.gz"))
         del prof
@@ -279,6 +279,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     with open(os.path.join(args.out, "summary.txt"), "w") as fh:
         fh.write("\n".join(summary) + "\n")
     return 0
+
+
+def tuned_report() -> str:
+    """The autotuner's choices in this process (kernels/_common.py tuned_configs), a line per kernel and
+    key: the configs the profiled kernels ran, which the perf model reads back (report.read_profile)."""
+    from bertfast.kernels._common import tuned_configs
+    chosen = tuned_configs()
+    if not chosen:
+        return "autotuned configs: none (each kernel ran its first candidate: fixed mode, or nothing tuned)\n"
+    lines = ["autotuned configs (kernel | tuning key | config):"]
+    lines += [f"  {name} | {json.dumps(c['key'])} | {c['config']}"
+              for name in sorted(chosen) for c in chosen[name]]
+    return "\n".join(lines) + "\n"
 
 
 def _case(args, device_type: str) -> str:

@@ -121,7 +121,7 @@ def markdown(run: Run) -> str:
                   f"({d.calibration.get('matmul', '')})")
     if getattr(d, "datasheet_bf16_tflops", None):
         md.append(f"- datasheet dense bf16 peak: {_fmt(d.datasheet_bf16_tflops, 4)} TFLOP/s (the MFU targets' peak)")
-    md.append(f"- config: `{json.dumps(run.config, sort_keys=True)}`")
+    md.append(f"- config: `{json.dumps(_without_tuned(run.config), sort_keys=True)}`")
     md += ["", "Times in ms: median [p20, p80]. Speedup: baseline median / median (kernels: vs torch eager; "
                "model: vs transformers sdpa eager).", ""]
 
@@ -159,10 +159,34 @@ def markdown(run: Run) -> str:
                      [[r.group, r.case_key(), r.direction, r.impl, _host(r), _fmt(_extra_us(run, r)), _status(r)]
                       for r in overhead])
         md.append("")
+    tuned = tuned_rows(run.config)
+    if tuned:
+        md += ["## Autotuned configs", "", "The config Triton's autotuner chose for each kernel and tuning key "
+               "in this run (the timings above ran them; `bertfast perf-model` predicts the same ones).", ""]
+        md += _table(["kernel", "tuning key", "config"], tuned)
+        md.append("")
     md += ["## Conventions", "", "```", (run.to_dict()["conventions"]), "```", ""]
     if run.notes:
         md += ["## Notes", ""] + [f"- {n}" for n in run.notes] + [""]
     return "\n".join(md)
+
+
+def _without_tuned(config: Dict) -> Dict:
+    """The run's config less its autotuner choices (and its merged parts' alike): they get a table."""
+    out = {k: v for k, v in config.items() if k != "tuned_configs"}
+    if isinstance(out.get("parts"), list):
+        out["parts"] = [_without_tuned(p) if isinstance(p, dict) else p for p in out["parts"]]
+    return out
+
+
+def tuned_rows(config: Dict) -> List[List[str]]:
+    """[kernel, key, config] of the run's autotuner choices (a merged run's parts together, once each)."""
+    found: Dict[Tuple[str, str], str] = {}
+    for part in [config] + [p for p in config.get("parts") or [] if isinstance(p, dict)]:
+        for kernel, chosen in (part.get("tuned_configs") or {}).items():
+            for c in chosen:
+                found[(kernel, json.dumps(c["key"]))] = c["config"]
+    return [[kernel, f"`{key}`", config] for (kernel, key), config in sorted(found.items())]
 
 
 def summary(run: Run) -> str:

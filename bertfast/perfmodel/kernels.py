@@ -54,6 +54,7 @@ class Launch:
     args: tuple
     compile: Callable[[], object]
     names: Tuple[str, ...]      # the kernel's parameter name of each argument
+    tuned: bool = False         # meta holds the config a GPU run's autotuner chose, not the first candidate
 
     def unused_names(self) -> List[str]:
         """The parameters CONDITIONAL_ARGS says this launch's flags leave untouched."""
@@ -201,10 +202,13 @@ WORK: Dict[str, Callable[[Setting, Launch, Gpu], Work]] = {
 OPS = ("attention", "bias_gelu", "bias_dropout_residual_layernorm", "embeddings")
 
 
-def record(setting: Setting, ops: Sequence[str] = OPS) -> List[Launch]:
-    """Every kernel launch of ``ops`` at ``setting`` (varlen attention, head dim 64), first candidate."""
+def record(setting: Setting, ops: Sequence[str] = OPS,
+           tuned: Optional[Dict[str, Dict[Tuple, str]]] = None) -> List[Launch]:
+    """Every kernel launch of ``ops`` at ``setting`` (varlen attention, head dim 64): the first
+    candidate, or the config ``tuned`` (kernel -> tuning key -> config_text, a GPU run's autotuner's
+    choices) names for the launch's key when it is still among the candidates."""
     from bertfast.gpucheck.compile_report import bert_launches
-    from bertfast.kernels._common import compile_only
+    from bertfast.kernels._common import compile_only, config_text, key_values
 
     launches: List[Launch] = []
     for case, call in bert_launches([setting.as_report_setting()], (HEAD_DIM,), ops, padded_attention=False):
@@ -212,12 +216,15 @@ def record(setting: Setting, ops: Sequence[str] = OPS) -> List[Launch]:
 
         def keep(fn, grid, args, consts, configs, key, op=op):
             meta = dict(consts)
-            if configs[0] is not None:
-                meta.update(configs[0].all_kwargs())
+            ran = (tuned or {}).get(fn.__name__, {}).get(key_values(key)) if key is not None else None
+            chosen = next((c for c in configs if c is not None and config_text(c) == ran), None)
+            config = chosen or configs[0]
+            if config is not None:
+                meta.update(config.all_kwargs())
             shape = grid(meta) if callable(grid) else grid
             launches.append(Launch(op, fn.__name__, meta, tuple(int(g) for g in shape), tuple(args),
                                    lambda fn=fn, args=tuple(args), meta=meta: fn.warmup(*args, grid=(1,), **meta),
-                                   tuple(fn.arg_names[:len(args)])))
+                                   tuple(fn.arg_names[:len(args)]), chosen is not None))
         with compile_only(keep):
             call()
     return launches

@@ -14,7 +14,7 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from bertfast.perfmodel import kernels as K
@@ -45,6 +45,7 @@ class KernelResult:
     registers: Optional[int]
     hbm_bytes: float  # what the op must move (the prediction also prices its overhead: partial sums)
     prediction: Optional[Prediction]
+    tuned: bool = False  # config is the one a GPU run's autotuner chose (else the first candidate)
 
     def direction(self) -> str:
         if self.kernel in DIRECTION:
@@ -53,7 +54,7 @@ class KernelResult:
 
     def to_dict(self) -> Dict[str, object]:
         return {"setting": self.setting.label(), "op": self.op, "kernel": self.kernel, "variant": self.variant,
-                "config": self.config, "registers": self.registers, "hbm_bytes": self.hbm_bytes,
+                "config": self.config, "tuned": self.tuned, "registers": self.registers, "hbm_bytes": self.hbm_bytes,
                 "prediction": None if self.prediction is None else self.prediction.to_dict()}
 
 
@@ -70,14 +71,16 @@ def _config(meta: Dict[str, object]) -> str:
 _COMPILED: Dict[Tuple, K.Compiled] = {}  # one compile per kernel variant and config, shared by the settings
 
 
-def analyse(settings: Sequence[K.Setting], gpu: Gpu = H100, log=print) -> List[KernelResult]:
-    """Compile, read and predict every modelled kernel launch at each setting, for ``gpu``."""
+def analyse(settings: Sequence[K.Setting], gpu: Gpu = H100, log=print,
+            tuned: Optional[Dict[str, Dict[Tuple, str]]] = None) -> List[KernelResult]:
+    """Compile, read and predict every modelled kernel launch at each setting, for ``gpu``: each
+    kernel's first candidate, or the config ``tuned`` names (a GPU run's choices: Profile.tuned)."""
     compiled = _COMPILED
     results: List[KernelResult] = []
     with K.offline_triton():
         for setting in settings:
             start = time.perf_counter()
-            launches = K.record(setting)
+            launches = K.record(setting, tuned=tuned)
             for launch in launches:
                 if launch.kernel not in K.WORK:
                     continue
@@ -92,7 +95,8 @@ def analyse(settings: Sequence[K.Setting], gpu: Gpu = H100, log=print) -> List[K
                 if done.spills:  # local-memory traffic the model does not price
                     prediction.notes.append(f"spills {done.spills} bytes of registers")
                 results.append(KernelResult(setting, launch.op, launch.kernel, _variant(launch.meta),
-                                            _config(launch.meta), done.registers, work.hbm_bytes, prediction))
+                                            _config(launch.meta), done.registers, work.hbm_bytes, prediction,
+                                            launch.tuned))
             log(f"[perf-model] {setting.label()}: {len(launches)} launches read in "
                 f"{time.perf_counter() - start:.1f} s")
     return results
@@ -173,6 +177,8 @@ class Profile:
     setting: K.Setting
     device: str
     kernels: Dict[str, Tuple[float, int]]  # name -> (ms per step, calls per step)
+    # kernel -> tuning key -> the config its autotuner chose (profiles since 2026-11-27; older ones: {})
+    tuned: Dict[str, Dict[Tuple, str]] = field(default_factory=dict)
 
 
 def read_profile(path: str) -> Optional[Profile]:
@@ -184,13 +190,17 @@ def read_profile(path: str) -> Optional[Profile]:
     if head is None or head.group(4) != "bf16":
         return None
     kernels: Dict[str, Tuple[float, int]] = {}
+    tuned: Dict[str, Dict[Tuple, str]] = {}
     for line in lines:
         m = re.match(r"\s*([\d.]+)\s+[\d.]+%\s+(\d+)\s+(\S+)", line)
         if m:
             kernels[m.group(3)] = (float(m.group(1)), int(m.group(2)))
+        t = re.match(r"\s+(\w+) \| (\[.*\]) \| (.+)$", line)  # bertfast/bench/profile.py tuned_report
+        if t:
+            tuned.setdefault(t.group(1), {})[tuple(json.loads(t.group(2)))] = t.group(3).strip()
     # the model suite's step: BERT's dropout 0.1
     setting = K.Setting(head.group(1), int(head.group(2)), int(head.group(3)), 0.1)
-    return Profile(path, setting, head.group(5).strip(), kernels)
+    return Profile(path, setting, head.group(5).strip(), kernels, tuned)
 
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks",
@@ -301,7 +311,7 @@ def compare(results: Sequence[KernelResult], profile: Profile) -> List[Dict[str,
         layer_calls = calls // layers * layers or calls
         scale = profile.setting.tokens / tokens if tokens and r.op in ROW_OPS else 1.0
         rows.append({"kernel": r.kernel, "measured_s": ms / 1e3 / layer_calls * scale, "calls": calls,
-                     "layer_calls": layer_calls, "token_scale": scale,
+                     "layer_calls": layer_calls, "token_scale": scale, "tuned_config": r.tuned,
                      "predicted_s": r.prediction.predicted_s, "prediction": r.prediction,
                      "changed_since_run": changed_since(
                          profile.path, [f"kernels/{r.op}.py"] + (["kernels/_rows.py"] if r.op in ROW_OPS else []))})
@@ -422,7 +432,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     comparison, fitted = None, None
     if profile is not None:
         measured_gpu = run_gpu(profile)
-        measured_results = analyse([profile.setting], measured_gpu, log=lambda m: None)
+        measured_results = analyse([profile.setting], measured_gpu, log=lambda m: None, tuned=profile.tuned)
         rows = compare(measured_results, profile)
         fitted = fit_overlap(rows)
         fitted_memory = fit_memory_constants(rows, measured_gpu)
@@ -438,6 +448,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             row["refit_s"] = retime(row["prediction"], *refit)
             print(f"  {row['kernel'].strip('_').replace('_kernel', ''):38s} measured {row['measured_s'] * 1e6:7.1f}"
                   f"  predicted {row['predicted_s'] * 1e6:7.1f}  refitted {row['refit_s'] * 1e6:7.1f}"
+                  + ("" if row["tuned_config"] else "  [first candidate: the run's config unknown]")
                   + ("  [source changed since this run: not fitted]" if row["changed_since_run"] else ""))
         latency = fitted_memory["memory_latency_s"]
         print(f"  fitted to the kernels unchanged since the run: overlap "
@@ -450,7 +461,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         tokens = profiled_tokens(profile)
         print("  (the profile's kernels ran autotuned configs on the model suite's lengths"
               + (f" ({tokens:,} real tokens of {profile.setting.tokens:,}: row kernels scaled to full lengths)"
-                 if tokens else "") + "; the predictions read each kernel's first candidate at full lengths)")
+                 if tokens else "") + "; the predictions read at full lengths the config the run's autotuner chose where "
+              "its profile lists it, else the first candidate)")
         comparison = {"profile": shown, "device": profile.device, "overlap_fitted": fitted,
                       "memory_overlap_fitted": fitted_memory["memory_overlap"],
                       "memory_latency_s_fitted": latency,

@@ -151,6 +151,26 @@ def test_gpu_bf16_fp32_bias_and_row_stride(backend):
     assert db.dtype == torch.float32
 
 
+@pytest.mark.gpu
+def test_gpu_tuned_config_is_listed_under_the_offline_key(monkeypatch):
+    """On a GPU, Triton's autotuner keys a launch as compile_only records it offline: the perf model
+    predicts a GPU run's chosen configs by that key (bertfast/bench/profile.py, tuned_report)."""
+    from bertfast.kernels import _common
+    from bertfast.kernels import bias_gelu as BG
+    from bertfast.kernels._rows import n_bucket, row_stride
+    monkeypatch.delenv(_common.AUTOTUNE_ENV, raising=False)  # the GPU check's tests run fixed: tune here
+    n, f = 1000, 1536  # a key no other test tunes (n_bucket 1024)
+    x = torch.randn(n, f, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(f, device="cuda", dtype=torch.bfloat16)
+    y = BG.bias_gelu_fwd(x, bias)
+    torch.cuda.synchronize()
+    args, consts = (x, bias, y, n, f, row_stride(x), n_bucket(n)), {"APPROX_TANH": False}
+    offline = _common.key_values(_common._tuning_key(BG._fwd_tuned, args, consts))
+    chosen = {tuple(c["key"]): c["config"] for c in _common.tuned_configs().get("_bias_gelu_fwd_kernel", [])}
+    assert offline in chosen, (offline, chosen)
+    assert chosen[offline] in {_common.config_text(c) for c in _common.candidates(BG._fwd_tuned, args, consts)}
+
+
 # =========================================================================== Triton
 @pytest.mark.skipif(GPU, reason="on a GPU every Triton test above takes this path")
 def test_triton_autotuned_launch_path_under_interpreter(stand_in_tuner):
