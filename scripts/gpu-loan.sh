@@ -2,19 +2,25 @@
 # The GPU check within a 15-minute loan: two commands of at most 10 minutes, the second sent while
 # the machine is still warm (it keeps GPU_OUT, the build and the Triton cache between them).
 #
-#   scripts/gpu-loan.sh 1 GPU_OUT BUNDLE [SECONDS]   correctness: stage 1 without the sanitizers (install,
+# A correctness loan (the code changed since the last GPU run whose tests all passed):
+#   scripts/gpu-loan.sh 1 GPU_OUT BUNDLE [SECONDS]   stage 1 without the sanitizers (install,
 #                                                     requirements, the sm_90 build, bertfast info), then the
 #                                                     sanitizers in a second process beside stage 2's tests
 #                                                     (neither is timed, so they may share the GPU)
-#   scripts/gpu-loan.sh 2 GPU_OUT BUNDLE [SECONDS]   speed: stage 3 (the headline, alone on the GPU, ending
+#   scripts/gpu-loan.sh 2 GPU_OUT BUNDLE [SECONDS]   stage 3 (the headline, alone on the GPU, ending
 #                                                     PROFILE_S=100 s early), the profile of the BERT-large
 #                                                     step, then what fits of stages 4 and 5
+# A speed loan (the last GPU run's tests all passed on the kernels as they are: docs/gpu-check.md):
+#   scripts/gpu-loan.sh speed1 GPU_OUT BUNDLE [SECONDS]  stage 1's install, build and info; stage 3 whole
+#                                                     (every case, ending PROFILE_S=150 s early); the profile
+#   scripts/gpu-loan.sh speed2 GPU_OUT BUNDLE [SECONDS]  stage 4 (attention, then row ops), then what fits
+#                                                     of stage 5
 #
 # SECONDS (default 570) is the command's own limit less the bundling: every step runs under the
 # runner's --until, so the part ends in time. The logs, summary and results (not the caches) are
 # bundled into BUNDLE/gpu-run.tgz after each stage. DRY=1 runs the same on CPU (--dry-run).
 set -u
-PART=${1:?usage: scripts/gpu-loan.sh 1|2 GPU_OUT BUNDLE [SECONDS]}
+PART=${1:?usage: scripts/gpu-loan.sh 1|2|speed1|speed2 GPU_OUT BUNDLE [SECONDS]}
 G=${2:-gpu-out}
 BUNDLE=${3:-$G}
 SECONDS_LEFT=${4:-570}
@@ -32,6 +38,47 @@ bundle() {
     echo "[gpu-loan] bundled $G into $BUNDLE/gpu-run.tgz at $(( $(date +%s) - START )) s"
 }
 
+# The profile runs in the stages' Triton cache (runner.py sets it for them): in a cache of its own it
+# compiled and re-tuned every kernel, and the H200 run of 2026-11-27 stopped it before its first table.
+profile() {
+    mkdir -p "$G/profile"
+    if [ -n "${DRY:-}" ]; then
+        prof=(--device cpu --model tiny --seqlen 32 --batch 4)
+    else
+        prof=()
+    fi
+    TRITON_CACHE_DIR="$G/cache/triton" timeout $(( $(left) - 30 )) "$PY" -m bertfast.bench.profile "${prof[@]}" \
+        --trace --out "$G/profile" > "$G/profile/profile.log" 2>&1
+    echo "[gpu-loan] profile: exit $?"
+    cat "$G/profile/summary.txt" 2>/dev/null
+    bundle
+}
+# Stage 3, ending PROFILE_S early where the part has time for both, then the profile.
+headline_and_profile() {
+    local part_until=$UNTIL
+    if [ "$(left)" -ge $(( PROFILE_S + 120 )) ]; then
+        UNTIL=$(( UNTIL - PROFILE_S ))
+    fi
+    run --stage 3
+    UNTIL=$part_until
+    bundle
+    if [ "$(left)" -ge 90 ]; then
+        profile
+    fi
+}
+# run_while_time STAGE STEP...: each "STAGE STEP" pair while a minute is left
+run_while_time() {
+    for part in "$@"; do
+        set -- $part
+        if [ "$(left)" -ge 60 ]; then
+            run --stage "$1" --step "$2"
+            bundle
+        else
+            echo "[gpu-loan] not run: stage $1 $2 ($(left) s left)"
+        fi
+    done
+}
+
 case "$PART" in
 1)
     run --stage 1 --skip memcheck --skip racecheck
@@ -46,38 +93,19 @@ case "$PART" in
     # The profile is this part's second aim: stage 3 stops starting cases in time to leave it
     # PROFILE_S (the H100 run of 2026-11-26 spent a 300 s part on stage 3's four cases).
     PROFILE_S=${PROFILE_S:-100}
-    PART_UNTIL=$UNTIL
-    if [ "$(left)" -ge $(( PROFILE_S + 120 )) ]; then
-        UNTIL=$(( UNTIL - PROFILE_S ))
-    fi
-    run --stage 3
-    UNTIL=$PART_UNTIL
-    bundle
-    if [ "$(left)" -ge 90 ]; then
-        mkdir -p "$G/profile"
-        if [ -n "${DRY:-}" ]; then
-            prof=(--device cpu --model tiny --seqlen 32 --batch 4)
-        else
-            prof=()
-        fi
-        timeout $(( $(left) - 30 )) "$PY" -m bertfast.bench.profile "${prof[@]}" --trace --out "$G/profile" \
-            > "$G/profile/profile.log" 2>&1
-        echo "[gpu-loan] profile: exit $?"
-        cat "$G/profile/summary.txt" 2>/dev/null
-        bundle
-    fi
-    for part in "4 attention" "4 row-ops" "5 mlm-head" "5 finetune-inference" "5 compiled"; do
-        set -- $part
-        if [ "$(left)" -ge 60 ]; then
-            run --stage "$1" --step "$2"
-            bundle
-        else
-            echo "[gpu-loan] not run: stage $1 $2 ($(left) s left)"
-        fi
-    done
+    headline_and_profile
+    run_while_time "4 attention" "4 row-ops" "5 mlm-head" "5 finetune-inference" "5 compiled"
+    ;;
+speed1)
+    run --stage 1 --step install --step requirements --step build --step info
+    PROFILE_S=${PROFILE_S:-150}
+    headline_and_profile
+    ;;
+speed2)
+    run_while_time "4 attention" "4 row-ops" "5 mlm-head" "5 finetune-inference" "5 compiled"
     ;;
 *)
-    echo "gpu-loan: PART must be 1 (correctness) or 2 (speed), got $PART" >&2
+    echo "gpu-loan: PART must be 1 or 2 (a correctness loan) or speed1 or speed2 (a speed loan), got $PART" >&2
     exit 2
     ;;
 esac
