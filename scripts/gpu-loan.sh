@@ -12,7 +12,8 @@
 #                                                     step, then what fits of stages 4 and 5
 # A speed loan (the last GPU run's tests all passed on the kernels as they are: docs/gpu-check.md):
 #   scripts/gpu-loan.sh speed1 GPU_OUT BUNDLE [SECONDS]  stage 1's install, build and info; stage 3 whole
-#                                                     (every case, ending PROFILE_S=150 s early); the profile
+#                                                     (every case, ending PROFILE_S=180 s early); the profile;
+#                                                     ncu on each op's kernels (bertfast/bench/ncu.py)
 #   scripts/gpu-loan.sh speed2 GPU_OUT BUNDLE [SECONDS]  stage 4 (attention, then row ops), then what fits
 #                                                     of stage 5
 #
@@ -51,6 +52,19 @@ profile() {
         --trace --out "$G/profile" > "$G/profile/profile.log" 2>&1
     echo "[gpu-loan] profile: exit $?"
     cat "$G/profile/summary.txt" 2>/dev/null
+    bundle
+}
+# ncu on one training forward and backward of each op (bertfast/bench/ncu.py), in the stages' cache.
+ncu_kernels() {
+    mkdir -p "$G/ncu"
+    if [ -n "${DRY:-}" ]; then
+        echo "[gpu-loan] ncu: not on a CPU dry run (the target alone: python -m bertfast.bench.ncu --target --dry-run)"
+        return
+    fi
+    TRITON_CACHE_DIR="$G/cache/triton" timeout $(( $(left) - 15 )) "$PY" -m bertfast.bench.ncu --out "$G/ncu" \
+        > "$G/ncu/ncu.log" 2>&1
+    echo "[gpu-loan] ncu: exit $?"
+    cat "$G/ncu/ncu.md" 2>/dev/null
     bundle
 }
 # Stage 3, ending PROFILE_S early where the part has time for both, then the profile.
@@ -98,8 +112,13 @@ case "$PART" in
     ;;
 speed1)
     run --stage 1 --step install --step requirements --step build --step info
-    PROFILE_S=${PROFILE_S:-150}
+    PROFILE_S=${PROFILE_S:-180}
     headline_and_profile
+    if [ "$(left)" -ge 60 ]; then
+        ncu_kernels
+    else
+        echo "[gpu-loan] not run: ncu ($(left) s left)"
+    fi
     ;;
 speed2)
     run_while_time "4 attention" "4 row-ops" "5 mlm-head" "5 finetune-inference" "5 compiled"

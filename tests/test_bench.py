@@ -684,6 +684,18 @@ def test_gpu_kernel_timing_leaves_out_the_host_time_of_a_call():
     assert step.median > 2.5, step
 
 
+@pytest.mark.gpu
+def test_gpu_ncu_target_finds_each_ops_case_at_bert_large_shapes(capsys):
+    """The ncu step's target (bertfast/bench/ncu.py TARGET_CASES) is among the GPU's kernel-suite cases
+    for every op, and runs each one's forward and backward (no ncu attached: the profiler calls are
+    no-ops), so a speed loan's ncu step does not fail on a case the suite no longer lists."""
+    from bertfast.bench import ncu
+    assert ncu.run_target(ncu.OPS, "triton", dry_run=False, warmup=1) == 0
+    ran = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ncu target: ran")]
+    assert [line.split()[3] for line in ran] == list(ncu.OPS)
+    assert '"tokens": 16384' in ran[1] and '"dropout": 0.1' in ran[1]
+
+
 # --------------------------------------------------------------------------- selection, budget, merge, README
 def test_implementation_families():
     from bertfast.bench.common import DTYPES
@@ -942,6 +954,54 @@ def test_profile_rebuilt_from_a_stopped_profiles_trace(tmp_path):
     empty = tmp_path / "graphs.trace.json"
     empty.write_text(json.dumps({"traceEvents": events[-1:]}))
     assert profile.main(["--from-trace", str(empty), "--out", str(out)]) == 2
+
+
+def test_ncu_summary_reads_the_raw_page_and_the_target_runs_each_op(tmp_path, monkeypatch, capsys):
+    """bertfast.bench.ncu: the raw page (a header of metrics, a row of units, a row per kernel) becomes
+    a table per kernel with its time, DRAM bytes and rate, issue and occupancy, and its largest stall
+    reasons, units converted; the target runs one training forward and backward of each op (on CPU,
+    --dry-run); without ncu the driver says so; the command profiles only the target's region."""
+    import csv
+    from bertfast.bench import ncu
+    names = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Block Size", "Grid Size",
+             "gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum",
+             "dram__throughput.avg.pct_of_peak_sustained_elapsed", "smsp__issue_active.avg.pct_of_peak_sustained_active",
+             "sm__warps_active.avg.pct_of_peak_sustained_active", "sm__maximum_warps_per_active_cycle_pct",
+             "launch__registers_per_thread", "launch__grid_size", "launch__block_size",
+             "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+             "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+             "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio"]
+    units = ["", "", "", "", "", "", "", "usecond", "Mbyte", "Mbyte", "%", "%", "%", "%", "register/thread", "", "",
+             "", "", ""]
+    rows = [["0", "1", "python", "h", "_bias_dropout_residual_layernorm_fwd_kernel", "(64, 1, 1)", "(16384, 1, 1)",
+             "44.40", "100.00", "34.20", "70.1", "55.0", "60.2", "100", "62", "16384", "64", "6.5", "2.25", "0.5"],
+            ["1", "1", "python", "h", "_bias_gelu_fwd_kernel", "(256, 1, 1)", "(4096, 1, 1)",
+             "1,200.5", "150.0", "150.0", "93.0", "30.0", "80.0", "100", "40", "4096", "256", "9.0", "0", "1.0"]]
+    (tmp_path / "ncu-raw.csv").write_text("")
+    with open(tmp_path / "ncu-raw.csv", "w", newline="") as f:
+        csv.writer(f, quoting=csv.QUOTE_ALL).writerows([names, units] + rows)
+    assert ncu.main(["--summarize", str(tmp_path)]) == 0
+    md = (tmp_path / "ncu.md").read_text()
+    ln = next(line for line in md.splitlines() if line.startswith("| _bias_dropout_residual_layernorm_fwd"))
+    # 134.2 MB in 44.4 us: 3,023 GB/s; 62 registers; the stalls largest first, none of 0 listed
+    assert "| 44.4 | 134.2 | 3,023 | 70.1 |" in ln and "| 60.2 / 100.0 | 62 | 16,384 x 64 |" in ln
+    assert ln.endswith("| long_scoreboard 6.5, barrier 2.2, wait 0.5 |")
+    gelu = next(r for r in json.loads((tmp_path / "ncu.json").read_text()) if r["kernel"] == "_bias_gelu_fwd_kernel")
+    assert gelu["time_us"] == pytest.approx(1200.5) and gelu["dram_bytes"] == pytest.approx(300e6)
+    assert [s[0] for s in gelu["stalls"]] == ["long_scoreboard", "wait"]
+    (tmp_path / "ncu-raw.csv").write_text('"ID","Kernel Name"\n"",""\n')
+    assert ncu.main(["--summarize", str(tmp_path)]) == 1  # no kernel: said, not an empty table
+
+    assert ncu.main(["--target", "--dry-run", "--backend", "torch"]) == 0
+    ran = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ncu target: ran")]
+    assert [line.split()[3] for line in ran] == list(ncu.OPS)
+    monkeypatch.setattr(ncu, "find_ncu", lambda: None)
+    assert ncu.main(["--out", str(tmp_path / "n")]) == 2
+    assert "no ncu" in capsys.readouterr().err
+    cmd = ncu.ncu_command("ncu", "R", ["bias_gelu"], "triton")
+    assert cmd[cmd.index("--profile-from-start") + 1] == "off" and cmd[cmd.index("--clock-control") + 1] == "none"
+    assert cmd[-6:] == ["bertfast.bench.ncu", "--target", "--ops", "bias_gelu", "--backend", "triton"]
+    assert ncu.main(["--target", "--ops", "attention,softmax"]) == 2
 
 
 def test_profile_counts_overlapping_kernels_once():

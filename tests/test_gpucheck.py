@@ -292,9 +292,14 @@ def test_land_files_a_second_run_of_the_day_beside_the_first(tmp_path):
     (out / "profile" / "bertfast.txt").write_text("wall per step 1 ms\n")
     (out / "profile" / "bertfast.trace.json.gz").write_bytes(b"gz")
     (out / "sanitizers.out").write_text("ERROR SUMMARY: 0 errors\n")
+    (out / "ncu").mkdir()
+    for name in ("ncu.md", "ncu-raw.csv", "ncu.log", "ncu.ncu-rep"):
+        (out / "ncu" / name).write_text("x\n")
     second = runner.land(str(out), repo=str(repo))
     assert second == first + "-2"
-    assert {"profile-bertfast.txt", "profile-bertfast.trace.json.gz", "sanitizers.out"} <= set(os.listdir(second))
+    assert {"profile-bertfast.txt", "profile-bertfast.trace.json.gz", "sanitizers.out", "ncu.md", "ncu-raw.csv",
+            "ncu.log"} <= set(os.listdir(second))
+    assert "ncu.ncu-rep" not in os.listdir(second)  # its CSV pages hold what it measured
     assert json.loads(open(os.path.join(first, "results.json")).read())["date"].startswith("2026-12-01T10")
     assert runner.land(str(out), repo=str(repo)) == second
     assert "2026-12-01-2" in (repo / "README.md").read_text()

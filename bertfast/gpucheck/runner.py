@@ -490,14 +490,18 @@ def land(out: str, repo: str = REPO, date: Optional[str] = None) -> str:
         shutil.copy2(path, dest)
     evidence = [p for pattern in ("*.log", "progress.jsonl", "not-reached.txt")
                 for p in glob.glob(os.path.join(out, "stage*", pattern))]
-    # The profile of the step (scripts/gpu-loan.sh part 2) and the sanitizers' own output, where run.
+    # The profile of the step and ncu's of the ops' kernels (scripts/gpu-loan.sh), and the sanitizers'
+    # own output, where run (not ncu's binary report: its CSV pages hold what it measured).
     evidence += [p for pattern in ("*.txt", "*.log", "*.trace.json.gz")
                  for p in glob.glob(os.path.join(out, "profile", pattern))]
+    evidence += [p for pattern in ("*.md", "*.csv", "*.json", "*.log")
+                 for p in glob.glob(os.path.join(out, "ncu", pattern))]
     evidence += glob.glob(os.path.join(out, "sanitizers.out"))
     for path in evidence + [os.path.join(out, "summary.md"), summary_path]:
         name = os.path.basename(path)
         stage_dir = os.path.basename(os.path.dirname(path))
-        shutil.copy2(path, os.path.join(dest, name if stage_dir == os.path.basename(out) else f"{stage_dir}-{name}"))
+        named = name if stage_dir == os.path.basename(out) or name.startswith(stage_dir) else f"{stage_dir}-{name}"
+        shutil.copy2(path, os.path.join(dest, named))
     update_readme(os.path.join(repo, "README.md"), run_, os.path.relpath(dest, repo))
     return dest
 

@@ -1,0 +1,266 @@
+"""Nsight Compute (ncu) on the kernels of one training forward and backward of each fused op.
+
+    python -m bertfast.bench.ncu --out DIR                 # on a GPU: ncu runs this module's --target
+    python -m bertfast.bench.ncu --summarize DIR           # DIR/ncu.md again from DIR/ncu-raw.csv
+    python -m bertfast.bench.ncu --target --dry-run --backend torch   # the calls alone, on CPU
+
+The perf model (docs/perf-model.md) predicts each kernel from its SASS; a GPU profile says where it
+is wrong: the one-pass attention backward took 2.2 times its prediction on the H200, and the
+kernels of one row a program (the LayerNorm forward and backward, the embeddings' backward) moved
+their bytes at 47-72% of the copy bandwidth where the model has them bandwidth-bound. The timings
+cannot say why; the hardware counters can: DRAM throughput, issue-slot use, achieved occupancy and
+what the warps stall on.
+
+The target builds the kernel suite's case of each op at BERT-large's seq-128 pre-training shapes
+(``TARGET_CASES``: 16,384 tokens, bf16 activations with fp32 parameters, dropout 0.1; the attention's
+pre-training lengths), warms each up (the autotuner chooses its configs there, in the stages' Triton
+cache), then runs one training forward and its backward between cudaProfilerStart and Stop, so ncu
+(``--profile-from-start off``) profiles those kernels alone, with the clocks left as they are
+(``--clock-control none``). The driver then exports the report's raw metrics (DIR/ncu-raw.csv) and
+details page (DIR/ncu-details.csv) and writes DIR/ncu.md: per kernel its time, DRAM bytes and
+throughput, issue slots busy, occupancy, registers, grid and block, and its three largest stall
+reasons, with the autotuner's choices (kernels/_common.py tuned_configs) below.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+from typing import Dict, List, Optional, Sequence, Tuple
+
+OPS = ("attention", "bias_dropout_residual_layernorm", "embeddings", "bias_gelu")
+# The kernel suite's case of each op at BERT-large's seq-128 pre-training shapes (kernel_cases.py).
+TARGET_CASES: Dict[str, Dict[str, object]] = {
+    "attention": {"batch": 128, "seqlen": 128, "heads": 16, "head_dim": 64, "padding": "pretrain", "dropout": 0.1},
+    "bias_dropout_residual_layernorm": {"tokens": 16384, "hidden": 1024, "params": "fp32", "dropout": 0.1},
+    "embeddings": {"tokens": 16384, "hidden": 1024, "params": "fp32"},
+    "bias_gelu": {"tokens": 16384, "features": 4096, "params": "fp32"},
+}
+SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "SchedulerStats", "WarpStateStats", "InstructionStats",
+            "MemoryWorkloadAnalysis")
+MAX_KERNELS = 64  # a bound on what one profiled region may launch (--launch-count)
+NCU_GLOBS = ("/opt/nvidia/nsight-compute/*/ncu", "/usr/local/cuda*/bin/ncu")
+
+
+# --------------------------------------------------------------------------- the target (under ncu)
+def _pick(cases, want: Optional[Dict[str, object]]):
+    """The case whose fields equal ``want`` (None: the first, for the CPU's tiny cases)."""
+    if want is None:
+        return cases[0] if cases else None
+    return next((oc for oc in cases if all(oc.case.get(k) == v for k, v in want.items())), None)
+
+
+def run_target(ops: Sequence[str], backend: str, dry_run: bool, warmup: int = 2) -> int:
+    """Each op's case, warmed up, then one training forward and backward inside the profiled region."""
+    import torch
+
+    from bertfast.bench import device as devmod
+    from bertfast.bench.common import SuiteContext
+    from bertfast.bench.kernel_cases import CASE_BUILDERS
+    from bertfast.bench.results import bertfast_impl
+    from bertfast.kernels._common import tuned_configs
+
+    on_gpu = torch.cuda.is_available() and not dry_run
+    if not on_gpu and not dry_run:
+        print("ncu target: no CUDA device (use --dry-run to run the calls on CPU)", file=sys.stderr)
+        return 2
+    ctx = SuiteContext(device=devmod.detect("cuda" if on_gpu else "cpu"), quick=False,
+                       dtype=torch.bfloat16 if on_gpu else torch.float32, backends=(backend,), compile=False,
+                       with_transformers=False, log=lambda s: None)
+    prepared = []
+    for op in ops:
+        want = TARGET_CASES[op] if on_gpu else None
+        name = bertfast_impl(backend, "varlen" if op == "attention" else "")  # the model's attention: packed
+        oc = _pick(CASE_BUILDERS[op](ctx), want)
+        impl = next((i for i in oc.impls if i.name == name), None) if oc is not None else None
+        if impl is None or impl.skip:
+            print(f"ncu target: {op}: no {name} path for the case {want or 'first listed'}"
+                  + (f" ({impl.skip})" if impl is not None else ""), file=sys.stderr)
+            return 2
+        p = impl.build(ctx.dtype)
+        for _ in range(warmup):  # the autotuner chooses here, outside the profiled region
+            p.run_once()
+        prepared.append((op, oc.case, p))
+    if on_gpu:
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+    for op, case, p in prepared:
+        out = p.forward()
+        torch.autograd.grad(out, p.leaves, p.grad_out, allow_unused=True)
+        print(f"ncu target: ran {op} {json.dumps(case)}: a training forward and its backward", flush=True)
+    if on_gpu:
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+    print("ncu target: autotuned configs " + json.dumps(tuned_configs()), flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------- the driver
+def find_ncu() -> Optional[str]:
+    found = shutil.which("ncu")
+    if found:
+        return found
+    for pattern in NCU_GLOBS:
+        hits = sorted(glob.glob(pattern))
+        if hits:
+            return hits[-1]
+    return None
+
+
+def ncu_command(ncu: str, report: str, ops: Sequence[str], backend: str) -> List[str]:
+    cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--target-processes", "all",
+           "--launch-count", str(MAX_KERNELS), "-f", "-o", report]
+    for section in SECTIONS:
+        cmd += ["--section", section]
+    return cmd + [sys.executable, "-m", "bertfast.bench.ncu", "--target", "--ops", ",".join(ops),
+                  "--backend", backend]
+
+
+def drive(out: str, ops: Sequence[str], backend: str) -> int:
+    ncu = find_ncu()
+    if ncu is None:
+        print("bertfast ncu: no ncu (Nsight Compute) on PATH or under /opt/nvidia/nsight-compute", file=sys.stderr)
+        return 2
+    os.makedirs(out, exist_ok=True)
+    report = os.path.join(out, "ncu")
+    cmd = ncu_command(ncu, report, ops, backend)
+    print("$ " + " ".join(cmd), flush=True)
+    res = subprocess.run(cmd)
+    if res.returncode != 0 or not os.path.exists(report + ".ncu-rep"):
+        print(f"bertfast ncu: ncu exited {res.returncode}" + ("" if os.path.exists(report + ".ncu-rep")
+                                                              else f"; no report at {report}.ncu-rep"),
+              file=sys.stderr)
+        return 1
+    for page in ("raw", "details"):
+        with open(os.path.join(out, f"ncu-{page}.csv"), "w") as fh:
+            subprocess.run([ncu, "--import", report + ".ncu-rep", "--csv", "--page", page], stdout=fh, check=True)
+    return summarize(out)
+
+
+# --------------------------------------------------------------------------- the summary
+_SCALE = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6,  # -> microseconds
+          "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12}  # -> bytes
+STALL = ("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio")
+
+
+def read_raw(path: str) -> List[Dict[str, Tuple[str, str]]]:
+    """ncu's raw page (--csv --page raw): a header of metric names, a row of units, a row per kernel.
+    Each kernel as {column: (value, unit)}."""
+    with open(path, newline="", encoding="utf-8", errors="replace") as f:
+        rows = [r for r in csv.reader(f) if r]
+    header = next((i for i, r in enumerate(rows) if "Kernel Name" in r), None)
+    if header is None or header + 1 >= len(rows):
+        return []
+    names, units = rows[header], rows[header + 1]
+    return [{n: (v, u) for n, v, u in zip(names, row, units)} for row in rows[header + 2:] if len(row) == len(names)]
+
+
+def _number(cell: Tuple[str, str], kind: str) -> Optional[float]:
+    value, unit = cell
+    try:
+        x = float(value.replace(",", ""))
+    except ValueError:
+        return None
+    if kind in ("time", "bytes"):
+        return x * _SCALE.get(unit.strip(), 1.0)
+    return x
+
+
+def kernel_rows(kernels: List[Dict[str, Tuple[str, str]]]) -> List[Dict[str, object]]:
+    """Per kernel: its name and the COLUMNS' figures, and its stall reasons (cycles per issued
+    instruction spent stalled on each), largest first."""
+    out = []
+    for k in kernels:
+        def get(metric: str, kind: str = "value") -> Optional[float]:
+            return _number(k[metric], kind) if metric in k else None
+        row: Dict[str, object] = {"kernel": k.get("Kernel Name", ("?", ""))[0]}
+        row["time_us"] = get("gpu__time_duration.sum", "time")
+        read, written = get("dram__bytes_read.sum", "bytes"), get("dram__bytes_write.sum", "bytes")
+        row["dram_bytes"] = (read or 0) + (written or 0) if read is not None or written is not None else None
+        for key, metric in (("dram_pct", "dram__throughput.avg.pct_of_peak_sustained_elapsed"),
+                            ("sm_pct", "sm__throughput.avg.pct_of_peak_sustained_elapsed"),
+                            ("issue_pct", "smsp__issue_active.avg.pct_of_peak_sustained_active"),
+                            ("occupancy_pct", "sm__warps_active.avg.pct_of_peak_sustained_active"),
+                            ("theoretical_pct", "sm__maximum_warps_per_active_cycle_pct"),
+                            ("registers", "launch__registers_per_thread"),
+                            ("grid", "launch__grid_size"), ("block", "launch__block_size")):
+            row[key] = get(metric)
+        stalls = {name[len(STALL[0]):-len(STALL[1])]: _number(cell, "value")
+                  for name, cell in k.items() if name.startswith(STALL[0]) and name.endswith(STALL[1])}
+        row["stalls"] = sorted(((r, v) for r, v in stalls.items() if v), key=lambda rv: -rv[1])
+        out.append(row)
+    return out
+
+
+def _f(x: Optional[float], digits: int = 1) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def markdown(rows: List[Dict[str, object]], source: str) -> str:
+    lines = [f"# ncu: one training forward and backward of each op ({source})", "",
+             "Per kernel in launch order. DRAM GB/s: the bytes DRAM read and wrote over the kernel's time. Issue "
+             "busy: the share of cycles a scheduler issued. Stalls: cycles per issued instruction a warp spent "
+             "stalled, by reason (ncu's smsp__average_warps_issue_stalled_*_per_issue_active), largest three.", "",
+             "| kernel | time us | DRAM MB | DRAM GB/s | DRAM % | SM % | issue busy % | occupancy % (achieved / "
+             "theoretical) | regs | grid x block | stalls |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        gbps = (r["dram_bytes"] / (r["time_us"] * 1e3)) if r["dram_bytes"] is not None and r["time_us"] else None
+        stalls = ", ".join(f"{name} {v:.1f}" for name, v in r["stalls"][:3]) or "-"
+        occupancy = f"{_f(r['occupancy_pct'])} / {_f(r['theoretical_pct'])}"
+        lines.append(f"| {r['kernel'][:60]} | {_f(r['time_us'])} | "
+                     f"{_f(None if r['dram_bytes'] is None else r['dram_bytes'] / 1e6)} | {_f(gbps, 0)} | "
+                     f"{_f(r['dram_pct'])} | {_f(r['sm_pct'])} | {_f(r['issue_pct'])} | {occupancy} | "
+                     f"{_f(r['registers'], 0)} | {_f(r['grid'], 0)} x {_f(r['block'], 0)} | {stalls} |")
+    return "\n".join(lines) + "\n"
+
+
+def summarize(out: str) -> int:
+    raw = os.path.join(out, "ncu-raw.csv")
+    if not os.path.exists(raw):
+        print(f"bertfast ncu: expected {raw} (ncu --import REPORT --csv --page raw)", file=sys.stderr)
+        return 2
+    rows = kernel_rows(read_raw(raw))
+    if not rows:
+        print(f"bertfast ncu: {raw} lists no kernels (was anything launched between cudaProfilerStart and Stop?)",
+              file=sys.stderr)
+        return 1
+    with open(os.path.join(out, "ncu.md"), "w") as fh:
+        fh.write(markdown(rows, os.path.basename(raw)))
+    with open(os.path.join(out, "ncu.json"), "w") as fh:
+        json.dump(rows, fh, indent=1)
+    print(markdown(rows, os.path.basename(raw)), end="")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bertfast.bench.ncu", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", help="directory for the report, its CSV pages and ncu.md (the driver)")
+    ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {', '.join(OPS)}")
+    ap.add_argument("--backend", default="triton", choices=("triton", "cuda", "torch"))
+    ap.add_argument("--target", action="store_true", help="be what ncu profiles (the driver runs this)")
+    ap.add_argument("--dry-run", action="store_true", help="with --target: run the calls without a GPU or profiler")
+    ap.add_argument("--summarize", metavar="DIR", help="write DIR/ncu.md from DIR/ncu-raw.csv and stop")
+    args = ap.parse_args(argv)
+    if args.summarize:
+        return summarize(args.summarize)
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    unknown = [o for o in ops if o not in OPS]
+    if unknown or not ops:
+        print(f"bertfast ncu: --ops expects some of {', '.join(OPS)}, got {args.ops!r}", file=sys.stderr)
+        return 2
+    if args.target:
+        return run_target(ops, args.backend, args.dry_run)
+    if not args.out:
+        print("bertfast ncu: --out DIR is required (or --target, --summarize DIR)", file=sys.stderr)
+        return 2
+    return drive(args.out, ops, args.backend)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
