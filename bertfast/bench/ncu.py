@@ -19,7 +19,8 @@ cache), then runs one training forward and its backward between cudaProfilerStar
 (``--clock-control none``). The driver then exports the report's raw metrics (DIR/ncu-raw.csv) and
 details page (DIR/ncu-details.csv) and writes DIR/ncu.md: per kernel its time, DRAM bytes and
 throughput, issue slots busy, occupancy, registers, grid and block, and its three largest stall
-reasons, with the autotuner's choices (kernels/_common.py tuned_configs) below.
+reasons. The target's last line gives the autotuner's choices (kernels/_common.py tuned_configs):
+the configs the profiled kernels ran.
 """
 from __future__ import annotations
 
@@ -172,8 +173,9 @@ def _number(cell: Tuple[str, str], kind: str) -> Optional[float]:
 
 
 def kernel_rows(kernels: List[Dict[str, Tuple[str, str]]]) -> List[Dict[str, object]]:
-    """Per kernel: its name and the COLUMNS' figures, and its stall reasons (cycles per issued
-    instruction spent stalled on each), largest first."""
+    """Per kernel: its name, time (us), DRAM bytes, the throughput, issue and occupancy percentages,
+    registers, grid and block, and its stall reasons (cycles per issued instruction spent stalled on
+    each), largest first. A metric the report lacks is None."""
     out = []
     for k in kernels:
         def get(metric: str, kind: str = "value") -> Optional[float]:
