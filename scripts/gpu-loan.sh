@@ -80,6 +80,8 @@ headline_and_profile() {
         profile
     fi
 }
+# What both loans run of stages 4 and 5 once the headline is in, in this order
+KERNEL_STEPS=("4 attention" "4 row-ops" "5 mlm-head" "5 finetune-inference" "5 compiled")
 # run_while_time STAGE STEP...: each "STAGE STEP" pair while a minute is left
 run_while_time() {
     for part in "$@"; do
@@ -108,7 +110,7 @@ case "$PART" in
     # PROFILE_S (the H100 run of 2026-11-26 spent a 300 s part on stage 3's four cases).
     PROFILE_S=${PROFILE_S:-100}
     headline_and_profile
-    run_while_time "4 attention" "4 row-ops" "5 mlm-head" "5 finetune-inference" "5 compiled"
+    run_while_time "${KERNEL_STEPS[@]}"
     ;;
 speed1)
     run --stage 1 --step install --step requirements --step build --step info
@@ -121,7 +123,7 @@ speed1)
     fi
     ;;
 speed2)
-    run_while_time "4 attention" "4 row-ops" "5 mlm-head" "5 finetune-inference" "5 compiled"
+    run_while_time "${KERNEL_STEPS[@]}"
     ;;
 *)
     echo "gpu-loan: PART must be 1 or 2 (a correctness loan) or speed1 or speed2 (a speed loan), got $PART" >&2

@@ -232,11 +232,12 @@ def summarize(out: str) -> int:
         print(f"bertfast ncu: {raw} lists no kernels (was anything launched between cudaProfilerStart and Stop?)",
               file=sys.stderr)
         return 1
+    text = markdown(rows, os.path.basename(raw))
     with open(os.path.join(out, "ncu.md"), "w") as fh:
-        fh.write(markdown(rows, os.path.basename(raw)))
+        fh.write(text)
     with open(os.path.join(out, "ncu.json"), "w") as fh:
         json.dump(rows, fh, indent=1)
-    print(markdown(rows, os.path.basename(raw)), end="")
+    print(text, end="")
     return 0
 
 
