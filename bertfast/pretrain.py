@@ -60,7 +60,7 @@ from bertfast.training.config import PretrainConfig
 from bertfast.training.distributed import (DistInfo, all_reduce_max, all_reduce_sum, any_rank, broadcast_object,
                                            gather_objects, init_distributed)
 from bertfast.training.nonfinite import NonFiniteWatch
-from bertfast.training.optim import build_optimizer, lamb_implementation, warmup_linear_decay
+from bertfast.training.optim import pretrain_optimizer, warmup_linear_decay
 from bertfast.training.phases import (Phase, build_config, build_phases, compare_with_readme, demo_environment,
                                       prepare_demo_data, resolve_steps, size_micro_batches)
 from bertfast.training.precision import resolve_precision
@@ -189,17 +189,7 @@ class Pretrainer:
         self.raw_model = model.to(self.device)
         self.model = wrap_model(self.raw_model, args, info)
         self.forward_model = torch.compile(self.model) if args.compile else self.model
-        # LAMB's implementation is chosen once, here (BERTFAST_LAMB, else triton where it can run).
-        # The triton one (CUDA) keeps its step counts on the device, as fused AdamW does:
-        # --cuda-graphs captures it, and --on-nonfinite skip skips with no host read.
-        lamb = lamb_implementation(None, list(self.model.parameters())) if args.optimizer == "lamb" else None
-        # AdamW is the triton one where it can run (fp32 CUDA parameters): it writes the bf16 (fp16)
-        # working copies of the GEMM weights that the forward then reads instead of casting them.
-        working = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision) if args.optimizer == "adamw" \
-            else None
-        self.optimizer = build_optimizer(self.model, args.optimizer, args.lr, args.weight_decay,
-                                         (args.beta1, args.beta2), args.adam_eps, implementation=lamb,
-                                         capturable=lamb == "triton", working_dtype=working)
+        self.optimizer = pretrain_optimizer(self.model, args, self.precision)
         self.total_steps = sum(ph.steps for ph in self.phases)
         schedule = warmup_linear_decay(self.optimizer, args.warmup_steps, self.total_steps)
         if args.cuda_graphs:

@@ -115,6 +115,38 @@ def test_model_suite_times_the_static_shape_pretrain_step_and_skips_graphs_witho
     assert graphs.status == "skipped" and graphs.reason == "--cuda-graphs needs a CUDA device (got cpu)"
 
 
+def test_packed_pretrain_rows_step_with_pretrains_optimizer_and_clipping(monkeypatch):
+    """The static-shape and CUDA-graph rows time `bertfast pretrain`'s step: its optimizer built by
+    pretrain's own function from its default settings (on a GPU in bf16, the triton AdamW writing
+    working copies), its clipping at norm 1.0. The H200 runs of 2026-11-27 timed torch's fused AdamW
+    without working copies there."""
+    import bertfast
+    from bertfast.bench import model_suite
+    from bertfast.training import optim
+    from bertfast.training.config import PretrainConfig
+
+    built = []
+    real = optim.pretrain_optimizer
+
+    def spy(model, args, precision):
+        built.append((args, precision))
+        return real(model, args, precision)
+
+    monkeypatch.setattr(optim, "pretrain_optimizer", spy)
+    ctx = _cpu_ctx()
+    config = model_suite._config("tiny")
+    gen = torch.Generator().manual_seed(0)
+    batch, _ = model_suite.pretrain_batch(config, sequence_lengths("pretrain", 2, 16, gen), 16, gen, ctx.torch_device)
+    torch.manual_seed(0)
+    model = bertfast.BertForPreTraining(config).train()
+    step = model_suite.make_packed_train_step(ctx, model, model_suite.packed_pretrain_batch(batch), graphs=False)
+    assert built == [(PretrainConfig(), "fp32")]
+    assert step.train_step.max_grad_norm == PretrainConfig().max_grad_norm == 1.0
+    before = model.cls.predictions.transform.dense.weight.detach().clone()
+    step()
+    assert not torch.equal(before, model.cls.predictions.transform.dense.weight)
+
+
 def test_a_packed_pretrain_step_that_disagrees_is_not_timed(monkeypatch):
     from bertfast.bench import model_suite
     from bertfast.bench.results import BERTFAST_STATIC
@@ -685,6 +717,31 @@ def test_gpu_kernel_timing_leaves_out_the_host_time_of_a_call():
 
 
 @pytest.mark.gpu
+def test_gpu_graphed_pretrain_row_steps_on_working_copies():
+    """On a GPU in bf16 the CUDA-graph row runs pretrain's step: the triton AdamW writing the working
+    copies of the encoder's GEMM weights, which the replays' forwards read fresh (no cast of them)."""
+    import bertfast
+    from bertfast import working_weights
+    from bertfast.bench import model_suite
+    from bertfast.training import optim
+
+    ctx = SuiteContext(device=devmod.detect("cuda"), quick=True, dtype=torch.bfloat16, log=lambda s: None)
+    config = model_suite._config("tiny")
+    gen = torch.Generator().manual_seed(0)
+    batch, _ = model_suite.pretrain_batch(config, sequence_lengths("pretrain", 4, 32, gen), 32, gen, ctx.torch_device)
+    model = bertfast.BertForPreTraining(config).to(ctx.torch_device).train()
+    step = model_suite.make_packed_train_step(ctx, model, model_suite.packed_pretrain_batch(batch), graphs=True)
+    opt = step.train_step.optimizer
+    assert isinstance(opt, optim.AdamW) and opt.working is not None and opt.working.dtype == torch.bfloat16
+    step()
+    torch.cuda.synchronize()
+    query = model.bert.encoder.layer[0].attention.self
+    parts = [query.query.weight, query.key.weight, query.value.weight]
+    fresh = working_weights.lookup(parts, torch.bfloat16)
+    assert fresh is not None and torch.equal(fresh, torch.cat(parts).to(torch.bfloat16))
+
+
+@pytest.mark.gpu
 def test_gpu_ncu_target_finds_each_ops_case_at_bert_large_shapes(capsys):
     """The ncu step's target (bertfast/bench/ncu.py TARGET_CASES) is among the GPU's kernel-suite cases
     for every op, and runs each one's forward and backward (no ncu attached: the profiler calls are
@@ -910,6 +967,7 @@ def test_profile_writes_where_a_steps_time_goes(tmp_path):
     import gzip, json
     trace = json.loads(gzip.open(out / "bertfast.trace.json.gz").read())
     assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
+    assert profile.trace_steps(trace["traceEvents"]) == 1  # the step's own annotation
     assert not (out / "bertfast.trace.json").exists()
     assert text.startswith("tiny seq 16 batch 2, fp32 on CPU") and "wall per step" in text
     assert "aten::" in text  # the host ops by self time
@@ -951,6 +1009,9 @@ def test_profile_rebuilt_from_a_stopped_profiles_trace(tmp_path):
     assert read.kernels == {"_bias_gelu_fwd_kernel": (0.04, 1), "nvjet_sm90_gemm": (0.03, 1), "Memset": (0.02, 1)}
     # a trace of another implementation's name, or one without device events, is a clear error
     assert profile.main(["--from-trace", str(tmp_path / "deepspeed.trace.json"), "--out", str(out)]) == 2
+    # a graph replay calls no optimizer on the host: its steps are counted by their annotations
+    replays = [{"cat": "user_annotation", "name": profile.STEP_ANNOTATION, "ts": 0, "dur": 1}] * 3
+    assert profile.trace_steps(replays + events[2:]) == 3 and profile.trace_steps(events) == 2
     empty = tmp_path / "graphs.trace.json"
     empty.write_text(json.dumps({"traceEvents": events[-1:]}))
     assert profile.main(["--from-trace", str(empty), "--out", str(out)]) == 2

@@ -403,6 +403,29 @@ def test_build_optimizer_wires_both_optimizers(monkeypatch):
         optim.build_optimizer(model, "lamb", 1e-3, working_dtype=torch.bfloat16)
 
 
+def test_pretrain_optimizer_writes_working_copies_in_low_precision_only(monkeypatch):
+    """`bertfast pretrain`'s optimizer (the bench's packed rows build theirs with it too): its
+    settings' hyper-parameters; the triton AdamW (forced here, the interpreter on a CPU) writes bf16
+    or fp16 working copies of the encoder's GEMM weights when the step runs in that precision, none
+    in fp32; LAMB takes none."""
+    _require_triton_adamw()
+    from bertfast.training.config import PretrainConfig
+
+    monkeypatch.setenv(optim.ADAMW_ENV, "triton")
+    model = bertfast.BertForPreTraining(bertfast.BertConfig.preset("tiny")).to(DEVICE)
+    args = PretrainConfig(lr=3e-4, weight_decay=0.02, beta1=0.8, adam_eps=1e-7)
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", None)):
+        opt = optim.pretrain_optimizer(model, args, precision)
+        assert isinstance(opt, optim.AdamW)
+        assert (opt.working.dtype if opt.working is not None else None) == dtype, precision
+        hyper = {(g["lr"], g["betas"], g["eps"], g["weight_decay"]) for g in opt.param_groups}
+        assert hyper == {(3e-4, (0.8, 0.999), 1e-7, 0.02), (3e-4, (0.8, 0.999), 1e-7, 0.0)}
+        if opt.working is not None:
+            opt.working.release()
+    lamb = optim.pretrain_optimizer(model, PretrainConfig(optimizer="lamb"), "bf16")
+    assert isinstance(lamb, optim.Lamb) and not getattr(lamb, "working", None)
+
+
 # --------------------------------------------------------------------------- AdamW
 def test_adamw_is_triton_on_cuda_fused_where_torch_has_it_and_foreach_otherwise(monkeypatch):
     monkeypatch.delenv(optim.ADAMW_ENV, raising=False)

@@ -230,6 +230,12 @@ def test_the_latest_profile_is_the_last_measured_not_the_last_folder_name(tmp_pa
             (run / "results.json").write_text(json.dumps({"date": date}))
     assert report.latest_profile(str(tmp_path)).device == "nvidia-h100"
     assert report.run_date(str(tmp_path / "nvidia-a100" / "2026-11-25")) == "2026-11-25"
+    # a run that also profiled pretrain's graphed step: that profile, the budget's step, is the one read
+    assert not report.latest_profile(str(tmp_path)).graphed
+    latest = tmp_path / "nvidia-h100" / "2026-11-26"
+    (latest / "profile-graphs.txt").write_text("bert-large seq 128 batch 128, bf16 on nvidia-h100\n")
+    profile = report.latest_profile(str(tmp_path))
+    assert profile.graphed and profile.trace == str(latest / "profile-graphs.trace.json.gz")
 
 
 _RECORD_BYTES = """

@@ -310,23 +310,31 @@ def make_packed_train_step(ctx: SuiteContext, module: torch.nn.Module, packed: D
                            graphs: bool) -> Callable[[], None]:
     """``bertfast pretrain``'s own step on the packed batch: TrainStep (``--static-shapes``) or
     GraphedTrainStep (``--cuda-graphs``, run here through its eager warm-up and the capture, so the
-    timed calls are replays). AdamW, fused where torch has the kernel; the gradient norm is computed,
-    nothing is clipped (as in the other rows)."""
+    timed calls are replays), with pretrain's default optimizer and clipping (training.config
+    PretrainConfig; training.optim.pretrain_optimizer): on a GPU in bf16 the triton AdamW writing the
+    working copies of the GEMM weights, the gradients clipped at norm 1.0. The H200 runs of
+    2026-11-27 timed these rows with torch's fused AdamW and no working copies, casting every GEMM
+    weight in every forward: not the step pretrain runs. The step's TrainStep is its
+    ``train_step`` attribute."""
+    from bertfast.training.config import PretrainConfig
     from bertfast.training.graphs import GraphedTrainStep
-    from bertfast.training.optim import build_optimizer
+    from bertfast.training.optim import pretrain_optimizer
     from bertfast.training.step import TrainStep
 
-    opt = build_optimizer(module, "adamw", 1e-5)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    args = PretrainConfig()
     precision = _precision(ctx)
+    opt = pretrain_optimizer(module, args, precision)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
     if graphs:
-        train_step = GraphedTrainStep(module, opt, schedule, ctx.torch_device, precision)
+        train_step = GraphedTrainStep(module, opt, schedule, ctx.torch_device, precision, args.max_grad_norm)
     else:
-        train_step = TrainStep(module, opt, schedule, ctx.torch_device, precision, device_checks=True)
+        train_step = TrainStep(module, opt, schedule, ctx.torch_device, precision, args.max_grad_norm,
+                               device_checks=True)
 
     def step() -> None:
         train_step([packed], lambda mb: train_step.forward(module, mb))
 
+    step.train_step = train_step  # type: ignore[attr-defined]
     for _ in range(GraphedTrainStep.WARMUP_STEPS + 1 if graphs else 0):
         step()
     return step
@@ -530,7 +538,9 @@ def run(ctx: SuiteContext) -> List[Row]:
                                 else "fp32, no autocast, AdamW") + "; dropout 0.1 as configured; MFU = model "
              "FLOPs on real tokens / step time / peak: the measured matmul peak (mfu) and the datasheet dense "
              "bf16 peak (mfu_datasheet, where the GPU is known; the targets use it); the static-shape and "
-             "CUDA-graph pre-training rows run bertfast pretrain's own step on the packed batch")
+             "CUDA-graph pre-training rows run bertfast pretrain's own step on the packed batch, with its "
+             "default optimizer (AdamW: triton, writing the GEMM weights' working copies, where it runs) and "
+             "clipping at norm 1.0")
     rows: List[Row] = []
     wanted = ctx.models or BENCHMARKS
 

@@ -171,7 +171,7 @@ def targets(results: Sequence[KernelResult], gpu: Gpu = H100) -> List[Dict[str, 
 @dataclass
 class Profile:
     """A committed GPU run's profile of the pre-training step (bertfast/bench/profile.py's
-    bertfast.txt): its case, its device, and each kernel's device time per step and calls."""
+    graphs.txt or bertfast.txt): its case, its device, and each kernel's device time per step and calls."""
 
     path: str
     setting: K.Setting
@@ -179,6 +179,18 @@ class Profile:
     kernels: Dict[str, Tuple[float, int]]  # name -> (ms per step, calls per step)
     # kernel -> tuning key -> the config its autotuner chose (profiles since 2026-11-27; older ones: {})
     tuned: Dict[str, Dict[Tuple, str]] = field(default_factory=dict)
+
+    @property
+    def graphed(self) -> bool:
+        """A profile of ``bertfast pretrain --cuda-graphs``'s step (the profile's graphs.txt): the step
+        the budget predicts. Else the drop-in eager step (bertfast.txt), whose optimizer is torch's
+        fused AdamW, without working copies, and which does not clip."""
+        return os.path.basename(self.path).endswith("graphs.txt")
+
+    @property
+    def trace(self) -> str:
+        """Where the same profile's chrome trace is (it may be absent)."""
+        return self.path[:-len(".txt")] + ".trace.json.gz"
 
 
 def read_profile(path: str) -> Optional[Profile]:
@@ -217,11 +229,20 @@ def run_date(run_dir: str) -> str:
         return os.path.basename(run_dir)
 
 
+# A run's profiles of bertfast's step, the preferred first: pretrain's graphed step is the budget's.
+PROFILE_FILES = ("profile-graphs.txt", "profile-bertfast.txt")
+
+
 def latest_profile(root: str = RESULTS) -> Optional[Profile]:
-    """The newest committed GPU run (benchmarks/results/<gpu>/<date>/) with a profile of bertfast's step."""
-    found = [read_profile(p) for p in glob.glob(os.path.join(root, "*", "*", "profile-bertfast.txt"))]
-    found = [p for p in found if p is not None and p.setting.model in ("bert-base", "bert-large")]
-    return max(found, key=lambda p: run_date(os.path.dirname(p.path))) if found else None
+    """The newest committed GPU run (benchmarks/results/<gpu>/<date>/) with a profile of bertfast's
+    step: of its graphed step where the run has one (PROFILE_FILES), else of its eager step."""
+    runs: Dict[str, Profile] = {}
+    for name in reversed(PROFILE_FILES):  # the preferred file read last replaces the other
+        for path in glob.glob(os.path.join(root, "*", "*", name)):
+            profile = read_profile(path)
+            if profile is not None and profile.setting.model in ("bert-base", "bert-large"):
+                runs[os.path.dirname(path)] = profile
+    return max(runs.values(), key=lambda p: run_date(os.path.dirname(p.path))) if runs else None
 
 
 def run_gpu(profile: Profile) -> Gpu:
@@ -385,8 +406,9 @@ def parser() -> argparse.ArgumentParser:
                     "Predictions, not measurements.")
     p.add_argument("--json", default=None, metavar="FILE", help="write the targets and every kernel's figures")
     p.add_argument("--profile", default=None, metavar="PROFILE_TXT",
-                   help="a GPU run's profile of the step (profile-bertfast.txt) to compare with (default: the "
-                        "latest committed under benchmarks/results/)")
+                   help="a GPU run's profile of the step (profile-graphs.txt or profile-bertfast.txt) to compare "
+                        "with (default: the latest committed under benchmarks/results/, its graphed step's "
+                        "profile where it has one)")
     p.add_argument("--no-measured", action="store_true", help="no comparison with a GPU run (faster)")
     return p
 
@@ -467,21 +489,25 @@ def main(argv: Optional[List[str]] = None) -> int:
                       "memory_overlap_fitted": fitted_memory["memory_overlap"],
                       "memory_latency_s_fitted": latency,
                       "rows": [{k: v for k, v in row.items() if k != "prediction"} for row in rows]}
-        trace = os.path.join(os.path.dirname(profile.path), "profile-bertfast.trace.json.gz")
-        traced = S.trace_device_time(trace) if os.path.exists(trace) else None
+        traced = S.trace_device_time(profile.trace) if os.path.exists(profile.trace) else None
         case = next((c for c in S.STEP_CASES if c.setting == profile.setting), None)
         if traced is not None and case is not None:
             plan = S.budget(measured_results, case, measured_gpu)
             item = {i["name"]: i["seconds"] for i in plan["items"]}
-            predicted = plan["seconds"] - item["clipping"]  # the bench's eager step neither clips nor takes a norm
+            if profile.graphed:
+                predicted, which = plan["seconds"], "the budget: the profiled step is pretrain's graphed step"
+            else:  # the bench's eager step neither clips nor takes a norm
+                predicted = plan["seconds"] - item["clipping"]
+                which = ("the budget less its clipping; the profiled step is the drop-in eager one, whose torch "
+                         "AdamW writes no working copies, so its forwards cast every GEMM weight")
             print(f"  the step's device time (its trace, union of device spans): measured {traced['busy_ms']:.1f} ms, "
-                  f"predicted {predicted * 1e3:.1f} ms (the budget less its clipping: the profiled eager step does "
-                  f"not clip); GEMMs measured {traced['gemm_ms']:.1f} ms, predicted {item['GEMMs'] * 1e3:.1f} ms (the "
-                  f"trace's lengths are ~96% real tokens, the budget's full"
+                  f"predicted {predicted * 1e3:.1f} ms ({which}); GEMMs measured {traced['gemm_ms']:.1f} ms, "
+                  f"predicted {item['GEMMs'] * 1e3:.1f} ms (the trace's lengths are ~96% real tokens, the budget's full"
                   + ("; the kernels changed since the run are predicted as they are now" if any(
                       row["changed_since_run"] for row in rows) else "") + ")")
             comparison["step"] = {"measured_busy_ms": traced["busy_ms"], "measured_gemm_ms": traced["gemm_ms"],
-                                  "predicted_ms": predicted * 1e3, "predicted_gemm_ms": item["GEMMs"] * 1e3}
+                                  "predicted_ms": predicted * 1e3, "predicted_gemm_ms": item["GEMMs"] * 1e3,
+                                  "graphed": profile.graphed}
     goals = targets(results)
     print("\ntargets (predicted):")
     for t in goals:

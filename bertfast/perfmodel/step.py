@@ -211,7 +211,8 @@ GEMM_NAMES = ("nvjet", "gemm", "cutlass", "xmma", "sm90_", "sm80_")
 def trace_device_time(path: str) -> Optional[Dict[str, float]]:
     """{busy, gemm} milliseconds per step from a committed chrome trace of bertfast's step (the
     union of the device's kernel, copy and fill spans; GEMMs: cuBLAS's kernels by name), the steps
-    counted by their optimizer calls. None when the trace has no device events."""
+    counted as bertfast/bench/profile.py trace_steps counts them. None when the trace has no device
+    events."""
     from bertfast.bench.profile import DEVICE_CATEGORIES, covered_time, read_trace, trace_steps
     events, _ = read_trace(path)
     device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e]

@@ -636,6 +636,23 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: 
     raise ValueError(f"unknown optimizer {name!r}; expected 'adamw' or 'lamb'")
 
 
+def pretrain_optimizer(model: torch.nn.Module, args: Any, precision: str) -> torch.optim.Optimizer:
+    """The optimizer ``bertfast pretrain`` steps ``model`` with, for ``args`` (a
+    training.config.PretrainConfig) and its resolved ``precision`` (fp32, bf16, fp16). The
+    benchmark's packed pre-training rows build theirs here too, so that they time pretrain's step.
+
+    LAMB's implementation is chosen once, here ($BERTFAST_LAMB, else triton where it can run); the
+    triton one (CUDA) keeps its step counts on the device, as fused AdamW does, so --cuda-graphs
+    captures it and --on-nonfinite skip skips with no host read. AdamW is the triton one where it
+    can run (fp32 CUDA parameters): it writes the bf16 (fp16) working copies of the GEMM weights
+    that the forward then reads instead of casting them (bertfast.working_weights)."""
+    lamb = lamb_implementation(None, list(model.parameters())) if args.optimizer == "lamb" else None
+    working = ({"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision) if args.optimizer == "adamw"
+               else None)
+    return build_optimizer(model, args.optimizer, args.lr, args.weight_decay, (args.beta1, args.beta2),
+                           args.adam_eps, implementation=lamb, capturable=lamb == "triton", working_dtype=working)
+
+
 def warmup_linear_decay(optimizer: torch.optim.Optimizer, warmup_steps: int,
                         total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """lr * step/warmup during warm-up, then linear decay to 0 at total_steps."""
