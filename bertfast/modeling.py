@@ -275,6 +275,13 @@ class BertOutput(BertSelfOutput):
         super().__init__(config, in_features=config.intermediate_size)
 
 
+def _residual(kept: Tensor, x: Tensor, output: nn.Module) -> Tensor:
+    """The residual to hand ``output``: ``kept`` (the GEMM's node gets its gradient and adds into it
+    in place, bertfast.residual_linear) unless ``output`` runs hooks, whose backward hooks may keep
+    that gradient: then x itself, its two gradients summed by autograd."""
+    return x if hooked(output) else kept
+
+
 class BertAttention(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -285,7 +292,7 @@ class BertAttention(nn.Module):
         if hooked(self.self):  # called as a module, so its hooks run
             return self.output(self.self(x, rows), x, rows.plain is not None)
         context, residual = self.self.context_keeping_input(x, rows)
-        return self.output(context, residual, rows.plain is not None)
+        return self.output(context, _residual(residual, x, self.output), rows.plain is not None)
 
 
 def _dense_gelu(dense: nn.Linear, x: Tensor, approximate: str) -> Tuple[Tensor, Tensor]:
@@ -333,7 +340,8 @@ class BertLayer(GradientCheckpointingLayer):
         plain = rows.plain is not None
         if hooked(self.intermediate):  # called as a module, so its hooks run
             return self.output(self.intermediate(h, plain), h, plain)
-        return self.output(*self.intermediate.gelu_keeping_input(h, plain), plain)
+        y, residual = self.intermediate.gelu_keeping_input(h, plain)
+        return self.output(y, _residual(residual, h, self.output), plain)
 
 
 class BertEncoder(nn.Module):

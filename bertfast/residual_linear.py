@@ -8,7 +8,9 @@ and dy @ W, which the engine adds in an [N, H] pass of its own (reads two, write
 element in bf16, twice a layer: 1.6 ms of a BERT-large step as docs/perf-model.md predicts it for
 an H100). ``linear`` returns
 y = x @ W^T (+ b) and x again as outputs of one node, so its backward receives both gradients
-and forms dx with one addmm (beta = 1): the GEMM reads the residual's gradient in its epilogue.
+and forms dx with one addmm (beta = 1): the GEMM reads the residual's gradient in its epilogue. It
+adds into that gradient in place where the op that made it handed it over (bertfast.ops._common
+hand_over: the LayerNorm op's, with dropout); torch.addmm would first copy it into a new output.
 
 Autocast is honoured as F.linear would be (floating inputs cast to the autocast dtype, the
 weights' casts made once and saved for the backward, as autocast's own cast would be); the
@@ -34,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from bertfast import working_weights
-from bertfast.ops._common import PLAIN_TYPES, fp32_gemm_caps
+from bertfast.ops._common import PLAIN_TYPES, fp32_gemm_caps, take_over
 
 Tensor = torch.Tensor
 
@@ -129,8 +131,11 @@ class _LinearKeepingInput(torch.autograd.Function):
                 flat_res = None if dres is None else dres.reshape(-1, dres.shape[-1])
                 if flat_res is None:
                     dx = dy.mm(weight)
-                elif flat_res.dtype == dy.dtype:
-                    dx = torch.addmm(flat_res, dy, weight)  # the residual's gradient summed by the GEMM
+                elif flat_res.dtype == dy.dtype:  # the residual's gradient summed by the GEMM ...
+                    if take_over(dres):  # ... in place where its producer handed it over (no copy of it)
+                        dx = flat_res.addmm_(dy, weight)
+                    else:  # addmm copies flat_res into a new output first
+                        dx = torch.addmm(flat_res, dy, weight)
                 else:  # an fp32 input under autocast: its gradient is fp32, the GEMM's bf16
                     dx = flat_res + dy.mm(weight).to(flat_res.dtype)
                 dx = dx.view(xc.shape)

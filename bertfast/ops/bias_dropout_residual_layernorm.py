@@ -26,8 +26,8 @@ import torch
 
 from bertfast import dispatch, reference
 from bertfast.contract import check_dropout
-from bertfast.ops._common import (distinct, empty, keep_mask, launch_directly, layer_norm_bwd, layer_norm_fwd,
-                                  no_zero_grads, or_none, register_backends, seed_for)
+from bertfast.ops._common import (distinct, empty, hand_over, keep_mask, launch_directly, layer_norm_bwd,
+                                  layer_norm_fwd, no_zero_grads, or_none, register_backends, seed_for)
 
 OP = "bias_dropout_residual_layernorm"
 Tensor = torch.Tensor
@@ -95,7 +95,9 @@ def _backward(ctx, dy, _d_pre_norm, _d_mean, _d_rstd):
     pre_norm, mean, rstd, weight, seed = ctx.saved_tensors
     dx, dbias, dres, dweight, dln_bias = _bias_dropout_residual_layernorm_backward(
         dy, pre_norm, mean, rstd, weight, ctx.dropout_p, seed, ctx.has_bias, ctx.has_residual, ctx.backend)
-    dres = (dx if dres.numel() == 0 else dres) if ctx.has_residual else None
+    # A residual's own gradient (with dropout, not dx) is handed over: bertfast.residual_linear,
+    # which made the residual, adds its input-gradient GEMM into it in place.
+    dres = (dx if dres.numel() == 0 else hand_over(dres)) if ctx.has_residual else None
     return dx, or_none(dbias) if ctx.has_bias else None, dres, dweight, dln_bias, None, None, None, None
 
 

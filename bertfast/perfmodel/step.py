@@ -18,7 +18,8 @@ sequences, the BERT recipe's masked positions) is the sum of:
   bertfast.residual_linear); the QKV bias gradient (the attention's backward kernels write its fp32
   partials, a row per block, which a column sum reads back: kernels/attention.py)
   and the residual gradients the input-gradient GEMMs read (bertfast.residual_linear: each layer's
-  two residual-gradient additions happen in the GEMMs, addmm with beta = 1);
+  two residual-gradient additions happen in the GEMMs, in place in the gradient the LayerNorm op
+  hands over, beta = 1);
 - launch gaps: the step's kernels back to back on the device (as a CUDA graph replays them).
 
 Predicted device time, sequences per second and MFU (model FLOPs / time / the dense bf16 peak).
@@ -183,8 +184,9 @@ def budget(results, case: StepCase, gpu: Gpu) -> Dict[str, object]:
          f"zero-filled and summed by a column sum (one memory latency), where a column sum of the QKV gradient "
          f"read {tokens * 3 * hidden * 2.0 / 1e6:.0f} MB"),
         ("residual grads", layers * tokens * 2 * hidden * 2.0 / bw,
-         "each layer's two residual gradients, read by the QKV and FFN-input GEMMs that sum them (addmm, "
-         "beta = 1; priced at the bandwidth, as if the GEMMs did not hide them)"),
+         "each layer's two residual gradients, read by the QKV and FFN-input GEMMs that sum them (addmm_ "
+         "into the gradient the LayerNorm op hands over, beta = 1; priced at the bandwidth, as if the GEMMs "
+         "did not hide them)"),
         ("launch gaps", launches * gpu.launch_gap_s, f"~{launches} kernels x {gpu.launch_gap_s * 1e6:.1f} us"),
     ]
     seconds = sum(t for _, t, _ in items)
