@@ -942,18 +942,19 @@ def test_gpu_small_kernels_are_timed_by_graph_replay():
 def test_mlm_head_gemm_floor_of_each_case_uses_that_cases_sizes(monkeypatch):
     """The GPU run's cases are BERT-base then BERT-large: the floor of the first once multiplied by
     the second's hidden size (a closure reading the loop's last value). Two CPU shapes of different
-    widths stand in for them."""
+    widths stand in for them. The floor's vocabulary is padded as the op pads its GEMMs' (50 -> 52
+    fp32 rows of 16 bytes; 60 is whole)."""
     from bertfast.bench import kernel_cases
     shapes = [("a", 2, 8, 16, 50), ("b", 2, 8, 24, 60)]
     monkeypatch.setattr(kernel_cases, "_row_shapes", lambda ctx, full, quick, cpu: shapes)
     cases = kernel_cases.mlm_head_loss_cases(_cpu_ctx())
     assert [c.case["hidden"] for c in cases] == [16, 24]
-    for case in cases:
+    for case, padded in zip(cases, (52, 60)):
         floor = next(i for i in case.impls if i.name == GEMM_FLOOR).build(torch.float32)
         rows, dense, decoder = floor.leaves
         assert rows.shape == (case.case["predictions"], case.case["hidden"])
-        assert decoder.shape == (case.case["vocab"], case.case["hidden"])
-        assert floor.forward().shape == (case.case["predictions"], case.case["vocab"])
+        assert decoder.shape == (padded, case.case["hidden"])
+        assert floor.forward().shape == (case.case["predictions"], padded)
 
 
 def test_profile_writes_where_a_steps_time_goes(tmp_path):

@@ -467,13 +467,17 @@ def mlm_head_loss_cases(ctx: SuiteContext) -> List[OpCase]:
             return mlm_head_loss(hidden, labels, dw, db, lw, lb, EPS, decw, decb).loss
 
         def floor(dtype, data=data, m=m, h=h, vocab=vocab):
-            """The head's GEMMs alone at the labelled rows: transform dense + decoder, fwd and bwd (cuBLAS).
-            Every loop value it reads is bound here: a later case must not see this one's sizes."""
+            """The head's GEMMs alone at the labelled rows: transform dense + decoder, fwd and bwd (cuBLAS),
+            over the vocabulary padded to whole 16-byte rows as the op pads it (at BERT's 30522 cuBLAS runs
+            slower kernels: ops.mlm_head_loss.padded_vocab). Every loop value it reads is bound here: a
+            later case must not see this one's sizes."""
+            from bertfast.ops.mlm_head_loss import padded_vocab
+            padded = padded_vocab(vocab, torch.empty((), dtype=dtype).element_size())
             g = generator_for("mlm_floor", m, h, vocab)
             rows = torch.randn(m, h, generator=g).to(dev, dtype).requires_grad_(True)
             dw = _leaf(data["dense_w"], dtype)
-            decw = _leaf(data["decoder_w"], dtype)
-            dlogits = torch.randn(m, vocab, generator=g).to(dev, dtype)
+            decw = _leaf(F.pad(data["decoder_w"], (0, 0, 0, padded - vocab)), dtype)
+            dlogits = torch.randn(m, padded, generator=g).to(dev, dtype)
             return Prepared([rows, dw, decw], lambda: (rows @ dw.t()) @ decw.t(), dlogits,
                             lambda o, grads: {}, gated=False)
 
