@@ -234,19 +234,25 @@ def _accumulate_grad_weight(acc: torch.Tensor, dlogits_t: torch.Tensor, x_c: tor
         acc.add_(torch.mm(dlogits_t, x_c))
 
 
+# Devices whose decoder GEMMs run over the padded vocabulary (padded_vocab): where cuBLAS needs it.
+# A CPU's GEMMs do not care, and padding there would only copy the weight each call.
+PADDED_DEVICES = {"cuda"}
+
+
 def padded_vocab(vocab_size: int, element_size: int) -> int:
-    """The decoder GEMMs' vocabulary: ``vocab_size`` rounded up to whole 16-byte rows of logits
-    (BERT's 30522 -> 30528 in bf16). cuBLAS's Hopper kernels load through TMA, which needs 16-byte
-    aligned leading dimensions; at 30522 it ran sm80-era kernels with 4-byte loads instead, at about
-    a third of the rate (the H200 trace of 2026-11-27: the head's three GEMMs 1.8 ms of a BERT-large
-    step, about 150 GFLOP each at ~250 TFLOP/s)."""
+    """The decoder GEMMs' vocabulary on a GPU: ``vocab_size`` rounded up to whole 16-byte rows of
+    logits (BERT's 30522 -> 30528 in bf16). cuBLAS's Hopper kernels load through TMA, which needs
+    16-byte aligned leading dimensions; at 30522 it ran sm80-era kernels with 4-byte loads instead,
+    at about a third of the rate (the H200 trace of 2026-11-27: the head's three GEMMs 1.8 ms of a
+    BERT-large step, about 150 GFLOP each at ~250 TFLOP/s)."""
     per_row = max(1, 16 // element_size)
     return -(-vocab_size // per_row) * per_row
 
 
 def _padded_rows(t: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
-    """t ([V] or [V, H]) cast to ``dtype`` into the first V rows of a zeroed [rows(, H)] buffer."""
-    out = torch.zeros((rows, *t.shape[1:]), dtype=dtype, device=t.device)
+    """t ([V] or [V, H]) cast to ``dtype`` into the first V rows of a [rows(, H)] buffer, the rest 0."""
+    out = torch.empty((rows, *t.shape[1:]), dtype=dtype, device=t.device)
+    out[t.shape[0]:].zero_()
     out[: t.shape[0]].copy_(t)
     return out
 
@@ -302,9 +308,9 @@ def _decoder_loss(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     dev = x.device
     loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
     n_correct = torch.zeros((), dtype=torch.int64, device=dev)
-    # The GEMMs' vocabulary, padded to whole 16-byte rows (padded_vocab): zero weight rows and bias,
-    # and the pad's logits zeroed before the backward's GEMMs read them, so they add nothing.
-    vp = padded_vocab(V, x.element_size())
+    # The GEMMs' vocabulary, on a GPU padded to whole 16-byte rows (padded_vocab): zero weight rows
+    # and bias, and the pad's logits zeroed before the backward's GEMMs read them, so they add nothing.
+    vp = padded_vocab(V, x.element_size()) if dev.type in PADDED_DEVICES else V
     grad_x = grad_w_acc = grad_b_acc = None
     if compute_grad:
         grad_x = torch.empty(M, H, dtype=x.dtype, device=dev)

@@ -10,6 +10,8 @@ BertForMaskedLM head (fp16: the low-precision rule, docs/testing.md). Without a 
 interpreter (block 1024: V = 1000 takes the one-block path, V = 1031 the looped one) and CUDA on the CPU emulator
 (tests/ops/conftest.py), so shapes stay small; bf16 only on a GPU.
 """
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -211,8 +213,16 @@ def test_kernel_errors_are_clear(fused_backend):
 
 
 # =========================================================================== the decoder (op + driver), every backend
+@pytest.fixture(params=["vocab", "padded-vocab"])
+def padded(request, monkeypatch):
+    """The decoder's GEMMs over the vocabulary as it is, and over it padded (on a GPU they are)."""
+    module = sys.modules["bertfast.ops.mlm_head_loss"]  # the package exports a function of that name
+    monkeypatch.setattr(module, "PADDED_DEVICES", {"cpu", "cuda"} if request.param == "padded-vocab" else set())
+    return request.param == "padded-vocab"
+
+
 @pytest.mark.parametrize("chunk_rows,bias", [(1, True), (3, False), (50, False), (None, True)])
-def test_decoder_matches_reference(backend, chunk_rows, bias):
+def test_decoder_matches_reference(backend, chunk_rows, bias, padded):
     # 5 rows: one per chunk, a ragged last chunk, a chunk larger than the rows, the default (one chunk).
     x, w, b, labels = problem(backend, 5, 16, 1031, torch.float32, bias=bias)
     _, n_correct, grads = check_decoder(backend, x, w, b, labels, chunk_rows)
@@ -223,7 +233,7 @@ def test_decoder_matches_reference(backend, chunk_rows, bias):
 @pytest.mark.parametrize("dtype", LOWP)
 @pytest.mark.parametrize("chunk_rows,param_dtype", [(None, None), (3, torch.float32)],
                          ids=["one-chunk", "chunked-fp32-params"])
-def test_decoder_low_precision(backend, dtype, chunk_rows, param_dtype):
+def test_decoder_low_precision(backend, dtype, chunk_rows, param_dtype, padded):
     # fp32 master weights (autocast): GEMMs in the activation dtype, gradients in each input's dtype. Without an
     # out_dtype GEMM (CPU) each chunk's product is rounded once before the fp32 sum: low-precision weights over
     # several chunks then sit at the edge of the 2x rule at these sizes (the GPU test below chunks bf16 weights).
@@ -544,7 +554,7 @@ def test_default_chunk_rows(v, elem):
     assert default_chunk_rows(10**9, 30522, 2) == 4352
 
 
-def test_the_decoder_gemms_run_over_whole_16_byte_rows_of_vocabulary():
+def test_the_decoder_gemms_run_over_whole_16_byte_rows_of_vocabulary(monkeypatch):
     """BERT's 30522 is not a whole number of 16-byte bf16 rows, and cuBLAS's Hopper kernels need
     one (the H200 ran the head's GEMMs at ~250 TFLOP/s without it): the driver pads the vocabulary with
     zero weight rows and bias, and the padded logits' gradient is zeroed before the backward's GEMMs,
@@ -564,6 +574,9 @@ def test_the_decoder_gemms_run_over_whole_16_byte_rows_of_vocabulary():
                 self.gemms.append(tuple(out.shape))
             return out
 
+    module = sys.modules["bertfast.ops.mlm_head_loss"]
+    assert module.PADDED_DEVICES == {"cuda"}  # a CPU's GEMMs do not care: no copy of the weight there
+    monkeypatch.setattr(module, "PADDED_DEVICES", {"cpu", "cuda"})
     x, w, b, labels = problem(BackendUnderTest("torch", torch.device(DEV)), 6, 32, 1031, torch.bfloat16)
     with Shapes() as log:
         _, _, gx, gw, gb = _decoder_loss(x, w, b, labels, None, True, 1.0, torch_kernel)
