@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import bertfast
-from bertfast import ops, padding, reference_execution
+from bertfast import dispatch, ops, padding, reference_execution
 from bertfast.ops._common import launch_directly
 from bertfast.testing import cu_seqlens_from_lengths
 
@@ -110,6 +110,31 @@ def test_training_with_dropout_keeps_the_probabilities(form, monkeypatch):
     out_op, grad_op, _ = run()
     torch.testing.assert_close(out, out_op, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(grad, grad_op, atol=1e-6, rtol=1e-5)
+
+
+def test_the_kept_probabilities_path_trains_under_bf16_autocast():
+    """bf16 autocast on a CPU (`bertfast pretrain --precision bf16`): the kept-probabilities path
+    computes in fp32 forward and backward, whether the backward runs inside autocast or after it (its
+    forward's matmuls under autocast rounded the probabilities to bf16, and a backward outside it
+    refused them), and gives what it gives without autocast on the same bf16 inputs, bit for bit."""
+    g = torch.Generator().manual_seed(4)
+    cu = cu_seqlens_from_lengths(torch.tensor([5, 3]))
+    qkv = torch.randn(8, 3, 2, 8, generator=g).to(torch.bfloat16)
+    dout = torch.randn(8, 2, 8, generator=g).to(torch.bfloat16)
+    results = []
+    for autocast, backward_inside in ((True, False), (True, True), (False, False)):
+        x = qkv.clone().requires_grad_()
+        torch.manual_seed(6)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), dispatch.use_backend("torch"):
+            out = ops.attention_varlen(x, cu, 5, 0.3)
+            if backward_inside:
+                out.backward(dout)
+        if not backward_inside:
+            out.backward(dout)
+        results.append((out.detach(), x.grad))
+    assert results[0][0].dtype == torch.bfloat16
+    for out, grad in results[1:]:
+        assert torch.equal(results[0][0], out) and torch.equal(results[0][1], grad)
 
 
 def _custom_ops_run(fn) -> set:

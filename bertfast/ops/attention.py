@@ -374,11 +374,15 @@ class _KeptProbs(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, scale, dropout_p, seed):
         batch, seqlen, heads, _ = q.shape
         keep = keep_mask((batch, heads, seqlen, seqlen), dropout_p, seed, q.device)
-        if mask is None:  # no row without a key: aten's one-pass softmax, no log-sum-exp needed
-            probs = torch.softmax(_scores(q, k, None, scale), dim=-1)
-        else:
-            probs, _ = _probs(q, k, mask, scale, None)
-        out = _math_fwd(q, k, v, probs, dropout_p, keep)
+        # fp32 math, forward and backward, whatever autocast says (a backward may run inside or outside
+        # it): autocast's matmuls would round one pass's probabilities to bf16, and the other's fp32
+        # matmuls would refuse them.
+        with torch.autocast(q.device.type, enabled=False):
+            if mask is None:  # no row without a key: aten's one-pass softmax, no log-sum-exp needed
+                probs = torch.softmax(_scores(q, k, None, scale), dim=-1)
+            else:
+                probs, _ = _probs(q, k, mask, scale, None)
+            out = _math_fwd(q, k, v, probs, dropout_p, keep)
         ctx.save_for_backward(q, k, v, probs, keep)
         ctx.args = (scale, dropout_p)
         return out
@@ -387,7 +391,8 @@ class _KeptProbs(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, probs, keep = ctx.saved_tensors
         scale, dropout_p = ctx.args
-        return *_math_bwd(dout, q, k, v, probs, scale, dropout_p, keep), None, None, None, None
+        with torch.autocast(q.device.type, enabled=False):
+            return *_math_bwd(dout, q, k, v, probs, scale, dropout_p, keep), None, None, None, None
 
 
 def keeps_probs(backend: str, dropout_p: float, *tensors: Tensor) -> bool:
