@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 PADDING_MODES = ("none", "random", "one", "all_but_one", "empty")
 
@@ -128,3 +129,21 @@ class BackendUnderTest:
                generator: Optional[torch.Generator] = None) -> torch.Tensor:
         """Standard normal values (drawn on the CPU, so every backend sees the same) on this device."""
         return (torch.randn(*shape, generator=generator) * scale).to(dtype).to(self.device)
+
+
+class AtenLog(TorchDispatchMode):
+    """Every aten call that reaches this mode while it is on: ``calls`` holds (op, its output's shape,
+    None when the output is not one tensor) in order; ``ops`` the ops alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: List[Tuple[object, Optional[Tuple[int, ...]]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.calls.append((func, tuple(out.shape) if isinstance(out, torch.Tensor) else None))
+        return out
+
+    @property
+    def ops(self) -> list:
+        return [func for func, _ in self.calls]

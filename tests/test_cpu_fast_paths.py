@@ -18,25 +18,14 @@ own rules:
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import bertfast
 from bertfast import dispatch, ops, padding, reference_execution
 from bertfast.ops._common import launch_directly
-from bertfast.testing import cu_seqlens_from_lengths
+from bertfast.testing import AtenLog, cu_seqlens_from_lengths
 
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-
-
-class _AtenLog(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.add(func)
-        return func(*args, **(kwargs or {}))
 
 
 def _torch_attention():
@@ -52,7 +41,7 @@ def test_varlen_runs_cpu_flash_only_without_dropout(lengths, dropout_p):
     tokens, heads, head_dim = sum(lengths), 2, 16
     q, k, v = torch.randn(tokens, 3, heads, head_dim).unbind(1)
     seed = torch.tensor([7]) if dropout_p else None
-    with _AtenLog() as log:
+    with AtenLog() as log:
         out, lse, keep = impl.attention_varlen_fwd(q, k, v, cu, max(lengths), None, dropout_p, seed)
         impl.attention_varlen_bwd(torch.randn_like(out), q, k, v, out, lse, cu, max(lengths), None, dropout_p, seed,
                                   keep)
@@ -65,7 +54,7 @@ def test_padded_runs_cpu_flash_only_without_dropout(dropout_p):
     q, k, v = torch.randn(2, 5, 3, 2, 8).unbind(2)
     mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
     seed = torch.tensor([3]) if dropout_p else None
-    with _AtenLog() as log:
+    with AtenLog() as log:
         out, lse, keep = impl.attention_padded_fwd(q, k, v, mask, None, dropout_p, seed)
         grads = impl.attention_padded_bwd(torch.randn_like(out), q, k, v, out, lse, mask, None, dropout_p, seed,
                                           keep)
@@ -97,7 +86,7 @@ def test_training_with_dropout_keeps_the_probabilities(form, monkeypatch):
         x = qkv.clone().requires_grad_()
         torch.manual_seed(11)  # the op's seed comes from torch's generator
         out = call(x)
-        with _AtenLog() as backward_log:
+        with AtenLog() as backward_log:
             out.backward(dout)
         return out.detach(), x.grad, backward_log.ops
 

@@ -4,21 +4,11 @@ a checkpoint keeps all three.
 """
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import bertfast
 from bertfast import fused_qkv
 from bertfast.modeling import BertSelfAttention
-
-
-class _AtenLog(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func)
-        return func(*args, **(kwargs or {}))
+from bertfast.testing import AtenLog
 
 
 def _attention():
@@ -40,7 +30,7 @@ def test_inference_writes_columns_without_concatenating_weights(mode):
         for p in attn.parameters():
             p.requires_grad_(False)
     context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(mode, torch.enable_grad)
-    with context(), _AtenLog() as log:
+    with context(), AtenLog() as log:
         qkv = attn.qkv(x)
     assert torch.ops.aten.cat.default not in log.ops
     assert log.ops.count(torch.ops.aten.addmm.out) == 3

@@ -7,23 +7,10 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import bertfast
 from bertfast import dispatch, residual_linear
-
-
-class _AtenLog(TorchDispatchMode):
-    """Every aten call reaching this mode, with its output's shape."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.calls.append((func, tuple(out.shape) if isinstance(out, torch.Tensor) else None))
-        return out
+from bertfast.testing import AtenLog
 
 
 def _inputs(count, with_bias, dtype=torch.float32, rows=6, width=8, out=5):
@@ -75,7 +62,7 @@ def test_several_weights_are_cast_into_one_buffer_not_concatenated():
     """Under autocast the query, key and value weights (and biases) are each cast into their rows of
     one buffer: no cat of cast copies."""
     x, weights, biases = _inputs(3, True)
-    with _AtenLog() as log, torch.autocast("cpu", dtype=torch.bfloat16):
+    with AtenLog() as log, torch.autocast("cpu", dtype=torch.bfloat16):
         y, _ = residual_linear.linear(x.to(torch.bfloat16), weights, biases)
     funcs = [f for f, _ in log.calls]
     assert torch.ops.aten.cat.default not in funcs
@@ -181,7 +168,7 @@ def _backward_log(model, ids, mask, fold, monkeypatch):
     model.zero_grad()
     out = model(ids, attention_mask=mask).last_hidden_state
     loss = (out * mask[..., None]).square().sum()
-    with _AtenLog() as log:
+    with AtenLog() as log:
         loss.backward()
     monkeypatch.undo()
     return log.calls, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -243,7 +230,7 @@ def test_the_qkv_bias_gradient_comes_from_the_attention(monkeypatch, dropout):
     mask[1, 6:] = 0
     with dispatch.use_backend("torch"):
         out = model(ids, attention_mask=mask).last_hidden_state
-    with _AtenLog() as log:
+    with AtenLog() as log:
         out.square().sum().backward()
     width = 3 * config.hidden_size
     assert len(calls) == config.num_hidden_layers
@@ -289,7 +276,7 @@ def _train_step_log(model, ids, mask, seed, monkeypatch=None, backend="torch", d
     with dispatch.use_backend(backend), torch.autocast(ids.device.type, dtype=dtype or torch.float32,
                                                        enabled=dtype is not None):
         out = model(ids, attention_mask=mask).last_hidden_state.float()
-    with _AtenLog() as log:
+    with AtenLog() as log:
         (out * mask[..., None]).square().sum().backward()
     if monkeypatch is not None:
         monkeypatch.undo()

@@ -25,7 +25,7 @@ autograd: that file says. The GPU check runs it after the headline (scripts/gpu-
 
 rebuilds DIR/bertfast.txt's device part from a trace whose profile was stopped before it wrote its
 table (the H200 run of 2026-11-27 ran out of its loan while gzipping the trace): the kernels per
-step, counted by the trace's optimizer steps, and the device's busy time; the wall time and the host
+step (the steps counted as trace_steps counts them), and the device's busy time; the wall time and the host
 ops are not in a trace's device events, and the file says so.
 """
 from __future__ import annotations
@@ -250,7 +250,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--from-trace", metavar="TRACE",
                     help="profile nothing: rebuild DIR/<impl>.txt from TRACE (<impl>.trace.json or .json.gz, a "
                          "stopped profile's), for the case the other options name (the steps: the trace's "
-                         "optimizer calls, else --steps)")
+                         "step annotations, else its optimizer calls, else --steps)")
     args = ap.parse_args(argv)
     if args.from_trace:
         return _from_trace(args)

@@ -250,7 +250,10 @@ def padded_vocab(vocab_size: int, element_size: int) -> int:
 
 
 def _padded_rows(t: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
-    """t ([V] or [V, H]) cast to ``dtype`` into the first V rows of a [rows(, H)] buffer, the rest 0."""
+    """t ([V] or [V, H]) cast to ``dtype`` into the first V rows of a [rows(, H)] buffer, the rest 0
+    (t cast alone, no copy when it has that dtype, where rows is V)."""
+    if rows == t.shape[0]:
+        return t.to(dtype)
     out = torch.empty((rows, *t.shape[1:]), dtype=dtype, device=t.device)
     out[t.shape[0]:].zero_()
     out[: t.shape[0]].copy_(t)
@@ -320,8 +323,8 @@ def _decoder_loss(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
             grad_b_acc = torch.zeros(V, dtype=torch.float32, device=dev)
 
     # GEMMs run in the activation dtype (fp32 master weights under autocast are cast once).
-    w = weight.to(x.dtype) if vp == V else _padded_rows(weight, vp, x.dtype)          # [Vp, H]
-    b = None if bias is None else bias.to(x.dtype) if vp == V else _padded_rows(bias, vp, x.dtype)  # [Vp]
+    w = _padded_rows(weight, vp, x.dtype)                                # [Vp, H]
+    b = None if bias is None else _padded_rows(bias, vp, x.dtype)       # [Vp]
     logits_buf = torch.empty(min(chunk_rows, M), vp, dtype=x.dtype, device=dev)
     for r0 in range(0, M, chunk_rows):
         r1 = min(r0 + chunk_rows, M)

@@ -21,7 +21,7 @@ from bertfast import ops
 from bertfast import reference as R
 from bertfast.ops.mlm_head_loss import CHUNK_BYTES, _decoder_loss, default_chunk_rows, padded_vocab
 from bertfast.ops.mlm_head_loss import mlm_head_loss_fwd as torch_kernel
-from bertfast.testing import BackendUnderTest, assert_close_lowp, check_close, references
+from bertfast.testing import AtenLog, BackendUnderTest, assert_close_lowp, check_close, references
 
 OP = "mlm_head_loss"
 IGNORE = -100
@@ -559,28 +559,18 @@ def test_the_decoder_gemms_run_over_whole_16_byte_rows_of_vocabulary(monkeypatch
     one (the H200 ran the head's GEMMs at ~250 TFLOP/s without it): the driver pads the vocabulary with
     zero weight rows and bias, and the padded logits' gradient is zeroed before the backward's GEMMs,
     so the gradients are those of the V real columns (the decoder tests compare them everywhere)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     assert [padded_vocab(30522, e) for e in (2, 4)] == [30528, 30524]
     assert padded_vocab(1000, 2) == 1000 and padded_vocab(1031, 2) == 1032 and padded_vocab(3, 1) == 16
-
-    class Shapes(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.gemms = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func in (torch.ops.aten.mm.out, torch.ops.aten.addmm.out, torch.ops.aten.mm.default):
-                self.gemms.append(tuple(out.shape))
-            return out
+    gemm_ops = (torch.ops.aten.mm.out, torch.ops.aten.addmm.out, torch.ops.aten.mm.default)
 
     module = sys.modules["bertfast.ops.mlm_head_loss"]
     assert module.PADDED_DEVICES == {"cuda"}  # a CPU's GEMMs do not care: no copy of the weight there
     monkeypatch.setattr(module, "PADDED_DEVICES", {"cpu", "cuda"})
     x, w, b, labels = problem(BackendUnderTest("torch", torch.device(DEV)), 6, 32, 1031, torch.bfloat16)
-    with Shapes() as log:
+    with AtenLog() as log:
         _, _, gx, gw, gb = _decoder_loss(x, w, b, labels, None, True, 1.0, torch_kernel)
-    assert (6, 1032) in log.gemms and (1032, 32) in log.gemms and (6, 1031) not in log.gemms
+    gemms = [shape for func, shape in log.calls if func in gemm_ops]
+    assert (6, 1032) in gemms and (1032, 32) in gemms and (6, 1031) not in gemms
     assert gx.shape == (6, 32) and gw.shape == (1031, 32) and gb.shape == (1031,)
 
 
