@@ -109,6 +109,20 @@ def check_bias_gelu(x, bias, approximate):
     return n, f
 
 
+def check_gemm_bias_gelu(x, weight, bias, approximate):
+    """The bias_gelu GEMM launchers' forward arguments: rows x [M, K], weight [N, K] (a Linear's, unit
+    column stride) and bias [N], all of x's dtype and device, a known GELU. Returns (M, N, K)."""
+    m, k = check_rows("x", x)
+    n, kw = check_rows("weight", weight, dtypes=(x.dtype,), device=x.device)
+    if kw != k:
+        raise ValueError(f"weight: expected shape (N, {k}) for x of shape {tuple(x.shape)}, got {tuple(weight.shape)}")
+    check_vector("bias", bias, n, x.device)
+    if bias.dtype != x.dtype:
+        raise ValueError(f"bias: expected dtype {x.dtype} (x's), got {bias.dtype}")
+    check_approximate(approximate)
+    return m, n, k
+
+
 def check_eps(eps) -> float:
     eps = float(eps)
     if not (eps >= 0.0 and math.isfinite(eps)):

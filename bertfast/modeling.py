@@ -266,6 +266,11 @@ class BertSelfOutput(nn.Module):
             y, bias = _linear(h, self.dense.weight, self.dense.bias), None
         else:
             y, bias = _linear(h, self.dense.weight), self.dense.bias  # bias fused into the LayerNorm op
+        return self.norm(y, bias, residual)
+
+    def norm(self, y: Tensor, bias: Optional[Tensor], residual: Tensor) -> Tensor:
+        """LN(Dropout(y + bias) + residual) in one op, y the dense's output before its bias."""
+        ln = self.LayerNorm
         p = self.dropout.p if self.training else 0.0
         return ops.bias_dropout_residual_layernorm(y, bias, residual, ln.weight, ln.bias, ln.eps, p)
 
@@ -311,6 +316,21 @@ def _dense_gelu(dense: nn.Linear, x: Tensor, approximate: str) -> Tuple[Tensor, 
     return ops.bias_gelu(y, dense.bias, approximate), residual
 
 
+def _ffn(intermediate: "BertIntermediate", output: BertOutput, h: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+    """(GELU(h @ W1^T + b1) @ W2^T, h to use as the residual) from one node whose GEMMs apply the
+    bias and GELU in their epilogues (bertfast.residual_linear.ffn), where it applies: differentiated,
+    both Linears, the LayerNorm and dropout after them plain modules, the output module without hooks
+    (its own dense is inside the node) and a backend with such GEMMs; else None."""
+    up, down = intermediate.dense, output.dense
+    if (hooked(output) or not _biased_linear(up, down) or not fusable(output.LayerNorm, output.dropout)
+            or not residual_linear.records_grad(h, up.weight, up.bias, down.weight, down.bias)):
+        return None
+    gemms = residual_linear.ffn_gemms(h, up.weight, up.bias, down.weight)
+    if gemms is None:
+        return None
+    return residual_linear.ffn(h, up.weight, up.bias, down.weight, intermediate.approximate, gemms)
+
+
 class BertIntermediate(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -340,6 +360,9 @@ class BertLayer(GradientCheckpointingLayer):
         plain = rows.plain is not None
         if hooked(self.intermediate):  # called as a module, so its hooks run
             return self.output(self.intermediate(h, plain), h, plain)
+        fused = None if plain else _ffn(self.intermediate, self.output, h)
+        if fused is not None:
+            return self.output.norm(fused[0], self.output.dense.bias, fused[1])
         y, residual = self.intermediate.gelu_keeping_input(h, plain)
         return self.output(y, _residual(residual, h, self.output), plain)
 

@@ -35,7 +35,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from bertfast import working_weights
+from bertfast import dispatch, working_weights
 from bertfast.ops._common import PLAIN_TYPES, fp32_gemm_caps, take_over
 
 Tensor = torch.Tensor
@@ -100,6 +100,21 @@ def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
     return torch.mm(a, b, out_dtype=torch.float32, out=out)
 
 
+def _input_grad(dy: Tensor, weight: Tensor, dres: Optional[Tensor], shape) -> Tensor:
+    """dy @ weight (+ dres, the residual's gradient, summed by the GEMM) in ``shape``."""
+    flat_res = None if dres is None else dres.reshape(-1, dres.shape[-1])
+    if flat_res is None:
+        dx = dy.mm(weight)
+    elif flat_res.dtype == dy.dtype:  # the residual's gradient summed by the GEMM ...
+        if take_over(dres):  # ... in place where its producer handed it over (no copy of it)
+            dx = flat_res.addmm_(dy, weight)
+        else:  # addmm copies flat_res into a new output first
+            dx = torch.addmm(flat_res, dy, weight)
+    else:  # an fp32 input under autocast: its gradient is fp32, the GEMM's bf16
+        dx = flat_res + dy.mm(weight).to(flat_res.dtype)
+    return dx.view(shape)
+
+
 class _LinearKeepingInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, count: int, has_bias: bool, bias_grad: bool, *params: Tensor) -> Tuple[Tensor, Tensor]:
@@ -126,19 +141,7 @@ class _LinearKeepingInput(torch.autograd.Function):
             return (dres if needs[0] else None, None, None, None, *none)
         dy = dy.reshape(-1, dy.shape[-1])
         with torch.autocast(dy.device.type, enabled=False):
-            dx = None
-            if needs[0]:
-                flat_res = None if dres is None else dres.reshape(-1, dres.shape[-1])
-                if flat_res is None:
-                    dx = dy.mm(weight)
-                elif flat_res.dtype == dy.dtype:  # the residual's gradient summed by the GEMM ...
-                    if take_over(dres):  # ... in place where its producer handed it over (no copy of it)
-                        dx = flat_res.addmm_(dy, weight)
-                    else:  # addmm copies flat_res into a new output first
-                        dx = torch.addmm(flat_res, dy, weight)
-                else:  # an fp32 input under autocast: its gradient is fp32, the GEMM's bf16
-                    dx = flat_res + dy.mm(weight).to(flat_res.dtype)
-                dx = dx.view(xc.shape)
+            dx = _input_grad(dy, weight, dres, xc.shape) if needs[0] else None
             grads = list(none)
             weights_needed = needs[4:4 + count]
             if any(weights_needed):
@@ -167,3 +170,64 @@ def linear(x: Tensor, weights: Sequence[Tensor], biases: Optional[Sequence[Tenso
 def dense(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """x @ W^T (+ b) through the same node, its input no residual: for the weight gradient."""
     return linear(x, [weight], None if bias is None else [bias])[0]
+
+
+# ------------------------------------------------------------------ the FFN with GELU in its GEMMs
+class _FfnKeepingInput(torch.autograd.Function):
+    """GELU(x @ W1^T + b1) @ W2^T and x (the residual), where ``gemms`` (ffn_gemms:
+    bertfast.kernels.gemm_bias_gelu) runs the up-projection with bias and GELU in its epilogue
+    and, backward, dy @ W2 with GELU' in its epilogue. The other GEMMs are cuBLAS's, as in
+    _LinearKeepingInput; the output projection's bias goes to the LayerNorm op after it."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, approximate: str, gemms, w1: Tensor, b1: Tensor, w2: Tensor) -> Tuple[Tensor, Tensor]:
+        ctx.set_materialize_grads(False)
+        dtype = _compute_dtype(x)
+        w1c, b1c, w2c = (_cast_or_copy([p], dtype) for p in (w1, b1, w2))
+        xc = _cast(x, dtype)
+        a, z = gemms.gemm_bias_gelu_fwd(xc.reshape(-1, xc.shape[-1]), w1c, b1c, approximate)
+        with torch.autocast(x.device.type, enabled=False):
+            y = a.mm(w2c.t())
+        ctx.save_for_backward(xc, w1c, w2c, z, a)
+        ctx.approximate, ctx.gemms = approximate, gemms
+        ctx.dtypes = (w1.dtype, b1.dtype, w2.dtype)
+        return y.view(*x.shape[:-1], y.shape[-1]), x
+
+    @staticmethod
+    def backward(ctx, dy: Optional[Tensor], dres: Optional[Tensor]):
+        xc, w1c, w2c, z, a = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        if dy is None:
+            return dres if needs[0] else None, None, None, None, None, None
+        dy = dy.reshape(-1, dy.shape[-1])
+        w1_dtype, b1_dtype, w2_dtype = ctx.dtypes
+        with torch.autocast(dy.device.type, enabled=False):
+            dz, db1 = ctx.gemms.gemm_gelu_bwd(dy, w2c, z, ctx.approximate, bias_dtype=b1_dtype)
+            dw2 = _weight_grad(dy, a, w2_dtype) if needs[5] else None
+            dx = _input_grad(dz, w1c, dres, xc.shape) if needs[0] else None
+            dw1 = _weight_grad(dz, xc.reshape(-1, xc.shape[-1]), w1_dtype) if needs[3] else None
+        return dx, None, None, dw1, db1 if needs[4] else None, dw2
+
+
+def ffn_gemms(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor):
+    """The module that runs the FFN's GEMMs with GELU in their epilogues for these tensors (``ffn``),
+    or None: where dispatch gives the bias_gelu op's Triton backend the up-projection's output
+    (bertfast.kernels.gemm_bias_gelu; the other backends have no such GEMMs), on plain tensors in
+    eager mode whose compute dtype (autocast's, else their own) is one, the weights' widths
+    multiples of 8 (16-byte rows)."""
+    if torch.compiler.is_compiling() or any(type(t) not in PLAIN_TYPES for t in (x, w1, b1, w2)):
+        return None
+    dtype = _compute_dtype(x)
+    if len({_cast_dtype(t, dtype) for t in (x, w1, b1, w2)}) != 1 or w1.shape[1] % 8 or w1.shape[0] % 8:
+        return None
+    out = x.new_empty((0, w1.shape[0]), dtype=_cast_dtype(x, dtype))  # the up-projection's output, as bias_gelu gets it
+    if dispatch.select("bias_gelu", x=out, bias=b1) != "triton":
+        return None
+    from bertfast.kernels import gemm_bias_gelu
+    return gemm_bias_gelu
+
+
+def ffn(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, approximate: str, gemms) -> Tuple[Tensor, Tensor]:
+    """(GELU(x @ W1^T + b1) @ W2^T, x): the FFN before its output bias, and x to use as the residual
+    (its gradient summed in the input-gradient GEMM, as ``linear``'s); ``gemms`` from ffn_gemms."""
+    return _FfnKeepingInput.apply(x, approximate, gemms, w1, b1, w2)

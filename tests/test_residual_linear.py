@@ -341,3 +341,93 @@ def test_on_a_gpu_the_triton_layer_norm_hands_its_residual_gradient_to_the_gemm(
     in_place = [f for f, shape in calls if f == torch.ops.aten.addmm_.default and shape == (rows, width)]
     copying = [f for f, shape in calls if f == torch.ops.aten.addmm.default and shape == (rows, width)]
     assert len(in_place) == 2 * config.num_hidden_layers and not copying
+
+
+# ------------------------------------------------------------------ the FFN with GELU in its GEMMs
+def _ffn_inputs(rows=10, hidden=16, ffn=40, dtype=torch.float32):
+    torch.manual_seed(0)
+    x = torch.randn(rows, hidden, dtype=dtype, requires_grad=True)
+    w1 = (torch.randn(ffn, hidden) / hidden ** 0.5).requires_grad_()
+    b1 = torch.randn(ffn, requires_grad=True)
+    w2 = (torch.randn(hidden, ffn) / ffn ** 0.5).requires_grad_()
+    return x, w1, b1, w2
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_the_ffn_node_matches_linear_gelu_linear(approximate):
+    """residual_linear.ffn on the Triton GEMMs (the interpreter here): the output, the residual and
+    every gradient as plain autograd's F.linear, GELU, F.linear."""
+    x, w1, b1, w2 = _ffn_inputs()
+    with dispatch.use_backend("triton"):
+        gemms = residual_linear.ffn_gemms(x, w1, b1, w2)
+        assert gemms is importlib.import_module("bertfast.kernels.gemm_bias_gelu")
+        y, residual = residual_linear.ffn(x, w1, b1, w2, approximate, gemms)
+    want = F.linear(F.gelu(F.linear(x, w1, b1), approximate=approximate), w2)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(residual, x)
+    dy, dres = torch.randn_like(y), torch.randn_like(x)
+    params = [x, w1, b1, w2]
+    got = _grads((y * dy).sum() + (residual * dres).sum(), params)
+    expected = _grads((want * dy).sum() + (x * dres).sum(), params)
+    for name, g, w in zip(("x", "w1", "b1", "w2"), got, expected):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_ffn_gemms_only_where_a_backend_has_them():
+    x, w1, b1, w2 = _ffn_inputs()
+    with dispatch.use_backend("torch"):
+        assert residual_linear.ffn_gemms(x, w1, b1, w2) is None  # cuBLAS and the bias_gelu op instead
+    with dispatch.use_backend("triton"):
+        assert residual_linear.ffn_gemms(x, w1, b1, w2) is not None
+        assert residual_linear.ffn_gemms(x.half(), w1, b1, w2) is None  # no autocast: dtypes differ
+        x12, w12, b12, w212 = _ffn_inputs(hidden=12)
+        assert residual_linear.ffn_gemms(x12, w12, b12, w212) is None  # K = 12: not a multiple of 8
+
+
+def _ffn_calls(monkeypatch):
+    gemms = importlib.import_module("bertfast.kernels.gemm_bias_gelu")
+    calls = []
+    for name in ("gemm_bias_gelu_fwd", "gemm_gelu_bwd"):
+        fn = getattr(gemms, name)
+        monkeypatch.setattr(gemms, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
+    return calls
+
+
+def _weighted_step(model, ids, mask, weights):
+    """Gradients of sum(last hidden state * weights) at real tokens on the Triton backend (a sum of
+    squares would not do: a LayerNorm's output has a fixed norm, so its gradient is rounding noise)."""
+    model.zero_grad()
+    with dispatch.use_backend("triton"):
+        out = model(ids, attention_mask=mask).last_hidden_state
+    (out * weights * mask[..., None]).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_a_triton_layer_runs_its_ffn_in_the_gemm_epilogues(monkeypatch):
+    """Training on the Triton backend, each layer's FFN is the one node (forward and backward GEMM with
+    GELU in the epilogue), with the gradients of the unfused layer; an output module with hooks is
+    called as a module instead."""
+    model, config = _model()
+    model.train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    ids = torch.randint(5, 100, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    weights = torch.randn(2, 7, config.hidden_size)
+    calls = _ffn_calls(monkeypatch)
+    got = _weighted_step(model, ids, mask, weights)
+    layers = config.num_hidden_layers
+    assert calls == ["gemm_bias_gelu_fwd"] * layers + ["gemm_gelu_bwd"] * layers
+    monkeypatch.setattr(residual_linear, "ffn_gemms", lambda *args: None)
+    want = _weighted_step(model, ids, mask, weights)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert (got[name] - want[name]).norm() <= 1e-5 * want[name].norm() + 1e-7, name
+    monkeypatch.undo()
+    calls = _ffn_calls(monkeypatch)
+    seen = []
+    model.encoder.layer[0].output.register_forward_hook(lambda *args: seen.append(1))
+    _weighted_step(model, ids, mask, weights)
+    assert len(seen) == 1 and calls.count("gemm_bias_gelu_fwd") == layers - 1

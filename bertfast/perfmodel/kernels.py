@@ -58,7 +58,7 @@ class Launch:
 
     def unused_names(self) -> List[str]:
         """The parameters CONDITIONAL_ARGS says this launch's flags leave untouched."""
-        return [name for name, flag in CONDITIONAL_ARGS.get(self.kernel, {}).items() if not self.meta.get(flag)]
+        return [name for name, flag in CONDITIONAL_ARGS.get(self.kernel, {}).items() if not _flag(self.meta, flag)]
 
     def used_args(self) -> List[object]:
         """The arguments the kernel touches: not the stand-ins passed for unused_names."""
@@ -66,7 +66,12 @@ class Launch:
         return [a for a, name in zip(self.args, self.names) if name not in unused]
 
 
-# A kernel's pointer arguments that it reads or writes only when a constexpr flag is set. Otherwise its
+def _flag(meta: Dict[str, object], flag: str) -> bool:
+    """A constexpr flag's value in a launch's meta; "!NAME": NAME unset."""
+    return not meta.get(flag[1:]) if flag.startswith("!") else bool(meta.get(flag))
+
+
+# A kernel's pointer arguments that it reads or writes only when a constexpr flag is set ("!FLAG": unset). Otherwise its
 # launcher passes another argument in their place (a pointer Triton needs, no bytes of its own): counted,
 # such a stand-in made the LayerNorm forward's traffic look 25% larger than it is.
 _ATTENTION_ARGS = {"CU_SEQLENS": "IS_VARLEN", "KEY_MASK": "HAS_KEY_MASK", "SEED": "HAS_DROPOUT",
@@ -84,6 +89,7 @@ CONDITIONAL_ARGS: Dict[str, Dict[str, str]] = {
                                                     "SEED": "HAS_DROPOUT"},
     "_embeddings_fwd_kernel": {"KEEP": "STORE_KEEP", "SEED": "HAS_DROPOUT"},
     "_embeddings_bwd_kernel": {"DTT": "TT_IN_REGS", "SEED": "HAS_DROPOUT"},
+    "_gemm_bias_gelu_kernel": {"BIAS": "!BACKWARD", "Z": "HAS_Z", "DBIAS_PART": "BACKWARD"},
 }
 
 
@@ -184,6 +190,18 @@ def _ln_bwd(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
     return work
 
 
+def _gemm(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
+    """A GEMM: an iteration is one BLOCK_K step of a BLOCK_M x BLOCK_N tile (its elements the tile's
+    multiply-adds); its operands and outputs each counted once (L2 serves the re-reads of a group's
+    rows and columns); its loads num_stages - 1 steps ahead."""
+    m, k = launch.args[0].shape
+    meta = launch.meta
+    programs = _numel(launch.grid)
+    steps = math.ceil(k / int(meta["BLOCK_K"]))
+    return Work(programs * steps, _tile(meta, "BLOCK_M", "BLOCK_N", "BLOCK_K"), programs, int(meta["num_warps"]),
+                _bytes(launch), loads_ahead=max(1, int(meta.get("num_stages", 2)) - 1))
+
+
 # kernel -> how a launch's work is counted; the kernels not listed are not modelled yet (the embeddings'
 # table gradients, the MLM loss, LAMB): the step budget prices their work by its bytes, or not at all
 WORK: Dict[str, Callable[[Setting, Launch, Gpu], Work]] = {
@@ -198,6 +216,7 @@ WORK: Dict[str, Callable[[Setting, Launch, Gpu], Work]] = {
     "_bias_dropout_residual_layernorm_bwd_kernel": _ln_bwd,
     "_embeddings_fwd_kernel": _embeddings_fwd,
     "_embeddings_bwd_kernel": _embeddings_bwd,
+    "_gemm_bias_gelu_kernel": _gemm,
 }
 OPS = ("attention", "bias_gelu", "bias_dropout_residual_layernorm", "embeddings")
 

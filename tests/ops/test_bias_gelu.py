@@ -184,6 +184,90 @@ def test_triton_autotuned_launch_path_under_interpreter(stand_in_tuner):
     assert len(BG._fwd_tuned.cache) == 2 and len(BG._bwd_tuned.cache) == 2
 
 
+# ------------------------------------------------------------- Triton: the GEMMs with GELU epilogues
+def _gemm_inputs(m, n, k, n2, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g) * scale).to(DEV_TRITON, dtype)  # noqa: E731
+    return t(m, k), t(n, k, scale=k ** -0.5), t(n), t(m, n2), t(n2, n, scale=n ** -0.5)
+
+
+DEV_TRITON = torch.device("cuda" if GPU else "cpu")
+
+
+def check_gemm_epilogues(x, w1, b1, dy, w2, approximate):
+    """gemm_bias_gelu_fwd and gemm_gelu_bwd against the reference Linear, GELU and Linear."""
+    from bertfast.kernels import gemm_bias_gelu as BG
+
+    y, z = BG.gemm_bias_gelu_fwd(x, w1, b1, approximate)
+    assert y.dtype == z.dtype == x.dtype and y.is_contiguous() and z.is_contiguous()
+    up = lambda x_, w_, b_: x_ @ w_.t() + b_  # noqa: E731
+    (z32, _), (zlo, _) = references(up, [x, w1, b1], x.dtype)
+    check_close("z", z, z32, zlo, x.dtype, atol=2e-5, rtol=2e-5)
+    (y32, _), (ylo, _) = references(lambda *t: R.bias_gelu(up(*t), torch.zeros_like(t[2]), approximate),
+                                    [x, w1, b1], x.dtype)
+    check_close("y", y, y32, ylo, x.dtype, atol=2e-5, rtol=2e-5)
+    dz, db = BG.gemm_gelu_bwd(dy, w2, z, approximate, bias_dtype=torch.float32)
+    assert dz.dtype == z.dtype and db.dtype == torch.float32
+    down = lambda z_, w_: R.bias_gelu(z_, torch.zeros(z_.shape[1], dtype=z_.dtype), approximate) @ w_.t()  # noqa: E731
+    (_, (dz32, _)), (_, (dzlo, _)) = references(down, [z.cpu(), w2.cpu()], x.dtype, dy.cpu())
+    check_close("dz", dz, dz32, dzlo, x.dtype, atol=2e-5, rtol=2e-5)
+    check_close("dbias", db, dz32.sum(0), None if dzlo is None else dzlo.float().sum(0), x.dtype, atol=1e-4, rtol=1e-4)
+    return y, z, dz, db
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32] + LOWP, ids=str)
+@pytest.mark.parametrize("m,n,k,n2", [(70, 96, 48, 40), (33, 40, 20, 24), (1, 32, 16, 8)],
+                         ids=["blocks", "ragged", "one-row"])
+def test_triton_gemm_epilogues_match_reference(m, n, k, n2, dtype, approximate):
+    # Rows, columns and K past whole tiles (the interpreter's 32 x 32 x 16), several row blocks and
+    # dbias partial rows (zeroed by the kernel where a block covers two).
+    check_gemm_epilogues(*_gemm_inputs(m, n, k, n2, dtype), approximate)
+
+
+def test_triton_gemm_epilogues_row_strided_and_empty():
+    from bertfast.kernels import gemm_bias_gelu as BG
+
+    x, w1, b1, dy, w2 = _gemm_inputs(9, 32, 16, 8, torch.float32)
+    wide = torch.zeros(9, 24, device=x.device)
+    wide[:, :16] = x
+    y, z = BG.gemm_bias_gelu_fwd(wide[:, :16], w1, b1)
+    torch.testing.assert_close(y, BG.gemm_bias_gelu_fwd(x, w1, b1)[0])
+    y, z_none = BG.gemm_bias_gelu_fwd(x, w1, b1, store_z=False)
+    assert z_none is None and torch.equal(y, BG.gemm_bias_gelu_fwd(x, w1, b1)[0])
+    y0, z0 = BG.gemm_bias_gelu_fwd(x[:0], w1, b1)
+    assert y0.shape == z0.shape == (0, 32)
+    dz0, db0 = BG.gemm_gelu_bwd(dy[:0], w2, z[:0])
+    assert dz0.shape == (0, 32) and torch.equal(db0, torch.zeros(32, device=x.device))
+    yk, zk = BG.gemm_bias_gelu_fwd(x[:, :0], w1[:, :0], b1)  # K = 0: z is the bias
+    torch.testing.assert_close(zk, b1.expand(9, 32))
+
+
+def test_triton_gemm_epilogue_errors_are_clear():
+    from bertfast.kernels import gemm_bias_gelu as BG
+
+    x, w1, b1, dy, w2 = _gemm_inputs(9, 32, 16, 8, torch.float32)
+    with pytest.raises(ValueError, match=r"weight: expected shape \(N, 16\)"):
+        BG.gemm_bias_gelu_fwd(x, w1[:, :8], b1)
+    with pytest.raises(ValueError, match="weight: expected dtype"):
+        BG.gemm_bias_gelu_fwd(x, w1.half(), b1)
+    with pytest.raises(ValueError, match=r"bias: expected dtype torch.float32 \(x's\)"):
+        BG.gemm_bias_gelu_fwd(x, w1, b1.half())
+    with pytest.raises(ValueError, match="approximate: expected one of"):
+        BG.gemm_bias_gelu_fwd(x, w1, b1, "erf")
+    z = BG.gemm_bias_gelu_fwd(x, w1, b1)[1]
+    with pytest.raises(ValueError, match=r"z: expected shape \(9, 32\)"):
+        BG.gemm_gelu_bwd(dy, w2, z[:, :16])
+    with pytest.raises(ValueError, match=r"weight: expected shape \(8, H\)"):
+        BG.gemm_gelu_bwd(dy, w2[:4], z)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("hidden,ffn", [(768, 3072), (1024, 4096)], ids=["bert-base", "bert-large"])
+def test_gpu_gemm_epilogues_bert_sizes(hidden, ffn, approximate):
+    check_gemm_epilogues(*_gemm_inputs(2000, ffn, hidden, hidden, torch.bfloat16), approximate)
+
 # =========================================================================== CUDA wrapper validation (no GPU)
 def test_cuda_validation(cuda_on_cpu):
     from bertfast.cuda import bias_gelu as C
