@@ -25,11 +25,18 @@ bandwidth). Where the optimizer keeps bf16 working copies of the weights
 for a GEMM whose input is no residual (the attention's and the FFN's output projections), for its
 weight gradient.
 
+``ffn`` is one node for the whole FFN before its output bias, GELU(x @ W1^T + b1) @ W2^T, keeping x
+as the residual too, where the bias_gelu op's backend has GEMMs with that op's math in their
+epilogues (FFN_GEMMS: Triton's kernels/gemm_bias_gelu.py): the up-projection writes GELU's input
+and output from its accumulator, and the backward's dy @ W2 multiplies by GELU' as it stores, so the
+bias_gelu row kernel's passes over the [N, 4H] activations go.
+
 Only for what is differentiated: with no gradient to record there is nothing to fold, and
 ``fused_qkv`` writes the QKV columns without concatenating weights.
 """
 from __future__ import annotations
 
+import importlib
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -173,6 +180,10 @@ def dense(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
 
 
 # ------------------------------------------------------------------ the FFN with GELU in its GEMMs
+# The bias_gelu op's backends that also run the FFN's GEMMs with the op's math in their epilogues.
+FFN_GEMMS = {"triton": "bertfast.kernels.gemm_bias_gelu"}
+
+
 class _FfnKeepingInput(torch.autograd.Function):
     """GELU(x @ W1^T + b1) @ W2^T and x (the residual), where ``gemms`` (ffn_gemms:
     bertfast.kernels.gemm_bias_gelu) runs the up-projection with bias and GELU in its epilogue
@@ -211,20 +222,26 @@ class _FfnKeepingInput(torch.autograd.Function):
 
 def ffn_gemms(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor):
     """The module that runs the FFN's GEMMs with GELU in their epilogues for these tensors (``ffn``),
-    or None: where dispatch gives the bias_gelu op's Triton backend the up-projection's output
-    (bertfast.kernels.gemm_bias_gelu; the other backends have no such GEMMs), on plain tensors in
-    eager mode whose compute dtype (autocast's, else their own) is one, the weights' widths
-    multiples of 8 (16-byte rows)."""
+    or None: where dispatch gives the up-projection's output a bias_gelu backend in FFN_GEMMS, on
+    plain tensors in eager mode whose compute dtype (autocast's, else their own) is one (on a GPU,
+    bf16 or fp16), the weights' widths multiples of 8 (16-byte rows)."""
     if torch.compiler.is_compiling() or any(type(t) not in PLAIN_TYPES for t in (x, w1, b1, w2)):
         return None
     dtype = _compute_dtype(x)
-    if len({_cast_dtype(t, dtype) for t in (x, w1, b1, w2)}) != 1 or w1.shape[1] % 8 or w1.shape[0] % 8:
+    dtypes = {_cast_dtype(t, dtype) for t in (x, w1, b1, w2)}
+    if len(dtypes) != 1 or w1.shape[1] % 8 or w1.shape[0] % 8:
         return None
+    if x.device.type == "cuda" and dtypes.pop() not in (torch.bfloat16, torch.float16):
+        return None  # fp32 GEMMs are cuBLAS's (IEEE fp32 FMAs: no tensor cores for the epilogue to ride on)
     out = x.new_empty((0, w1.shape[0]), dtype=_cast_dtype(x, dtype))  # the up-projection's output, as bias_gelu gets it
-    if dispatch.select("bias_gelu", x=out, bias=b1) != "triton":
-        return None
-    from bertfast.kernels import gemm_bias_gelu
-    return gemm_bias_gelu
+    module = FFN_GEMMS.get(dispatch.select("bias_gelu", x=out, bias=b1))
+    return importlib.import_module(module) if module is not None else None
+
+
+def ffn_summary() -> str:
+    """One line for `bertfast info`: where the FFN's GEMMs apply the bias and GELU."""
+    return (f"FFN in training: bias and GELU in the GEMMs' epilogues where the bias_gelu op runs its "
+            f"{', '.join(FFN_GEMMS)} backend ({', '.join(FFN_GEMMS.values())}; see below), else GEMM then the op")
 
 
 def ffn(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, approximate: str, gemms) -> Tuple[Tensor, Tensor]:

@@ -94,6 +94,11 @@ def test_measured_preference_reorders_fast_backends_per_gpu(tmp_path, monkeypatc
             row("bertfast:triton", 1.0, {"h": 64})]  # only on one backend: not compared
     run = Run(device=SimpleNamespace(kind="cuda", name="Test GPU"), config={}, rows=rows)
     assert measured_order(run) == {"bias_gelu": ["cuda", "triton"]}
+    # The FFN's case decides bias_gelu where it was timed: training runs the op there (on Triton inside
+    # the GEMMs), so a faster row kernel alone does not take the op off Triton.
+    ffn = [Row("kernels", "ffn", {"h": 768}, "fwd+bwd", impl, time_ms=Stat(median=ms, p20=ms, p80=ms, n=3))
+           for impl, ms in (("bertfast:triton", 4.0), ("bertfast:cuda", 5.0))]
+    assert measured_order(Run(device=run.device, config={}, rows=rows + ffn)) == {"bias_gelu": ["triton", "cuda"]}
     path = tmp_path / "pref.json"
     monkeypatch.setenv("BERTFAST_PREFERENCE_FILE", str(path))
     assert record(run) == str(path)

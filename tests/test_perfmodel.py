@@ -194,6 +194,38 @@ def test_a_profile_is_read_and_the_overlap_fitted_to_it(tmp_path, gelu_bwd):
     assert report.fit_overlap(rows + [{"prediction": memory, "measured_s": 3 * memory.predicted_s}]) \
         == pytest.approx(0.5)
     assert report.fit_overlap([{"prediction": memory, "measured_s": memory.predicted_s}]) is None
+    # a row that sets one measured time beside several variants' predictions is not fitted
+    assert report.fit_overlap(rows + [{"prediction": issue_bound[0], "measured_s": 9.0, "variants": 2}]) \
+        == pytest.approx(0.5)
+
+
+def test_a_kernel_timed_in_two_variants_is_compared_with_their_mean(tmp_path):
+    """The FFN's GEMM runs forward and backward variants under one kernel name: a profile's calls of it
+    are set beside the mean of the two predictions, its source is kernels/gemm_bias_gelu.py."""
+    from types import SimpleNamespace
+
+    from bertfast.perfmodel import report
+    from bertfast.perfmodel import kernels as K
+    setting = K.Setting("bert-large", 128, 128, 0.1)
+    path = tmp_path / "profile-bertfast.txt"
+    path.write_text("bert-large seq 128 batch 128, bf16 on NVIDIA H200\n\n# bertfast\nwall per step 1 ms\n\n"
+                    "  ms/step  share  calls  kernel\n   12.000  20.0%     48  _gemm_bias_gelu_kernel\n")
+    profile = report.read_profile(str(path))
+    results = [report.KernelResult(setting, "bias_gelu", "_gemm_bias_gelu_kernel", f"BACKWARD={b}", "", 110, 1e8,
+                                   SimpleNamespace(predicted_s=t)) for b, t in ((0, 200e-6), (1, 300e-6))]
+    row, = report.compare(results, profile)
+    assert row["measured_s"] == pytest.approx(12e-3 / 48) and row["layer_calls"] == 48
+    assert row["predicted_s"] == pytest.approx(250e-6) and row["variants"] == 2
+    # any other kernel recorded in two variants (the LayerNorm: with a residual, and without, as the
+    # embeddings' and the MLM head's) is its first launch's, the training variant's
+    ln = "_bias_dropout_residual_layernorm_fwd_kernel"
+    path.write_text(path.read_text() + f"    2.000   3.0%     48  {ln}\n")
+    results += [report.KernelResult(setting, "bias_dropout_residual_layernorm", ln, f"HAS_BIAS={b}", "", 60, 1e8,
+                                    SimpleNamespace(predicted_s=t)) for b, t in ((1, 40e-6), (0, 20e-6))]
+    rows = {r["kernel"]: r for r in report.compare(results, report.read_profile(str(path)))}
+    assert rows[ln]["predicted_s"] == pytest.approx(40e-6) and rows[ln]["variants"] == 1
+    assert report.kernel_source("_gemm_bias_gelu_kernel", "bias_gelu") == "kernels/gemm_bias_gelu.py"
+    assert report.kernel_source("_bias_gelu_bwd_kernel", "bias_gelu") == "kernels/bias_gelu.py"
 
 
 def test_the_memory_constants_are_fitted_to_the_memory_bound_kernels(gelu_bwd):
@@ -369,38 +401,70 @@ def test_step_budget_counts_parameters_flops_and_a_trace(tmp_path):
     assert got == {"busy_ms": pytest.approx(170 / 2 / 1e3), "gemm_ms": pytest.approx(100 / 2 / 1e3), "steps": 2}
 
 
+def _budget_results(case, kernels, ffn_us=(150, 900)):
+    """Stand-in kernel results at ``case``: each kernel's bytes what it would move in half its predicted
+    time; the FFN's two GEMMs (forward, backward) predicted at ``ffn_us`` with a plain GEMM's bytes plus z."""
+    from types import SimpleNamespace
+    us = 1e-6
+    results = [SimpleNamespace(setting=case.setting, kernel=k, variant="HAS_BIAS=1", hbm_bytes=t * us / 2 * 3e12,
+                               prediction=SimpleNamespace(predicted_s=t * us)) for k, t in kernels.items()]
+    tokens, hidden, ffn = case.setting.tokens, 1024, 4096
+    plain = 2 * (tokens * hidden + hidden * ffn + tokens * ffn)
+    for backward, t in enumerate(ffn_us):
+        results.append(SimpleNamespace(setting=case.setting, kernel="_gemm_bias_gelu_kernel",
+                                       variant=f"APPROX_TANH=0,BACKWARD={backward}", hbm_bytes=plain + 2 * tokens * ffn,
+                                       prediction=SimpleNamespace(predicted_s=t * us)))
+    return results
+
+
 def test_step_budget_lines_and_its_ceiling_from_given_kernel_predictions():
     """The budget sums the kernels' predictions and the memory-bound lines; its ceiling replaces the row
     ops by their bytes at the achievable bandwidth and drops the lines fused work would remove."""
-    from types import SimpleNamespace
-
     from bertfast.perfmodel import step
     case = step.STEP_CASES[0]  # BERT-large phase 1
+    assert case.accumulation == 2 and case.setting.batch == 128  # a global batch of 256
     us = 1e-6
     kernels = {"_attention_fwd_kernel": 60, "_attention_bwd_delta_kernel": 20, "_attention_bwd_dq_kernel": 80,
-               "_attention_bwd_dkdv_kernel": 100, "_bias_gelu_fwd_kernel": 100, "_bias_gelu_bwd_kernel": 160,
+               "_attention_bwd_dkdv_kernel": 100,
                "_bias_dropout_residual_layernorm_fwd_kernel": 66, "_bias_dropout_residual_layernorm_bwd_kernel": 58,
                "_embeddings_fwd_kernel": 88, "_embeddings_bwd_kernel": 47}
-    # each kernel's bytes: what it would move in half its predicted time
-    results = [SimpleNamespace(setting=case.setting, kernel=k, variant="HAS_BIAS=1", hbm_bytes=t * us / 2 * 3e12,
-                               prediction=SimpleNamespace(predicted_s=t * us)) for k, t in kernels.items()]
-    plan = step.budget(results, case, H100)
+    results = _budget_results(case, kernels)
+    plan = step.budget(results, case, H100, accumulation=1)
     items = {i["name"]: i["seconds"] for i in plan["items"]}
     assert plan["seconds"] == pytest.approx(sum(items.values()))
     assert items["attention"] == pytest.approx(24 * 260 * us)
-    rows = 100 + 160 + 2 * 66 + 2 * 58
+    rows = 2 * 66 + 2 * 58
     assert items["row ops"] == pytest.approx((24 * rows + 88 + 47) * us)
-    assert items["residual grads"] > 0 and items["weight casts"] > 0
+    assert items["residual grads"] > 0 and items["weight casts"] > 0 and items["accumulation"] == 0
     params, copies, bw = step.parameters(1024, 4096, 24), step.working_copies(1024, 4096, 24), \
         H100.achievable_hbm_bytes_per_s
     assert items["AdamW"] == pytest.approx((28 * params + 2 * copies) / bw)  # and the working copies it writes
     assert items["clipping"] == pytest.approx(4 * params / bw)               # the norm's read only
+    # The FFN's GEMMs with GELU epilogues: each no faster than the GEMM rate plus the bytes its epilogue
+    # adds to a plain GEMM's (z: 2 bytes an element); the backward's prediction of 900 us is above that.
+    gemm = 2 * 16384 * 1024 * 4096
+    floor = gemm / H100.gemm_flops + 2 * 16384 * 4096 / bw
+    assert items["FFN GEMMs + GELU"] == pytest.approx(24 * (floor + 900 * us))
+    flops, attention = step.model_flops(case.setting)
+    assert items["GEMMs"] == pytest.approx((flops - attention - 24 * 2 * gemm) / H100.gemm_flops)
     ceiling = plan["ceiling"]
     removed = sum(items[n] for n in step.REMOVABLE)
     assert ceiling["seconds"] == pytest.approx(plan["seconds"] - removed - items["row ops"] / 2)
     assert ceiling["mfu"] == pytest.approx(plan["mfu"] * plan["seconds"] / ceiling["seconds"])
+
+    # The target's step: two micro-batches, one optimizer step, the second's gradients added to the first's.
+    step2 = step.budget(results, case, H100)
+    twice = {i["name"]: i["seconds"] for i in step2["items"]}
+    for name, seconds in items.items():
+        if name in step.PER_STEP:
+            assert twice[name] == pytest.approx(seconds)
+        elif name != "accumulation":
+            assert twice[name] == pytest.approx(2 * seconds), name
+    assert twice["accumulation"] == pytest.approx(12 * params / bw)
+    assert step2["mfu"] == pytest.approx(2 * flops / step2["seconds"] / H100.dense_bf16_flops)
+    assert step2["sequences_per_s"] == pytest.approx(256 / step2["seconds"]) and step2["mfu"] > plan["mfu"]
     # the attention's four kernels, and the QKV bias gradient's zero-fill and column sum
-    assert items["launch gaps"] == pytest.approx((24 * (23 + 4 + 2) + 20) * H100.launch_gap_s)
+    assert items["launch gaps"] == pytest.approx((24 * (21 + 4 + 2) + 20) * H100.launch_gap_s)
     # its partials: a row per 64-token block (the smallest bf16 candidate at head dim 64) of 3 x 1024 fp32,
     # zero-filled and read back, and one memory latency a layer
     partials = 128 * 2 * 3 * 1024 * 4
@@ -409,12 +473,11 @@ def test_step_budget_lines_and_its_ceiling_from_given_kernel_predictions():
     # The one-pass backward in place of delta, dQ and dK/dV: its time, and two kernels a layer fewer.
     del kernels["_attention_bwd_delta_kernel"], kernels["_attention_bwd_dq_kernel"]
     kernels["_attention_bwd_fused_kernel"] = kernels.pop("_attention_bwd_dkdv_kernel")
-    results = [SimpleNamespace(setting=case.setting, kernel=k, variant="HAS_BIAS=1", hbm_bytes=t * us / 2 * 3e12,
-                               prediction=SimpleNamespace(predicted_s=t * us)) for k, t in kernels.items()]
-    fused = {i["name"]: i for i in step.budget(results, case, H100)["items"]}
+    results = _budget_results(case, kernels)
+    fused = {i["name"]: i for i in step.budget(results, case, H100, accumulation=1)["items"]}
     assert fused["attention"]["seconds"] == pytest.approx(24 * 160 * us)
     assert "forward, one-pass backward" in fused["attention"]["how"]
-    assert fused["launch gaps"]["seconds"] == pytest.approx((24 * (23 + 2 + 2) + 20) * H100.launch_gap_s)
+    assert fused["launch gaps"]["seconds"] == pytest.approx((24 * (21 + 2 + 2) + 20) * H100.launch_gap_s)
     # a row per 64-query block (the smallest one-pass candidate's at 128 tokens): as many as above
     assert fused["QKV bias grad"]["seconds"] == pytest.approx(items["QKV bias grad"])
     with pytest.raises(KeyError, match="forward and backward"):
@@ -485,6 +548,10 @@ def test_perf_model_command_reads_every_kernel_and_reports_the_targets(tmp_path)
         assert measured["memory_overlap_fitted"] is None
     assert all(r["token_scale"] == pytest.approx(16384 / 15914) for r in measured["rows"]
                if not r["kernel"].startswith("_attention"))
+    # the targets' steps priced again with the refitted constants, beside the assumed ones' prediction
+    refitted = {p["case"]: p for p in measured["steps_refitted"]}
+    assert set(refitted) == {p["case"] for p in data["steps"]}
+    assert all(0 < p["mfu"] < 1 and p["seconds"] > 0 for p in refitted.values())
     # and the step's device time from the committed trace (62.4 ms on the H200) beside its budget
     assert measured["step"]["measured_busy_ms"] == pytest.approx(62.4, abs=0.1)
     assert 0.5 < measured["step"]["predicted_ms"] / measured["step"]["measured_busy_ms"] < 2
@@ -529,3 +596,32 @@ def test_a_kernel_changed_since_the_profiled_run_is_marked_and_not_fitted(tmp_pa
     # faster than its binding bound alone: no overlap below perfect, the fit stops at 0
     fast = {"prediction": pred, "measured_s": 0.8 * model.time_with_overlap(pred, 0.0)}
     assert report.fit_overlap([fast]) == 0.0
+
+
+def test_the_steps_are_priced_again_with_refitted_constants():
+    """refitted_steps retimes every kernel under a run's fitted constants and budgets the targets'
+    steps with them: the assumed constants give the budget itself, a worse overlap a slower step."""
+    from bertfast.perfmodel import report, step
+    from bertfast.perfmodel.model import Prediction, retime
+
+    def result(case, kernel, variant, us, hbm_bytes):
+        bounds = {"tensor": 0.6 * us * 1e-6, "issue": 0.3 * us * 1e-6, "pipe": 0.0, "memory": 0.5 * us * 1e-6,
+                  "latency": 0.0}
+        prediction = Prediction(kernel, True, {}, bounds, {}, "tensor", 1, 1.0, True, 0.0, 0.0)
+        prediction.predicted_s = retime(prediction, H100.overlap, H100.memory_overlap)
+        return report.KernelResult(case.setting, "op", kernel, variant, "", 64, hbm_bytes, prediction)
+
+    kernels = {"_attention_fwd_kernel": 60,
+               "_bias_dropout_residual_layernorm_fwd_kernel": 66, "_bias_dropout_residual_layernorm_bwd_kernel": 58,
+               "_embeddings_fwd_kernel": 88, "_embeddings_bwd_kernel": 47}
+    results = []
+    for case in step.STEP_CASES:  # seq 128: the one-pass backward; 512: three kernels
+        backward = (("_attention_bwd_fused_kernel",) if case.setting.seq == 128 else
+                    ("_attention_bwd_delta_kernel", "_attention_bwd_dq_kernel", "_attention_bwd_dkdv_kernel"))
+        results += [result(case, k, "HAS_BIAS=1", t, 1e8) for k, t in [*kernels.items(), *((k, 100) for k in backward)]]
+        results += [result(case, "_gemm_bias_gelu_kernel", f"BACKWARD={b}", 300, 3e8) for b in (0, 1)]
+    assumed = [step.budget(results, case, H100) for case in step.STEP_CASES]
+    same = report.refitted_steps(results, (H100.overlap, H100.memory_overlap, 1.0))
+    assert [p["seconds"] for p in same] == pytest.approx([p["seconds"] for p in assumed])
+    worse = report.refitted_steps(results, (1.0, H100.memory_overlap, 1.0))
+    assert all(w["seconds"] > a["seconds"] and w["mfu"] < a["mfu"] for w, a in zip(worse, assumed))

@@ -431,3 +431,29 @@ def test_a_triton_layer_runs_its_ffn_in_the_gemm_epilogues(monkeypatch):
     model.encoder.layer[0].output.register_forward_hook(lambda *args: seen.append(1))
     _weighted_step(model, ids, mask, weights)
     assert len(seen) == 1 and calls.count("gemm_bias_gelu_fwd") == layers - 1
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_bf16_triton_layer_runs_its_ffn_in_the_gemm_epilogues(monkeypatch):
+    """The same under bf16 autocast on a GPU: the fused FFN runs (forward and backward), and every
+    gradient is within bf16 rounding of the unfused Triton layer's (GEMM, then the bias_gelu op)."""
+    model, config = _model()
+    model.cuda().train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    ids = torch.randint(5, 100, (4, 33), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, 20:] = 0
+    weights = torch.randn(4, 33, config.hidden_size, device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return _weighted_step(model, ids, mask, weights)
+    calls = _ffn_calls(monkeypatch)
+    got = step()
+    assert calls.count("gemm_bias_gelu_fwd") == calls.count("gemm_gelu_bwd") == config.num_hidden_layers
+    monkeypatch.setattr(residual_linear, "ffn_gemms", lambda *args: None)
+    want = step()
+    for name in want:
+        assert (got[name] - want[name]).norm() <= 3e-2 * want[name].norm() + 1e-6, name

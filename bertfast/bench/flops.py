@@ -13,8 +13,8 @@ Conventions (stated in every report):
   must move by the launcher contract (every input read once, every output written once,
   1e9 bytes per GB) / time. The same count divides every implementation's time, so GB/s is
   comparable across them; % of the copy bandwidth measured in the same run.
-* GEMM-bound ops (mlm_head_loss_decoder / MLM head): 2 flops per multiply-add; backward = 2 x
-  forward (grad input and grad weight).
+* GEMM-bound ops (mlm_head_loss_decoder / MLM head, the FFN): 2 flops per multiply-add; backward
+  = 2 x forward (grad input and grad weight).
 * Optimizer steps (adamw, lamb): GB/s = the bytes a one-pass update must move (read the
   parameters, gradients and both fp32 moments, write the parameters and moments: 28 bytes per
   fp32 element) / time, for every implementation. LAMB needs the norms of the whole update
@@ -104,6 +104,13 @@ def mlm_head_loss_flops(m: int, h: int, vocab: int, direction: str) -> float:
     """MLM head at M rows: transform dense [H,H] + decoder [V,H] (GELU/LN not counted)."""
     _check_direction(direction)
     fwd = mlm_head_flops(m, h, vocab)
+    return {"fwd": fwd, "bwd": 2 * fwd, "fwd+bwd": 3 * fwd}[direction]
+
+
+def ffn_flops(n: int, h: int, f: int, direction: str) -> float:
+    """The FFN's two GEMMs at N rows, [H] -> [F] -> [H]: 4*N*H*F forward (GELU not counted)."""
+    _check_direction(direction)
+    fwd = 4.0 * n * h * f
     return {"fwd": fwd, "bwd": 2 * fwd, "fwd+bwd": 3 * fwd}[direction]
 
 

@@ -34,8 +34,11 @@ from bertfast.bench.results import (FULL_HEAD, GEMM_FLOOR, SDPA_CUDNN, SDPA_FLAS
 
 Tensor = torch.Tensor
 SUITE = "kernels"
-OPS = ("attention", "bias_gelu", "bias_dropout_residual_layernorm", "embeddings", "mlm_head_loss_decoder",
+OPS = ("attention", "bias_gelu", "ffn", "bias_dropout_residual_layernorm", "embeddings", "mlm_head_loss_decoder",
        "mlm_head_loss", "adamw", "lamb")
+# Cases that decide an op's backend preference in place of the op's own (bertfast.bench.preference):
+# in training bias_gelu runs inside the FFN, in its GEMMs' epilogues where the backend has such GEMMs.
+DECIDES = {"ffn": "bias_gelu"}
 ALL_DIRECTIONS = ("fwd", "bwd", "fwd+bwd")
 STEP = "step"  # the optimizer cases' one direction: one optimizer step
 GRAD_IN_FORWARD = ("fwd", "fwd+bwd")  # ops whose gradients are computed inside the forward pass
@@ -305,6 +308,43 @@ def bias_gelu_cases(ctx: SuiteContext) -> List[OpCase]:
             out.append(OpCase("bias_gelu", {"tokens": n, "features": f, "params": params, "dtype": dtype_name(ctx.dtype)},
                               make(reference.bias_gelu, fp32=()), impls,
                               lambda d, n=n, f=f, act=act, par=par: {"bytes": W.bias_gelu_bytes(n, f, act, par, d)}))
+    return out
+
+
+def _ffn_reference(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor) -> Tensor:
+    return F.linear(reference.bias_gelu(F.linear(x, w1), b1), w2)
+
+
+def _ffn_fast(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor) -> Tensor:
+    """The FFN as the encoder trains it: one node with the bias and GELU in its GEMMs where the
+    backend has them (bertfast.residual_linear.ffn), else GEMM, the bias_gelu op, GEMM."""
+    from bertfast import ops, residual_linear
+    gemms = residual_linear.ffn_gemms(x, w1, b1, w2)
+    if gemms is not None:
+        return residual_linear.ffn(x, w1, b1, w2, "none", gemms)[0]
+    return F.linear(ops.bias_gelu(F.linear(x, w1), b1), w2)
+
+
+def ffn_cases(ctx: SuiteContext) -> List[OpCase]:
+    """BERT's FFN before its output bias (which the LayerNorm op takes): GELU(x W1^T + b1) W2^T, the
+    weights in the activations' dtype as the optimizer's working copies are. ``bertfast:<backend>``
+    runs bias_gelu on that backend: on Triton inside the GEMMs, on the others after cuBLAS's GEMM."""
+    dev, out = ctx.torch_device, []
+    for n, h, f in _row_shapes(ctx, [(16384, 1024, 4096), (16384, 768, 3072)], [(16384, 1024, 4096)], [(64, 32, 128)]):
+        gen = generator_for("ffn", n, h, f)
+        data = {"x": torch.randn(n, h, generator=gen), "w1": torch.randn(f, h, generator=gen) / math.sqrt(h),
+                "b1": torch.randn(f, generator=gen), "w2": torch.randn(h, f, generator=gen) / math.sqrt(f)}
+        data = {k: v.to(dev) for k, v in data.items()}
+        dy = torch.randn(n, h, generator=gen).to(dev)
+
+        def make(fn, data=data, dy=dy):
+            return lambda dtype: _simple(fn, ["x", "w1", "b1", "w2"], data, dtype, dy)
+        impls = _backend_impls(ctx, ["bias_gelu"], lambda make=make: make(_ffn_fast))
+        impls.append(Impl(TORCH_EAGER, make(_ffn_reference)))
+        impls.append(_compile_impl(ctx, _ffn_reference, make))
+        out.append(OpCase("ffn", {"tokens": n, "hidden": h, "features": f, "dtype": dtype_name(ctx.dtype)},
+                          make(_ffn_reference), impls,
+                          lambda d, n=n, h=h, f=f: {"flops": W.ffn_flops(n, h, f, d)}))
     return out
 
 
@@ -612,6 +652,7 @@ def _note_optimizers(ctx: SuiteContext) -> None:
 CASE_BUILDERS = {
     "attention": attention_cases,
     "bias_gelu": bias_gelu_cases,
+    "ffn": ffn_cases,
     "bias_dropout_residual_layernorm": bdrln_cases,
     "embeddings": embeddings_cases,
     "mlm_head_loss_decoder": mlm_head_loss_decoder_cases,

@@ -2,7 +2,9 @@
 a GPU model, as measured by `bertfast bench` on that GPU.
 
 After a GPU run, for every op timed on both fast backends, the one with the lower geometric
-mean of its fwd+bwd (else fwd) median time over the shared cases comes first. The table is
+mean of its fwd+bwd (else fwd) median time over the shared cases comes first; an op that a case
+group decides (kernel_cases.DECIDES: bias_gelu by the FFN, where training runs it) takes that
+group's times in place of its own. The table is
 a JSON file keyed by GPU name (``bertfast.dispatch.preference_file()``); dispatch reads it for
 CUDA inputs on that GPU and otherwise keeps its default order.
 """
@@ -34,6 +36,10 @@ def measured_order(run: Run) -> Dict[str, List[str]]:
                 times[row.group][backend].setdefault(f"{variant}|{row.case_key()}", row.time_ms.median)
         if times:
             break
+    from bertfast.bench.kernel_cases import DECIDES
+    for group, op in DECIDES.items():  # e.g. bias_gelu's order from the FFN, where training runs it
+        if group in times:
+            times[op] = times.pop(group)
     order: Dict[str, List[str]] = {}
     for op, per_backend in times.items():
         if set(per_backend) != set(FAST):

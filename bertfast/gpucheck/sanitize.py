@@ -56,11 +56,18 @@ def attention_padded(device, dtype):
 
 
 def bias_gelu(device, dtype):
+    from bertfast import residual_linear
     from bertfast.ops import bias_gelu as op
     out = []
     for approximate in ("none", "tanh"):
         x, bias = _leaf(37, 300, device=device, dtype=dtype), _leaf(300, device=device, dtype=torch.float32)
         out += _grads(op(x, bias, approximate), [x, bias])
+    # and inside the FFN's GEMMs where the backend has them (Triton, bf16): ragged tiles every way
+    x, w1, b1, w2 = (_leaf(*shape, device=device, dtype=dtype, scale=0.2)
+                     for shape in ((37, 40), (48, 40), (48,), (40, 48)))
+    gemms = residual_linear.ffn_gemms(x, w1, b1, w2)
+    if gemms is not None:
+        out += _grads(residual_linear.ffn(x, w1, b1, w2, "none", gemms)[0], [x, w1, b1, w2])
     return out
 
 

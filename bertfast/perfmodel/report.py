@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import functools
 import glob
+import importlib
 import json
 import math
 import os
@@ -165,6 +166,17 @@ def targets(results: Sequence[KernelResult], gpu: Gpu = H100) -> List[Dict[str, 
                     "unit": "% MFU (device time; a CUDA-graph step)", "met": plan["mfu"] >= case.target_mfu,
                     "ceiling": 100 * plan["ceiling"]["mfu"]})
     return out
+
+
+def refitted_steps(results: List[KernelResult], refit: Tuple[float, float, float], gpu: Gpu = H100):
+    """The step budgets with the kernels retimed under refitted constants (overlap, memory_overlap, a
+    factor on the memory latency): the targets' steps as a GPU run's measurements would price them."""
+    overlap, memory_overlap, latency_factor = refit
+    retimed = [replace(r, prediction=replace(r.prediction, predicted_s=retime(r.prediction, *refit)))
+               if r.prediction is not None else r for r in results]
+    refit_gpu = replace(gpu, overlap=overlap, memory_overlap=memory_overlap,
+                        memory_latency_s=gpu.memory_latency_s * latency_factor)
+    return [S.budget(retimed, case, refit_gpu) for case in S.STEP_CASES]
 
 
 # --------------------------------------------------------------------------- measured runs
@@ -331,12 +343,36 @@ def compare(results: Sequence[KernelResult], profile: Profile) -> List[Dict[str,
         ms, calls = profile.kernels[r.kernel]
         layer_calls = calls // layers * layers or calls
         scale = profile.setting.tokens / tokens if tokens and r.op in ROW_OPS else 1.0
+        # A kernel a layer runs in several variants (the FFN's GEMM forward and backward, step.FFN_GEMMS)
+        # is timed as one name: its calls set beside the mean of their predictions (and not fitted: the
+        # constants are fitted to kernels with one prediction per measured time). Any other kernel is
+        # its first launch's, the training variant.
+        tags = [tag for kernel, tag in S.FFN_GEMMS if kernel == r.kernel]
+        predictions = [next(v.prediction for v in results if v.setting == r.setting and v.kernel == r.kernel
+                            and tag in v.variant and v.prediction is not None) for tag in tags] or [r.prediction]
         rows.append({"kernel": r.kernel, "measured_s": ms / 1e3 / layer_calls * scale, "calls": calls,
                      "layer_calls": layer_calls, "token_scale": scale, "tuned_config": r.tuned,
-                     "predicted_s": r.prediction.predicted_s, "prediction": r.prediction,
-                     "changed_since_run": changed_since(
-                         profile.path, [f"kernels/{r.op}.py"] + (["kernels/_rows.py"] if r.op in ROW_OPS else []))})
+                     "predicted_s": sum(p.predicted_s for p in predictions) / len(predictions),
+                     "prediction": r.prediction, "predictions": predictions, "variants": len(predictions),
+                     "changed_since_run": changed_since(profile.path, [kernel_source(r.kernel, r.op)] + (
+                         ["kernels/_rows.py"] if r.op in ROW_OPS else []))})
     return rows
+
+
+def kernel_source(kernel: str, op: str) -> str:
+    """The file under kernels/ that defines ``kernel``: kernels/<op>.py, or the module of bertfast.kernels
+    that has it (the FFN's GEMM of the bias_gelu op: kernels/gemm_bias_gelu.py)."""
+    import pkgutil
+
+    import bertfast.kernels as package
+    for name in [op] + [m.name for m in pkgutil.iter_modules(package.__path__)]:
+        try:
+            module = importlib.import_module(f"bertfast.kernels.{name}")
+        except ImportError:
+            continue
+        if hasattr(module, kernel):
+            return f"kernels/{name}.py"
+    return f"kernels/{op}.py"
 
 
 def fit_overlap(rows: Sequence[Dict[str, object]]) -> Optional[float]:
@@ -344,11 +380,11 @@ def fit_overlap(rows: Sequence[Dict[str, object]]) -> Optional[float]:
     times, relative errors weighted alike (least squares on time / measured: each predicted time is
     linear in the constant), and never below 0 (perfect overlap): a kernel that runs faster than its
     binding bound says that bound's constant is low for it, not that units overlap better than
-    perfectly. Kernels changed since the run are left out: their measured time is of other code.
-    None when no row is left."""
+    perfectly. Kernels changed since the run are left out: their measured time is of other code; so
+    are kernels timed under one name in several variants (compare). None when no row is left."""
     num = den = 0.0
     for row in rows:
-        if row.get("changed_since_run") or streaming(row["prediction"]):
+        if row.get("changed_since_run") or row.get("variants", 1) > 1 or streaming(row["prediction"]):
             continue
         base = time_with_overlap(row["prediction"], 0.0) / row["measured_s"]
         slope = time_with_overlap(row["prediction"], 1.0) / row["measured_s"] - base
@@ -367,7 +403,8 @@ def fit_memory_constants(rows: Sequence[Dict[str, object]], gpu: Gpu = H100) -> 
     since the run (least squares on time / measured over a grid; the overlap never below 0). The
     latency is only fitted when some kernel's time depends on it (a latency-bound one): otherwise,
     and for a constant no row decides, None. Of equally good latencies the one nearest ``gpu``'s wins."""
-    kept = [r for r in rows if not r.get("changed_since_run") and streaming(r["prediction"])]
+    kept = [r for r in rows if not r.get("changed_since_run") and r.get("variants", 1) == 1
+            and streaming(r["prediction"])]
     if not kept:
         return {"memory_overlap": None, "memory_latency_s": None}
 
@@ -467,7 +504,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{profile.setting.batch} on {profile.device}; predicted for it at "
               f"{measured_gpu.achievable_hbm_bytes_per_s / 1e12:.2f} TB/s), us per layer call:")
         for row in rows:
-            row["refit_s"] = retime(row["prediction"], *refit)
+            row["refit_s"] = sum(retime(p, *refit) for p in row["predictions"]) / len(row["predictions"])
             print(f"  {row['kernel'].strip('_').replace('_kernel', ''):38s} measured {row['measured_s'] * 1e6:7.1f}"
                   f"  predicted {row['predicted_s'] * 1e6:7.1f}  refitted {row['refit_s'] * 1e6:7.1f}"
                   + ("" if row["tuned_config"] else "  [first candidate: the run's config unknown]")
@@ -480,20 +517,28 @@ def main(argv: Optional[List[str]] = None) -> int:
               + f" ({measured_gpu.memory_overlap:g}); memory_latency_s "
               + (f"{latency * 1e6:.2f} us" if latency is not None else "- (no latency-bound kernel)")
               + f" ({measured_gpu.memory_latency_s * 1e6:.2f} us)")
+        refit_plans = refitted_steps(results, refit)
+        steps = "; ".join(f"{plan['case'].split(' step')[0]} {100 * plan['mfu']:.1f}% MFU (target "
+                          f"{100 * plan['target_mfu']:.0f})" for plan in refit_plans)
+        print(f"  the targets' steps priced with these refitted constants (the targets below take the assumed): {steps}")
         tokens = profiled_tokens(profile)
         print("  (the profile's kernels ran autotuned configs on the model suite's lengths"
               + (f" ({tokens:,} real tokens of {profile.setting.tokens:,}: row kernels scaled to full lengths)"
                  if tokens else "") + "; the predictions read at full lengths the config the run's autotuner chose where "
               "its profile lists it, else the first candidate)")
         comparison = {"profile": shown, "device": profile.device, "overlap_fitted": fitted,
+                      "steps_refitted": [{k: plan[k] for k in ("case", "seconds", "mfu", "target_mfu")}
+                                         for plan in refit_plans],
                       "memory_overlap_fitted": fitted_memory["memory_overlap"],
                       "memory_latency_s_fitted": latency,
-                      "rows": [{k: v for k, v in row.items() if k != "prediction"} for row in rows]}
+                      "rows": [{k: v for k, v in row.items() if k not in ("prediction", "predictions")}
+                               for row in rows]}
         traced = S.trace_device_time(profile.trace) if os.path.exists(profile.trace) else None
         case = next((c for c in S.STEP_CASES if c.setting == profile.setting), None)
         if traced is not None and case is not None:
-            plan = S.budget(measured_results, case, measured_gpu)
+            plan = S.budget(measured_results, case, measured_gpu, accumulation=1)  # the profile's one micro-batch
             item = {i["name"]: i["seconds"] for i in plan["items"]}
+            gemms = item["GEMMs"] + item["FFN GEMMs + GELU"]  # a trace counts the fused ones among its GEMMs
             if profile.graphed:
                 predicted, which = plan["seconds"], "the budget: the profiled step is pretrain's graphed step"
             else:  # the bench's eager step neither clips nor takes a norm
@@ -502,11 +547,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "AdamW writes no working copies, so its forwards cast every GEMM weight")
             print(f"  the step's device time (its trace, union of device spans): measured {traced['busy_ms']:.1f} ms, "
                   f"predicted {predicted * 1e3:.1f} ms ({which}); GEMMs measured {traced['gemm_ms']:.1f} ms, "
-                  f"predicted {item['GEMMs'] * 1e3:.1f} ms (the trace's lengths are ~96% real tokens, the budget's full"
+                  f"predicted {gemms * 1e3:.1f} ms (the FFN's with GELU epilogues among them; the trace's lengths are "
+                  "~96% real tokens, the budget's full"
                   + ("; the kernels changed since the run are predicted as they are now" if any(
                       row["changed_since_run"] for row in rows) else "") + ")")
             comparison["step"] = {"measured_busy_ms": traced["busy_ms"], "measured_gemm_ms": traced["gemm_ms"],
-                                  "predicted_ms": predicted * 1e3, "predicted_gemm_ms": item["GEMMs"] * 1e3,
+                                  "predicted_ms": predicted * 1e3, "predicted_gemm_ms": gemms * 1e3,
                                   "graphed": profile.graphed}
     goals = targets(results)
     print("\ntargets (predicted):")

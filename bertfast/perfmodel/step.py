@@ -4,10 +4,14 @@ A step (forward, backward, bertfast's AdamW; bf16 autocast over fp32 weights; fu
 sequences, the BERT recipe's masked positions) is the sum of:
 
 - GEMMs: the model's linear-layer FLOPs (bertfast.flops, 3 x forward) at the GEMM rate measured
-  for BERT's GEMMs (hardware.Gpu.gemm_flops);
+  for BERT's GEMMs (hardware.Gpu.gemm_flops), but for two per layer:
+- the FFN's GEMMs with GELU in their epilogues (kernels/gemm_bias_gelu.py: the up-projection
+  forward, dy @ W2 backward), each at the larger of its kernel's prediction and the GEMM rate plus
+  the bytes its epilogue adds to a plain GEMM's (z written forward, read backward, and the bias
+  gradient's partials) at the achievable bandwidth: no faster than cuBLAS would run the GEMM alone;
 - attention: every layer's forward and backward kernels, as the kernel model predicts them;
-- row ops: every layer's bias+GELU and two bias+dropout+residual+LayerNorm, forward and backward,
-  and the embeddings, as predicted;
+- row ops: every layer's two bias+dropout+residual+LayerNorm, forward and backward, and the
+  embeddings, as predicted (bias+GELU runs in the GEMMs above);
 - memory-bound work the kernels do not cover, at the achievable bandwidth: the MLM loss over the
   vocabulary at the masked rows; AdamW (kernels/adamw.py: 28 bytes per parameter, and 2 more for
   the bf16 working copy it writes of each encoder GEMM weight, bertfast.working_weights); the
@@ -21,6 +25,12 @@ sequences, the BERT recipe's masked positions) is the sum of:
   two residual-gradient additions happen in the GEMMs, in place in the gradient the LayerNorm op
   hands over, beta = 1);
 - launch gaps: the step's kernels back to back on the device (as a CUDA graph replays them).
+
+A step is the target's: a global batch of 256 sequences (benchmarks/README), ACCUMULATION
+micro-batches of the benchmark's batch, so the lines above but the optimizer's and the clipping's
+come once per micro-batch, and each micro-batch after the first adds its weight gradients to the
+ones before (autograd's accumulation: 12 bytes per parameter). ``budget(..., accumulation=1)`` is the
+single micro-batch step a GPU run profiles.
 
 Predicted device time, sequences per second and MFU (model FLOPs / time / the dense bf16 peak).
 Host time is not in it: a step launched from Python eagerly can take far longer (the GPU runs
@@ -37,11 +47,12 @@ from bertfast.perfmodel.hardware import Gpu
 
 LAYERS = {"bert-base": 12, "bert-large": 24}
 VOCAB, POSITIONS, TYPES = 30522, 512, 2
-# Besides the attention's kernels (ATTENTION_KERNELS): forward 8 (4 GEMMs on the weights' working
-# copies, the attention's outside-rows pass, 3 row ops), backward 15 (8 GEMMs, the outside-rows pass,
-# 3 row ops and their column sums; the weight gradients come fp32 from the GEMMs and the residual
+# Besides the attention's kernels (ATTENTION_KERNELS): forward 7 (4 GEMMs on the weights' working
+# copies, the up-projection's with bias and GELU, the attention's outside-rows pass, 2 LayerNorms),
+# backward 14 (8 GEMMs, one with GELU', the outside-rows pass, 2 LayerNorms, and 3 column sums for
+# their and the FFN's bias gradients; the weight gradients come fp32 from the GEMMs and the residual
 # gradients are summed in them, bertfast.residual_linear)
-KERNELS_PER_LAYER_BESIDE_ATTENTION = 23
+KERNELS_PER_LAYER_BESIDE_ATTENTION = 21
 MASKED_PER_SEQUENCE = {128: 20, 512: 80}  # the BERT recipe's max_predictions_per_seq
 
 
@@ -50,13 +61,18 @@ class StepCase:
     setting: K.Setting
     target_mfu: float
     name: str
+    accumulation: int = 1  # micro-batches of setting.batch per optimizer step
 
 
-# The MFU targets (benchmarks/README): phase 1 and 2 of BERT-large, phase 1 of BERT-base, at the
-# benchmark's batches; dropout 0.1.
-STEP_CASES = (StepCase(K.Setting("bert-large", 128, 128, 0.1), 0.50, "BERT-large phase 1 step (seq 128, batch 128)"),
-              StepCase(K.Setting("bert-large", 512, 32, 0.1), 0.45, "BERT-large phase 2 step (seq 512, batch 32)"),
-              StepCase(K.Setting("bert-base", 128, 128, 0.1), 0.50, "BERT-base phase 1 step (seq 128, batch 128)"))
+# The MFU targets (benchmarks/README): phase 1 and 2 of BERT-large, phase 1 of BERT-base, at a global
+# batch of 256 (the targets' least) in micro-batches of the benchmark's batches; dropout 0.1.
+GLOBAL_BATCH = 256
+STEP_CASES = tuple(StepCase(K.Setting(model, seq, batch, 0.1), mfu,
+                            f"{name} step (seq {seq}, global batch {GLOBAL_BATCH} = {GLOBAL_BATCH // batch} x {batch})",
+                            GLOBAL_BATCH // batch)
+                   for model, seq, batch, mfu, name in (("bert-large", 128, 128, 0.50, "BERT-large phase 1"),
+                                                        ("bert-large", 512, 32, 0.45, "BERT-large phase 2"),
+                                                        ("bert-base", 128, 128, 0.50, "BERT-base phase 1")))
 
 
 def parameters(hidden: int, ffn: int, layers: int, vocab: int = VOCAB, positions: int = POSITIONS) -> int:
@@ -122,24 +138,46 @@ def _predicted(results, setting: K.Setting, kernel: str, variant_has: str = "") 
     return _launch(results, setting, kernel, variant_has).prediction.predicted_s
 
 
-# The row kernels of a layer (kernel, variant) as the budget counts them: bias+GELU and two residual
-# LayerNorms (with bias, dropout and residual), forward and backward.
-ROW_KERNELS = (("_bias_gelu_fwd_kernel", ""), ("_bias_gelu_bwd_kernel", ""),
-               *[(k, "HAS_BIAS=1") for k in ("_bias_dropout_residual_layernorm_fwd_kernel",
-                                             "_bias_dropout_residual_layernorm_fwd_kernel",
-                                             "_bias_dropout_residual_layernorm_bwd_kernel",
-                                             "_bias_dropout_residual_layernorm_bwd_kernel")])
+# The row kernels of a layer (kernel, variant) as the budget counts them: two residual LayerNorms
+# (with bias, dropout and residual), forward and backward.
+ROW_KERNELS = tuple((k, "HAS_BIAS=1") for k in ("_bias_dropout_residual_layernorm_fwd_kernel",
+                                                "_bias_dropout_residual_layernorm_fwd_kernel",
+                                                "_bias_dropout_residual_layernorm_bwd_kernel",
+                                                "_bias_dropout_residual_layernorm_bwd_kernel"))
+# The FFN's GEMMs with the bias and GELU in their epilogues: the up-projection forward, dy @ W2 backward.
+FFN_GEMMS = (("_gemm_bias_gelu_kernel", "BACKWARD=0"), ("_gemm_bias_gelu_kernel", "BACKWARD=1"))
 EMBEDDING_KERNELS = ("_embeddings_fwd_kernel", "_embeddings_bwd_kernel")
 # Line items that are not the model's work: fused away, they cost nothing.
 REMOVABLE = ("weight casts", "QKV bias grad", "residual grads")
+PER_STEP = ("AdamW", "clipping")  # once per optimizer step; the other lines once per micro-batch
 CEILING = ("every row op and the embeddings moving their bytes at the achievable bandwidth, and no weight "
            "casts, separate QKV bias gradient or residual-gradient reads; GEMMs, attention, "
            "loss, optimizer and launch gaps as predicted")
 
 
-def budget(results, case: StepCase, gpu: Gpu) -> Dict[str, object]:
-    """The step's line items (seconds), its predicted time, sequences per second and MFU on ``gpu``."""
+def ffn_gemm_seconds(results, setting: K.Setting, gpu: Gpu) -> Tuple[float, int]:
+    """(seconds of a layer's two FFN GEMMs with GELU epilogues, how many of them the floor prices):
+    each the larger of its kernel's prediction and the floor, its FLOPs at the GEMM rate plus the
+    bytes its epilogue adds to a plain GEMM's (operands read, one output written) at the achievable
+    bandwidth: never faster than cuBLAS would run the GEMM alone."""
     from bertfast.gpucheck.compile_report import MODELS
+    hidden, _, ffn = MODELS[setting.model]
+    flops = 2.0 * setting.tokens * hidden * ffn
+    plain = 2.0 * (setting.tokens * hidden + hidden * ffn + setting.tokens * ffn)  # bf16 operands and output
+    total, floors = 0.0, 0
+    for kernel, variant in FFN_GEMMS:
+        r = _launch(results, setting, kernel, variant)
+        floor = flops / gpu.gemm_flops + max(0.0, r.hbm_bytes - plain) / gpu.achievable_hbm_bytes_per_s
+        total += max(r.prediction.predicted_s, floor)
+        floors += floor >= r.prediction.predicted_s
+    return total, floors
+
+
+def budget(results, case: StepCase, gpu: Gpu, accumulation: Optional[int] = None) -> Dict[str, object]:
+    """The step's line items (seconds), its predicted time, sequences per second and MFU on ``gpu``:
+    ``accumulation`` micro-batches (default the case's) and one optimizer step."""
+    from bertfast.gpucheck.compile_report import MODELS
+    accumulation = case.accumulation if accumulation is None else accumulation
     s = case.setting
     hidden, _, ffn = MODELS[s.model]
     layers = LAYERS[s.model]
@@ -160,14 +198,20 @@ def budget(results, case: StepCase, gpu: Gpu) -> Dict[str, object]:
     launches = layers * (KERNELS_PER_LAYER_BESIDE_ATTENTION + len(attention_kernels) + 2) + 20
     rows = sum(_predicted(results, s, k, v) for k, v in ROW_KERNELS)
     embeddings = sum(_predicted(results, s, k) for k in EMBEDDING_KERNELS)
+    ffn_gemms, floors = ffn_gemm_seconds(results, s, gpu)
+    fused_flops = layers * 2 * 2.0 * tokens * hidden * ffn  # the two GEMMs with GELU epilogues
+    gemm_flops = flops - attention_flops - fused_flops
     items = [
-        ("GEMMs", (flops - attention_flops) / gpu.gemm_flops,
-         f"{(flops - attention_flops) / 1e12:.1f} TFLOP at {gpu.gemm_flops / 1e12:.0f} TFLOP/s"),
+        ("GEMMs", gemm_flops / gpu.gemm_flops,
+         f"{gemm_flops / 1e12:.1f} TFLOP at {gpu.gemm_flops / 1e12:.0f} TFLOP/s"),
+        ("FFN GEMMs + GELU", layers * ffn_gemms,
+         f"{layers} x {ffn_gemms * 1e6:.0f} us (the up-projection forward, dy @ W2 backward: {fused_flops / 1e12:.1f} "
+         f"TFLOP, the bias and GELU in their epilogues; {floors} of 2 priced at the GEMM rate plus their epilogues' "
+         "bytes, above their kernel's prediction)"),
         ("attention", layers * attention,
          f"{layers} x {attention * 1e6:.0f} us ({', '.join(ATTENTION_KERNELS.get(k, k) for k in attention_kernels)})"),
         ("row ops", layers * rows + embeddings,
-         f"{layers} x {rows * 1e6:.0f} us (bias+GELU, 2 x residual LayerNorm, fwd+bwd) + embeddings "
-         f"{embeddings * 1e6:.0f} us"),
+         f"{layers} x {rows * 1e6:.0f} us (2 x residual LayerNorm, fwd+bwd) + embeddings {embeddings * 1e6:.0f} us"),
         ("MLM loss", 4.0 * masked * VOCAB / bw, f"{masked} rows x {VOCAB} logits, read and gradient written (bf16)"),
         ("AdamW", (28.0 * params + 2.0 * copies) / bw,
          f"{params / 1e6:.0f}M parameters x 28 bytes, and the bf16 working copies of {copies / 1e6:.0f}M "
@@ -189,25 +233,34 @@ def budget(results, case: StepCase, gpu: Gpu) -> Dict[str, object]:
          "did not hide them)"),
         ("launch gaps", launches * gpu.launch_gap_s, f"~{launches} kernels x {gpu.launch_gap_s * 1e6:.1f} us"),
     ]
+    # The step: the lines above once per micro-batch (the optimizer's and the clipping's once), and the
+    # gradients of each micro-batch after the first added to the ones before.
+    items = [(n, t if n in PER_STEP else accumulation * t,
+              how if n in PER_STEP or accumulation == 1 else f"{how}; x {accumulation} micro-batches")
+             for n, t, how in items]
+    items.append(("accumulation", (accumulation - 1) * 12.0 * params / bw,
+                  f"{accumulation - 1} x the gradients added to the ones before by autograd (12 bytes per "
+                  "parameter: both read, the sum written)" if accumulation > 1 else "one micro-batch: nothing added"))
     seconds = sum(t for _, t, _ in items)
     # The ceiling: this step with its memory-bound work done as well as it can be, the GEMMs,
     # attention, loss, optimizer and launches as above.
     row_bytes = sum(_launch(results, s, k, v).hbm_bytes for k, v in ROW_KERNELS)
     embedding_bytes = sum(_launch(results, s, k).hbm_bytes for k in EMBEDDING_KERNELS)
     best = {n: t for n, t, _ in items}
-    best["row ops"] = (layers * row_bytes + embedding_bytes) / bw
+    best["row ops"] = accumulation * (layers * row_bytes + embedding_bytes) / bw
     for name in REMOVABLE:
         best[name] = 0.0
     ceiling = sum(best.values())
-    return {"case": case.name, "setting": s.label(), "items": [{"name": n, "seconds": t, "how": how}
-                                                              for n, t, how in items],
-            "seconds": seconds, "sequences_per_s": s.batch / seconds, "model_flops": flops,
-            "mfu": flops / seconds / gpu.dense_bf16_flops, "target_mfu": case.target_mfu,
-            "ceiling": {"seconds": ceiling, "mfu": flops / ceiling / gpu.dense_bf16_flops, "how": CEILING}}
+    step_flops = accumulation * flops
+    return {"case": case.name, "setting": s.label(), "accumulation": accumulation,
+            "items": [{"name": n, "seconds": t, "how": how} for n, t, how in items],
+            "seconds": seconds, "sequences_per_s": accumulation * s.batch / seconds, "model_flops": step_flops,
+            "mfu": step_flops / seconds / gpu.dense_bf16_flops, "target_mfu": case.target_mfu,
+            "ceiling": {"seconds": ceiling, "mfu": step_flops / ceiling / gpu.dense_bf16_flops, "how": CEILING}}
 
 
 # --------------------------------------------------------------------------- a GPU run's trace
-GEMM_NAMES = ("nvjet", "gemm", "cutlass", "xmma", "sm90_", "sm80_")
+GEMM_NAMES = ("nvjet", "gemm", "cutlass", "xmma", "sm90_", "sm80_")  # cuBLAS's, and _gemm_bias_gelu_kernel
 
 
 def trace_device_time(path: str) -> Optional[Dict[str, float]]:
