@@ -86,19 +86,22 @@ def test_measured_preference_reorders_fast_backends_per_gpu(tmp_path, monkeypatc
     from bertfast.bench.results import Row, Run
     from bertfast.bench.timing import Stat
 
-    def row(impl, ms, case):
-        return Row("kernels", "bias_gelu", case, "fwd+bwd", impl, time_ms=Stat(median=ms, p20=ms, p80=ms, n=3))
+    def row(impl, ms, case, group="embeddings"):
+        return Row("kernels", group, case, "fwd+bwd", impl, time_ms=Stat(median=ms, p20=ms, p80=ms, n=3))
 
     rows = [row("bertfast:triton", 2.0, {"h": 768}), row("bertfast:cuda", 1.0, {"h": 768}),
             row("bertfast:triton", 3.0, {"h": 1024}), row("bertfast:cuda", 2.0, {"h": 1024}),
             row("bertfast:triton", 1.0, {"h": 64})]  # only on one backend: not compared
     run = Run(device=SimpleNamespace(kind="cuda", name="Test GPU"), config={}, rows=rows)
-    assert measured_order(run) == {"bias_gelu": ["cuda", "triton"]}
-    # The FFN's case decides bias_gelu where it was timed: training runs the op there (on Triton inside
-    # the GEMMs), so a faster row kernel alone does not take the op off Triton.
-    ffn = [Row("kernels", "ffn", {"h": 768}, "fwd+bwd", impl, time_ms=Stat(median=ms, p20=ms, p80=ms, n=3))
-           for impl, ms in (("bertfast:triton", 4.0), ("bertfast:cuda", 5.0))]
-    assert measured_order(Run(device=run.device, config={}, rows=rows + ffn)) == {"bias_gelu": ["triton", "cuda"]}
+    assert measured_order(run) == {"embeddings": ["cuda", "triton"]}
+    # bias_gelu is decided by the FFN's case, where training runs it (on Triton inside the GEMMs): its
+    # row kernel's times alone decide nothing, the FFN's do.
+    gelu = [row(impl, ms, {"h": 768}, "bias_gelu") for impl, ms in (("bertfast:triton", 2.0), ("bertfast:cuda", 1.0))]
+    assert measured_order(Run(device=run.device, config={}, rows=gelu)) == {}
+    ffn = [row(impl, ms, {"h": 768}, "ffn") for impl, ms in (("bertfast:triton", 5.0), ("bertfast:cuda", 4.0))]
+    assert measured_order(Run(device=run.device, config={}, rows=gelu + ffn)) == {"bias_gelu": ["cuda", "triton"]}
+    ffn = [row(impl, ms, {"h": 768}, "ffn") for impl, ms in (("bertfast:triton", 4.0), ("bertfast:cuda", 5.0))]
+    assert measured_order(Run(device=run.device, config={}, rows=gelu + ffn)) == {"bias_gelu": ["triton", "cuda"]}
     path = tmp_path / "pref.json"
     monkeypatch.setenv("BERTFAST_PREFERENCE_FILE", str(path))
     assert record(run) == str(path)
@@ -106,9 +109,9 @@ def test_measured_preference_reorders_fast_backends_per_gpu(tmp_path, monkeypatc
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: asked.append(device) or "Test GPU")
     try:
         cuda = torch.device("cuda", 0)
-        assert dispatch.preference("bias_gelu", cuda) == ("cuda", "triton", "torch")
-        assert dispatch.preference("embeddings", cuda) == dispatch.PREFERENCE
-        assert dispatch.preference("bias_gelu", torch.device("cpu")) == dispatch.PREFERENCE
+        assert dispatch.preference("embeddings", cuda) == ("cuda", "triton", "torch")
+        assert dispatch.preference("bias_gelu", cuda) == dispatch.PREFERENCE
+        assert dispatch.preference("embeddings", torch.device("cpu")) == dispatch.PREFERENCE
         assert asked == [0]  # the name is asked once per device, not on every op call (host overhead)
     finally:
         dispatch.reload_preferences()

@@ -4,7 +4,7 @@ a GPU model, as measured by `bertfast bench` on that GPU.
 After a GPU run, for every op timed on both fast backends, the one with the lower geometric
 mean of its fwd+bwd (else fwd) median time over the shared cases comes first; an op that a case
 group decides (kernel_cases.DECIDES: bias_gelu by the FFN, where training runs it) takes that
-group's times in place of its own. The table is
+group's times, and without them keeps its default order. The table is
 a JSON file keyed by GPU name (``bertfast.dispatch.preference_file()``); dispatch reads it for
 CUDA inputs on that GPU and otherwise keeps its default order.
 """
@@ -37,7 +37,8 @@ def measured_order(run: Run) -> Dict[str, List[str]]:
         if times:
             break
     from bertfast.bench.kernel_cases import DECIDES
-    for group, op in DECIDES.items():  # e.g. bias_gelu's order from the FFN, where training runs it
+    for group, op in DECIDES.items():  # bias_gelu's order from the FFN, where training runs it, or none
+        times.pop(op, None)
         if group in times:
             times[op] = times.pop(group)
     order: Dict[str, List[str]] = {}
