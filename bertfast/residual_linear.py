@@ -27,7 +27,7 @@ weight gradient.
 
 ``ffn`` is one node for the whole FFN before its output bias, GELU(x @ W1^T + b1) @ W2^T, keeping x
 as the residual too, where the bias_gelu op's backend has GEMMs with that op's math in their
-epilogues (FFN_GEMMS: Triton's kernels/gemm_bias_gelu.py): the up-projection writes GELU's input
+epilogues (gemm_bias_gelu_fwd and gemm_gelu_bwd: Triton's): the up-projection writes GELU's input
 and output from its accumulator, and the backward's dy @ W2 multiplies by GELU' as it stores, so the
 bias_gelu row kernel's passes over the [N, 4H] activations go.
 
@@ -36,7 +36,6 @@ Only for what is differentiated: with no gradient to record there is nothing to 
 """
 from __future__ import annotations
 
-import importlib
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -180,13 +179,9 @@ def dense(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
 
 
 # ------------------------------------------------------------------ the FFN with GELU in its GEMMs
-# The bias_gelu op's backends that also run the FFN's GEMMs with the op's math in their epilogues.
-FFN_GEMMS = {"triton": "bertfast.kernels.gemm_bias_gelu"}
-
-
 class _FfnKeepingInput(torch.autograd.Function):
-    """GELU(x @ W1^T + b1) @ W2^T and x (the residual), where ``gemms`` (ffn_gemms:
-    bertfast.kernels.gemm_bias_gelu) runs the up-projection with bias and GELU in its epilogue
+    """GELU(x @ W1^T + b1) @ W2^T and x (the residual), where ``gemms`` (ffn_gemms: the bias_gelu
+    op's backend, bertfast.kernels.bias_gelu) runs the up-projection with bias and GELU in its epilogue
     and, backward, dy @ W2 with GELU' in its epilogue. The other GEMMs are cuBLAS's, as in
     _LinearKeepingInput; the output projection's bias goes to the LayerNorm op after it."""
 
@@ -221,10 +216,11 @@ class _FfnKeepingInput(torch.autograd.Function):
 
 
 def ffn_gemms(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor):
-    """The module that runs the FFN's GEMMs with GELU in their epilogues for these tensors (``ffn``),
-    or None: where dispatch gives the up-projection's output a bias_gelu backend in FFN_GEMMS, on
-    plain tensors in eager mode whose compute dtype (autocast's, else their own) is one (on a GPU,
-    bf16 or fp16), the weights' widths multiples of 8 (16-byte rows)."""
+    """The backend module that runs the FFN's GEMMs with GELU in their epilogues for these tensors
+    (``ffn``), or None: the bias_gelu backend dispatch gives the up-projection's output, where it has
+    such GEMMs (gemm_bias_gelu_fwd, gemm_gelu_bwd: Triton's), on plain tensors in eager mode whose
+    compute dtype (autocast's, else their own) is one (on a GPU, bf16 or fp16), the weights' widths
+    multiples of 8 (16-byte rows)."""
     if torch.compiler.is_compiling() or any(type(t) not in PLAIN_TYPES for t in (x, w1, b1, w2)):
         return None
     dtype = _compute_dtype(x)
@@ -234,14 +230,14 @@ def ffn_gemms(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor):
     if x.device.type == "cuda" and dtypes.pop() not in (torch.bfloat16, torch.float16):
         return None  # fp32 GEMMs are cuBLAS's (IEEE fp32 FMAs: no tensor cores for the epilogue to ride on)
     out = x.new_empty((0, w1.shape[0]), dtype=_cast_dtype(x, dtype))  # the up-projection's output, as bias_gelu gets it
-    module = FFN_GEMMS.get(dispatch.select("bias_gelu", x=out, bias=b1))
-    return importlib.import_module(module) if module is not None else None
+    impl = dispatch.get("bias_gelu", dispatch.select("bias_gelu", x=out, bias=b1)).impl
+    return impl if hasattr(impl, "gemm_bias_gelu_fwd") else None
 
 
 def ffn_summary() -> str:
     """One line for `bertfast info`: where the FFN's GEMMs apply the bias and GELU."""
-    return (f"FFN in training: bias and GELU in the GEMMs' epilogues where the bias_gelu op runs its "
-            f"{', '.join(FFN_GEMMS)} backend ({', '.join(FFN_GEMMS.values())}; see below), else GEMM then the op")
+    return ("FFN in training: bias and GELU in the GEMMs' epilogues where the bias_gelu op's backend has "
+            "such GEMMs (triton: kernels/bias_gelu.py; see below), else GEMM, then the op")
 
 
 def ffn(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, approximate: str, gemms) -> Tuple[Tensor, Tensor]:

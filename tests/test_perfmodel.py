@@ -201,7 +201,7 @@ def test_a_profile_is_read_and_the_overlap_fitted_to_it(tmp_path, gelu_bwd):
 
 def test_a_kernel_timed_in_two_variants_is_compared_with_their_mean(tmp_path):
     """The FFN's GEMM runs forward and backward variants under one kernel name: a profile's calls of it
-    are set beside the mean of the two predictions, its source is kernels/gemm_bias_gelu.py."""
+    are set beside the mean of the two predictions."""
     from types import SimpleNamespace
 
     from bertfast.perfmodel import report
@@ -224,8 +224,6 @@ def test_a_kernel_timed_in_two_variants_is_compared_with_their_mean(tmp_path):
                                     SimpleNamespace(predicted_s=t)) for b, t in ((1, 40e-6), (0, 20e-6))]
     rows = {r["kernel"]: r for r in report.compare(results, report.read_profile(str(path)))}
     assert rows[ln]["predicted_s"] == pytest.approx(40e-6) and rows[ln]["variants"] == 1
-    assert report.kernel_source("_gemm_bias_gelu_kernel", "bias_gelu") == "kernels/gemm_bias_gelu.py"
-    assert report.kernel_source("_bias_gelu_bwd_kernel", "bias_gelu") == "kernels/bias_gelu.py"
 
 
 def test_the_memory_constants_are_fitted_to_the_memory_bound_kernels(gelu_bwd):
@@ -585,6 +583,25 @@ def test_a_kernel_changed_since_the_profiled_run_is_marked_and_not_fitted(tmp_pa
     assert report.changed_since(str(profile), ["kernels/attention.py"], str(tmp_path)) is True
     assert report.changed_since(str(profile), ["kernels/bias_gelu.py"], str(tmp_path)) is False
     assert report.changed_since(str(tmp_path / "nowhere.txt"), ["kernels/bias_gelu.py"], str(tmp_path)) is None
+    # Asked for one kernel, only its function and the helpers of its file it calls count: a kernel added
+    # beside it does not change it, an edit of a helper it calls does.
+    source = "@jit\ndef helper(x):\n    return x\n\n\n@jit\ndef kernel(x):\n    return helper(x)\n"
+    (tmp_path / "kernels" / "bias_gelu.py").write_text(source)
+    git("commit", "-qam", "kernels as Python")
+    profile.write_text("profile 2\n")
+    (tmp_path / "results" / "profile-graphs.txt").write_text("profile\n")
+    git("add", "-A")
+    git("commit", "-qm", "the second GPU run")
+    second = tmp_path / "results" / "profile-graphs.txt"
+    sources = ["kernels/bias_gelu.py"]
+    (tmp_path / "kernels" / "bias_gelu.py").write_text(source + "\n\n@jit\ndef gemm(x):\n    return x\n")
+    git("commit", "-qam", "a GEMM beside it")
+    assert report.changed_since(str(second), sources, str(tmp_path)) is True  # the file did change
+    assert report.changed_since(str(second), sources, str(tmp_path), kernel="kernel") is False
+    (tmp_path / "kernels" / "bias_gelu.py").write_text(source.replace("return x", "return 2 * x"))
+    assert report.changed_since(str(second), sources, str(tmp_path), kernel="kernel") is True  # its helper
+    assert report.changed_since(str(second), sources + ["kernels/attention.py"], str(tmp_path),
+                                kernel="gemm") is True  # not in the run's file: it counts as changed
     # A changed kernel's row does not move the fitted overlap.
     work = model.Work(100, 4096, 132, 8, 1e3)
     with open(FIXTURE, encoding="utf-8") as f:

@@ -360,7 +360,7 @@ def test_the_ffn_node_matches_linear_gelu_linear(approximate):
     x, w1, b1, w2 = _ffn_inputs()
     with dispatch.use_backend("triton"):
         gemms = residual_linear.ffn_gemms(x, w1, b1, w2)
-        assert gemms is importlib.import_module("bertfast.kernels.gemm_bias_gelu")
+        assert gemms is importlib.import_module("bertfast.kernels.bias_gelu")
         y, residual = residual_linear.ffn(x, w1, b1, w2, approximate, gemms)
     want = F.linear(F.gelu(F.linear(x, w1, b1), approximate=approximate), w2)
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
@@ -385,7 +385,7 @@ def test_ffn_gemms_only_where_a_backend_has_them():
 
 
 def _ffn_calls(monkeypatch):
-    gemms = importlib.import_module("bertfast.kernels.gemm_bias_gelu")
+    gemms = importlib.import_module("bertfast.kernels.bias_gelu")
     calls = []
     for name in ("gemm_bias_gelu_fwd", "gemm_gelu_bwd"):
         fn = getattr(gemms, name)

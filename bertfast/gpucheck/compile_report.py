@@ -188,7 +188,7 @@ def bert_launches(settings: Sequence[Setting], head_dims: Sequence[int] = (64,),
     backward also at SHORT_SEQUENCES, at the head dims of SHORT_SEQUENCE_HEAD_DIMS given."""
     import torch
     from bertfast.kernels import attention as A, bias_gelu as G, embeddings as E, mlm_head_loss as M
-    from bertfast.kernels import bias_dropout_residual_layernorm as L, gemm_bias_gelu as GG
+    from bertfast.kernels import bias_dropout_residual_layernorm as L
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     for model, seq, batch, act_name, params, p in settings:
@@ -239,8 +239,8 @@ def bert_launches(settings: Sequence[Setting], head_dims: Sequence[int] = (64,),
                 return
             # in the FFN's GEMMs (bertfast.residual_linear.ffn: the weights in the activations' dtype)
             h, w1, w2 = empty(tokens, hidden), empty(ffn, hidden), empty(hidden, ffn)
-            _, z = GG.gemm_bias_gelu_fwd(h, w1, empty(ffn))
-            GG.gemm_gelu_bwd(torch.empty_like(h), w2, z, bias_dtype=par)
+            _, z = G.gemm_bias_gelu_fwd(h, w1, empty(ffn))
+            G.gemm_gelu_bwd(torch.empty_like(h), w2, z, bias_dtype=par)
 
         def bias_dropout_residual_layernorm():
             x, residual = empty(tokens, hidden), empty(tokens, hidden)

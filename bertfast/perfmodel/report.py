@@ -5,9 +5,9 @@ overlap and memory constants refitted to them. Predictions are a plan, never a m
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
 import glob
-import importlib
 import json
 import math
 import os
@@ -284,12 +284,54 @@ def _adding_commit(profile_path: str, repo: str) -> Optional[str]:
     return added.split()[-1] if added and added.split() else None
 
 
-def changed_since(profile_path: str, sources: Sequence[str], repo: str = REPO) -> Optional[bool]:
+def _function_sources(text: str, name: str) -> Optional[Dict[str, str]]:
+    """The source (decorators included) of the module-level function ``name`` in ``text`` and of every
+    module-level function it names, transitively (the @triton.jit helpers a kernel calls); None when
+    the text does not parse or has no such function."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return None
+    defs = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    if name not in defs:
+        return None
+    lines, out, todo = text.splitlines(), {}, [name]
+    while todo:
+        fn = todo.pop()
+        if fn in out:
+            continue
+        node = defs[fn]
+        start = min([d.lineno for d in node.decorator_list] + [node.lineno])
+        out[fn] = "\n".join(lines[start - 1:node.end_lineno])
+        todo += [n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in defs]
+    return out
+
+
+def changed_since(profile_path: str, sources: Sequence[str], repo: str = REPO,
+                  kernel: Optional[str] = None) -> Optional[bool]:
     """Whether any of ``sources`` (paths in the repository) changed after the commit that added the
-    profile, committed or not: then the profile measured other code. None outside a git checkout."""
+    profile, committed or not: then the profile measured other code. With ``kernel``, the first source
+    is its own file, and only the kernel's function and the functions of that file it calls count
+    (code added beside it, another kernel's edits, do not). None outside a git checkout."""
     added = _adding_commit(profile_path, repo)
     if added is None:
         return None
+    if kernel is not None and sources:
+        own, sources = sources[0], list(sources[1:])
+        then = _git(repo, "show", f"{added}:{own}")
+        try:
+            with open(os.path.join(repo, own), encoding="utf-8") as f:
+                now = f.read()
+        except OSError:
+            now = None
+        before = _function_sources(then, kernel) if then is not None else None
+        after = _function_sources(now, kernel) if now is not None else None
+        if before is None or after is None:
+            sources = [own, *sources]  # not readable as Python: the whole file counts
+        elif before != after:
+            return True
+        if not sources:
+            return False
     since = _git(repo, "log", "--format=%H", f"{added}..HEAD", "--", *sources)
     local = _git(repo, "status", "--porcelain", "--", *sources)
     if since is None or local is None:
@@ -354,25 +396,10 @@ def compare(results: Sequence[KernelResult], profile: Profile) -> List[Dict[str,
                      "layer_calls": layer_calls, "token_scale": scale, "tuned_config": r.tuned,
                      "predicted_s": sum(p.predicted_s for p in predictions) / len(predictions),
                      "prediction": r.prediction, "predictions": predictions, "variants": len(predictions),
-                     "changed_since_run": changed_since(profile.path, [kernel_source(r.kernel, r.op)] + (
-                         ["kernels/_rows.py"] if r.op in ROW_OPS else []))})
+                     "changed_since_run": changed_since(
+                         profile.path, [f"kernels/{r.op}.py"] + (["kernels/_rows.py"] if r.op in ROW_OPS else []),
+                         kernel=r.kernel)})
     return rows
-
-
-def kernel_source(kernel: str, op: str) -> str:
-    """The file under kernels/ that defines ``kernel``: kernels/<op>.py, or the module of bertfast.kernels
-    that has it (the FFN's GEMM of the bias_gelu op: kernels/gemm_bias_gelu.py)."""
-    import pkgutil
-
-    import bertfast.kernels as package
-    for name in [op] + [m.name for m in pkgutil.iter_modules(package.__path__)]:
-        try:
-            module = importlib.import_module(f"bertfast.kernels.{name}")
-        except ImportError:
-            continue
-        if hasattr(module, kernel):
-            return f"kernels/{name}.py"
-    return f"kernels/{op}.py"
 
 
 def fit_overlap(rows: Sequence[Dict[str, object]]) -> Optional[float]:

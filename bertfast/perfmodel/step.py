@@ -5,7 +5,7 @@ sequences, the BERT recipe's masked positions) is the sum of:
 
 - GEMMs: the model's linear-layer FLOPs (bertfast.flops, 3 x forward) at the GEMM rate measured
   for BERT's GEMMs (hardware.Gpu.gemm_flops), but for two per layer:
-- the FFN's GEMMs with GELU in their epilogues (kernels/gemm_bias_gelu.py: the up-projection
+- the FFN's GEMMs with GELU in their epilogues (kernels/bias_gelu.py: the up-projection
   forward, dy @ W2 backward), each at the larger of its kernel's prediction and the GEMM rate plus
   the bytes its epilogue adds to a plain GEMM's (z written forward, read backward, and the bias
   gradient's partials) at the achievable bandwidth: no faster than cuBLAS would run the GEMM alone;

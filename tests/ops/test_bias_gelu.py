@@ -196,7 +196,7 @@ DEV_TRITON = torch.device("cuda" if GPU else "cpu")
 
 def check_gemm_epilogues(x, w1, b1, dy, w2, approximate):
     """gemm_bias_gelu_fwd and gemm_gelu_bwd against the reference Linear, GELU and Linear."""
-    from bertfast.kernels import gemm_bias_gelu as BG
+    from bertfast.kernels import bias_gelu as BG
 
     y, z = BG.gemm_bias_gelu_fwd(x, w1, b1, approximate)
     assert y.dtype == z.dtype == x.dtype and y.is_contiguous() and z.is_contiguous()
@@ -226,7 +226,7 @@ def test_triton_gemm_epilogues_match_reference(m, n, k, n2, dtype, approximate):
 
 
 def test_triton_gemm_epilogues_row_strided_and_empty():
-    from bertfast.kernels import gemm_bias_gelu as BG
+    from bertfast.kernels import bias_gelu as BG
 
     x, w1, b1, dy, w2 = _gemm_inputs(9, 32, 16, 8, torch.float32)
     wide = torch.zeros(9, 24, device=x.device)
@@ -244,7 +244,7 @@ def test_triton_gemm_epilogues_row_strided_and_empty():
 
 
 def test_triton_gemm_epilogue_errors_are_clear():
-    from bertfast.kernels import gemm_bias_gelu as BG
+    from bertfast.kernels import bias_gelu as BG
 
     x, w1, b1, dy, w2 = _gemm_inputs(9, 32, 16, 8, torch.float32)
     with pytest.raises(ValueError, match=r"weight: expected shape \(N, 16\)"):
