@@ -162,6 +162,16 @@ def _model():
     return bertfast.BertModel(config, add_pooling_layer=False), config
 
 
+def _training_model(dropout: float = 0.0):
+    """_model() in training mode, every dropout at ``dropout``."""
+    model, config = _model()
+    model.train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = dropout
+    return model, config
+
+
 def _backward_log(model, ids, mask, fold, monkeypatch):
     if not fold:
         monkeypatch.setattr(residual_linear, "records_grad", lambda *tensors: False)
@@ -177,11 +187,7 @@ def _backward_log(model, ids, mask, fold, monkeypatch):
 def test_a_layer_backward_adds_no_residual_gradients_of_its_own(monkeypatch):
     """Each layer's two residual-gradient additions ([N, H] adds autograd makes for a tensor used twice)
     are gone: the QKV and FFN-input GEMMs sum them (addmm with an [N, H] input). Gradients unchanged."""
-    model, config = _model()
-    model.train()
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
+    model, config = _training_model()
     ids = torch.randint(5, 100, (3, 9))
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0
@@ -217,11 +223,7 @@ def test_the_qkv_bias_gradient_comes_from_the_attention(monkeypatch, dropout):
     one bias gradient per layer from there, and the GEMM's node sums none. (Gradients against plain
     autograd: test_a_layer_backward_adds_no_residual_gradients_of_its_own.)"""
     attention_op = importlib.import_module("bertfast.ops.attention")  # the package exports a function of that name
-    model, config = _model()
-    model.train()
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = dropout
+    model, config = _training_model(dropout)
     calls = []
     split = attention_op._split_bias_grad
     monkeypatch.setattr(attention_op, "_split_bias_grad", lambda *args: calls.append(1) or split(*args))
@@ -407,11 +409,7 @@ def test_a_triton_layer_runs_its_ffn_in_the_gemm_epilogues(monkeypatch):
     """Training on the Triton backend, each layer's FFN is the one node (forward and backward GEMM with
     GELU in the epilogue), with the gradients of the unfused layer; an output module with hooks is
     called as a module instead."""
-    model, config = _model()
-    model.train()
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
+    model, config = _training_model()
     ids = torch.randint(5, 100, (2, 7))
     mask = torch.ones_like(ids)
     mask[1, 5:] = 0
@@ -437,11 +435,8 @@ def test_a_triton_layer_runs_its_ffn_in_the_gemm_epilogues(monkeypatch):
 def test_on_a_gpu_the_bf16_triton_layer_runs_its_ffn_in_the_gemm_epilogues(monkeypatch):
     """The same under bf16 autocast on a GPU: the fused FFN runs (forward and backward), and every
     gradient is within bf16 rounding of the unfused Triton layer's (GEMM, then the bias_gelu op)."""
-    model, config = _model()
-    model.cuda().train()
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
+    model, config = _training_model()
+    model.cuda()
     ids = torch.randint(5, 100, (4, 33), device="cuda")
     mask = torch.ones_like(ids)
     mask[1, 20:] = 0
