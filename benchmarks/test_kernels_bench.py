@@ -50,7 +50,7 @@ def _impl_names(op: str) -> List[str]:
     return names + ([FULL_HEAD, GEMM_FLOOR] if op == "mlm_head_loss" else [])
 
 
-PARAMS = [(op, impl) for op in kc.OPS for impl in _impl_names(op)]
+PARAMS = [(op, impl) for op in kc.case_builders() for impl in _impl_names(op)]
 
 
 @functools.lru_cache(maxsize=1)
@@ -64,7 +64,7 @@ def _ctx() -> SuiteContext:
 @functools.lru_cache(maxsize=None)
 def _case(op: str) -> Tuple[kc.OpCase, Dict[str, torch.Tensor], object]:
     ctx = _ctx()
-    oc = kc.CASE_BUILDERS[op](ctx)[0]
+    oc = kc.case_builders()[op](ctx)[0]
     ref32 = oc.reference(torch.float32).run_once()
     ref_lowp = oc.reference(ctx.dtype).run_once() if ctx.dtype != torch.float32 else None
     return oc, ref32, ref_lowp

@@ -7,7 +7,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from bertfast import dispatch
+from bertfast import dispatch, registry
 from bertfast.config import BertConfig
 from bertfast.modeling import reference_execution
 from bertfast.task_models import BertForPreTraining
@@ -56,9 +56,9 @@ def parity_table(preset: str, device: torch.device) -> Tuple[str, bool]:
         rows.append((f"transformers {transformers.__version__}", _measure(hf, batch)))
     except ImportError:
         rows.append(("transformers", None))
-    selected = {op: dispatch.select(op, **_op_inputs(op, model, device)) for op in
-                ("embeddings", "attention_varlen", "bias_gelu", "bias_dropout_residual_layernorm",
-                 "mlm_head_loss")}
+    dtype = next(model.parameters()).dtype
+    selected = {op: dispatch.select(op, **registry.form(op)[1].sample_inputs(device, dtype))
+                for op in registry.step_forms()}
     lines = [f"bertfast parity: preset {preset!r} ({model.num_parameters() / 1e6:.1f}M params) on {device}, fp32, "
              f"batch 4 with random padding",
              "backends: " + ", ".join(f"{op}={name}" for op, name in selected.items()),
@@ -75,9 +75,3 @@ def parity_table(preset: str, device: torch.device) -> Tuple[str, bool]:
         all_ok &= ok
         lines.append(f"{name:28s} {hidden:17.2e} {loss:12.2e} {grad:15.2e}  {'yes' if ok else 'NO'}")
     return "\n".join(lines), all_ok
-
-
-def _op_inputs(op: str, model: BertForPreTraining, device: torch.device) -> Dict[str, torch.Tensor]:
-    from bertfast.info import _sample_inputs
-
-    return _sample_inputs(op, device, next(model.parameters()).dtype)

@@ -1,8 +1,9 @@
 """Backend selection for the fused ops (after xformers' dispatch).
 
-Each op has backends, tried in preference order (``PREFERENCE``). A backend is a module
-implementing the op's launcher contract (``<op>_fwd``/``<op>_bwd`` functions with the same
-signatures for every backend) plus two questions:
+Each op form bertfast.registry lists has three backends, registered here on first use and tried
+in preference order (``PREFERENCE``). A backend is a module implementing the op's launcher
+contract (``<op>_fwd``/``<op>_bwd`` functions with the same signatures for every backend) plus
+two questions:
 
 * ``availability()``: can it run at all on this machine (imports, built extension)?
 * ``not_supported_reasons(forced, **inputs)``: can it run these inputs (device, dtype, sizes)?
@@ -15,9 +16,10 @@ and says so: a warning once, and a record that ``bertfast info`` prints.
 
 Choices are cached (``select`` runs on every op call, and asking every backend costs tens of
 microseconds of host time): keyed by the op, the forced backend, each input's device, dtype and
-shape (the only properties ``not_supported_reasons`` may read), TRITON_INTERPRET, the CUDA
-backend's device type, and each backend's availability. ``register_backend`` and
-``reload_preferences`` clear the cache, as does ``clear_cache()``. Errors are never cached.
+shape (the only properties ``not_supported_reasons`` may read), TRITON_INTERPRET, and each
+backend's availability and state (``state_fn``: the CUDA backend's device type).
+``register_backend``, a change of bertfast.registry's list and ``reload_preferences`` clear the
+cache, as does ``clear_cache()``. Errors are never cached.
 """
 from __future__ import annotations
 
@@ -97,6 +99,8 @@ class Backend:
     not_supported_reasons: ReasonsFn
     availability_fn: Callable[[], Tuple[bool, str]] = field(default=lambda: (True, ""))
     auto_select: bool = True  # False: runs only when forced
+    # What else its reasons read (beyond the inputs), for the decision cache's key; None: nothing
+    state_fn: Optional[Callable[[], object]] = None
     _impl: object = field(default=None, repr=False)
     _available: Optional[Tuple[bool, str]] = field(default=None, repr=False)
 
@@ -138,23 +142,74 @@ def register_backend(backend: Backend) -> None:
     clear_cache()
 
 
+_SYNCED: Dict[str, object] = {}  # form -> the registry Op its backends were registered from
+_IN_SYNC = False
+
+
 def _register_ops() -> None:
-    """The ops register their backends when bertfast.ops is imported, which `import bertfast` no
-    longer does by itself (its names load on first use)."""
-    importlib.import_module("bertfast.ops")
+    """Every form of every op in bertfast.registry gets its backends here, on first use (and again
+    after the list changes: registry.register / unregister); backends registered over them since
+    (tests inject deliberately wrong ones) stay until the form's op changes."""
+    global _IN_SYNC
+    if _IN_SYNC:
+        return
+    from bertfast import registry
+    current = {f.name: op for op in registry.ops() for f in op.forms}
+    for name, op in list(_SYNCED.items()):
+        if current.get(name) is not op:
+            _REGISTRY.pop(name, None)
+            del _SYNCED[name]
+    for name, op in current.items():
+        if name not in _SYNCED:
+            register_backends(op, name)
+            _SYNCED[name] = op
+    _IN_SYNC = True
+
+
+def registry_changed() -> None:
+    """bertfast.registry calls this when its list changes: the next question re-reads it."""
+    global _IN_SYNC
+    _IN_SYNC = False
+    clear_cache()
+
+
+def register_backends(op, form: str) -> None:
+    """Register the torch, triton and cuda backends of one form of ``op`` (a bertfast.registry.Op),
+    implemented in ``op.module(backend)``.
+
+    A fused backend runs an input when its device fits, the form's float inputs are fp32, fp16 or
+    bf16, and its module's ``unsupported(inputs)`` gives no reason. ``unsupported`` may read only the
+    inputs' device, dtype and shape: dispatch caches its answer per those.
+    """
+    float_inputs = next(f for f in op.forms if f.name == form).float_inputs
+
+    def fused_reasons(name: str):
+        def reasons(forced: bool, **inputs) -> List[str]:
+            out = device_reasons(name, forced, inputs)
+            out += dtype_reasons({k: inputs[k] for k in float_inputs if k in inputs})
+            return out or get(form, name).impl.unsupported(inputs)
+        return reasons
+
+    register_backend(Backend(form, "torch", op.module("torch"), lambda forced, **inputs: []))
+    register_backend(Backend(form, "triton", op.module("triton"), fused_reasons("triton"),
+                             availability_fn=triton_availability))
+    register_backend(Backend(form, "cuda", op.module("cuda"), fused_reasons("cuda"),
+                             availability_fn=cuda_ext_availability, state_fn=_cuda_state))
 
 
 def backends(op: str) -> Dict[str, Backend]:
+    _register_ops()
     if op not in _REGISTRY:
-        _register_ops()
-    if op not in _REGISTRY:
-        raise ValueError(f"unknown op {op!r}; known ops: {sorted(_REGISTRY)}")
+        raise ValueError(f"unknown op {op!r}; known ops: {ops()}")
     return _REGISTRY[op]
 
 
 def ops() -> List[str]:
+    """The dispatch forms, in bertfast.registry's order (then any registered only here)."""
     _register_ops()
-    return sorted(_REGISTRY)
+    from bertfast import registry
+    listed = [f.name for f in registry.forms()]
+    return listed + sorted(name for name in _REGISTRY if name not in listed)
 
 
 def get(op: str, name: str) -> Backend:
@@ -232,10 +287,9 @@ def _cache_key(op: str, forced: Optional[str], inputs: Mapping[str, object]) -> 
     table = _REGISTRY.get(op)
     if table is None:
         return None
-    cuda_common = sys.modules.get("bertfast.cuda._common")  # its DEVICE_TYPE is "cpu" under the CPU emulator
-    return (op, forced, _getenv("TRITON_INTERPRET"), getattr(cuda_common, "DEVICE_TYPE", None),
-            # the table's backends and their availability (tests replace both)
-            tuple([(id(b), b._available) for b in table.values()]),
+    return (op, forced, _getenv("TRITON_INTERPRET"),
+            # the table's backends, their availability and state (tests replace all three)
+            tuple([(id(b), b._available, b.state_fn and b.state_fn()) for b in table.values()]),
             tuple([(name, (v.device, v.dtype, v.shape) if isinstance(v, torch.Tensor) else v)
                    for name, v in inputs.items()]))
 
@@ -347,16 +401,20 @@ def cuda_ext_availability() -> Tuple[bool, str]:
     return _common.extension_status()
 
 
+def _cuda_state() -> object:
+    common = sys.modules.get("bertfast.cuda._common")
+    return common.dispatch_state() if common is not None else None
+
+
 def device_reasons(backend: str, forced: bool, tensors: Mapping[str, Optional[torch.Tensor]]) -> List[str]:
-    """Device rules: torch runs anywhere; cuda needs CUDA tensors; triton needs CUDA tensors,
-    or CPU tensors under TRITON_INTERPRET=1 when forced (the interpreter is for tests)."""
+    """Device rules: torch runs anywhere; cuda as bertfast.cuda says (CUDA tensors); triton needs
+    CUDA tensors, or CPU tensors under TRITON_INTERPRET=1 when forced (the interpreter is for tests)."""
     devices = {t.device.type for t in tensors.values() if isinstance(t, torch.Tensor)}
     if backend == "torch":
         return []
     if backend == "cuda":
-        from bertfast.cuda import _common  # DEVICE_TYPE is "cpu" only while tests run the CPU emulator
-        expected = _common.DEVICE_TYPE
-        return [] if devices == {expected} else [f"needs {expected.upper()} tensors, got {sorted(devices)}"]
+        from bertfast.cuda import _common
+        return _common.device_reasons(devices)
     if devices == {"cuda"}:
         return []
     if backend == "triton" and devices <= {"cpu"}:

@@ -10,33 +10,9 @@ import argparse
 import os
 import platform
 import sys
-from typing import TYPE_CHECKING, Dict, List, Optional
-
-if TYPE_CHECKING:
-    import torch
+from typing import List, Optional
 
 # torch, dispatch and the ops are imported where used: `bertfast info --help` imports none of them.
-
-
-def _sample_inputs(op: str, device: torch.device, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
-    """Tiny meta-free inputs that describe a typical call of each op (only metadata is read)."""
-    import torch
-
-    def t(*shape, dt=dtype):
-        return torch.empty(shape, dtype=dt, device=device)
-
-    ids = t(8, dt=torch.int64)
-    return {
-        "attention_varlen": dict(q=t(8, 3, 12, 64), cu_seqlens=t(3, dt=torch.int32)),
-        "attention_padded": dict(q=t(2, 4, 12, 64), k=t(2, 4, 12, 64), v=t(2, 4, 12, 64),
-                                 key_padding_mask=t(2, 4, dt=torch.bool)),
-        "bias_gelu": dict(x=t(8, 3072), bias=t(3072)),
-        "bias_dropout_residual_layernorm": dict(x=t(8, 768), bias=t(768), residual=t(8, 768), weight=t(768),
-                                                ln_bias=t(768)),
-        "embeddings": dict(input_ids=ids, word=t(100, 768), pos=t(512, 768), token_type=t(2, 768),
-                           ln_weight=t(768), ln_bias=t(768)),
-        "mlm_head_loss": dict(x=t(8, 768), weight=t(100, 768), bias=t(100), labels=ids),
-    }[op]
 
 
 def _autotune_line() -> str:
@@ -54,8 +30,7 @@ def _autotune_line() -> str:
 def report() -> str:
     import torch
 
-    import bertfast.ops  # noqa: F401  (registers every op's backends)
-    from bertfast import dispatch
+    from bertfast import dispatch, registry
 
     lines: List[str] = ["bertfast environment", "===================="]
     lines.append(f"python {platform.python_version()}  torch {torch.__version__}  platform {platform.platform()}")
@@ -92,7 +67,7 @@ def report() -> str:
         lines.append(f"  {op}")
         for device in devices:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-            inputs = _sample_inputs(op, device, dtype)
+            inputs = registry.form(op)[1].sample_inputs(device, dtype)
             try:
                 chosen: Optional[str] = dispatch.select(op, **inputs)
                 lines.append(f"    {device.type}/{str(dtype).replace('torch.', '')}: -> {chosen}")

@@ -20,11 +20,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from bertfast import registry
 from bertfast.dispatch import use_backend
 from bertfast.modeling import reference_execution
-
-# Forward order of the ops in a BERT step.
-OP_ORDER = ("embeddings", "attention_varlen", "bias_dropout_residual_layernorm", "bias_gelu", "mlm_head_loss")
 
 
 @dataclass
@@ -146,8 +144,9 @@ def first_divergent_op(model: torch.nn.Module, batch: Dict[str, torch.Tensor], t
     (relative) off the all-torch run."""
     with use_backend("torch"):
         baseline = _signature(model, batch)
-    for op in OP_ORDER:
-        others = {name: "torch" for name in OP_ORDER + ("attention_padded",) if name != op}
+    every = [form.name for form in registry.forms()]
+    for op in registry.step_forms():  # the step's forms, in its order
+        others = {name: "torch" for name in every if name != op}
         with use_backend(others):
             signature = _signature(model, batch)
         moved = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()

@@ -198,7 +198,7 @@ def test_row_op_bytes_hand_computed():
     # bias_gelu N=10 F=4, bf16 activations, fp32 bias: fwd reads x + bias, writes y.
     assert W.bias_gelu_bytes(10, 4, 2, 4, "fwd") == 10 * 4 * 2 * 2 + 4 * 4
     assert W.bias_gelu_bytes(10, 4, 2, 4, "bwd") == 10 * 4 * 2 * 3 + 2 * 4 * 4
-    # bdrln N=2 H=3, act 2 bytes, params 4: fwd x 12 + residual 12 + bias 12 + weight/ln_bias 24
+    # bias_dropout_residual_layernorm N=2 H=3, act 2 bytes, params 4: fwd x 12 + residual 12 + bias 12 + weight/ln_bias 24
     # + y 12 + pre_norm 12 + mean/rstd 16 = 100; bwd dy 12 + pre_norm 12 + stats 16 + weight 12
     # + dx 12 + dresidual 12 + dbias 12 + dweight 12 + dln_bias 12 = 112.
     assert W.bias_dropout_residual_layernorm_bytes(2, 3, 2, 4, "fwd") == 100
@@ -651,11 +651,11 @@ def test_overhead_suite_times_every_op_on_cpu(monkeypatch):
     monkeypatch.setattr(OH, "_timing_counts", lambda ctx: (1, 5, 3))  # warm-up, calls, samples: quick
     ctx = _cpu_ctx()
     rows = OH.run(ctx)
-    assert {r.group for r in rows} == set(OH.OPS) == {"bias_gelu", "bias_dropout_residual_layernorm", "embeddings",
-                                                        "attention_varlen", "attention", "mlm_head_loss"}
+    assert list(dict.fromkeys(r.group for r in rows)) == list(OH.case_builders()) == [
+        "embeddings", "attention_varlen", "attention", "bias_dropout_residual_layernorm", "bias_gelu", "mlm_head_loss"]
     bad = [(r.group, r.direction, r.impl, r.status, r.reason) for r in rows if not r.ok]
     assert not bad
-    for op in OH.OPS:
+    for op in OH.case_builders():
         got = {(r.direction, r.impl) for r in rows if r.group == op}
         assert got == {("select", "bertfast:torch"), ("decide", "bertfast:torch"), ("fwd", "bertfast:torch"),
                        ("fwd", TORCH_EAGER),
@@ -743,14 +743,16 @@ def test_gpu_graphed_pretrain_row_steps_on_working_copies():
 
 @pytest.mark.gpu
 def test_gpu_ncu_target_finds_each_ops_case_at_bert_large_shapes(capsys):
-    """The ncu step's target (bertfast/bench/ncu.py TARGET_CASES) is among the GPU's kernel-suite cases
+    """The ncu step's target (bertfast/bench/ncu.py target_cases) is among the GPU's kernel-suite cases
     for every op, and runs each one's forward and backward (no ncu attached: the profiler calls are
     no-ops), so a speed loan's ncu step does not fail on a case the suite no longer lists."""
     from bertfast.bench import ncu
-    assert ncu.run_target(ncu.OPS, "triton", dry_run=False, warmup=1) == 0
+    profiled = list(ncu.target_cases())
+    assert ncu.run_target(profiled, "triton", dry_run=False, warmup=1) == 0
     ran = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ncu target: ran")]
-    assert [line.split()[3] for line in ran] == list(ncu.OPS)
-    assert '"tokens": 16384' in ran[1] and '"dropout": 0.1' in ran[1]
+    assert [line.split()[3] for line in ran] == profiled
+    layernorm = ran[profiled.index("bias_dropout_residual_layernorm")]
+    assert '"tokens": 16384' in layernorm and '"dropout": 0.1' in layernorm
 
 
 # --------------------------------------------------------------------------- selection, budget, merge, README
@@ -803,7 +805,7 @@ def test_case_filter_and_time_budget(monkeypatch):
     assert {r.group for r in rows} == {"bias_gelu", "attention"}
 
 
-def test_dropout_case_is_timed_only_after_the_p0_gate(wrong_bdrln_backend):
+def test_dropout_case_is_timed_only_after_the_p0_gate(wrong_layernorm_backend):
     from bertfast.bench import kernels_suite
     ctx = _cpu_ctx(backends=("cuda", "torch"), ops=("bias_dropout_residual_layernorm",))
     rows = kernels_suite.run(ctx)
@@ -817,12 +819,12 @@ def test_dropout_case_is_timed_only_after_the_p0_gate(wrong_bdrln_backend):
 
 
 @pytest.fixture
-def wrong_bdrln_backend(monkeypatch):
+def wrong_layernorm_backend(monkeypatch):
     """A 'cuda' backend of the residual LayerNorm that runs anywhere and adds 0.1 to the output."""
     from bertfast import dispatch
     torch_backend = importlib.import_module("bertfast.ops.bias_dropout_residual_layernorm")
 
-    module = types.ModuleType("bertfast_bench_wrong_bdrln")
+    module = types.ModuleType("bertfast_bench_wrong_layernorm")
 
     def fwd(*args, **kwargs):
         y, *rest = torch_backend.bias_dropout_residual_layernorm_fwd(*args, **kwargs)
@@ -1056,7 +1058,7 @@ def test_ncu_summary_reads_the_raw_page_and_the_target_runs_each_op(tmp_path, mo
 
     assert ncu.main(["--target", "--dry-run", "--backend", "torch"]) == 0
     ran = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ncu target: ran")]
-    assert [line.split()[3] for line in ran] == list(ncu.OPS)
+    assert [line.split()[3] for line in ran] == list(ncu.target_cases())
     monkeypatch.setattr(ncu, "find_ncu", lambda: None)
     assert ncu.main(["--out", str(tmp_path / "n")]) == 2
     assert "no ncu" in capsys.readouterr().err

@@ -225,25 +225,35 @@ def test_register_backend_clears_the_cache(counted):
     assert _select(x, b) == "triton"  # not the cached "torch"
 
 
-@pytest.mark.parametrize("change", ["TRITON_INTERPRET", "cuda device type", "availability reset", "reload"])
+@pytest.mark.parametrize("change", ["TRITON_INTERPRET", "backend state", "availability reset", "reload"])
 def test_what_else_a_choice_reads_gives_a_fresh_choice(counted, monkeypatch, change):
-    from bertfast.cuda import _common
-
     _, triton_reasons = counted
+    state = {"device type": "cuda"}
+    monkeypatch.setattr(dispatch.get("bias_gelu", "triton"), "state_fn", lambda: state["device type"])
     x, b = torch.randn(4, 8), torch.randn(8)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     _select(x, b)
     assert triton_reasons.calls == 1
     if change == "TRITON_INTERPRET":
         monkeypatch.setenv("TRITON_INTERPRET", "0")
-    elif change == "cuda device type":
-        monkeypatch.setattr(_common, "DEVICE_TYPE", "cpu")  # what the CUDA emulator tests do
+    elif change == "backend state":
+        state["device type"] = "cpu"  # as the CUDA emulator tests set the cuda backend's
     elif change == "availability reset":
         monkeypatch.setattr(dispatch.get("bias_gelu", "triton"), "_available", None)
     else:
         dispatch.reload_preferences()
     _select(x, b)
     assert triton_reasons.calls == 2
+
+
+def test_the_cuda_backends_state_is_the_device_type_it_takes(monkeypatch):
+    from bertfast.cuda import _common
+
+    backend = dispatch.get("bias_gelu", "cuda")
+    assert backend.state_fn() == "cuda"
+    monkeypatch.setattr(_common, "DEVICE_TYPE", "cpu")  # what the CUDA emulator tests do
+    assert backend.state_fn() == "cpu"
+    assert dispatch.device_reasons("cuda", False, {"x": torch.empty(2, 8)}) == []
 
 
 def test_the_cache_is_bounded_least_recently_used_first(counted, monkeypatch):

@@ -9,29 +9,17 @@ import torch
 
 import bertfast
 import bertfast.ops as ops
-from bertfast import dispatch
-
-# The launcher functions of each op's contract (bertfast/ops/<op>.py), by op module.
-CONTRACT = {
-    "attention": ("attention_varlen_fwd", "attention_varlen_bwd", "attention_padded_fwd", "attention_padded_bwd",
-                  "attention_varlen_dropout_mask", "attention_padded_dropout_mask", "dropout_keep_shape"),
-    "bias_gelu": ("bias_gelu_fwd", "bias_gelu_bwd"),
-    "bias_dropout_residual_layernorm": ("bias_dropout_residual_layernorm_fwd", "bias_dropout_residual_layernorm_bwd"),
-    "embeddings": ("embeddings_fwd", "embeddings_bwd"),
-    "mlm_head_loss": ("mlm_head_loss_fwd",),
-}
-
+from bertfast import dispatch, registry
 
 def test_every_op_has_three_backends_named_after_it():
     for op in dispatch.ops():
+        spec, _ = registry.form(op)
         table = dispatch.backends(op)
         assert set(table) == {"torch", "triton", "cuda"}, op
-        module = table["torch"].module.rsplit(".", 1)[1]
-        assert [b.module for b in table.values()] == [f"bertfast.ops.{module}", f"bertfast.kernels.{module}",
-                                                      f"bertfast.cuda.{module}"], op
-        assert op.startswith(module), (op, module)  # attention_varlen and attention_padded: module attention
-    modules = {b.module.rsplit(".", 1)[1] for op in dispatch.ops() for b in dispatch.backends(op).values()}
-    assert modules == set(CONTRACT)
+        assert [b.module for b in table.values()] == [f"bertfast.ops.{spec.name}", f"bertfast.kernels.{spec.name}",
+                                                      f"bertfast.cuda.{spec.name}"], op
+        assert op.startswith(spec.name), (op, spec.name)  # attention_varlen and attention_padded: op attention
+    assert {registry.form(op)[0].name for op in dispatch.ops()} == {op.name for op in registry.ops() if op.forms}
 
 
 def _positional(fn):
@@ -39,11 +27,12 @@ def _positional(fn):
     return [p.name for p in inspect.signature(fn).parameters.values() if p.default is inspect.Parameter.empty]
 
 
-@pytest.mark.parametrize("module", sorted(CONTRACT))
-def test_backends_implement_one_launcher_contract(module):
-    torch_backend = importlib.import_module(f"bertfast.ops.{module}")
-    fused = [importlib.import_module(f"bertfast.kernels.{module}"), importlib.import_module(f"bertfast.cuda.{module}")]
-    for name in CONTRACT[module]:
+@pytest.mark.parametrize("op", [op.name for op in registry.ops() if op.forms])
+def test_backends_implement_one_launcher_contract(op):
+    spec = registry.get(op)
+    torch_backend, *fused = (importlib.import_module(spec.module(b)) for b in ("torch", "triton", "cuda"))
+    assert spec.launchers
+    for name in spec.launchers:
         expected = _positional(getattr(torch_backend, name))
         for backend in fused:
             assert _positional(getattr(backend, name)) == expected, (backend.__name__, name)

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from bertfast import reference
+from bertfast import reference, registry
 from bertfast.bench import flops as W
 from bertfast.bench.common import (SuiteContext, compile_skip_reason, cu_seqlens, describe_lengths, dtype_name,
                                    generator_for, mask_from, sequence_lengths)
@@ -34,11 +34,6 @@ from bertfast.bench.results import (FULL_HEAD, GEMM_FLOOR, SDPA_CUDNN, SDPA_FLAS
 
 Tensor = torch.Tensor
 SUITE = "kernels"
-OPS = ("attention", "bias_gelu", "ffn", "bias_dropout_residual_layernorm", "embeddings", "mlm_head_loss_decoder",
-       "mlm_head_loss", "adamw", "lamb")
-# Cases that decide an op's backend preference in place of the op's own (bertfast.bench.preference):
-# in training bias_gelu runs inside the FFN, in its GEMMs' epilogues where the backend has such GEMMs.
-DECIDES = {"ffn": "bias_gelu"}
 ALL_DIRECTIONS = ("fwd", "bwd", "fwd+bwd")
 STEP = "step"  # the optimizer cases' one direction: one optimizer step
 GRAD_IN_FORWARD = ("fwd", "fwd+bwd")  # ops whose gradients are computed inside the forward pass
@@ -348,12 +343,12 @@ def ffn_cases(ctx: SuiteContext) -> List[OpCase]:
     return out
 
 
-def bdrln_cases(ctx: SuiteContext) -> List[OpCase]:
+def bias_dropout_residual_layernorm_cases(ctx: SuiteContext) -> List[OpCase]:
     """BERT's residual LayerNorm: p = 0 for each shape and parameter mode, then with dropout."""
     dev, out = ctx.torch_device, []
     names = ["x", "bias", "residual", "weight", "ln_bias"]
     for n, h in _row_shapes(ctx, [(16384, 1024), (16384, 768), (4096, 768)], [(16384, 1024)], [(64, 32)]):
-        gen = generator_for("bdrln", n, h)
+        gen = generator_for("bias_dropout_residual_layernorm", n, h)
         data = {"x": torch.randn(n, h, generator=gen), "bias": torch.randn(h, generator=gen),
                 "residual": torch.randn(n, h, generator=gen), "weight": 1 + 0.1 * torch.randn(h, generator=gen),
                 "ln_bias": 0.1 * torch.randn(h, generator=gen)}
@@ -649,14 +644,6 @@ def _note_optimizers(ctx: SuiteContext) -> None:
              + ("" if ctx.device.is_cuda else "; on CPU a one-layer width-16 model ('micro')"))
 
 
-CASE_BUILDERS = {
-    "attention": attention_cases,
-    "bias_gelu": bias_gelu_cases,
-    "ffn": ffn_cases,
-    "bias_dropout_residual_layernorm": bdrln_cases,
-    "embeddings": embeddings_cases,
-    "mlm_head_loss_decoder": mlm_head_loss_decoder_cases,
-    "mlm_head_loss": mlm_head_loss_cases,
-    "adamw": adamw_cases,
-    "lamb": lamb_cases,
-}
+def case_builders() -> Dict[str, Callable[[SuiteContext], List[OpCase]]]:
+    """Every case name -> its builder, as bertfast.registry lists them (each op's ``bench``), in its order."""
+    return {case: registry.resolve(ref) for case, (_, ref) in registry.hooks("bench").items()}

@@ -23,7 +23,7 @@ import torch
 
 from bertfast.bench.common import Stopped, SuiteContext, free_memory, short_error, strict_fp32
 from bertfast.bench.gate import compare
-from bertfast.bench.kernel_cases import ALL_DIRECTIONS, CASE_BUILDERS, OPS, STEP, SUITE, Impl, OpCase, Prepared
+from bertfast.bench.kernel_cases import ALL_DIRECTIONS, STEP, SUITE, Impl, OpCase, Prepared, case_builders
 from bertfast.bench.results import ERROR, FAILED_PARITY, TORCH_COMPILE, Row, case_text, skipped
 from bertfast.bench.timing import (COLD_L2, PERF_COUNTER, SMALL_KERNEL_MS, host_overhead_us, peak_memory, time_fn,
                                    time_small)
@@ -222,11 +222,11 @@ def run(ctx: SuiteContext) -> List[Row]:
              "have fwd (no grad) and fwd+bwd rows only; TFLOP/s counts the labelled rows' GEMMs for every "
              "implementation (the full-sequence head does more work for the same result)")
     rows: List[Row] = []
-    for op in OPS:
+    for op, builder in case_builders().items():
         if ctx.ops is not None and op not in ctx.ops:
             continue
         ctx.log(f"[kernels] {op}")
-        cases = [oc for oc in CASE_BUILDERS[op](ctx) if ctx.wants_case(oc.case)]
+        cases = [oc for oc in builder(ctx) if ctx.wants_case(oc.case)]
         for i, oc in enumerate(cases):
             if ctx.budget_spent():
                 ctx.log(f"  time budget spent: {len(cases) - i} {op} case(s) not run")

@@ -12,7 +12,7 @@ cannot say why; the hardware counters can: DRAM throughput, issue-slot use, achi
 what the warps stall on.
 
 The target builds the kernel suite's case of each op at BERT-large's seq-128 pre-training shapes
-(``TARGET_CASES``: 16,384 tokens, bf16 activations with fp32 parameters, dropout 0.1; the attention's
+(``target_cases()``: 16,384 tokens, bf16 activations with fp32 parameters, dropout 0.1; the attention's
 pre-training lengths), warms each up (the autotuner chooses its configs there, in the stages' Triton
 cache), then runs one training forward and its backward between cudaProfilerStart and Stop, so ncu
 (``--profile-from-start off``) profiles those kernels alone, with the clocks left as they are
@@ -34,14 +34,13 @@ import subprocess
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
-OPS = ("attention", "bias_dropout_residual_layernorm", "embeddings", "bias_gelu")
-# The kernel suite's case of each op at BERT-large's seq-128 pre-training shapes (kernel_cases.py).
-TARGET_CASES: Dict[str, Dict[str, object]] = {
-    "attention": {"batch": 128, "seqlen": 128, "heads": 16, "head_dim": 64, "padding": "pretrain", "dropout": 0.1},
-    "bias_dropout_residual_layernorm": {"tokens": 16384, "hidden": 1024, "params": "fp32", "dropout": 0.1},
-    "embeddings": {"tokens": 16384, "hidden": 1024, "params": "fp32"},
-    "bias_gelu": {"tokens": 16384, "features": 4096, "params": "fp32"},
-}
+def target_cases() -> Dict[str, Dict[str, object]]:
+    """Each profiled op's kernel-suite case at BERT-large's seq-128 pre-training shapes (bertfast.registry's
+    ``profile_case``), in the registry's order."""
+    from bertfast import registry
+    return {op.name: dict(op.profile_case) for op in registry.ops() if op.profile_case is not None}
+
+
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "SchedulerStats", "WarpStateStats", "InstructionStats",
             "MemoryWorkloadAnalysis")
 MAX_KERNELS = 64  # a bound on what one profiled region may launch (--launch-count)
@@ -62,7 +61,7 @@ def run_target(ops: Sequence[str], backend: str, dry_run: bool, warmup: int = 2)
 
     from bertfast.bench import device as devmod
     from bertfast.bench.common import SuiteContext
-    from bertfast.bench.kernel_cases import CASE_BUILDERS
+    from bertfast.bench.kernel_cases import case_builders
     from bertfast.bench.results import bertfast_impl
     from bertfast.kernels._common import tuned_configs
 
@@ -73,11 +72,11 @@ def run_target(ops: Sequence[str], backend: str, dry_run: bool, warmup: int = 2)
     ctx = SuiteContext(device=devmod.detect("cuda" if on_gpu else "cpu"), quick=False,
                        dtype=torch.bfloat16 if on_gpu else torch.float32, backends=(backend,), compile=False,
                        with_transformers=False, log=lambda s: None)
-    prepared = []
+    prepared, targets, builders = [], target_cases(), case_builders()
     for op in ops:
-        want = TARGET_CASES[op] if on_gpu else None
+        want = targets[op] if on_gpu else None
         name = bertfast_impl(backend, "varlen" if op == "attention" else "")  # the model's attention: packed
-        oc = _pick(CASE_BUILDERS[op](ctx), want)
+        oc = _pick(builders[op](ctx), want)
         impl = next((i for i in oc.impls if i.name == name), None) if oc is not None else None
         if impl is None or impl.skip:
             print(f"ncu target: {op}: no {name} path for the case {want or 'first listed'}"
@@ -244,7 +243,8 @@ def summarize(out: str) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bertfast.bench.ncu", description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="directory for the report, its CSV pages and ncu.md (the driver)")
-    ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {', '.join(OPS)}")
+    profiled = list(target_cases())
+    ap.add_argument("--ops", default=",".join(profiled), help=f"comma-separated, of {', '.join(profiled)}")
     ap.add_argument("--backend", default="triton", choices=("triton", "cuda", "torch"))
     ap.add_argument("--target", action="store_true", help="be what ncu profiles (the driver runs this)")
     ap.add_argument("--dry-run", action="store_true", help="with --target: run the calls without a GPU or profiler")
@@ -253,9 +253,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.summarize:
         return summarize(args.summarize)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-    unknown = [o for o in ops if o not in OPS]
+    unknown = [o for o in ops if o not in profiled]
     if unknown or not ops:
-        print(f"bertfast ncu: --ops expects some of {', '.join(OPS)}, got {args.ops!r}", file=sys.stderr)
+        print(f"bertfast ncu: --ops expects some of {', '.join(profiled)}, got {args.ops!r}", file=sys.stderr)
         return 2
     if args.target:
         return run_target(ops, args.backend, args.dry_run)

@@ -31,15 +31,13 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from bertfast import dispatch
+from bertfast import dispatch, registry
 from bertfast import ops as bf
 from bertfast.bench.common import Stopped, SuiteContext, dtype_name, short_error
 from bertfast.bench.results import ERROR, FAILED_PARITY, TORCH_EAGER, Row, bertfast_impl, skipped
 from bertfast.bench.timing import Stat, summarize
 
 SUITE = "overhead"
-OPS = ("bias_gelu", "bias_dropout_residual_layernorm", "embeddings", "attention_varlen", "attention",
-       "mlm_head_loss")
 SELECT, DECIDE, FWD, FWD_BWD = "select", "decide", "fwd", "fwd+bwd"
 DIRECTIONS = (SELECT, DECIDE, FWD, FWD_BWD)
 HOST_LOOP = "host perf_counter, back to back, no sync in the loop"
@@ -96,14 +94,14 @@ def _randn(gen: torch.Generator, *shape, dtype, device, grad=False, scale=1.0) -
     return t.requires_grad_(grad)
 
 
-def _bias_gelu(gen, dtype, dev) -> OverheadCase:
+def bias_gelu_case(gen, dtype, dev) -> OverheadCase:
     n, h = 8, 64
     x, b = _randn(gen, n, h, dtype=dtype, device=dev, grad=True), _randn(gen, h, dtype=dtype, device=dev, grad=True)
     return OverheadCase("bias_gelu", "bias_gelu", {"rows": n, "h": h}, {"x": x, "bias": b}, [x, b],
                         lambda: bf.bias_gelu(x, b), lambda: F.gelu(x + b))
 
 
-def _bias_dropout_residual_layernorm(gen, dtype, dev) -> OverheadCase:
+def bias_dropout_residual_layernorm_case(gen, dtype, dev) -> OverheadCase:
     n, h = 8, 64
     x, b, res = (_randn(gen, *s, dtype=dtype, device=dev, grad=True) for s in ((n, h), (h,), (n, h)))
     w = (1.0 + _randn(gen, h, dtype=dtype, device=dev, scale=0.1)).requires_grad_(True)
@@ -115,7 +113,7 @@ def _bias_dropout_residual_layernorm(gen, dtype, dev) -> OverheadCase:
         lambda: F.layer_norm(res + (x + b), (h,), w, lb, EPS))
 
 
-def _embeddings(gen, dtype, dev) -> OverheadCase:
+def embeddings_case(gen, dtype, dev) -> OverheadCase:
     t, h, vocab, positions = 8, 64, 32, 16
     ids = torch.randint(0, vocab, (t,), generator=gen).to(dev)
     pids = torch.arange(t).to(dev)
@@ -131,7 +129,7 @@ def _embeddings(gen, dtype, dev) -> OverheadCase:
         lambda: F.layer_norm(F.embedding(ids, word) + F.embedding(pids, pos) + F.embedding(tids, tt), (h,), w, lb, EPS))
 
 
-def _attention_varlen(gen, dtype, dev) -> OverheadCase:
+def attention_varlen_case(gen, dtype, dev) -> OverheadCase:
     lengths, heads, d = (3, 5), 2, 16
     t = sum(lengths)
     qkv = _randn(gen, t, 3, heads, d, dtype=dtype, device=dev, grad=True)
@@ -150,7 +148,7 @@ def _attention_varlen(gen, dtype, dev) -> OverheadCase:
                         lambda: bf.attention_varlen(qkv, cu, max(lengths)), eager)
 
 
-def _attention(gen, dtype, dev) -> OverheadCase:
+def attention_padded_case(gen, dtype, dev) -> OverheadCase:
     b, s, heads, d = 2, 5, 2, 16
     q, k, v = (_randn(gen, b, s, heads, d, dtype=dtype, device=dev, grad=True) for _ in range(3))
     mask = torch.tensor([[1] * s, [1] * 3 + [0] * (s - 3)], dtype=torch.bool, device=dev)
@@ -166,7 +164,7 @@ def _attention(gen, dtype, dev) -> OverheadCase:
                         lambda: bf.attention(q, k, v, mask), eager)
 
 
-def _mlm_head_loss(gen, dtype, dev) -> OverheadCase:
+def mlm_head_loss_case(gen, dtype, dev) -> OverheadCase:
     b, s, h, vocab = 2, 4, 64, 32
     hidden = _randn(gen, b, s, h, dtype=dtype, device=dev, grad=True)
     labels = torch.randint(0, vocab, (b, s), generator=gen)
@@ -193,9 +191,9 @@ def _mlm_head_loss(gen, dtype, dev) -> OverheadCase:
                         lambda: bf.mlm_head_loss(hidden, labels, dw, db, lw, lb, EPS, decw, decb).loss, eager)
 
 
-CASE_BUILDERS = {"bias_gelu": _bias_gelu, "bias_dropout_residual_layernorm": _bias_dropout_residual_layernorm,
-                 "embeddings": _embeddings, "attention_varlen": _attention_varlen, "attention": _attention,
-                 "mlm_head_loss": _mlm_head_loss}
+def case_builders() -> Dict[str, Callable[[torch.Generator, torch.dtype, torch.device], OverheadCase]]:
+    """Every case name -> its builder, as bertfast.registry lists them (each op's ``overhead``), in its order."""
+    return {case: registry.resolve(ref) for case, (_, ref) in registry.hooks("overhead").items()}
 
 
 # --------------------------------------------------------------------------- running
@@ -274,7 +272,7 @@ def run(ctx: SuiteContext) -> List[Row]:
              "autograd.grad; bertfast runs the backend dispatch picks by default"
              + ("" if ctx.device.is_cuda else "; on a CPU the figures include the (tiny) compute"))
     rows: List[Row] = []
-    for op in OPS:
+    for op, builder in case_builders().items():
         if ctx.ops is not None and op not in ctx.ops:
             continue
         if ctx.budget_spent():
@@ -282,7 +280,7 @@ def run(ctx: SuiteContext) -> List[Row]:
             continue
         ctx.log(f"[overhead] {op}")
         gen = torch.Generator().manual_seed(0)
-        oc = CASE_BUILDERS[op](gen, ctx.dtype, ctx.torch_device)
+        oc = builder(gen, ctx.dtype, ctx.torch_device)
         oc.case["dtype"] = dtype_name(ctx.dtype)
         if not ctx.wants_case(oc.case):
             continue

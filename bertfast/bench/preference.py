@@ -2,10 +2,10 @@
 a GPU model, as measured by `bertfast bench` on that GPU.
 
 After a GPU run, for every op timed on both fast backends, the one with the lower geometric
-mean of its fwd+bwd (else fwd) median time over the shared cases comes first; an op that a case
-group decides (kernel_cases.DECIDES: bias_gelu by the FFN, where training runs it) takes that
-group's times, and without them keeps its default order. The table is
-a JSON file keyed by GPU name (``bertfast.dispatch.preference_file()``); dispatch reads it for
+mean of its fwd+bwd (else fwd) median time over the shared cases comes first; an op that another
+case decides (bertfast.registry's preference_case: bias_gelu by the FFN, where training runs it)
+takes that case's times, and without them keeps its default order. The table is a JSON file keyed
+by GPU name (``bertfast.dispatch.preference_file()``); dispatch reads it for
 CUDA inputs on that GPU and otherwise keeps its default order.
 """
 from __future__ import annotations
@@ -36,11 +36,13 @@ def measured_order(run: Run) -> Dict[str, List[str]]:
                 times[row.group][backend].setdefault(f"{variant}|{row.case_key()}", row.time_ms.median)
         if times:
             break
-    from bertfast.bench.kernel_cases import DECIDES
-    for group, op in DECIDES.items():  # bias_gelu's order from the FFN, where training runs it, or none
-        times.pop(op, None)
-        if group in times:
-            times[op] = times.pop(group)
+    from bertfast import registry
+    for spec in registry.ops():  # bias_gelu's order from the FFN, where training runs it, or none
+        group = spec.decided_by
+        if group != spec.name:
+            times.pop(spec.name, None)
+            if group in times:
+                times[spec.name] = times.pop(group)
     order: Dict[str, List[str]] = {}
     for op, per_backend in times.items():
         if set(per_backend) != set(FAST):

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from bertfast import registry
 from bertfast.bench.results import (BERTFAST, BERTFAST_GRAPHS, BERTFAST_STATIC, FAILED_PARITY, FULL_HEAD,
                                     GEMM_FLOOR, HF_COMPILED, HF_EAGER, SDPA_CUDNN, SDPA_FLASH, SDPA_MEM_EFFICIENT,
                                     Row, Run, is_fast_impl)
@@ -21,7 +22,6 @@ from bertfast.bench.results import (BERTFAST, BERTFAST_GRAPHS, BERTFAST_STATIC, 
 MET, NOT_MET, NOT_MEASURED = "met", "not met", "not measured"
 FINETUNE_RATIO = 0.85  # padded real tokens/s within 15% of unpadded
 ATTENTION_TFLOPS = 215.0  # FlashAttention-2's published H100 fwd+bwd figure (head dim 64, seq 512)
-ROW_OPS = ("bias_gelu", "bias_dropout_residual_layernorm", "embeddings")
 
 
 @dataclass
@@ -161,7 +161,7 @@ def _finetune_padding(run: Run) -> Outcome:
 # --------------------------------------------------------------------------- kernel targets
 def _row_ops_bandwidth(run: Run) -> Outcome:
     pieces = []
-    for op in ROW_OPS:
+    for op in registry.names(registry.ROW):
         for direction in ("fwd", "bwd"):
             cases = _cases(run, op, direction)
             if not cases:
@@ -263,7 +263,7 @@ TARGETS: List[Tuple[str, str, Callable[[Run], Outcome]]] = [
      _model_speedup("bert-base", HF_COMPILED, 1.5)),
     ("finetune_padding", "fine-tuning: padded batch (mean length 50%) within 15% of the same real tokens "
      "unpadded (real tokens/s)", _finetune_padding),
-    ("row_ops_bandwidth", "row ops (bias_gelu, bias_dropout_residual_layernorm, embeddings; fwd and bwd; "
+    ("row_ops_bandwidth", f"row ops ({', '.join(registry.names(registry.ROW))}; fwd and bwd; "
      "largest case; faster fast backend) >= 90% of measured copy bandwidth", _row_ops_bandwidth),
     ("attention_tflops", "attention fwd+bwd, head dim 64, seq 512, dropout 0.1 >= 215 TFLOP/s (faster fast "
      "backend; FlashAttention's FLOP convention)", _attention_tflops),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 
@@ -68,6 +68,16 @@ def launch(device: torch.device, name: str, *args) -> None:
 
 def reduction_blocks(n_rows: int) -> int:
     return ext().reduction_blocks(n_rows)
+
+
+def device_reasons(devices: Iterable[str]) -> List[str]:
+    """Why the CUDA backend cannot run tensors on these device types (dispatch asks)."""
+    return [] if set(devices) == {DEVICE_TYPE} else [f"needs {DEVICE_TYPE.upper()} tensors, got {sorted(devices)}"]
+
+
+def dispatch_state() -> str:
+    """What device_reasons reads besides its inputs (dispatch keys its cached choices on it)."""
+    return DEVICE_TYPE
 
 
 def on_device(**tensors) -> None:

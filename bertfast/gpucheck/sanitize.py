@@ -105,9 +105,10 @@ def mlm_head_loss(device, dtype):
     return _grads(loss_sum, [x, w, b])
 
 
-CASES: List[Case] = [("attention_varlen", attention_varlen), ("attention_padded", attention_padded),
-                     ("bias_gelu", bias_gelu), ("bias_dropout_residual_layernorm", bias_dropout_residual_layernorm),
-                     ("embeddings", embeddings), ("mlm_head_loss", mlm_head_loss)]
+def registered_cases() -> List[Case]:
+    """Every op's calls, as bertfast.registry lists them (each op's ``sanitize``), in its order."""
+    from bertfast import registry
+    return [(name, registry.resolve(ref)) for name, (_, ref) in registry.hooks("sanitize").items()]
 
 
 def run(backend: str, device: torch.device, dtypes=(torch.float32, torch.bfloat16), log=print,
@@ -119,7 +120,7 @@ def run(backend: str, device: torch.device, dtypes=(torch.float32, torch.bfloat1
     failures = []
     torch.manual_seed(0)
     for dtype in dtypes:
-        for name, case in CASES:
+        for name, case in registered_cases():
             if cases and name not in cases:
                 continue
             label = f"{name} {str(dtype).replace('torch.', '')}"
@@ -143,7 +144,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bertfast.gpucheck.sanitize", description=__doc__.split("\n")[0])
     p.add_argument("--backend", choices=("cuda", "triton", "torch"), default="cuda")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--case", action="append", choices=[name for name, _ in CASES],
+    p.add_argument("--case", action="append", choices=[name for name, _ in registered_cases()],
                    help="only this op's calls (repeat for several): to look at one failure alone")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="only this dtype")
     p.add_argument("--no-fp32-out-gemms", action="store_true",

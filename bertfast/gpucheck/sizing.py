@@ -45,9 +45,15 @@ REPO = Path(__file__).resolve().parents[2]
 # The pre-training cases of the model suite on a GPU (bertfast.bench.model_suite.GPU_CASES), in order.
 HEADLINE_CASES: Tuple[Tuple[str, int, int], ...] = (("bert-large", 128, 128), ("bert-base", 128, 128),
                                                     ("bert-large", 512, 32), ("bert-base", 512, 32))
-# What one case launches: the fp32 parity gate (dropout off), then the timed bf16-autocast step with
-# fp32 parameters and dropout 0.1; the encoder is unpadded, so attention is the varlen form only.
-HEADLINE_OPS = ("attention", "bias_gelu", "bias_dropout_residual_layernorm", "embeddings", "mlm_head_loss")
+
+
+def headline_ops() -> Tuple[str, ...]:
+    """What one case launches: the ops with dispatch forms (bertfast.registry), in the fp32 parity gate
+    (dropout off), then the timed bf16-autocast step with fp32 parameters and dropout 0.1; the
+    encoder is unpadded, so attention is the varlen form only."""
+    from bertfast import registry
+    return tuple(op.name for op in registry.ops() if op.forms)
+
 
 # ---- stated costs and factors (no GPU here to measure them), revised from the first GPU run ----
 # (H200, 2026-11-26; `sizing --against` its summary.json: build 20 s, info 9 s, memcheck 14 s,
@@ -55,7 +61,6 @@ HEADLINE_OPS = ("attention", "bias_gelu", "bias_dropout_residual_layernorm", "em
 CPU_SPEED = 1.0             # a GPU machine core against this machine's: compiles take measured / CPU_SPEED
 GPU_IMPORT_FACTOR = 2.0     # torch cu130 also loads the CUDA libraries (cuBLAS, cuDNN) the CPU build lacks
 SANITIZER_FACTOR = 3.0      # compute-sanitizer's start-up (was 10 before the H200 run: memcheck took 14 s)
-SANITIZE_CALLS = 12         # bertfast.gpucheck.sanitize: 6 ops x (fp32, bf16), forward and backward
 MEMCHECK_CALL_S = 1.0       # one small call, instrumented
 RACECHECK_CALL_S = 3.0      # racecheck also tracks every shared-memory access
 TUNE_TIMING_S = 0.03        # one candidate timed: 5 ms warm-up + 20 ms (kernels/_common.py) + launch gaps
@@ -106,11 +111,18 @@ def build() -> Estimate:
                        f"{BUILD_OVERHEAD_S:.0f} s set-up and link ({len(nvcc)} sources in parallel)")
 
 
+def sanitize_calls() -> int:
+    """bertfast.gpucheck.sanitize's calls: every case (bertfast.registry) x (fp32, bf16), forward and backward."""
+    from bertfast import registry
+    return 2 * len(registry.hooks("sanitize"))
+
+
 def sanitizer(call_s: float) -> Estimate:
     start = _gpu_import_s() * SANITIZER_FACTOR
-    s = start + SANITIZE_CALLS * call_s
+    calls = sanitize_calls()
+    s = start + calls * call_s
     return Estimate(s, f"start-up: import {measured()['import_s']['bertfast.ops']:.1f} s x {GPU_IMPORT_FACTOR:g} "
-                       f"(CUDA libraries) x {SANITIZER_FACTOR:g} (sanitizer) + {SANITIZE_CALLS} calls x {call_s:g} s")
+                       f"(CUDA libraries) x {SANITIZER_FACTOR:g} (sanitizer) + {calls} calls x {call_s:g} s")
 
 
 def memcheck() -> Estimate:
@@ -208,7 +220,7 @@ def headline_launches():
 
     for model, seq, batch in HEADLINE_CASES:
         settings = [(model, seq, batch, "fp32", "act", 0.0), (model, seq, batch, "bf16", "fp32", 0.1)]
-        yield (model, seq, batch), record_settings(settings, (64,), HEADLINE_OPS, padded_attention=False)
+        yield (model, seq, batch), record_settings(settings, (64,), headline_ops(), padded_attention=False)
 
 
 def headline_counts() -> List[Dict]:

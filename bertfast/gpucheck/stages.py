@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from bertfast import registry
 from bertfast.gpucheck import sizing
 
 PY = "{python}"      # replaced by the running interpreter
@@ -110,7 +111,9 @@ SANITIZE = [PY, "-m", "bertfast.gpucheck.sanitize", "--backend", "cuda"]
 # Only bertfast's kernels are instrumented (all sit in namespace bertfast); torch's run unchecked.
 KERNEL_FILTER = ["--kernel-name", "kns=bertfast"]
 SANITIZER = ["compute-sanitizer", *KERNEL_FILTER, "--error-exitcode", "1"]
-ROW_OPS = "bias_gelu,bias_dropout_residual_layernorm,embeddings"
+# The kernel-suite cases of stage 4's row-op step (each row op's own) and stage 5's MLM-head step
+ROW_OPS = ",".join(registry.names(registry.ROW))
+HEAD_CASES = ",".join(case for op in registry.ops(registry.HEAD) for case in op.bench)
 PROGRESS = ["-p", "bertfast.gpucheck.pytest_progress", "--progress-file", f"{OUT}/stage2-tests/progress.jsonl"]
 PYTEST = [PY, "-m", "pytest", "-m", "gpu or gpu_capable", "tests", "-p", "no:cacheprovider", *PROGRESS,
           "--junitxml", f"{OUT}/stage2-tests/junit.xml"]
@@ -156,7 +159,7 @@ STAGES: List[Stage] = [
     Stage(5, "rest", "the MLM head (mlm_head_loss, and its decoder stage alone), the fine-tuning padding case, "
           "inference, and the compiled baseline (transformers under torch.compile, BERT-large seq 128)", [
               _bench("mlm-head", "stage5-rest", 40, 15,
-                     ["--suite", "kernels", "--ops", "mlm_head_loss_decoder,mlm_head_loss",
+                     ["--suite", "kernels", "--ops", HEAD_CASES,
                       "--impls", "bertfast,eager", "--no-compile"]),
               _bench("finetune-inference", "stage5-rest", 60, 20,
                      ["--suite", "model", "--models", "finetune,inference", "--impls", "bertfast,transformers",

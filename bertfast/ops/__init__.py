@@ -3,7 +3,8 @@ backend chosen per call by ``bertfast.dispatch`` (torch | triton | cuda).
 
 One name per op everywhere: ``bertfast/ops/<op>.py`` (the contract, the custom op, the torch
 backend), ``kernels/<op>.py`` (Triton), ``csrc/<op>*.cu`` and ``bertfast/cuda/<op>.py`` (CUDA),
-``tests/ops/test_<op>.py`` and the benchmark case ``<op>`` (docs/ops.md).
+``tests/ops/test_<op>.py`` and the benchmark case ``<op>``; ``bertfast.registry`` lists the ops
+and what every part of the project runs of each (docs/ops.md).
 """
 from bertfast.dispatch import use_backend
 from bertfast.ops.attention import attention, attention_varlen

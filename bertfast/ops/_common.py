@@ -1,45 +1,20 @@
-"""What every op module shares: backend registration, the dropout seed policy, empty outputs,
-and the helpers of the torch backends.
+"""What every op module shares: the dropout seed policy, empty outputs, and the helpers of the
+torch backends.
 
 An op module ``bertfast/ops/<op>.py`` is the op's contract: it validates once, defines the
 torch.library custom op with its fake and autograd, and holds the op's ``torch`` backend
 (``<op>_fwd`` / ``<op>_bwd`` in plain PyTorch). The fused backends implement the same launcher
 functions in ``bertfast.kernels.<op>`` (Triton) and ``bertfast.cuda.<op>`` (CUDA C++), and each
-declares its limits in ``unsupported(inputs)``.
+declares its limits in ``unsupported(inputs)``. bertfast.registry lists the ops; dispatch registers
+their backends from it.
 """
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-from bertfast.dispatch import (Backend, cuda_ext_availability, device_reasons, dtype_reasons, get,
-                               register_backend, triton_availability)
-
-
-def register_backends(op: str, module: str, float_inputs: List[str]) -> None:
-    """Register the torch, triton and cuda backends of an op, implemented in the modules named
-    ``module`` under bertfast.ops, bertfast.kernels and bertfast.cuda.
-
-    float_inputs: names of the inputs whose dtype must be fp32/fp16/bf16 for the fused backends.
-    A fused backend runs an input when its device and dtypes fit and its module's
-    ``unsupported(inputs)`` gives no reason. ``unsupported`` may read only the inputs' device,
-    dtype and shape: dispatch caches its answer per those (bertfast.dispatch).
-    """
-
-    def fused_reasons(name: str):
-        def reasons(forced: bool, **inputs) -> List[str]:
-            out = device_reasons(name, forced, inputs)
-            out += dtype_reasons({k: inputs[k] for k in float_inputs if k in inputs})
-            return out or get(op, name).impl.unsupported(inputs)
-        return reasons
-
-    register_backend(Backend(op, "torch", f"bertfast.ops.{module}", lambda forced, **inputs: []))
-    register_backend(Backend(op, "triton", f"bertfast.kernels.{module}", fused_reasons("triton"),
-                             availability_fn=triton_availability))
-    register_backend(Backend(op, "cuda", f"bertfast.cuda.{module}", fused_reasons("cuda"),
-                             availability_fn=cuda_ext_availability))
 
 
 PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # not subclasses: FakeTensor, DTensor, ...

@@ -37,13 +37,10 @@ from typing import Callable, Optional, Sequence, Tuple
 import torch
 
 from bertfast import contract, dispatch
-from bertfast.ops._common import (PLAIN_TYPES, distinct, keep_mask, launch_directly, no_zero_grads,
-                                  register_backends, seed_for)
+from bertfast.ops._common import PLAIN_TYPES, distinct, keep_mask, launch_directly, no_zero_grads, seed_for
 from bertfast.padding import packed_layout
 
 Tensor = torch.Tensor
-register_backends("attention_varlen", "attention", ["q"])
-register_backends("attention_padded", "attention", ["q"])
 
 
 def _impl(op, backend):

@@ -27,11 +27,10 @@ import torch
 from bertfast import dispatch, reference
 from bertfast.contract import check_dropout
 from bertfast.ops._common import (distinct, empty, hand_over, keep_mask, launch_directly, layer_norm_bwd,
-                                  layer_norm_fwd, no_zero_grads, or_none, register_backends, seed_for)
+                                  layer_norm_fwd, no_zero_grads, or_none, seed_for)
 
 OP = "bias_dropout_residual_layernorm"
 Tensor = torch.Tensor
-register_backends(OP, "bias_dropout_residual_layernorm", ["x", "bias", "residual", "weight", "ln_bias"])
 
 
 def stores_pre_norm(has_bias: bool, has_residual: bool, dropout_p: float) -> bool:

@@ -11,10 +11,9 @@ import torch
 
 from bertfast import dispatch
 from bertfast.contract import check_approximate
-from bertfast.ops._common import distinct, launch_directly, register_backends
+from bertfast.ops._common import distinct, launch_directly
 
 OP = "bias_gelu"
-register_backends(OP, "bias_gelu", ["x", "bias"])
 
 
 @torch.library.custom_op("bertfast::bias_gelu", mutates_args=())

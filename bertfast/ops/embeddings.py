@@ -20,11 +20,10 @@ import torch.nn.functional as F
 from bertfast import dispatch, reference
 from bertfast.contract import check_dropout
 from bertfast.ops._common import (distinct, keep_mask, launch_directly, layer_norm_bwd, layer_norm_fwd,
-                                  no_zero_grads, register_backends, seed_for)
+                                  no_zero_grads, seed_for)
 
 OP = "embeddings"
 Tensor = torch.Tensor
-register_backends(OP, "embeddings", ["word", "pos", "token_type", "ln_weight", "ln_bias"])
 
 
 @torch.library.custom_op("bertfast::embeddings", mutates_args=())

@@ -28,13 +28,12 @@ import torch.nn.functional as F
 
 from bertfast import dispatch
 from bertfast.contract import FLOAT_DTYPES, ID_DTYPES, IGNORE_INDEX, check_tensor, value_checks
-from bertfast.ops._common import distinct, empty, fp32_gemm_caps, no_zero_grads, register_backends
+from bertfast.ops._common import distinct, empty, fp32_gemm_caps, no_zero_grads
 from bertfast.ops.bias_dropout_residual_layernorm import bias_dropout_residual_layernorm
 from bertfast.ops.bias_gelu import bias_gelu
 
 OP = "mlm_head_loss"
 Tensor = torch.Tensor
-register_backends(OP, "mlm_head_loss", ["x", "weight", "bias"])
 
 
 @torch.library.custom_op("bertfast::mlm_head_loss_decoder", mutates_args=())

@@ -16,6 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from bertfast import registry
 from bertfast.perfmodel.hardware import Gpu
 from bertfast.perfmodel.model import Work
 from bertfast.perfmodel.sass import Function, disassemble, parse
@@ -218,19 +219,23 @@ WORK: Dict[str, Callable[[Setting, Launch, Gpu], Work]] = {
     "_embeddings_bwd_kernel": _embeddings_bwd,
     "_gemm_bias_gelu_kernel": _gemm,
 }
-OPS = ("attention", "bias_gelu", "bias_dropout_residual_layernorm", "embeddings")
+def priced_ops() -> Tuple[str, ...]:
+    """The ops whose kernels the model predicts one by one: bertfast.registry's attention and row ops
+    (the MLM head is priced as its GEMMs, the optimizers per parameter byte: bertfast.perfmodel.step)."""
+    return registry.names(registry.ATTENTION, registry.ROW)
 
 
-def record(setting: Setting, ops: Sequence[str] = OPS,
+def record(setting: Setting, ops: Optional[Sequence[str]] = None,
            tuned: Optional[Dict[str, Dict[Tuple, str]]] = None) -> List[Launch]:
-    """Every kernel launch of ``ops`` at ``setting`` (varlen attention, head dim 64): the first
+    """Every kernel launch of ``ops`` (default: priced_ops()) at ``setting`` (varlen attention, head dim 64): the first
     candidate, or the config ``tuned`` (kernel -> tuning key -> config_text, a GPU run's autotuner's
     choices) names for the launch's key when it is still among the candidates."""
     from bertfast.gpucheck.compile_report import bert_launches
     from bertfast.kernels._common import compile_only, config_text, key_values
 
     launches: List[Launch] = []
-    for case, call in bert_launches([setting.as_report_setting()], (HEAD_DIM,), ops, padded_attention=False):
+    for case, call in bert_launches([setting.as_report_setting()], (HEAD_DIM,), ops or priced_ops(),
+                                    padded_attention=False):
         op = case.split(" ", 1)[0]
 
         def keep(fn, grid, args, consts, configs, key, op=op):

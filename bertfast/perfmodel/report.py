@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from bertfast import registry
 from bertfast.perfmodel import kernels as K
 from bertfast.perfmodel import step as S
 from bertfast.perfmodel.hardware import H100, Gpu, gpu_named
@@ -26,7 +27,6 @@ from bertfast.perfmodel.model import Prediction, predict, retime, streaming, tim
 # The training shapes the targets are stated at (benchmarks/README.md): BERT-large, 16,384 tokens,
 # bf16 activations, fp32 parameters, dropout 0.1, and without dropout for the dropout's cost.
 TARGET_SETTINGS = (K.Setting("bert-large", 512, 32, 0.1), K.Setting("bert-large", 512, 32, 0.0))
-ROW_OPS = ("bias_gelu", "bias_dropout_residual_layernorm", "embeddings")
 ATTENTION_TFLOPS_TARGET = 215.0   # benchmarks/README: FlashAttention-2's published H100 figure
 DROPOUT_COST_TARGET = 0.60        # dropout's extra main-loop instructions per element, fwd+bwd
 ROW_OP_BANDWIDTH_TARGET = 0.90    # of the achievable copy bandwidth
@@ -131,7 +131,7 @@ def row_op_figures(results: Sequence[KernelResult], setting: K.Setting, gpu: Gpu
     """Each row op's training launch (the first recorded, with every feature on) per direction: its
     effective bandwidth against the achievable copy bandwidth."""
     out = []
-    for op in ROW_OPS:
+    for op in registry.names(registry.ROW):
         seen = set()
         for r in _of(results, setting, op):
             if r.direction() in seen:
@@ -384,7 +384,8 @@ def compare(results: Sequence[KernelResult], profile: Profile) -> List[Dict[str,
         seen.add(r.kernel)
         ms, calls = profile.kernels[r.kernel]
         layer_calls = calls // layers * layers or calls
-        scale = profile.setting.tokens / tokens if tokens and r.op in ROW_OPS else 1.0
+        row_op = registry.get(r.op).kind == registry.ROW
+        scale = profile.setting.tokens / tokens if tokens and row_op else 1.0
         # A kernel a layer runs in several variants (the FFN's GEMM forward and backward, step.FFN_GEMMS)
         # is timed as one name: its calls set beside the mean of their predictions (and not fitted: the
         # constants are fitted to kernels with one prediction per measured time). Any other kernel is
@@ -397,7 +398,7 @@ def compare(results: Sequence[KernelResult], profile: Profile) -> List[Dict[str,
                      "predicted_s": sum(p.predicted_s for p in predictions) / len(predictions),
                      "prediction": r.prediction, "predictions": predictions, "variants": len(predictions),
                      "changed_since_run": changed_since(
-                         profile.path, [f"kernels/{r.op}.py"] + (["kernels/_rows.py"] if r.op in ROW_OPS else []),
+                         profile.path, [f"kernels/{r.op}.py"] + (["kernels/_rows.py"] if row_op else []),
                          kernel=r.kernel)})
     return rows
 
