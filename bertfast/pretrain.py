@@ -54,6 +54,7 @@ from bertfast import flops, parity
 from bertfast.contract import IGNORE_INDEX
 from bertfast.data.loader import Prefetcher, sequence_lengths
 from bertfast.data.tokenization import read_vocab
+from bertfast.modeling import REFERENCE
 from bertfast.training import checkpoints as ckpt
 from bertfast.training import exits, graphs
 from bertfast.training.config import PretrainConfig
@@ -178,8 +179,8 @@ class Pretrainer:
             config = build_config(args, vocab_size, max_len)
             model = (BertForPreTraining.from_pretrained(args.init_checkpoint, config=config)
                      if args.init_checkpoint else BertForPreTraining(config))
-        if args.execution == "reference":
-            model.bert.execution = "reference"
+        if args.execution == REFERENCE:
+            model.bert.execution = REFERENCE
         self.config = model.config
         # ... and a different dropout stream on each rank.
         ckpt.seed_everything(args.seed + 1_000_003 * info.rank)

@@ -65,11 +65,6 @@ def assert_close_lowp(fast: torch.Tensor, ref_fp32: torch.Tensor, ref_lowp: torc
                              f"low-precision error {err_ref:.3e} + atol {atol:.1e} = {bound:.3e}")
 
 
-def lowp_errors(fast: torch.Tensor, ref_fp32: torch.Tensor, ref_lowp: torch.Tensor) -> List[float]:
-    """(fast error, reference low-precision error), for reports."""
-    return [max_abs_error(fast, ref_fp32), max_abs_error(ref_lowp, ref_fp32)]
-
-
 Outcome = Tuple[torch.Tensor, List[Optional[torch.Tensor]]]
 
 

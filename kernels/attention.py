@@ -138,7 +138,10 @@ from . import _common
 from ._common import autotune, interpreting, launch
 from ._rows import column_sums
 
-_LOG2E = 1.4426950408889634
+# log2(e): a constexpr so the kernels can read it. _bwd_fused_block still writes the number out until
+# a GPU run re-measures the one-pass backward: the perf model fits a kernel only while its source is
+# as the last run measured it, and this kernel's miss is the fit's main evidence (same SASS either way).
+_LOG2E = tl.constexpr(1.4426950408889634)
 N_ROUNDS = tl.constexpr(7)  # Philox rounds of the dropout mask (header)
 
 
@@ -603,7 +606,7 @@ def _bwd_kv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, keep_base, 
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    lse2 = lse * 1.4426950408889634  # log2 units, for exp2
+    lse2 = lse * _LOG2E  # log2 units, for exp2
     # With dropout, P Z = kept / (1 - p), kept = keep ? P : 0, and dS = P (Z dP - delta) =
     # (kept dP - P (1 - p) delta) / (1 - p): the block sums the numerators, from one select of P that
     # is also dV's operand, and the caller scales dK and dV by 1 / (1 - p) once, at the end.
@@ -820,7 +823,7 @@ def _attention_bwd_dq_kernel(
         q = q.to(tl.float32)
         do = do.to(tl.float32)
     lse_off = b64 * stride_lb + h64 * stride_lh + seq_start + offs_m
-    lse2 = tl.load(LSE + lse_off, mask=row_ok, other=0.0) * 1.4426950408889634
+    lse2 = tl.load(LSE + lse_off, mask=row_ok, other=0.0) * _LOG2E
     delta = tl.load(DELTA + lse_off, mask=row_ok, other=0.0)
     k_ptrs = (K + b64 * stride_kb + seq_start * stride_ks + h64 * stride_kh
               + offs_n[:, None] * stride_ks + offs_d[None, :])
@@ -1253,7 +1256,7 @@ def _forward(q, k, v, out, lse, cu_seqlens, key_mask, seed, keep, batch, seqlen,
             seed if dropout_p > 0 else dummy, keep if dropout_p > 0 else dummy,
             *_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(out, varlen),
             *_lse_strides(lse, varlen), *mask_strides,
-            seqlen, heads, softmax_scale * _LOG2E, dropout_p, triton.next_power_of_2(seqlen), _keep_len(keep))
+            seqlen, heads, softmax_scale * _LOG2E.value, dropout_p, triton.next_power_of_2(seqlen), _keep_len(keep))
     consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), IS_VARLEN=varlen, HAS_KEY_MASK=key_mask is not None,
                   HAS_DROPOUT=dropout_p > 0, UPCAST=upcast, DOT_PREC=prec, BYTEWISE_KEEP=_bytewise_keep(q.dtype))
     grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_M"]), heads, batch)  # noqa: E731
@@ -1286,7 +1289,7 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, keep, b
     # 1 / (1 - p) from here for the dQ and dK/dV kernels: divided there, 1 - p stayed live across their
     # loops and ptxas spilled it at small fp32 tiles
     tail = (*_lse_strides(lse, varlen), *mask_strides, db.stride(0) if db is not None else 0, db_rows,
-            seqlen, heads, softmax_scale, softmax_scale * _LOG2E, dropout_p, 1.0 / (1.0 - dropout_p), bucket,
+            seqlen, heads, softmax_scale, softmax_scale * _LOG2E.value, dropout_p, 1.0 / (1.0 - dropout_p), bucket,
             _keep_len(keep))
     db_arg = db if db is not None else lse
 

@@ -113,10 +113,6 @@ class TimingPolicy:
                    flush_l2=False, ahead_of_host=False)
 
 
-def method_for(device: torch.device) -> str:
-    return "cuda_events" if torch.device(device).type == "cuda" else "perf_counter"
-
-
 _FLUSH_BUFFERS: Dict[int, torch.Tensor] = {}
 
 

@@ -46,9 +46,6 @@ class TokenizedCorpus:
         offs = self.seg_offsets[s0:s1 + 1]
         return [self.tokens[offs[i]:offs[i + 1]] for i in range(s1 - s0)]
 
-    def doc_num_segments(self, d: int) -> int:
-        return int(self.doc_offsets[d + 1] - self.doc_offsets[d])
-
 
 @dataclass
 class Instance:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence
 
 from bertfast.data.textfile import non_utf8_error
 
@@ -199,11 +199,6 @@ def _lowercase_from_config(directory: str) -> Optional[bool]:
     return None
 
 
-def iter_texts(docs: Iterable[List[str]]) -> Iterator[str]:
-    for doc in docs:
-        yield from doc
-
-
 def vocab_fingerprint(vocab_file: str, lowercase: bool) -> str:
     import hashlib
     h = hashlib.sha256()
@@ -211,7 +206,3 @@ def vocab_fingerprint(vocab_file: str, lowercase: bool) -> str:
         h.update(f.read())
     h.update(b"lower" if lowercase else b"cased")
     return h.hexdigest()[:16]
-
-
-def special_token_map(tok: WordPiece) -> Dict[str, int]:
-    return {"pad": tok.pad_id, "unk": tok.unk_id, "cls": tok.cls_id, "sep": tok.sep_id, "mask": tok.mask_id}
