@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from bertfast import dispatch, registry
+from bench_helpers import _cpu_ctx
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -160,19 +161,8 @@ def toy_op(tmp_path, monkeypatch):
     dispatch.clear_cache()
 
 
-def _cpu_ctx(**kw):
-    from bertfast.bench import device as devmod
-    from bertfast.bench.common import SuiteContext
-    from bertfast.bench.timing import TimingPolicy
-    info = devmod.detect("cpu")
-    devmod.calibrate(info, quick=True)
-    return SuiteContext(device=info, quick=True, dtype=torch.float32, backends=("torch",), compile=False,
-                        with_transformers=False, policy=TimingPolicy(cpu_warmup=0, cpu_reps=2), log=lambda s: None,
-                        **kw)
-
-
-def test_a_registered_op_reaches_dispatch_info_and_parity(toy_op):
-    from bertfast import info, parity  # noqa: F401  (parity reads the list when it runs)
+def test_a_registered_op_reaches_dispatch_info_and_parity(toy_op, monkeypatch):
+    from bertfast import info, parity
     assert dispatch.ops()[-1] == TOY
     x, b = torch.randn(3, 5), torch.randn(5)
     assert dispatch.select(TOY, x=x, bias=b) == "torch"
@@ -180,6 +170,15 @@ def test_a_registered_op_reaches_dispatch_info_and_parity(toy_op):
     with dispatch.use_backend({TOY: "triton"}), pytest.raises(dispatch.NoBackendError, match="no fused kernel"):
         dispatch.select(TOY, x=x, bias=b)  # the interpreter would run it: the module's limits refuse
     assert registry.step_forms()[-1] == TOY
+    alone = []  # the op each of parity's runs leaves on its selected backend, every other forced to torch
+
+    def signature(model, batch):
+        forced = dispatch._OVERRIDES[-1]
+        alone.append(next((f for f in dispatch.ops() if forced.get(f, forced.get("*")) != "torch"), None))
+        return [torch.zeros(1)]
+    monkeypatch.setattr(parity, "_signature", signature)
+    parity.first_divergent_op(None, {})
+    assert alone == [None, *registry.step_forms()] and alone[-1] == TOY
     report = info.report()
     section = report.split(f"  {TOY}\n", 1)[1]
     assert section.splitlines()[0].strip() == "cpu/float32: -> torch"

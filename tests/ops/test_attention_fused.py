@@ -1,12 +1,13 @@
 """attention: what is particular to the fused backends (Triton, CUDA), beyond the contract.
 
-The contract on every backend, and at GPU sizes, is tests/ops/test_attention.py; this file takes its
-inputs and its checks against the reference (check_varlen, check_padded: fed the backend's own dropout
-mask) from there. Here: the Triton and CUDA launchers validate their own arguments (the torch backend's
-are reached only through the op, which validates); without a GPU, Triton's autotuned launch path runs
-under the interpreter and its dropout mask does not depend on block sizes; CUDA runs bf16 on the CPU
-emulator (the interpreter's bf16 is wrong), and the CUDA wrappers' validation runs on CPU tensors
-(cuda_on_cpu, tests/ops/conftest.py).
+The contract on every backend is tests/ops/test_attention.py (dropout: test_attention_dropout.py,
+GPU sizes: test_attention_gpu_sizes.py); this file takes its inputs and its checks against the
+reference (check_varlen, check_padded: fed the backend's own dropout mask) from there. Here: the
+Triton and CUDA launchers validate their own arguments (the torch backend's are reached only through
+the op, which validates); without a GPU, Triton's autotuned launch path runs under the interpreter
+and its dropout mask does not depend on block sizes; CUDA runs bf16 on the CPU emulator (the
+interpreter's bf16 is wrong), and the CUDA wrappers' validation runs on CPU tensors (cuda_on_cpu,
+tests/ops/conftest.py).
 """
 import pytest
 import torch

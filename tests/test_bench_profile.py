@@ -1,0 +1,137 @@
+"""Where a step's time goes: bertfast.bench.profile's reports (also rebuilt from a stopped profile's
+trace) and bertfast.bench.ncu's summary and target, which the GPU check runs after the headline."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+@pytest.mark.gpu
+def test_gpu_ncu_target_finds_each_ops_case_at_bert_large_shapes(capsys):
+    """The ncu step's target (bertfast/bench/ncu.py target_cases) is among the GPU's kernel-suite cases
+    for every op, and runs each one's forward and backward (no ncu attached: the profiler calls are
+    no-ops), so a speed loan's ncu step does not fail on a case the suite no longer lists."""
+    from bertfast.bench import ncu
+    profiled = list(ncu.target_cases())
+    assert ncu.run_target(profiled, "triton", dry_run=False, warmup=1) == 0
+    ran = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ncu target: ran")]
+    assert [line.split()[3] for line in ran] == profiled
+    layernorm = ran[profiled.index("bias_dropout_residual_layernorm")]
+    assert '"tokens": 16384' in layernorm and '"dropout": 0.1' in layernorm
+
+
+def test_profile_writes_where_a_steps_time_goes(tmp_path):
+    """bertfast.bench.profile (the GPU check runs it after the headline) on CPU: the report per
+    implementation and the side-by-side summary; an unknown implementation is a clear error."""
+    from bertfast.bench import profile
+    out = tmp_path / "prof"
+    assert profile.main(["--device", "cpu", "--model", "tiny", "--seqlen", "16", "--batch", "2", "--warmup", "1",
+                         "--steps", "1", "--impls", "bertfast", "--out", str(out), "--trace"]) == 0
+    text = (out / "bertfast.txt").read_text()
+    import gzip, json
+    trace = json.loads(gzip.open(out / "bertfast.trace.json.gz").read())
+    assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
+    assert profile.trace_steps(trace["traceEvents"]) == 1  # the step's own annotation
+    assert not (out / "bertfast.trace.json").exists()
+    assert text.startswith("tiny seq 16 batch 2, fp32 on CPU") and "wall per step" in text
+    assert "aten::" in text  # the host ops by self time
+    assert "autotuned configs: none" in text  # nothing is tuned on CPU (a GPU run lists its choices)
+    assert "bertfast" in (out / "summary.txt").read_text()
+    # the host's Python by function: bertfast's own op wrappers among them
+    python = (out / "bertfast.python.txt").read_text()
+    assert "1 step under cProfile" in python and "Ordered by: internal time" in python
+    assert "Ordered by: cumulative time" in python and "bertfast/ops/" in python
+    assert profile.main(["--device", "cpu", "--impls", "bertfast,deepspeed", "--out", str(out)]) == 2
+
+
+def test_profile_rebuilt_from_a_stopped_profiles_trace(tmp_path):
+    """--from-trace: a profile stopped after its trace was written (the H200 run of 2026-11-27) still
+    gives the kernel table the perf model reads, per step (the trace's optimizer calls), the device's
+    busy time a union of spans; the wall time and host ops said to be missing, not made up."""
+    import gzip, json
+    from bertfast.bench import profile
+    from bertfast.perfmodel.report import read_profile
+    events = [{"cat": "user_annotation", "name": "Optimizer.step#AdamW.step", "ts": 0, "dur": 1}] * 2 + [
+        {"cat": "kernel", "name": "_bias_gelu_fwd_kernel", "ts": 0, "dur": 30},
+        {"cat": "kernel", "name": "nvjet_sm90_gemm", "ts": 10, "dur": 40},  # overlaps the first: busy once
+        {"cat": "gpu_memset", "name": "Memset (Device)", "ts": 60, "dur": 20},
+        {"cat": "kernel", "name": "_bias_gelu_fwd_kernel", "ts": 100, "dur": 50},
+        {"cat": "kernel", "name": "nvjet_sm90_gemm", "ts": 150, "dur": 20},
+        {"cat": "gpu_memset", "name": "Memset (Device)", "ts": 200, "dur": 20},
+        {"cat": "gpu_user_annotation", "name": "Optimizer.step#AdamW.step", "ts": 0, "dur": 500},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 900}]
+    trace = tmp_path / "bertfast.trace.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events, "deviceProperties": [{"name": "NVIDIA H200"}]}, f)
+    out = tmp_path / "prof"
+    assert profile.main(["--from-trace", str(trace), "--out", str(out)]) == 0
+    text = (out / "bertfast.txt").read_text()
+    assert "wall per step not in the trace; device busy 0.08 ms; kernels 0.09 ms; 3 device ops" in text
+    assert "host ops: not rebuilt" in text and "2 steps" in text
+    read = read_profile(str(out / "bertfast.txt"))
+    assert read.device == "NVIDIA H200" and read.setting.label() == "bert-large seq 128 batch 128 bf16 p=0.1"
+    assert read.kernels == {"_bias_gelu_fwd_kernel": (0.04, 1), "nvjet_sm90_gemm": (0.03, 1), "Memset": (0.02, 1)}
+    # a trace of another implementation's name, or one without device events, is a clear error
+    assert profile.main(["--from-trace", str(tmp_path / "deepspeed.trace.json"), "--out", str(out)]) == 2
+    # a graph replay calls no optimizer on the host: its steps are counted by their annotations
+    replays = [{"cat": "user_annotation", "name": profile.STEP_ANNOTATION, "ts": 0, "dur": 1}] * 3
+    assert profile.trace_steps(replays + events[2:]) == 3 and profile.trace_steps(events) == 2
+    empty = tmp_path / "graphs.trace.json"
+    empty.write_text(json.dumps({"traceEvents": events[-1:]}))
+    assert profile.main(["--from-trace", str(empty), "--out", str(out)]) == 2
+
+
+def test_ncu_summary_reads_the_raw_page_and_the_target_runs_each_op(tmp_path, monkeypatch, capsys):
+    """bertfast.bench.ncu: the raw page (a header of metrics, a row of units, a row per kernel) becomes
+    a table per kernel with its time, DRAM bytes and rate, issue and occupancy, and its largest stall
+    reasons, units converted; the target runs one training forward and backward of each op (on CPU,
+    --dry-run); without ncu the driver says so; the command profiles only the target's region."""
+    import csv
+    from bertfast.bench import ncu
+    names = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Block Size", "Grid Size",
+             "gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum",
+             "dram__throughput.avg.pct_of_peak_sustained_elapsed", "smsp__issue_active.avg.pct_of_peak_sustained_active",
+             "sm__warps_active.avg.pct_of_peak_sustained_active", "sm__maximum_warps_per_active_cycle_pct",
+             "launch__registers_per_thread", "launch__grid_size", "launch__block_size",
+             "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+             "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+             "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio"]
+    units = ["", "", "", "", "", "", "", "usecond", "Mbyte", "Mbyte", "%", "%", "%", "%", "register/thread", "", "",
+             "", "", ""]
+    rows = [["0", "1", "python", "h", "_bias_dropout_residual_layernorm_fwd_kernel", "(64, 1, 1)", "(16384, 1, 1)",
+             "44.40", "100.00", "34.20", "70.1", "55.0", "60.2", "100", "62", "16384", "64", "6.5", "2.25", "0.5"],
+            ["1", "1", "python", "h", "_bias_gelu_fwd_kernel", "(256, 1, 1)", "(4096, 1, 1)",
+             "1,200.5", "150.0", "150.0", "93.0", "30.0", "80.0", "100", "40", "4096", "256", "9.0", "0", "1.0"]]
+    (tmp_path / "ncu-raw.csv").write_text("")
+    with open(tmp_path / "ncu-raw.csv", "w", newline="") as f:
+        csv.writer(f, quoting=csv.QUOTE_ALL).writerows([names, units] + rows)
+    assert ncu.main(["--summarize", str(tmp_path)]) == 0
+    md = (tmp_path / "ncu.md").read_text()
+    ln = next(line for line in md.splitlines() if line.startswith("| _bias_dropout_residual_layernorm_fwd"))
+    # 134.2 MB in 44.4 us: 3,023 GB/s; 62 registers; the stalls largest first, none of 0 listed
+    assert "| 44.4 | 134.2 | 3,023 | 70.1 |" in ln and "| 60.2 / 100.0 | 62 | 16,384 x 64 |" in ln
+    assert ln.endswith("| long_scoreboard 6.5, barrier 2.2, wait 0.5 |")
+    gelu = next(r for r in json.loads((tmp_path / "ncu.json").read_text()) if r["kernel"] == "_bias_gelu_fwd_kernel")
+    assert gelu["time_us"] == pytest.approx(1200.5) and gelu["dram_bytes"] == pytest.approx(300e6)
+    assert [s[0] for s in gelu["stalls"]] == ["long_scoreboard", "wait"]
+    (tmp_path / "ncu-raw.csv").write_text('"ID","Kernel Name"\n"",""\n')
+    assert ncu.main(["--summarize", str(tmp_path)]) == 1  # no kernel: said, not an empty table
+
+    assert ncu.main(["--target", "--dry-run", "--backend", "torch"]) == 0
+    ran = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ncu target: ran")]
+    assert [line.split()[3] for line in ran] == list(ncu.target_cases())
+    monkeypatch.setattr(ncu, "find_ncu", lambda: None)
+    assert ncu.main(["--out", str(tmp_path / "n")]) == 2
+    assert "no ncu" in capsys.readouterr().err
+    cmd = ncu.ncu_command("ncu", "R", ["bias_gelu"], "triton")
+    assert cmd[cmd.index("--profile-from-start") + 1] == "off" and cmd[cmd.index("--clock-control") + 1] == "none"
+    assert cmd[-6:] == ["bertfast.bench.ncu", "--target", "--ops", "bias_gelu", "--backend", "triton"]
+    assert ncu.main(["--target", "--ops", "attention,softmax"]) == 2
+
+
+def test_profile_counts_overlapping_kernels_once():
+    """The device's busy time is the union of its kernels' spans (streams overlap), not their sum."""
+    from bertfast.bench.profile import covered_time
+    assert covered_time([(20, 25), (0, 10), (5, 15), (6, 7)]) == 20
+    assert covered_time([]) == 0
