@@ -10,10 +10,11 @@ transformers' BERT; the deliberate differences are listed in the README's drop-i
 
 Two ways to run the same modules and weights:
 
-* fast (default): padding is removed once (``bertfast.padding``), every layer runs on the
-  real tokens only through the fused ops in ``bertfast.ops``, and the output is padded
-  back. Under ``torch.compile`` the padded token layout is kept instead (static shapes, the
-  padded attention op with its key mask), since unpadding has a data-dependent size.
+* fast (default): padding is removed once, every layer runs on the real tokens only through
+  the fused ops in ``bertfast.ops``, and the output is padded back. Under ``torch.compile`` the
+  padded token layout is kept instead (static shapes, the padded attention op with its key
+  mask), since unpadding has a data-dependent size; packed inputs are their own layout. One
+  layer forward serves the three: ``bertfast.layout.Layout`` holds what differs.
   With MLM labels the prediction head runs only at labelled positions.
 * reference: the plain padded PyTorch encoder and MLM head of ``bertfast.reference`` (the
   oracle), run on the same modules. Chosen with ``bertfast.reference_execution(model)``;
@@ -26,7 +27,7 @@ quantized or parametrized modules and hooked modules are called as modules.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -40,7 +41,7 @@ from transformers.models.bert import modeling_bert as hf_bert
 
 from bertfast import dispatch, fused_qkv, model_inputs, ops, reference, residual_linear, saving
 from bertfast.config import BertConfig, check_supported, gelu_approximate, head_dim
-from bertfast.padding import packed_layout, pad_rows, unpad, unpad_mask
+from bertfast.layout import PADDED, Layout, first_real_tokens
 from bertfast.ops.attention import varlen_inference
 
 Tensor = torch.Tensor
@@ -172,28 +173,8 @@ def _layer_norm(ln: nn.Module, h: Tensor) -> Tensor:
 
 
 # ================================================================= encoder layer
-# x holds token rows [N, H]: the real tokens, or every position under torch.compile.
-class Rows:
-    """What the layers of one forward share about its token rows.
-
-    attend(qkv [N, 3, A, D], dropout_p, qkv_bias) -> [N, A, D]: the fused attention op on them.
-    takes_qkv_bias: whether attend forms the gradient of the QKV biases it is given (the varlen op,
-    whose Triton backward sums it as it writes dqkv: ops.attention_varlen's qkv_bias); then the QKV
-    GEMM's node leaves it out. False: attend is given none.
-    plain: None, or, when every op of the layers would run its plain-PyTorch backend with nothing
-    to differentiate (inference on a CPU, ``_plain_attention``), that backend's attention
-    (q, k, v [N, A, D] each) -> [N, A, D] with the batch layout worked out once. The layers then
-    call their modules as transformers' layers do: the same math as the ops' torch backends,
-    without the ops' host time (about a tenth of a MiniLM layer at batch 1).
-    """
-
-    __slots__ = ("attend", "plain", "takes_qkv_bias")
-
-    def __init__(self, attend: Callable[[Tensor, float, List[Tensor]], Tensor],
-                 plain: Optional[Callable[[Tensor, Tensor, Tensor], Tensor]] = None, takes_qkv_bias: bool = False):
-        self.attend, self.plain, self.takes_qkv_bias = attend, plain, takes_qkv_bias
-
-
+# x holds token rows [N, H] laid out by a bertfast.layout.Layout: the real tokens, the packed row's, or
+# every position under torch.compile.
 class BertSelfAttention(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -224,18 +205,15 @@ class BertSelfAttention(nn.Module):
             return fused_qkv.linear(x, weights, biases).view(shape), x, []
         return torch.stack([self.query(x), self.key(x), self.value(x)], dim=1).view(shape), x, []
 
-    def context_keeping_input(self, x: Tensor, rows: Rows) -> Tuple[Tensor, Tensor]:
+    def context_keeping_input(self, x: Tensor, layout: Layout) -> Tuple[Tensor, Tensor]:
         """rows [N, H] -> (context [N, H], x to use as the residual: see qkv_keeping_input)."""
-        if rows.plain is not None:
-            shape = (x.shape[0], self.num_attention_heads, self.attention_head_size)
-            return rows.plain(*(m(x).reshape(shape) for m in (self.query, self.key, self.value))).reshape(x.shape), x
         p = self.dropout.p if self.training else 0.0
-        qkv, residual, biases = self.qkv_keeping_input(x, rows.takes_qkv_bias)
-        return rows.attend(qkv, p, biases).reshape(x.shape), residual
+        qkv, residual, biases = self.qkv_keeping_input(x, layout.takes_qkv_bias)
+        return layout.attend(qkv, p, biases).reshape(x.shape), residual
 
-    def forward(self, x: Tensor, rows: Rows) -> Tensor:
+    def forward(self, x: Tensor, layout: Layout) -> Tensor:
         """rows [N, H] -> context [N, H]."""
-        return self.context_keeping_input(x, rows)[0]
+        return self.context_keeping_input(x, layout)[0]
 
 
 def _linear(h: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -255,10 +233,10 @@ class BertSelfOutput(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, h: Tensor, residual: Tensor, plain: bool = False) -> Tensor:
-        """LN(Dropout(h @ W^T + b) + residual): one op after the GEMM (plain: the modules, see Rows)."""
+    def forward(self, h: Tensor, residual: Tensor) -> Tensor:
+        """LN(Dropout(h @ W^T + b) + residual): one op after the GEMM."""
         ln = self.LayerNorm
-        if plain or not fusable(ln, self.dropout):
+        if not fusable(ln, self.dropout):
             return ln(self.dropout(self.dense(h)) + residual)
         if not fusable(self.dense):
             y, bias = self.dense(h), None
@@ -293,11 +271,11 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(config)
         self.output = BertSelfOutput(config)
 
-    def forward(self, x: Tensor, rows: Rows) -> Tensor:
+    def forward(self, x: Tensor, layout: Layout) -> Tensor:
         if hooked(self.self):  # called as a module, so its hooks run
-            return self.output(self.self(x, rows), x, rows.plain is not None)
-        context, residual = self.self.context_keeping_input(x, rows)
-        return self.output(context, _residual(residual, x, self.output), rows.plain is not None)
+            return self.output(self.self(x, layout), x)
+        context, residual = self.self.context_keeping_input(x, layout)
+        return self.output(context, _residual(residual, x, self.output))
 
 
 def _dense_gelu(dense: nn.Linear, x: Tensor, approximate: str) -> Tuple[Tensor, Tensor]:
@@ -337,13 +315,11 @@ class BertIntermediate(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
         self.approximate = gelu_approximate(config)
 
-    def forward(self, x: Tensor, plain: bool = False) -> Tensor:
-        return self.gelu_keeping_input(x, plain)[0]
+    def forward(self, x: Tensor) -> Tensor:
+        return self.gelu_keeping_input(x)[0]
 
-    def gelu_keeping_input(self, x: Tensor, plain: bool = False) -> Tuple[Tensor, Tensor]:
+    def gelu_keeping_input(self, x: Tensor) -> Tuple[Tensor, Tensor]:
         """(GELU(dense(x)), x to use as the residual: see _dense_gelu)."""
-        if plain:
-            return F.gelu(self.dense(x), approximate=self.approximate), x
         return _dense_gelu(self.dense, x, self.approximate)
 
 
@@ -354,17 +330,18 @@ class BertLayer(GradientCheckpointingLayer):
         self.intermediate = BertIntermediate(config)
         self.output = BertOutput(config)
 
-    def forward(self, x: Tensor, rows: Rows) -> Tensor:
+    def forward(self, x: Tensor, layout: Layout) -> Tensor:
         """x positional (gradient checkpointing re-runs the layer on it)."""
-        h = self.attention(x, rows)
-        plain = rows.plain is not None
+        if layout.plain is not None:  # inference on a CPU: the modules' own math (bertfast.layout)
+            return reference.layer_math(self, x, layout.plain)
+        h = self.attention(x, layout)
         if hooked(self.intermediate):  # called as a module, so its hooks run
-            return self.output(self.intermediate(h, plain), h, plain)
-        fused = None if plain else _ffn(self.intermediate, self.output, h)
+            return self.output(self.intermediate(h), h)
+        fused = _ffn(self.intermediate, self.output, h)
         if fused is not None:
             return self.output.norm(fused[0], self.output.dense.bias, fused[1])
-        y, residual = self.intermediate.gelu_keeping_input(h, plain)
-        return self.output(y, _residual(residual, h, self.output), plain)
+        y, residual = self.intermediate.gelu_keeping_input(h)
+        return self.output(y, _residual(residual, h, self.output))
 
 
 class BertEncoder(nn.Module):
@@ -372,14 +349,14 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList([BertLayer(config) for _ in range(config.num_hidden_layers)])
 
-    def forward(self, x: Tensor, rows: Rows, restore: Callable[[Tensor], Tensor],
+    def forward(self, x: Tensor, layout: Layout,
                 want_states: bool = False) -> Tuple[Tensor, Optional[Tuple[Tensor, ...]]]:
-        """-> (last layer's rows, hidden states padded by ``restore`` (embeddings first) when asked)."""
-        states: Optional[List[Tensor]] = [restore(x)] if want_states else None
+        """-> (last layer's rows, hidden states as [B, S, H] (embeddings first) when asked)."""
+        states: Optional[List[Tensor]] = [layout.restore(x)] if want_states else None
         for layer in self.layer:
-            x = layer(x, rows=rows)
+            x = layer(x, layout=layout)
             if states is not None:
-                states.append(restore(x))
+                states.append(layout.restore(x))
         return x, None if states is None else tuple(states)
 
 
@@ -391,14 +368,6 @@ class BertPooler(nn.Module):
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         return self.activation(self.dense(hidden_states[:, 0]))
-
-
-def first_real_tokens(sequence: Tensor, attention_mask: Tensor) -> Tensor:
-    """Each row's first real token [B, 1, H], what the pooler reads: position 0 unless the row is
-    left-padded (transformers pools position 0 whatever it holds, an encoded pad token there; the
-    unpadded layout has none). A row without a real token gives its position 0."""
-    first = attention_mask.ne(0).to(torch.int32).argmax(dim=1)  # argmax returns the first maximum
-    return sequence.gather(1, first.view(-1, 1, 1).expand(-1, 1, sequence.shape[-1]))
 
 
 # ================================================================= base class
@@ -470,12 +439,12 @@ class BertModel(BertPreTrainedModel):
         attention_mask, token_type_ids, position_ids = model_inputs.prepare_inputs(
             cfg, self.embeddings.word_embeddings, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
             packed)
-        rows = token_rows = probs = None
+        index = token_rows = probs = None
         want_states = bool(output_hidden_states)
         if _reference(self) and packed is not None:
-            sequence, states, probs, firsts = self._reference_packed(packed, input_ids, token_type_ids, position_ids,
-                                                                     inputs_embeds, want_states,
-                                                                     bool(output_attentions))
+            sequence, states, probs, firsts = reference.encoder_packed(
+                self, packed.cu_seqlens, packed.max_seqlen, input_ids, token_type_ids, position_ids, inputs_embeds,
+                want_states, bool(output_attentions))
         elif _reference(self):
             sequence, states, probs = reference.encoder(self, input_ids, attention_mask, token_type_ids,
                                                         position_ids, inputs_embeds, want_states,
@@ -484,86 +453,53 @@ class BertModel(BertPreTrainedModel):
         elif output_attentions:
             raise ValueError("output_attentions=True: the fused attention never materialises attention "
                              "probabilities; run the model under bertfast.reference_execution(model) for them")
-        elif packed is not None:
-            sequence, states, token_rows = self._encode_packed(packed, input_ids, token_type_ids, position_ids,
-                                                               inputs_embeds, want_states)
-            # Each sequence's first token [K, 1, H]; an empty sequence's index is clamped (it pools to 0 below).
-            firsts = token_rows.index_select(0, packed.cu_seqlens[:-1].clamp(max=token_rows.shape[0] - 1))[:, None]
         else:
-            sequence, states, rows, token_rows = self._encode(input_ids, attention_mask, token_type_ids,
-                                                              position_ids, inputs_embeds, want_states)
-            firsts = first_real_tokens(sequence, attention_mask)
+            if packed is not None:
+                layout = Layout.packed(packed.cu_seqlens, packed.max_seqlen, position_ids.shape[1])
+            elif torch.compiler.is_compiling():  # static shapes: unpadding has a data-dependent size
+                layout = Layout.padded(attention_mask)
+            else:
+                layout = Layout.unpadded(attention_mask)
+            index = layout.index
+            sequence, states, token_rows = self._encode(layout, input_ids, token_type_ids, position_ids,
+                                                        inputs_embeds, want_states)
+            firsts = layout.first_tokens(sequence, token_rows, attention_mask)
         pooled = self.pooler(firsts) if self.pooler is not None else None
         if pooled is not None and packed is not None:  # an empty sequence pools to 0 (on every path)
             pooled = pooled.masked_fill((packed.cu_seqlens.diff() == 0)[:, None], 0.0)
         out = BertModelOutput(last_hidden_state=sequence, pooler_output=pooled, hidden_states=states,
                               attentions=probs)
-        out = _with_extras(out, token_rows=token_rows, token_row_index=rows, packed=packed)
+        out = _with_extras(out, token_rows=token_rows, token_row_index=index, packed=packed)
         return out if return_dict else out.to_tuple()
 
-    def _encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                     want_states: bool):
-        batch, seqlen = attention_mask.shape
-        width = self.config.hidden_size
-        flat = lambda t: None if t is None else t.reshape((batch * seqlen,) + tuple(t.shape[2:]))  # noqa: E731
-        if torch.compiler.is_compiling():
-            # Static shapes: every position is a row; attention masks the padded keys.
-            rows = None
-            key_mask = attention_mask.bool()
+    def _encode(self, layout: Layout, input_ids, token_type_ids, position_ids, inputs_embeds, want_states: bool):
+        """The embeddings and every layer on the layout's rows: (sequence [B, S, H], hidden states or
+        None, the last layer's rows [N, H])."""
+        rows = layout.rows
+        x = self.embeddings(rows(input_ids), rows(position_ids), rows(token_type_ids), rows(inputs_embeds))
+        layout.plain = self._plain_attention(x, layout)
+        x, states = self.encoder(x, layout, want_states=want_states)
+        return layout.restore(x), states, x
 
-            def attend(qkv: Tensor, p: float, _biases: List[Tensor]) -> Tensor:
-                q, k, v = qkv.view(batch, seqlen, 3, *qkv.shape[2:]).unbind(2)  # [B, S, A, D] each
-                return ops.attention(q, k, v, key_mask, p).reshape(qkv.shape[0], *qkv.shape[2:])
-
-            gather = flat
-            restore = lambda x: x.view(batch, seqlen, width)  # noqa: E731
-        else:
-            rows, cu_seqlens, max_seqlen = unpad_mask(attention_mask)
-
-            def attend(qkv: Tensor, p: float, biases: List[Tensor]) -> Tensor:
-                return ops.attention_varlen(qkv, cu_seqlens, max_seqlen, p, qkv_bias=biases)
-
-            gather = lambda t: None if t is None else unpad(t, rows)  # noqa: E731
-            restore = lambda x: pad_rows(x, rows, batch, seqlen)  # noqa: E731
-        x = self.embeddings(gather(input_ids), gather(position_ids), gather(token_type_ids), gather(inputs_embeds))
-        plain = None if rows is None else self._plain_attention(x, cu_seqlens, max_seqlen)
-        x, states = self.encoder(x, rows=Rows(attend, plain, takes_qkv_bias=rows is not None), restore=restore,
-                                 want_states=want_states)
-        return restore(x), states, rows, x
-
-    def _encode_packed(self, packed: model_inputs.Packed, input_ids, token_type_ids, position_ids, inputs_embeds,
-                       want_states: bool):
-        """Packed sequences [1, T]: no padding to remove, every shape static, no host read.
-        Returns (sequence [1, T, H], hidden states or None, the rows [T, H])."""
-        tokens, width = position_ids.shape[1], self.config.hidden_size
-        flat = lambda t: None if t is None else t.reshape((tokens,) + tuple(t.shape[2:]))  # noqa: E731
-
-        def attend(qkv: Tensor, p: float, biases: List[Tensor]) -> Tensor:
-            return ops.attention_varlen(qkv, packed.cu_seqlens, packed.max_seqlen, p, qkv_bias=biases)
-
-        restore = lambda x: x.view(1, tokens, width)  # noqa: E731
-        x = self.embeddings(flat(input_ids), flat(position_ids), flat(token_type_ids), flat(inputs_embeds))
-        plain = None if torch.compiler.is_compiling() else self._plain_attention(x, packed.cu_seqlens,
-                                                                                 packed.max_seqlen)
-        x, states = self.encoder(x, rows=Rows(attend, plain, takes_qkv_bias=True), restore=restore,
-                                 want_states=want_states)
-        return restore(x), states, x
-
-    def _plain_attention(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int):
-        """Rows.plain for the embeddings' rows x [N, H] (eager), or None. Plain when nothing is to be
-        differentiated, no attention is in training mode (plain attention has no dropout; the other
-        dropouts are modules, called as such), autocast is off, every layer sits on x's device, and
-        dispatch picks the torch backend of each layer op for these rows (asked with stand-ins: only
-        metadata is read)."""
+    def _plain_attention(self, x: Tensor, layout: Layout):
+        """Layout.plain for the embeddings' rows x [N, H], or None. Plain in eager mode on the varlen
+        layouts when nothing is to be differentiated, no attention is in training mode (plain attention
+        has no dropout; the other dropouts are modules, called as such), autocast is off, every layer
+        sits on x's device and runs no hooks of its parts (the plain math calls only their Linears,
+        LayerNorms and dropouts), and dispatch picks the torch backend of each layer op for these rows
+        (asked with stand-ins: only metadata is read)."""
         device = x.device
-        if torch.is_grad_enabled() or torch.is_autocast_enabled(device.type):
+        if (layout.kind == PADDED or torch.compiler.is_compiling() or torch.is_grad_enabled()
+                or torch.is_autocast_enabled(device.type)):
             return None
         cfg = self.config
-        stand_in = lambda *shape: x.new_empty(()).expand(shape)  # noqa: E731
         tokens, width = x.shape
+
+        def stand_in(*shape: int) -> Tensor:
+            return x.new_empty(()).expand(shape)
         # The attention first: on a GPU the answer is no at once.
         if (dispatch.select("attention_varlen", q=stand_in(tokens, 3, cfg.num_attention_heads, head_dim(cfg)),
-                            cu_seqlens=cu_seqlens) != "torch"
+                            cu_seqlens=layout.cu_seqlens) != "torch"
                 or dispatch.select("bias_gelu", x=stand_in(tokens, cfg.intermediate_size),
                                    bias=stand_in(cfg.intermediate_size)) != "torch"
                 or dispatch.select("bias_dropout_residual_layernorm", x=x, bias=stand_in(width), residual=x,
@@ -573,37 +509,10 @@ class BertModel(BertPreTrainedModel):
             param = next(layer.parameters(), None)
             if layer.attention.self.training or param is None or param.device != device:
                 return None
-        return varlen_inference(cu_seqlens, max_seqlen, tokens)
-
-    def _reference_packed(self, packed: model_inputs.Packed, input_ids, token_type_ids, position_ids, inputs_embeds,
-                          want_states: bool, want_probs: bool):
-        """The reference encoder on packed sequences, run as a padded batch [K, max_length_q]:
-        (sequence [1, T, H], states like it, attention probabilities [K, A, S, S] per layer, the
-        padded sequences [K, S, H] whose first tokens the pooler reads).
-
-        Only the sequences that hold tokens run: a packed row's spare slots are empty (half the
-        slots of ``pack_batch``'s default), and run padded they would double the reference's
-        memory. An empty slot's sequence is zeros (it pools to 0 either way) and its probabilities
-        zeros, as its padded run gave (no key)."""
-        tokens = position_ids.shape[1]
-        index, mask = packed_layout(packed.cu_seqlens, packed.max_seqlen, tokens)  # [K, S] each
-        slots = index.shape[0]
-        held = (packed.cu_seqlens.diff() > 0).nonzero().flatten()  # a host read: the reference is no step
-        if 0 < held.numel() < slots:
-            index, mask = index[held], mask[held]
-        spread = lambda t: None if t is None else t[0].index_select(0, index.flatten()).view(  # noqa: E731
-            index.shape + tuple(t.shape[2:]))
-        sequence, states, probs = reference.encoder(self, spread(input_ids), mask.long(), spread(token_type_ids),
-                                                    spread(position_ids), spread(inputs_embeds), want_states,
-                                                    want_probs)
-        pack = lambda x: x[mask][None]  # noqa: E731  [K, S, H] -> [1, T, H]: sequences in order, one after another
-        states = None if states is None else tuple(pack(s) for s in states)
-        packed_sequence = pack(sequence)
-        if index.shape[0] < slots:  # back to all K slots, zeros at the empty ones
-            every = lambda x: x.new_zeros((slots,) + tuple(x.shape[1:])).index_copy(0, held, x)  # noqa: E731
-            sequence = every(sequence)
-            probs = None if probs is None else tuple(every(p) for p in probs)
-        return packed_sequence, states, probs, sequence
+            if any(hooked(m) for m in (layer.attention, layer.attention.self, layer.attention.output,
+                                       layer.intermediate, layer.output)):
+                return None
+        return varlen_inference(layout.cu_seqlens, layout.max_seqlen, tokens)
 
 
 # ================================================================= heads

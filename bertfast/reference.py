@@ -17,13 +17,14 @@ Conventions shared with the kernels:
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from bertfast.contract import IGNORE_INDEX
+from bertfast.padding import packed_layout
 
 
 # --------------------------------------------------------------------------- dropout
@@ -175,21 +176,71 @@ def encoder(bert: nn.Module, input_ids: Optional[torch.Tensor], attention_mask: 
     return x, None if states is None else tuple(states), None if probs is None else tuple(probs)
 
 
+def encoder_packed(bert: nn.Module, cu_seqlens: torch.Tensor, max_seqlen: int, input_ids: Optional[torch.Tensor],
+                   token_type_ids: torch.Tensor, position_ids: torch.Tensor, inputs_embeds: Optional[torch.Tensor],
+                   want_states: bool = False, want_probs: bool = False):
+    """``encoder`` on packed sequences (inputs [1, T], cu_seqlens [K + 1]), run as a padded batch
+    [K, max_seqlen]: (sequence [1, T, H], hidden states like it, attention probabilities [K, A, S, S]
+    per layer, the padded sequences [K, S, H] whose first tokens the pooler reads).
+
+    Only the sequences that hold tokens run: a packed row's spare slots are empty (half the slots
+    of ``padding.pack_batch``'s default), and run padded they would double the reference's memory.
+    An empty slot's sequence is zeros (it pools to 0 either way) and its probabilities zeros, as its
+    padded run gave (no key)."""
+    tokens = position_ids.shape[1]
+    index, mask = packed_layout(cu_seqlens, max_seqlen, tokens)  # [K, S] each
+    slots = index.shape[0]
+    held = (cu_seqlens.diff() > 0).nonzero().flatten()  # a host read: the reference is no step
+    if 0 < held.numel() < slots:
+        index, mask = index[held], mask[held]
+
+    def spread(t):  # [1, T, ...] -> [K, S, ...]
+        return None if t is None else t[0].index_select(0, index.flatten()).view(index.shape + tuple(t.shape[2:]))
+
+    def pack(x):  # [K, S, H] -> [1, T, H]: sequences in order, one after another
+        return x[mask][None]
+
+    def every(x):  # back to all K slots, zeros at the empty ones
+        return x.new_zeros((slots,) + tuple(x.shape[1:])).index_copy(0, held, x)
+
+    sequence, states, probs = encoder(bert, spread(input_ids), mask.long(), spread(token_type_ids),
+                                      spread(position_ids), spread(inputs_embeds), want_states, want_probs)
+    states = None if states is None else tuple(pack(s) for s in states)
+    packed_sequence = pack(sequence)
+    if index.shape[0] < slots:
+        sequence = every(sequence)
+        probs = None if probs is None else tuple(every(p) for p in probs)
+    return packed_sequence, states, probs, sequence
+
+
 def encoder_layer(layer: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor, want_probs: bool = False
                   ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """One BertLayer on x [B, S, H] -> (output [B, S, H], attention probabilities when asked)."""
     self_attention = layer.attention.self
-    batch, seqlen, _ = x.shape
-    heads = self_attention.num_attention_heads
-    split = lambda t: t.view(batch, seqlen, heads, self_attention.attention_head_size)  # noqa: E731
-    q, k, v = split(self_attention.query(x)), split(self_attention.key(x)), split(self_attention.value(x))
     p = self_attention.dropout.p if self_attention.training else 0.0
-    keep = torch.rand((batch, heads, seqlen, seqlen), device=x.device) >= p if p > 0 else None
-    context = attention(q, k, v, attention_mask, None, p, keep).reshape(x.shape)
-    probs = attention_probs(q, k, attention_mask) if want_probs else None
-    h = _add_and_norm(layer.attention.output, context, x)
+    probs = []
+
+    def attend(q, k, v):  # [B, S, A, D] each
+        batch, seqlen, heads, _ = q.shape
+        keep = torch.rand((batch, heads, seqlen, seqlen), device=q.device) >= p if p > 0 else None
+        if want_probs:
+            probs.append(attention_probs(q, k, attention_mask))
+        return attention(q, k, v, attention_mask, None, p, keep)
+    return layer_math(layer, x, attend), probs[0] if want_probs else None
+
+
+def layer_math(layer: nn.Module, x: torch.Tensor, attend: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """A BertLayer's math on x [..., H] through its own modules, as transformers' layer runs it:
+    q, k, v [..., A, D] from the three projections, ``attend(q, k, v)`` -> [..., A, D], then
+    LayerNorm(Dropout(dense(context)) + x), GELU(dense), LayerNorm(Dropout(dense) + h). The reference
+    encoder's (padded, attend masks the padding) and the fast model's in inference on a CPU (token
+    rows, attend the torch backend's varlen attention: bertfast.layout's plain)."""
+    self_attention = layer.attention.self
+    split = (*x.shape[:-1], self_attention.num_attention_heads, self_attention.attention_head_size)
+    q, k, v = (m(x).view(split) for m in (self_attention.query, self_attention.key, self_attention.value))
+    h = _add_and_norm(layer.attention.output, attend(q, k, v).reshape(x.shape), x)
     ffn = layer.intermediate
-    return _add_and_norm(layer.output, F.gelu(ffn.dense(h), approximate=ffn.approximate), h), probs
+    return _add_and_norm(layer.output, F.gelu(ffn.dense(h), approximate=ffn.approximate), h)
 
 
 def _add_and_norm(output: nn.Module, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -312,6 +312,22 @@ def test_inference_with_a_hooked_module_runs_its_hook():
     assert seen == [(int(batch["attention_mask"].sum()), model.config.hidden_size)]
 
 
+def test_inference_with_a_hooked_layer_part_calls_it_as_a_module(monkeypatch):
+    """The plain math calls a layer's Linears, LayerNorms and dropouts, not its parts (BertSelfOutput,
+    BertIntermediate, ...): a hook on a part sends the forward to the ops, which call it."""
+    model, batch = _model(), _batch()
+    with torch.inference_mode():
+        want = model(**batch).last_hidden_state
+    seen = []
+    model.encoder.layer[1].attention.output.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    calls = _layer_op_calls(monkeypatch)
+    with torch.inference_mode():
+        got = model(**batch).last_hidden_state
+    assert seen == [(int(batch["attention_mask"].sum()), model.config.hidden_size)]
+    assert calls["attention_varlen"] == model.config.num_hidden_layers
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
 # ------------------------------------------------------------------ padding
 def test_no_padding_means_views():
     x = torch.randn(2, 3, 4)
