@@ -5,8 +5,9 @@ on the same weights, in fp32 with dropout off, and reports the divergence of los
 and gradient norm. When they diverge, ``first_divergent_op`` names the first op (in forward
 order) that alone, on its selected backend with every other op on the torch backend, moves
 the output away from the all-torch run. The model's mode and gradients are left untouched.
-`bertfast parity` prints such a report for a small model; ``check_during_training`` is the
-check ``--parity-every`` runs in pretrain and finetune.
+``check_during_training`` is the check ``--parity-every`` runs in pretrain and finetune.
+`bertfast parity` (``parity_table``) prints the fast model against the reference encoder and, when
+installed, transformers, on one random padded batch of a small BERT.
 """
 from __future__ import annotations
 
@@ -15,14 +16,18 @@ import copy
 import inspect
 import math
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from bertfast import registry
+from bertfast import dispatch, registry
+from bertfast.config import BertConfig
 from bertfast.dispatch import use_backend
 from bertfast.modeling import reference_execution
+from bertfast.task_models import BertForPreTraining
+from bertfast.testing import make_lengths, mask_from_lengths
 
 
 @dataclass
@@ -187,10 +192,74 @@ def check_during_training(model: torch.nn.Module, batch: Dict[str, torch.Tensor]
     return report
 
 
+# ---------------------------------------------------------------- `bertfast parity`: the table
+FP32_TOL = 1e-4
+
+
+def random_batch(config: BertConfig, batch: int, seqlen: int, device: torch.device,
+                 generator: torch.Generator) -> Dict[str, torch.Tensor]:
+    """Padded MLM+NSP batch with random lengths (one sequence of a single token)."""
+    lengths = make_lengths("random", batch, seqlen, generator)
+    lengths[-1] = 1
+    mask = mask_from_lengths(lengths, seqlen)
+    ids = torch.randint(1, config.vocab_size, (batch, seqlen), generator=generator) * mask
+    token_types = (torch.arange(seqlen)[None, :] >= (lengths[:, None] // 2)).long() * mask
+    labels = torch.where((torch.rand(batch, seqlen, generator=generator) < 0.15) & mask.bool(), ids, -100)
+    nsp = torch.randint(0, 2, (batch,), generator=generator)
+    return {k: v.to(device) for k, v in dict(input_ids=ids, attention_mask=mask, token_type_ids=token_types,
+                                             labels=labels, next_sentence_label=nsp).items()}
+
+
+def _measure(model, batch) -> Tuple[torch.Tensor, torch.Tensor, List[torch.Tensor]]:
+    out = model(**batch, output_hidden_states=True)
+    grads = torch.autograd.grad(out.loss, [p for p in model.parameters()], allow_unused=True)
+    return out.hidden_states[-1].detach(), out.loss.detach(), [g for g in grads if g is not None]
+
+
+def parity_table(preset: str, device: torch.device) -> Tuple[str, bool]:
+    config = BertConfig.preset(preset, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = BertForPreTraining(config).to(device).eval()
+    batch = random_batch(config, 4, min(64, config.max_position_embeddings), device, gen)
+    valid = batch["attention_mask"].bool()
+    fast = _measure(model, batch)
+    with reference_execution(model):
+        ref = _measure(model, batch)
+    rows = [("reference encoder", ref)]
+    try:
+        import transformers
+
+        with tempfile.TemporaryDirectory() as tmp:
+            model.save_pretrained(tmp)
+            hf = transformers.BertForPreTraining.from_pretrained(tmp, attn_implementation="eager").to(device).eval()
+        rows.append((f"transformers {transformers.__version__}", _measure(hf, batch)))
+    except ImportError:
+        rows.append(("transformers", None))
+    dtype = next(model.parameters()).dtype
+    selected = {op: dispatch.select(op, **registry.form(op)[1].sample_inputs(device, dtype))
+                for op in registry.step_forms()}
+    lines = [f"bertfast parity: preset {preset!r} ({model.num_parameters() / 1e6:.1f}M params) on {device}, fp32, "
+             f"batch 4 with random padding",
+             "backends: " + ", ".join(f"{op}={name}" for op, name in selected.items()),
+             "", f"{'fast model vs':28s} {'hidden max|diff|':>17s} {'loss |diff|':>12s} {'grad max|diff|':>15s}  ok"]
+    all_ok = True
+    for name, other in rows:
+        if other is None:
+            lines.append(f"{name:28s} {'(not installed)':>17s}")
+            continue
+        hidden = (fast[0][valid] - other[0][valid]).abs().max().item()
+        loss = (fast[1] - other[1]).abs().item()
+        grad = max((a - b).abs().max().item() for a, b in zip(fast[2], other[2]))
+        ok = hidden <= FP32_TOL and loss <= FP32_TOL and grad <= FP32_TOL * 10
+        all_ok &= ok
+        lines.append(f"{name:28s} {hidden:17.2e} {loss:12.2e} {grad:15.2e}  {'yes' if ok else 'NO'}")
+    return "\n".join(lines), all_ok
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """`bertfast parity`: fast vs reference (and transformers when installed) on a small random BERT."""
     from bertfast.cli import parity_parser
-    from bertfast.demo import parity_table
 
     args = parity_parser().parse_args(argv)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device

@@ -50,7 +50,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from bertfast import flops, parity
+from bertfast import mfu, parity
 from bertfast.contract import IGNORE_INDEX
 from bertfast.data.loader import Prefetcher, sequence_lengths
 from bertfast.data.tokenization import read_vocab
@@ -202,7 +202,7 @@ class Pretrainer:
             self.train_step = TrainStep(self.model, self.optimizer, schedule, self.device, self.precision,
                                         args.max_grad_norm, self._no_sync if info.distributed else None,
                                         skip_nonfinite=args.on_nonfinite == "skip", device_checks=args.static_shapes)
-        self.peak = flops.peak_bf16_flops(self.device)
+        self.peak = mfu.peak_bf16_flops(self.device)
         self.step = 0
         if resume_state:
             self._load_training_state(resume_state)
@@ -428,22 +428,22 @@ class Pretrainer:
                   "nsp_acc": total["nsp_correct"] / max(total["sequences"], 1.0),
                   "lr": done.lr, "grad_norm": grad_norm, "tokens_per_s": total["tokens"] / elapsed,
                   "seq_per_s": total["sequences"] / elapsed, "step_time_s": elapsed / window.steps}
-        work = flops.training_step_flops(flops.bert_forward_flops_from_counts(
+        work = mfu.training_step_flops(mfu.bert_forward_flops_from_counts(
             self.config, total["tokens"], total["sum_len_sq"], total["sequences"], "pretraining",
             total["predictions"]))
         record["tflops_per_s"] = work / elapsed / 1e12
-        record["mfu"] = flops.mfu(work, elapsed, self.peak * info.world_size) if self.peak else None
+        record["mfu"] = mfu.mfu(work, elapsed, self.peak * info.world_size) if self.peak else None
         if self.watch.skip:
             record["skipped_steps"] = self.watch.skipped
         self.log_records.log(record)
-        mfu = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
+        mfu_text = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
         if bar is not None:
             bar.set_postfix(loss=f"{record['loss']:.3f}", mlm=f"{record['mlm_acc']:.2f}",
-                            nsp=f"{record['nsp_acc']:.2f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=mfu)
+                            nsp=f"{record['nsp_acc']:.2f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=mfu_text)
         elif info.is_main:
             print(f"step {self.step}/{self.total_steps} loss {record['loss']:.4f} mlm_acc {record['mlm_acc']:.3f} "
                   f"nsp_acc {record['nsp_acc']:.3f} lr {done.lr:.3g} gnorm {grad_norm:.3f} "
-                  f"tok/s {record['tokens_per_s']:.0f} seq/s {record['seq_per_s']:.1f} MFU {mfu}", flush=True)
+                  f"tok/s {record['tokens_per_s']:.0f} seq/s {record['seq_per_s']:.1f} MFU {mfu_text}", flush=True)
         window.reset()
 
     def _check_parity(self, batch: Dict[str, torch.Tensor], result: RunResult) -> None:
@@ -551,11 +551,11 @@ def run(args: PretrainConfig) -> RunResult:
             if train:
                 last = train[-1]
                 tok_s = sum(r["tokens_per_s"] for r in train[-5:]) / len(train[-5:])
-                mfu = last.get("mfu")
+                last_mfu = last.get("mfu")
                 print(f"[pretrain] done: step {result.final_step}/{trainer.total_steps} in "
                       f"{format_duration(time.time() - t0)}; last loss {last['loss']:.4f} (first logged "
                       f"{train[0]['loss']:.4f}); {tok_s:.0f} real tokens/s; MFU "
-                      f"{'n/a (no GPU peak known)' if mfu is None else f'{100 * mfu:.1f}%'}", flush=True)
+                      f"{'n/a (no GPU peak known)' if last_mfu is None else f'{100 * last_mfu:.1f}%'}", flush=True)
                 if args.demo and result.final_step == trainer.total_steps:
                     print(compare_with_readme(given, demo_environment(info.device), train[0]["loss"], last["loss"]),
                           flush=True)

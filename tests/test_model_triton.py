@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import bertfast
-from bertfast.demo import random_batch
+from bertfast.parity import random_batch
 from bertfast.testing import assert_close_lowp
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -8,7 +8,7 @@ import torch
 
 import bertfast
 from bertfast import dispatch
-from bertfast.demo import random_batch
+from bertfast.parity import random_batch
 from bertfast.parity import check_batch
 
 

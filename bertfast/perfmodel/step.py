@@ -3,7 +3,7 @@
 A step (forward, backward, bertfast's AdamW; bf16 autocast over fp32 weights; full-length
 sequences, the BERT recipe's masked positions) is the sum of:
 
-- GEMMs: the model's linear-layer FLOPs (bertfast.flops, 3 x forward) at the GEMM rate measured
+- GEMMs: the model's linear-layer FLOPs (bertfast.mfu, 3 x forward) at the GEMM rate measured
   for BERT's GEMMs (hardware.Gpu.gemm_flops), but for two per layer:
 - the FFN's GEMMs with GELU in their epilogues (kernels/bias_gelu.py: the up-projection
   forward, dy @ W2 backward), each at the larger of its kernel's prediction and the GEMM rate plus
@@ -90,9 +90,9 @@ def working_copies(hidden: int, ffn: int, layers: int) -> int:
 
 
 def model_flops(setting: K.Setting) -> Tuple[float, float]:
-    """(step FLOPs, of which attention) as bertfast.flops counts them, full-length sequences."""
+    """(step FLOPs, of which attention) as bertfast.mfu counts them, full-length sequences."""
     from bertfast.config import BertConfig
-    from bertfast.flops import bert_forward_flops_from_counts, training_step_flops
+    from bertfast.mfu import bert_forward_flops_from_counts, training_step_flops
     config = BertConfig.preset(setting.model)
     masked = setting.batch * MASKED_PER_SEQUENCE.get(setting.seq, math.ceil(0.15 * setting.seq))
     forward = bert_forward_flops_from_counts(config, setting.tokens, setting.batch * setting.seq ** 2, setting.batch,
