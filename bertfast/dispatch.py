@@ -147,9 +147,9 @@ _IN_SYNC = False
 
 
 def _register_ops() -> None:
-    """Every form of every op in bertfast.registry gets its backends here, on first use (and again
-    after the list changes: registry.register / unregister); backends registered over them since
-    (tests inject deliberately wrong ones) stay until the form's op changes."""
+    """Every form of every op in bertfast.registry gets its backends here, on first use and again
+    after the list changes (registry.register, registry.registered); backends registered over them
+    since (tests inject deliberately wrong ones) stay until the form's op changes."""
     global _IN_SYNC
     if _IN_SYNC:
         return

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
@@ -103,11 +104,6 @@ class Op:
         if backend not in default:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         return self.modules.get(backend, default[backend])
-
-    @property
-    def backends(self) -> Tuple[str, ...]:
-        """The backends it has: all three for an op with forms; the optimizers' Triton kernels alone."""
-        return BACKENDS if self.forms else ("triton",)
 
     @property
     def decided_by(self) -> str:
@@ -251,11 +247,6 @@ def register(op: Op) -> None:
     _changed()
 
 
-def unregister(name: str) -> None:
-    _OPS.remove(get(name))
-    _changed()
-
-
 @contextlib.contextmanager
 def registered(op: Op) -> Iterator[Op]:
     """``op`` in the list for the block's length (tests, experiments); whatever it replaced is back after."""
@@ -269,7 +260,6 @@ def registered(op: Op) -> Iterator[Op]:
 
 
 def _changed() -> None:
-    import sys
-    dispatch = sys.modules.get("bertfast.dispatch")
+    dispatch = sys.modules.get("bertfast.dispatch")  # not imported yet: it reads the list on first use
     if dispatch is not None:
         dispatch.registry_changed()
