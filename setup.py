@@ -19,8 +19,8 @@ setup(
     long_description=open("README.md").read() if os.path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=["bertfast", "bertfast.ops", "bertfast.cuda", "bertfast.kernels", "bertfast.data", "bertfast.bench",
-              "bertfast.gpucheck", "bertfast.perfmodel", "bertfast.training"],
+    packages=["bertfast", "bertfast.model", "bertfast.ops", "bertfast.cuda", "bertfast.kernels", "bertfast.data",
+              "bertfast.bench", "bertfast.gpucheck", "bertfast.perfmodel", "bertfast.training"],
     package_dir={"bertfast": "bertfast", "bertfast.kernels": "kernels"},
     package_data={"bertfast.data": ["*.txt"], "bertfast.gpucheck": ["measured.json"]},
     install_requires=[

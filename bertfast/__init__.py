@@ -16,11 +16,12 @@ import importlib
 __version__ = "0.1.0"
 
 _WHERE = {
-    "BertConfig": "bertfast.config",
-    **{name: "bertfast.modeling" for name in ("BertModel", "BertPreTrainedModel", "reference_execution")},
-    **{name: "bertfast.task_models" for name in (
+    "BertConfig": "bertfast.model.config",
+    **{name: "bertfast.model.modeling" for name in ("BertModel", "BertPreTrainedModel", "reference_execution")},
+    **{name: "bertfast.model.task_models" for name in (
         "BertForPreTraining", "BertForMaskedLM", "BertForSequenceClassification", "BertForTokenClassification",
         "BertForQuestionAnswering", "BertForMultipleChoice")},
+    "pack_batch": "bertfast.padding",
     "use_backend": "bertfast.dispatch",
     "register_auto": "bertfast.hf",
     "unregister_auto": "bertfast.hf",

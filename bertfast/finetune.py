@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from bertfast import parity
-from bertfast.config import BertConfig
+from bertfast.model.config import BertConfig
 from bertfast.data import metrics as M
 from bertfast.data.tasks import (DataFormatError, SquadExample, column, encode_pair, is_json_lines, label_names,
                                  pad_batch, qa_features, qa_predictions, read_conll, read_squad, read_table,
@@ -338,7 +338,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> FinetuneConfig:
 
 # =========================================================================== run
 def load_model(args: FinetuneConfig, task: Task, tok: WordPiece, resume_from: Optional[str] = None):
-    import bertfast.task_models as task_models
+    import bertfast.model.task_models as task_models
     cls = getattr(task_models, task.model_class_name)
     overrides = parse_overrides(args.config_overrides)
     overrides.update(task.config_overrides())

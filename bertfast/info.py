@@ -48,7 +48,7 @@ def report() -> str:
     from bertfast.training.optim import adamw_summary, lamb_summary
     lines.append(adamw_summary())
     lines.append(lamb_summary())
-    from bertfast.residual_linear import ffn_summary
+    from bertfast.model.residual_linear import ffn_summary
     lines.append(ffn_summary())
     devices = [torch.device("cpu")]
     if torch.cuda.is_available():

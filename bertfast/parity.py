@@ -23,10 +23,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from bertfast import dispatch, registry
-from bertfast.config import BertConfig
+from bertfast.model.config import BertConfig
 from bertfast.dispatch import use_backend
-from bertfast.modeling import reference_execution
-from bertfast.task_models import BertForPreTraining
+from bertfast.model.modeling import reference_execution
+from bertfast.model.task_models import BertForPreTraining
 from bertfast.testing import make_lengths, mask_from_lengths
 
 

@@ -50,11 +50,12 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from bertfast import mfu, parity
+from bertfast import parity
+from bertfast.model import mfu
 from bertfast.contract import IGNORE_INDEX
 from bertfast.data.loader import Prefetcher, sequence_lengths
 from bertfast.data.tokenization import read_vocab
-from bertfast.modeling import REFERENCE
+from bertfast.model.modeling import REFERENCE
 from bertfast.training import checkpoints as ckpt
 from bertfast.training import exits, graphs
 from bertfast.training.config import PretrainConfig
@@ -172,7 +173,7 @@ class Pretrainer:
 
         # The same initial weights on every rank (FSDP shards them without a broadcast) ...
         ckpt.seed_everything(args.seed)
-        from bertfast.task_models import BertForPreTraining
+        from bertfast.model.task_models import BertForPreTraining
         if resume_from:
             model = BertForPreTraining.from_pretrained(resume_from)
         else:
@@ -232,7 +233,7 @@ class Pretrainer:
         osd = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
         if not self.info.is_main:
             return None, None
-        from bertfast.task_models import BertForPreTraining
+        from bertfast.model.task_models import BertForPreTraining
         with torch.device("meta"):
             copy = BertForPreTraining(self.config)
         copy = copy.to_empty(device="cpu")

@@ -234,7 +234,7 @@ def layer_math(layer: nn.Module, x: torch.Tensor, attend: Callable[..., torch.Te
     q, k, v [..., A, D] from the three projections, ``attend(q, k, v)`` -> [..., A, D], then
     LayerNorm(Dropout(dense(context)) + x), GELU(dense), LayerNorm(Dropout(dense) + h). The reference
     encoder's (padded, attend masks the padding) and the fast model's in inference on a CPU (token
-    rows, attend the torch backend's varlen attention: bertfast.layout's plain)."""
+    rows, attend the torch backend's varlen attention: bertfast.model.layout's plain)."""
     self_attention = layer.attention.self
     split = (*x.shape[:-1], self_attention.num_attention_heads, self_attention.attention_head_size)
     q, k, v = (m(x).view(split) for m in (self_attention.query, self_attention.key, self_attention.value))

@@ -1,5 +1,5 @@
 """AdamW's update over many parameter tensors in one launch, writing each fp32 weight's bf16
-working copy as it writes the weight (bertfast.training.optim.AdamW, bertfast.working_weights).
+working copy as it writes the weight (bertfast.training.optim.AdamW, bertfast.model.working_weights).
 
 Math, per element, in fp32 after upcasting loads, in the order of torch's fused AdamW (so its
 state dict and its hyper-parameters mean what torch's do):

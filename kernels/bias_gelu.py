@@ -21,7 +21,7 @@ Math, elementwise on z = x + bias (bias broadcast over rows), in fp32 after upca
 Launch: 2-D tiles [BLOCK_N, BLOCK_F], autotuned on GPU per F, size class of N, dtypes and
 variant; a fixed tile under the interpreter. The backward gives each program 32 rows (on GPU).
 
-In the FFN's GEMMs (training on a GPU: bertfast.residual_linear.ffn takes a backend that has
+In the FFN's GEMMs (training on a GPU: bertfast.model.residual_linear.ffn takes a backend that has
 gemm_bias_gelu_fwd and gemm_gelu_bwd, this one):
   gemm_bias_gelu_fwd   the up-projection: z = x W1^T + b1 and y = GELU(z), both written from the
                        GEMM's fp32 tile (z for the backward).

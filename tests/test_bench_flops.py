@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from bertfast import mfu as bert_flops
+from bertfast.model import mfu as bert_flops
 from bertfast.bench import device as devmod, flops as W
 from bertfast.bench.common import SuiteContext, sequence_lengths
 from bertfast.bench.targets import NOT_MET, evaluate_targets

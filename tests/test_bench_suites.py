@@ -203,7 +203,7 @@ def test_gpu_graphed_pretrain_row_steps_on_working_copies():
     """On a GPU in bf16 the CUDA-graph row runs pretrain's step: the triton AdamW writing the working
     copies of the encoder's GEMM weights, which the replays' forwards read fresh (no cast of them)."""
     import bertfast
-    from bertfast import working_weights
+    from bertfast.model import working_weights
     from bertfast.bench import model_suite
     from bertfast.training import optim
 

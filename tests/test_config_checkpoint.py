@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import bertfast
-from bertfast.config import head_dim
+from bertfast.model.config import head_dim
 from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")

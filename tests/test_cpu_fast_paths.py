@@ -10,7 +10,7 @@ own rules:
   * with nothing to differentiate (inference), an op entry calls its launcher, not the custom op,
     with the same result; with autograd on, the custom op runs;
   * inference stays current after a fused optimizer step (which leaves version counters alone);
-  * in CPU inference the layers call their modules and the torch backend's attention (Rows.plain),
+  * in CPU inference the layers call their modules and the torch backend's attention (Layout.plain),
     with the fused ops' numbers, and only when every layer op would run that backend without autograd;
   * unpadding and padding back are views when the batch has no padding;
   * bf16 autocast on CPU runs the whole model.
@@ -20,7 +20,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import bertfast
-from bertfast import dispatch, ops, padding, reference_execution
+from bertfast import dispatch, ops, reference_execution
+from bertfast import padding
 from bertfast.ops._common import launch_directly
 from bertfast.testing import AtenLog, cu_seqlens_from_lengths
 
@@ -348,7 +349,8 @@ def test_no_padding_means_views():
 def test_on_cpu_the_gemm_adds_the_bias_unless_a_fused_backend_runs():
     """With the torch backend the bias goes into the GEMM (addmm) and GELU is aten's; a fused backend
     (here the Triton interpreter, forced) still gets the bias in its op."""
-    from bertfast import dispatch, modeling
+    from bertfast import dispatch
+    from bertfast.model import modeling
 
     model, batch = _model(), _batch()
     model.train()

@@ -1,4 +1,4 @@
-"""The query/key/value projection (bertfast.fused_qkv): in inference three GEMMs write their columns of
+"""The query/key/value projection (bertfast.model.fused_qkv): in inference three GEMMs write their columns of
 one buffer, no weight is concatenated; the weights keep storage of their own, so every way of saving
 a checkpoint keeps all three.
 """
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import bertfast
-from bertfast import fused_qkv
-from bertfast.modeling import BertSelfAttention
+from bertfast.model import fused_qkv
+from bertfast.model.modeling import BertSelfAttention
 from bertfast.testing import AtenLog
 
 

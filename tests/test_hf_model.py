@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import bertfast
-from bertfast.task_models import MODEL_CLASSES
+from bertfast.model.task_models import MODEL_CLASSES
 
 transformers = pytest.importorskip("transformers")
 

@@ -130,7 +130,7 @@ def test_triton_adamw_writes_each_working_copy_as_torch_casts_the_weight(dtype):
     updated weight, rounded to nearest even as torch rounds, after every step; a weight with no
     copy (LayerNorm) is updated all the same; the forward then finds them fresh."""
     _require_triton_adamw()
-    from bertfast import working_weights
+    from bertfast.model import working_weights
 
     model = bertfast.BertForMaskedLM(bertfast.BertConfig.preset("tiny")).to(DEVICE)
     opt = optim.build_optimizer(model, "adamw", 1e-2, implementation="triton", working_dtype=dtype)

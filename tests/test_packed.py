@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import bertfast
-from bertfast import BertConfig, contract, model_inputs, reference_execution
+from bertfast import BertConfig, contract, reference_execution
+from bertfast.model import model_inputs
 from bertfast.contract import IGNORE_INDEX
 from bertfast.padding import pack_batch
 

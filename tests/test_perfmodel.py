@@ -368,7 +368,7 @@ def test_step_budget_counts_parameters_flops_and_a_trace(tmp_path):
     import gzip
 
     import bertfast
-    from bertfast.config import BertConfig
+    from bertfast.model.config import BertConfig
     from bertfast.perfmodel import kernels as K
     from bertfast.perfmodel import step
     config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -376,7 +376,7 @@ def test_step_budget_counts_parameters_flops_and_a_trace(tmp_path):
     model = bertfast.BertForPreTraining(config)
     counted = sum(p.numel() for p in model.parameters())
     assert step.parameters(32, 64, 2, vocab=100, positions=64) == counted
-    from bertfast.working_weights import WorkingWeights
+    from bertfast.model.working_weights import WorkingWeights
     working = WorkingWeights(model)  # the weights bertfast's AdamW writes working copies of
     assert step.working_copies(32, 64, 2) == working.numel
     working.release()

@@ -1,4 +1,4 @@
-"""A GEMM whose input is also a residual (bertfast.residual_linear): the input's two gradients are summed
+"""A GEMM whose input is also a residual (bertfast.model.residual_linear): the input's two gradients are summed
 by the input-gradient GEMM (addmm), not by autograd in an [N, H] add of its own, and every gradient
 equals plain autograd's.
 """
@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import bertfast
-from bertfast import dispatch, residual_linear
+from bertfast import dispatch
+from bertfast.model import residual_linear
 from bertfast.testing import AtenLog
 
 

@@ -9,7 +9,7 @@ import transformers
 from transformers import modeling_utils  # its safe_save_file is the weights write the tests break
 
 import bertfast
-from bertfast import saving
+from bertfast.model import saving
 
 
 def build(seed):

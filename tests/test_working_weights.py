@@ -1,4 +1,4 @@
-"""Working copies of the GEMM weights (bertfast.working_weights): which weights get one, when the
+"""Working copies of the GEMM weights (bertfast.model.working_weights): which weights get one, when the
 forward may use one (fresh: written since its master last changed), and that a run whose
 optimizer writes them computes bit for bit what a run casting every weight computes, without
 the casts.
@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import bertfast
-from bertfast import working_weights
+from bertfast.model import working_weights
 from bertfast.training import optim
 
 pytestmark = pytest.mark.gpu_capable

@@ -1,4 +1,4 @@
-"""Interleaved A/B on a CPU: bertfast inference with and without its plain layers (``Rows.plain``),
+"""Interleaved A/B on a CPU: bertfast inference with and without its plain layers (``Layout.plain``),
 against transformers' BertModel (sdpa) on the same weights, in one process.
 
     python benchmarks/cpu-vs-transformers/plain_layers_ab.py --batch 1 --rounds 60
@@ -16,7 +16,7 @@ import torch
 import transformers
 
 import bertfast
-from bertfast import modeling
+from bertfast.model import modeling
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from bertfast.bench.timing import Stat, TimingPolicy, time_fn
-from bertfast.mfu import datasheet_bf16_tflops
+from bertfast.model.mfu import datasheet_bf16_tflops
 
 
 def slugify(name: str) -> str:

@@ -20,7 +20,7 @@ Conventions (stated in every report):
   fp32 element) / time, for every implementation. LAMB needs the norms of the whole update
   before it can apply it, so its fused kernels move 40 bytes per element in two passes: its
   % of copy bandwidth tops out near 70%.
-* Model: ``bertfast.mfu``, the model FLOPs ``bertfast pretrain`` reports MFU with too
+* Model: ``bertfast.model.mfu``, the model FLOPs ``bertfast pretrain`` reports MFU with too
   (real tokens only, training step = 3 x forward); MFU = model FLOPs / time / the measured
   peak matmul rate, and against the datasheet dense bf16 peak.
 """
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from bertfast.mfu import mlm_head_flops
+from bertfast.model.mfu import mlm_head_flops
 
 ATTENTION_BWD_FACTOR = 2.5
 DIRECTIONS = ("fwd", "bwd", "fwd+bwd")

@@ -312,8 +312,9 @@ def _ffn_reference(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor) -> Tensor:
 
 def _ffn_fast(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor) -> Tensor:
     """The FFN as the encoder trains it: one node with the bias and GELU in its GEMMs where the
-    backend has them (bertfast.residual_linear.ffn), else GEMM, the bias_gelu op, GEMM."""
-    from bertfast import ops, residual_linear
+    backend has them (bertfast.model.residual_linear.ffn), else GEMM, the bias_gelu op, GEMM."""
+    from bertfast import ops
+    from bertfast.model import residual_linear
     gemms = residual_linear.ffn_gemms(x, w1, b1, w2)
     if gemms is not None:
         return residual_linear.ffn(x, w1, b1, w2, "none", gemms)[0]
@@ -554,7 +555,7 @@ def _optimizer_case(ctx: SuiteContext, group: str, model: str, config,
     the one named torch eager is the reference. Every path starts from the same weights and zero
     moments; timed calls keep stepping.
     """
-    from bertfast.task_models import BertForPreTraining
+    from bertfast.model.task_models import BertForPreTraining
     from bertfast.training.optim import parameter_groups
 
     with torch.device("meta"):  # shapes and grouping only: nothing allocated

@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from bertfast import mfu as bert_flops
+from bertfast.model import mfu as bert_flops
 from bertfast.parity import loss_only
 from bertfast.bench.common import (Stopped, SuiteContext, compile_skip_reason, describe_lengths, dtype_name,
                                    free_memory, generator_for, mask_from, sequence_lengths, short_error, strict_fp32)

@@ -278,7 +278,7 @@ def bias_gelu_launches(s: LaunchSetting) -> None:
     G.bias_gelu_bwd(torch.empty_like(x), x, bias)
     if s.act_name == "fp32":  # fp32 FFNs on a GPU run cuBLAS's GEMMs (residual_linear.ffn_gemms)
         return
-    # in the FFN's GEMMs (bertfast.residual_linear.ffn: the weights in the activations' dtype)
+    # in the FFN's GEMMs (bertfast.model.residual_linear.ffn: the weights in the activations' dtype)
     h, w1, w2 = s.empty(s.tokens, s.hidden), s.empty(s.ffn, s.hidden), s.empty(s.hidden, s.ffn)
     _, z = G.gemm_bias_gelu_fwd(h, w1, s.empty(s.ffn))
     G.gemm_gelu_bwd(torch.empty_like(h), w2, z, bias_dtype=s.par)

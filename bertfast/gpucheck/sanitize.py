@@ -10,7 +10,7 @@ checks only that every call finishes with finite results; correctness is the tes
     python -m bertfast.gpucheck.sanitize --case mlm_head_loss --dtype bfloat16  # one failing call alone
 
 ``--no-fp32-out-gemms`` (the racecheck step): the MLM loss's weight gradient (and any layer's,
-bertfast.residual_linear) uses bf16-out GEMMs.
+bertfast.model.residual_linear) uses bf16-out GEMMs.
 In all three GPU runs (H200 twice, H100) racecheck failed inside torch's bf16-in, fp32-out cuBLAS
 GEMM ("The Sanitizer failed to handle a hardware exception", then CUBLAS_STATUS_INTERNAL_ERROR);
 memcheck passes it. Every bertfast kernel of the op still runs and is checked; if racecheck still
@@ -56,7 +56,7 @@ def attention_padded(device, dtype):
 
 
 def bias_gelu(device, dtype):
-    from bertfast import residual_linear
+    from bertfast.model import residual_linear
     from bertfast.ops import bias_gelu as op
     out = []
     for approximate in ("none", "tanh"):

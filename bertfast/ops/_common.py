@@ -35,7 +35,7 @@ def launch_directly(*tensors: Optional[torch.Tensor]) -> bool:
 # plain tensors: data_ptr -> (weak reference, numel); an entry goes with its tensor. The node that
 # receives one (or autograd's view of it: a reshape on the way makes a new tensor of the same
 # memory) may write into it (take_over) instead of copying it: torch.addmm(C, A, B) copies C into a
-# new output before its GEMM adds into it, and bertfast.residual_linear's residual-gradient sums
+# new output before its GEMM adds into it, and bertfast.model.residual_linear's residual-gradient sums
 # were 48 such copies of a [tokens, 1024] activation per BERT-large step in the H200 trace of
 # 2026-11-27.
 _HANDED_OVER: Dict[int, Tuple["weakref.ReferenceType[torch.Tensor]", int]] = {}

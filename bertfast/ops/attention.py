@@ -164,7 +164,7 @@ def attention_varlen(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p
     qkv_bias: the bias the QKV GEMM has already added to qkv (one [3 * A * D] tensor, or the query's,
     key's and value's in that order), not added again: the attention's backward returns its
     gradient, summed by the Triton kernels as they write dqkv, so the GEMM's backward should not
-    (bertfast.residual_linear.linear's bias_grad=False)."""
+    (bertfast.model.residual_linear.linear's bias_grad=False)."""
     if qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError(f"attention_varlen: expected qkv of shape [tokens, 3, heads, head_dim], "
                          f"got {tuple(qkv.shape)}")

@@ -94,7 +94,7 @@ def _backward(ctx, dy, _d_pre_norm, _d_mean, _d_rstd):
     pre_norm, mean, rstd, weight, seed = ctx.saved_tensors
     dx, dbias, dres, dweight, dln_bias = _bias_dropout_residual_layernorm_backward(
         dy, pre_norm, mean, rstd, weight, ctx.dropout_p, seed, ctx.has_bias, ctx.has_residual, ctx.backend)
-    # A residual's own gradient (with dropout, not dx) is handed over: bertfast.residual_linear,
+    # A residual's own gradient (with dropout, not dx) is handed over: bertfast.model.residual_linear,
     # which made the residual, adds its input-gradient GEMM into it in place.
     dres = (dx if dres.numel() == 0 else hand_over(dres)) if ctx.has_residual else None
     return dx, or_none(dbias) if ctx.has_bias else None, dres, dweight, dln_bias, None, None, None, None

@@ -3,7 +3,7 @@
 A step (forward, backward, bertfast's AdamW; bf16 autocast over fp32 weights; full-length
 sequences, the BERT recipe's masked positions) is the sum of:
 
-- GEMMs: the model's linear-layer FLOPs (bertfast.mfu, 3 x forward) at the GEMM rate measured
+- GEMMs: the model's linear-layer FLOPs (bertfast.model.mfu, 3 x forward) at the GEMM rate measured
   for BERT's GEMMs (hardware.Gpu.gemm_flops), but for two per layer:
 - the FFN's GEMMs with GELU in their epilogues (kernels/bias_gelu.py: the up-projection
   forward, dy @ W2 backward), each at the larger of its kernel's prediction and the GEMM rate plus
@@ -14,14 +14,14 @@ sequences, the BERT recipe's masked positions) is the sum of:
   embeddings, as predicted (bias+GELU runs in the GEMMs above);
 - memory-bound work the kernels do not cover, at the achievable bandwidth: the MLM loss over the
   vocabulary at the masked rows; AdamW (kernels/adamw.py: 28 bytes per parameter, and 2 more for
-  the bf16 working copy it writes of each encoder GEMM weight, bertfast.working_weights); the
+  the bf16 working copy it writes of each encoder GEMM weight, bertfast.model.working_weights); the
   clipping's gradient norm (4 bytes per parameter: the optimizer divides by the clipping factor as
   it reads each gradient, writing nothing back); autocast's casts of the weights without a working
   copy (the embeddings, the heads, the pooler: 6 bytes per parameter; the weight gradients come
   fp32 from their GEMMs but the pooler's and NSP head's, cast from bf16 at 6 more:
-  bertfast.residual_linear); the QKV bias gradient (the attention's backward kernels write its fp32
+  bertfast.model.residual_linear); the QKV bias gradient (the attention's backward kernels write its fp32
   partials, a row per block, which a column sum reads back: kernels/attention.py)
-  and the residual gradients the input-gradient GEMMs read (bertfast.residual_linear: each layer's
+  and the residual gradients the input-gradient GEMMs read (bertfast.model.residual_linear: each layer's
   two residual-gradient additions happen in the GEMMs, in place in the gradient the LayerNorm op
   hands over, beta = 1);
 - launch gaps: the step's kernels back to back on the device (as a CUDA graph replays them).
@@ -51,7 +51,7 @@ VOCAB, POSITIONS, TYPES = 30522, 512, 2
 # copies, the up-projection's with bias and GELU, the attention's outside-rows pass, 2 LayerNorms),
 # backward 14 (8 GEMMs, one with GELU', the outside-rows pass, 2 LayerNorms, and 3 column sums for
 # their and the FFN's bias gradients; the weight gradients come fp32 from the GEMMs and the residual
-# gradients are summed in them, bertfast.residual_linear)
+# gradients are summed in them, bertfast.model.residual_linear)
 KERNELS_PER_LAYER_BESIDE_ATTENTION = 21
 MASKED_PER_SEQUENCE = {128: 20, 512: 80}  # the BERT recipe's max_predictions_per_seq
 
@@ -84,15 +84,15 @@ def parameters(hidden: int, ffn: int, layers: int, vocab: int = VOCAB, positions
 
 
 def working_copies(hidden: int, ffn: int, layers: int) -> int:
-    """The encoder GEMM weights and biases with a bf16 working copy (bertfast.working_weights): every
+    """The encoder GEMM weights and biases with a bf16 working copy (bertfast.model.working_weights): every
     layer's parameters but its two LayerNorms'."""
     return layers * (4 * hidden * hidden + 4 * hidden + 2 * hidden * ffn + ffn + hidden)
 
 
 def model_flops(setting: K.Setting) -> Tuple[float, float]:
-    """(step FLOPs, of which attention) as bertfast.mfu counts them, full-length sequences."""
-    from bertfast.config import BertConfig
-    from bertfast.mfu import bert_forward_flops_from_counts, training_step_flops
+    """(step FLOPs, of which attention) as bertfast.model.mfu counts them, full-length sequences."""
+    from bertfast.model.config import BertConfig
+    from bertfast.model.mfu import bert_forward_flops_from_counts, training_step_flops
     config = BertConfig.preset(setting.model)
     masked = setting.batch * MASKED_PER_SEQUENCE.get(setting.seq, math.ceil(0.15 * setting.seq))
     forward = bert_forward_flops_from_counts(config, setting.tokens, setting.batch * setting.seq ** 2, setting.batch,
@@ -222,7 +222,8 @@ def budget(results, case: StepCase, gpu: Gpu, accumulation: Optional[int] = None
         ("weight casts", (6.0 * (params - copies) + 6.0 * cast_grads) / bw,
          f"bf16 casts every forward of the {(params - copies) / 1e6:.0f}M fp32 weights without a working copy "
          "(the embeddings, heads, pooler, LayerNorms: 6 B each); the gradients come fp32 from their GEMMs "
-         f"(bertfast.residual_linear) and kernels, but {cast_grads / 1e6:.1f}M (the pooler's, NSP's) cast from bf16"),
+         f"(bertfast.model.residual_linear) and kernels, but {cast_grads / 1e6:.1f}M (the pooler's, NSP's) "
+         "cast from bf16"),
         ("QKV bias grad", layers * bias_grad,
          f"{layers} x the {partial_bytes / 1e6:.1f} MB of fp32 partials the attention's backward writes, "
          f"zero-filled and summed by a column sum (one memory latency), where a column sum of the QKV gradient "

@@ -18,6 +18,6 @@
                with presets, their command line, run_config.json in the run directory, and
                ``--set KEY=VALUE`` model overrides
 
-The MFU model is ``bertfast.mfu``; the parity check during training is
+The MFU model is ``bertfast.model.mfu``; the parity check during training is
 ``bertfast.parity.check_during_training``.
 """

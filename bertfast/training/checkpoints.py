@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from bertfast.data.shards import fsync_dir
-from bertfast.saving import disk_full
+from bertfast.model.saving import disk_full
 
 
 def seed_everything(seed: int) -> None:

@@ -19,7 +19,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from bertfast.saving import nonfinite_weights
+from bertfast.model.saving import nonfinite_weights
 from bertfast.training.step import StepResult
 
 Tensor = torch.Tensor

@@ -8,7 +8,7 @@ parameter: "step", an fp32 device scalar as fused AdamW keeps it; "exp_avg" and 
   triton   ``AdamW``, bertfast.kernels.adamw: one launch per parameter group, every scalar on the
            device (capturable, found_inf and grad_scale as torch's fused AdamW takes them), the
            gradient read divided by grad_scale but not written back, and the bf16 working copy of
-           each GEMM weight written with the weight (``working=``, bertfast.working_weights), so the
+           each GEMM weight written with the weight (``working=``, bertfast.model.working_weights), so the
            forward casts nothing. fp32 CUDA parameters (or CPU ones under the interpreter, forced).
   fused    torch's fused kernel, where the installed torch has one (CUDA, CPU since torch 2.4).
   foreach  torch's multi-tensor form.
@@ -54,7 +54,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from bertfast import dispatch, working_weights
+from bertfast import dispatch
+from bertfast.model import working_weights
 
 log = logging.getLogger("bertfast.optim")
 
@@ -199,7 +200,7 @@ class AdamW(torch.optim.AdamW):
     triton kernel (see the module docstring); capturable, and it takes ``found_inf`` and
     ``grad_scale`` attributes set for one step, as torch's fused AdamW does.
 
-    working: bertfast.working_weights.WorkingWeights whose copies the kernel writes with the weights.
+    working: bertfast.model.working_weights.WorkingWeights whose copies the kernel writes with the weights.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -606,7 +607,7 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: 
     (see ``Lamb``); fused (AdamW only): True forces torch's fused kernel, False its foreach form.
     capturable (LAMB only): see ``Lamb`` (AdamW's every form is capturable).
     working_dtype (AdamW only): bf16 or fp16, the autocast dtype of the forward; where the triton
-    AdamW runs, it writes working copies of the GEMM weights in it (bertfast.working_weights).
+    AdamW runs, it writes working copies of the GEMM weights in it (bertfast.model.working_weights).
     """
     groups = parameter_groups(model, weight_decay)
     if name == "adamw":
@@ -621,7 +622,7 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: 
         if implementation == "triton":
             working = None
             if working_dtype is not None:
-                from bertfast.working_weights import WorkingWeights
+                from bertfast.model.working_weights import WorkingWeights
                 working = WorkingWeights(model, working_dtype)
             return AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, working=working)
         kwargs = {"fused": True} if implementation == "fused" else {"foreach": True}
@@ -645,7 +646,7 @@ def pretrain_optimizer(model: torch.nn.Module, args: Any, precision: str) -> tor
     triton one (CUDA) keeps its step counts on the device, as fused AdamW does, so --cuda-graphs
     captures it and --on-nonfinite skip skips with no host read. AdamW is the triton one where it
     can run (fp32 CUDA parameters): it writes the bf16 (fp16) working copies of the GEMM weights
-    that the forward then reads instead of casting them (bertfast.working_weights)."""
+    that the forward then reads instead of casting them (bertfast.model.working_weights)."""
     lamb = lamb_implementation(None, list(model.parameters())) if args.optimizer == "lamb" else None
     working = ({"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision) if args.optimizer == "adamw"
                else None)

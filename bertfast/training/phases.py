@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import List, Optional
 
-from bertfast.config import BertConfig
+from bertfast.model.config import BertConfig
 from bertfast.data.loader import BatchSpec, PretrainingBatches, masking_config_for
 from bertfast.data.shards import MissingSplitError, PretrainingData, dataset_index
 from bertfast.training.config import DEMO_MODEL, DEMO_VOCAB_SIZE, PretrainConfig, parse_overrides

@@ -1,7 +1,7 @@
 """BERT with its task heads: pre-training (MLM + NSP), masked LM, sequence and token
 classification, question answering, multiple choice. Each is a transformers model (the same class
 names, state-dict keys, forward keywords and outputs as transformers' BERT) over
-``bertfast.modeling.BertModel``; the MLM loss runs the fused head at labelled positions only.
+``bertfast.model.modeling.BertModel``; the MLM loss runs the fused head at labelled positions only.
 """
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import torch.nn as nn
 from transformers.modeling_outputs import (MultipleChoiceModelOutput, QuestionAnsweringModelOutput,
                                            SequenceClassifierOutput, TokenClassifierOutput)
 
-from bertfast import losses, model_inputs, ops, reference
-from bertfast.config import BertConfig
+from bertfast import ops, reference
+from bertfast.model import losses, model_inputs
+from bertfast.model.config import BertConfig
 from bertfast.contract import IGNORE_INDEX
-from bertfast.modeling import (BertForPreTrainingOutput, BertMaskedLMOutput, BertModel, BertModelOutput,
+from bertfast.model.modeling import (BertForPreTrainingOutput, BertMaskedLMOutput, BertModel, BertModelOutput,
                                BertOnlyMLMHead, BertPreTrainedModel, BertPreTrainingHeads, Tensor, _reference,
                                _with_extras)
 from bertfast.ops.mlm_head_loss import check_max_predictions_per_seq, masked_positions

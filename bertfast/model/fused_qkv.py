@@ -14,7 +14,7 @@ PEFT targets, optimizers). One GEMM would need one [3H, H] weight:
 So with nothing to differentiate (inference), three GEMMs write their columns of the one output
 (addmm with out=, which takes a strided output as it is): no weight is copied and the result is
 the packed qkv. Under autocast or torch.compile, where out= does not apply, the weights are
-concatenated and one GEMM runs. What is differentiated takes bertfast.residual_linear instead
+concatenated and one GEMM runs. What is differentiated takes bertfast.model.residual_linear instead
 (one GEMM too, each weight cast into its rows of one buffer; its backward also sums the residual's
 gradient).
 """

@@ -5,7 +5,7 @@ Under autocast, each GEMM's fp32 weight is cast to bf16 every forward: 6 bytes a
 and written, 0.67 ms of a BERT-large step on an H100 as docs/perf-model.md predicts it. bertfast's
 AdamW (bertfast.training.optim.AdamW, kernels/adamw.py) writes the bf16 copy as it writes each
 updated weight, 2 bytes a parameter more in a pass it makes anyway, and the forward
-(bertfast.residual_linear) takes the copy. The query, key and value weights' copies are rows of
+(bertfast.model.residual_linear) takes the copy. The query, key and value weights' copies are rows of
 one [3H, H] buffer (and their biases of one [3H]): the attention's one QKV GEMM reads it as it is.
 
 A copy is used only while it holds exactly what a cast would give: the optimizer's kernel rounds
@@ -79,11 +79,11 @@ def _forget(entries: Dict[int, _Entry]) -> None:
 
 def weight_groups(model: nn.Module) -> List[List[nn.Parameter]]:
     """The fp32 GEMM weights of ``model``'s bertfast encoder layers (the GEMMs that take
-    bertfast.residual_linear), in groups that share one copy buffer: each attention's query, key
+    bertfast.model.residual_linear), in groups that share one copy buffer: each attention's query, key
     and value weights, and their biases; every other nn.Linear's weight and bias alone. The heads'
     and the pooler's weights are cast as before (the MLM head's op casts its own, on the masked rows
     only). Parameters that do not require a gradient are left out."""
-    from bertfast.modeling import BertEncoder, BertSelfAttention
+    from bertfast.model.modeling import BertEncoder, BertSelfAttention
 
     groups, grouped = [], set()
     encoders = [m for m in model.modules() if isinstance(m, BertEncoder)]

@@ -6,7 +6,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from bertfast.config import BertConfig
+from bertfast.model.config import BertConfig
 from bertfast.contract import IGNORE_INDEX, exporting, value_checks
 
 Tensor = torch.Tensor

@@ -1,8 +1,8 @@
 """The fast BERT encoder: transformers BERT models whose forward runs the fused ops (the classes
-with task heads, built on it, are in ``bertfast.task_models``).
+with task heads, built on it, are in ``bertfast.model.task_models``).
 
 Each class subclasses transformers' ``BertPreTrainedModel`` and takes transformers'
-``BertConfig``: loading, saving (wrapped by ``bertfast.saving``: checked files and weights,
+``BertConfig``: loading, saving (wrapped by ``bertfast.model.saving``: checked files and weights,
 atomic saves), dtype and device handling, gradient checkpointing,
 embedding resize, weight tying and the output classes are transformers'. Same class
 names, parameter names (state-dict keys), forward keywords, outputs and losses as
@@ -14,7 +14,7 @@ Two ways to run the same modules and weights:
   the fused ops in ``bertfast.ops``, and the output is padded back. Under ``torch.compile`` the
   padded token layout is kept instead (static shapes, the padded attention op with its key
   mask), since unpadding has a data-dependent size; packed inputs are their own layout. One
-  layer forward serves the three: ``bertfast.layout.Layout`` holds what differs.
+  layer forward serves the three: ``bertfast.model.layout.Layout`` holds what differs.
   With MLM labels the prediction head runs only at labelled positions.
 * reference: the plain padded PyTorch encoder and MLM head of ``bertfast.reference`` (the
   oracle), run on the same modules. Chosen with ``bertfast.reference_execution(model)``;
@@ -39,9 +39,10 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions, MaskedLMOutput
 from transformers.models.bert import modeling_bert as hf_bert
 
-from bertfast import dispatch, fused_qkv, model_inputs, ops, reference, residual_linear, saving
-from bertfast.config import BertConfig, check_supported, gelu_approximate, head_dim
-from bertfast.layout import PADDED, Layout, first_real_tokens
+from bertfast import dispatch, ops, reference
+from bertfast.model import fused_qkv, model_inputs, residual_linear, saving
+from bertfast.model.config import BertConfig, check_supported, gelu_approximate, head_dim
+from bertfast.model.layout import PADDED, Layout, first_real_tokens
 from bertfast.ops.attention import varlen_inference
 
 Tensor = torch.Tensor
@@ -173,7 +174,7 @@ def _layer_norm(ln: nn.Module, h: Tensor) -> Tensor:
 
 
 # ================================================================= encoder layer
-# x holds token rows [N, H] laid out by a bertfast.layout.Layout: the real tokens, the packed row's, or
+# x holds token rows [N, H] laid out by a bertfast.model.layout.Layout: the real tokens, the packed row's, or
 # every position under torch.compile.
 class BertSelfAttention(nn.Module):
     def __init__(self, config: BertConfig):
@@ -186,15 +187,15 @@ class BertSelfAttention(nn.Module):
         self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
 
     def qkv(self, x: Tensor) -> Tensor:
-        """rows [N, H] -> [N, 3, A, D] in one buffer for plain Linears (bertfast.fused_qkv); anything else
+        """rows [N, H] -> [N, 3, A, D] in one buffer for plain Linears (bertfast.model.fused_qkv); anything else
         (a LoRA layer, a hooked module) is called as a module."""
         return self.qkv_keeping_input(x)[0]
 
     def qkv_keeping_input(self, x: Tensor, attention_takes_bias: bool = False) -> Tuple[Tensor, Tensor, List[Tensor]]:
         """(qkv [N, 3, A, D], x to use as the residual, the biases whose gradient the attention is to
-        form). Differentiated through plain Linears, both come from one node (bertfast.residual_linear),
+        form). Differentiated through plain Linears, both come from one node (bertfast.model.residual_linear),
         so x's two gradients are summed in the QKV GEMM; with attention_takes_bias that node leaves
-        the biases' gradient to the attention (Rows.takes_qkv_bias), else the list is empty."""
+        the biases' gradient to the attention (Layout.takes_qkv_bias), else the list is empty."""
         shape = (x.shape[0], 3, self.num_attention_heads, self.attention_head_size)
         linears = (self.query, self.key, self.value)
         if _biased_linear(*linears):
@@ -217,7 +218,7 @@ class BertSelfAttention(nn.Module):
 
 
 def _linear(h: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """F.linear, differentiated through bertfast.residual_linear.dense: the weight gradient of fp32
+    """F.linear, differentiated through bertfast.model.residual_linear.dense: the weight gradient of fp32
     weights under autocast comes from the GEMM in fp32, with no cast pass after it."""
     if residual_linear.records_grad(h, weight, bias):
         return residual_linear.dense(h, weight, bias)
@@ -260,7 +261,7 @@ class BertOutput(BertSelfOutput):
 
 def _residual(kept: Tensor, x: Tensor, output: nn.Module) -> Tensor:
     """The residual to hand ``output``: ``kept`` (the GEMM's node gets its gradient and adds into it
-    in place, bertfast.residual_linear) unless ``output`` runs hooks, whose backward hooks may keep
+    in place, bertfast.model.residual_linear) unless ``output`` runs hooks, whose backward hooks may keep
     that gradient: then x itself, its two gradients summed by autograd."""
     return x if hooked(output) else kept
 
@@ -281,7 +282,7 @@ class BertAttention(nn.Module):
 def _dense_gelu(dense: nn.Linear, x: Tensor, approximate: str) -> Tuple[Tensor, Tensor]:
     """(GELU(x @ W^T + b), x to use as the residual), the bias add fused into the GELU op (on a CPU,
     into the GEMM). Differentiated, the GEMM and the residual come from one node
-    (bertfast.residual_linear), so x's two gradients are summed in the GEMM."""
+    (bertfast.model.residual_linear), so x's two gradients are summed in the GEMM."""
     if not _biased_linear(dense):
         return F.gelu(dense(x), approximate=approximate), x
     in_gemm = _bias_in_gemm(x, dense, "bias_gelu")
@@ -296,7 +297,7 @@ def _dense_gelu(dense: nn.Linear, x: Tensor, approximate: str) -> Tuple[Tensor, 
 
 def _ffn(intermediate: "BertIntermediate", output: BertOutput, h: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
     """(GELU(h @ W1^T + b1) @ W2^T, h to use as the residual) from one node whose GEMMs apply the
-    bias and GELU in their epilogues (bertfast.residual_linear.ffn), where it applies: differentiated,
+    bias and GELU in their epilogues (bertfast.model.residual_linear.ffn), where it applies: differentiated,
     both Linears, the LayerNorm and dropout after them plain modules, the output module without hooks
     (its own dense is inside the node) and a backend with such GEMMs; else None."""
     up, down = intermediate.dense, output.dense
@@ -332,7 +333,7 @@ class BertLayer(GradientCheckpointingLayer):
 
     def forward(self, x: Tensor, layout: Layout) -> Tensor:
         """x positional (gradient checkpointing re-runs the layer on it)."""
-        if layout.plain is not None:  # inference on a CPU: the modules' own math (bertfast.layout)
+        if layout.plain is not None:  # inference on a CPU: the modules' own math (bertfast.model.layout)
             return reference.layer_math(self, x, layout.plain)
         h = self.attention(x, layout)
         if hooked(self.intermediate):  # called as a module, so its hooks run

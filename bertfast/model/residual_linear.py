@@ -21,7 +21,7 @@ gradient of fp32 weights under bf16 or fp16 autocast comes from an fp32-out GEMM
 has one (CUDA: cuBLAS accumulates in fp32 anyway), not rounded to bf16 and then cast back by
 autograd in a pass of its own (6 bytes a parameter; on the H100 that cast ran at half the copy
 bandwidth). Where the optimizer keeps bf16 working copies of the weights
-(bertfast.working_weights), the forward reads them instead of casting. ``dense`` is the same node
+(bertfast.model.working_weights), the forward reads them instead of casting. ``dense`` is the same node
 for a GEMM whose input is no residual (the attention's and the FFN's output projections), for its
 weight gradient.
 
@@ -41,7 +41,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from bertfast import dispatch, working_weights
+from bertfast import dispatch
+from bertfast.model import working_weights
 from bertfast.ops._common import PLAIN_TYPES, fp32_gemm_caps, take_over
 
 Tensor = torch.Tensor
@@ -83,7 +84,7 @@ def _cast_cat(parts: Sequence[Tensor], dtype: Optional[torch.dtype]) -> Tensor:
 
 def _cast_or_copy(parts: Sequence[Tensor], dtype: Optional[torch.dtype]) -> Tensor:
     """The parts concatenated and cast as autocast would: their working copy where the optimizer
-    keeps a fresh one (bertfast.working_weights), else ``_cast_cat``."""
+    keeps a fresh one (bertfast.model.working_weights), else ``_cast_cat``."""
     copy = working_weights.lookup(parts, dtype)
     return copy if copy is not None else _cast_cat(parts, dtype)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bertfast import model_inputs
+from bertfast.model import model_inputs
 from bertfast.contract import IGNORE_INDEX
 from bertfast.padding import packed_layout
 
