@@ -12,7 +12,7 @@ input forms change: every layer runs the same code over a ``Layout``.
 ``plain`` is what the model decided for the layers after the embeddings: None, or the torch
 backend's attention with the batch worked out once (``ops.attention.varlen_inference``), when
 every layer op would run its plain-PyTorch backend with nothing to differentiate; the layers then
-run the modules' own math (``reference.layer``), without the ops' host time.
+run the modules' own math (``reference.layer_math``), without the ops' host time.
 """
 from __future__ import annotations
 
