@@ -75,6 +75,8 @@ class Form:
 
 @dataclass(frozen=True)
 class Op:
+    """One op: the name its files share, its kind, and what each part of the project runs of it."""
+
     name: str
     kind: str
     forms: Tuple[Form, ...] = ()  # none: kernels without dispatch (the optimizers)
