@@ -107,10 +107,6 @@ class Op:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         return self.modules.get(backend, default[backend])
 
-    @property
-    def decided_by(self) -> str:
-        return self.preference_case or self.name
-
 
 def resolve(ref: str) -> Callable:
     """The function a hook names, ``"package.module:function"``, imported now."""
@@ -221,17 +217,24 @@ def step_forms() -> Tuple[str, ...]:
     return tuple(op.forms[0].name for op in _OPS if op.forms)
 
 
-def hooks(what: str, *kinds: str) -> Dict[str, Tuple[Op, str]]:
-    """Case name -> (op, hook) of every op's ``bench``, ``overhead`` or ``sanitize`` table, in op order."""
+def hooks(what: str, *kinds: str) -> Dict[str, str]:
+    """Case name -> hook of every op's ``bench``, ``overhead`` or ``sanitize`` table, in op order
+    (named, not imported: the GPU check counts them without torch)."""
     if what not in ("bench", "overhead", "sanitize"):
         raise ValueError(f"what must be bench, overhead or sanitize, got {what!r}")
-    out: Dict[str, Tuple[Op, str]] = {}
+    out: Dict[str, str] = {}
+    owner: Dict[str, str] = {}
     for op in ops(*kinds):
         for case, ref in getattr(op, what).items():
             if case in out:
-                raise ValueError(f"{what} case {case!r} is named by ops {out[case][0].name!r} and {op.name!r}")
-            out[case] = (op, ref)
+                raise ValueError(f"{what} case {case!r} is named by ops {owner[case]!r} and {op.name!r}")
+            out[case], owner[case] = ref, op.name
     return out
+
+
+def functions(what: str, *kinds: str) -> Dict[str, Callable]:
+    """``hooks``, each imported: case name -> its function."""
+    return {case: resolve(ref) for case, ref in hooks(what, *kinds).items()}
 
 
 def register(op: Op) -> None:

@@ -647,4 +647,4 @@ def _note_optimizers(ctx: SuiteContext) -> None:
 
 def case_builders() -> Dict[str, Callable[[SuiteContext], List[OpCase]]]:
     """Every case name -> its builder, as bertfast.registry lists them (each op's ``bench``), in its order."""
-    return {case: registry.resolve(ref) for case, (_, ref) in registry.hooks("bench").items()}
+    return registry.functions("bench")

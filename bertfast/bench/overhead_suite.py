@@ -193,7 +193,7 @@ def mlm_head_loss_case(gen, dtype, dev) -> OverheadCase:
 
 def case_builders() -> Dict[str, Callable[[torch.Generator, torch.dtype, torch.device], OverheadCase]]:
     """Every case name -> its builder, as bertfast.registry lists them (each op's ``overhead``), in its order."""
-    return {case: registry.resolve(ref) for case, (_, ref) in registry.hooks("overhead").items()}
+    return registry.functions("overhead")
 
 
 # --------------------------------------------------------------------------- running

@@ -38,11 +38,10 @@ def measured_order(run: Run) -> Dict[str, List[str]]:
             break
     from bertfast import registry
     for spec in registry.ops():  # bias_gelu's order from the FFN, where training runs it, or none
-        group = spec.decided_by
-        if group != spec.name:
+        if spec.preference_case is not None:
             times.pop(spec.name, None)
-            if group in times:
-                times[spec.name] = times.pop(group)
+            if spec.preference_case in times:
+                times[spec.name] = times.pop(spec.preference_case)
     order: Dict[str, List[str]] = {}
     for op, per_backend in times.items():
         if set(per_backend) != set(FAST):

@@ -108,7 +108,7 @@ def mlm_head_loss(device, dtype):
 def registered_cases() -> List[Case]:
     """Every op's calls, as bertfast.registry lists them (each op's ``sanitize``), in its order."""
     from bertfast import registry
-    return [(name, registry.resolve(ref)) for name, (_, ref) in registry.hooks("sanitize").items()]
+    return list(registry.functions("sanitize").items())
 
 
 def run(backend: str, device: torch.device, dtypes=(torch.float32, torch.bfloat16), log=print,
