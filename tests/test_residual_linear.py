@@ -406,6 +406,16 @@ def _weighted_step(model, ids, mask, weights):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _grad_scale(grads, name):
+    """The norm a gradient's difference is measured against: its own, but for a key bias, whose gradient
+    is zero in exact arithmetic (a softmax ignores a constant added to all of a query's scores), so its
+    value is rounding noise (bf16 on a GPU: 1e-4, against 7e-5 for its own norm); for it, the same
+    layer's query-bias gradient."""
+    if name.endswith(".attention.self.key.bias"):
+        name = name[: -len("key.bias")] + "query.bias"
+    return grads[name].norm()
+
+
 def test_a_triton_layer_runs_its_ffn_in_the_gemm_epilogues(monkeypatch):
     """Training on the Triton backend, each layer's FFN is the one node (forward and backward GEMM with
     GELU in the epilogue), with the gradients of the unfused layer; an output module with hooks is
@@ -423,7 +433,7 @@ def test_a_triton_layer_runs_its_ffn_in_the_gemm_epilogues(monkeypatch):
     want = _weighted_step(model, ids, mask, weights)
     assert got.keys() == want.keys()
     for name in want:
-        assert (got[name] - want[name]).norm() <= 1e-5 * want[name].norm() + 1e-7, name
+        assert (got[name] - want[name]).norm() <= 1e-5 * _grad_scale(want, name) + 1e-7, name
     monkeypatch.undo()
     calls = _ffn_calls(monkeypatch)
     seen = []
@@ -452,4 +462,4 @@ def test_on_a_gpu_the_bf16_triton_layer_runs_its_ffn_in_the_gemm_epilogues(monke
     monkeypatch.setattr(residual_linear, "ffn_gemms", lambda *args: None)
     want = step()
     for name in want:
-        assert (got[name] - want[name]).norm() <= 3e-2 * want[name].norm() + 1e-6, name
+        assert (got[name] - want[name]).norm() <= 3e-2 * _grad_scale(want, name) + 1e-6, name

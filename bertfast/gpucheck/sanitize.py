@@ -14,7 +14,11 @@ bertfast.model.residual_linear) uses bf16-out GEMMs.
 In all three GPU runs (H200 twice, H100) racecheck failed inside torch's bf16-in, fp32-out cuBLAS
 GEMM ("The Sanitizer failed to handle a hardware exception", then CUBLAS_STATUS_INTERNAL_ERROR);
 memcheck passes it. Every bertfast kernel of the op still runs and is checked; if racecheck still
-fails there, the fault is not that GEMM's.
+fails there, the fault is not that GEMM's. It did, once in four runs with the flag (H200, 2026-11-27,
+third loan): the same sanitizer error, then CUDA error 700 reported by the check after
+``mlm_head_loss_fwd``'s launch, an error that any earlier launch (the decoder's cuBLAS GEMM among
+them) could have left; memcheck passed the same calls. The racecheck step now runs with
+``CUDA_LAUNCH_BLOCKING=1``, so the next failure is reported at the launch that made it.
 """
 from __future__ import annotations
 

@@ -134,9 +134,10 @@ STAGES: List[Stage] = [
                     dry_argv=[PY, "-m", "bertfast.gpucheck.sanitize", "--backend", "torch", "--device", "cpu"],
                     dry_note="no GPU: the same calls on the torch backend, without compute-sanitizer",
                     optional_args=KERNEL_FILTER, needs=(PACKAGE, EXTENSION)),
-              # --no-fp32-out-gemms: racecheck fails inside cuBLAS's bf16-in, fp32-out GEMM (sanitize's docstring)
+              # --no-fp32-out-gemms: racecheck fails inside cuBLAS's bf16-in, fp32-out GEMM; each launch
+              # blocking, so a fault is reported at the launch that made it (sanitize's docstring)
               _step("racecheck", SANITIZER + ["--tool", "racecheck"] + SANITIZE + ["--no-fp32-out-gemms"],
-                    sizing.racecheck(),
+                    sizing.racecheck(), env={"CUDA_LAUNCH_BLOCKING": "1"},
                     dry_argv=[], dry_note="no GPU: covered by the memcheck step's dry run",
                     optional_args=KERNEL_FILTER, needs=(PACKAGE, EXTENSION)),
           ]),

@@ -157,7 +157,8 @@ def test_gpu_tuned_config_is_listed_under_the_offline_key(monkeypatch):
     predicts a GPU run's chosen configs by that key (bertfast/bench/profile.py, tuned_report)."""
     from bertfast.kernels import _common
     from bertfast.kernels import bias_gelu as BG
-    from bertfast.kernels._rows import n_bucket, row_stride
+    from bertfast.contract import row_stride
+    from bertfast.kernels._rows import n_bucket
     monkeypatch.delenv(_common.AUTOTUNE_ENV, raising=False)  # the GPU check's tests run fixed: tune here
     n, f = 1000, 1536  # a key no other test tunes (n_bucket 1024)
     x = torch.randn(n, f, device="cuda", dtype=torch.bfloat16)
