@@ -90,6 +90,28 @@ def test_kernel_and_model_figures_from_times():
     assert f["mfu"].median == pytest.approx(400.0 / 800.0)  # fake peak 800 TFLOP/s
 
 
+def test_a_small_kernels_bandwidth_comes_from_its_cold_l2_time(monkeypatch):
+    """A kernel under SMALL_KERNEL_MS is re-timed warm (graph replay): the row's time is that, but its
+    GB/s and % of the copy bandwidth (DRAM's) come from the cold-L2 time, kept as cold_l2_ms; its
+    TFLOP/s from the row's time."""
+    from bertfast.bench import kernels_suite
+    from bertfast.bench.timing import GRAPH_REPLAY
+    ctx = SuiteContext(device=_fake_device("cuda"), quick=True, dtype=torch.bfloat16)
+    cold, warm = Stat(0.04, 0.04, 0.04, 5), Stat(0.01, 0.01, 0.01, 10)
+    monkeypatch.setattr(kernels_suite, "time_fn", lambda fn, dev, policy: cold)
+    monkeypatch.setattr(kernels_suite, "time_small", lambda fn, dev: (warm, GRAPH_REPLAY))
+    monkeypatch.setattr(kernels_suite, "host_overhead_us", lambda fn, dev: Stat(30.0, 30.0, 30.0, 3))
+    monkeypatch.setattr(kernels_suite, "direction_callable", lambda p, direction: lambda: None)
+    t, method, host, got_cold, mem = kernels_suite._time_direction(ctx, None, "fwd")
+    assert (t, method, got_cold, mem) == (warm, GRAPH_REPLAY, cold, None)
+    m = kernels_suite.metrics_for(ctx, t, {"bytes": 1.2e8, "flops": 1e10}, got_cold)
+    assert m["gbps"].median == pytest.approx(3000.0)  # 120 MB in 0.04 ms, not in 0.01 ms
+    assert m["pct_copy_bw"].median == pytest.approx(100.0)
+    assert m["tflops"].median == pytest.approx(1000.0)
+    monkeypatch.setattr(kernels_suite, "time_fn", lambda fn, dev, policy: Stat(0.2, 0.2, 0.2, 5))
+    assert kernels_suite._time_direction(ctx, None, "fwd")[3] is None  # not re-timed: no second figure
+
+
 def test_sequence_lengths_modes():
     g = torch.Generator().manual_seed(1)
     assert sequence_lengths("none", 3, 8, g) == [8, 8, 8]

@@ -142,16 +142,58 @@ def test_merge_runs_and_readme_table(tmp_path):
 
     readme = tmp_path / "README.md"
     readme.write_text(f"# title\n\nbefore\n{BEGIN}\nold table\n{END}\nafter\n")
-    update_readme(str(readme), merged, "benchmarks/results/fake-gpu-80gb/2026-01-01")
+    update_readme(str(readme), [(merged, "benchmarks/results/fake-gpu-80gb/2026-01-01")])
     text = readme.read_text()
     assert text.startswith("# title\n\nbefore\n" + BEGIN) and text.endswith(END + "\nafter\n")
     assert "old table" not in text and "Fake GPU 80GB" in text and "benchmarks/results/fake-gpu-80gb" in text
     assert "| BERT-base seq-128 training step >= 50% MFU | met |" in text
     with pytest.raises(ValueError, match="CPU run"):
-        update_readme(str(readme), _synthetic_run("cpu"), "x")
+        update_readme(str(readme), [(_synthetic_run("cpu"), "x")])
     readme.write_text("no markers\n")
     with pytest.raises(ValueError, match="expected the lines"):
-        update_readme(str(readme), merged, "x")
+        update_readme(str(readme), [(merged, "x")])
+
+
+def test_readme_table_takes_each_target_from_the_newest_run_that_measured_it(tmp_path):
+    """A loan measures some targets: each line is the newest run that measured its target (met, not
+    met, or a value from part of its cases), named on the line; a target none measured shows the
+    newest run's line; the runs may come in any order."""
+    from bertfast.bench.readme import BEGIN, END, filed_runs, main as readme_main, render_table
+    old = _synthetic_run()
+    old.date = "2026-01-01T00:00:00+00:00"
+    new = Run(device=old.device, config={}, rows=[r for r in old.rows if r.suite == "kernels"])
+    new.date = "2026-01-02T00:00:00+00:00"
+    new.targets = evaluate_targets(new)
+    by_id = {t["id"]: t for t in new.targets}
+    assert by_id["mfu_base_128"]["status"] == "not measured" and by_id["row_ops_bandwidth"]["status"] == "met"
+    for t in new.targets:  # one line the newer run changed, to tell the runs apart
+        if t["id"] == "row_ops_bandwidth":
+            t["detail"] += " (the newer run)"
+    new.targets.append({"id": "nobody", "target": "a target no run measured", "status": "not measured",
+                        "value": None, "detail": "no matching cases in this run", "device": "x"})
+    lines = {line.split(" | ")[0][2:]: line
+             for line in render_table([(old, "runs/old"), (new, "runs/new")]).splitlines() if line.startswith("| ")}
+    assert lines["BERT-base seq-128 training step >= 50% MFU"].endswith(
+        "| met | 0.55 | MFU 55.0% of the measured peak (GPU not in the datasheet table) (batch 128) | Fake GPU 80GB, "
+        "`runs/old` |")
+    row_ops = next(line for name, line in lines.items() if name.startswith("row ops"))
+    assert "(the newer run)" in row_ops and row_ops.endswith("`runs/new` |")
+    assert lines["a target no run measured"].endswith("| not measured |  | no matching cases in this run | "
+                                                      "Fake GPU 80GB, `runs/new` |")
+    assert render_table([(new, "runs/new"), (old, "runs/old")]) == render_table([(old, "runs/old"), (new, "runs/new")])
+    # from the files: every run filed under benchmarks/results/, or the directories named
+    for run, where in ((old, "old"), (new, "new")):
+        report.write(run, str(tmp_path / "benchmarks" / "results" / "fake-gpu-80gb" / where))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{BEGIN}\n{END}\n")
+    assert [where for _, where in filed_runs(str(tmp_path))] == ["benchmarks/results/fake-gpu-80gb/new",
+                                                                 "benchmarks/results/fake-gpu-80gb/old"]
+    assert readme_main(["--readme", str(readme)]) == 0
+    assert "`benchmarks/results/fake-gpu-80gb/old` |" in readme.read_text()
+    newest = tmp_path / "benchmarks" / "results" / "fake-gpu-80gb" / "new"
+    assert readme_main(["--readme", str(readme), str(newest)]) == 0
+    assert "fake-gpu-80gb/old" not in readme.read_text()
+    assert readme_main(["--readme", str(readme), str(tmp_path / "nowhere")]) == 2
 
 
 def test_row_timing_method_round_trips_and_old_files_load():

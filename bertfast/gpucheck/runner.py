@@ -471,8 +471,9 @@ def run(out: str, stage_numbers: List[int], dry_run: bool, simulations: Sequence
 # --------------------------------------------------------------------------- landing a run
 def land(out: str, repo: str = REPO, date: Optional[str] = None) -> str:
     """Copy a GPU run's results and logs to benchmarks/results/<gpu>/<date>/ and regenerate the README
-    table from it. Returns the directory written."""
-    from bertfast.bench.readme import update_readme
+    table from every filed run (each target from the newest that measured it). Returns the directory
+    written."""
+    from bertfast.bench.readme import filed_runs, update_readme
     from bertfast.bench.results import Run
 
     summary_path = os.path.join(out, "summary.json")
@@ -502,7 +503,7 @@ def land(out: str, repo: str = REPO, date: Optional[str] = None) -> str:
         stage_dir = os.path.basename(os.path.dirname(path))
         named = name if stage_dir == os.path.basename(out) or name.startswith(stage_dir) else f"{stage_dir}-{name}"
         shutil.copy2(path, os.path.join(dest, named))
-    update_readme(os.path.join(repo, "README.md"), run_, os.path.relpath(dest, repo))
+    update_readme(os.path.join(repo, "README.md"), filed_runs(repo))
     return dest
 
 
