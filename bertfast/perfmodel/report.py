@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from bertfast import registry
 from bertfast.perfmodel import kernels as K
 from bertfast.perfmodel import step as S
+from bertfast.perfmodel import suite as SU
 from bertfast.perfmodel.hardware import H100, Gpu, gpu_named
 from bertfast.perfmodel.model import Prediction, predict, retime, streaming, time_with_overlap
 
@@ -73,15 +74,17 @@ _COMPILED: Dict[Tuple, K.Compiled] = {}  # one compile per kernel variant and co
 
 
 def analyse(settings: Sequence[K.Setting], gpu: Gpu = H100, log=print,
-            tuned: Optional[Dict[str, Dict[Tuple, str]]] = None) -> List[KernelResult]:
-    """Compile, read and predict every modelled kernel launch at each setting, for ``gpu``: each
-    kernel's first candidate, or the config ``tuned`` names (a GPU run's choices: Profile.tuned)."""
+            tuned: Optional[Dict[str, Dict[Tuple, str]]] = None,
+            ops: Optional[Sequence[str]] = None) -> List[KernelResult]:
+    """Compile, read and predict every modelled kernel launch (of ``ops``, default every priced op) at
+    each setting, for ``gpu``: each kernel's first candidate, or the config ``tuned`` names (a GPU
+    run's choices: Profile.tuned)."""
     compiled = _COMPILED
     results: List[KernelResult] = []
     with K.offline_triton():
         for setting in settings:
             start = time.perf_counter()
-            launches = K.record(setting, tuned=tuned)
+            launches = K.record(setting, ops=ops, tuned=tuned)
             for launch in launches:
                 if launch.kernel not in K.WORK:
                     continue
@@ -108,20 +111,29 @@ def _of(results: Sequence[KernelResult], setting: K.Setting, op: str) -> List[Ke
     return [r for r in results if r.setting == setting and r.op == op and r.prediction is not None]
 
 
+def score_elements(setting: K.Setting) -> int:
+    """The attention's score elements at ``setting`` (full lengths): batch x heads x seq^2."""
+    from bertfast.gpucheck.compile_report import MODELS
+    return setting.batch * (MODELS[setting.model][0] // K.HEAD_DIM) * setting.seq ** 2
+
+
+def attention_tflops(setting: K.Setting, direction: str, seconds: float) -> float:
+    """TFLOP/s as the benchmark credits the attention (CREDITED per score element; fwd+bwd: both)."""
+    credited = CREDITED["fwd"] + CREDITED["bwd"] if direction == "fwd+bwd" else CREDITED[direction]
+    return credited * score_elements(setting) / seconds / 1e12
+
+
 def attention_figures(results: Sequence[KernelResult], setting: K.Setting) -> Dict[str, Dict[str, float]]:
     """{fwd, bwd, fwd+bwd: {seconds, tflops, instructions_per_element}} of the attention at ``setting``."""
-    from bertfast.gpucheck.compile_report import MODELS
-    heads = MODELS[setting.model][0] // K.HEAD_DIM
-    scores = setting.batch * heads * setting.seq ** 2
     out: Dict[str, Dict[str, float]] = {}
     for direction in ("fwd", "bwd"):
         rows = [r for r in _of(results, setting, "attention") if r.direction() == direction]
         seconds = sum(r.prediction.predicted_s for r in rows)
         per_element = sum(r.prediction.per_element["total"] for r in rows if r.prediction.loop)
-        out[direction] = {"seconds": seconds, "tflops": CREDITED[direction] * scores / seconds / 1e12,
+        out[direction] = {"seconds": seconds, "tflops": attention_tflops(setting, direction, seconds),
                           "instructions_per_element": per_element}
     total = out["fwd"]["seconds"] + out["bwd"]["seconds"]
-    out["fwd+bwd"] = {"seconds": total, "tflops": (CREDITED["fwd"] + CREDITED["bwd"]) * scores / total / 1e12,
+    out["fwd+bwd"] = {"seconds": total, "tflops": attention_tflops(setting, "fwd+bwd", total),
                       "instructions_per_element": out["fwd"]["instructions_per_element"]
                       + out["bwd"]["instructions_per_element"]}
     return out
@@ -445,6 +457,46 @@ def fit_memory_constants(rows: Sequence[Dict[str, object]], gpu: Gpu = H100) -> 
     return {"memory_overlap": overlap, "memory_latency_s": gpu.memory_latency_s * factor if decides else None}
 
 
+def suite_comparison(suite: SU.SuiteRun, log=print) -> Dict[str, object]:
+    """The attention as a run's kernel suite timed it, beside its prediction at the configs that run's
+    autotuner chose, and the one overlap that fits those times (perfmodel/suite.py)."""
+    results = analyse(suite.settings(), suite.gpu, log=lambda m: None, tuned=suite.tuned, ops=["attention"])
+    rows = SU.compare(results, suite)
+    memory_overlap = suite.gpu.memory_overlap
+    fitted = SU.fit_overlap(rows, memory_overlap)
+    shown = os.path.relpath(suite.path, REPO)
+    log(f"\nthe attention as {shown}'s kernel suite timed it ({suite.device}; the op alone, cold L2, full "
+        f"lengths; predicted at {suite.gpu.achievable_hbm_bytes_per_s / 1e12:.2f} TB/s), us per call:")
+    for row in rows:
+        setting, direction = row["setting"], row["direction"]
+        measured, predicted = row["measured_s"], row["predicted_s"]
+        row["refit_s"] = SU.at_overlap(row, fitted, memory_overlap) if fitted is not None else None
+        log(f"  {setting.label():38s} {direction}  measured {measured * 1e6:6.1f} "
+            f"({attention_tflops(setting, direction, measured):3.0f} TFLOP/s)  predicted {predicted * 1e6:6.1f} "
+            f"({attention_tflops(setting, direction, predicted):3.0f})  measured/predicted {measured / predicted:.2f}"
+            + (f"  at the fitted overlap {row['refit_s'] * 1e6:6.1f}" if fitted is not None else "")
+            + ("" if row["tuned"] else "  [first candidate: the run's config unknown]"))
+    log("  one overlap fitted to these: " + (f"{fitted:.2f}" if fitted is not None else "-")
+        + f" (assumed {suite.gpu.overlap:g})")
+    return {"run": shown, "device": suite.device, "overlap_fitted": fitted,
+            "rows": [{"setting": row["setting"].label(), "direction": row["direction"],
+                      "measured_s": row["measured_s"], "predicted_s": row["predicted_s"], "refit_s": row["refit_s"],
+                      "kernels": row["kernels"], "tuned": row["tuned"]} for row in rows]}
+
+
+def measured_attention_target(suite: SU.SuiteRun) -> Optional[Dict[str, object]]:
+    """The attention target's case as the run's suite timed it: seq 512, dropout 0.1, forward and
+    backward in one call (any heads: TFLOP/s are credited per score element); None when it did not."""
+    with_dropout = TARGET_SETTINGS[0]
+    for setting in suite.settings():
+        seconds = suite.seconds(setting, "fwd+bwd")
+        if (setting.seq, setting.dropout) == (with_dropout.seq, with_dropout.dropout) and seconds is not None:
+            heads = score_elements(setting) // (setting.batch * setting.seq ** 2)
+            return {"tflops": attention_tflops(setting, "fwd+bwd", seconds), "heads": heads,
+                    "device": suite.device, "run": os.path.relpath(suite.path, REPO)}
+    return None
+
+
 # --------------------------------------------------------------------------- output
 def kernel_table(results: Sequence[KernelResult]) -> str:
     header = ("setting", "kernel", "variant", "config", "regs", "instr/elem", "binding", "tensor us", "issue us",
@@ -582,13 +634,29 @@ def main(argv: Optional[List[str]] = None) -> int:
             comparison["step"] = {"measured_busy_ms": traced["busy_ms"], "measured_gemm_ms": traced["gemm_ms"],
                                   "predicted_ms": predicted * 1e3, "predicted_gemm_ms": gemms * 1e3,
                                   "graphed": profile.graphed}
+    suite = None if args.no_measured else SU.latest_suite(RESULTS)
+    if suite is not None:
+        section = suite_comparison(suite)
+        if section["overlap_fitted"] is not None:
+            refit_plans = refitted_steps(results, (section["overlap_fitted"], gpu.memory_overlap, 1.0))
+            print("  the targets' steps priced with this overlap (the memory constants as assumed): " + "; ".join(
+                f"{plan['case'].split(' step')[0]} {100 * plan['mfu']:.1f}% MFU" for plan in refit_plans))
+            section["steps_refitted"] = [{k: plan[k] for k in ("case", "seconds", "mfu", "target_mfu")}
+                                         for plan in refit_plans]
+        comparison = dict(comparison or {}, suite=section)
     goals = targets(results)
+    measured = measured_attention_target(suite) if suite is not None else None
+    if measured is not None:  # the attention target's line: beside the run that measured its case
+        next(t for t in goals if t["unit"] == "TFLOP/s")["measured"] = measured
     print("\ntargets (predicted):")
     for t in goals:
         reach = ""
         if "ceiling" in t and not t["met"]:
             reach = f"; ceiling {t['ceiling']:.1f}" + (", short of the target: out of reach by memory-bound work "
                                                         "alone" if t["ceiling"] < t["target"] else "")
+        if "measured" in t:
+            m = t["measured"]
+            reach += f"; measured {m['tflops']:.1f} at {m['heads']} heads on {m['device']}, {m['run']}"
         print(f"  [{'met' if t['met'] else 'NOT MET'}] {t['name']}: {t['predicted']:.1f} {t['unit']} "
               f"(target {t['target']:g}{reach})")
     if args.json:
