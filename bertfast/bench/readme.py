@@ -35,10 +35,11 @@ def render_table(runs: Sequence[Filed]) -> str:
     value = lambda v: "" if v is None else f"{v:.3g}"  # noqa: E731
     runs = sorted(runs, key=lambda filed: filed[0].date, reverse=True)
     newest = runs[0][0]
-    lines = [f"Each target's line is the newest GPU run that measured it (met / not met, or a value from part of "
-             f"its cases: not measured), evaluated when that run "
-             f"was filed; the newest run: {newest.device.name}, {newest.date[:10]} (`{runs[0][1]}`).", "",
+    lines = ["Each target's line is the newest GPU run that measured it (met / not met, or a value from part of "
+             "its cases: not measured), evaluated when that run was filed; the newest run: "
+             f"{newest.device.name}, {newest.date[:10]} (`{runs[0][1]}`).", "",
              "| target | status | value | detail | run |", "| --- | --- | --- | --- | --- |"]
+
     def measured(t, target) -> bool:
         return t.get("id") == target.get("id") and (t["status"] in MEASURED or t["value"] is not None)
 
