@@ -180,14 +180,22 @@ def _without_tuned(config: Dict) -> Dict:
     return out
 
 
-def tuned_rows(config: Dict) -> List[List[str]]:
-    """[kernel, key, config] of the run's autotuner choices (a merged run's parts together, once each)."""
-    found: Dict[Tuple[str, str], str] = {}
+def tuned_choices(config: Dict) -> Dict[str, Dict[Tuple, str]]:
+    """kernel -> tuning key -> the config the run's autotuner chose (a merged run's parts together, once
+    each; the perf model predicts those configs: perfmodel/suite.py)."""
+    found: Dict[str, Dict[Tuple, str]] = {}
     for part in [config] + [p for p in config.get("parts") or [] if isinstance(p, dict)]:
         for kernel, chosen in (part.get("tuned_configs") or {}).items():
             for c in chosen:
-                found[(kernel, json.dumps(c["key"]))] = c["config"]
-    return [[kernel, f"`{key}`", config] for (kernel, key), config in sorted(found.items())]
+                found.setdefault(kernel, {})[tuple(c["key"])] = c["config"]
+    return found
+
+
+def tuned_rows(config: Dict) -> List[List[str]]:
+    """[kernel, key, config] of the run's autotuner choices, one row each."""
+    rows = sorted((kernel, json.dumps(list(key)), chosen)
+                  for kernel, by_key in tuned_choices(config).items() for key, chosen in by_key.items())
+    return [[kernel, f"`{key}`", chosen] for kernel, key, chosen in rows]
 
 
 def summary(run: Run) -> str:

@@ -10,7 +10,7 @@ memory latency and the overlap where memory binds a row kernel are fitted to a G
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict
 
 
@@ -75,3 +75,11 @@ H200 = Gpu(name="H200 SXM 141GB", hbm_bytes_per_s=4.8e12, achievable_hbm_bytes_p
 def gpu_named(name: str) -> Gpu:
     """The constants for a device name as torch reports it ('NVIDIA H200', 'NVIDIA H100 80GB HBM3')."""
     return H200 if "H200" in name.upper() else H100
+
+
+def device_gpu(device: Dict[str, object]) -> Gpu:
+    """The constants for a GPU run's device (results.json's "device": its name, and the copy bandwidth
+    the run measured, which replaces the stated one where it is there)."""
+    gpu = gpu_named(str(device.get("name") or ""))
+    copy = (device.get("copy_bandwidth_gbps") or {}).get("median")
+    return replace(gpu, achievable_hbm_bytes_per_s=copy * 1e9) if copy else gpu

@@ -22,7 +22,7 @@ from bertfast import registry
 from bertfast.perfmodel import kernels as K
 from bertfast.perfmodel import step as S
 from bertfast.perfmodel import suite as SU
-from bertfast.perfmodel.hardware import H100, Gpu, gpu_named
+from bertfast.perfmodel.hardware import H100, Gpu, device_gpu
 from bertfast.perfmodel.model import Prediction, predict, retime, streaming, time_with_overlap
 
 # The training shapes the targets are stated at (benchmarks/README.md): BERT-large, 16,384 tokens,
@@ -111,10 +111,15 @@ def _of(results: Sequence[KernelResult], setting: K.Setting, op: str) -> List[Ke
     return [r for r in results if r.setting == setting and r.op == op and r.prediction is not None]
 
 
+def heads(setting: K.Setting) -> int:
+    """The attention heads of ``setting``'s model (head dim 64)."""
+    from bertfast.gpucheck.compile_report import MODELS
+    return MODELS[setting.model][0] // K.HEAD_DIM
+
+
 def score_elements(setting: K.Setting) -> int:
     """The attention's score elements at ``setting`` (full lengths): batch x heads x seq^2."""
-    from bertfast.gpucheck.compile_report import MODELS
-    return setting.batch * (MODELS[setting.model][0] // K.HEAD_DIM) * setting.seq ** 2
+    return setting.batch * heads(setting) * setting.seq ** 2
 
 
 def attention_tflops(setting: K.Setting, direction: str, seconds: float) -> float:
@@ -271,11 +276,8 @@ def latest_profile(root: str = RESULTS) -> Optional[Profile]:
 
 def run_gpu(profile: Profile) -> Gpu:
     """The profiled GPU's constants, with the copy bandwidth its run measured when results.json has it."""
-    gpu = gpu_named(profile.device)
-    copy = (run_results(os.path.dirname(profile.path)).get("device") or {}).get("copy_bandwidth_gbps") or {}
-    if copy.get("median"):
-        gpu = replace(gpu, achievable_hbm_bytes_per_s=copy["median"] * 1e9)
-    return gpu
+    device = run_results(os.path.dirname(profile.path)).get("device") or {}
+    return device_gpu(dict(device, name=profile.device))
 
 
 REPO = os.path.dirname(os.path.dirname(RESULTS))
@@ -491,8 +493,7 @@ def measured_attention_target(suite: SU.SuiteRun) -> Optional[Dict[str, object]]
     for setting in suite.settings():
         seconds = suite.seconds(setting, "fwd+bwd")
         if (setting.seq, setting.dropout) == (with_dropout.seq, with_dropout.dropout) and seconds is not None:
-            heads = score_elements(setting) // (setting.batch * setting.seq ** 2)
-            return {"tflops": attention_tflops(setting, "fwd+bwd", seconds), "heads": heads,
+            return {"tflops": attention_tflops(setting, "fwd+bwd", seconds), "heads": heads(setting),
                     "device": suite.device, "run": os.path.relpath(suite.path, REPO)}
     return None
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 import glob
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from bertfast.bench.report import tuned_choices
 from bertfast.perfmodel import kernels as K
-from bertfast.perfmodel.hardware import Gpu, gpu_named
+from bertfast.perfmodel.hardware import Gpu, device_gpu
 from bertfast.perfmodel.model import retime
 
 IMPL = "bertfast:triton varlen"  # the attention the model predicts (kernels.record: varlen)
@@ -43,16 +44,6 @@ class SuiteRun:
         return next((t for s, d, t in self.times if s == setting and d == direction), None)
 
 
-def _tuned(config: Dict[str, object]) -> Dict[str, Dict[Tuple, str]]:
-    """The autotuner's choices of a run's config (a merged run's per part), as Profile.tuned."""
-    out: Dict[str, Dict[Tuple, str]] = {}
-    for part in [config] + list(config.get("parts") or []):
-        for kernel, choices in (part.get("tuned_configs") or {}).items():
-            for choice in choices:
-                out.setdefault(kernel, {})[tuple(choice["key"])] = choice["config"]
-    return out
-
-
 def read_suite(run_dir: str) -> Optional[SuiteRun]:
     """The run's attention timings, or None when it has none (no kernel suite, a CPU run)."""
     try:
@@ -76,12 +67,8 @@ def read_suite(run_dir: str) -> Optional[SuiteRun]:
         times.append((setting, row["direction"], row["time_ms"]["median"] / 1e3))
     if not times:
         return None
-    gpu = gpu_named(device.get("name", ""))
-    copy = (device.get("copy_bandwidth_gbps") or {}).get("median")
-    if copy:
-        gpu = replace(gpu, achievable_hbm_bytes_per_s=copy * 1e9)
-    return SuiteRun(run_dir, device.get("name", ""), gpu, str(results.get("date") or ""), times,
-                    _tuned(results.get("config") or {}))
+    return SuiteRun(run_dir, device.get("name", ""), device_gpu(device), str(results.get("date") or ""), times,
+                    tuned_choices(results.get("config") or {}))
 
 
 def latest_suite(root: str) -> Optional[SuiteRun]:
