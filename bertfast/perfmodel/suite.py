@@ -16,7 +16,6 @@ import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from bertfast.bench.report import tuned_choices
 from bertfast.perfmodel import kernels as K
 from bertfast.perfmodel.hardware import Gpu, device_gpu
 from bertfast.perfmodel.model import retime
@@ -46,6 +45,7 @@ class SuiteRun:
 
 def read_suite(run_dir: str) -> Optional[SuiteRun]:
     """The run's attention timings, or None when it has none (no kernel suite, a CPU run)."""
+    from bertfast.bench.report import tuned_choices  # here: it imports torch, which `perf-model --help` must not
     try:
         with open(os.path.join(run_dir, "results.json"), encoding="utf-8") as f:
             results = json.load(f)
