@@ -11,9 +11,12 @@
 //     dv_j = sum_i pd_ij do_i
 //     dp_ij = keep_ij / (1 - dp) * (do_i . v_j),   ds_ij = p_ij (dp_ij - Delta_i)
 //     dq_i = c sum_j ds_ij k_j,   dk_j = c sum_i ds_ij q_i
-//   keep_ij = uniform(philox(seed, row = (b * A + a) * S + i, j / 4)[j % 4]) >= dp, S = max_seqlen.
+//   keep_ij: the Triton kernel's mask, drawn from Philox4x32-7 (Dropout below).
 //
-// Forward (one block per BM query rows of one (sequence, head); a row group of 16 query rows per
+// Forward, fp16/bf16: attention_fwd_mma_kernel (attention_fwd.cu): mma.sync m16n8k16 with every
+//   fragment in registers, S and P never in shared memory, K and V double-buffered through cp.async
+//   (the design is at the kernel).
+// Forward, fp32 (one block per BM query rows of one (sequence, head); a row group of 16 query rows per
 //   warp, or per WN warps that split O's columns, see Cfg): Q tile stays in shared memory; for each
 //   key block: K, V -> smem, S = Q K^T (row group's rows, fp32 in smem), online softmax on its rows
 //   (running max m, sum l in registers, log2 domain), P -> smem in the input dtype,
@@ -33,7 +36,7 @@
 //   attention_host.cuh); the runtime p.head_dim <= D. Columns >= head_dim are zero in shared
 //   memory, so Q K^T, P V, dO V^T, ... are those of the real columns, and are never read from or
 //   written to global memory.
-// Tensor cores: fp16/bf16 tiles are multiplied with WMMA 16x16x16 (fp32 accumulate). WMMA
+// Tensor cores in the backward: fp16/bf16 tiles are multiplied with WMMA 16x16x16 (fp32 accumulate). WMMA
 //   leaves the element-to-thread map of a fragment unspecified, so everything per element goes
 //   through shared memory, except the per-row rescale of the O accumulator: a fragment loaded
 //   once from a matrix holding each element's row index tells every thread the row of each of
@@ -68,7 +71,8 @@ __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 // A launch's parameters plus what the launcher derives from them.
 enum : unsigned { kVecQ = 1, kVecK = 2, kVecV = 4, kVecO = 8, kVecDO = 16, kVecDQ = 32, kVecDK = 64, kVecDV = 128 };
 struct Params : AttentionParams {
-  unsigned vec;  // kVec* bits: that tensor's rows allow 16-byte accesses
+  unsigned vec;        // kVec* bits: that tensor's rows allow 16-byte accesses
+  uint32_t threshold;  // dropout keeps a 16-bit draw >= threshold (keep_threshold)
 };
 
 struct Seq {
@@ -281,6 +285,58 @@ __device__ __forceinline__ bool key_valid(const AttentionParams& p, int b, int j
   return j < len && (p.key_mask == nullptr || p.key_mask[b * p.key_mask_batch + j] != 0);
 }
 
+// ------------------------------------------------------------------ dropout
+// The Triton kernel's mask (kernels/attention.py, "Dropout"), bit for bit: Philox4x32-7 under the key
+// seed + (b * A + a) 2^32 (the seed in the low word, the stream of sequence b, head a in the high
+// one), at counter (i 2^13 + g, 0, 0, 0) for group g of query row i of the sequence. Group
+// g = 4m + q holds columns 32m + 8w + 2q + e (w < 4, e < 2): decision 2w + e is half e of word w,
+// kept when its 16 bits are >= ceil(p 2^16). A thread of an mma m16n8 score tile holds column pairs
+// 8 apart, so one draw serves 8 of its elements. The threshold comes from the launch's parameters
+// (Params::threshold), which the kernels read in place, as they read dropout_p: a register less.
+__host__ __device__ inline uint32_t keep_threshold(float dp) { return static_cast<uint32_t>(ceilf(dp * 65536.f)); }
+struct Dropout {
+  uint32_t k0, k1;
+  // stream = b * A + a; the seed is only read when dp > 0 (else the key is 0: no draw is made then).
+  __device__ __forceinline__ Dropout(float dp, const int64_t* seed, uint32_t stream) : k0(0), k1(0) {
+    if (dp > 0.f) {
+      const uint64_t s = static_cast<uint64_t>(*seed);
+      k0 = static_cast<uint32_t>(s);
+      k1 = static_cast<uint32_t>(s >> 32) + stream;
+    }
+  }
+  __device__ __forceinline__ Dropout(const AttentionParams& p, int b, int h)
+      : Dropout(p.dropout_p, p.seed, static_cast<uint32_t>(b * p.heads + h)) {}
+  // A word's two decisions: bit e is half e.
+  static __device__ __forceinline__ unsigned kept_halves(uint32_t word, uint32_t threshold) {
+    return static_cast<unsigned>((word & 0xFFFFu) >= threshold) | static_cast<unsigned>((word >> 16) >= threshold) << 1;
+  }
+  // Group g's 8 decisions for row i: bit 2w + e.
+  __device__ __forceinline__ unsigned group_bits(int i, int g, uint32_t threshold) const {
+    const U4 r = philox4x32<7>(U4{static_cast<uint32_t>(i) * 8192u + static_cast<uint32_t>(g), 0u, 0u, 0u}, k0, k1);
+    return kept_halves(r.x, threshold) | kept_halves(r.y, threshold) << 2 | kept_halves(r.z, threshold) << 4 |
+           kept_halves(r.w, threshold) << 6;
+  }
+};
+
+// Lane pair `half`'s share of a row of a [rows, W] score tile whose first column is c0 (absolute,
+// c0 % W == 0 below 32 columns): the groups with q % 2 == half, kDraws draws of kCols columns each.
+// Draw d is group(d); its k-th column (k = 2 w' + e) is col(d, k) of the tile, decision bit(k).
+template <int W>
+struct Draws {
+  static_assert(W == 8 || W % 16 == 0, "a tile of 8 columns or of whole 16-column tiles");
+  static constexpr int kWords = W >= 32 ? 4 : W / 8;  // words of a group inside the tile
+  static constexpr int kDraws = W / (4 * kWords);
+  static constexpr int kCols = 2 * kWords;
+  int group0, half, wb;
+  __device__ __forceinline__ Draws(int c0, int half_)
+      : group0((c0 >> 5) * 4), half(half_), wb((c0 >> 3) & (4 - kWords)) {}
+  __device__ __forceinline__ int group(int d) const { return group0 + 4 * (d >> 1) + half + 2 * (d & 1); }
+  __device__ __forceinline__ int col(int d, int k) const {
+    return 32 * (d >> 1) + 8 * (k >> 1) + 2 * (half + 2 * (d & 1)) + (k & 1);
+  }
+  __device__ __forceinline__ int bit(int k) const { return 2 * wb + k; }
+};
+
 // ------------------------------------------------------------------ tile configurations
 // Block tiles per (dtype, tile head dim): shared memory under 100 KiB (sm_80 opts in to 163 KiB,
 // sm_90 to 227 KiB) and no register spills on sm_90 (ptxas -v; BN 64 spills at D 128).
@@ -297,6 +353,9 @@ struct Cfg {
   static constexpr int kFwdBM = kF32 && kBig ? 32 : 64;
   static constexpr int kFwdBN = D <= 64 ? 64 : (kF32 && kBig ? 16 : 32);
   static constexpr int kFwdWN = kBig ? 2 : 1;
+  // forward, fp16/bf16 (mma.sync): 64 query rows per block, BN keys per step (its S tile is BN / 2
+  // registers a lane, its O accumulator D / 2)
+  static constexpr int kMmaFwdBN = D <= 128 ? 64 : 32;
   // dQ: BM query rows per block, BN keys per step (fp16/bf16: two accumulators, dQ and sum_j p_ij k_j)
   static constexpr int kDqBM = kBig ? (kF32 ? 16 : 32) : (kF32 && D > 64 ? 32 : 64);
   static constexpr int kDqBN = kF32 && kBig ? 16 : (kF32 || D > 64 ? 32 : 64);

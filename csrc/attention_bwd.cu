@@ -86,14 +86,14 @@ __global__ void __launch_bounds__(BN / 16 * WN * 32) attention_bwd_dkdv_kernel(c
   const float* delta_b = p.delta + b * p.lse_batch + h * p.lse_head + sq.start;
   const float scale2 = p.softmax_scale * kLog2e;
   const bool dropout = p.dropout_p > 0.f;
-  const uint64_t seed = dropout ? static_cast<uint64_t>(*p.seed) : 0;
+  const Dropout drop(p, b, h);
   const float rdrop = 1.f / (1.f - p.dropout_p);
-  const uint64_t drow0 = static_cast<uint64_t>(b * p.heads + h) * p.max_seqlen;
-  // Elementwise map: lane handles keys 4 jg .. 4 jg + 3 (of the row group) of queries
-  // cs SC + ic + 8 t, so one Philox draw covers four consecutive keys of one query (the RNG's
-  // column groups).
+  // Elementwise map: lane handles keys 8 w' + 2 jg + e (w', e < 2) of the row group, dropout group jg
+  // of its 32-key block (Dropout: the row group is that block's words wb, wb + 1), of queries
+  // cs SC + ic + 8 t: one draw per query, four of its decisions.
   const int jg = lane >> 3, ic = lane & 7;
-  const uint32_t colgroup = static_cast<uint32_t>((n0 + 16 * rg + 4 * jg) >> 2);
+  const int key0 = n0 + 16 * rg, wb = (key0 >> 3) & 2;
+  const int group = (key0 >> 5) * 4 + jg;
 
   for (int m0 = 0; m0 < sq.len; m0 += BM) {
     __syncthreads();  // every warp is done with the previous Q, dO, lse, delta
@@ -117,13 +117,12 @@ __global__ void __launch_bounds__(BN / 16 * WN * 32) attention_bwd_dkdv_kernel(c
     for (int t = 0; t < SC / 8; ++t) {
       const int i = cs * SC + ic + 8 * t;
       const float l2 = lse_s[i], dl = delta_s[i];
-      U4 bits{0u, 0u, 0u, 0u};
-      if (dropout) bits = dropout_bits(seed, drow0 + m0 + i, colgroup);
+      const unsigned bits = dropout ? drop.group_bits(m0 + i, group, p.threshold) : ~0u;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int jl = 4 * jg + e;
+      for (int k = 0; k < 4; ++k) {  // k = 2 w' + e
+        const int jl = 8 * (k >> 1) + 2 * jg + (k & 1);
         const float pv = kvalid[16 * rg + jl] ? exp2f(STw[jl * L::LDF + i] * scale2 - l2) : 0.f;
-        const bool keep = !dropout || uniform01(pick(bits, e)) >= p.dropout_p;
+        const bool keep = (bits >> (2 * wb + k)) & 1u;
         const float pd = keep ? pv * rdrop : 0.f;
         const float dpv = keep ? dPTw[jl * L::LDF + i] * rdrop : 0.f;
         PdTw[jl * L::LDP + i] = from_f<T>(pd);
@@ -178,8 +177,10 @@ struct DqSmem {
   static constexpr int bytes = cmax(align128(resid + (kRefine ? 4LL * WN * BM : 0)), align128(o + 4LL * BM * LDO));
 };
 
+// Launch bounds with a minimum of 1 block per SM: without it ptxas (CUDA 13) capped some
+// variants at 64-128 registers and spilled to raise occupancy.
 template <typename T, int D, int BM, int BN, int WN>
-__global__ void __launch_bounds__(BM / 16 * WN * 32) attention_bwd_dq_kernel(const Params p) {
+__global__ void __launch_bounds__(BM / 16 * WN * 32, 1) attention_bwd_dq_kernel(const Params p) {
   using L = DqSmem<T, D, BM, BN, WN>;
   constexpr bool kRefine = L::kRefine;
   constexpr int NT = BM / 16 * WN * 32;
@@ -227,9 +228,8 @@ __global__ void __launch_bounds__(BM / 16 * WN * 32) attention_bwd_dq_kernel(con
   const T* vb = static_cast<const T*>(p.v) + b * p.sv.batch + sq.start * p.sv.row + h * p.sv.head;
   const float scale2 = p.softmax_scale * kLog2e;
   const bool dropout = p.dropout_p > 0.f;
-  const uint64_t seed = dropout ? static_cast<uint64_t>(*p.seed) : 0;
+  const Dropout drop(p, b, h);
   const float rdrop = 1.f / (1.f - p.dropout_p);
-  const uint64_t drow = static_cast<uint64_t>(b * p.heads + h) * p.max_seqlen + qi;
 
   for (int n0 = 0; n0 < sq.len; n0 += BN) {
     __syncthreads();
@@ -243,16 +243,17 @@ __global__ void __launch_bounds__(BM / 16 * WN * 32) attention_bwd_dq_kernel(con
     warp_gemm_nt<T, SC, D>(dOs + 16 * rg * L::LDT, L::LDT, Vs + cs * SC * L::LDT, L::LDT, dPw + cs * SC, L::LDS);
     __syncwarp();
 
+    // This lane's half of row r, by dropout group (Draws).
+    using DR = Draws<SC>;
+    const DR dr(n0 + cs * SC, half);
 #pragma unroll
-    for (int g = 0; g < SC / 8; ++g) {
-      const int c0 = cs * SC + 4 * (half + 2 * g);
-      U4 bits{0u, 0u, 0u, 0u};
-      if (dropout) bits = dropout_bits(seed, drow, static_cast<uint32_t>((n0 + c0) >> 2));
+    for (int d = 0; d < DR::kDraws; ++d) {
+      const unsigned bits = dropout ? drop.group_bits(qi, dr.group(d), p.threshold) : ~0u;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = c0 + e;
+      for (int k = 0; k < DR::kCols; ++k) {
+        const int c = cs * SC + dr.col(d, k);
         const float pv = kvalid[c] ? exp2f(Sw[r * L::LDS + c] * scale2 - l2) : 0.f;
-        const bool keep = !dropout || uniform01(pick(bits, e)) >= p.dropout_p;
+        const bool keep = (bits >> dr.bit(k)) & 1u;
         const float dpv = keep ? dPw[r * L::LDS + c] * rdrop : 0.f;
         const float dsv = pv * (dpv - dl);
         dSw[r * L::LDP + c] = from_f<T>(dsv);

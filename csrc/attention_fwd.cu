@@ -1,6 +1,7 @@
 // Attention forward: its kernel and launcher, and the debug dropout-mask entry point (the math and
 // what the kernels share: attention.cuh).
 #include "attention_host.cuh"
+#include "ptx.cuh"
 
 namespace bertfast {
 namespace attn {
@@ -61,8 +62,7 @@ __global__ void __launch_bounds__(BM / 16 * WN * 32) attention_fwd_kernel(const 
 
   const float scale2 = p.softmax_scale * kLog2e;
   const bool dropout = p.dropout_p > 0.f;
-  const uint64_t seed = dropout ? static_cast<uint64_t>(*p.seed) : 0;
-  const uint64_t drow = static_cast<uint64_t>(b * p.heads + h) * p.max_seqlen + qi;
+  const Dropout drop(p, b, h);
   float m_run = -kInf, l_run = 0.f;  // running max (log2 units) and sum of exp2(s - m); slice 0 only
 
   for (int n0 = 0; n0 < sq.len; n0 += BN) {
@@ -76,17 +76,18 @@ __global__ void __launch_bounds__(BM / 16 * WN * 32) attention_fwd_kernel(const 
     warp_gemm_nt<T, SC, D>(Qs + 16 * rg * L::LDT, L::LDT, Ks + cs * SC * L::LDT, L::LDT, Sw + cs * SC, L::LDS);
     sync_row_group<WN>();
 
-    // Online softmax (slice 0's warp) over this lane's column groups 4 (half + 2 g) .. +3 of row r.
+    // Online softmax (slice 0's warp) over this lane's half of row r: its dropout groups (Draws).
     // The scores are read from smem twice rather than held: held, they push the kernel into
     // spilling on sm_90.
     if (cs == 0) {
-      constexpr int G = BN / 8;
+      using DR = Draws<BN>;
+      const DR dr(n0, half);
       const auto score = [&](int c) { return kvalid[c] ? Sw[r * L::LDS + c] * scale2 : -kInf; };
       float mx = -kInf;
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
+      for (int d = 0; d < DR::kDraws; ++d) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) mx = fmaxf(mx, score(4 * (half + 2 * g) + e));
+        for (int k = 0; k < DR::kCols; ++k) mx = fmaxf(mx, score(dr.col(d, k)));
       }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       const float m_new = fmaxf(m_run, mx);
@@ -94,16 +95,14 @@ __global__ void __launch_bounds__(BM / 16 * WN * 32) attention_fwd_kernel(const 
       const float alpha = exp2f(m_run - m_use);
       float rsum = 0.f;
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        U4 bits{0u, 0u, 0u, 0u};
-        if (dropout) bits = dropout_bits(seed, drow, static_cast<uint32_t>((n0 >> 2) + half + 2 * g));
+      for (int d = 0; d < DR::kDraws; ++d) {
+        const unsigned bits = dropout ? drop.group_bits(qi, dr.group(d), p.threshold) : ~0u;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = 4 * (half + 2 * g) + e;
+        for (int k = 0; k < DR::kCols; ++k) {
+          const int c = dr.col(d, k);
           const float pv = exp2f(score(c) - m_use);
           rsum += pv;
-          const bool keep = !dropout || uniform01(pick(bits, e)) >= p.dropout_p;
-          Pw[r * L::LDP + c] = from_f<T>(keep ? pv : 0.f);
+          Pw[r * L::LDP + c] = from_f<T>((bits >> dr.bit(k)) & 1u ? pv : 0.f);
         }
       }
       rsum += __shfl_xor_sync(0xffffffffu, rsum, 1);
@@ -132,6 +131,231 @@ __global__ void __launch_bounds__(BM / 16 * WN * 32) attention_fwd_kernel(const 
   }
 }
 
+// ------------------------------------------------------------------ forward, fp16/bf16: mma.sync
+// NW warps, each owning 16 query rows for the whole loop (BM = 16 NW rows a block). S = Q K^T and
+// O += P V run as mma m16n8k16 (ptx.cuh) with their fragments in registers: Q's loaded once
+// (D <= 128; above, from shared memory each key block, for the registers), K's and V's through
+// ldmatrix (V's transposed). K and V are double-buffered: the next key block's cp.async copies are
+// in flight while this one computes. The online softmax runs on S's accumulators: lane (g, t) holds
+// rows g and g + 8 at columns 8n + 2t, 8n + 2t + 1, so a row's max and sum are over its 4 lanes; P
+// goes to the second mma as its A operand without leaving registers (the accumulators of two
+// n8 tiles are the A fragment of one k16 step). Dropout: a lane's columns of a 32-key block are
+// one Philox group (Dropout), so one draw per row and block gives 8 of its decisions.
+template <typename T, int D, int BN>
+struct MmaFwdSmem {
+  static constexpr int BM = 64;
+  static constexpr int LD = D + kPadT<T>;  // padded rows: the 8 rows an ldmatrix reads hit distinct banks
+  static constexpr int q = 0;                                            // [BM, LD]
+  static constexpr int k = align128(q + 1LL * BM * LD * sizeof(T));      // [2][BN, LD]
+  static constexpr int v = align128(k + 2LL * BN * LD * sizeof(T));      // [2][BN, LD]
+  static constexpr int kvalid = align128(v + 2LL * BN * LD * sizeof(T)); // [2][BN]
+  static constexpr int bytes = align128(kvalid + 2LL * BN * 4);
+};
+
+// Rows [0, ROWS) of a [*, hd] tile into smem as [ROWS, D] (pitch LD), zero beyond nvalid rows and hd
+// columns: cp.async when `vec` (the copies join the thread's open group), else load_tile's
+// element-by-element stores (complete on return).
+template <typename T, int ROWS, int D, int LD, int NT>
+__device__ __forceinline__ void tile_to_smem(T* dst, const T* src, int64_t row_stride, int nvalid, int hd, bool vec) {
+  if (vec) {
+    constexpr int EPV = 16 / sizeof(T), VPR = D / EPV;
+#pragma unroll 1
+    for (int idx = threadIdx.x; idx < ROWS * VPR; idx += NT) {
+      const int r = idx / VPR, c = (idx % VPR) * EPV;
+      const bool ok = r < nvalid && c < hd;
+      ptx::cp_async_16(dst + r * LD + c, ok ? src + r * row_stride + c : src, ok);
+    }
+  } else {
+    load_tile<T, ROWS, D, LD, NT>(dst, src, row_stride, nvalid, hd, false);
+  }
+}
+
+template <typename T, int D, int BN, int NW>
+__global__ void __launch_bounds__(NW * 32, 1) attention_fwd_mma_kernel(const Params p) {
+  using L = MmaFwdSmem<T, D, BN>;
+  constexpr int BM = 16 * NW, NT = NW * 32, LD = L::LD;
+  constexpr int KS = D / 16, NS = BN / 8, NO = D / 8;  // k-steps of Q K^T; n8 tiles of S and of O
+  constexpr bool kQRegs = D <= 128;
+  static_assert(BM == L::BM && BN % 32 == 0 && D % 16 == 0, "whole 32-key blocks, 16-column head tiles");
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* Qs = reinterpret_cast<T*>(smem + L::q);
+  T* Ks = reinterpret_cast<T*>(smem + L::k);
+  T* Vs = reinterpret_cast<T*>(smem + L::v);
+  int* kvalid = reinterpret_cast<int*>(smem + L::kvalid);
+
+  const int b = blockIdx.z, h = blockIdx.y, m0 = blockIdx.x * BM;
+  const Seq sq = seq_of(p, b);
+  if (m0 >= sq.len) return;
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int row0 = m0 + 16 * w + g;  // this lane's rows: row0 and row0 + 8 (of the sequence)
+
+  const T* q = static_cast<const T*>(p.q) + b * p.sq.batch + (sq.start + m0) * p.sq.row + h * p.sq.head;
+  const T* kb = static_cast<const T*>(p.k) + b * p.sk.batch + sq.start * p.sk.row + h * p.sk.head;
+  const T* vb = static_cast<const T*>(p.v) + b * p.sv.batch + sq.start * p.sv.row + h * p.sv.head;
+  const auto load_kv = [&](int n0, int stage) {
+    tile_to_smem<T, BN, D, LD, NT>(Ks + stage * BN * LD, kb + n0 * p.sk.row, p.sk.row, sq.len - n0, p.head_dim,
+                                   p.vec & kVecK);
+    tile_to_smem<T, BN, D, LD, NT>(Vs + stage * BN * LD, vb + n0 * p.sv.row, p.sv.row, sq.len - n0, p.head_dim,
+                                   p.vec & kVecV);
+    for (int j = threadIdx.x; j < BN; j += NT) kvalid[stage * BN + j] = key_valid(p, b, n0 + j, sq.len);
+  };
+  tile_to_smem<T, BM, D, LD, NT>(Qs, q, p.sq.row, sq.len - m0, p.head_dim, p.vec & kVecQ);
+  load_kv(0, 0);
+  ptx::cp_async_commit();
+
+  const float scale2 = p.softmax_scale * kLog2e;
+  const bool dropout = p.dropout_p > 0.f;
+  const Dropout drop(p, b, h);
+  // The lane's ldmatrix row addresses: A (Q) rows lane % 16, column half lane / 16; B (K) rows
+  // lane % 8 + 8 (lane / 16), column half (lane / 8) % 2; B^T (V) rows lane % 16, column half lane / 16.
+  const T* qrow = Qs + (16 * w + (lane & 15)) * LD + 8 * (lane >> 4);
+  const int koff = ((lane & 7) + 8 * (lane >> 4)) * LD + 8 * ((lane >> 3) & 1);
+  const int voff = (lane & 15) * LD + 8 * (lane >> 4);
+
+  uint32_t qf[kQRegs ? KS : 1][4];
+  float o[NO][4];
+#pragma unroll
+  for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m_run[2] = {-kInf, -kInf}, l_run[2] = {0.f, 0.f};  // rows row0, row0 + 8; l: this lane's columns
+
+  const int nblocks = (sq.len + BN - 1) / BN;
+  for (int jb = 0; jb < nblocks; ++jb) {
+    const int n0 = jb * BN, stage = jb & 1;
+    if (jb + 1 < nblocks) load_kv(n0 + BN, stage ^ 1);
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<1>();  // this thread's copies of block jb (and of Q) have landed
+    __syncthreads();          // everyone's have
+    if constexpr (kQRegs) {
+      if (jb == 0) {
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) ptx::ldmatrix_x4(qf[ks], qrow + 16 * ks);
+      }
+    }
+    const T* ks_ = Ks + stage * BN * LD;
+    const T* vs_ = Vs + stage * BN * LD;
+    const int* kv = kvalid + stage * BN;
+
+    // S = Q K^T
+    float s[NS][4];
+#pragma unroll
+    for (int n = 0; n < NS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      uint32_t a[4];
+      if constexpr (kQRegs) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[i] = qf[ks][i];
+      } else {
+        ptx::ldmatrix_x4(a, qrow + 16 * ks);
+      }
+#pragma unroll
+      for (int n2 = 0; n2 < NS / 2; ++n2) {  // keys 16 n2 .. 16 n2 + 15: two n8 tiles
+        uint32_t kf[4];
+        ptx::ldmatrix_x4(kf, ks_ + 16 * n2 * LD + koff + 16 * ks);
+        const uint32_t b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
+        ptx::mma_m16n8k16<T>(s[2 * n2], a, b0);
+        ptx::mma_m16n8k16<T>(s[2 * n2 + 1], a, b1);
+      }
+    }
+
+    // Online softmax, log2 domain. Element e of tile n: row row0 + 8 (e / 2), key n0 + 8n + 2t + e % 2.
+    float mx[2] = {m_run[0], m_run[1]};
+#pragma unroll
+    for (int n = 0; n < NS; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[n][e] = kv[8 * n + 2 * t + (e & 1)] ? s[n][e] * scale2 : -kInf;
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+      }
+    }
+    float m_use[2], alpha[2], rsum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+      m_use[r] = mx[r] == -kInf ? 0.f : mx[r];  // no valid key yet: keep exp2 finite
+      alpha[r] = exp2f(m_run[r] - m_use[r]);
+      m_run[r] = mx[r];
+    }
+#pragma unroll
+    for (int mb = 0; mb < BN / 32; ++mb) {  // 32-key block mb: this lane's group t of it, rows row0, row0 + 8
+      unsigned bits[2] = {~0u, ~0u};
+      if (dropout) {
+        const int group = ((n0 >> 5) + mb) * 4 + t;
+        bits[0] = drop.group_bits(row0, group, p.threshold);
+        bits[1] = drop.group_bits(row0 + 8, group, p.threshold);
+      }
+#pragma unroll
+      for (int n = 4 * mb; n < 4 * mb + 4; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1;
+          const float pv = exp2f(s[n][e] - m_use[r]);
+          rsum[r] += pv;
+          s[n][e] = (bits[r] >> (2 * (n & 3) + (e & 1))) & 1u ? pv : 0.f;  // decision 2w + e, w = n % 4
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rsum[r];
+#pragma unroll
+    for (int n = 0; n < NO; ++n) {
+      o[n][0] *= alpha[0];
+      o[n][1] *= alpha[0];
+      o[n][2] *= alpha[1];
+      o[n][3] *= alpha[1];
+    }
+
+    // O += P V: P from S's accumulators, rounded to T
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      const uint32_t a[4] = {ptx::pack2<T>(s[2 * kk][0], s[2 * kk][1]), ptx::pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                             ptx::pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             ptx::pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int n2 = 0; n2 < NO / 2; ++n2) {  // head columns 16 n2 .. 16 n2 + 15: two n8 tiles
+        uint32_t vf[4];
+        ptx::ldmatrix_x4_trans(vf, vs_ + 16 * kk * LD + voff + 16 * n2);
+        const uint32_t b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
+        ptx::mma_m16n8k16<T>(o[2 * n2], a, b0);
+        ptx::mma_m16n8k16<T>(o[2 * n2 + 1], a, b1);
+      }
+    }
+    __syncthreads();  // every warp is done with this stage: the next iteration's copies overwrite it
+  }
+
+  // Each row's sum over its 4 lanes; out = O / (l (1 - p)); lse.
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_run[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv[r] = l > 0.f ? 1.f / (l * (1.f - p.dropout_p)) : 0.f;
+    const int qi = row0 + 8 * r;
+    if (t == 0 && qi < sq.len)
+      p.lse[b * p.lse_batch + h * p.lse_head + sq.start + qi] = l > 0.f ? (m_run[r] + log2f(l)) * kLn2 : kInf;
+  }
+  const bool vec_o = p.vec & kVecO;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int qi = row0 + 8 * r;
+    if (qi >= sq.len) continue;
+    T* out = static_cast<T*>(p.out) + b * p.so.batch + (sq.start + qi) * p.so.row + h * p.so.head;
+#pragma unroll
+    for (int n = 0; n < NO; ++n) {
+      const int c = 8 * n + 2 * t;
+      const float x = o[n][2 * r] * inv[r], y = o[n][2 * r + 1] * inv[r];
+      if (vec_o) {  // head_dim a whole number of 16-byte vectors: the pair is in or out together
+        if (c < p.head_dim) *reinterpret_cast<uint32_t*>(out + c) = ptx::pack2<T>(x, y);
+      } else {
+        if (c < p.head_dim) out[c] = from_f<T>(x);
+        if (c + 1 < p.head_dim) out[c + 1] = from_f<T>(y);
+      }
+    }
+  }
+}
+
 }  // namespace attn
 
 namespace {
@@ -139,16 +363,20 @@ namespace {
 using namespace attn;
 
 // ------------------------------------------------------------------ dropout mask (debug)
-// keep [rows = batch * heads * S, S]: row (b * A + a) * S + i, column j, exactly as above.
-__global__ void attention_dropout_mask_kernel(bool* __restrict__ keep, int64_t rows, int s, float dp, const int64_t* seed_ptr) {
-  const uint64_t seed = dp > 0.f ? static_cast<uint64_t>(*seed_ptr) : 0;
+// keep [rows = batch * heads * S, S]: row (b * A + a) * S + i, column j, exactly as the kernels draw it
+// (Dropout): a thread per group of a row, its 8 columns.
+__global__ void attention_dropout_mask_kernel(bool* __restrict__ keep, int64_t rows, int s, float dp,
+                                              const int64_t* seed_ptr) {
+  const int groups = (s + 31) / 32 * 4;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    for (int g = threadIdx.x; 4 * g < s; g += blockDim.x) {
-      const U4 bits = dropout_bits(seed, static_cast<uint64_t>(row), static_cast<uint32_t>(g));
+    const Dropout drop(dp, seed_ptr, static_cast<uint32_t>(row / s));
+    const int i = static_cast<int>(row % s);
+    for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+      const unsigned bits = dp > 0.f ? drop.group_bits(i, g, keep_threshold(dp)) : ~0u;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int j = 4 * g + e;
-        if (j < s) keep[row * s + j] = uniform01(pick(bits, e)) >= dp;
+      for (int k = 0; k < 8; ++k) {  // decision k = 2w + e: column 32 (g / 4) + 8w + 2 (g % 4) + e
+        const int j = 32 * (g >> 2) + 8 * (k >> 1) + 2 * (g & 3) + (k & 1);
+        if (j < s) keep[row * s + j] = (bits >> k) & 1u;
       }
     }
   }
@@ -158,10 +386,17 @@ template <typename T, int D>
 struct Fwd {
   static int run(const Params& p, cudaStream_t stream) {
     using C = Cfg<T, D>;
-    using L = FwdSmem<T, D, C::kFwdBM, C::kFwdBN>;
-    auto kernel = attention_fwd_kernel<T, D, C::kFwdBM, C::kFwdBN, C::kFwdWN>;
-    if (int s = prepare(kernel, L::bytes, "attention_fwd")) return s;
-    kernel<<<grid_for(p, C::kFwdBM), C::kFwdBM / 16 * C::kFwdWN * 32, L::bytes, stream>>>(p);
+    if constexpr (kWmma<T>) {
+      using L = MmaFwdSmem<T, D, C::kMmaFwdBN>;
+      auto kernel = attention_fwd_mma_kernel<T, D, C::kMmaFwdBN, L::BM / 16>;
+      if (int s = prepare(kernel, L::bytes, "attention_fwd")) return s;
+      kernel<<<grid_for(p, L::BM), L::BM / 16 * 32, L::bytes, stream>>>(p);
+    } else {
+      using L = FwdSmem<T, D, C::kFwdBM, C::kFwdBN>;
+      auto kernel = attention_fwd_kernel<T, D, C::kFwdBM, C::kFwdBN, C::kFwdWN>;
+      if (int s = prepare(kernel, L::bytes, "attention_fwd")) return s;
+      kernel<<<grid_for(p, C::kFwdBM), C::kFwdBM / 16 * C::kFwdWN * 32, L::bytes, stream>>>(p);
+    }
     BF_CHECK_LAUNCH("attention_fwd");
     return kOk;
   }

@@ -62,9 +62,11 @@ inline Params with_vec(const AttentionParams& p) {
   const auto bit = [&](const void* ptr, const Strides& s, unsigned b) {
     return vec16(ptr, s, p.head_dim, elem) ? b : 0u;
   };
-  return Params{p, bit(p.q, p.sq, kVecQ) | bit(p.k, p.sk, kVecK) | bit(p.v, p.sv, kVecV) | bit(p.out, p.so, kVecO) |
-                       bit(p.dout, p.sdo, kVecDO) | bit(p.dq, p.sdq, kVecDQ) | bit(p.dk, p.sdk, kVecDK) |
-                       bit(p.dv, p.sdv, kVecDV)};
+  return Params{p,
+                bit(p.q, p.sq, kVecQ) | bit(p.k, p.sk, kVecK) | bit(p.v, p.sv, kVecV) | bit(p.out, p.so, kVecO) |
+                    bit(p.dout, p.sdo, kVecDO) | bit(p.dq, p.sdq, kVecDQ) | bit(p.dk, p.sdk, kVecDK) |
+                    bit(p.dv, p.sdv, kVecDV),
+                keep_threshold(p.dropout_p)};
 }
 
 // Runs F<T, D>::run(p, stream) for the runtime dtype on the tile head dim D: the smallest tier

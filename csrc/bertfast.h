@@ -134,4 +134,12 @@ int attention_bwd(const AttentionParams& p, cudaStream_t stream);
 int attention_dropout_mask(bool* keep, int batch, int heads, int seqlen, float dropout_p,
                            const int64_t* seed, cudaStream_t stream);
 
+// Checks of the hand-issued PTX (ptx.cuh, ptx_check.cu), one warp each, for tests/ops/test_ptx.py:
+// d = a b + c through mma.m16n8k16 (a [16, 16], b [16, 8] row-major in dtype, c, d [16, 8] fp32);
+// ldmatrix variant 0 x4, 1 x4.trans, 2 x2, 3 x2.trans of four 8 x 8 matrices (src [32, 8] 16-bit,
+// out [32 lanes, 4] registers); cp.async of 1 KiB in two groups (out [3, 512]).
+int ptx_check_mma(const void* a, const void* b, const float* c, float* d, int dtype, cudaStream_t stream);
+int ptx_check_ldmatrix(const uint16_t* src, uint32_t* out, int variant, cudaStream_t stream);
+int ptx_check_cp_async(const uint8_t* src, uint8_t* out, cudaStream_t stream);
+
 }  // namespace bertfast

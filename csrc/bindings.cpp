@@ -279,4 +279,38 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("keep"), py::arg("batch"), py::arg("heads"), py::arg("seqlen"), py::arg("dropout_p"), py::arg("seed"),
       py::arg("stream"));
+
+  m.def(
+      "ptx_check_mma",
+      [](uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t d, int dtype, uintptr_t stream) {
+        int s;
+        {
+          py::gil_scoped_release nogil;
+          s = bertfast::ptx_check_mma(ptr(a), ptr(b), ptr<const float>(c), ptr<float>(d), dtype, stream_of(stream));
+        }
+        check(s, "ptx_check_mma");
+      },
+      py::arg("a"), py::arg("b"), py::arg("c"), py::arg("d"), py::arg("dtype"), py::arg("stream"));
+  m.def(
+      "ptx_check_ldmatrix",
+      [](uintptr_t src, uintptr_t out, int variant, uintptr_t stream) {
+        int s;
+        {
+          py::gil_scoped_release nogil;
+          s = bertfast::ptx_check_ldmatrix(ptr<const uint16_t>(src), ptr<uint32_t>(out), variant, stream_of(stream));
+        }
+        check(s, "ptx_check_ldmatrix");
+      },
+      py::arg("src"), py::arg("out"), py::arg("variant"), py::arg("stream"));
+  m.def(
+      "ptx_check_cp_async",
+      [](uintptr_t src, uintptr_t out, uintptr_t stream) {
+        int s;
+        {
+          py::gil_scoped_release nogil;
+          s = bertfast::ptx_check_cp_async(ptr<const uint8_t>(src), ptr<uint8_t>(out), stream_of(stream));
+        }
+        check(s, "ptx_check_cp_async");
+      },
+      py::arg("src"), py::arg("out"), py::arg("stream"));
 }

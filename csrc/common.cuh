@@ -1,5 +1,5 @@
 // Device helpers shared by the bertfast kernels: dtype conversion, aligned vector access,
-// the Philox4x32-10 dropout RNG, warp/block reductions, and launcher error plumbing.
+// the Philox4x32 dropout RNG, warp/block reductions, and launcher error plumbing.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -69,9 +69,10 @@ inline bool aligned_to(const void* p, int bytes) {
   return p == nullptr || (reinterpret_cast<uintptr_t>(p) % bytes) == 0;
 }
 
-// ------------------------------------------------------------------ Philox4x32-10
-// Counter-based RNG (Salmon et al., SC'11): 10 rounds of multiply/xor on a 128-bit counter
-// under a 64-bit key that is bumped by the Weyl constants after every round.
+// ------------------------------------------------------------------ Philox4x32
+// Counter-based RNG (Salmon et al., SC'11): R rounds of multiply/xor on a 128-bit counter under a
+// 64-bit key that is bumped by the Weyl constants after every round. The row ops draw 10 rounds;
+// attention draws 7, as the Triton kernel does (attention.cuh).
 struct U4 {
   uint32_t x, y, z, w;
 };
@@ -85,9 +86,10 @@ __host__ __device__ __forceinline__ uint32_t mulhilo32(uint32_t a, uint32_t b, u
   return static_cast<uint32_t>(prod);
 #endif
 }
-__host__ __device__ __forceinline__ U4 philox4x32_10(U4 c, uint32_t k0, uint32_t k1) {
+template <int R>
+__host__ __device__ __forceinline__ U4 philox4x32(U4 c, uint32_t k0, uint32_t k1) {
 #pragma unroll
-  for (int round = 0; round < 10; ++round) {
+  for (int round = 0; round < R; ++round) {
     uint32_t hi0, hi1;
     const uint32_t lo0 = mulhilo32(0xD2511F53u, c.x, &hi0);
     const uint32_t lo1 = mulhilo32(0xCD9E8D57u, c.z, &hi1);
@@ -96,6 +98,9 @@ __host__ __device__ __forceinline__ U4 philox4x32_10(U4 c, uint32_t k0, uint32_t
     k1 += 0xBB67AE85u;
   }
   return c;
+}
+__host__ __device__ __forceinline__ U4 philox4x32_10(U4 c, uint32_t k0, uint32_t k1) {
+  return philox4x32<10>(c, k0, k1);
 }
 // The four random words for columns 4*colgroup .. 4*colgroup+3 of logical row `row`.
 // Every dropout site of bertfast draws keep(row, col) = uniform(dropout_bits(row, col/4)[col%4]) >= p.

@@ -6,8 +6,9 @@ their tile head dims (16, 32, 64, 96, 128, 256) that holds it. Rows need a unit 
 alignment: a tensor whose pointer, strides and rows are whole 16-byte vectors moves as such, any
 other one element by element (packed qkv with head dim 26 in fp16, say).
 
-Dropout: keep = uniform(philox(seed, (b * A + a) * S + i, j // 4)[j % 4]) >= p (S = max_seqlen),
-kept probabilities scaled by 1 / (1 - p); the *_dropout_mask functions return exactly that mask.
+Dropout: the Triton kernel's mask, bit for bit (Philox4x32-7 keyed by the seed and the sequence's
+and head's stream; kernels/attention.py's header), kept probabilities scaled by 1 / (1 - p); the
+*_dropout_mask functions return exactly that mask.
 The forward records nothing of it (dropout_keep_shape is (0,)): the backward draws it again.
 """
 from __future__ import annotations

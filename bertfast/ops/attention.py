@@ -19,9 +19,9 @@ are bertfast.kernels.attention and bertfast.cuda.attention):
     seqlen, p): Triton's keep bits), and the backward takes it last; a backend whose shape is (0,)
     records nothing and its backward regenerates the mask from the seed. (One exception, not a
     backend: eager training on a CPU with the torch backend keeps the probabilities and mask for
-    the backward instead, in _KeptProbs; same numbers, faster there.) Each backend draws its own
-    stream; attention_{varlen,padded}_dropout_mask return the mask a backend draws, and the varlen
-    and padded forms of one batch draw the same one.
+    the backward instead, in _KeptProbs; same numbers, faster there.) The fused backends draw one
+    stream (CUDA draws Triton's mask bit for bit), torch its own; attention_{varlen,padded}_dropout_mask
+    return the mask a backend draws, and the varlen and padded forms of one batch draw the same one.
   * varlen, given the QKV GEMM's biases (``qkv_bias``: the bias already in qkv): the backward also
     returns their gradient, the column sums of dqkv; the backend's attention_varlen_bwd takes
     bias_dtype and returns (dqkv, dbias [3, A, D]) (contract.qkv_bias_grad). The Triton kernels sum

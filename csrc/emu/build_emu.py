@@ -5,7 +5,8 @@ emu.h (threads, barriers, shuffles, WMMA on the CPU) and emu_runtime.cpp (runtim
   kernel<<<grid, block, smem, stream>>>(args);  ->  ::emu::launch(kernel, grid, block, smem, stream, args);
   extern __shared__ [__align__(n)] T name[];     ->  T* name = reinterpret_cast<T*>(::emu::dyn_smem());
   __shared__ T name[...];                        ->  static T name[...];   (blocks run one at a time)
-Everything else (kernels, launchers, binding) is the real code. Usage:
+and with BERTFAST_EMU defined, under which ptx.cuh leaves its inline PTX (ldmatrix, mma.sync, cp.async)
+to emu.h's emulation. Everything else (kernels, launchers, binding) is the real code. Usage:
   python csrc/emu/build_emu.py OUT_DIR     -> OUT_DIR/_C<ext suffix>; load with load(OUT_DIR).
 """
 import concurrent.futures
@@ -111,7 +112,7 @@ def build(out_dir: str, jobs: int = 0) -> str:
     cuda_inc = _cuda_include()
     flags = ["-std=c++20", "-O1", "-g0", "-fPIC", "-pthread", "-w", "-I" + src_dir, "-I" + cuda_inc,
              "-I" + pybind11.get_include(), "-I" + sysconfig.get_paths()["include"],
-             '-DBERTFAST_CUDA_ARCHS="emu"', '-DBERTFAST_CUDA_RUNTIME="emulated"']
+             '-DBERTFAST_EMU', '-DBERTFAST_CUDA_ARCHS="emu"', '-DBERTFAST_CUDA_RUNTIME="emulated"']
 
     def compile_one(unit):
         obj = unit + ".o"

@@ -14,6 +14,13 @@
 //   nvcuda::wmma 16x16x16           fragments hold 8 elements per lane under a fixed map (for
 //                                   the accumulator the sm_80 m16n8k16 C layout); mma_sync is
 //                                   warp-collective: operands meet in warp scratch, fp32 sums.
+//   bertfast::ptx (ptx.cuh)         ldmatrix: lanes post their row addresses, each reads its elements
+//                                   from them; mma_m16n8k16: operands meet in warp scratch under the
+//                                   PTX ISA's layouts, fp32 sums in k order; cp.async: a thread's
+//                                   copies are queued by group and land at the cp_async_wait that
+//                                   requires them (the latest moment the hardware may land them), so
+//                                   a tile read before its wait reads stale bytes. A misaligned
+//                                   address aborts, as it faults on the hardware.
 // Lanes do not run in lockstep here, so a missing __syncwarp shows up as a wrong result more
 // readily than on hardware.
 #pragma once
@@ -25,6 +32,7 @@
 #include <atomic>
 #include <barrier>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -245,3 +253,103 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment
 
 }  // namespace wmma
 }  // namespace nvcuda
+
+// ------------------------------------------------------------------ bertfast::ptx (ptx.cuh)
+namespace emu {
+
+[[noreturn]] inline void misaligned(const char* what, const void* p) {
+  std::fprintf(stderr, "emu: %s: address %p is not 16-byte aligned\n", what, p);
+  std::abort();
+}
+
+struct Copy {
+  void* dst;
+  const void* src;
+  bool valid;
+};
+inline thread_local std::vector<Copy> tl_open;                 // this thread's uncommitted copies
+inline thread_local std::vector<std::vector<Copy>> tl_groups;  // its committed groups, oldest first
+
+template <typename T>
+inline float half_bits_to_float(uint32_t reg, int hi) {
+  const uint16_t bits = static_cast<uint16_t>(hi ? reg >> 16 : reg & 0xFFFFu);
+  T v;
+  std::memcpy(&v, &bits, 2);
+  return nvcuda::wmma::as_float(v);
+}
+
+// NM 8 x 8 matrices of 16-bit elements, rows addressed by lanes 8i .. 8i + 7.
+template <int NM, bool TRANS>
+inline void ldmatrix(uint32_t* r, const void* row) {
+  if (reinterpret_cast<uintptr_t>(row) % 16 && tl_lane < 8 * NM) misaligned("ldmatrix", row);
+  Warp* w = tl_warp;
+  const int lane = tl_lane, g = lane >> 2, t = lane & 3;
+  w->slots[lane] = reinterpret_cast<uint64_t>(row);
+  w->bar.arrive_and_wait();
+  for (int i = 0; i < NM; ++i) {
+    const auto at = [&](int rr, int c) { return reinterpret_cast<const uint16_t*>(w->slots[8 * i + rr])[c]; };
+    const uint32_t lo = TRANS ? at(2 * t, g) : at(g, 2 * t);
+    const uint32_t hi = TRANS ? at(2 * t + 1, g) : at(g, 2 * t + 1);
+    r[i] = lo | (hi << 16);
+  }
+  w->bar.arrive_and_wait();
+}
+
+}  // namespace emu
+
+namespace bertfast {
+namespace ptx {
+
+inline void ldmatrix_x4(uint32_t (&r)[4], const void* row) { emu::ldmatrix<4, false>(r, row); }
+inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) { emu::ldmatrix<4, true>(r, row); }
+inline void ldmatrix_x2(uint32_t (&r)[2], const void* row) { emu::ldmatrix<2, false>(r, row); }
+inline void ldmatrix_x2_trans(uint32_t (&r)[2], const void* row) { emu::ldmatrix<2, true>(r, row); }
+
+template <typename T>
+inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  emu::Warp* w = emu::tl_warp;
+  const int lane = emu::tl_lane, g = lane >> 2, t = lane & 3;
+  for (int i = 0; i < 4; ++i) {
+    for (int e = 0; e < 2; ++e)
+      w->A[(g + 8 * (i & 1)) * 16 + 2 * t + e + 8 * (i >> 1)] = emu::half_bits_to_float<T>(a[i], e);
+  }
+  for (int i = 0; i < 2; ++i) {
+    for (int e = 0; e < 2; ++e) w->B[(2 * t + e + 8 * i) * 8 + g] = emu::half_bits_to_float<T>(b[i], e);  // (k, n)
+  }
+  w->bar.arrive_and_wait();
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+    float s = d[i];
+    for (int k = 0; k < 16; ++k) s += w->A[row * 16 + k] * w->B[k * 8 + col];
+    out[i] = s;
+  }
+  w->bar.arrive_and_wait();
+  for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+
+inline void cp_async_16(void* dst, const void* src, bool valid) {
+  if (reinterpret_cast<uintptr_t>(dst) % 16) emu::misaligned("cp.async (shared)", dst);
+  if (valid && reinterpret_cast<uintptr_t>(src) % 16) emu::misaligned("cp.async (global)", src);
+  emu::tl_open.push_back({dst, src, valid});
+}
+inline void cp_async_commit() {
+  emu::tl_groups.push_back(std::move(emu::tl_open));
+  emu::tl_open.clear();
+}
+template <int N>
+inline void cp_async_wait() {
+  while (emu::tl_groups.size() > static_cast<size_t>(N)) {
+    for (const emu::Copy& c : emu::tl_groups.front()) {
+      if (c.valid) {
+        std::memcpy(c.dst, c.src, 16);
+      } else {
+        std::memset(c.dst, 0, 16);
+      }
+    }
+    emu::tl_groups.erase(emu::tl_groups.begin());
+  }
+}
+
+}  // namespace ptx
+}  // namespace bertfast

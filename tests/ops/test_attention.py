@@ -11,7 +11,8 @@ means 1/sqrt(D); varlen rows beyond cu_seqlens[-1] get out 0, lse +inf, dqkv 0; 
 no valid key gets out 0, lse +inf and zero gradients, never NaN; outputs contiguous in q's dtype,
 lse fp32 [A, T] / [B, A, S]; dropout keeps ~1 - p, scales kept values by 1/(1 - p), regenerates
 the same mask from the same seed, and a backend's *_dropout_mask returns exactly the mask its
-kernels draw (the varlen and padded forms of one batch draw the same one; backends differ);
+kernels draw (the varlen and padded forms of one batch draw the same one; Triton and CUDA draw the
+same one, torch its own);
 Triton and CUDA serve every head dim from 8 to 256, power of two or not (TinyBERT's 26,
 80, 256: the kernels pad to their tile and mask), the torch backend any; empty inputs give empty
 outputs. Oracle: bertfast.reference in fp32 with autograd, fed the backend's own dropout mask

@@ -335,28 +335,61 @@ def _philox4x32(counter, key, rounds):
     return c
 
 
-@pytest.mark.skipif(GPU, reason="the interpreter's integer arithmetic is the contract's; GPU tests compare backends")
-def test_triton_dropout_mask_is_the_documented_function():
-    """kernels/attention.py's header, written out in numpy: Philox4x32-7 keyed by (seed, b * A + h) at
-    counter i * 2**13 + g; column 32m + 8w + 2q + e is group 4m + q, half e of word w, kept when those
-    16 bits are >= ceil(p * 2**16)."""
+@pytest.mark.parametrize("seed", [12345, 2**40 + 77, -3], ids=["seed", "high-word", "negative"])
+def test_dropout_mask_is_the_documented_function(fused_backend, seed):
+    """kernels/attention.py's header, written out in numpy, for both fused backends (csrc/attention.cuh
+    draws the same mask): Philox4x32-7 keyed by (seed, b * A + h) at counter i * 2**13 + g; column
+    32m + 8w + 2q + e is group 4m + q, half e of word w, kept when those 16 bits are >= ceil(p * 2**16).
+    Seeds with a high word and negative ones: the stream is added to the key's high word, mod 2**32."""
     import math
 
     import numpy as np
     from bertfast.kernels import attention as K
 
-    batch, heads, seqlen, p, seed = 2, 3, 40, 0.3, 12345
-    keep = K.attention_padded_dropout_mask(batch, seqlen, heads, p, torch.tensor([seed])).numpy()
+    impl = fused_backend.module(PADDED)
+    batch, heads, seqlen, p = 2, 3, 40, 0.3
+    keep = impl.attention_padded_dropout_mask(batch, seqlen, heads, p, seed_of(fused_backend, seed)).cpu().numpy()
     i, j = np.meshgrid(np.arange(seqlen), np.arange(seqlen), indexing="ij")
     group = (j // 32) * 4 + (j % 8) // 2
     word, half = (j // 8) % 4, j % 2
     threshold = math.ceil(p * 65536)
     for b in range(batch):
         for h in range(heads):
-            words = _philox4x32((i * 8192 + group).astype(np.uint64), seed + ((b * heads + h) << 32), K.N_ROUNDS.value)
+            key = (seed + ((b * heads + h) << 32)) % 2**64
+            words = _philox4x32((i * 8192 + group).astype(np.uint64), key, K.N_ROUNDS.value)
             r = np.choose(word, words)
             bits = np.where(half == 1, r >> np.uint64(16), r & np.uint64(0xFFFF))
             np.testing.assert_array_equal(keep[b, h], bits >= threshold, err_msg=f"sequence {b}, head {h}")
+
+
+MMA_TILES = [(12, FP16), (32, BF16), (64, BF16), (80, FP16), (128, BF16), (256, FP16)]
+
+
+@pytest.mark.parametrize("fused_backend", ["cuda"], indirect=True)
+@pytest.mark.parametrize("head_dim,dtype", MMA_TILES,
+                         ids=[f"d{d}-{'bf16' if t == BF16 else 'fp16'}" for d, t in MMA_TILES])
+def test_cuda_mma_forward_at_every_tile_head_dim(fused_backend, head_dim, dtype):
+    """The fp16/bf16 forward (mma.sync, K and V double-buffered through cp.async) at each tile head dim
+    it compiles (16, 32, 64, 96, 128, 256; 12 and 80 pad theirs), with dropout, over several key blocks
+    (77 keys: two blocks of 64, or three of 32 at 256, the last partial) and a short sequence."""
+    lengths = torch.tensor([77, 5])
+    q, k, v, dout, cu = varlen_inputs(fused_backend, lengths, dtype, head_dim, heads=1, packed=False, seed=6)
+    check_varlen(fused_backend, q, k, v, dout, cu, 77, p=0.1, seed=seed_of(fused_backend, 9))
+
+
+@pytest.mark.parametrize("fused_backend", ["cuda"], indirect=True)
+def test_cuda_draws_the_triton_mask(fused_backend):
+    """The CUDA attention draws Triton's mask bit for bit (csrc/attention.cuh, Dropout): varlen, lengths
+    past one and two 32-column blocks and not multiples of 8, at rates whose thresholds round."""
+    from bertfast.kernels import attention as K
+
+    dev = fused_backend.device
+    cu = torch.tensor([0, 37, 43, 113], dtype=torch.int32, device=dev)
+    impl = fused_backend.module(VARLEN)
+    for p, seed in ((0.1, 5), (0.5, 2**33 + 1), (1 / 3, -17)):
+        s = seed_of(fused_backend, seed)
+        keep = impl.attention_varlen_dropout_mask(cu, 70, A, p, s)
+        assert torch.equal(keep, K.attention_varlen_dropout_mask(cu, 70, A, p, s)), (p, seed)
 
 
 def test_triton_varlen_outputs_are_not_zero_filled_but_rows_outside_every_sequence_are_cleared():

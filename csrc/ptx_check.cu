@@ -1,0 +1,111 @@
+// Checks of the hand-issued PTX (ptx.cuh), one warp each: on a GPU they run the hardware's
+// instructions, under the CPU emulator its emulated ones, and tests/ops/test_ptx.py compares both
+// with plain loops over the PTX ISA's layouts. Operands go in and out through global memory in the
+// ISA's own element terms (element i of a fragment, lane l), written out here independently of
+// ptx.cuh and emu.h.
+#include "attention.cuh"
+#include "ptx.cuh"
+
+namespace bertfast {
+namespace {
+
+// mma.m16n8k16: d = a b + c, a [16, 16] row-major, b [16 (k), 8 (n)] row-major, c, d [16, 8] fp32.
+template <typename T>
+__global__ void ptx_check_mma_kernel(const T* a, const T* b, const float* c, float* d) {
+  const int lane = threadIdx.x, group = lane >> 2, tig = lane & 3;  // groupID, threadID_in_group
+  uint32_t ra[4], rb[2];
+  float rd[4];
+  for (int i = 0; i < 8; ++i) {  // a_i: row groupID (+8 for a2, a3, a6, a7), col 2 tig + (i & 1) (+8 for i >= 4)
+    const int row = group + ((i == 2 || i == 3 || i == 6 || i == 7) ? 8 : 0);
+    const int col = 2 * tig + (i & 1) + (i >= 4 ? 8 : 0);
+    T x = a[row * 16 + col];
+    const uint32_t bits = *reinterpret_cast<const uint16_t*>(&x);
+    if (i & 1) ra[i / 2] |= bits << 16; else ra[i / 2] = bits;
+  }
+  for (int i = 0; i < 4; ++i) {  // b_i: row (k) 2 tig + (i & 1) (+8 for i >= 2), col (n) groupID
+    const int k = 2 * tig + (i & 1) + (i >= 2 ? 8 : 0);
+    T x = b[k * 8 + group];
+    const uint32_t bits = *reinterpret_cast<const uint16_t*>(&x);
+    if (i & 1) rb[i / 2] |= bits << 16; else rb[i / 2] = bits;
+  }
+  for (int i = 0; i < 4; ++i) rd[i] = c[(group + (i >= 2 ? 8 : 0)) * 8 + 2 * tig + (i & 1)];  // c_i, d_i
+  ptx::mma_m16n8k16<T>(rd, ra, rb);
+  for (int i = 0; i < 4; ++i) d[(group + (i >= 2 ? 8 : 0)) * 8 + 2 * tig + (i & 1)] = rd[i];
+}
+
+// ldmatrix: src holds four 8 x 8 matrices of 16-bit elements, matrix m row r at src[(8m + r) * 8];
+// they go to shared memory at a row pitch of 16 elements (rows need not be contiguous), lane l
+// addresses row l % 8 of matrix l / 8, and out[4 l + i] is its register i.
+__global__ void ptx_check_ldmatrix_kernel(const uint16_t* src, uint32_t* out, int variant) {
+  constexpr int kPitch = 16;
+  __shared__ __align__(16) uint16_t tile[32 * kPitch];
+  const int lane = threadIdx.x;
+  for (int c = 0; c < 8; ++c) tile[lane * kPitch + c] = src[lane * 8 + c];
+  __syncwarp();
+  const uint16_t* row = tile + lane * kPitch;
+  uint32_t r[4] = {0u, 0u, 0u, 0u};
+  if (variant == 0) ptx::ldmatrix_x4(r, row);
+  if (variant == 1) ptx::ldmatrix_x4_trans(r, row);
+  if (variant == 2 || variant == 3) {
+    uint32_t r2[2];
+    if (variant == 2) ptx::ldmatrix_x2(r2, row); else ptx::ldmatrix_x2_trans(r2, row);
+    r[0] = r2[0];
+    r[1] = r2[1];
+  }
+  for (int i = 0; i < 4; ++i) out[4 * lane + i] = r[i];
+}
+
+// cp.async: lane l copies src bytes [16 l, 16 l + 16) to shared memory as group 0, and bytes
+// 512 + [16 l, 16 l + 16) as group 1 (odd lanes: zero-filled); out [3, 512]: the lane's group-0 bytes
+// before any wait (unspecified on the hardware), after cp.async.wait_group 1, and its group-1 bytes
+// after wait_group 0.
+__global__ void ptx_check_cp_async_kernel(const uint8_t* src, uint8_t* out) {
+  extern __shared__ __align__(16) unsigned char buf[];
+  const int lane = threadIdx.x;
+  ptx::cp_async_16(buf + 16 * lane, src + 16 * lane, true);
+  ptx::cp_async_commit();
+  ptx::cp_async_16(buf + 512 + 16 * lane, src + 512 + 16 * lane, lane % 2 == 0);
+  ptx::cp_async_commit();
+  for (int e = 0; e < 16; ++e) out[16 * lane + e] = buf[16 * lane + e];
+  ptx::cp_async_wait<1>();
+  for (int e = 0; e < 16; ++e) out[512 + 16 * lane + e] = buf[16 * lane + e];
+  ptx::cp_async_wait<0>();
+  for (int e = 0; e < 16; ++e) out[1024 + 16 * lane + e] = buf[512 + 16 * lane + e];
+}
+
+}  // namespace
+
+int ptx_check_mma(const void* a, const void* b, const float* c, float* d, int dtype, cudaStream_t stream) {
+  clear_error();
+  if (dtype == kFloat16) {
+    ptx_check_mma_kernel<__half><<<1, 32, 0, stream>>>(static_cast<const __half*>(a), static_cast<const __half*>(b),
+                                                       c, d);
+  } else if (dtype == kBFloat16) {
+    ptx_check_mma_kernel<__nv_bfloat16><<<1, 32, 0, stream>>>(static_cast<const __nv_bfloat16*>(a),
+                                                              static_cast<const __nv_bfloat16*>(b), c, d);
+  } else {
+    return fail(kErrArgument, "ptx_check_mma: dtype code must be float16 (%d) or bfloat16 (%d), got %d", kFloat16,
+                kBFloat16, dtype);
+  }
+  BF_CHECK_LAUNCH("ptx_check_mma");
+  return kOk;
+}
+
+int ptx_check_ldmatrix(const uint16_t* src, uint32_t* out, int variant, cudaStream_t stream) {
+  clear_error();
+  if (variant < 0 || variant > 3)
+    return fail(kErrArgument,
+                "ptx_check_ldmatrix: variant must be 0 (x4), 1 (x4.trans), 2 (x2) or 3 (x2.trans), got %d", variant);
+  ptx_check_ldmatrix_kernel<<<1, 32, 0, stream>>>(src, out, variant);
+  BF_CHECK_LAUNCH("ptx_check_ldmatrix");
+  return kOk;
+}
+
+int ptx_check_cp_async(const uint8_t* src, uint8_t* out, cudaStream_t stream) {
+  clear_error();
+  ptx_check_cp_async_kernel<<<1, 32, 1024, stream>>>(src, out);
+  BF_CHECK_LAUNCH("ptx_check_cp_async");
+  return kOk;
+}
+
+}  // namespace bertfast

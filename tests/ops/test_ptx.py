@@ -1,0 +1,101 @@
+"""The PTX the CUDA attention issues by hand (csrc/ptx.cuh): mma.sync m16n8k16, ldmatrix and cp.async,
+run by csrc/ptx_check.cu's one-warp kernels and compared with plain loops over the PTX ISA's layouts.
+
+Without a GPU the kernels run on the CPU emulator (csrc/emu/emu.h), so a wrong fragment layout in
+the emulation fails here, on CPU, before any kernel built on it is trusted; with one they run the
+hardware's instructions, which checks the layouts written out in ptx_check.cu and below.
+"""
+import pytest
+import torch
+
+GPU = torch.cuda.is_available()
+pytestmark = pytest.mark.gpu_capable
+
+
+@pytest.fixture(scope="module")
+def ext(request):
+    """bertfast._C on a GPU, its CPU-emulated build otherwise; (module, device)."""
+    if GPU:
+        from bertfast.cuda import _common
+
+        available, reason = _common.extension_status()
+        if not available:
+            pytest.skip(reason)
+        return _common._C, torch.device("cuda")
+    return request.getfixturevalue("cuda_emulator"), torch.device("cpu")
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("dtype,code", [(torch.float16, 1), (torch.bfloat16, 2)], ids=["fp16", "bf16"])
+def test_mma_m16n8k16_is_a_times_b_plus_c(ext, dtype, code):
+    """Small integers: every product and sum is exact in fp32, so any element read from or written to
+    the wrong place of a fragment shows as a wrong value."""
+    module, dev = ext
+    g = torch.Generator().manual_seed(3)
+    a = torch.randint(-8, 9, (16, 16), generator=g).to(dtype)
+    b = torch.randint(-8, 9, (16, 8), generator=g).to(dtype)
+    c = torch.randint(-50, 51, (16, 8), generator=g).float()
+    a, b, c = a.to(dev), b.to(dev), c.to(dev)
+    d = torch.full((16, 8), float("nan"), device=dev)
+    module.ptx_check_mma(a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr(), code, 0)
+    _sync(dev)
+    assert torch.equal(d.cpu(), a.cpu().float() @ b.cpu().float() + c.cpu())
+
+
+def _matrices():
+    """Four 8 x 8 matrices of distinct 16-bit values: matrix m, row r, column c is 256 m + 16 r + c."""
+    m, r, c = torch.meshgrid(torch.arange(4), torch.arange(8), torch.arange(8), indexing="ij")
+    return (256 * m + 16 * r + c).to(torch.int32)
+
+
+@pytest.mark.parametrize("variant,count,trans", [(0, 4, False), (1, 4, True), (2, 2, False), (3, 2, True)],
+                         ids=["x4", "x4.trans", "x2", "x2.trans"])
+def test_ldmatrix_gives_each_lane_its_row_pair(ext, variant, count, trans):
+    """Lane l's register i holds elements (l / 4, 2 (l % 4)) and (l / 4, 2 (l % 4) + 1) of matrix i, the
+    lower column in the low half; .trans: those of the matrix's transpose."""
+    module, dev = ext
+    mats = _matrices()
+    src = mats.reshape(32, 8).to(torch.int16).to(dev)
+    out = torch.zeros(32, 4, dtype=torch.int32, device=dev)
+    module.ptx_check_ldmatrix(src.data_ptr(), out.data_ptr(), variant, 0)
+    _sync(dev)
+    got = out.cpu().to(torch.int64) & 0xFFFFFFFF
+    for lane in range(32):
+        row, col = lane // 4, 2 * (lane % 4)
+        for i in range(count):
+            m = mats[i].T if trans else mats[i]
+            expected = int(m[row, col]) | (int(m[row, col + 1]) << 16)
+            assert int(got[lane, i]) == expected, (lane, i)
+
+
+def test_cp_async_lands_by_its_group(ext):
+    """Group 0 has landed after cp.async.wait_group 1, group 1 (zero-filled where a lane's source is
+    invalid) after wait_group 0. The emulator lands a group only at the wait that requires it, so there
+    a tile read before its wait reads the stale bytes (0xFF: its fill of dynamic shared memory), which is
+    how it catches a pipeline that reads too early; the hardware may have landed them, so a GPU run does
+    not look at that read."""
+    module, dev = ext
+    src = torch.randint(0, 255, (1024,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5)).to(dev)
+    out = torch.zeros(3, 512, dtype=torch.uint8, device=dev)
+    module.ptx_check_cp_async(src.data_ptr(), out.data_ptr(), 0)
+    _sync(dev)
+    out, src = out.cpu(), src.cpu()
+    assert torch.equal(out[1], src[:512])
+    second = src[512:].clone().view(32, 16)
+    second[1::2] = 0
+    assert torch.equal(out[2], second.view(512))
+    if not GPU:
+        assert (out[0] == 0xFF).all()
+
+
+def test_check_entry_points_reject_bad_codes(ext):
+    module, dev = ext
+    buf = torch.zeros(512, device=dev)
+    with pytest.raises(RuntimeError, match="float16 .* or bfloat16 .*, got 0"):
+        module.ptx_check_mma(buf.data_ptr(), buf.data_ptr(), buf.data_ptr(), buf.data_ptr(), 0, 0)
+    with pytest.raises(RuntimeError, match="variant must be .* got 7"):
+        module.ptx_check_ldmatrix(buf.data_ptr(), buf.data_ptr(), 7, 0)
