@@ -2,7 +2,8 @@
 
 Lists versions, devices, the Triton and CUDA-extension status, which LAMB implementation runs,
 and for every op each backend with the reasons it can or cannot run a typical input on each
-device here, which backend dispatch would pick, and any fallbacks that happened in this process.
+device here, which backend dispatch would pick, what a backend's kernels are (its module's KERNELS,
+where it has one), and any fallbacks that happened in this process.
 """
 from __future__ import annotations
 
@@ -79,6 +80,10 @@ def report() -> str:
                 if not backend.auto_select:
                     state += " (runs only when forced)"
                 lines.append(f"      {name:6s} {state}")
+        for name, backend in dispatch.backends(op).items():  # what each backend's kernels are, where it says
+            kernels = getattr(backend.impl, "KERNELS", None) if backend.availability()[0] else None
+            if kernels:
+                lines.append(f"    {name} kernels: {kernels}")
     if dispatch.FALLBACKS:
         lines.append("")
         lines.append("Fallbacks in this process (a backend that should have run was unavailable):")

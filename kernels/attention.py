@@ -143,6 +143,10 @@ from ._rows import column_sums
 # as the last run measured it, and this kernel's miss is the fit's main evidence (same SASS either way).
 _LOG2E = tl.constexpr(1.4426950408889634)
 N_ROUNDS = tl.constexpr(7)  # Philox rounds of the dropout mask (header)
+# What these kernels are, for `bertfast info`.
+KERNELS = ("FlashAttention-2 in Triton (tl.dot on tensor cores), autotuned per shape; backward: one pass per "
+           "(sequence, head) for short sequences, else delta, dQ and dK/dV kernels; the forward records its "
+           "dropout decisions as keep bits for the backward")
 
 
 # =========================================================================== jit helpers

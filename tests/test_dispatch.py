@@ -79,6 +79,21 @@ def test_info_lists_every_op_and_backend():
     assert "torch  ok" in text and "triton" in text and "cuda" in text
 
 
+def test_info_says_what_each_attention_backend_runs():
+    """Issue 39: `bertfast info` names each attention backend's kernels (its module's KERNELS)."""
+    from bertfast.info import report
+
+    text = report()
+    shown = 0
+    for name, backend in dispatch.backends("attention_varlen").items():
+        if backend.availability()[0]:
+            assert f"    {name} kernels: {backend.impl.KERNELS}" in text
+            shown += 1
+    assert shown >= 1  # torch, at least
+    if dispatch.backends("attention_varlen")["cuda"].availability()[0]:
+        assert "cuda kernels: forward: mma.sync m16n8k16" in text
+
+
 def test_measured_preference_reorders_fast_backends_per_gpu(tmp_path, monkeypatch):
     from types import SimpleNamespace
 

@@ -22,6 +22,10 @@ from bertfast.contract import (check_cu_seqlens, check_dropout, check_head_dim, 
 from bertfast.cuda import _common as C
 
 MAX_BATCH = 65535  # sequences per launch: the grid's z dimension
+# What these kernels are, for `bertfast info`.
+KERNELS = ("forward: mma.sync m16n8k16 with fragments in registers, K and V through a cp.async pipeline "
+           "(fp16/bf16), FMA (fp32); backward: delta, dQ and dK/dV kernels on WMMA 16x16x16 (fp16/bf16), FMA "
+           "(fp32), the dropout mask drawn again; mask: Triton's, bit for bit")
 
 
 def unsupported(inputs) -> list:

@@ -275,6 +275,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor
 # _KeptProbs, which saves them).
 # The varlen form pads its sequences into the padded form (or views them, when none is padded).
 _FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# What the torch backend runs, for `bertfast info`.
+KERNELS = ("aten's flash attention for CPU without dropout; otherwise fp32 scores [B, A, S, S], softmax and "
+           "matmuls, the mask from torch.Generator")
 
 
 def _cpu_flash(q: Tensor, dropout_p: float) -> bool:
