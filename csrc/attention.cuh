@@ -306,13 +306,17 @@ struct Dropout {
   }
   __device__ __forceinline__ Dropout(const AttentionParams& p, int b, int h)
       : Dropout(p.dropout_p, p.seed, static_cast<uint32_t>(b * p.heads + h)) {}
+  // Group g's 4 Philox words for row i: decision 2w + e is half e of word w >= threshold.
+  __device__ __forceinline__ U4 group_words(int i, int g) const {
+    return philox4x32<7>(U4{static_cast<uint32_t>(i) * 8192u + static_cast<uint32_t>(g), 0u, 0u, 0u}, k0, k1);
+  }
   // A word's two decisions: bit e is half e.
   static __device__ __forceinline__ unsigned kept_halves(uint32_t word, uint32_t threshold) {
     return static_cast<unsigned>((word & 0xFFFFu) >= threshold) | static_cast<unsigned>((word >> 16) >= threshold) << 1;
   }
   // Group g's 8 decisions for row i: bit 2w + e.
   __device__ __forceinline__ unsigned group_bits(int i, int g, uint32_t threshold) const {
-    const U4 r = philox4x32<7>(U4{static_cast<uint32_t>(i) * 8192u + static_cast<uint32_t>(g), 0u, 0u, 0u}, k0, k1);
+    const U4 r = group_words(i, g);
     return kept_halves(r.x, threshold) | kept_halves(r.y, threshold) << 2 | kept_halves(r.z, threshold) << 4 |
            kept_halves(r.w, threshold) << 6;
   }

@@ -137,10 +137,13 @@ __global__ void __launch_bounds__(BM / 16 * WN * 32) attention_fwd_kernel(const 
 // (D <= 128; above, from shared memory each key block, for the registers), K's and V's through
 // ldmatrix (V's transposed). K and V are double-buffered: the next key block's cp.async copies are
 // in flight while this one computes. The online softmax runs on S's accumulators: lane (g, t) holds
-// rows g and g + 8 at columns 8n + 2t, 8n + 2t + 1, so a row's max and sum are over its 4 lanes; P
-// goes to the second mma as its A operand without leaving registers (the accumulators of two
-// n8 tiles are the A fragment of one k16 step). Dropout: a lane's columns of a 32-key block are
-// one Philox group (Dropout), so one draw per row and block gives 8 of its decisions.
+// rows g and g + 8 at columns 8n + 2t, 8n + 2t + 1, so a row's max and sum are over its 4 lanes; the
+// running max is kept in raw score units (the scale is > 0), so each probability is one FFMA and
+// one exp2, exp2(s scale log2 e - m). P goes to the second mma as its A operand without leaving
+// registers (the accumulators of two n8 tiles are the A fragment of one k16 step). Key blocks with
+// every key valid (all but the last, without a key mask) run a loop of their own, with no mask;
+// the others test each key. Dropout: a lane's columns of a 32-key block are one Philox group
+// (Dropout), so one draw per row and block gives 8 of its decisions.
 template <typename T, int D, int BN>
 struct MmaFwdSmem {
   static constexpr int BM = 64;
@@ -152,31 +155,63 @@ struct MmaFwdSmem {
   static constexpr int bytes = align128(kvalid + 2LL * BN * 4);
 };
 
-// Rows [0, ROWS) of a [*, hd] tile into smem as [ROWS, D] (pitch LD), zero beyond nvalid rows and hd
-// columns: cp.async when `vec` (the copies join the thread's open group), else load_tile's
-// element-by-element stores (complete on return).
+// load_tile's element-by-element path, out of line: a tensor without 16-byte rows (an odd head dim
+// in packed qkv) is rare, and inlined its loop would sit in the main loop of every launch.
 template <typename T, int ROWS, int D, int LD, int NT>
-__device__ __forceinline__ void tile_to_smem(T* dst, const T* src, int64_t row_stride, int nvalid, int hd, bool vec) {
-  if (vec) {
-    constexpr int EPV = 16 / sizeof(T), VPR = D / EPV;
-#pragma unroll 1
-    for (int idx = threadIdx.x; idx < ROWS * VPR; idx += NT) {
-      const int r = idx / VPR, c = (idx % VPR) * EPV;
-      const bool ok = r < nvalid && c < hd;
-      ptx::cp_async_16(dst + r * LD + c, ok ? src + r * row_stride + c : src, ok);
-    }
-  } else {
-    load_tile<T, ROWS, D, LD, NT>(dst, src, row_stride, nvalid, hd, false);
-  }
+__device__ __noinline__ void load_tile_elementwise(T* dst, const T* src, int64_t row_stride, int nvalid, int hd) {
+  load_tile<T, ROWS, D, LD, NT>(dst, src, row_stride, nvalid, hd, false);
 }
 
-template <typename T, int D, int BN, int NW>
+// This thread's share of copying [ROWS, *] tiles into smem as [ROWS, D] (pitch LD), zero beyond
+// nvalid rows and hd columns: 16-byte cp.async copies (they join the thread's open group) when the
+// tensor's rows allow them (kVec), else load_tile_elementwise (complete on return). Where NT is a
+// multiple of the vectors per row, a thread's vectors are one column, RS rows apart: its first
+// row's offsets and the stride of RS rows are computed once.
+template <typename T, int ROWS, int D, int LD, int NT, bool kVec>
+struct TileCopy {
+  static constexpr int EPV = 16 / sizeof(T), VPR = D / EPV, N = (ROWS * VPR + NT - 1) / NT;
+  static constexpr bool kStrided = NT % VPR == 0;
+  static constexpr int RS = kStrided ? NT / VPR : 0;
+  int r0, c0, hd;
+  bool col_ok;
+  int64_t row_stride, rs_stride;
+  __device__ __forceinline__ TileCopy(int hd_, int64_t row_stride_)
+      : r0(threadIdx.x / VPR), c0(threadIdx.x % VPR * EPV), hd(hd_), col_ok(c0 < hd_), row_stride(row_stride_),
+        rs_stride(RS * row_stride_) {}
+  // Rows [0, nvalid) of the tile whose first row is src.
+  __device__ __forceinline__ void issue(T* dst, const T* src, int nvalid) const {
+    if constexpr (!kVec) {
+      load_tile_elementwise<T, ROWS, D, LD, NT>(dst, src, row_stride, nvalid, hd);
+    } else if constexpr (kStrided) {
+      const T* from = src + r0 * row_stride + c0;
+      T* to = dst + r0 * LD + c0;
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        if ((ROWS * VPR) % NT == 0 || r0 + i * RS < ROWS)
+          ptx::cp_async_16(to + i * RS * LD, from + i * rs_stride, col_ok && r0 + i * RS < nvalid);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        const int idx = threadIdx.x + i * NT;
+        const int r = idx / VPR, c = idx % VPR * EPV;
+        if ((ROWS * VPR) % NT == 0 || idx < ROWS * VPR)
+          ptx::cp_async_16(dst + r * LD + c, src + r * row_stride + c, c < hd && r < nvalid);
+      }
+    }
+  }
+};
+
+// kDropout, kVecKV (K's and V's rows allow 16-byte copies): a kernel per setting, so that each
+// carries only the instructions it runs.
+template <typename T, int D, int BN, int NW, bool kDropout, bool kVecKV>
 __global__ void __launch_bounds__(NW * 32, 1) attention_fwd_mma_kernel(const Params p) {
   using L = MmaFwdSmem<T, D, BN>;
   constexpr int BM = 16 * NW, NT = NW * 32, LD = L::LD;
   constexpr int KS = D / 16, NS = BN / 8, NO = D / 8;  // k-steps of Q K^T; n8 tiles of S and of O
   constexpr bool kQRegs = D <= 128;
-  static_assert(BM == L::BM && BN % 32 == 0 && D % 16 == 0, "whole 32-key blocks, 16-column head tiles");
+  static_assert(BM == L::BM && BN % 32 == 0 && D % 16 == 0 && BN <= NT,
+                "whole 32-key blocks, 16-column head tiles, a thread per key of a block");
   extern __shared__ __align__(128) unsigned char smem[];
   T* Qs = reinterpret_cast<T*>(smem + L::q);
   T* Ks = reinterpret_cast<T*>(smem + L::k);
@@ -186,26 +221,34 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_fwd_mma_kernel(const Par
   const int b = blockIdx.z, h = blockIdx.y, m0 = blockIdx.x * BM;
   const Seq sq = seq_of(p, b);
   if (m0 >= sq.len) return;
-  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int row0 = m0 + 16 * w + g;  // this lane's rows: row0 and row0 + 8 (of the sequence)
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
+  const int row0 = m0 + 16 * w + (lane >> 2);  // this lane's rows: row0 and row0 + 8 (of the sequence)
 
   const T* q = static_cast<const T*>(p.q) + b * p.sq.batch + (sq.start + m0) * p.sq.row + h * p.sq.head;
   const T* kb = static_cast<const T*>(p.k) + b * p.sk.batch + sq.start * p.sk.row + h * p.sk.head;
   const T* vb = static_cast<const T*>(p.v) + b * p.sv.batch + sq.start * p.sv.row + h * p.sv.head;
-  const auto load_kv = [&](int n0, int stage) {
-    tile_to_smem<T, BN, D, LD, NT>(Ks + stage * BN * LD, kb + n0 * p.sk.row, p.sk.row, sq.len - n0, p.head_dim,
-                                   p.vec & kVecK);
-    tile_to_smem<T, BN, D, LD, NT>(Vs + stage * BN * LD, vb + n0 * p.sv.row, p.sv.row, sq.len - n0, p.head_dim,
-                                   p.vec & kVecV);
-    for (int j = threadIdx.x; j < BN; j += NT) kvalid[stage * BN + j] = key_valid(p, b, n0 + j, sq.len);
+  const TileCopy<T, BN, D, LD, NT, kVecKV> kcopy(p.head_dim, p.sk.row), vcopy(p.head_dim, p.sv.row);
+  const int nblocks = (sq.len + BN - 1) / BN;
+  const int nfull = p.key_mask == nullptr ? sq.len / BN : 0;  // blocks with every key valid: no mask
+  const auto load_kv = [&](int jb) {  // key block jb into stage jb % 2; its key mask if it needs one
+    const int n0 = jb * BN, stage = jb & 1;
+    kcopy.issue(Ks + stage * BN * LD, kb + n0 * p.sk.row, sq.len - n0);
+    vcopy.issue(Vs + stage * BN * LD, vb + n0 * p.sv.row, sq.len - n0);
+    if (jb >= nfull && threadIdx.x < BN)
+      kvalid[stage * BN + threadIdx.x] = key_valid(p, b, n0 + threadIdx.x, sq.len);
   };
-  tile_to_smem<T, BM, D, LD, NT>(Qs, q, p.sq.row, sq.len - m0, p.head_dim, p.vec & kVecQ);
-  load_kv(0, 0);
+  // Q lands first (group 0), its fragments read while block 0's K and V (group 1) are in flight.
+  if (p.vec & kVecQ) {
+    TileCopy<T, BM, D, LD, NT, true>(p.head_dim, p.sq.row).issue(Qs, q, sq.len - m0);
+  } else {
+    TileCopy<T, BM, D, LD, NT, false>(p.head_dim, p.sq.row).issue(Qs, q, sq.len - m0);
+  }
+  ptx::cp_async_commit();
+  load_kv(0);
   ptx::cp_async_commit();
 
   const float scale2 = p.softmax_scale * kLog2e;
-  const bool dropout = p.dropout_p > 0.f;
-  const Dropout drop(p, b, h);
+  const Dropout drop(kDropout ? p.dropout_p : 0.f, p.seed, static_cast<uint32_t>(b * p.heads + h));
   // The lane's ldmatrix row addresses: A (Q) rows lane % 16, column half lane / 16; B (K) rows
   // lane % 8 + 8 (lane / 16), column half (lane / 8) % 2; B^T (V) rows lane % 16, column half lane / 16.
   const T* qrow = Qs + (16 * w + (lane & 15)) * LD + 8 * (lane >> 4);
@@ -213,32 +256,32 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_fwd_mma_kernel(const Par
   const int voff = (lane & 15) * LD + 8 * (lane >> 4);
 
   uint32_t qf[kQRegs ? KS : 1][4];
+  if constexpr (kQRegs) {
+    ptx::cp_async_wait<1>();
+    __syncthreads();
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) ptx::ldmatrix_x4(qf[ks], qrow + 16 * ks);
+  }
   float o[NO][4];
 #pragma unroll
   for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  float m_run[2] = {-kInf, -kInf}, l_run[2] = {0.f, 0.f};  // rows row0, row0 + 8; l: this lane's columns
+  // Per row (row0, row0 + 8): the running max of the raw scores and this lane's part of the sum.
+  float m_run[2] = {-kInf, -kInf}, l_run[2] = {0.f, 0.f};
 
-  const int nblocks = (sq.len + BN - 1) / BN;
-  for (int jb = 0; jb < nblocks; ++jb) {
-    const int n0 = jb * BN, stage = jb & 1;
-    if (jb + 1 < nblocks) load_kv(n0 + BN, stage ^ 1);
+  // One key block: kMasked tests each key (kvalid), else every key is valid.
+  const auto block = [&](int jb, auto masked) {
+    constexpr bool kMasked = decltype(masked)::value;
+    [[maybe_unused]] const int n0 = jb * BN;
+    const int stage = jb & 1;
+    if (jb + 1 < nblocks) load_kv(jb + 1);
     ptx::cp_async_commit();
     ptx::cp_async_wait<1>();  // this thread's copies of block jb (and of Q) have landed
     __syncthreads();          // everyone's have
-    if constexpr (kQRegs) {
-      if (jb == 0) {
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks) ptx::ldmatrix_x4(qf[ks], qrow + 16 * ks);
-      }
-    }
     const T* ks_ = Ks + stage * BN * LD;
     const T* vs_ = Vs + stage * BN * LD;
-    const int* kv = kvalid + stage * BN;
 
-    // S = Q K^T
+    // S = Q K^T (raw scores)
     float s[NS][4];
-#pragma unroll
-    for (int n = 0; n < NS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
       uint32_t a[4];
@@ -253,18 +296,25 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_fwd_mma_kernel(const Par
         uint32_t kf[4];
         ptx::ldmatrix_x4(kf, ks_ + 16 * n2 * LD + koff + 16 * ks);
         const uint32_t b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
-        ptx::mma_m16n8k16<T>(s[2 * n2], a, b0);
-        ptx::mma_m16n8k16<T>(s[2 * n2 + 1], a, b1);
+        if (ks == 0) {
+          ptx::mma_m16n8k16_zero<T>(s[2 * n2], a, b0);
+          ptx::mma_m16n8k16_zero<T>(s[2 * n2 + 1], a, b1);
+        } else {
+          ptx::mma_m16n8k16<T>(s[2 * n2], a, b0);
+          ptx::mma_m16n8k16<T>(s[2 * n2 + 1], a, b1);
+        }
       }
     }
 
-    // Online softmax, log2 domain. Element e of tile n: row row0 + 8 (e / 2), key n0 + 8n + 2t + e % 2.
+    // Online softmax. Element e of tile n: row row0 + 8 (e / 2), key n0 + 8n + 2t + e % 2.
     float mx[2] = {m_run[0], m_run[1]};
 #pragma unroll
     for (int n = 0; n < NS; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        s[n][e] = kv[8 * n + 2 * t + (e & 1)] ? s[n][e] * scale2 : -kInf;
+        if constexpr (kMasked) {
+          if (!kvalid[stage * BN + 8 * n + 2 * t + (e & 1)]) s[n][e] = -kInf;
+        }
         mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
       }
     }
@@ -273,26 +323,30 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_fwd_mma_kernel(const Par
     for (int r = 0; r < 2; ++r) {
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      m_use[r] = mx[r] == -kInf ? 0.f : mx[r];  // no valid key yet: keep exp2 finite
-      alpha[r] = exp2f(m_run[r] - m_use[r]);
+      m_use[r] = mx[r] == -kInf ? 0.f : mx[r] * scale2;  // no valid key yet: keep exp2 finite
+      alpha[r] = ptx::exp2_ftz(m_run[r] * scale2 - m_use[r]);
       m_run[r] = mx[r];
     }
 #pragma unroll
     for (int mb = 0; mb < BN / 32; ++mb) {  // 32-key block mb: this lane's group t of it, rows row0, row0 + 8
-      unsigned bits[2] = {~0u, ~0u};
-      if (dropout) {
+      [[maybe_unused]] U4 words[2];
+      if constexpr (kDropout) {
         const int group = ((n0 >> 5) + mb) * 4 + t;
-        bits[0] = drop.group_bits(row0, group, p.threshold);
-        bits[1] = drop.group_bits(row0 + 8, group, p.threshold);
+        words[0] = drop.group_words(row0, group);
+        words[1] = drop.group_words(row0 + 8, group);
       }
 #pragma unroll
       for (int n = 4 * mb; n < 4 * mb + 4; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = e >> 1;
-          const float pv = exp2f(s[n][e] - m_use[r]);
+          const float pv = ptx::exp2_ftz(fmaf(s[n][e], scale2, -m_use[r]));
           rsum[r] += pv;
-          s[n][e] = (bits[r] >> (2 * (n & 3) + (e & 1))) & 1u ? pv : 0.f;  // decision 2w + e, w = n % 4
+          s[n][e] = pv;
+          if constexpr (kDropout) {  // decision 2w + e, w = n % 4: half e of word w
+            const uint32_t word = pick(words[r], n & 3);
+            if ((e & 1 ? word >> 16 : word & 0xFFFFu) < p.threshold) s[n][e] = 0.f;
+          }
         }
       }
     }
@@ -321,8 +375,11 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_fwd_mma_kernel(const Par
         ptx::mma_m16n8k16<T>(o[2 * n2 + 1], a, b1);
       }
     }
-    __syncthreads();  // every warp is done with this stage: the next iteration's copies overwrite it
-  }
+    __syncthreads();  // every warp is done with this stage: the next block's copies overwrite it
+  };
+  int jb = 0;
+  for (; jb < nfull; ++jb) block(jb, std::false_type{});
+  for (; jb < nblocks; ++jb) block(jb, std::true_type{});
 
   // Each row's sum over its 4 lanes; out = O / (l (1 - p)); lse.
   float inv[2];
@@ -331,10 +388,11 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_fwd_mma_kernel(const Par
     float l = l_run[r];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    inv[r] = l > 0.f ? 1.f / (l * (1.f - p.dropout_p)) : 0.f;
+    inv[r] = l > 0.f ? 1.f / (l * (kDropout ? 1.f - p.dropout_p : 1.f)) : 0.f;
     const int qi = row0 + 8 * r;
     if (t == 0 && qi < sq.len)
-      p.lse[b * p.lse_batch + h * p.lse_head + sq.start + qi] = l > 0.f ? (m_run[r] + log2f(l)) * kLn2 : kInf;
+      p.lse[b * p.lse_batch + h * p.lse_head + sq.start + qi] =
+          l > 0.f ? (m_run[r] * scale2 + log2f(l)) * kLn2 : kInf;
   }
   const bool vec_o = p.vec & kVecO;
 #pragma unroll
@@ -388,7 +446,12 @@ struct Fwd {
     using C = Cfg<T, D>;
     if constexpr (kWmma<T>) {
       using L = MmaFwdSmem<T, D, C::kMmaFwdBN>;
-      auto kernel = attention_fwd_mma_kernel<T, D, C::kMmaFwdBN, L::BM / 16>;
+      constexpr int BN = C::kMmaFwdBN, NW = L::BM / 16;
+      const bool vec = (p.vec & kVecK) && (p.vec & kVecV);
+      auto kernel = p.dropout_p > 0.f ? (vec ? attention_fwd_mma_kernel<T, D, BN, NW, true, true>
+                                             : attention_fwd_mma_kernel<T, D, BN, NW, true, false>)
+                                      : (vec ? attention_fwd_mma_kernel<T, D, BN, NW, false, true>
+                                             : attention_fwd_mma_kernel<T, D, BN, NW, false, false>);
       if (int s = prepare(kernel, L::bytes, "attention_fwd")) return s;
       kernel<<<grid_for(p, L::BM), L::BM / 16 * 32, L::bytes, stream>>>(p);
     } else {

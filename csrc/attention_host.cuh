@@ -39,6 +39,9 @@ inline int check(const AttentionParams& p, bool backward, const char* name) {
   if (p.head_dim < kMinHeadDim || p.head_dim > kMaxHeadDim)
     return fail(kErrUnsupported, "%s: head_dim must be in [%d, %d], got %d", name, kMinHeadDim, kMaxHeadDim,
                 p.head_dim);
+  // The forward keeps its running max in raw score units, which needs a positive scale.
+  if (!(p.softmax_scale > 0.f && p.softmax_scale < kInf))
+    return fail(kErrArgument, "%s: softmax_scale must be a finite float > 0, got %g", name, p.softmax_scale);
   if (!(p.dropout_p >= 0.f && p.dropout_p < 1.f))
     return fail(kErrArgument, "%s: dropout_p must be in [0, 1), got %g", name, p.dropout_p);
   if (p.dropout_p > 0.f && p.seed == nullptr) return fail(kErrArgument, "%s: dropout needs a seed", name);

@@ -1,5 +1,5 @@
 // The PTX instructions the attention kernels issue by hand (sm_80 and later): ldmatrix, mma.sync
-// m16n8k16 with fp32 accumulators, and cp.async with its commit/wait groups. Fragment layouts are the
+// m16n8k16 with fp32 accumulators, cp.async with its commit/wait groups, and ex2.approx.ftz. Fragment layouts are the
 // PTX ISA's ("Warp-level matrix fragment mma.m16n8k16", "ldmatrix"), with g = lane / 4, t = lane % 4:
 //   A (16 x 16, row-major)   a[0] = (g, 2t..2t+1)   a[1] = (g+8, 2t..)   a[2] = (g, 2t+8..)   a[3] = (g+8, 2t+8..)
 //   B (16 x 8, k x n)        b[0] = (k 2t..2t+1, n g)   b[1] = (k 2t+8..2t+9, n g)
@@ -66,8 +66,29 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[
   }
 }
 
+// d = a b (the accumulators start at zero: no registers to clear first).
+template <typename T>
+__device__ __forceinline__ void mma_m16n8k16_zero(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  static_assert(std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value, "fp16 or bf16");
+  const float z = 0.f;
+  if constexpr (std::is_same<T, __half>::value) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %10, %10, %10};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(z));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %10, %10, %10};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(z));
+  }
+}
+
 // 16 bytes global -> shared, asynchronously (.cg: through L2 only); !valid writes 16 zero bytes and
-// reads nothing. A thread's copies land, in groups, by cp_async_wait.
+// reads nothing (src is not dereferenced then: it may point past the tensor). A thread's copies
+// land, in groups, by cp_async_wait.
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                "r"(valid ? 16 : 0));
@@ -78,6 +99,14 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// 2^x, ex2.approx.ftz (2 ulp; subnormal inputs and results are 0): one MUFU.EX2, where exp2f adds
+// the range handling of subnormals around it.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 
 #endif  // BERTFAST_EMU

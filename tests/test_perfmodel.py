@@ -47,6 +47,9 @@ def test_main_loop_matches_a_hand_count_of_its_sass(gelu_bwd):
 def test_instruction_details():
     hgmma = sass.Instruction(0, "HGMMA", ".64x64x16.F32.BF16", "R24, gdesc[UR12], RZ, !UPT")
     assert hgmma.cls == "tensor" and hgmma.mma_flops == 2 * 64 * 64 * 16
+    hmma = sass.Instruction(0, "HMMA", ".16816.F32.BF16", "R4, R20, R16, R4")
+    assert hmma.cls == "tensor" and hmma.mma_flops == 2 * 16 * 8 * 16
+    assert sass.Instruction(0, "HMMA", ".1688.F32.TF32", "R4, R20, R16, R4").mma_flops == 2 * 16 * 8 * 8
     assert sass.Instruction(0, "LDSM", ".16.M88.4", "").access_bytes == 16
     assert sass.Instruction(0, "STS", ".E.BYPASS.128", "").access_bytes == 16
     assert sass.Instruction(0, "STS", ".U16", "").access_bytes == 4
@@ -86,6 +89,24 @@ def test_the_main_loop_is_the_shortest_with_the_most_tensor_work_and_its_copies_
     span, loop, rest = model.loop_and_rest(f)
     assert span == (11, 14) and len(loop) == 4
     assert [ins.opcode for ins in rest] == ["FFMA", "FFMA", "IADD3", "IADD3", "IADD3", "BRA", "STG", "EXIT"]
+
+
+def test_mma_sync_is_priced_per_warp_at_its_own_rate():
+    """An HMMA (mma.sync, the CUDA attention's) is one warp's 16x8x16 product, priced at
+    Gpu.mma_sync_flops; an HGMMA (wgmma) is a warpgroup's, its FLOPs shared by the 4 warps that issue it,
+    at the dense peak. The same loop of each, 4 warps, 1000 iterations."""
+    def tensor_bound(opcode, modifiers):
+        lines = ["Function : k"] + [f"        /*{16 * i:04x}*/                   {opcode}{modifiers} R0, R1, R2 ;"
+                                    for i in range(3)]
+        lines.append("        /*0030*/                   BRA 0x0 ;")
+        f = sass.parse("\n".join(lines))["k"]
+        return model.predict(f, model.Work(1000, 4096, 132, 4, 0.0), H100)
+    hmma = tensor_bound("HMMA", ".16816.F32.BF16")
+    assert hmma.tensor_flops == 3 * 4096 * 4 * 1000
+    assert hmma.bounds_s["tensor"] == pytest.approx(3 * 4096 * 4 * 1000 / H100.mma_sync_flops)
+    hgmma = tensor_bound("HGMMA", ".64x64x16.F32.BF16")
+    assert hgmma.tensor_flops == 3 * 2 * 64 * 64 * 16 * 1000
+    assert hgmma.bounds_s["tensor"] == pytest.approx(3 * 2 * 64 * 64 * 16 * 1000 / H100.dense_bf16_flops)
 
 
 def test_prediction_by_hand(gelu_bwd):
@@ -523,6 +544,14 @@ def test_perf_model_command_reads_every_kernel_and_reports_the_targets(tmp_path)
     assert not [k["kernel"] for k in data["kernels"] if any("spills" in n for n in k["prediction"]["notes"])]
     assert all(k["prediction"]["predicted_s"] > 0 for k in data["kernels"])
     assert "Predictions, not measurements" in res.stdout
+    # the CUDA attention's forward beside Triton's (where nvcc compiles it; else a line says why not)
+    cuda = {r["setting"]: r for r in data["cuda_attention"]}
+    if cuda:
+        row = cuda["bert-large seq 512 batch 32 bf16 p=0.1"]
+        assert row["ratio"] == pytest.approx(row["seconds"] / row["triton_seconds"]) and row["registers"] <= 255
+        assert row["within"] == (row["ratio"] <= 1.3) and "CUDA attention forward" in res.stdout
+    else:
+        assert "CUDA attention: not read" in res.stdout
     # beside the last committed profile (the H200 run of 2026-11-27): every kernel it timed, and the
     # overlap refitted to them
     measured = data["measured"]
@@ -642,3 +671,43 @@ def test_the_steps_are_priced_again_with_refitted_constants():
     assert [p["seconds"] for p in same] == pytest.approx([p["seconds"] for p in assumed])
     worse = report.refitted_steps(results, (1.0, H100.memory_overlap, 1.0))
     assert all(w["seconds"] > a["seconds"] and w["mfu"] < a["mfu"] for w, a in zip(worse, assumed))
+
+
+def test_cuda_attention_forward_work_and_shared_memory():
+    """perfmodel.cuda's launch at BERT-large seq 512 batch 32: 64 x 64 score blocks, 16 heads, 8 query
+    blocks a (sequence, head); q, k, v, out in bf16 and lse in fp32 moved once; MmaFwdSmem's bytes
+    (Q [64, 72], K and V [2][64, 72] in bf16, then [2][64] ints) by hand."""
+    from bertfast.perfmodel import cuda as CU
+    from bertfast.perfmodel.kernels import Setting
+    work = CU.work(Setting("bert-large", 512, 32, 0.1), registers=200)
+    assert work.programs == 32 * 16 * 8 and work.iterations == 32 * 16 * 8 * 8 and work.tile_elements == 64 * 64
+    assert work.hbm_bytes == 4 * 16384 * 1024 * 2 + 16384 * 16 * 4 and work.warps == 4
+    assert CU.shared_bytes() == 64 * 72 * 2 + 2 * (2 * 64 * 72 * 2) + 2 * 64 * 4 == work.shared_bytes
+    assert CU.mangled(True) == ("_ZN8bertfast4attn24attention_fwd_mma_kernelI13__nv_bfloat16Li64ELi64ELi4ELb1ELb1"
+                                "EEEvNS0_6ParamsE")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
+                    reason="the CUDA attention compiles with nvcc")
+def test_cuda_attention_forward_is_read_from_its_sass():
+    """The CUDA forward's sm_90 SASS, as the perf model reads it: a main loop of 64 HMMAs a warp (Q K^T and
+    P V over a 64 x 64 block: 2 x 4 x 8 m16n8k16 products), no wgmma, spill-free; dropout adds its draws
+    (more instructions per element, the same tensor work); priced beside the Triton forward."""
+    from bertfast.perfmodel import cuda as CU
+    from bertfast.perfmodel.kernels import Setting
+    if CU.unavailable():
+        pytest.skip(CU.unavailable())
+    compiled = CU.compile_forward()
+    per_element = {}
+    for dropout in (False, True):
+        f = compiled.functions[dropout]
+        _, loop, _ = model.loop_and_rest(f)
+        opcodes = [ins.opcode for ins in loop]
+        assert opcodes.count("HMMA") == 64 and "HGMMA" not in opcodes
+        assert opcodes.count("LDSM") == 32 and opcodes.count("MUFU") >= 32  # K, V fragments; an exp2 an element
+        assert compiled.spills[dropout] == 0 and compiled.registers[dropout] <= 255
+        per_element[dropout] = len(loop) * 128 / 4096
+    assert 8 < per_element[False] < 16 and per_element[True] > per_element[False] + 3
+    for f in CU.predict_forward([Setting("bert-large", 512, 32, 0.1)], H100):
+        assert f.prediction.tensor_flops == pytest.approx(4 * 64 * 32 * 16 * 512 * 512)  # 2 products, 2 flops
+        assert f.prediction.predicted_s > 0

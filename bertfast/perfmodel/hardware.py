@@ -28,6 +28,11 @@ class Gpu:
     # suite's 15,691 real tokens, in 39.7 ms of GEMM kernels as traced in this project's H200 run
     # (2026-11-26; the H100 has the same tensor cores).
     gemm_flops: float = 727e12
+    # mma.sync (HMMA in SASS, Ampere's warp-level instruction, which the CUDA attention issues): Hopper's
+    # full tensor-core rate is wgmma's (HGMMA), and the older instruction reaches only part of it.
+    # Assumed: half the dense peak, for planning, until a GPU run times it (tests/ops/test_ptx.py's mma
+    # check runs the instruction there).
+    mma_sync_flops: float = 494.7e12
     launch_gap_s: float = 1.0e-6         # assumed: between back-to-back kernels on the device (a CUDA graph)
     # How long a global load takes to return under load (Little's law in model.latency_bound): fitted
     # to the H100 run of 2026-11-26 (report.fit_memory_constants), whose LayerNorm backward (four

@@ -6,7 +6,8 @@ once per program. Every warp of a program runs the same instructions, so a launc
 ``instructions x warps`` warp-instructions. Four bounds, each the time the launch would take if
 only that resource limited it, and the waves:
 
-- tensor: the wgmma FLOPs (one HGMMA per warpgroup of 4 warps) at the dense bf16 peak;
+- tensor: the wgmma FLOPs (one HGMMA per warpgroup of 4 warps) at the dense bf16 peak, and the
+  mma.sync FLOPs (HMMA, per warp) at hardware.Gpu.mma_sync_flops;
 - issue: warp-instructions at ``issue_per_clock`` per SM;
 - pipe: the busiest execution pipe (fp32, int, MUFU, conversions, shuffles at their rates; shared
   memory at 128 bytes per clock);
@@ -74,7 +75,7 @@ class Prediction:
     wave_efficiency: float
     single_wave: bool                  # every program resident at once (the memory part is not divided)
     predicted_s: float
-    tensor_flops: float                # wgmma FLOPs the launch runs
+    tensor_flops: float                # tensor-core FLOPs the launch runs (wgmma and mma.sync)
     notes: List[str] = field(default_factory=list)
 
     def to_dict(self) -> Dict[str, object]:
@@ -161,15 +162,20 @@ def predict(function: Function, work: Work, gpu: Gpu = H100) -> Prediction:
     for name, c in _pipe_clocks(rest, gpu).items():
         pipes[name] = pipes.get(name, 0.0) + c * work.programs * work.warps
     sm_clock = gpu.sms * gpu.clock_hz
-    tensor_flops = sum(ins.mma_flops for ins in loop) * work.iterations * work.warps / 4
-    tensor_flops += sum(ins.mma_flops for ins in rest) * work.programs * work.warps / 4
+    def flops(instructions: List[Instruction], wgmma: bool) -> float:
+        # an HGMMA is issued by each warp of its warpgroup (4 warps share its FLOPs); an HMMA by one warp
+        return sum(ins.mma_flops for ins in instructions if (ins.opcode != "HMMA") == wgmma) / (4 if wgmma else 1)
+
+    wgmma_flops = (flops(loop, True) * work.iterations + flops(rest, True) * work.programs) * work.warps
+    sync_flops = (flops(loop, False) * work.iterations + flops(rest, False) * work.programs) * work.warps
+    tensor_flops = wgmma_flops + sync_flops
     busiest = max(pipes, key=pipes.get) if pipes else "fma"
     resident = resident_per_sm(work, gpu)
     notes = []
     if resident == 0:
         notes.append("does not fit on an SM (registers or shared memory)")
         resident = 1
-    bounds = {"tensor": tensor_flops / gpu.dense_bf16_flops,
+    bounds = {"tensor": wgmma_flops / gpu.dense_bf16_flops + sync_flops / gpu.mma_sync_flops,
               "issue": warp_instr / (gpu.issue_per_clock * sm_clock),
               "pipe": pipes.get(busiest, 0.0) / sm_clock,
               "memory": work.moved_bytes / gpu.achievable_hbm_bytes_per_s,

@@ -1,6 +1,7 @@
 """`bertfast perf-model`: the predicted H100 speed of bertfast's Triton kernels, read from their sm_90
-SASS, against the benchmark targets; beside the measured figures of a committed GPU run, with the
-overlap and memory constants refitted to them. Predictions are a plan, never a measurement (docs/perf-model.md).
+SASS, against the benchmark targets, and the CUDA attention's forward beside Triton's; beside the
+measured figures of a committed GPU run, with the overlap and memory constants refitted to them.
+Predictions are a plan, never a measurement (docs/perf-model.md).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from bertfast import registry
+from bertfast.perfmodel import cuda as CU
 from bertfast.perfmodel import kernels as K
 from bertfast.perfmodel import step as S
 from bertfast.perfmodel import suite as SU
@@ -31,6 +33,7 @@ TARGET_SETTINGS = (K.Setting("bert-large", 512, 32, 0.1), K.Setting("bert-large"
 ATTENTION_TFLOPS_TARGET = 215.0   # benchmarks/README: FlashAttention-2's published H100 figure
 DROPOUT_COST_TARGET = 0.60        # dropout's extra main-loop instructions per element, fwd+bwd
 ROW_OP_BANDWIDTH_TARGET = 0.90    # of the achievable copy bandwidth
+CUDA_ATTENTION_RATIO = 1.3        # the CUDA attention's predicted time, at most this times Triton's (issue 39)
 # Attention FLOPs credited per score element (4·D forward, 10·D backward; what the benchmark divides by).
 CREDITED = {"fwd": 4 * K.HEAD_DIM, "bwd": 10 * K.HEAD_DIM}
 DIRECTION = {"_attention_fwd_kernel": "fwd", "_attention_bwd_delta_kernel": "bwd", "_attention_bwd_dq_kernel": "bwd",
@@ -183,6 +186,34 @@ def targets(results: Sequence[KernelResult], gpu: Gpu = H100) -> List[Dict[str, 
                     "unit": "% MFU (device time; a CUDA-graph step)", "met": plan["mfu"] >= case.target_mfu,
                     "ceiling": 100 * plan["ceiling"]["mfu"]})
     return out
+
+
+def cuda_attention(results: Sequence[KernelResult], settings: Sequence[K.Setting], gpu: Gpu = H100,
+                   log=print) -> List[Dict[str, object]]:
+    """The CUDA backend's attention forward (perfmodel.cuda) beside the Triton forward at each setting:
+    its prediction, TFLOP/s, instructions per element, and the ratio of the two times. [] with a line
+    saying why where it cannot be compiled here."""
+    why = CU.unavailable()
+    if why is not None:
+        log(f"CUDA attention: not read ({why})")
+        return []
+    rows = []
+    for f in CU.predict_forward(list(settings), gpu):
+        triton = attention_figures(results, f.setting)["fwd"]["seconds"]
+        p = f.prediction
+        ratio = p.predicted_s / triton
+        rows.append({"setting": f.setting.label(), "kernel": CU.KERNEL, "registers": f.registers, "spills": f.spills,
+                     "seconds": p.predicted_s, "tflops": attention_tflops(f.setting, "fwd", p.predicted_s),
+                     "instructions_per_element": p.per_element["total"], "binding": p.binding,
+                     "bounds_s": p.bounds_s, "triton_seconds": triton, "ratio": ratio,
+                     "within": ratio <= CUDA_ATTENTION_RATIO, "notes": p.notes})
+        log(f"CUDA attention forward (csrc/{CU.SOURCE}, mma.sync), {f.setting.label()}: {p.predicted_s * 1e6:.0f} us, "
+            f"{rows[-1]['tflops']:.0f} TFLOP/s, {p.per_element['total']:.1f} instr/elem, bound by {p.binding}, "
+            f"{f.registers} registers: {ratio:.2f}x Triton's forward ({'within' if rows[-1]['within'] else 'NOT within'}"
+            f" {CUDA_ATTENTION_RATIO:g}x)" + (f" [{'; '.join(p.notes)}]" if p.notes else ""))
+    log("  (its backward, WMMA with S and P through shared memory, is not modelled yet; mma.sync priced at "
+        f"{gpu.mma_sync_flops / 1e12:.0f} TFLOP/s, an assumption: hardware.Gpu.mma_sync_flops)")
+    return rows
 
 
 def refitted_steps(results: List[KernelResult], refit: Tuple[float, float, float], gpu: Gpu = H100):
@@ -520,8 +551,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bertfast perf-model",
         description="Predicted H100 speed of bertfast's Triton kernels, read from their sm_90 SASS (no GPU "
-                    "needed), against the benchmark targets; beside a committed GPU run's measurements. "
-                    "Predictions, not measurements.")
+                    "needed), against the benchmark targets, and the CUDA attention's forward beside Triton's; "
+                    "beside a committed GPU run's measurements. Predictions, not measurements.")
     p.add_argument("--json", default=None, metavar="FILE", help="write the targets and every kernel's figures")
     p.add_argument("--profile", default=None, metavar="PROFILE_TXT",
                    help="a GPU run's profile of the step (profile-graphs.txt or profile-bertfast.txt) to compare "
@@ -561,6 +592,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"attention, {setting.label()}: " + "; ".join(
             f"{d} {att[d]['seconds'] * 1e6:.0f} us, {att[d]['tflops']:.0f} TFLOP/s, "
             f"{att[d]['instructions_per_element']:.1f} instr/elem" for d in ("fwd", "bwd", "fwd+bwd")))
+    print()
+    cuda_rows = cuda_attention(results, [s for s in settings if s.model == "bert-large"], gpu)
     plans = [S.budget(results, case, gpu) for case in S.STEP_CASES]
     for plan in plans:
         print(f"\n{plan['case']}: {plan['seconds'] * 1e3:.1f} ms of device time, {plan['sequences_per_s']:,.0f} "
@@ -664,7 +697,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"gpu": gpu.name, "overlap": gpu.overlap, "memory_overlap": gpu.memory_overlap,
                        "memory_latency_s": gpu.memory_latency_s, "targets": goals, "steps": plans,
-                       "kernels": [r.to_dict() for r in results], "measured": comparison}, f, indent=1)
+                       "kernels": [r.to_dict() for r in results], "cuda_attention": cuda_rows,
+                       "measured": comparison}, f, indent=1)
     print(f"\npredicted: {sum(1 for t in goals if t['met'])} of {len(goals)} targets met")
     return 0
 

@@ -53,6 +53,7 @@ OPCODE_CLASS = {op: cls for cls, ops in _CLASS_OF.items() for op in ops}
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Za-z0-9_]+)*)\s*([^;]*);")
 _FUNCTION = re.compile(r"Function\s*:\s*(\S+)")
 _GMMA_SHAPE = re.compile(r"\.(\d+)x(\d+)x(\d+)")
+_HMMA_SHAPE = re.compile(r"^\.(16)(8)(16|8)\b")  # HMMA.16816: mma.sync m16n8k16 (m16n8k8: .1688)
 
 
 @dataclass(frozen=True)
@@ -88,10 +89,11 @@ class Instruction:
 
     @property
     def mma_flops(self) -> int:
-        """Floating-point operations of one wgmma (HGMMA mMnNkK: 2·M·N·K per warpgroup), else 0."""
+        """Floating-point operations of one wgmma (HGMMA mMnNkK: 2·M·N·K per warpgroup) or one mma.sync
+        (HMMA.16816: 2·16·8·16 per warp), else 0."""
         if self.cls != "tensor":
             return 0
-        m = _GMMA_SHAPE.search(self.modifiers)
+        m = _GMMA_SHAPE.search(self.modifiers) if self.opcode != "HMMA" else _HMMA_SHAPE.search(self.modifiers)
         if not m:
             return 0
         a, b, c = (int(x) for x in m.groups())

@@ -20,7 +20,8 @@
 //                                   copies are queued by group and land at the cp_async_wait that
 //                                   requires them (the latest moment the hardware may land them), so
 //                                   a tile read before its wait reads stale bytes. A misaligned
-//                                   address aborts, as it faults on the hardware.
+//                                   address aborts, as it faults on the hardware. exp2_ftz: exp2
+//                                   with subnormals flushed (exact where the hardware is 2 ulp).
 // Lanes do not run in lockstep here, so a missing __syncwarp shows up as a wrong result more
 // readily than on hardware.
 #pragma once
@@ -31,6 +32,7 @@
 #include <algorithm>
 #include <atomic>
 #include <barrier>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -46,6 +48,11 @@
 
 #ifndef __launch_bounds__
 #define __launch_bounds__(...)
+#endif
+// nvcc's inlining hint; the host compiler has no such keyword (empty: a libstdc++ header's
+// __attribute__((__noinline__)) then reads __attribute__(()), still valid).
+#ifndef __noinline__
+#define __noinline__
 #endif
 
 namespace emu {
@@ -326,6 +333,17 @@ inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (
   }
   w->bar.arrive_and_wait();
   for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+
+template <typename T>
+inline void mma_m16n8k16_zero(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  for (float& x : d) x = 0.f;
+  mma_m16n8k16<T>(d, a, b);
+}
+
+inline float exp2_ftz(float x) {
+  const float y = std::exp2(std::fpclassify(x) == FP_SUBNORMAL ? 0.f : x);
+  return std::fpclassify(y) == FP_SUBNORMAL ? 0.f : y;
 }
 
 inline void cp_async_16(void* dst, const void* src, bool valid) {
