@@ -207,10 +207,11 @@ def cuda_attention(results: Sequence[KernelResult], settings: Sequence[K.Setting
                      "instructions_per_element": p.per_element["total"], "binding": p.binding,
                      "bounds_s": p.bounds_s, "triton_seconds": triton, "ratio": ratio,
                      "within": ratio <= CUDA_ATTENTION_RATIO, "notes": p.notes})
+        within = "within" if rows[-1]["within"] else "NOT within"
         log(f"CUDA attention forward (csrc/{CU.SOURCE}, mma.sync), {f.setting.label()}: {p.predicted_s * 1e6:.0f} us, "
             f"{rows[-1]['tflops']:.0f} TFLOP/s, {p.per_element['total']:.1f} instr/elem, bound by {p.binding}, "
-            f"{f.registers} registers: {ratio:.2f}x Triton's forward ({'within' if rows[-1]['within'] else 'NOT within'}"
-            f" {CUDA_ATTENTION_RATIO:g}x)" + (f" [{'; '.join(p.notes)}]" if p.notes else ""))
+            f"{f.registers} registers: {ratio:.2f}x Triton's forward ({within} {CUDA_ATTENTION_RATIO:g}x)"
+            + (f" [{'; '.join(p.notes)}]" if p.notes else ""))
     log("  (its backward, WMMA with S and P through shared memory, is not modelled yet; mma.sync priced at "
         f"{gpu.mma_sync_flops / 1e12:.0f} TFLOP/s, an assumption: hardware.Gpu.mma_sync_flops)")
     return rows
