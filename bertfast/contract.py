@@ -94,6 +94,27 @@ def check_dropout(p, seed: Optional[torch.Tensor] = None, device=None) -> float:
     return p
 
 
+# The attention forward's record of its dropout decisions for the backward (Triton and CUDA: the same
+# layout, kernels/attention.py's header, "Keep bits"): uint8 [B, A, L / 2, L / 4], one bit per score
+# element, L the sequence length rounded up to KEEP_ALIGN, a multiple of every kernel's tile.
+KEEP_ALIGN = 128
+
+
+def keep_bits_shape(batch: int, heads: int, seqlen: int, dropout_p: float) -> Tuple[int, ...]:
+    """The keep bits' shape; (0,) without dropout (or without a score)."""
+    if dropout_p == 0.0 or batch * heads * seqlen == 0:
+        return (0,)
+    length = -(-seqlen // KEEP_ALIGN) * KEEP_ALIGN
+    return (batch, heads, length // 2, length // 4)
+
+
+def check_keep_bits(keep: torch.Tensor, batch: int, heads: int, seqlen: int, dropout_p: float, device) -> None:
+    """``keep`` is what a forward with these sizes records (keep_bits_shape, uint8; empty without dropout)."""
+    want = keep_bits_shape(batch, heads, seqlen, dropout_p)
+    if dropout_p > 0.0 or keep.numel():
+        check_tensor("keep", keep, dtypes=(torch.uint8,), shape=want, device=device)
+
+
 def check_approximate(approximate) -> str:
     if approximate not in GELU_APPROXIMATIONS:
         raise ValueError(f"approximate: expected one of {GELU_APPROXIMATIONS}, got {approximate!r}")

@@ -21,6 +21,8 @@
 //   key block: K, V -> smem, S = Q K^T (row group's rows, fp32 in smem), online softmax on its rows
 //   (running max m, sum l in registers, log2 domain), P -> smem in the input dtype,
 //   O = alpha * O + P V in fp32 accumulators. [S, S] never exists; only [BM, BN] tiles do.
+// Dropout's decisions go from the forward to the backward in the keep bits (KeepBits, the Triton
+//   kernel's layout); only the forward draws them.
 // Backward: a delta kernel (d_i = do_i . O_i), a dQ kernel (one block per query block, loop over
 //   key blocks), then a dK/dV kernel (one block per key block, warps own key rows, loop over query
 //   blocks, recomputing P^T from lse). Two kernels instead of atomics: deterministic, no workspace.
@@ -322,6 +324,25 @@ struct Dropout {
   }
 };
 
+// Dropout's decisions as the forward records them for the backward (Params::keep, the Triton kernel's
+// layout): element (16R + 8h + r, 16C + 8w + 2q + e) of (b, a)'s [L, L] scores is bit 4h + 2w + e of
+// byte (8R + r, 4C + q) of its [L / 2, L / 4] block (L = keep_len). A lane (g, t) of an mma score
+// tile holds one byte's 8 elements: rows g and g + 8, columns 2t and 2t + 1 of two n8 tiles.
+struct KeepBits {
+  uint8_t* base;  // (b, a)'s block
+  int cols;       // bytes a row, L / 4 (a block's offsets fit 32 bits: L <= 2^16 keys, the Philox counter's limit)
+  __device__ __forceinline__ KeepBits(const AttentionParams& p, int b, int h)
+      : base(p.keep + (static_cast<int64_t>(b) * p.heads + h) * (p.keep_len / 2) * (p.keep_len / 4)),
+        cols(static_cast<int>(p.keep_len / 4)) {}
+  // The byte of 16-row block R, row r, 16-column block C, column pair q.
+  __device__ __forceinline__ uint8_t* byte(int R, int r, int C, int q) const {
+    return base + (8 * R + r) * cols + 4 * C + q;
+  }
+  __device__ __forceinline__ bool kept(int i, int j) const {
+    return (*byte(i >> 4, i & 7, j >> 4, (j & 7) >> 1) >> (4 * ((i >> 3) & 1) + 2 * ((j >> 3) & 1) + (j & 1))) & 1;
+  }
+};
+
 // Lane pair `half`'s share of a row of a [rows, W] score tile whose first column is c0 (absolute,
 // c0 % W == 0 below 32 columns): the groups with q % 2 == half, kDraws draws of kCols columns each.
 // Draw d is group(d); its k-th column (k = 2 w' + e) is col(d, k) of the tile, decision bit(k).
@@ -347,8 +368,10 @@ struct Draws {
 // *WN warps split the columns of a row group's accumulators (and of its S tile): at D 256 one
 // warp would hold 128 accumulator registers per lane for O or dQ, 256 for dK and dV. dK/dV splits
 // 16-bit tiles 4 ways (2 ways still spills), fp32 ones 2 ways (its FMA slices need not be 16
-// wide, so its tiles stay small). Shared memory at D 256 (forward, dQ, dK/dV): 80, 80 and 96 KiB
-// for 16-bit types, 70, 69 and 70 KiB for fp32.
+// wide, so its tiles stay small); at D 96 and 128 it splits 16-bit tiles 2 ways (one warp spilled
+// there once it read the keep bits). Shared memory at D 256 (forward, dQ, dK/dV): 80, 80 and 96 KiB
+// for 16-bit types, 70, 69 and 70 KiB for fp32. The fp16/bf16 forward has a tile of its own
+// (kMmaFwdBN, attention_fwd.cu).
 template <typename T, int D>
 struct Cfg {
   static constexpr bool kF32 = std::is_same<T, float>::value;
@@ -367,7 +390,7 @@ struct Cfg {
   // dK, dV: BN key rows per block, BM queries per step
   static constexpr int kKvBN = kBig ? 16 : (kF32 && D > 64 ? 32 : 64);
   static constexpr int kKvBM = kBig ? (kF32 ? 16 : 64) : (kF32 || D > 64 ? 32 : 64);
-  static constexpr int kKvWN = kBig ? (kF32 ? 2 : 4) : 1;
+  static constexpr int kKvWN = kBig ? (kF32 ? 2 : 4) : (!kF32 && D > 64 ? 2 : 1);
 };
 
 }  // namespace attn

@@ -41,8 +41,10 @@ struct KvSmem {
   static constexpr int bytes = cmax(align128(kvalid + 4LL * BN), align128(o + 4LL * BN * LDO));
 };
 
+// Both WMMA backward kernels ask for a minimum of 1 block per SM: without it ptxas (CUDA 13) capped
+// some variants at 64-128 registers and spilled to raise occupancy.
 template <typename T, int D, int BN, int BM, int WN>
-__global__ void __launch_bounds__(BN / 16 * WN * 32) attention_bwd_dkdv_kernel(const Params p) {
+__global__ void __launch_bounds__(BN / 16 * WN * 32, 1) attention_bwd_dkdv_kernel(const Params p) {
   using L = KvSmem<T, D, BN, BM>;
   constexpr int NT = BN / 16 * WN * 32;
   constexpr int SC = BM / WN, DC = D / WN;  // a warp's columns of S^T / dP^T and of dK, dV
@@ -86,14 +88,12 @@ __global__ void __launch_bounds__(BN / 16 * WN * 32) attention_bwd_dkdv_kernel(c
   const float* delta_b = p.delta + b * p.lse_batch + h * p.lse_head + sq.start;
   const float scale2 = p.softmax_scale * kLog2e;
   const bool dropout = p.dropout_p > 0.f;
-  const Dropout drop(p, b, h);
+  const KeepBits keep_bits(p, b, h);  // the forward's decisions (with dropout)
   const float rdrop = 1.f / (1.f - p.dropout_p);
-  // Elementwise map: lane handles keys 8 w' + 2 jg + e (w', e < 2) of the row group, dropout group jg
-  // of its 32-key block (Dropout: the row group is that block's words wb, wb + 1), of queries
-  // cs SC + ic + 8 t: one draw per query, four of its decisions.
+  // Elementwise map: lane handles keys 8 w' + 2 jg + e (w', e < 2) of the row group, of queries
+  // cs SC + ic + 8 t: the four decisions of a query are in one keep byte (column pair jg).
   const int jg = lane >> 3, ic = lane & 7;
-  const int key0 = n0 + 16 * rg, wb = (key0 >> 3) & 2;
-  const int group = (key0 >> 5) * 4 + jg;
+  const int key16 = (n0 >> 4) + rg;  // the row group's 16-key block
 
   for (int m0 = 0; m0 < sq.len; m0 += BM) {
     __syncthreads();  // every warp is done with the previous Q, dO, lse, delta
@@ -112,17 +112,18 @@ __global__ void __launch_bounds__(BN / 16 * WN * 32) attention_bwd_dkdv_kernel(c
     warp_gemm_nt<T, SC, D>(Vs + 16 * rg * L::LDT, L::LDT, dOs + cs * SC * L::LDT, L::LDT, dPTw + cs * SC, L::LDF);
     __syncwarp();
 
-    // Kept rolled: each step is a Philox draw already; unrolled, bf16 at D 128 spills (sm_90).
+    // Kept rolled: unrolled, bf16 at D 128 spills (sm_90).
 #pragma unroll 1
     for (int t = 0; t < SC / 8; ++t) {
-      const int i = cs * SC + ic + 8 * t;
+      const int i = cs * SC + ic + 8 * t, qi = m0 + i;
       const float l2 = lse_s[i], dl = delta_s[i];
-      const unsigned bits = dropout ? drop.group_bits(m0 + i, group, p.threshold) : ~0u;
+      // bit 4h + 2w' + e of the byte: h = (qi / 8) % 2
+      const unsigned bits = dropout ? *keep_bits.byte(qi >> 4, qi & 7, key16, jg) >> (4 * ((qi >> 3) & 1)) : ~0u;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {  // k = 2 w' + e
         const int jl = 8 * (k >> 1) + 2 * jg + (k & 1);
         const float pv = kvalid[16 * rg + jl] ? exp2f(STw[jl * L::LDF + i] * scale2 - l2) : 0.f;
-        const bool keep = (bits >> (2 * wb + k)) & 1u;
+        const bool keep = (bits >> k) & 1u;
         const float pd = keep ? pv * rdrop : 0.f;
         const float dpv = keep ? dPTw[jl * L::LDF + i] * rdrop : 0.f;
         PdTw[jl * L::LDP + i] = from_f<T>(pd);
@@ -177,8 +178,6 @@ struct DqSmem {
   static constexpr int bytes = cmax(align128(resid + (kRefine ? 4LL * WN * BM : 0)), align128(o + 4LL * BM * LDO));
 };
 
-// Launch bounds with a minimum of 1 block per SM: without it ptxas (CUDA 13) capped some
-// variants at 64-128 registers and spilled to raise occupancy.
 template <typename T, int D, int BM, int BN, int WN>
 __global__ void __launch_bounds__(BM / 16 * WN * 32, 1) attention_bwd_dq_kernel(const Params p) {
   using L = DqSmem<T, D, BM, BN, WN>;
@@ -228,7 +227,7 @@ __global__ void __launch_bounds__(BM / 16 * WN * 32, 1) attention_bwd_dq_kernel(
   const T* vb = static_cast<const T*>(p.v) + b * p.sv.batch + sq.start * p.sv.row + h * p.sv.head;
   const float scale2 = p.softmax_scale * kLog2e;
   const bool dropout = p.dropout_p > 0.f;
-  const Dropout drop(p, b, h);
+  const KeepBits keep_bits(p, b, h);  // the forward's decisions (with dropout)
   const float rdrop = 1.f / (1.f - p.dropout_p);
 
   for (int n0 = 0; n0 < sq.len; n0 += BN) {
@@ -243,17 +242,14 @@ __global__ void __launch_bounds__(BM / 16 * WN * 32, 1) attention_bwd_dq_kernel(
     warp_gemm_nt<T, SC, D>(dOs + 16 * rg * L::LDT, L::LDT, Vs + cs * SC * L::LDT, L::LDT, dPw + cs * SC, L::LDS);
     __syncwarp();
 
-    // This lane's half of row r, by dropout group (Draws).
-    using DR = Draws<SC>;
-    const DR dr(n0 + cs * SC, half);
+    // This lane's half of row r: columns 4 (half + 2 g) + e.
 #pragma unroll
-    for (int d = 0; d < DR::kDraws; ++d) {
-      const unsigned bits = dropout ? drop.group_bits(qi, dr.group(d), p.threshold) : ~0u;
+    for (int g = 0; g < SC / 8; ++g) {
 #pragma unroll
-      for (int k = 0; k < DR::kCols; ++k) {
-        const int c = cs * SC + dr.col(d, k);
+      for (int e = 0; e < 4; ++e) {
+        const int c = cs * SC + 4 * (half + 2 * g) + e;
         const float pv = kvalid[c] ? exp2f(Sw[r * L::LDS + c] * scale2 - l2) : 0.f;
-        const bool keep = (bits >> dr.bit(k)) & 1u;
+        const bool keep = !dropout || keep_bits.kept(qi, n0 + c);
         const float dpv = keep ? dPw[r * L::LDS + c] * rdrop : 0.f;
         const float dsv = pv * (dpv - dl);
         dSw[r * L::LDP + c] = from_f<T>(dsv);

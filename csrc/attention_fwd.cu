@@ -249,6 +249,7 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_fwd_mma_kernel(const Par
 
   const float scale2 = p.softmax_scale * kLog2e;
   const Dropout drop(kDropout ? p.dropout_p : 0.f, p.seed, static_cast<uint32_t>(b * p.heads + h));
+  [[maybe_unused]] const KeepBits keep_bits(p, b, h);  // written with dropout
   // The lane's ldmatrix row addresses: A (Q) rows lane % 16, column half lane / 16; B (K) rows
   // lane % 8 + 8 (lane / 16), column half (lane / 8) % 2; B^T (V) rows lane % 16, column half lane / 16.
   const T* qrow = Qs + (16 * w + (lane & 15)) * LD + 8 * (lane >> 4);
@@ -330,6 +331,7 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_fwd_mma_kernel(const Par
 #pragma unroll
     for (int mb = 0; mb < BN / 32; ++mb) {  // 32-key block mb: this lane's group t of it, rows row0, row0 + 8
       [[maybe_unused]] U4 words[2];
+      [[maybe_unused]] unsigned kbyte[2] = {0u, 0u};  // the keep bytes of its 16-key halves
       if constexpr (kDropout) {
         const int group = ((n0 >> 5) + mb) * 4 + t;
         words[0] = drop.group_words(row0, group);
@@ -345,9 +347,16 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_fwd_mma_kernel(const Par
           s[n][e] = pv;
           if constexpr (kDropout) {  // decision 2w + e, w = n % 4: half e of word w
             const uint32_t word = pick(words[r], n & 3);
-            if ((e & 1 ? word >> 16 : word & 0xFFFFu) < p.threshold) s[n][e] = 0.f;
+            const bool keep = (e & 1 ? word >> 16 : word & 0xFFFFu) >= p.threshold;
+            if (!keep) s[n][e] = 0.f;
+            kbyte[(n >> 1) & 1] |= static_cast<unsigned>(keep) << (4 * r + 2 * (n & 1) + (e & 1));  // KeepBits
           }
         }
+      }
+      if constexpr (kDropout) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          *keep_bits.byte((m0 >> 4) + w, lane >> 2, (n0 >> 4) + 2 * mb + half, t) = static_cast<uint8_t>(kbyte[half]);
       }
     }
 #pragma unroll
@@ -420,6 +429,32 @@ namespace {
 
 using namespace attn;
 
+// ------------------------------------------------------------------ keep bits, fp32
+// Every byte of the keep bits (KeepBits) drawn in its own layout, two draws a byte (its rows 16R + r
+// and 16R + 8 + r): the fp32 forward's record, whose FMA kernel holds no mma tiles. Grid: byte rows
+// (x), sequences (y), heads (z).
+__global__ void attention_keep_bits_kernel(const Params p) {
+  const int b = blockIdx.y, h = blockIdx.z;
+  const Dropout drop(p, b, h);
+  const KeepBits keep_bits(p, b, h);
+  const int64_t rows = p.keep_len / 2;
+  for (int64_t br = blockIdx.x; br < rows; br += gridDim.x) {
+    const int R = static_cast<int>(br >> 3), r = static_cast<int>(br & 7);
+    for (int bc = threadIdx.x; bc < keep_bits.cols; bc += blockDim.x) {
+      const int C = bc >> 2, q = bc & 3;  // columns 16C + 8w + 2q + e: group 4 (C / 2) + q, word 2 (C % 2) + w
+      unsigned byte = 0;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const U4 words = drop.group_words(16 * R + 8 * hh + r, (C >> 1) * 4 + q);
+#pragma unroll
+        for (int w = 0; w < 2; ++w)
+          byte |= Dropout::kept_halves(pick(words, 2 * (C & 1) + w), p.threshold) << (4 * hh + 2 * w);
+      }
+      *keep_bits.byte(R, r, C, q) = static_cast<uint8_t>(byte);
+    }
+  }
+}
+
 // ------------------------------------------------------------------ dropout mask (debug)
 // keep [rows = batch * heads * S, S]: row (b * A + a) * S + i, column j, exactly as the kernels draw it
 // (Dropout): a thread per group of a row, its 8 columns.
@@ -459,6 +494,11 @@ struct Fwd {
       auto kernel = attention_fwd_kernel<T, D, C::kFwdBM, C::kFwdBN, C::kFwdWN>;
       if (int s = prepare(kernel, L::bytes, "attention_fwd")) return s;
       kernel<<<grid_for(p, C::kFwdBM), C::kFwdBM / 16 * C::kFwdWN * 32, L::bytes, stream>>>(p);
+      if (p.dropout_p > 0.f) {
+        BF_CHECK_LAUNCH("attention_fwd");
+        const unsigned rows = static_cast<unsigned>(p.keep_len / 2 < 4096 ? p.keep_len / 2 : 4096);
+        attention_keep_bits_kernel<<<dim3(rows, p.batch, p.heads), 128, 0, stream>>>(p);
+      }
     }
     BF_CHECK_LAUNCH("attention_fwd");
     return kOk;

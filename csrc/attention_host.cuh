@@ -45,6 +45,11 @@ inline int check(const AttentionParams& p, bool backward, const char* name) {
   if (!(p.dropout_p >= 0.f && p.dropout_p < 1.f))
     return fail(kErrArgument, "%s: dropout_p must be in [0, 1), got %g", name, p.dropout_p);
   if (p.dropout_p > 0.f && p.seed == nullptr) return fail(kErrArgument, "%s: dropout needs a seed", name);
+  if (p.dropout_p > 0.f && (p.keep == nullptr || p.keep_len % 128 != 0 || p.keep_len < p.max_seqlen))
+    return fail(kErrArgument,
+                "%s: dropout needs its keep bits, keep_len a multiple of 128 and >= max_seqlen %d; got %s, "
+                "keep_len %lld", name, p.max_seqlen, p.keep == nullptr ? "none" : "a pointer",
+                static_cast<long long>(p.keep_len));
   const int elem = p.dtype == kFloat32 ? 4 : 2;
   bool ok = aligned_to(p.q, elem) && aligned_to(p.k, elem) && aligned_to(p.v, elem) && aligned_to(p.out, elem);
   if (backward)

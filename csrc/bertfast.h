@@ -124,6 +124,11 @@ struct AttentionParams {
   int max_seqlen;                  // varlen: max_seqlen; padded: seqlen
   float softmax_scale, dropout_p;
   const int64_t* seed;
+  // Dropout's keep bits (with dropout): uint8 [batch, heads, keep_len / 2, keep_len / 4], one bit per
+  // score element in the Triton kernel's layout (bertfast.contract.keep_bits_shape; keep_len a
+  // multiple of 128, >= max_seqlen): the forward writes its decisions, the backward reads them.
+  uint8_t* keep;
+  int64_t keep_len;
   int dtype;
 };
 // Writes out and lse (+inf for a query row with no valid key; its output is 0).

@@ -39,7 +39,7 @@ using S3 = std::array<int64_t, 3>;
 void attention_fwd(uintptr_t q, S3 sq, uintptr_t k, S3 sk, uintptr_t v, S3 sv, uintptr_t out, S3 so,
                    uintptr_t lse, int64_t lse_batch, int64_t lse_head, uintptr_t cu_seqlens, uintptr_t key_mask,
                    int64_t key_mask_batch, int batch, int heads, int head_dim, int max_seqlen, float softmax_scale,
-                   float dropout_p, uintptr_t seed, int dtype, uintptr_t stream) {
+                   float dropout_p, uintptr_t seed, uintptr_t keep, int64_t keep_len, int dtype, uintptr_t stream) {
   bertfast::AttentionParams p{};
   p.q = ptr(q); p.sq = strides(sq);
   p.k = ptr(k); p.sk = strides(sk);
@@ -50,6 +50,7 @@ void attention_fwd(uintptr_t q, S3 sq, uintptr_t k, S3 sk, uintptr_t v, S3 sv, u
   p.key_mask = ptr<const uint8_t>(key_mask); p.key_mask_batch = key_mask_batch;
   p.batch = batch; p.heads = heads; p.head_dim = head_dim; p.max_seqlen = max_seqlen;
   p.softmax_scale = softmax_scale; p.dropout_p = dropout_p; p.seed = ptr<const int64_t>(seed); p.dtype = dtype;
+  p.keep = ptr<uint8_t>(keep); p.keep_len = keep_len;
   int status;
   {
     py::gil_scoped_release nogil;
@@ -62,7 +63,8 @@ void attention_bwd(uintptr_t dout, S3 sdo, uintptr_t q, S3 sq, uintptr_t k, S3 s
                    uintptr_t out, S3 so, uintptr_t lse, uintptr_t delta, int64_t lse_batch, int64_t lse_head,
                    uintptr_t dq, S3 sdq, uintptr_t dk, S3 sdk, uintptr_t dv, S3 sdv, uintptr_t cu_seqlens,
                    uintptr_t key_mask, int64_t key_mask_batch, int batch, int heads, int head_dim, int max_seqlen,
-                   float softmax_scale, float dropout_p, uintptr_t seed, int dtype, uintptr_t stream) {
+                   float softmax_scale, float dropout_p, uintptr_t seed, uintptr_t keep, int64_t keep_len, int dtype,
+                   uintptr_t stream) {
   bertfast::AttentionParams p{};
   p.dout = ptr(dout); p.sdo = strides(sdo);
   p.q = ptr(q); p.sq = strides(sq);
@@ -77,6 +79,7 @@ void attention_bwd(uintptr_t dout, S3 sdo, uintptr_t q, S3 sq, uintptr_t k, S3 s
   p.key_mask = ptr<const uint8_t>(key_mask); p.key_mask_batch = key_mask_batch;
   p.batch = batch; p.heads = heads; p.head_dim = head_dim; p.max_seqlen = max_seqlen;
   p.softmax_scale = softmax_scale; p.dropout_p = dropout_p; p.seed = ptr<const int64_t>(seed); p.dtype = dtype;
+  p.keep = ptr<uint8_t>(keep); p.keep_len = keep_len;
   int status;
   {
     py::gil_scoped_release nogil;
@@ -255,8 +258,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("v"), py::arg("v_strides"), py::arg("out"), py::arg("out_strides"), py::arg("lse"),
         py::arg("lse_batch"), py::arg("lse_head"), py::arg("cu_seqlens"), py::arg("key_mask"),
         py::arg("key_mask_batch"), py::arg("batch"), py::arg("heads"), py::arg("head_dim"), py::arg("max_seqlen"),
-        py::arg("softmax_scale"), py::arg("dropout_p"), py::arg("seed"), py::arg("dtype"), py::arg("stream"),
-        "Strides are (batch, row, head) in elements.");
+        py::arg("softmax_scale"), py::arg("dropout_p"), py::arg("seed"), py::arg("keep"), py::arg("keep_len"),
+        py::arg("dtype"), py::arg("stream"), "Strides are (batch, row, head) in elements.");
 
   m.def("attention_bwd", &attention_bwd, py::arg("dout"), py::arg("dout_strides"), py::arg("q"), py::arg("q_strides"),
         py::arg("k"), py::arg("k_strides"), py::arg("v"), py::arg("v_strides"), py::arg("out"),
@@ -264,7 +267,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("dq"), py::arg("dq_strides"), py::arg("dk"), py::arg("dk_strides"), py::arg("dv"),
         py::arg("dv_strides"), py::arg("cu_seqlens"), py::arg("key_mask"), py::arg("key_mask_batch"),
         py::arg("batch"), py::arg("heads"), py::arg("head_dim"), py::arg("max_seqlen"), py::arg("softmax_scale"),
-        py::arg("dropout_p"), py::arg("seed"), py::arg("dtype"), py::arg("stream"));
+        py::arg("dropout_p"), py::arg("seed"), py::arg("keep"), py::arg("keep_len"), py::arg("dtype"),
+        py::arg("stream"));
 
   m.def(
       "attention_dropout_mask",

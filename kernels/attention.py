@@ -130,9 +130,9 @@ import torch
 import triton
 import triton.language as tl
 
-from bertfast.contract import (check_bias_dtype, check_cu_seqlens, check_dropout, check_head_dim,
-                               check_key_padding_mask, check_qkv, check_tensor, head_dim_reasons,
-                               softmax_scale as _softmax_scale)
+from bertfast.contract import (KEEP_ALIGN, check_bias_dtype, check_cu_seqlens, check_dropout, check_head_dim,
+                               check_keep_bits, check_key_padding_mask, check_qkv, check_tensor, head_dim_reasons,
+                               keep_bits_shape, softmax_scale as _softmax_scale)
 
 from . import _common
 from ._common import autotune, interpreting, launch
@@ -1125,7 +1125,6 @@ _INTERP = {"fwd": {"BLOCK_M": 16, "BLOCK_N": 16}, "dkdv": {"BLOCK_M": 16, "BLOCK
 _DELTA_BLOCK_M = 64
 # The keep bits' rows and columns are padded to a multiple of every tile, so no kernel masks its
 # byte loads and stores (header, "Keep bits"); _tuned checks each candidate against it.
-KEEP_ALIGN = 128
 _OUTSIDE_BLOCKS = {"BLOCK_T": 64, "BLOCK_C": 128}
 
 
@@ -1357,24 +1356,11 @@ def _clear_outside_rows(out: torch.Tensor, lse: Optional[torch.Tensor], cu_seqle
            dict(HAS_LSE=lse is not None, **_OUTSIDE_BLOCKS))
 
 
-def dropout_keep_shape(batch: int, heads: int, seqlen: int, dropout_p: float) -> Tuple[int, ...]:
-    """The keep bits a forward with dropout writes for its backward (header): uint8 [B, A, L / 2, L / 4],
-    L = seqlen rounded up to KEEP_ALIGN; (0,) without dropout."""
-    if dropout_p == 0.0 or batch * heads * seqlen == 0:
-        return (0,)
-    length = triton.cdiv(seqlen, KEEP_ALIGN) * KEEP_ALIGN
-    return (batch, heads, length // 2, length // 4)
+dropout_keep_shape = keep_bits_shape  # the keep bits a forward with dropout writes for its backward (header)
 
 
 def _new_keep(batch: int, heads: int, seqlen: int, dropout_p: float, device: torch.device) -> torch.Tensor:
     return torch.empty(dropout_keep_shape(batch, heads, seqlen, dropout_p), dtype=torch.uint8, device=device)
-
-
-def _check_keep(keep: torch.Tensor, batch: int, heads: int, seqlen: int, dropout_p: float,
-                device: torch.device) -> None:
-    want = dropout_keep_shape(batch, heads, seqlen, dropout_p)
-    if dropout_p > 0.0 or keep.numel():
-        check_tensor("keep", keep, dtypes=(torch.uint8,), shape=want, device=device)
 
 
 def _keep_len(keep: torch.Tensor) -> int:
@@ -1435,7 +1421,7 @@ def attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     dqkv = torch.empty((tokens, 3, heads, head_dim), dtype=q.dtype, device=q.device)
     dbias = None
     if dqkv.numel() > 0:
-        _check_keep(keep, batch, heads, max_seqlen, dropout_p, q.device)
+        check_keep_bits(keep, batch, heads, max_seqlen, dropout_p, q.device)
         if batch > 0 and max_seqlen > 0:
             dbias = _backward(dout, q, k, v, out, lse, dqkv[:, 0], dqkv[:, 1], dqkv[:, 2], cu_seqlens, None, keep,
                               batch, max_seqlen, True, softmax_scale, dropout_p, bias_dtype)
@@ -1489,7 +1475,7 @@ def attention_padded_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                   for _ in range(3))
     if dq.numel() == 0:
         return dq, dk, dv
-    _check_keep(keep, batch, heads, seqlen, dropout_p, q.device)
+    check_keep_bits(keep, batch, heads, seqlen, dropout_p, q.device)
     _backward(dout, q, k, v, out, lse, dq, dk, dv, None, key_mask, keep, batch, seqlen, False,
               softmax_scale, dropout_p)
     return dq, dk, dv

@@ -163,11 +163,15 @@ def test_launcher_argument_errors_raise_runtime_error(ext):
     for head_dim in (7, 264):
         with pytest.raises(RuntimeError, match=rf"head_dim must be in \[8, 256\], got {head_dim}"):
             ext.attention_fwd(0, (0, 96, 48), 0, (0, 96, 48), 0, (0, 96, 48), 0, (0, 96, 48), 0, 0, 8, 0, 0, 0, 1,
-                              2, head_dim, 8, 0.1, 0.0, 0, 1, 0)
+                              2, head_dim, 8, 0.1, 0.0, 0, 0, 0, 1, 0)
     for scale in (0.0, -0.125, float("inf")):
         with pytest.raises(RuntimeError, match=r"softmax_scale must be a finite float > 0, got"):
             ext.attention_fwd(0, (0, 96, 48), 0, (0, 96, 48), 0, (0, 96, 48), 0, (0, 96, 48), 0, 0, 8, 0, 0, 0, 1,
-                              2, 64, 8, scale, 0.0, 0, 1, 0)
+                              2, 64, 8, scale, 0.0, 0, 0, 0, 1, 0)
+    for keep, keep_len in ((0, 128), (8, 100), (8, 0)):  # dropout without its keep bits, or too short ones
+        with pytest.raises(RuntimeError, match="dropout needs its keep bits, keep_len a multiple of 128"):
+            ext.attention_fwd(0, (0, 96, 48), 0, (0, 96, 48), 0, (0, 96, 48), 0, (0, 96, 48), 0, 0, 8, 0, 0, 0, 1,
+                              2, 64, 8, 0.125, 0.1, 8, keep, keep_len, 1, 0)
     with pytest.raises(RuntimeError, match="expected n >= 0 and f > 0"):
         ext.bias_gelu_fwd(0, 0, 0, 0, 4, 0, 1, 1, 0, 0)
     with pytest.raises(RuntimeError, match="unknown dtype code 7"):

@@ -9,7 +9,8 @@ other one element by element (packed qkv with head dim 26 in fp16, say).
 Dropout: the Triton kernel's mask, bit for bit (Philox4x32-7 keyed by the seed and the sequence's
 and head's stream; kernels/attention.py's header), kept probabilities scaled by 1 / (1 - p); the
 *_dropout_mask functions return exactly that mask.
-The forward records nothing of it (dropout_keep_shape is (0,)): the backward draws it again.
+The forward records its decisions for the backward in the Triton kernel's keep bits (the same shape
+and layout, contract.keep_bits_shape: one bit per score element), which the backward reads.
 """
 from __future__ import annotations
 
@@ -17,15 +18,16 @@ from typing import Optional, Tuple
 
 import torch
 
-from bertfast.contract import (check_cu_seqlens, check_dropout, check_head_dim, check_key_padding_mask, check_qkv,
-                               check_tensor, head_dim_reasons, qkv_bias_grad, softmax_scale as _softmax_scale)
+from bertfast.contract import (check_cu_seqlens, check_dropout, check_head_dim, check_keep_bits, check_key_padding_mask,
+                               check_qkv, check_tensor, head_dim_reasons, keep_bits_shape, qkv_bias_grad,
+                               softmax_scale as _softmax_scale)
 from bertfast.cuda import _common as C
 
 MAX_BATCH = 65535  # sequences per launch: the grid's z dimension
 # What these kernels are, for `bertfast info`.
 KERNELS = ("forward: mma.sync m16n8k16 with fragments in registers, K and V through a cp.async pipeline "
            "(fp16/bf16), FMA (fp32); backward: delta, dQ and dK/dV kernels on WMMA 16x16x16 (fp16/bf16), FMA "
-           "(fp32), the dropout mask drawn again; mask: Triton's, bit for bit")
+           "(fp32), reading the forward's keep bits; mask and keep bits: Triton's, bit for bit")
 
 
 def unsupported(inputs) -> list:
@@ -74,8 +76,7 @@ def _bsh(t: torch.Tensor, varlen: bool) -> Tuple[int, int, int]:
     return (0, t.stride(0), t.stride(1)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
 
 
-def dropout_keep_shape(batch: int, heads: int, seqlen: int, dropout_p: float) -> Tuple[int, ...]:
-    return (0,)
+dropout_keep_shape = keep_bits_shape
 
 
 def _fwd(q, k, v, cu_seqlens, key_mask, batch, seqlen, varlen, softmax_scale, dropout_p, seed):
@@ -89,19 +90,24 @@ def _fwd(q, k, v, cu_seqlens, key_mask, batch, seqlen, varlen, softmax_scale, dr
         out = torch.empty(q.shape, dtype=q.dtype, device=dev)
         lse = torch.empty((batch, heads, seqlen), dtype=torch.float32, device=dev)
         lse_strides = (lse.stride(0), lse.stride(1))
-    no_keep = torch.empty((0,), dtype=torch.uint8, device=dev)
+    keep = torch.empty(keep_bits_shape(batch, heads, seqlen, dropout_p), dtype=torch.uint8, device=dev)
     if out.numel() == 0 or batch == 0 or seqlen == 0:
-        return out.zero_(), lse.fill_(float("inf")), no_keep
+        return out.zero_(), lse.fill_(float("inf")), keep
     C.launch(dev, "attention_fwd", q.data_ptr(), _bsh(q, varlen), k.data_ptr(), _bsh(k, varlen), v.data_ptr(),
             _bsh(v, varlen), out.data_ptr(), _bsh(out, varlen), lse.data_ptr(), *lse_strides,
             C.ptr(cu_seqlens), C.ptr(key_mask), key_mask.stride(0) if key_mask is not None else 0,
             batch, heads, head_dim, seqlen, softmax_scale, dropout_p, C.seed_ptr(seed, dropout_p),
-            C.DTYPE_CODE[q.dtype])
-    return out, lse, no_keep
+            *_keep_args(keep), C.DTYPE_CODE[q.dtype])
+    return out, lse, keep
+
+
+def _keep_args(keep: torch.Tensor) -> Tuple[int, int]:
+    """The keep bits' pointer and length L (0, 0 without dropout)."""
+    return (keep.data_ptr(), keep.shape[3] * 4) if keep.dim() == 4 else (0, 0)
 
 
 def _bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, batch, seqlen, varlen, softmax_scale,
-         dropout_p, seed):
+         dropout_p, seed, keep):
     dev = q.device
     heads, head_dim = q.shape[-2], q.shape[-1]
     lse = lse.contiguous()
@@ -112,7 +118,7 @@ def _bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, batch, seqle
             lse.data_ptr(), delta.data_ptr(), *lse_strides, dq.data_ptr(), _bsh(dq, varlen),
             dk.data_ptr(), _bsh(dk, varlen), dv.data_ptr(), _bsh(dv, varlen), C.ptr(cu_seqlens),
             C.ptr(key_mask), key_mask.stride(0) if key_mask is not None else 0, batch, heads,
-            head_dim, seqlen, softmax_scale, dropout_p, C.seed_ptr(seed, dropout_p),
+            head_dim, seqlen, softmax_scale, dropout_p, C.seed_ptr(seed, dropout_p), *_keep_args(keep),
             C.DTYPE_CODE[q.dtype])
 
 
@@ -120,7 +126,7 @@ def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
                          max_seqlen: int, softmax_scale: Optional[float], dropout_p: float,
                          seed: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention on unpadded tokens: q, k, v [T, A, D] (views of a packed [T, 3, A, D] are fine)
-    -> (out [T, A, D], lse [A, T] fp32; +inf where a row has no key, keep: empty). Sequence b is rows
+    -> (out [T, A, D], lse [A, T] fp32; +inf where a row has no key, keep: the keep bits). Sequence b is rows
     cu_seqlens[b]:cu_seqlens[b+1]; max_seqlen >= every length. Rows outside every sequence get
     out 0 and lse +inf."""
     _check_qkv(("q", "k", "v"), (q, k, v), 3, "[T, A, D]")
@@ -147,10 +153,11 @@ def attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     softmax_scale = _softmax_scale(softmax_scale, head_dim)
     C.on_device(seed=seed)
     dropout_p = check_dropout(dropout_p, seed, q.device)
+    check_keep_bits(keep, batch, heads, max_seqlen, dropout_p, q.device)
     dqkv = torch.zeros((tokens, 3, heads, head_dim), dtype=q.dtype, device=q.device)
     if dqkv.numel() > 0 and batch > 0 and max_seqlen > 0:
         _bwd(_unit_stride_or_copy(dout), q, k, v, out, lse, dqkv[:, 0], dqkv[:, 1], dqkv[:, 2], cu_seqlens, None,
-             batch, max_seqlen, True, softmax_scale, dropout_p, seed)
+             batch, max_seqlen, True, softmax_scale, dropout_p, seed, keep)
     return qkv_bias_grad(dqkv, bias_dtype)
 
 
@@ -158,7 +165,7 @@ def attention_padded_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          key_padding_mask: Optional[torch.Tensor], softmax_scale: Optional[float], dropout_p: float,
                          seed: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention on padded tensors: q, k, v [B, S, A, D], key_padding_mask [B, S] (1 = token, any
-    pattern; None = none) -> (out [B, S, A, D], lse [B, A, S] fp32, keep: empty). Query rows at pad
+    pattern; None = none) -> (out [B, S, A, D], lse [B, A, S] fp32, keep: the keep bits). Query rows at pad
     positions attend to the valid keys; a sequence with no valid key gives out 0 (lse +inf)."""
     _check_qkv(("q", "k", "v"), (q, k, v), 4, "[B, S, A, D]")
     batch, seqlen = q.shape[0], q.shape[1]
@@ -187,11 +194,12 @@ def attention_padded_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     softmax_scale = _softmax_scale(softmax_scale, head_dim)
     C.on_device(seed=seed)
     dropout_p = check_dropout(dropout_p, seed, q.device)
+    check_keep_bits(keep, batch, heads, seqlen, dropout_p, q.device)
     dq, dk, dv = (torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in range(3))
     if dq.numel() == 0:
         return dq, dk, dv
     _bwd(_unit_stride_or_copy(dout), q, k, v, out, lse, dq, dk, dv, None, key_mask, batch, seqlen, False,
-         softmax_scale, dropout_p, seed)
+         softmax_scale, dropout_p, seed, keep)
     return dq, dk, dv
 
 

@@ -16,7 +16,7 @@ are bertfast.kernels.attention and bertfast.cuda.attention):
   * Dropout on the probabilities: keep with probability 1 - p, scale 1 / (1 - p); the mask is a
     function of (seed, sequence, head, query row, key column). The forward returns, third, what it
     records of the mask for the backward (``keep``, uint8 of dropout_keep_shape(batch, heads,
-    seqlen, p): Triton's keep bits), and the backward takes it last; a backend whose shape is (0,)
+    seqlen, p): the keep bits of Triton and CUDA), and the backward takes it last; a backend whose shape is (0,)
     records nothing and its backward regenerates the mask from the seed. (One exception, not a
     backend: eager training on a CPU with the torch backend keeps the probabilities and mask for
     the backward instead, in _KeptProbs; same numbers, faster there.) The fused backends draw one

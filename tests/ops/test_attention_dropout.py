@@ -67,7 +67,7 @@ def test_dropout_same_seed_same_result(backend):
         return out, lse, impl.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 12, 0.2, 0.1, s, bits)
 
     a, b, c = run(5), run(5), run(6)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))  # bitwise: the backward regenerates the mask
+    assert all(torch.equal(x, y) for x, y in zip(a, b))  # bitwise: the same mask, in the forward and backward
     assert not torch.equal(a[0], c[0]) and not torch.equal(a[2], c[2])
     assert torch.equal(a[1], c[1])  # lse sums the undropped probabilities
 

@@ -378,6 +378,41 @@ def test_cuda_mma_forward_at_every_tile_head_dim(fused_backend, head_dim, dtype)
 
 
 @pytest.mark.parametrize("fused_backend", ["cuda"], indirect=True)
+@pytest.mark.parametrize("dtype", [FP32, FP16, BF16], ids=["fp32", "fp16", "bf16"])
+def test_cuda_keep_bits_are_tritons_layout_and_the_backward_reads_them(fused_backend, dtype):
+    """The CUDA forward records its decisions in the Triton kernel's keep bits (contract.keep_bits_shape:
+    fp16/bf16 from its mma tiles, fp32 by a kernel drawing each byte), and its backward reads them: bits
+    packed in torch from the drawn mask give the same gradients, and bits that keep everything give the
+    reference's gradients of the all-kept mask; without bits, or with bits of another shape, it refuses."""
+    from bertfast import contract
+    from bertfast import reference as R
+
+    impl, dev = fused_backend.module(VARLEN), fused_backend.device
+    seed, p, lengths = seed_of(fused_backend, 41), 0.25, [77, 6]  # 77: two 64-key blocks, the last masked
+    q, k, v, dout, cu = varlen_inputs(fused_backend, torch.tensor(lengths), dtype, seed=25)
+    out, lse, bits = impl.attention_varlen_fwd(q, k, v, cu, 77, None, p, seed)
+    assert bits.dtype == torch.uint8 and bits.shape == contract.keep_bits_shape(2, A, 77, p) == (2, A, 64, 32)
+    keep = impl.attention_varlen_dropout_mask(cu, 77, A, p, seed)
+    assert_bits_record(bits, keep, lengths)
+
+    dqkv = impl.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 77, None, p, seed, bits)
+    packed = pack_keep_bits(keep, 128).to(dev)
+    assert torch.equal(impl.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 77, None, p, seed, packed), dqkv)
+
+    if dtype == FP32:  # the bits are read by the same code in every dtype; fp32 compares tightly
+        every = torch.ones((2, A, 77, 77), dtype=torch.bool)
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out_every = R.attention_varlen(*leaves, cu, 77, None, p, every)
+        out_every.backward(dout)
+        got = impl.attention_varlen_bwd(dout, q, k, v, out_every.detach(), lse, cu, 77, None, p, seed,
+                                        torch.full_like(bits, 255))
+        for i, leaf in enumerate(leaves):
+            torch.testing.assert_close(got[:, i], leaf.grad, atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"keep: expected shape \(2, 2, 64, 32\), got \(0,\)"):
+        impl.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 77, None, p, seed, NO_KEEP.to(dev))
+
+
+@pytest.mark.parametrize("fused_backend", ["cuda"], indirect=True)
 def test_cuda_draws_the_triton_mask(fused_backend):
     """The CUDA attention draws Triton's mask bit for bit (csrc/attention.cuh, Dropout): varlen, lengths
     past one and two 32-column blocks and not multiples of 8, at rates whose thresholds round."""
