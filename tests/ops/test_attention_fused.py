@@ -52,6 +52,21 @@ def assert_bits_record(bits, keep, lengths):
         assert torch.equal(recorded[b, :, :length, :length], keep[b, :, :length, :length].cpu()), f"sequence {b}"
 
 
+def assert_all_kept_gradients(impl, q, k, v, dout, cu, max_len, p, seed, lse, bits, atol):
+    """A backend's varlen backward handed keep bits that keep everything gives the gradients of the
+    all-kept mask (still scaled by 1 / (1 - p)): the reference's, fp32."""
+    from bertfast import reference as R
+
+    every = torch.ones((cu.shape[0] - 1, q.shape[1], max_len, max_len), dtype=torch.bool)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out_every = R.attention_varlen(*leaves, cu, max_len, None, p, every)  # (the backward's delta reads it)
+    out_every.backward(dout)
+    dqkv = impl.attention_varlen_bwd(dout, q, k, v, out_every.detach(), lse, cu, max_len, None, p, seed,
+                                     torch.full_like(bits, 255))
+    for i, leaf in enumerate(leaves):
+        torch.testing.assert_close(dqkv[:, i], leaf.grad, atol=atol, rtol=1e-4)
+
+
 # =========================================================================== launchers (Triton and CUDA)
 def test_launcher_errors_are_clear(fused_backend):
     impl = fused_backend.module(VARLEN)
@@ -242,7 +257,6 @@ def test_triton_backward_reads_the_forwards_keep_bits(triton_backward):
     """Every backward kernel takes the mask from the keep bits, not from the seed: handed bits that keep
     everything, they give the gradients of the all-kept mask (still scaled by 1 / (1 - p)); handed none,
     or bits of another shape, they refuse."""
-    from bertfast import reference as R
     from bertfast.kernels import attention as K
 
     triton = BackendUnderTest("triton", torch.device("cpu"))
@@ -253,14 +267,7 @@ def test_triton_backward_reads_the_forwards_keep_bits(triton_backward):
     assert bits.dtype == torch.uint8 and bits.shape == K.dropout_keep_shape(2, A, 30, p) == (2, A, 64, 32)
     assert_bits_record(bits, K.attention_varlen_dropout_mask(cu, 30, A, p, seed), lengths)
 
-    every = torch.ones((2, A, 30, 30), dtype=torch.bool)
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out_every = R.attention_varlen(*leaves, cu, 30, None, p, every)  # (the three kernels' delta reads it)
-    out_every.backward(dout)
-    dqkv = K.attention_varlen_bwd(dout, q, k, v, out_every.detach(), lse, cu, 30, None, p, seed,
-                                  torch.full_like(bits, 255))
-    for i, leaf in enumerate(leaves):
-        torch.testing.assert_close(dqkv[:, i], leaf.grad, atol=1e-5, rtol=1e-4)
+    assert_all_kept_gradients(K, q, k, v, dout, cu, 30, p, seed, lse, bits, atol=1e-5)
 
     with pytest.raises(ValueError, match=r"keep: expected shape \(2, 2, 64, 32\), got \(0,\)"):
         K.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 30, None, p, seed, NO_KEEP)
@@ -385,7 +392,6 @@ def test_cuda_keep_bits_are_tritons_layout_and_the_backward_reads_them(fused_bac
     packed in torch from the drawn mask give the same gradients, and bits that keep everything give the
     reference's gradients of the all-kept mask; without bits, or with bits of another shape, it refuses."""
     from bertfast import contract
-    from bertfast import reference as R
 
     impl, dev = fused_backend.module(VARLEN), fused_backend.device
     seed, p, lengths = seed_of(fused_backend, 41), 0.25, [77, 6]  # 77: two 64-key blocks, the last masked
@@ -400,14 +406,7 @@ def test_cuda_keep_bits_are_tritons_layout_and_the_backward_reads_them(fused_bac
     assert torch.equal(impl.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 77, None, p, seed, packed), dqkv)
 
     if dtype == FP32:  # the bits are read by the same code in every dtype; fp32 compares tightly
-        every = torch.ones((2, A, 77, 77), dtype=torch.bool)
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out_every = R.attention_varlen(*leaves, cu, 77, None, p, every)
-        out_every.backward(dout)
-        got = impl.attention_varlen_bwd(dout, q, k, v, out_every.detach(), lse, cu, 77, None, p, seed,
-                                        torch.full_like(bits, 255))
-        for i, leaf in enumerate(leaves):
-            torch.testing.assert_close(got[:, i], leaf.grad, atol=2e-5, rtol=1e-4)
+        assert_all_kept_gradients(impl, q, k, v, dout, cu, 77, p, seed, lse, bits, atol=2e-5)
     with pytest.raises(ValueError, match=r"keep: expected shape \(2, 2, 64, 32\), got \(0,\)"):
         impl.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 77, None, p, seed, NO_KEEP.to(dev))
 
