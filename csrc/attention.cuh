@@ -38,7 +38,9 @@
 //   attention_host.cuh); the runtime p.head_dim <= D. Columns >= head_dim are zero in shared
 //   memory, so Q K^T, P V, dO V^T, ... are those of the real columns, and are never read from or
 //   written to global memory.
-// Tensor cores in the backward: fp16/bf16 tiles are multiplied with WMMA 16x16x16 (fp32 accumulate). WMMA
+// Backward, fp16/bf16: dK/dV at tile head dims up to 128 is attention_bwd_dkdv_mma_kernel
+//   (attention_bwd.cu: mma.sync, as the forward); dQ, and dK/dV at 256, are the WMMA kernels below.
+// Tensor cores in the WMMA kernels: fp16/bf16 tiles are multiplied with WMMA 16x16x16 (fp32 accumulate). WMMA
 //   leaves the element-to-thread map of a fragment unspecified, so everything per element goes
 //   through shared memory, except the per-row rescale of the O accumulator: a fragment loaded
 //   once from a matrix holding each element's row index tells every thread the row of each of
@@ -52,6 +54,7 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "ptx.cuh"
 
 namespace bertfast {
 namespace attn {
@@ -113,6 +116,53 @@ __device__ __forceinline__ void load_tile(T* __restrict__ dst, const T* __restri
     }
   }
 }
+
+// load_tile's element-by-element path, out of line: a tensor without 16-byte rows (an odd head dim
+// in packed qkv) is rare, and inlined its loop would sit in the main loop of every launch.
+template <typename T, int ROWS, int D, int LD, int NT>
+__device__ __noinline__ void load_tile_elementwise(T* dst, const T* src, int64_t row_stride, int nvalid, int hd) {
+  load_tile<T, ROWS, D, LD, NT>(dst, src, row_stride, nvalid, hd, false);
+}
+
+// This thread's share of copying [ROWS, *] tiles into smem as [ROWS, D] (pitch LD), zero beyond
+// nvalid rows and hd columns: 16-byte cp.async copies (they join the thread's open group) when the
+// tensor's rows allow them (kVec), else load_tile_elementwise (complete on return). Where NT is a
+// multiple of the vectors per row, a thread's vectors are one column, RS rows apart: its first
+// row's offsets and the stride of RS rows are computed once.
+template <typename T, int ROWS, int D, int LD, int NT, bool kVec>
+struct TileCopy {
+  static constexpr int EPV = 16 / sizeof(T), VPR = D / EPV, N = (ROWS * VPR + NT - 1) / NT;
+  static constexpr bool kStrided = NT % VPR == 0;
+  static constexpr int RS = kStrided ? NT / VPR : 0;
+  int r0, c0, hd;
+  bool col_ok;
+  int64_t row_stride, rs_stride;
+  __device__ __forceinline__ TileCopy(int hd_, int64_t row_stride_)
+      : r0(threadIdx.x / VPR), c0(threadIdx.x % VPR * EPV), hd(hd_), col_ok(c0 < hd_), row_stride(row_stride_),
+        rs_stride(RS * row_stride_) {}
+  // Rows [0, nvalid) of the tile whose first row is src.
+  __device__ __forceinline__ void issue(T* dst, const T* src, int nvalid) const {
+    if constexpr (!kVec) {
+      load_tile_elementwise<T, ROWS, D, LD, NT>(dst, src, row_stride, nvalid, hd);
+    } else if constexpr (kStrided) {
+      const T* from = src + r0 * row_stride + c0;
+      T* to = dst + r0 * LD + c0;
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        if ((ROWS * VPR) % NT == 0 || r0 + i * RS < ROWS)
+          ptx::cp_async_16(to + i * RS * LD, from + i * rs_stride, col_ok && r0 + i * RS < nvalid);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        const int idx = threadIdx.x + i * NT;
+        const int r = idx / VPR, c = idx % VPR * EPV;
+        if ((ROWS * VPR) % NT == 0 || idx < ROWS * VPR)
+          ptx::cp_async_16(dst + r * LD + c, src + r * row_stride + c, c < hd && r < nvalid);
+      }
+    }
+  }
+};
 
 // Barrier over the warps that share a row group's smem rows: the warp, or the block when WN > 1
 // warps split the row group's columns.
@@ -283,6 +333,19 @@ __device__ __forceinline__ void write_row(T* dst, const float* staged, int n, in
   }
 }
 
+// Elements c, c + 1 (c even) of a row of 16-bit T as x, y, columns >= hd left alone: one 4-byte store
+// when the row allows 16-byte accesses (vec: hd is a whole number of vectors, so the pair is in or out
+// together), else element by element.
+template <typename T>
+__device__ __forceinline__ void store_pair(T* row, int c, int hd, float x, float y, bool vec) {
+  if (vec) {
+    if (c < hd) *reinterpret_cast<uint32_t*>(row + c) = ptx::pack2<T>(x, y);
+  } else {
+    if (c < hd) row[c] = from_f<T>(x);
+    if (c + 1 < hd) row[c + 1] = from_f<T>(y);
+  }
+}
+
 __device__ __forceinline__ bool key_valid(const AttentionParams& p, int b, int j, int len) {
   return j < len && (p.key_mask == nullptr || p.key_mask[b * p.key_mask_batch + j] != 0);
 }
@@ -383,6 +446,8 @@ struct Cfg {
   // forward, fp16/bf16 (mma.sync): 64 query rows per block, BN keys per step (its S tile is BN / 2
   // registers a lane, its O accumulator D / 2)
   static constexpr int kMmaFwdBN = D <= 128 ? 64 : 32;
+  // dK, dV, fp16/bf16 (mma.sync, head dims up to 128): 64 keys per block, BM queries per step
+  static constexpr int kMmaKvBM = D <= 64 ? 64 : 32;
   // dQ: BM query rows per block, BN keys per step (fp16/bf16: two accumulators, dQ and sum_j p_ij k_j)
   static constexpr int kDqBM = kBig ? (kF32 ? 16 : 32) : (kF32 && D > 64 ? 32 : 64);
   static constexpr int kDqBN = kF32 && kBig ? 16 : (kF32 || D > 64 ? 32 : 64);

@@ -289,6 +289,239 @@ __global__ void __launch_bounds__(BM / 16 * WN * 32, 1) attention_bwd_dq_kernel(
   }
 }
 
+// ------------------------------------------------------------------ backward, fp16/bf16: dK, dV on mma.sync
+// NW warps, each owning 16 keys for the whole loop (64 keys a block), over the query blocks of BM:
+// S^T = K Q^T and dP^T = V dO^T as mma m16n8k16 (K's and V's A fragments from registers at D <= 64,
+// else from shared memory each step; Q's and dO's rows through ldmatrix); per element
+// pd = keep p / (1 - dp) and ds = p (keep dp / (1 - dp) - Delta_i), with p = exp2(s c log2 e - lse_i
+// log2 e); then dV += Pd^T dO and dK += dS^T Q, Pd^T and dS^T the A fragments of their accumulators
+// (as P in the forward) and dO, Q through ldmatrix .trans. Q, dO, lse and Delta are double-buffered
+// (cp.async; lse and Delta by plain stores, seen after the block's barrier). Queries past the end of
+// the sequence read lse = +inf, so their p is 0; keys are masked only in blocks that hold an invalid
+// one (their loop of their own). The keep bits of this transposed tile: lane (g, t) holds keys g and
+// g + 8, queries 8n + 2t + e; queries 16c + 2t + e and 16c + 8 + 2t + e are byte (8 (m0 / 16 + c) +
+// 2t + e, column pair g / 2) of the key's 16-block, bit 4 (n % 2) + 2 (key's half) + g % 2.
+template <typename T, int D, int BM>
+struct MmaKvSmem {
+  static constexpr int BN = 64;
+  static constexpr int LD = D + kPadT<T>;
+  static constexpr int k = 0;                                             // [BN, LD]
+  static constexpr int v = align128(k + 1LL * BN * LD * sizeof(T));       // [BN, LD]
+  static constexpr int q = align128(v + 1LL * BN * LD * sizeof(T));       // [2][BM, LD]
+  static constexpr int dO = align128(q + 2LL * BM * LD * sizeof(T));      // [2][BM, LD]
+  static constexpr int lse = align128(dO + 2LL * BM * LD * sizeof(T));    // [2][BM] log2 units, +inf: no row
+  static constexpr int delta = align128(lse + 2LL * BM * 4);              // [2][BM]
+  static constexpr int bytes = align128(delta + 2LL * BM * 4);
+};
+
+template <typename T, int D, int BM, int NW, bool kDropout, bool kVecQD>
+__global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dkdv_mma_kernel(const Params p) {
+  using L = MmaKvSmem<T, D, BM>;
+  constexpr int BN = 16 * NW, NT = NW * 32, LD = L::LD;
+  constexpr int KS = D / 16, NS = BM / 8, NO = D / 8;  // k-steps over the head; n8 tiles of S^T and of dK, dV
+  constexpr bool kKVRegs = D <= 64;
+  static_assert(BN == L::BN && BM % 16 == 0 && D % 16 == 0 && BM <= NT, "whole 16-row tiles, a thread per query");
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* Ks = reinterpret_cast<T*>(smem + L::k);
+  T* Vs = reinterpret_cast<T*>(smem + L::v);
+  T* Qs = reinterpret_cast<T*>(smem + L::q);
+  T* dOs = reinterpret_cast<T*>(smem + L::dO);
+  float* lse_s = reinterpret_cast<float*>(smem + L::lse);
+  float* delta_s = reinterpret_cast<float*>(smem + L::delta);
+
+  const int b = blockIdx.z, h = blockIdx.y, n0 = blockIdx.x * BN;
+  const Seq sq = seq_of(p, b);
+  if (n0 >= sq.len) return;
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int key0 = n0 + 16 * w;  // this warp's keys; the lane's: key0 + g, key0 + g + 8
+
+  const T* k = static_cast<const T*>(p.k) + b * p.sk.batch + (sq.start + n0) * p.sk.row + h * p.sk.head;
+  const T* v = static_cast<const T*>(p.v) + b * p.sv.batch + (sq.start + n0) * p.sv.row + h * p.sv.head;
+  const T* qb = static_cast<const T*>(p.q) + b * p.sq.batch + sq.start * p.sq.row + h * p.sq.head;
+  const T* dob = static_cast<const T*>(p.dout) + b * p.sdo.batch + sq.start * p.sdo.row + h * p.sdo.head;
+  const float* lse_b = p.lse + b * p.lse_batch + h * p.lse_head + sq.start;
+  const float* delta_b = p.delta + b * p.lse_batch + h * p.lse_head + sq.start;
+  const TileCopy<T, BM, D, LD, NT, kVecQD> qcopy(p.head_dim, p.sq.row), docopy(p.head_dim, p.sdo.row);
+  const int nblocks = (sq.len + BM - 1) / BM;
+  const auto load_q = [&](int ib) {  // query block ib into stage ib % 2
+    const int m0 = ib * BM, stage = ib & 1;
+    qcopy.issue(Qs + stage * BM * LD, qb + m0 * p.sq.row, sq.len - m0);
+    docopy.issue(dOs + stage * BM * LD, dob + m0 * p.sdo.row, sq.len - m0);
+    if (threadIdx.x < BM) {
+      const bool ok = m0 + threadIdx.x < sq.len;
+      lse_s[stage * BM + threadIdx.x] = ok ? lse_b[m0 + threadIdx.x] * kLog2e : kInf;
+      delta_s[stage * BM + threadIdx.x] = ok ? delta_b[m0 + threadIdx.x] : 0.f;
+    }
+  };
+  // K and V land first (group 0), their fragments read while query block 0 (group 1) is in flight.
+  if ((p.vec & kVecK) && (p.vec & kVecV)) {
+    TileCopy<T, BN, D, LD, NT, true>(p.head_dim, p.sk.row).issue(Ks, k, sq.len - n0);
+    TileCopy<T, BN, D, LD, NT, true>(p.head_dim, p.sv.row).issue(Vs, v, sq.len - n0);
+  } else {
+    TileCopy<T, BN, D, LD, NT, false>(p.head_dim, p.sk.row).issue(Ks, k, sq.len - n0);
+    TileCopy<T, BN, D, LD, NT, false>(p.head_dim, p.sv.row).issue(Vs, v, sq.len - n0);
+  }
+  ptx::cp_async_commit();
+  load_q(0);
+  ptx::cp_async_commit();
+
+  const float scale2 = p.softmax_scale * kLog2e;
+  const float rdrop = kDropout ? 1.f / (1.f - p.dropout_p) : 1.f;
+  [[maybe_unused]] const KeepBits keep_bits(p, b, h);
+  // ldmatrix row addresses: A (K, V) rows lane % 16, column half lane / 16; B (Q, dO) rows lane % 8 +
+  // 8 (lane / 16), column half (lane / 8) % 2; B^T (Q, dO transposed) rows lane % 16, column half lane / 16.
+  const int aoff = (16 * w + (lane & 15)) * LD + 8 * (lane >> 4);
+  const int boff = ((lane & 7) + 8 * (lane >> 4)) * LD + 8 * ((lane >> 3) & 1);
+  const int toff = (lane & 15) * LD + 8 * (lane >> 4);
+
+  uint32_t kf[kKVRegs ? KS : 1][4], vf[kKVRegs ? KS : 1][4];
+  if constexpr (kKVRegs) {
+    ptx::cp_async_wait<1>();
+    __syncthreads();
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      ptx::ldmatrix_x4(kf[ks], Ks + aoff + 16 * ks);
+      ptx::ldmatrix_x4(vf[ks], Vs + aoff + 16 * ks);
+    }
+  }
+  bool key_ok[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) key_ok[r] = key_valid(p, b, key0 + g + 8 * r, sq.len);
+  float dk[NO][4], dv[NO][4];
+#pragma unroll
+  for (int n = 0; n < NO; ++n) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dk[n][i] = dv[n][i] = 0.f;
+  }
+
+  // One query block: kMasked zeroes the probabilities of invalid keys.
+  const auto block = [&](int ib, auto masked) {
+    constexpr bool kMasked = decltype(masked)::value;
+    [[maybe_unused]] const int m0 = ib * BM;
+    const int stage = ib & 1;
+    if (ib + 1 < nblocks) load_q(ib + 1);
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<1>();  // this thread's copies of block ib (and of K, V) have landed
+    __syncthreads();          // everyone's have, and the block's lse and Delta are stored
+    const T* qs = Qs + stage * BM * LD;
+    const T* dos = dOs + stage * BM * LD;
+    const float* lse2 = lse_s + stage * BM;
+    const float* dl = delta_s + stage * BM;
+
+    // S^T = K Q^T, dP^T = V dO^T
+    float s[NS][4], dp[NS][4];
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      uint32_t a[4], c[4];
+      if constexpr (kKVRegs) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          a[i] = kf[ks][i];
+          c[i] = vf[ks][i];
+        }
+      } else {
+        ptx::ldmatrix_x4(a, Ks + aoff + 16 * ks);
+        ptx::ldmatrix_x4(c, Vs + aoff + 16 * ks);
+      }
+#pragma unroll
+      for (int n2 = 0; n2 < NS / 2; ++n2) {  // queries 16 n2 .. 16 n2 + 15: two n8 tiles
+        uint32_t qf[4], of[4];
+        ptx::ldmatrix_x4(qf, qs + 16 * n2 * LD + boff + 16 * ks);
+        ptx::ldmatrix_x4(of, dos + 16 * n2 * LD + boff + 16 * ks);
+        const uint32_t q0[2] = {qf[0], qf[1]}, q1[2] = {qf[2], qf[3]};
+        const uint32_t o0[2] = {of[0], of[1]}, o1[2] = {of[2], of[3]};
+        if (ks == 0) {
+          ptx::mma_m16n8k16_zero<T>(s[2 * n2], a, q0);
+          ptx::mma_m16n8k16_zero<T>(s[2 * n2 + 1], a, q1);
+          ptx::mma_m16n8k16_zero<T>(dp[2 * n2], c, o0);
+          ptx::mma_m16n8k16_zero<T>(dp[2 * n2 + 1], c, o1);
+        } else {
+          ptx::mma_m16n8k16<T>(s[2 * n2], a, q0);
+          ptx::mma_m16n8k16<T>(s[2 * n2 + 1], a, q1);
+          ptx::mma_m16n8k16<T>(dp[2 * n2], c, o0);
+          ptx::mma_m16n8k16<T>(dp[2 * n2 + 1], c, o1);
+        }
+      }
+    }
+
+    // Element i of tile n: key key0 + g + 8 (i / 2), query m0 + 8n + 2t + i % 2. s becomes Pd^T, dp dS^T.
+#pragma unroll
+    for (int c = 0; c < NS / 2; ++c) {  // queries 16c .. 16c + 15
+      [[maybe_unused]] unsigned kbyte[2];
+      if constexpr (kDropout) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) kbyte[e] = *keep_bits.byte((m0 >> 4) + c, 2 * t + e, key0 >> 4, g >> 1);
+      }
+#pragma unroll
+      for (int n = 2 * c; n < 2 * c + 2; ++n) {
+        const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * n + 2 * t);
+        const float2 d2 = *reinterpret_cast<const float2*>(dl + 8 * n + 2 * t);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int e = i & 1, r = i >> 1;
+          float pv = ptx::exp2_ftz(fmaf(s[n][i], scale2, -(e ? l2.y : l2.x)));
+          if constexpr (kMasked) {
+            if (!key_ok[r]) pv = 0.f;
+          }
+          float pd = pv * rdrop, dpv = dp[n][i] * rdrop;
+          if constexpr (kDropout) {
+            if (!((kbyte[e] >> (4 * (n & 1) + 2 * r + (g & 1))) & 1u)) pd = dpv = 0.f;
+          }
+          s[n][i] = pd;
+          dp[n][i] = pv * (dpv - (e ? d2.y : d2.x));
+        }
+      }
+    }
+
+    // dV += Pd^T dO, dK += dS^T Q
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) {
+      const uint32_t pa[4] = {ptx::pack2<T>(s[2 * kk][0], s[2 * kk][1]), ptx::pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                              ptx::pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              ptx::pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      const uint32_t da[4] = {ptx::pack2<T>(dp[2 * kk][0], dp[2 * kk][1]),
+                              ptx::pack2<T>(dp[2 * kk][2], dp[2 * kk][3]),
+                              ptx::pack2<T>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
+                              ptx::pack2<T>(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+#pragma unroll
+      for (int n2 = 0; n2 < NO / 2; ++n2) {  // head columns 16 n2 .. 16 n2 + 15: two n8 tiles
+        uint32_t of[4], qf[4];
+        ptx::ldmatrix_x4_trans(of, dos + 16 * kk * LD + toff + 16 * n2);
+        ptx::ldmatrix_x4_trans(qf, qs + 16 * kk * LD + toff + 16 * n2);
+        const uint32_t o0[2] = {of[0], of[1]}, o1[2] = {of[2], of[3]};
+        const uint32_t q0[2] = {qf[0], qf[1]}, q1[2] = {qf[2], qf[3]};
+        ptx::mma_m16n8k16<T>(dv[2 * n2], pa, o0);
+        ptx::mma_m16n8k16<T>(dv[2 * n2 + 1], pa, o1);
+        ptx::mma_m16n8k16<T>(dk[2 * n2], da, q0);
+        ptx::mma_m16n8k16<T>(dk[2 * n2 + 1], da, q1);
+      }
+    }
+    __syncthreads();  // every warp is done with this stage: the next block's copies overwrite it
+  };
+  const bool all_keys = p.key_mask == nullptr && n0 + BN <= sq.len;
+  if (all_keys) {
+    for (int ib = 0; ib < nblocks; ++ib) block(ib, std::false_type{});
+  } else {
+    for (int ib = 0; ib < nblocks; ++ib) block(ib, std::true_type{});
+  }
+
+  // dK scaled by c; rows of keys in the sequence
+  const bool vec_k = p.vec & kVecDK, vec_v = p.vec & kVecDV;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int kj = key0 + g + 8 * r;
+    if (kj >= sq.len) continue;
+    T* dkr = static_cast<T*>(p.dk) + b * p.sdk.batch + (sq.start + kj) * p.sdk.row + h * p.sdk.head;
+    T* dvr = static_cast<T*>(p.dv) + b * p.sdv.batch + (sq.start + kj) * p.sdv.row + h * p.sdv.head;
+#pragma unroll
+    for (int n = 0; n < NO; ++n) {
+      const int c = 8 * n + 2 * t;
+      store_pair<T>(dkr, c, p.head_dim, dk[n][2 * r] * p.softmax_scale, dk[n][2 * r + 1] * p.softmax_scale, vec_k);
+      store_pair<T>(dvr, c, p.head_dim, dv[n][2 * r], dv[n][2 * r + 1], vec_v);
+    }
+  }
+}
+
 }  // namespace attn
 
 namespace {
@@ -308,10 +541,22 @@ struct Bwd {
     dq<<<grid_for(p, C::kDqBM), C::kDqBM / 16 * C::kDqWN * 32, LQ::bytes, stream>>>(p);
     BF_CHECK_LAUNCH("attention_bwd (dq)");
 
-    using LK = KvSmem<T, D, C::kKvBN, C::kKvBM>;
-    auto kv = attention_bwd_dkdv_kernel<T, D, C::kKvBN, C::kKvBM, C::kKvWN>;
-    if (int s = prepare(kv, LK::bytes, "attention_bwd (dk, dv)")) return s;
-    kv<<<grid_for(p, C::kKvBN), C::kKvBN / 16 * C::kKvWN * 32, LK::bytes, stream>>>(p);
+    if constexpr (kWmma<T> && D <= 128) {
+      constexpr int BM = C::kMmaKvBM;
+      using LK = MmaKvSmem<T, D, BM>;
+      const bool vec = (p.vec & kVecQ) && (p.vec & kVecDO);
+      auto kv = p.dropout_p > 0.f ? (vec ? attention_bwd_dkdv_mma_kernel<T, D, BM, 4, true, true>
+                                         : attention_bwd_dkdv_mma_kernel<T, D, BM, 4, true, false>)
+                                  : (vec ? attention_bwd_dkdv_mma_kernel<T, D, BM, 4, false, true>
+                                         : attention_bwd_dkdv_mma_kernel<T, D, BM, 4, false, false>);
+      if (int s = prepare(kv, LK::bytes, "attention_bwd (dk, dv)")) return s;
+      kv<<<grid_for(p, LK::BN), 128, LK::bytes, stream>>>(p);
+    } else {
+      using LK = KvSmem<T, D, C::kKvBN, C::kKvBM>;
+      auto kv = attention_bwd_dkdv_kernel<T, D, C::kKvBN, C::kKvBM, C::kKvWN>;
+      if (int s = prepare(kv, LK::bytes, "attention_bwd (dk, dv)")) return s;
+      kv<<<grid_for(p, C::kKvBN), C::kKvBN / 16 * C::kKvWN * 32, LK::bytes, stream>>>(p);
+    }
     BF_CHECK_LAUNCH("attention_bwd (dk, dv)");
     return kOk;
   }

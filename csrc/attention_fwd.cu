@@ -1,7 +1,6 @@
 // Attention forward: its kernel and launcher, and the debug dropout-mask entry point (the math and
 // what the kernels share: attention.cuh).
 #include "attention_host.cuh"
-#include "ptx.cuh"
 
 namespace bertfast {
 namespace attn {
@@ -153,53 +152,6 @@ struct MmaFwdSmem {
   static constexpr int v = align128(k + 2LL * BN * LD * sizeof(T));      // [2][BN, LD]
   static constexpr int kvalid = align128(v + 2LL * BN * LD * sizeof(T)); // [2][BN]
   static constexpr int bytes = align128(kvalid + 2LL * BN * 4);
-};
-
-// load_tile's element-by-element path, out of line: a tensor without 16-byte rows (an odd head dim
-// in packed qkv) is rare, and inlined its loop would sit in the main loop of every launch.
-template <typename T, int ROWS, int D, int LD, int NT>
-__device__ __noinline__ void load_tile_elementwise(T* dst, const T* src, int64_t row_stride, int nvalid, int hd) {
-  load_tile<T, ROWS, D, LD, NT>(dst, src, row_stride, nvalid, hd, false);
-}
-
-// This thread's share of copying [ROWS, *] tiles into smem as [ROWS, D] (pitch LD), zero beyond
-// nvalid rows and hd columns: 16-byte cp.async copies (they join the thread's open group) when the
-// tensor's rows allow them (kVec), else load_tile_elementwise (complete on return). Where NT is a
-// multiple of the vectors per row, a thread's vectors are one column, RS rows apart: its first
-// row's offsets and the stride of RS rows are computed once.
-template <typename T, int ROWS, int D, int LD, int NT, bool kVec>
-struct TileCopy {
-  static constexpr int EPV = 16 / sizeof(T), VPR = D / EPV, N = (ROWS * VPR + NT - 1) / NT;
-  static constexpr bool kStrided = NT % VPR == 0;
-  static constexpr int RS = kStrided ? NT / VPR : 0;
-  int r0, c0, hd;
-  bool col_ok;
-  int64_t row_stride, rs_stride;
-  __device__ __forceinline__ TileCopy(int hd_, int64_t row_stride_)
-      : r0(threadIdx.x / VPR), c0(threadIdx.x % VPR * EPV), hd(hd_), col_ok(c0 < hd_), row_stride(row_stride_),
-        rs_stride(RS * row_stride_) {}
-  // Rows [0, nvalid) of the tile whose first row is src.
-  __device__ __forceinline__ void issue(T* dst, const T* src, int nvalid) const {
-    if constexpr (!kVec) {
-      load_tile_elementwise<T, ROWS, D, LD, NT>(dst, src, row_stride, nvalid, hd);
-    } else if constexpr (kStrided) {
-      const T* from = src + r0 * row_stride + c0;
-      T* to = dst + r0 * LD + c0;
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        if ((ROWS * VPR) % NT == 0 || r0 + i * RS < ROWS)
-          ptx::cp_async_16(to + i * RS * LD, from + i * rs_stride, col_ok && r0 + i * RS < nvalid);
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        const int idx = threadIdx.x + i * NT;
-        const int r = idx / VPR, c = idx % VPR * EPV;
-        if ((ROWS * VPR) % NT == 0 || idx < ROWS * VPR)
-          ptx::cp_async_16(dst + r * LD + c, src + r * row_stride + c, c < hd && r < nvalid);
-      }
-    }
-  }
 };
 
 // kDropout, kVecKV (K's and V's rows allow 16-byte copies): a kernel per setting, so that each
@@ -410,16 +362,8 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_fwd_mma_kernel(const Par
     if (qi >= sq.len) continue;
     T* out = static_cast<T*>(p.out) + b * p.so.batch + (sq.start + qi) * p.so.row + h * p.so.head;
 #pragma unroll
-    for (int n = 0; n < NO; ++n) {
-      const int c = 8 * n + 2 * t;
-      const float x = o[n][2 * r] * inv[r], y = o[n][2 * r + 1] * inv[r];
-      if (vec_o) {  // head_dim a whole number of 16-byte vectors: the pair is in or out together
-        if (c < p.head_dim) *reinterpret_cast<uint32_t*>(out + c) = ptx::pack2<T>(x, y);
-      } else {
-        if (c < p.head_dim) out[c] = from_f<T>(x);
-        if (c + 1 < p.head_dim) out[c + 1] = from_f<T>(y);
-      }
-    }
+    for (int n = 0; n < NO; ++n)
+      store_pair<T>(out, 8 * n + 2 * t, p.head_dim, o[n][2 * r] * inv[r], o[n][2 * r + 1] * inv[r], vec_o);
   }
 }
 

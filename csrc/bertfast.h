@@ -146,5 +146,8 @@ int attention_dropout_mask(bool* keep, int batch, int heads, int seqlen, float d
 int ptx_check_mma(const void* a, const void* b, const float* c, float* d, int dtype, cudaStream_t stream);
 int ptx_check_ldmatrix(const uint16_t* src, uint32_t* out, int variant, cudaStream_t stream);
 int ptx_check_cp_async(const uint8_t* src, uint8_t* out, cudaStream_t stream);
+// mma.sync's throughput (bertfast.perfmodel.mma_rate times it): blocks of 4 warps, each warp iters x 8
+// m16n8k16 products on all-ones operands; out[4 * block + warp] = 16384 x iters.
+int ptx_mma_rate(float* out, int blocks, int iters, int dtype, cudaStream_t stream);
 
 }  // namespace bertfast

@@ -317,4 +317,15 @@ PYBIND11_MODULE(_C, m) {
         check(s, "ptx_check_cp_async");
       },
       py::arg("src"), py::arg("out"), py::arg("stream"));
+  m.def(
+      "ptx_mma_rate",
+      [](uintptr_t out, int blocks, int iters, int dtype, uintptr_t stream) {
+        int s;
+        {
+          py::gil_scoped_release nogil;
+          s = bertfast::ptx_mma_rate(ptr<float>(out), blocks, iters, dtype, stream_of(stream));
+        }
+        check(s, "ptx_mma_rate");
+      },
+      py::arg("out"), py::arg("blocks"), py::arg("iters"), py::arg("dtype"), py::arg("stream"));
 }

@@ -73,7 +73,42 @@ __global__ void ptx_check_cp_async_kernel(const uint8_t* src, uint8_t* out) {
   for (int e = 0; e < 16; ++e) out[1024 + 16 * lane + e] = buf[512 + 16 * lane + e];
 }
 
+// mma.sync's rate: every warp runs `iters` rounds of 8 independent m16n8k16 products on all-ones
+// operands (so no round waits for the one before), then writes the sum of its accumulators,
+// 32 x 8 x 4 x 16 x iters, to out[warp] (the work cannot be optimized away, and a run is checked).
+template <typename T>
+__global__ void __launch_bounds__(128) ptx_mma_rate_kernel(float* out, int iters) {
+  const uint32_t one = ptx::pack2<T>(1.f, 1.f);
+  const uint32_t a[4] = {one, one, one, one}, b[2] = {one, one};
+  float d[8][4] = {};
+  for (int it = 0; it < iters; ++it) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) ptx::mma_m16n8k16<T>(d[j], a, b);
+  }
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) sum += d[j][0] + d[j][1] + d[j][2] + d[j][3];
+  sum = warp_sum(sum);
+  if ((threadIdx.x & 31) == 0) out[blockIdx.x * 4 + (threadIdx.x >> 5)] = sum;
+}
+
 }  // namespace
+
+int ptx_mma_rate(float* out, int blocks, int iters, int dtype, cudaStream_t stream) {
+  clear_error();
+  if (blocks < 1 || iters < 1)
+    return fail(kErrArgument, "ptx_mma_rate: expected blocks >= 1 and iters >= 1, got %d and %d", blocks, iters);
+  if (dtype == kFloat16) {
+    ptx_mma_rate_kernel<__half><<<blocks, 128, 0, stream>>>(out, iters);
+  } else if (dtype == kBFloat16) {
+    ptx_mma_rate_kernel<__nv_bfloat16><<<blocks, 128, 0, stream>>>(out, iters);
+  } else {
+    return fail(kErrArgument, "ptx_mma_rate: dtype code must be float16 (%d) or bfloat16 (%d), got %d", kFloat16,
+                kBFloat16, dtype);
+  }
+  BF_CHECK_LAUNCH("ptx_mma_rate");
+  return kOk;
+}
 
 int ptx_check_mma(const void* a, const void* b, const float* c, float* d, int dtype, cudaStream_t stream) {
   clear_error();

@@ -545,11 +545,14 @@ def test_perf_model_command_reads_every_kernel_and_reports_the_targets(tmp_path)
     assert all(k["prediction"]["predicted_s"] > 0 for k in data["kernels"])
     assert "Predictions, not measurements" in res.stdout
     # the CUDA attention's forward beside Triton's (where nvcc compiles it; else a line says why not)
-    cuda = {r["setting"]: r for r in data["cuda_attention"]}
+    cuda = {(r["setting"], r["kernel"]): r for r in data["cuda_attention"]}
     if cuda:
-        row = cuda["bert-large seq 512 batch 32 bf16 p=0.1"]
-        assert row["ratio"] == pytest.approx(row["seconds"] / row["triton_seconds"]) and row["registers"] <= 255
-        assert row["within"] == (row["ratio"] <= 1.3) and "CUDA attention forward" in res.stdout
+        for kernel in ("attention_fwd_mma_kernel", "attention_bwd_dkdv_mma_kernel"):
+            row = cuda["bert-large seq 512 batch 32 bf16 p=0.1", kernel]
+            assert row["ratio"] == pytest.approx(row["seconds"] / row["triton_seconds"]) and row["registers"] <= 255
+            assert row["within"] == (row["ratio"] <= 1.3) and f"CUDA {kernel}" in res.stdout
+        # seq 128 runs Triton's one-pass backward: no dK/dV kernel to set beside
+        assert cuda["bert-large seq 128 batch 128 bf16 p=0.1", "attention_bwd_dkdv_mma_kernel"]["ratio"] is None
     else:
         assert "CUDA attention: not read" in res.stdout
     # beside the last committed profile (the H200 run of 2026-11-27): every kernel it timed, and the
@@ -673,41 +676,60 @@ def test_the_steps_are_priced_again_with_refitted_constants():
     assert all(w["seconds"] > a["seconds"] and w["mfu"] < a["mfu"] for w, a in zip(worse, assumed))
 
 
-def test_cuda_attention_forward_work_and_shared_memory():
-    """perfmodel.cuda's launch at BERT-large seq 512 batch 32: 64 x 64 score blocks, 16 heads, 8 query
-    blocks a (sequence, head); q, k, v, out in bf16 and lse in fp32 moved once; MmaFwdSmem's bytes
-    (Q [64, 72], K and V [2][64, 72] in bf16, then [2][64] ints) by hand."""
+def test_cuda_attention_kernels_work_and_shared_memory():
+    """perfmodel.cuda's launches at BERT-large seq 512 batch 32: 64 x 64 score blocks, 16 heads, 8 blocks
+    of 64 rows a (sequence, head); the bytes each tensor once (bf16 q, k, v, out, dO, dk, dv; fp32 lse,
+    Delta; with dropout the keep bits, a bit a score element); MmaFwdSmem's and MmaKvSmem's bytes by hand
+    (rows of 64 + 8 bf16 elements: 144 bytes)."""
     from bertfast.perfmodel import cuda as CU
     from bertfast.perfmodel.kernels import Setting
-    work = CU.work(Setting("bert-large", 512, 32, 0.1), registers=200)
-    assert work.programs == 32 * 16 * 8 and work.iterations == 32 * 16 * 8 * 8 and work.tile_elements == 64 * 64
-    assert work.hbm_bytes == 4 * 16384 * 1024 * 2 + 16384 * 16 * 4 and work.warps == 4
-    assert CU.shared_bytes() == 64 * 72 * 2 + 2 * (2 * 64 * 72 * 2) + 2 * 64 * 4 == work.shared_bytes
-    assert CU.mangled(True) == ("_ZN8bertfast4attn24attention_fwd_mma_kernelI13__nv_bfloat16Li64ELi64ELi4ELb1ELb1"
-                                "EEEvNS0_6ParamsE")
+    setting = Setting("bert-large", 512, 32, 0.1)
+    bits = 32 * 16 * 512 * 512 / 8
+    fwd, dkdv = CU.work(CU.FORWARD, setting, 200), CU.work(CU.DKDV, setting, 200)
+    for w in (fwd, dkdv):
+        assert w.programs == 32 * 16 * 8 and w.iterations == 32 * 16 * 8 * 8 and w.tile_elements == 64 * 64
+        assert w.warps == 4 and w.registers == 200
+    assert fwd.hbm_bytes == 4 * 16384 * 1024 * 2 + 16384 * 16 * 4 + bits
+    assert dkdv.hbm_bytes == 6 * 16384 * 1024 * 2 + 2 * 16384 * 16 * 4 + bits
+    assert fwd.shared_bytes == 64 * 144 + 2 * (2 * 64 * 144) + 2 * 64 * 4
+    assert dkdv.shared_bytes == 2 * 64 * 144 + 2 * (2 * 64 * 144) + 2 * (2 * 64 * 4)
+    assert CU.FORWARD.mangled(True) == ("_ZN8bertfast4attn24attention_fwd_mma_kernelI13__nv_bfloat16Li64ELi64ELi4ELb1"
+                                        "ELb1EEEvNS0_6ParamsE")
+    assert CU.DKDV.mangled(False).startswith("_ZN8bertfast4attn29attention_bwd_dkdv_mma_kernelI13__nv_bfloat16")
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
                     reason="the CUDA attention compiles with nvcc")
-def test_cuda_attention_forward_is_read_from_its_sass():
-    """The CUDA forward's sm_90 SASS, as the perf model reads it: a main loop of 64 HMMAs a warp (Q K^T and
-    P V over a 64 x 64 block: 2 x 4 x 8 m16n8k16 products), no wgmma, spill-free; dropout adds its draws
-    (more instructions per element, the same tensor work); priced beside the Triton forward."""
+def test_cuda_attention_kernels_are_read_from_their_sass():
+    """The CUDA mma.sync kernels' sm_90 SASS as the perf model reads it: the forward's main loop issues
+    64 HMMAs a warp (Q K^T and P V over a 64 x 64 block: 2 x 4 x 8 m16n8k16 products) and 32 LDSM (K's
+    and V's fragments), dK/dV's 128 HMMAs (S^T, dP^T, dV, dK) and 64 LDSM; no wgmma, spill-free; dropout
+    adds its draws (the forward) or its keep-bit reads (dK/dV) and no tensor work; priced beside Triton."""
     from bertfast.perfmodel import cuda as CU
     from bertfast.perfmodel.kernels import Setting
     if CU.unavailable():
         pytest.skip(CU.unavailable())
-    compiled = CU.compile_forward()
-    per_element = {}
-    for dropout in (False, True):
-        f = compiled.functions[dropout]
-        _, loop, _ = model.loop_and_rest(f)
-        opcodes = [ins.opcode for ins in loop]
-        assert opcodes.count("HMMA") == 64 and "HGMMA" not in opcodes
-        assert opcodes.count("LDSM") == 32 and opcodes.count("MUFU") >= 32  # K, V fragments; an exp2 an element
-        assert compiled.spills[dropout] == 0 and compiled.registers[dropout] <= 255
-        per_element[dropout] = len(loop) * 128 / 4096
-    assert 8 < per_element[False] < 16 and per_element[True] > per_element[False] + 3
-    for f in CU.predict_forward([Setting("bert-large", 512, 32, 0.1)], H100):
-        assert f.prediction.tensor_flops == pytest.approx(4 * 64 * 32 * 16 * 512 * 512)  # 2 products, 2 flops
-        assert f.prediction.predicted_s > 0
+    compiled = CU.compile_kernels()
+    for kernel, hmma, ldsm in ((CU.FORWARD, 64, 32), (CU.DKDV, 128, 64)):
+        per_element = {}
+        for dropout in (False, True):
+            key = (kernel.name, dropout)
+            _, loop, _ = model.loop_and_rest(compiled.functions[key])
+            opcodes = [ins.opcode for ins in loop]
+            assert opcodes.count("HMMA") == hmma and "HGMMA" not in opcodes, kernel.name
+            assert opcodes.count("LDSM") == ldsm and opcodes.count("MUFU") >= 32, kernel.name
+            assert compiled.spills[key] == 0 and compiled.registers[key] <= 255
+            per_element[dropout] = len(loop) * 128 / 4096
+        assert 8 < per_element[False] < 24 and per_element[True] > per_element[False] + 1, kernel.name
+    products = {"fwd": 2, "bwd": 4}
+    for f in CU.predict_kernels([Setting("bert-large", 512, 32, 0.1)], H100):
+        flops = products[f.kernel.direction] * 2 * 64 * 32 * 16 * 512 * 512
+        assert f.prediction.tensor_flops == pytest.approx(flops) and f.prediction.predicted_s > 0
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="without a GPU only")
+def test_mma_rate_refuses_without_a_gpu():
+    """It measures the hardware's mma.sync rate, so without a GPU it says so and exits 2."""
+    res = subprocess.run([sys.executable, "-m", "bertfast.perfmodel.mma_rate"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2 and "needs a GPU" in res.stderr

@@ -1,10 +1,12 @@
-"""The CUDA backend's attention forward (csrc/attention_fwd.cu, attention_fwd_mma_kernel) read by the
-performance model, beside the Triton kernel it is held to (issue 39: within 1.3x).
+"""The CUDA backend's attention kernels on mma.sync (csrc/attention_fwd.cu's attention_fwd_mma_kernel,
+csrc/attention_bwd.cu's attention_bwd_dkdv_mma_kernel) read by the performance model, beside the
+Triton kernels they are held to (issue 39: within 1.3x).
 
-csrc/attention_fwd.cu is compiled for sm_90 with nvcc (the flags of the extension build) into a cubin
-whose SASS the model reads like Triton's (sass.parse, model.predict); ptxas's report gives the
-registers. The launch modelled is the one a BERT layer makes: bf16, head dim 64 (the kernel's tile
-is the head dim), 16-byte rows, varlen, every key of a full block valid (its unmasked main loop).
+Each source is compiled for sm_90 with nvcc (the flags of the extension build) into a cubin whose
+SASS the model reads like Triton's (sass.parse, model.predict); ptxas's report gives the registers.
+The launches modelled are the ones a BERT layer makes: bf16, head dim 64 (the kernels' tile is the
+head dim), 16-byte rows, varlen, every key of a block valid (their unmasked main loops). The dQ
+kernel of the CUDA backward (WMMA, S and P through shared memory) is not read yet.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import math
 import os
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -22,36 +24,54 @@ from bertfast.perfmodel.hardware import Gpu
 from bertfast.perfmodel.model import Prediction, Work, predict
 from bertfast.perfmodel.sass import Function, disassemble, parse
 
-KERNEL = "attention_fwd_mma_kernel"
-SOURCE = "attention_fwd.cu"
-# The launch's configuration (csrc/attention.cuh, Cfg and MmaFwdSmem, at head dim 64): 64 query rows
-# per block in 4 warps, 64 keys per step, rows padded by 8 elements.
-BLOCK_M, BLOCK_N, WARPS = 64, 64, 4
-ROW_PAD = 8
+ROW_PAD = 8  # kPadT<T> for 16-bit T: shared-memory rows padded by 16 bytes
+WARPS = 4
 
 
-def shared_bytes(head_dim: int = K.HEAD_DIM, block_n: int = BLOCK_N) -> int:
-    """MmaFwdSmem<T, D, BN>::bytes for 16-bit T: Q [64, D + 8], K and V [2][BN, D + 8], kvalid [2][BN]."""
-    def align(x: int) -> int:
-        return (x + 127) // 128 * 128
-    row = 2 * (head_dim + ROW_PAD)
-    k = align(BLOCK_M * row)
-    v = align(k + 2 * block_n * row)
-    kvalid = align(v + 2 * block_n * row)
-    return align(kvalid + 2 * block_n * 4)
+def _align(x: int) -> int:
+    return (x + 127) // 128 * 128
 
 
-def mangled(dropout: bool, head_dim: int = K.HEAD_DIM, block_n: int = BLOCK_N) -> str:
-    """The kernel's symbol for bf16 with 16-byte K and V rows."""
-    return (f"_ZN8bertfast4attn24{KERNEL}I13__nv_bfloat16Li{head_dim}ELi{block_n}ELi{WARPS}"
-            f"ELb{int(dropout)}ELb1EEEvNS0_6ParamsE")
+@dataclass(frozen=True)
+class CudaKernel:
+    name: str          # the kernel template's name
+    source: str        # its file in csrc/
+    triton: str        # the Triton kernel doing its work, predicted beside it
+    direction: str     # fwd / bwd
+    rows: int          # rows a block owns (queries, or keys for dK/dV): 16 a warp
+    step: int          # keys (queries for dK/dV) a main-loop step
+
+    def mangled(self, dropout: bool, head_dim: int = K.HEAD_DIM) -> str:
+        """The symbol of the bf16 kernel with 16-byte rows (template <T, D, step, warps, dropout, vec>)."""
+        return (f"_ZN8bertfast4attn{len(self.name)}{self.name}I13__nv_bfloat16Li{head_dim}ELi{self.step}"
+                f"ELi{WARPS}ELb{int(dropout)}ELb1EEEvNS0_6ParamsE")
+
+    def shared_bytes(self, head_dim: int = K.HEAD_DIM) -> int:
+        """MmaFwdSmem / MmaKvSmem bytes for 16-bit T: the block's own [rows, D + 8] tiles (the forward's
+        Q; dK/dV's K and V), the streamed ones double-buffered ([2][step, D + 8]: K and V; Q and dO),
+        then [2][step] arrays of 4 bytes (the forward's key mask; dK/dV's lse and Delta)."""
+        row = 2 * (head_dim + ROW_PAD)
+        own, arrays = (1, 1) if self.direction == "fwd" else (2, 2)
+        offset = 0
+        for _ in range(own):
+            offset = _align(offset + self.rows * row)
+        for _ in range(2):  # the two streamed tiles
+            offset = _align(offset + 2 * self.step * row)
+        for _ in range(arrays):
+            offset = _align(offset + 2 * self.step * 4)
+        return offset
+
+
+FORWARD = CudaKernel("attention_fwd_mma_kernel", "attention_fwd.cu", "_attention_fwd_kernel", "fwd", 64, 64)
+DKDV = CudaKernel("attention_bwd_dkdv_mma_kernel", "attention_bwd.cu", "_attention_bwd_dkdv_kernel", "bwd", 64, 64)
+KERNELS = (FORWARD, DKDV)
 
 
 @dataclass
 class CompiledCuda:
-    functions: Dict[bool, Function]       # dropout -> the kernel's SASS
-    registers: Dict[bool, Optional[int]]
-    spills: Dict[bool, Optional[int]]
+    functions: Dict[Tuple[str, bool], Function] = field(default_factory=dict)  # (kernel, dropout) -> SASS
+    registers: Dict[Tuple[str, bool], Optional[int]] = field(default_factory=dict)
+    spills: Dict[Tuple[str, bool], Optional[int]] = field(default_factory=dict)
 
 
 def _nvcc_and_csrc() -> Tuple[Optional[str], Optional[Path]]:
@@ -70,65 +90,76 @@ def unavailable() -> Optional[str]:
 
 
 @lru_cache(maxsize=1)
-def compile_forward() -> CompiledCuda:
-    """sm_90 SASS, registers and spills of the forward kernel, with and without dropout."""
+def compile_kernels() -> CompiledCuda:
+    """sm_90 SASS, registers and spills of each kernel of KERNELS, with and without dropout."""
     from bertfast.gpucheck.compile_report import TARGET_ARCH, parse_ptxas
     nvcc, src = _nvcc_and_csrc()
     if nvcc is None or src is None:
         raise RuntimeError(f"perf-model: the CUDA attention cannot be compiled: {unavailable()}")
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = os.path.join(tmp, "attention_fwd.cubin")
-        res = subprocess.run([nvcc, "-std=c++17", "-O3", f"-I{src}", "-cubin", "-gencode",
-                              f"arch=compute_{TARGET_ARCH},code=sm_{TARGET_ARCH}", "-Xptxas", "-v",
-                              str(src / SOURCE), "-o", cubin], capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"perf-model: nvcc failed on {SOURCE}: {res.stderr.strip()[-500:]}")
-        with open(cubin, "rb") as f:
-            functions = parse(disassemble(f.read()))
-    report = parse_ptxas(res.stdout + res.stderr)
-    out = CompiledCuda({}, {}, {})
-    for dropout in (False, True):
-        name = mangled(dropout)
-        if name not in functions:
-            raise RuntimeError(f"perf-model: {name} is not in {SOURCE}'s cubin (its template arguments changed?)")
-        out.functions[dropout] = functions[name]
-        stats = report.get(name, {})
-        out.registers[dropout] = stats.get("registers")
-        out.spills[dropout] = stats["spill_stores"] + stats["spill_loads"] if "spill_stores" in stats else None
+    out = CompiledCuda()
+    for source in sorted({k.source for k in KERNELS}):
+        with tempfile.TemporaryDirectory() as tmp:
+            cubin = os.path.join(tmp, "k.cubin")
+            res = subprocess.run([nvcc, "-std=c++17", "-O3", f"-I{src}", "-cubin", "-gencode",
+                                  f"arch=compute_{TARGET_ARCH},code=sm_{TARGET_ARCH}", "-Xptxas", "-v",
+                                  str(src / source), "-o", cubin], capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"perf-model: nvcc failed on {source}: {res.stderr.strip()[-500:]}")
+            with open(cubin, "rb") as f:
+                functions = parse(disassemble(f.read()))
+        report = parse_ptxas(res.stdout + res.stderr)
+        for kernel in (k for k in KERNELS if k.source == source):
+            for dropout in (False, True):
+                name = kernel.mangled(dropout)
+                if name not in functions:
+                    raise RuntimeError(f"perf-model: {name} is not in {source}'s cubin (its template arguments "
+                                       "changed?)")
+                stats = report.get(name, {})
+                key = (kernel.name, dropout)
+                out.functions[key] = functions[name]
+                out.registers[key] = stats.get("registers")
+                out.spills[key] = stats["spill_stores"] + stats["spill_loads"] if "spill_stores" in stats else None
     return out
 
 
-def work(setting: K.Setting, registers: Optional[int]) -> Work:
+def work(kernel: CudaKernel, setting: K.Setting, registers: Optional[int]) -> Work:
     """One varlen launch at ``setting`` (every sequence at full length): a main-loop iteration is one
-    64 x 64 block of scores; q, k, v and out (bf16) and lse (fp32) moved once."""
+    rows x step block of scores. Bytes, each tensor once: the forward reads q, k, v and writes out (bf16)
+    and lse (fp32); dK/dV reads q, k, v, dO (bf16), lse and Delta (fp32) and writes dk, dv; with dropout
+    the keep bits (one bit a score element) are written by the one and read by the other."""
     from bertfast.gpucheck.compile_report import MODELS
     hidden = MODELS[setting.model][0]
     heads = hidden // K.HEAD_DIM
-    query_blocks = math.ceil(setting.seq / BLOCK_M)
-    programs = setting.batch * heads * query_blocks
-    iterations = programs * math.ceil(setting.seq / BLOCK_N)
-    moved = 4 * setting.tokens * hidden * 2 + setting.tokens * heads * 4
-    return Work(iterations, BLOCK_M * BLOCK_N, programs, WARPS, moved, registers=registers,
-                shared_bytes=shared_bytes(), loads_ahead=1)
+    programs = setting.batch * heads * math.ceil(setting.seq / kernel.rows)
+    iterations = programs * math.ceil(setting.seq / kernel.step)
+    if kernel.direction == "fwd":
+        moved = 4 * setting.tokens * hidden * 2 + setting.tokens * heads * 4
+    else:
+        moved = 6 * setting.tokens * hidden * 2 + 2 * setting.tokens * heads * 4
+    if setting.dropout > 0:
+        moved += setting.batch * heads * setting.seq ** 2 / 8
+    return Work(iterations, kernel.rows * kernel.step, programs, WARPS, moved, registers=registers,
+                shared_bytes=kernel.shared_bytes(), loads_ahead=1)
 
 
 @dataclass
-class CudaForward:
+class CudaPrediction:
+    kernel: CudaKernel
     setting: K.Setting
     prediction: Prediction
     registers: Optional[int]
     spills: Optional[int]
 
 
-def predict_forward(settings: List[K.Setting], gpu: Gpu) -> List[CudaForward]:
-    """The CUDA forward predicted at each setting (its dropout picks the kernel)."""
-    compiled = compile_forward()
+def predict_kernels(settings: List[K.Setting], gpu: Gpu) -> List[CudaPrediction]:
+    """Each kernel of KERNELS predicted at each setting (its dropout picks the kernel)."""
+    compiled = compile_kernels()
     out = []
     for setting in settings:
-        dropout = setting.dropout > 0
-        registers = compiled.registers[dropout]
-        prediction = predict(compiled.functions[dropout], work(setting, registers), gpu)
-        if compiled.spills[dropout]:
-            prediction.notes.append(f"spills {compiled.spills[dropout]} bytes of registers")
-        out.append(CudaForward(setting, prediction, registers, compiled.spills[dropout]))
+        for kernel in KERNELS:
+            key = (kernel.name, setting.dropout > 0)
+            prediction = predict(compiled.functions[key], work(kernel, setting, compiled.registers[key]), gpu)
+            if compiled.spills[key]:
+                prediction.notes.append(f"spills {compiled.spills[key]} bytes of registers")
+            out.append(CudaPrediction(kernel, setting, prediction, compiled.registers[key], compiled.spills[key]))
     return out

@@ -190,29 +190,32 @@ def targets(results: Sequence[KernelResult], gpu: Gpu = H100) -> List[Dict[str, 
 
 def cuda_attention(results: Sequence[KernelResult], settings: Sequence[K.Setting], gpu: Gpu = H100,
                    log=print) -> List[Dict[str, object]]:
-    """The CUDA backend's attention forward (perfmodel.cuda) beside the Triton forward at each setting:
-    its prediction, TFLOP/s, instructions per element, and the ratio of the two times. [] with a line
-    saying why where it cannot be compiled here."""
+    """The CUDA backend's mma.sync attention kernels (perfmodel.cuda) beside the Triton kernel doing the
+    same work at each setting (where one does: seq 128 runs Triton's one-pass backward, no dK/dV kernel):
+    prediction, TFLOP/s, instructions per element, and the ratio of the two times. [] with a line
+    saying why where they cannot be compiled here."""
     why = CU.unavailable()
     if why is not None:
         log(f"CUDA attention: not read ({why})")
         return []
     rows = []
-    for f in CU.predict_forward(list(settings), gpu):
-        triton = attention_figures(results, f.setting)["fwd"]["seconds"]
+    for f in CU.predict_kernels(list(settings), gpu):
         p = f.prediction
-        ratio = p.predicted_s / triton
-        rows.append({"setting": f.setting.label(), "kernel": CU.KERNEL, "registers": f.registers, "spills": f.spills,
-                     "seconds": p.predicted_s, "tflops": attention_tflops(f.setting, "fwd", p.predicted_s),
+        triton = [r.prediction.predicted_s for r in _of(results, f.setting, "attention") if r.kernel == f.kernel.triton]
+        ratio = p.predicted_s / triton[0] if triton else None
+        rows.append({"setting": f.setting.label(), "kernel": f.kernel.name, "direction": f.kernel.direction,
+                     "registers": f.registers, "spills": f.spills, "seconds": p.predicted_s,
                      "instructions_per_element": p.per_element["total"], "binding": p.binding,
-                     "bounds_s": p.bounds_s, "triton_seconds": triton, "ratio": ratio,
-                     "within": ratio <= CUDA_ATTENTION_RATIO, "notes": p.notes})
-        within = "within" if rows[-1]["within"] else "NOT within"
-        log(f"CUDA attention forward (csrc/{CU.SOURCE}, mma.sync), {f.setting.label()}: {p.predicted_s * 1e6:.0f} us, "
-            f"{rows[-1]['tflops']:.0f} TFLOP/s, {p.per_element['total']:.1f} instr/elem, bound by {p.binding}, "
-            f"{f.registers} registers: {ratio:.2f}x Triton's forward ({within} {CUDA_ATTENTION_RATIO:g}x)"
+                     "bounds_s": p.bounds_s, "triton_kernel": f.kernel.triton,
+                     "triton_seconds": triton[0] if triton else None, "ratio": ratio,
+                     "within": None if ratio is None else ratio <= CUDA_ATTENTION_RATIO, "notes": p.notes})
+        beside = "no Triton kernel of its own here" if ratio is None else (
+            f"{ratio:.2f}x Triton's {f.kernel.triton.strip('_').replace('_kernel', '')} "
+            f"({'within' if ratio <= CUDA_ATTENTION_RATIO else 'NOT within'} {CUDA_ATTENTION_RATIO:g}x)")
+        log(f"CUDA {f.kernel.name} (csrc/{f.kernel.source}), {f.setting.label()}: {p.predicted_s * 1e6:.0f} us, "
+            f"{p.per_element['total']:.1f} instr/elem, bound by {p.binding}, {f.registers} registers: {beside}"
             + (f" [{'; '.join(p.notes)}]" if p.notes else ""))
-    log("  (its backward, WMMA with S and P through shared memory, is not modelled yet; mma.sync priced at "
+    log("  (the CUDA dQ kernel, WMMA with S and P through shared memory, is not read yet; mma.sync priced at "
         f"{gpu.mma_sync_flops / 1e12:.0f} TFLOP/s, an assumption: hardware.Gpu.mma_sync_flops)")
     return rows
 

@@ -99,3 +99,16 @@ def test_check_entry_points_reject_bad_codes(ext):
         module.ptx_check_mma(buf.data_ptr(), buf.data_ptr(), buf.data_ptr(), buf.data_ptr(), 0, 0)
     with pytest.raises(RuntimeError, match="variant must be .* got 7"):
         module.ptx_check_ldmatrix(buf.data_ptr(), buf.data_ptr(), 7, 0)
+
+
+def test_mma_rate_kernel_does_the_work_it_times(ext):
+    """bertfast.perfmodel.mma_rate's kernel: each warp's sum is 16384 x iters (all-ones operands, 8
+    products a round), so a time it gives is of that work; bad sizes are refused."""
+    module, dev = ext
+    blocks, iters = 2, 3
+    out = torch.zeros(blocks * 4, device=dev)
+    module.ptx_mma_rate(out.data_ptr(), blocks, iters, 2, 0)
+    _sync(dev)
+    assert torch.equal(out.cpu(), torch.full((blocks * 4,), 16384.0 * iters))
+    with pytest.raises(RuntimeError, match="expected blocks >= 1 and iters >= 1, got 0 and 3"):
+        module.ptx_mma_rate(out.data_ptr(), 0, 3, 2, 0)
