@@ -113,7 +113,7 @@ case "$PART" in
     run_while_time "${KERNEL_STEPS[@]}"
     ;;
 speed1)
-    run --stage 1 --step install --step requirements --step build --step info
+    run --stage 1 --step install --step requirements --step build --step info --step mma-rate
     PROFILE_S=${PROFILE_S:-180}
     headline_and_profile
     if [ "$(left)" -ge 60 ]; then

@@ -33,14 +33,15 @@ def test_plan_fits_a_lent_gpu_machine():
     # Priority order: build + sanitizers, correctness, the headline, the kernel suite, the rest.
     assert [s.name for s in STAGES] == ["build", "tests", "headline", "kernels", "rest"]
     build = {step.name: step for step in STAGES[0].steps}
-    assert list(build) == ["install", "requirements", "build", "info", "memcheck", "racecheck"]
+    assert list(build) == ["install", "requirements", "build", "info", "mma-rate", "memcheck", "racecheck"]
     assert build["install"].env == {"BERTFAST_BUILD_CUDA": "0"} and build["build"].env["BERTFAST_BUILD_CUDA"] == "1"
     assert "compute-sanitizer" in build["memcheck"].argv and "compute-sanitizer" in build["racecheck"].argv
     # racecheck fails inside cuBLAS's fp32-out GEMM (three GPU runs): it alone takes the bf16-out path.
     assert "--no-fp32-out-gemms" in build["racecheck"].argv and "--no-fp32-out-gemms" not in build["memcheck"].argv
-    # Only the sanitizers need the extension: the Triton tests and the benchmarks never wait on its build.
-    assert [step.name for s in STAGES for step in s.steps if stages.EXTENSION in step.needs] == ["memcheck",
-                                                                                               "racecheck"]
+    # Only the sanitizers and mma.sync's timing need the extension: the Triton tests and the benchmarks
+    # never wait on its build.
+    assert [step.name for s in STAGES for step in s.steps if stages.EXTENSION in step.needs] == [
+        "mma-rate", "memcheck", "racecheck"]
     assert all(not step.needs for step in STAGES[0].steps[:3])
     tests = STAGES[1].steps[0]
     assert tests.env == {"BERTFAST_AUTOTUNE": "0"} and "gpu or gpu_capable" in tests.argv
@@ -534,7 +535,8 @@ def test_sizing_against_a_gpu_run_puts_each_limit_beside_its_duration(tmp_path):
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     lines = sizing.against(str(tmp_path / "summary.json")).splitlines()
     memcheck = next(ln for ln in lines if " memcheck " in ln).split()
-    assert memcheck == ["1", "memcheck", str(stages.stage(1).steps[4].limit_s), "80", "timed", "out"]
+    limit = next(step.limit_s for step in stages.stage(1).steps if step.name == "memcheck")
+    assert memcheck == ["1", "memcheck", str(limit), "80", "timed", "out"]
     assert next(ln for ln in lines if " pytest " in ln).endswith("not run")
 
 
@@ -543,7 +545,7 @@ def test_steps_chosen_by_step_or_skip_and_the_summary_keeps_each_steps_newest_re
     recorded by two runs, and the summary holds both runs' steps, in the stage's order, whichever
     writes last; two writers at once lose nothing (the summary is written under a lock)."""
     assert runner.step_filter([1, 2], skip=["memcheck", "racecheck"]) == {
-        1: ["install", "requirements", "build", "info"], 2: ["pytest"]}
+        1: ["install", "requirements", "build", "info", "mma-rate"], 2: ["pytest"]}
     assert runner.step_filter([1, 2], steps=["memcheck", "racecheck"]) == {1: ["memcheck", "racecheck"]}
     assert runner.step_filter([3]) == {3: None}
     with pytest.raises(ValueError, match=r"expected a step of stage\(s\) 3 \(pretrain\), got 'memcheck'"):

@@ -143,6 +143,10 @@ def info() -> Estimate:
                                            f"{GPU_IMPORT_FACTOR:g} (CUDA libraries) + 2 s")
 
 
+def mma_rate() -> Estimate:
+    return Estimate(_gpu_import_s() + 3.0, "the import, and 11 launches of ~10 ms: 3 s stated")
+
+
 def requirements() -> Estimate:
     return Estimate(5.0, "stated: the installed metadata of ~20 packages and two tools' --version, 5 s")
 
