@@ -164,6 +164,16 @@ struct TileCopy {
   }
 };
 
+// A tile a block copies once (not in its main loop): TileCopy with the copy path chosen at run time.
+template <typename T, int ROWS, int D, int LD, int NT>
+__device__ __forceinline__ void copy_tile(T* dst, const T* src, int64_t row_stride, int nvalid, int hd, bool vec) {
+  if (vec) {
+    TileCopy<T, ROWS, D, LD, NT, true>(hd, row_stride).issue(dst, src, nvalid);
+  } else {
+    TileCopy<T, ROWS, D, LD, NT, false>(hd, row_stride).issue(dst, src, nvalid);
+  }
+}
+
 // Barrier over the warps that share a row group's smem rows: the warp, or the block when WN > 1
 // warps split the row group's columns.
 template <int WN>
@@ -432,16 +442,16 @@ struct Draws {
 // warp would hold 128 accumulator registers per lane for O or dQ, 256 for dK and dV. dK/dV splits
 // 16-bit tiles 4 ways (2 ways still spills), fp32 ones 2 ways (its FMA slices need not be 16
 // wide, so its tiles stay small); at D 96 and 128 it splits 16-bit tiles 2 ways (one warp spilled
-// there once it read the keep bits). Shared memory at D 256 (forward, dQ, dK/dV): 80, 80 and 96 KiB
-// for 16-bit types, 70, 69 and 70 KiB for fp32. The fp16/bf16 forward has a tile of its own
-// (kMmaFwdBN, attention_fwd.cu).
+// there once it read the keep bits). Shared memory at D 256 (dQ, dK/dV): 80 and 96 KiB for 16-bit
+// types; (forward, dQ, dK/dV) 70, 69 and 70 KiB for fp32. The fp16/bf16 forward and dK/dV up to D 128
+// are the mma.sync kernels, with tiles of their own (kMmaFwdBN, kMmaKvBM; their Smem structs).
 template <typename T, int D>
 struct Cfg {
   static constexpr bool kF32 = std::is_same<T, float>::value;
   static constexpr bool kBig = D > 128;
-  // forward: BM query rows per block, BN keys per step
-  static constexpr int kFwdBM = kF32 && kBig ? 32 : 64;
-  static constexpr int kFwdBN = D <= 64 ? 64 : (kF32 && kBig ? 16 : 32);
+  // forward, fp32 (the FMA kernel; fp16/bf16 run the mma.sync one): BM query rows per block, BN keys per step
+  static constexpr int kFwdBM = kBig ? 32 : 64;
+  static constexpr int kFwdBN = D <= 64 ? 64 : (kBig ? 16 : 32);
   static constexpr int kFwdWN = kBig ? 2 : 1;
   // forward, fp16/bf16 (mma.sync): 64 query rows per block, BN keys per step (its S tile is BN / 2
   // registers a lane, its O accumulator D / 2)

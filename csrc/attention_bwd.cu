@@ -354,13 +354,8 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dkdv_mma_kernel(cons
     }
   };
   // K and V land first (group 0), their fragments read while query block 0 (group 1) is in flight.
-  if ((p.vec & kVecK) && (p.vec & kVecV)) {
-    TileCopy<T, BN, D, LD, NT, true>(p.head_dim, p.sk.row).issue(Ks, k, sq.len - n0);
-    TileCopy<T, BN, D, LD, NT, true>(p.head_dim, p.sv.row).issue(Vs, v, sq.len - n0);
-  } else {
-    TileCopy<T, BN, D, LD, NT, false>(p.head_dim, p.sk.row).issue(Ks, k, sq.len - n0);
-    TileCopy<T, BN, D, LD, NT, false>(p.head_dim, p.sv.row).issue(Vs, v, sq.len - n0);
-  }
+  copy_tile<T, BN, D, LD, NT>(Ks, k, p.sk.row, sq.len - n0, p.head_dim, p.vec & kVecK);
+  copy_tile<T, BN, D, LD, NT>(Vs, v, p.sv.row, sq.len - n0, p.head_dim, p.vec & kVecV);
   ptx::cp_async_commit();
   load_q(0);
   ptx::cp_async_commit();

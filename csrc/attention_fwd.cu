@@ -190,11 +190,7 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_fwd_mma_kernel(const Par
       kvalid[stage * BN + threadIdx.x] = key_valid(p, b, n0 + threadIdx.x, sq.len);
   };
   // Q lands first (group 0), its fragments read while block 0's K and V (group 1) are in flight.
-  if (p.vec & kVecQ) {
-    TileCopy<T, BM, D, LD, NT, true>(p.head_dim, p.sq.row).issue(Qs, q, sq.len - m0);
-  } else {
-    TileCopy<T, BM, D, LD, NT, false>(p.head_dim, p.sq.row).issue(Qs, q, sq.len - m0);
-  }
+  copy_tile<T, BM, D, LD, NT>(Qs, q, p.sq.row, sq.len - m0, p.head_dim, p.vec & kVecQ);
   ptx::cp_async_commit();
   load_kv(0);
   ptx::cp_async_commit();

@@ -17,13 +17,14 @@ import tempfile
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from bertfast.perfmodel import kernels as K
 from bertfast.perfmodel.hardware import Gpu
 from bertfast.perfmodel.model import Prediction, Work, predict
 from bertfast.perfmodel.sass import Function, disassemble, parse
 
+RATIO = 1.3  # a CUDA kernel's predicted time, at most this times Triton's (issue 39)
 ROW_PAD = 8  # kPadT<T> for 16-bit T: shared-memory rows padded by 16 bytes
 WARPS = 4
 
@@ -163,3 +164,35 @@ def predict_kernels(settings: List[K.Setting], gpu: Gpu) -> List[CudaPrediction]
                 prediction.notes.append(f"spills {compiled.spills[key]} bytes of registers")
             out.append(CudaPrediction(kernel, setting, prediction, compiled.registers[key], compiled.spills[key]))
     return out
+
+
+def beside_triton(results: Sequence, settings: Sequence[K.Setting], gpu: Gpu, log=print) -> List[Dict[str, object]]:
+    """Each kernel of KERNELS at each setting beside the Triton kernel doing the same work there, from
+    ``results`` (report.analyse's KernelResults; seq 128 runs Triton's one-pass backward, so no dK/dV
+    kernel stands beside it): prediction, instructions per element, binding bound and the ratio of the
+    two times, one line logged each. [] with a line saying why where they cannot be compiled here."""
+    why = unavailable()
+    if why is not None:
+        log(f"CUDA attention: not read ({why})")
+        return []
+    rows = []
+    for f in predict_kernels(list(settings), gpu):
+        p = f.prediction
+        triton = [r.prediction.predicted_s for r in results
+                  if r.setting == f.setting and r.kernel == f.kernel.triton and r.prediction is not None]
+        ratio = p.predicted_s / triton[0] if triton else None
+        rows.append({"setting": f.setting.label(), "kernel": f.kernel.name, "direction": f.kernel.direction,
+                     "registers": f.registers, "spills": f.spills, "seconds": p.predicted_s,
+                     "instructions_per_element": p.per_element["total"], "binding": p.binding,
+                     "bounds_s": p.bounds_s, "triton_kernel": f.kernel.triton,
+                     "triton_seconds": triton[0] if triton else None, "ratio": ratio,
+                     "within": None if ratio is None else ratio <= RATIO, "notes": p.notes})
+        beside = "no Triton kernel of its own here" if ratio is None else (
+            f"{ratio:.2f}x Triton's {f.kernel.triton.strip('_').replace('_kernel', '')} "
+            f"({'within' if ratio <= RATIO else 'NOT within'} {RATIO:g}x)")
+        log(f"CUDA {f.kernel.name} (csrc/{f.kernel.source}), {f.setting.label()}: {p.predicted_s * 1e6:.0f} us, "
+            f"{p.per_element['total']:.1f} instr/elem, bound by {p.binding}, {f.registers} registers: {beside}"
+            + (f" [{'; '.join(p.notes)}]" if p.notes else ""))
+    log("  (the CUDA dQ kernel, WMMA with S and P through shared memory, is not read yet; mma.sync priced at "
+        f"{gpu.mma_sync_flops / 1e12:.0f} TFLOP/s, an assumption: hardware.Gpu.mma_sync_flops)")
+    return rows

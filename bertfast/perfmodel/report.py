@@ -33,7 +33,6 @@ TARGET_SETTINGS = (K.Setting("bert-large", 512, 32, 0.1), K.Setting("bert-large"
 ATTENTION_TFLOPS_TARGET = 215.0   # benchmarks/README: FlashAttention-2's published H100 figure
 DROPOUT_COST_TARGET = 0.60        # dropout's extra main-loop instructions per element, fwd+bwd
 ROW_OP_BANDWIDTH_TARGET = 0.90    # of the achievable copy bandwidth
-CUDA_ATTENTION_RATIO = 1.3        # the CUDA attention's predicted time, at most this times Triton's (issue 39)
 # Attention FLOPs credited per score element (4·D forward, 10·D backward; what the benchmark divides by).
 CREDITED = {"fwd": 4 * K.HEAD_DIM, "bwd": 10 * K.HEAD_DIM}
 DIRECTION = {"_attention_fwd_kernel": "fwd", "_attention_bwd_delta_kernel": "bwd", "_attention_bwd_dq_kernel": "bwd",
@@ -186,38 +185,6 @@ def targets(results: Sequence[KernelResult], gpu: Gpu = H100) -> List[Dict[str, 
                     "unit": "% MFU (device time; a CUDA-graph step)", "met": plan["mfu"] >= case.target_mfu,
                     "ceiling": 100 * plan["ceiling"]["mfu"]})
     return out
-
-
-def cuda_attention(results: Sequence[KernelResult], settings: Sequence[K.Setting], gpu: Gpu = H100,
-                   log=print) -> List[Dict[str, object]]:
-    """The CUDA backend's mma.sync attention kernels (perfmodel.cuda) beside the Triton kernel doing the
-    same work at each setting (where one does: seq 128 runs Triton's one-pass backward, no dK/dV kernel):
-    prediction, TFLOP/s, instructions per element, and the ratio of the two times. [] with a line
-    saying why where they cannot be compiled here."""
-    why = CU.unavailable()
-    if why is not None:
-        log(f"CUDA attention: not read ({why})")
-        return []
-    rows = []
-    for f in CU.predict_kernels(list(settings), gpu):
-        p = f.prediction
-        triton = [r.prediction.predicted_s for r in _of(results, f.setting, "attention") if r.kernel == f.kernel.triton]
-        ratio = p.predicted_s / triton[0] if triton else None
-        rows.append({"setting": f.setting.label(), "kernel": f.kernel.name, "direction": f.kernel.direction,
-                     "registers": f.registers, "spills": f.spills, "seconds": p.predicted_s,
-                     "instructions_per_element": p.per_element["total"], "binding": p.binding,
-                     "bounds_s": p.bounds_s, "triton_kernel": f.kernel.triton,
-                     "triton_seconds": triton[0] if triton else None, "ratio": ratio,
-                     "within": None if ratio is None else ratio <= CUDA_ATTENTION_RATIO, "notes": p.notes})
-        beside = "no Triton kernel of its own here" if ratio is None else (
-            f"{ratio:.2f}x Triton's {f.kernel.triton.strip('_').replace('_kernel', '')} "
-            f"({'within' if ratio <= CUDA_ATTENTION_RATIO else 'NOT within'} {CUDA_ATTENTION_RATIO:g}x)")
-        log(f"CUDA {f.kernel.name} (csrc/{f.kernel.source}), {f.setting.label()}: {p.predicted_s * 1e6:.0f} us, "
-            f"{p.per_element['total']:.1f} instr/elem, bound by {p.binding}, {f.registers} registers: {beside}"
-            + (f" [{'; '.join(p.notes)}]" if p.notes else ""))
-    log("  (the CUDA dQ kernel, WMMA with S and P through shared memory, is not read yet; mma.sync priced at "
-        f"{gpu.mma_sync_flops / 1e12:.0f} TFLOP/s, an assumption: hardware.Gpu.mma_sync_flops)")
-    return rows
 
 
 def refitted_steps(results: List[KernelResult], refit: Tuple[float, float, float], gpu: Gpu = H100):
@@ -597,7 +564,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             f"{d} {att[d]['seconds'] * 1e6:.0f} us, {att[d]['tflops']:.0f} TFLOP/s, "
             f"{att[d]['instructions_per_element']:.1f} instr/elem" for d in ("fwd", "bwd", "fwd+bwd")))
     print()
-    cuda_rows = cuda_attention(results, [s for s in settings if s.model == "bert-large"], gpu)
+    cuda_rows = CU.beside_triton(results, [s for s in settings if s.model == "bert-large"], gpu)
     plans = [S.budget(results, case, gpu) for case in S.STEP_CASES]
     for plan in plans:
         print(f"\n{plan['case']}: {plan['seconds'] * 1e3:.1f} ms of device time, {plan['sequences_per_s']:,.0f} "
