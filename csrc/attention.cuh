@@ -38,8 +38,9 @@
 //   attention_host.cuh); the runtime p.head_dim <= D. Columns >= head_dim are zero in shared
 //   memory, so Q K^T, P V, dO V^T, ... are those of the real columns, and are never read from or
 //   written to global memory.
-// Backward, fp16/bf16: dK/dV at tile head dims up to 128 is attention_bwd_dkdv_mma_kernel
-//   (attention_bwd.cu: mma.sync, as the forward); dQ, and dK/dV at 256, are the WMMA kernels below.
+// Backward, fp16/bf16: dQ and dK/dV at tile head dims up to 128 are attention_bwd_dq_mma_kernel and
+//   attention_bwd_dkdv_mma_kernel (attention_bwd.cu: mma.sync, as the forward); at 256 (two
+//   accumulators of D / 2 registers a lane do not fit one warp's 16 rows) the WMMA kernels below.
 // Tensor cores in the WMMA kernels: fp16/bf16 tiles are multiplied with WMMA 16x16x16 (fp32 accumulate). WMMA
 //   leaves the element-to-thread map of a fragment unspecified, so everything per element goes
 //   through shared memory, except the per-row rescale of the O accumulator: a fragment loaded
@@ -172,6 +173,60 @@ __device__ __forceinline__ void copy_tile(T* dst, const T* src, int64_t row_stri
   } else {
     TileCopy<T, ROWS, D, LD, NT, false>(hd, row_stride).issue(dst, src, nvalid);
   }
+}
+
+// ------------------------------------------------------------------ mma.sync tile products (ptx.cuh)
+// x = A_x B_x^T and y = A_y B_y^T for a warp's 16 rows and NS n8 tiles of columns over KS k-steps of 16:
+// the two products of a backward step (S and dP; S^T and dP^T). A's fragments come from registers
+// (xr, yr, when kARegs) or through ldmatrix at xa, ya (the lane's row addresses) + 16 ks; B's rows,
+// row-major [columns, 16 KS] at pitch LD, through ldmatrix at xb, yb (the lane's offsets) + 16 ks.
+template <typename T, int KS, int NS, int LD, bool kARegs, int KR>
+__device__ __forceinline__ void mma_pair_nt(float (&x)[NS][4], float (&y)[NS][4], const uint32_t (&xr)[KR][4],
+                                            const uint32_t (&yr)[KR][4], const T* xa, const T* ya, const T* xb,
+                                            const T* yb) {
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+    uint32_t a[4], c[4];
+    if constexpr (kARegs) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        a[i] = xr[ks][i];
+        c[i] = yr[ks][i];
+      }
+    } else {
+      ptx::ldmatrix_x4(a, xa + 16 * ks);
+      ptx::ldmatrix_x4(c, ya + 16 * ks);
+    }
+#pragma unroll
+    for (int n2 = 0; n2 < NS / 2; ++n2) {  // columns 16 n2 .. 16 n2 + 15: two n8 tiles
+      uint32_t xf[4], yf[4];
+      ptx::ldmatrix_x4(xf, xb + 16 * n2 * LD + 16 * ks);
+      ptx::ldmatrix_x4(yf, yb + 16 * n2 * LD + 16 * ks);
+      const uint32_t x0[2] = {xf[0], xf[1]}, x1[2] = {xf[2], xf[3]};
+      const uint32_t y0[2] = {yf[0], yf[1]}, y1[2] = {yf[2], yf[3]};
+      if (ks == 0) {
+        ptx::mma_m16n8k16_zero<T>(x[2 * n2], a, x0);
+        ptx::mma_m16n8k16_zero<T>(x[2 * n2 + 1], a, x1);
+        ptx::mma_m16n8k16_zero<T>(y[2 * n2], c, y0);
+        ptx::mma_m16n8k16_zero<T>(y[2 * n2 + 1], c, y1);
+      } else {
+        ptx::mma_m16n8k16<T>(x[2 * n2], a, x0);
+        ptx::mma_m16n8k16<T>(x[2 * n2 + 1], a, x1);
+        ptx::mma_m16n8k16<T>(y[2 * n2], c, y0);
+        ptx::mma_m16n8k16<T>(y[2 * n2 + 1], c, y1);
+      }
+    }
+  }
+}
+
+// Two n8 accumulator tiles side by side (16 columns) as the A fragment of an m16n8k16 product, rounded
+// to T: one product's output is the next one's input without leaving registers.
+template <typename T>
+__device__ __forceinline__ void accumulators_as_a(uint32_t (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+  a[0] = ptx::pack2<T>(lo[0], lo[1]);
+  a[1] = ptx::pack2<T>(lo[2], lo[3]);
+  a[2] = ptx::pack2<T>(hi[0], hi[1]);
+  a[3] = ptx::pack2<T>(hi[2], hi[3]);
 }
 
 // Barrier over the warps that share a row group's smem rows: the warp, or the block when WN > 1
@@ -441,10 +496,10 @@ struct Draws {
 // *WN warps split the columns of a row group's accumulators (and of its S tile): at D 256 one
 // warp would hold 128 accumulator registers per lane for O or dQ, 256 for dK and dV. dK/dV splits
 // 16-bit tiles 4 ways (2 ways still spills), fp32 ones 2 ways (its FMA slices need not be 16
-// wide, so its tiles stay small); at D 96 and 128 it splits 16-bit tiles 2 ways (one warp spilled
-// there once it read the keep bits). Shared memory at D 256 (dQ, dK/dV): 80 and 96 KiB for 16-bit
-// types; (forward, dQ, dK/dV) 70, 69 and 70 KiB for fp32. The fp16/bf16 forward and dK/dV up to D 128
-// are the mma.sync kernels, with tiles of their own (kMmaFwdBN, kMmaKvBM; their Smem structs).
+// wide, so its tiles stay small). Shared memory at D 256 (dQ, dK/dV): 80 and 96 KiB for 16-bit
+// types; (forward, dQ, dK/dV) 70, 69 and 70 KiB for fp32. The fp16/bf16 forward at every D, and
+// dQ and dK/dV up to D 128, are the mma.sync kernels, with tiles of their own (kMmaFwdBN, kMmaDqBN,
+// kMmaKvBM; their Smem structs): the WMMA backward's tiles serve 16-bit types at D 256 only.
 template <typename T, int D>
 struct Cfg {
   static constexpr bool kF32 = std::is_same<T, float>::value;
@@ -458,14 +513,21 @@ struct Cfg {
   static constexpr int kMmaFwdBN = D <= 128 ? 64 : 32;
   // dK, dV, fp16/bf16 (mma.sync, head dims up to 128): 64 keys per block, BM queries per step
   static constexpr int kMmaKvBM = D <= 64 ? 64 : 32;
-  // dQ: BM query rows per block, BN keys per step (fp16/bf16: two accumulators, dQ and sum_j p_ij k_j)
-  static constexpr int kDqBM = kBig ? (kF32 ? 16 : 32) : (kF32 && D > 64 ? 32 : 64);
-  static constexpr int kDqBN = kF32 && kBig ? 16 : (kF32 || D > 64 ? 32 : 64);
+  // dQ, fp16/bf16 (mma.sync, head dims up to 128): 64 queries per block, BN keys per step (two
+  // accumulators, dQ and pk, D / 2 registers a lane each; S and dP BN / 2 each)
+  static constexpr int kMmaDqBN = D <= 64 ? 64 : 32;
+  // ... when K's or V's rows are copied element by element: at D 128 the copy's call takes the registers
+  // of half the S and dP tiles (BN 32 spilled)
+  static constexpr int kMmaDqBNElementwise = D <= 96 ? kMmaDqBN : 16;
+  // dQ, fp32 and (D 256) fp16/bf16: BM query rows per block, BN keys per step (fp16/bf16: two
+  // accumulators, dQ and sum_j p_ij k_j)
+  static constexpr int kDqBM = kBig ? (kF32 ? 16 : 32) : (D > 64 ? 32 : 64);
+  static constexpr int kDqBN = kF32 && kBig ? 16 : 32;
   static constexpr int kDqWN = kBig ? 2 : 1;
-  // dK, dV: BN key rows per block, BM queries per step
-  static constexpr int kKvBN = kBig ? 16 : (kF32 && D > 64 ? 32 : 64);
-  static constexpr int kKvBM = kBig ? (kF32 ? 16 : 64) : (kF32 || D > 64 ? 32 : 64);
-  static constexpr int kKvWN = kBig ? (kF32 ? 2 : 4) : (!kF32 && D > 64 ? 2 : 1);
+  // dK, dV, fp32 and (D 256) fp16/bf16: BN key rows per block, BM queries per step
+  static constexpr int kKvBN = kBig ? 16 : (D > 64 ? 32 : 64);
+  static constexpr int kKvBM = kBig ? (kF32 ? 16 : 64) : 32;
+  static constexpr int kKvWN = kBig ? (kF32 ? 2 : 4) : 1;
 };
 
 }  // namespace attn

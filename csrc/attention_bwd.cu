@@ -405,39 +405,7 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dkdv_mma_kernel(cons
 
     // S^T = K Q^T, dP^T = V dO^T
     float s[NS][4], dp[NS][4];
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      uint32_t a[4], c[4];
-      if constexpr (kKVRegs) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          a[i] = kf[ks][i];
-          c[i] = vf[ks][i];
-        }
-      } else {
-        ptx::ldmatrix_x4(a, Ks + aoff + 16 * ks);
-        ptx::ldmatrix_x4(c, Vs + aoff + 16 * ks);
-      }
-#pragma unroll
-      for (int n2 = 0; n2 < NS / 2; ++n2) {  // queries 16 n2 .. 16 n2 + 15: two n8 tiles
-        uint32_t qf[4], of[4];
-        ptx::ldmatrix_x4(qf, qs + 16 * n2 * LD + boff + 16 * ks);
-        ptx::ldmatrix_x4(of, dos + 16 * n2 * LD + boff + 16 * ks);
-        const uint32_t q0[2] = {qf[0], qf[1]}, q1[2] = {qf[2], qf[3]};
-        const uint32_t o0[2] = {of[0], of[1]}, o1[2] = {of[2], of[3]};
-        if (ks == 0) {
-          ptx::mma_m16n8k16_zero<T>(s[2 * n2], a, q0);
-          ptx::mma_m16n8k16_zero<T>(s[2 * n2 + 1], a, q1);
-          ptx::mma_m16n8k16_zero<T>(dp[2 * n2], c, o0);
-          ptx::mma_m16n8k16_zero<T>(dp[2 * n2 + 1], c, o1);
-        } else {
-          ptx::mma_m16n8k16<T>(s[2 * n2], a, q0);
-          ptx::mma_m16n8k16<T>(s[2 * n2 + 1], a, q1);
-          ptx::mma_m16n8k16<T>(dp[2 * n2], c, o0);
-          ptx::mma_m16n8k16<T>(dp[2 * n2 + 1], c, o1);
-        }
-      }
-    }
+    mma_pair_nt<T, KS, NS, LD, kKVRegs>(s, dp, kf, vf, Ks + aoff, Vs + aoff, qs + boff, dos + boff);
 
     // Element i of tile n: key key0 + g + 8 (i / 2), query m0 + 8n + 2t + i % 2. s becomes Pd^T, dp dS^T.
 #pragma unroll
@@ -471,13 +439,9 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dkdv_mma_kernel(cons
     // dV += Pd^T dO, dK += dS^T Q
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) {
-      const uint32_t pa[4] = {ptx::pack2<T>(s[2 * kk][0], s[2 * kk][1]), ptx::pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                              ptx::pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              ptx::pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-      const uint32_t da[4] = {ptx::pack2<T>(dp[2 * kk][0], dp[2 * kk][1]),
-                              ptx::pack2<T>(dp[2 * kk][2], dp[2 * kk][3]),
-                              ptx::pack2<T>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
-                              ptx::pack2<T>(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+      uint32_t pa[4], da[4];
+      accumulators_as_a<T>(pa, s[2 * kk], s[2 * kk + 1]);
+      accumulators_as_a<T>(da, dp[2 * kk], dp[2 * kk + 1]);
 #pragma unroll
       for (int n2 = 0; n2 < NO / 2; ++n2) {  // head columns 16 n2 .. 16 n2 + 15: two n8 tiles
         uint32_t of[4], qf[4];
@@ -517,6 +481,191 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dkdv_mma_kernel(cons
   }
 }
 
+// ------------------------------------------------------------------ backward, fp16/bf16: dQ on mma.sync
+// NW warps, each owning 16 query rows for the whole loop (64 rows a block), over the key blocks of BN,
+// K and V double-buffered through cp.async (as the forward). S = Q K^T and dP = dO V^T as mma m16n8k16
+// (Q's and dO's A fragments from registers at D <= 32, else from shared memory each step: at 64 those
+// registers made the dropout kernel spill; K's and V's rows through ldmatrix); per element p = exp2(s c log2 e - lse_i log2 e) and
+// ds' = p (keep dp / (1 - dp) - d_i); then dQ += dS' K and pk += P K, dS' and P the A fragments of
+// their accumulators and K through ldmatrix .trans (one load serves both). The delta refinement
+// (header): r_i = sum_j ds'_ij over the row's 4 lanes, dq_i = c (dQ_i - r_i pk_i), Delta_i = d_i + r_i
+// written for the dK/dV kernel. The keep bits are the forward's tile layout: lane (g, t), 16-key block
+// C holds one byte. Rows past the sequence's end read lse = +inf (p = 0); keys are masked only in
+// blocks that hold an invalid one (their loop of their own).
+template <typename T, int D, int BN>
+struct MmaDqSmem {
+  static constexpr int BM = 64;
+  static constexpr int LD = D + kPadT<T>;
+  static constexpr int q = 0;                                              // [BM, LD]
+  static constexpr int dO = align128(q + 1LL * BM * LD * sizeof(T));       // [BM, LD]
+  static constexpr int k = align128(dO + 1LL * BM * LD * sizeof(T));       // [2][BN, LD]
+  static constexpr int v = align128(k + 2LL * BN * LD * sizeof(T));        // [2][BN, LD]
+  static constexpr int kvalid = align128(v + 2LL * BN * LD * sizeof(T));   // [2][BN]
+  static constexpr int bytes = align128(kvalid + 2LL * BN * 4);
+};
+
+template <typename T, int D, int BN, int NW, bool kDropout, bool kVecKV>
+__global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dq_mma_kernel(const Params p) {
+  using L = MmaDqSmem<T, D, BN>;
+  constexpr int BM = 16 * NW, NT = NW * 32, LD = L::LD;
+  constexpr int KS = D / 16, NS = BN / 8, NO = D / 8;  // k-steps over the head; n8 tiles of S and of dQ
+  constexpr bool kQRegs = D <= 32;
+  static_assert(BM == L::BM && BN % 16 == 0 && D % 16 == 0 && BN <= NT, "whole 16-key tiles, a thread per key");
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* Qs = reinterpret_cast<T*>(smem + L::q);
+  T* dOs = reinterpret_cast<T*>(smem + L::dO);
+  T* Ks = reinterpret_cast<T*>(smem + L::k);
+  T* Vs = reinterpret_cast<T*>(smem + L::v);
+  int* kvalid = reinterpret_cast<int*>(smem + L::kvalid);
+
+  const int b = blockIdx.z, h = blockIdx.y, m0 = blockIdx.x * BM;
+  const Seq sq = seq_of(p, b);
+  if (m0 >= sq.len) return;
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int row0 = m0 + 16 * w + g;  // this lane's rows: row0 and row0 + 8 (of the sequence)
+
+  const T* q = static_cast<const T*>(p.q) + b * p.sq.batch + (sq.start + m0) * p.sq.row + h * p.sq.head;
+  const T* dout = static_cast<const T*>(p.dout) + b * p.sdo.batch + (sq.start + m0) * p.sdo.row + h * p.sdo.head;
+  const T* kb = static_cast<const T*>(p.k) + b * p.sk.batch + sq.start * p.sk.row + h * p.sk.head;
+  const T* vb = static_cast<const T*>(p.v) + b * p.sv.batch + sq.start * p.sv.row + h * p.sv.head;
+  const TileCopy<T, BN, D, LD, NT, kVecKV> kcopy(p.head_dim, p.sk.row), vcopy(p.head_dim, p.sv.row);
+  const int nblocks = (sq.len + BN - 1) / BN;
+  const int nfull = p.key_mask == nullptr ? sq.len / BN : 0;  // blocks with every key valid: no mask
+  const auto load_kv = [&](int jb) {  // key block jb into stage jb % 2; its key mask if it needs one
+    const int n0 = jb * BN, stage = jb & 1;
+    kcopy.issue(Ks + stage * BN * LD, kb + n0 * p.sk.row, sq.len - n0);
+    vcopy.issue(Vs + stage * BN * LD, vb + n0 * p.sv.row, sq.len - n0);
+    if (jb >= nfull && threadIdx.x < BN)
+      kvalid[stage * BN + threadIdx.x] = key_valid(p, b, n0 + threadIdx.x, sq.len);
+  };
+  // Q and dO land first (group 0), their fragments read while block 0's K and V (group 1) are in flight.
+  copy_tile<T, BM, D, LD, NT>(Qs, q, p.sq.row, sq.len - m0, p.head_dim, p.vec & kVecQ);
+  copy_tile<T, BM, D, LD, NT>(dOs, dout, p.sdo.row, sq.len - m0, p.head_dim, p.vec & kVecDO);
+  ptx::cp_async_commit();
+  load_kv(0);
+  ptx::cp_async_commit();
+
+  const float scale2 = p.softmax_scale * kLog2e;
+  const float rdrop = kDropout ? 1.f / (1.f - p.dropout_p) : 1.f;
+  [[maybe_unused]] const KeepBits keep_bits(p, b, h);
+  float l2[2], dl[2];  // per row: lse in log2 units (+inf: no row), d_i
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int qi = row0 + 8 * r;
+    const int64_t stat = b * p.lse_batch + h * p.lse_head + sq.start + qi;
+    l2[r] = qi < sq.len ? p.lse[stat] * kLog2e : kInf;
+    dl[r] = qi < sq.len ? p.delta[stat] : 0.f;
+  }
+  // ldmatrix row addresses: A (Q, dO) rows lane % 16, column half lane / 16; B (K, V) rows lane % 8 +
+  // 8 (lane / 16), column half (lane / 8) % 2; B^T (K transposed) rows lane % 16, column half lane / 16.
+  const int aoff = (16 * w + (lane & 15)) * LD + 8 * (lane >> 4);
+  const int boff = ((lane & 7) + 8 * (lane >> 4)) * LD + 8 * ((lane >> 3) & 1);
+  const int toff = (lane & 15) * LD + 8 * (lane >> 4);
+
+  uint32_t qf[kQRegs ? KS : 1][4], of[kQRegs ? KS : 1][4];
+  if constexpr (kQRegs) {
+    ptx::cp_async_wait<1>();
+    __syncthreads();
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      ptx::ldmatrix_x4(qf[ks], Qs + aoff + 16 * ks);
+      ptx::ldmatrix_x4(of[ks], dOs + aoff + 16 * ks);
+    }
+  }
+  float dq[NO][4], pk[NO][4];
+#pragma unroll
+  for (int n = 0; n < NO; ++n) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dq[n][i] = pk[n][i] = 0.f;
+  }
+  float resid[2] = {0.f, 0.f};  // this lane's part of r_i, rows row0 and row0 + 8
+
+  // One key block: kMasked tests each key (kvalid), else every key is valid.
+  const auto block = [&](int jb, auto masked) {
+    constexpr bool kMasked = decltype(masked)::value;
+    [[maybe_unused]] const int n0 = jb * BN;
+    const int stage = jb & 1;
+    if (jb + 1 < nblocks) load_kv(jb + 1);
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<1>();  // this thread's copies of block jb (and of Q, dO) have landed
+    __syncthreads();          // everyone's have
+    const T* ks_ = Ks + stage * BN * LD;
+    const T* vs_ = Vs + stage * BN * LD;
+
+    // S = Q K^T, dP = dO V^T
+    float s[NS][4], dp[NS][4];
+    mma_pair_nt<T, KS, NS, LD, kQRegs>(s, dp, qf, of, Qs + aoff, dOs + aoff, ks_ + boff, vs_ + boff);
+
+    // Element i of tile n: row row0 + 8 (i / 2), key n0 + 8n + 2t + i % 2. s becomes P, dp dS'.
+#pragma unroll
+    for (int c = 0; c < NS / 2; ++c) {  // keys 16c .. 16c + 15: the lane's keep byte
+      [[maybe_unused]] unsigned kbyte = 0u;
+      if constexpr (kDropout) kbyte = *keep_bits.byte((m0 >> 4) + w, g, (n0 >> 4) + c, t);
+#pragma unroll
+      for (int n = 2 * c; n < 2 * c + 2; ++n) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = i >> 1;
+          float pv = ptx::exp2_ftz(fmaf(s[n][i], scale2, -l2[r]));
+          if constexpr (kMasked) {
+            if (!kvalid[stage * BN + 8 * n + 2 * t + (i & 1)]) pv = 0.f;
+          }
+          float dpv = dp[n][i] * rdrop;
+          if constexpr (kDropout) {
+            if (!((kbyte >> (4 * r + 2 * (n & 1) + (i & 1))) & 1u)) dpv = 0.f;
+          }
+          const float dsv = pv * (dpv - dl[r]);
+          resid[r] += dsv;
+          s[n][i] = pv;
+          dp[n][i] = dsv;
+        }
+      }
+    }
+
+    // dQ += dS' K, pk += P K
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      uint32_t pa[4], da[4];
+      accumulators_as_a<T>(pa, s[2 * kk], s[2 * kk + 1]);
+      accumulators_as_a<T>(da, dp[2 * kk], dp[2 * kk + 1]);
+#pragma unroll
+      for (int n2 = 0; n2 < NO / 2; ++n2) {  // head columns 16 n2 .. 16 n2 + 15: two n8 tiles
+        uint32_t kf[4];
+        ptx::ldmatrix_x4_trans(kf, ks_ + 16 * kk * LD + toff + 16 * n2);
+        const uint32_t k0[2] = {kf[0], kf[1]}, k1[2] = {kf[2], kf[3]};
+        ptx::mma_m16n8k16<T>(dq[2 * n2], da, k0);
+        ptx::mma_m16n8k16<T>(dq[2 * n2 + 1], da, k1);
+        ptx::mma_m16n8k16<T>(pk[2 * n2], pa, k0);
+        ptx::mma_m16n8k16<T>(pk[2 * n2 + 1], pa, k1);
+      }
+    }
+    __syncthreads();  // every warp is done with this stage: the next block's copies overwrite it
+  };
+  int jb = 0;
+  for (; jb < nfull; ++jb) block(jb, std::false_type{});
+  for (; jb < nblocks; ++jb) block(jb, std::true_type{});
+
+  // r_i over the row's 4 lanes (a fixed order: deterministic), Delta_i for the dK/dV kernel, then
+  // dq_i = c (dQ_i - r_i pk_i).
+  const bool vec_q = p.vec & kVecDQ;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float ri = resid[r];
+    ri += __shfl_xor_sync(0xffffffffu, ri, 1);
+    ri += __shfl_xor_sync(0xffffffffu, ri, 2);
+    const int qi = row0 + 8 * r;
+    if (qi >= sq.len) continue;
+    if (t == 0) p.delta[b * p.lse_batch + h * p.lse_head + sq.start + qi] = dl[r] + ri;
+    T* dqr = static_cast<T*>(p.dq) + b * p.sdq.batch + (sq.start + qi) * p.sdq.row + h * p.sdq.head;
+#pragma unroll
+    for (int n = 0; n < NO; ++n) {
+      const float x = (dq[n][2 * r] - ri * pk[n][2 * r]) * p.softmax_scale;
+      const float y = (dq[n][2 * r + 1] - ri * pk[n][2 * r + 1]) * p.softmax_scale;
+      store_pair<T>(dqr, 8 * n + 2 * t, p.head_dim, x, y, vec_q);
+    }
+  }
+}
+
 }  // namespace attn
 
 namespace {
@@ -530,10 +679,22 @@ struct Bwd {
     attention_bwd_delta_kernel<T><<<grid_for(p, 4), 128, 0, stream>>>(p);
     BF_CHECK_LAUNCH("attention_bwd (delta)");
 
-    using LQ = DqSmem<T, D, C::kDqBM, C::kDqBN, C::kDqWN>;
-    auto dq = attention_bwd_dq_kernel<T, D, C::kDqBM, C::kDqBN, C::kDqWN>;
-    if (int s = prepare(dq, LQ::bytes, "attention_bwd (dq)")) return s;
-    dq<<<grid_for(p, C::kDqBM), C::kDqBM / 16 * C::kDqWN * 32, LQ::bytes, stream>>>(p);
+    if constexpr (kWmma<T> && D <= 128) {
+      constexpr int BN = C::kMmaDqBN, BE = C::kMmaDqBNElementwise;
+      const bool vec = (p.vec & kVecK) && (p.vec & kVecV);
+      auto dq = p.dropout_p > 0.f ? (vec ? attention_bwd_dq_mma_kernel<T, D, BN, 4, true, true>
+                                         : attention_bwd_dq_mma_kernel<T, D, BE, 4, true, false>)
+                                  : (vec ? attention_bwd_dq_mma_kernel<T, D, BN, 4, false, true>
+                                         : attention_bwd_dq_mma_kernel<T, D, BE, 4, false, false>);
+      const int bytes = vec ? MmaDqSmem<T, D, BN>::bytes : MmaDqSmem<T, D, BE>::bytes;
+      if (int s = prepare(dq, bytes, "attention_bwd (dq)")) return s;
+      dq<<<grid_for(p, MmaDqSmem<T, D, BN>::BM), 128, bytes, stream>>>(p);
+    } else {
+      using LQ = DqSmem<T, D, C::kDqBM, C::kDqBN, C::kDqWN>;
+      auto dq = attention_bwd_dq_kernel<T, D, C::kDqBM, C::kDqBN, C::kDqWN>;
+      if (int s = prepare(dq, LQ::bytes, "attention_bwd (dq)")) return s;
+      dq<<<grid_for(p, C::kDqBM), C::kDqBM / 16 * C::kDqWN * 32, LQ::bytes, stream>>>(p);
+    }
     BF_CHECK_LAUNCH("attention_bwd (dq)");
 
     if constexpr (kWmma<T> && D <= 128) {

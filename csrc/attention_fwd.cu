@@ -320,9 +320,8 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_fwd_mma_kernel(const Par
     // O += P V: P from S's accumulators, rounded to T
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      const uint32_t a[4] = {ptx::pack2<T>(s[2 * kk][0], s[2 * kk][1]), ptx::pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                             ptx::pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             ptx::pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      uint32_t a[4];
+      accumulators_as_a<T>(a, s[2 * kk], s[2 * kk + 1]);
 #pragma unroll
       for (int n2 = 0; n2 < NO / 2; ++n2) {  // head columns 16 n2 .. 16 n2 + 15: two n8 tiles
         uint32_t vf[4];

@@ -547,12 +547,24 @@ def test_perf_model_command_reads_every_kernel_and_reports_the_targets(tmp_path)
     # the CUDA attention's forward beside Triton's (where nvcc compiles it; else a line says why not)
     cuda = {(r["setting"], r["kernel"]): r for r in data["cuda_attention"]}
     if cuda:
-        for kernel in ("attention_fwd_mma_kernel", "attention_bwd_dkdv_mma_kernel"):
-            row = cuda["bert-large seq 512 batch 32 bf16 p=0.1", kernel]
+        seq512 = "bert-large seq 512 batch 32 bf16 p=0.1"
+        for kernel in ("attention_fwd_mma_kernel", "attention_bwd_dq_mma_kernel", "attention_bwd_dkdv_mma_kernel"):
+            row = cuda[seq512, kernel]
             assert row["ratio"] == pytest.approx(row["seconds"] / row["triton_seconds"]) and row["registers"] <= 255
             assert row["within"] == (row["ratio"] <= 1.3) and f"CUDA {kernel}" in res.stdout
-        # seq 128 runs Triton's one-pass backward: no dK/dV kernel to set beside
-        assert cuda["bert-large seq 128 batch 128 bf16 p=0.1", "attention_bwd_dkdv_mma_kernel"]["ratio"] is None
+        # seq 128 runs Triton's one-pass backward: no dQ or dK/dV kernel to set beside
+        for kernel in ("attention_bwd_dq_mma_kernel", "attention_bwd_dkdv_mma_kernel"):
+            assert cuda["bert-large seq 128 batch 128 bf16 p=0.1", kernel]["ratio"] is None
+        # the whole attention: the three CUDA kernels against Triton's (the one-pass backward at seq 128),
+        # the delta kernels left out on both sides
+        whole = cuda[seq512, "forward+backward"]
+        assert whole["seconds"] == pytest.approx(sum(cuda[seq512, k]["seconds"] for k in (
+            "attention_fwd_mma_kernel", "attention_bwd_dq_mma_kernel", "attention_bwd_dkdv_mma_kernel")))
+        assert whole["triton_kernel"] == "+".join(sorted(
+            ["_attention_bwd_dkdv_kernel", "_attention_bwd_dq_kernel", "_attention_fwd_kernel"]))
+        assert cuda["bert-large seq 128 batch 128 bf16 p=0.1", "forward+backward"]["triton_kernel"] == (
+            "_attention_bwd_fused_kernel+_attention_fwd_kernel")
+        assert "CUDA attention forward+backward" in res.stdout
     else:
         assert "CUDA attention: not read" in res.stdout
     # beside the last committed profile (the H200 run of 2026-11-27): every kernel it timed, and the
@@ -678,20 +690,22 @@ def test_the_steps_are_priced_again_with_refitted_constants():
 
 def test_cuda_attention_kernels_work_and_shared_memory():
     """perfmodel.cuda's launches at BERT-large seq 512 batch 32: 64 x 64 score blocks, 16 heads, 8 blocks
-    of 64 rows a (sequence, head); the bytes each tensor once (bf16 q, k, v, out, dO, dk, dv; fp32 lse,
-    Delta; with dropout the keep bits, a bit a score element); MmaFwdSmem's and MmaKvSmem's bytes by hand
-    (rows of 64 + 8 bf16 elements: 144 bytes)."""
+    of 64 rows a (sequence, head); the bytes each tensor once (bf16 q, k, v, out, dO, dq, dk, dv; fp32 lse,
+    Delta, which dQ reads and writes; with dropout the keep bits, a bit a score element); MmaFwdSmem's,
+    MmaDqSmem's and MmaKvSmem's bytes by hand (rows of 64 + 8 bf16 elements: 144 bytes)."""
     from bertfast.perfmodel import cuda as CU
     from bertfast.perfmodel.kernels import Setting
     setting = Setting("bert-large", 512, 32, 0.1)
     bits = 32 * 16 * 512 * 512 / 8
-    fwd, dkdv = CU.work(CU.FORWARD, setting, 200), CU.work(CU.DKDV, setting, 200)
-    for w in (fwd, dkdv):
+    fwd, dq, dkdv = (CU.work(k, setting, 200) for k in (CU.FORWARD, CU.DQ, CU.DKDV))
+    for w in (fwd, dq, dkdv):
         assert w.programs == 32 * 16 * 8 and w.iterations == 32 * 16 * 8 * 8 and w.tile_elements == 64 * 64
         assert w.warps == 4 and w.registers == 200
     assert fwd.hbm_bytes == 4 * 16384 * 1024 * 2 + 16384 * 16 * 4 + bits
+    assert dq.hbm_bytes == 5 * 16384 * 1024 * 2 + 3 * 16384 * 16 * 4 + bits
     assert dkdv.hbm_bytes == 6 * 16384 * 1024 * 2 + 2 * 16384 * 16 * 4 + bits
     assert fwd.shared_bytes == 64 * 144 + 2 * (2 * 64 * 144) + 2 * 64 * 4
+    assert dq.shared_bytes == 2 * 64 * 144 + 2 * (2 * 64 * 144) + 2 * 64 * 4
     assert dkdv.shared_bytes == 2 * 64 * 144 + 2 * (2 * 64 * 144) + 2 * (2 * 64 * 4)
     assert CU.FORWARD.mangled(True) == ("_ZN8bertfast4attn24attention_fwd_mma_kernelI13__nv_bfloat16Li64ELi64ELi4ELb1"
                                         "ELb1EEEvNS0_6ParamsE")
@@ -703,14 +717,16 @@ def test_cuda_attention_kernels_work_and_shared_memory():
 def test_cuda_attention_kernels_are_read_from_their_sass():
     """The CUDA mma.sync kernels' sm_90 SASS as the perf model reads it: the forward's main loop issues
     64 HMMAs a warp (Q K^T and P V over a 64 x 64 block: 2 x 4 x 8 m16n8k16 products) and 32 LDSM (K's
-    and V's fragments), dK/dV's 128 HMMAs (S^T, dP^T, dV, dK) and 64 LDSM; no wgmma, spill-free; dropout
-    adds its draws (the forward) or its keep-bit reads (dK/dV) and no tensor work; priced beside Triton."""
+    and V's fragments), dQ's 128 HMMAs (S, dP, dQ, pk) and 56 LDSM (Q's and dO's 8, K's and V's 32, K's
+    transposed 16, one serving dQ and pk), dK/dV's 128 HMMAs (S^T, dP^T, dV, dK) and 64 LDSM; no wgmma,
+    spill-free; dropout adds its draws (the forward) or its keep-bit reads (the backward) and no tensor
+    work; priced beside Triton."""
     from bertfast.perfmodel import cuda as CU
     from bertfast.perfmodel.kernels import Setting
     if CU.unavailable():
         pytest.skip(CU.unavailable())
     compiled = CU.compile_kernels()
-    for kernel, hmma, ldsm in ((CU.FORWARD, 64, 32), (CU.DKDV, 128, 64)):
+    for kernel, hmma, ldsm in ((CU.FORWARD, 64, 32), (CU.DQ, 128, 56), (CU.DKDV, 128, 64)):
         per_element = {}
         for dropout in (False, True):
             key = (kernel.name, dropout)
@@ -721,9 +737,8 @@ def test_cuda_attention_kernels_are_read_from_their_sass():
             assert compiled.spills[key] == 0 and compiled.registers[key] <= 255
             per_element[dropout] = len(loop) * 128 / 4096
         assert 8 < per_element[False] < 24 and per_element[True] > per_element[False] + 1, kernel.name
-    products = {"fwd": 2, "bwd": 4}
     for f in CU.predict_kernels([Setting("bert-large", 512, 32, 0.1)], H100):
-        flops = products[f.kernel.direction] * 2 * 64 * 32 * 16 * 512 * 512
+        flops = f.kernel.products * 2 * 64 * 32 * 16 * 512 * 512
         assert f.prediction.tensor_flops == pytest.approx(flops) and f.prediction.predicted_s > 0
 
 

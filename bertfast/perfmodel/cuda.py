@@ -1,12 +1,12 @@
 """The CUDA backend's attention kernels on mma.sync (csrc/attention_fwd.cu's attention_fwd_mma_kernel,
-csrc/attention_bwd.cu's attention_bwd_dkdv_mma_kernel) read by the performance model, beside the
-Triton kernels they are held to (issue 39: within 1.3x).
+csrc/attention_bwd.cu's attention_bwd_dq_mma_kernel and attention_bwd_dkdv_mma_kernel) read by the
+performance model, beside the Triton kernels they are held to (issue 39: within 1.3x).
 
 Each source is compiled for sm_90 with nvcc (the flags of the extension build) into a cubin whose
 SASS the model reads like Triton's (sass.parse, model.predict); ptxas's report gives the registers.
 The launches modelled are the ones a BERT layer makes: bf16, head dim 64 (the kernels' tile is the
-head dim), 16-byte rows, varlen, every key of a block valid (their unmasked main loops). The dQ
-kernel of the CUDA backward (WMMA, S and P through shared memory) is not read yet.
+head dim), 16-byte rows, varlen, every key of a block valid (their unmasked main loops). Each
+backward has a delta kernel (a dot product a row) beside these, left out on both sides.
 """
 from __future__ import annotations
 
@@ -41,6 +41,11 @@ class CudaKernel:
     direction: str     # fwd / bwd
     rows: int          # rows a block owns (queries, or keys for dK/dV): 16 a warp
     step: int          # keys (queries for dK/dV) a main-loop step
+    own: int           # [rows, D] tiles a block copies once (the forward's Q; dQ's Q, dO; dK/dV's K, V)
+    arrays: int        # [2][step] 4-byte arrays beside the streamed tiles (a key mask; lse and Delta)
+    tensors: int       # bf16 [tokens, hidden] tensors it reads or writes, each once
+    stats: int         # fp32 [heads, tokens] rows it reads or writes (lse; Delta, which dQ also writes)
+    products: int      # mma products a score element takes part in (2 head-dim flops each)
 
     def mangled(self, dropout: bool, head_dim: int = K.HEAD_DIM) -> str:
         """The symbol of the bf16 kernel with 16-byte rows (template <T, D, step, warps, dropout, vec>)."""
@@ -48,24 +53,27 @@ class CudaKernel:
                 f"ELi{WARPS}ELb{int(dropout)}ELb1EEEvNS0_6ParamsE")
 
     def shared_bytes(self, head_dim: int = K.HEAD_DIM) -> int:
-        """MmaFwdSmem / MmaKvSmem bytes for 16-bit T: the block's own [rows, D + 8] tiles (the forward's
-        Q; dK/dV's K and V), the streamed ones double-buffered ([2][step, D + 8]: K and V; Q and dO),
-        then [2][step] arrays of 4 bytes (the forward's key mask; dK/dV's lse and Delta)."""
+        """MmaFwdSmem / MmaDqSmem / MmaKvSmem bytes for 16-bit T: the block's own [rows, D + 8] tiles,
+        the two streamed ones double-buffered ([2][step, D + 8]: K and V, or Q and dO), then its
+        [2][step] arrays of 4 bytes."""
         row = 2 * (head_dim + ROW_PAD)
-        own, arrays = (1, 1) if self.direction == "fwd" else (2, 2)
         offset = 0
-        for _ in range(own):
+        for _ in range(self.own):
             offset = _align(offset + self.rows * row)
         for _ in range(2):  # the two streamed tiles
             offset = _align(offset + 2 * self.step * row)
-        for _ in range(arrays):
+        for _ in range(self.arrays):
             offset = _align(offset + 2 * self.step * 4)
         return offset
 
 
-FORWARD = CudaKernel("attention_fwd_mma_kernel", "attention_fwd.cu", "_attention_fwd_kernel", "fwd", 64, 64)
-DKDV = CudaKernel("attention_bwd_dkdv_mma_kernel", "attention_bwd.cu", "_attention_bwd_dkdv_kernel", "bwd", 64, 64)
-KERNELS = (FORWARD, DKDV)
+FORWARD = CudaKernel("attention_fwd_mma_kernel", "attention_fwd.cu", "_attention_fwd_kernel", "fwd", 64, 64,
+                     own=1, arrays=1, tensors=4, stats=1, products=2)  # Q K^T, P V
+DQ = CudaKernel("attention_bwd_dq_mma_kernel", "attention_bwd.cu", "_attention_bwd_dq_kernel", "bwd", 64, 64,
+                own=2, arrays=1, tensors=5, stats=3, products=4)  # Q K^T, dO V^T, dS' K, P K
+DKDV = CudaKernel("attention_bwd_dkdv_mma_kernel", "attention_bwd.cu", "_attention_bwd_dkdv_kernel", "bwd", 64, 64,
+                  own=2, arrays=2, tensors=6, stats=2, products=4)  # K Q^T, V dO^T, Pd^T dO, dS^T Q
+KERNELS = (FORWARD, DQ, DKDV)
 
 
 @dataclass
@@ -126,17 +134,15 @@ def compile_kernels() -> CompiledCuda:
 def work(kernel: CudaKernel, setting: K.Setting, registers: Optional[int]) -> Work:
     """One varlen launch at ``setting`` (every sequence at full length): a main-loop iteration is one
     rows x step block of scores. Bytes, each tensor once: the forward reads q, k, v and writes out (bf16)
-    and lse (fp32); dK/dV reads q, k, v, dO (bf16), lse and Delta (fp32) and writes dk, dv; with dropout
-    the keep bits (one bit a score element) are written by the one and read by the other."""
+    and lse (fp32); dQ reads q, k, v, dO, lse and Delta and writes dq and the refined Delta; dK/dV reads
+    q, k, v, dO, lse and Delta and writes dk, dv; with dropout the keep bits (one bit a score element)
+    are written by the forward and read by the others."""
     from bertfast.gpucheck.compile_report import MODELS
     hidden = MODELS[setting.model][0]
     heads = hidden // K.HEAD_DIM
     programs = setting.batch * heads * math.ceil(setting.seq / kernel.rows)
     iterations = programs * math.ceil(setting.seq / kernel.step)
-    if kernel.direction == "fwd":
-        moved = 4 * setting.tokens * hidden * 2 + setting.tokens * heads * 4
-    else:
-        moved = 6 * setting.tokens * hidden * 2 + 2 * setting.tokens * heads * 4
+    moved = kernel.tensors * setting.tokens * hidden * 2 + kernel.stats * setting.tokens * heads * 4
     if setting.dropout > 0:
         moved += setting.batch * heads * setting.seq ** 2 / 8
     return Work(iterations, kernel.rows * kernel.step, programs, WARPS, moved, registers=registers,
@@ -166,11 +172,16 @@ def predict_kernels(settings: List[K.Setting], gpu: Gpu) -> List[CudaPrediction]
     return out
 
 
+TRITON_DELTA = "_attention_bwd_delta_kernel"
+
+
 def beside_triton(results: Sequence, settings: Sequence[K.Setting], gpu: Gpu, log=print) -> List[Dict[str, object]]:
     """Each kernel of KERNELS at each setting beside the Triton kernel doing the same work there, from
-    ``results`` (report.analyse's KernelResults; seq 128 runs Triton's one-pass backward, so no dK/dV
-    kernel stands beside it): prediction, instructions per element, binding bound and the ratio of the
-    two times, one line logged each. [] with a line saying why where they cannot be compiled here."""
+    ``results`` (report.analyse's KernelResults; seq 128 runs Triton's one-pass backward, so no dQ or
+    dK/dV kernel stands beside them), then the attention as a whole (kernel "forward+backward": the
+    three CUDA kernels against every Triton attention kernel the setting runs, each side without its
+    delta kernel): prediction, instructions per element, binding bound and the ratio of the two times,
+    one line logged each. [] with a line saying why where they cannot be compiled here."""
     why = unavailable()
     if why is not None:
         log(f"CUDA attention: not read ({why})")
@@ -193,6 +204,20 @@ def beside_triton(results: Sequence, settings: Sequence[K.Setting], gpu: Gpu, lo
         log(f"CUDA {f.kernel.name} (csrc/{f.kernel.source}), {f.setting.label()}: {p.predicted_s * 1e6:.0f} us, "
             f"{p.per_element['total']:.1f} instr/elem, bound by {p.binding}, {f.registers} registers: {beside}"
             + (f" [{'; '.join(p.notes)}]" if p.notes else ""))
-    log("  (the CUDA dQ kernel, WMMA with S and P through shared memory, is not read yet; mma.sync priced at "
-        f"{gpu.mma_sync_flops / 1e12:.0f} TFLOP/s, an assumption: hardware.Gpu.mma_sync_flops)")
+    for setting in settings:
+        cuda = sum(r["seconds"] for r in rows if r["setting"] == setting.label())
+        triton = [r for r in results if r.setting == setting and r.kernel.startswith("_attention_")
+                  and r.kernel != TRITON_DELTA and r.prediction is not None]
+        if not triton:
+            continue
+        triton_s = sum(r.prediction.predicted_s for r in triton)
+        ratio = cuda / triton_s
+        rows.append({"setting": setting.label(), "kernel": "forward+backward", "direction": "both",
+                     "registers": None, "spills": None, "seconds": cuda, "instructions_per_element": None,
+                     "binding": None, "bounds_s": None, "triton_kernel": "+".join(sorted(r.kernel for r in triton)),
+                     "triton_seconds": triton_s, "ratio": ratio, "within": ratio <= RATIO, "notes": []})
+        log(f"CUDA attention forward+backward, {setting.label()}: {cuda * 1e6:.0f} us against Triton's "
+            f"{triton_s * 1e6:.0f} us ({len(triton)} kernels), {ratio:.2f}x "
+            f"({'within' if ratio <= RATIO else 'NOT within'} {RATIO:g}x; the delta kernels left out)")
+    log(f"  (mma.sync priced at {gpu.mma_sync_flops / 1e12:.0f} TFLOP/s, an assumption: hardware.Gpu.mma_sync_flops)")
     return rows

@@ -369,16 +369,18 @@ def test_dropout_mask_is_the_documented_function(fused_backend, seed):
             np.testing.assert_array_equal(keep[b, h], bits >= threshold, err_msg=f"sequence {b}, head {h}")
 
 
-MMA_TILES = [(12, FP16), (32, BF16), (64, BF16), (80, FP16), (128, BF16), (256, FP16)]
+MMA_TILES = [(12, FP16), (32, BF16), (64, BF16), (80, FP16), (100, FP16), (128, BF16), (256, FP16)]
 
 
 @pytest.mark.parametrize("fused_backend", ["cuda"], indirect=True)
 @pytest.mark.parametrize("head_dim,dtype", MMA_TILES,
                          ids=[f"d{d}-{'bf16' if t == BF16 else 'fp16'}" for d, t in MMA_TILES])
-def test_cuda_mma_forward_at_every_tile_head_dim(fused_backend, head_dim, dtype):
-    """The fp16/bf16 forward (mma.sync, K and V double-buffered through cp.async) at each tile head dim
-    it compiles (16, 32, 64, 96, 128, 256; 12 and 80 pad theirs), with dropout, over several key blocks
-    (77 keys: two blocks of 64, or three of 32 at 256, the last partial) and a short sequence."""
+def test_cuda_mma_kernels_at_every_tile_head_dim(fused_backend, head_dim, dtype):
+    """The fp16/bf16 mma.sync kernels (forward, dQ, dK/dV; K and V, or Q and dO, double-buffered through
+    cp.async) at each tile head dim they compile (16, 32, 64, 96, 128, 256, where the backward is WMMA;
+    12, 80 and 100 pad theirs, 12 and 100 copy rows element by element, which dQ at 128 does in tiles of
+    its own), with dropout, over several blocks (77 rows: two blocks of 64, or three of 32, the last
+    partial) and a short sequence."""
     lengths = torch.tensor([77, 5])
     q, k, v, dout, cu = varlen_inputs(fused_backend, lengths, dtype, head_dim, heads=1, packed=False, seed=6)
     check_varlen(fused_backend, q, k, v, dout, cu, 77, p=0.1, seed=seed_of(fused_backend, 9))
