@@ -415,6 +415,29 @@ __device__ __forceinline__ bool key_valid(const AttentionParams& p, int b, int j
   return j < len && (p.key_mask == nullptr || p.key_mask[b * p.key_mask_batch + j] != 0);
 }
 
+// K and V of one (sequence, head) streamed through two smem stages, BN keys at a time (the mma.sync
+// forward's and dQ's main loop): load(jb) issues key block jb's copies into stage jb % 2 (TileCopy)
+// and stores its key mask (kvalid) unless every key of it is valid: the first nfull blocks, when there
+// is no key mask, which the kernels run without one.
+template <typename T, int BN, int D, int LD, int NT, bool kVec>
+struct KvStages {
+  TileCopy<T, BN, D, LD, NT, kVec> kcopy, vcopy;
+  const T* k;  // the sequence's first K row of this head
+  const T* v;
+  int len, nblocks, nfull;
+  __device__ __forceinline__ KvStages(const AttentionParams& p, int b, int h, const Seq& sq)
+      : kcopy(p.head_dim, p.sk.row), vcopy(p.head_dim, p.sv.row),
+        k(static_cast<const T*>(p.k) + b * p.sk.batch + sq.start * p.sk.row + h * p.sk.head),
+        v(static_cast<const T*>(p.v) + b * p.sv.batch + sq.start * p.sv.row + h * p.sv.head), len(sq.len),
+        nblocks((sq.len + BN - 1) / BN), nfull(p.key_mask == nullptr ? sq.len / BN : 0) {}
+  __device__ __forceinline__ void load(const AttentionParams& p, int b, int jb, T* Ks, T* Vs, int* kvalid) const {
+    const int n0 = jb * BN, stage = jb & 1;
+    kcopy.issue(Ks + stage * BN * LD, k + n0 * p.sk.row, len - n0);
+    vcopy.issue(Vs + stage * BN * LD, v + n0 * p.sv.row, len - n0);
+    if (jb >= nfull && threadIdx.x < BN) kvalid[stage * BN + threadIdx.x] = key_valid(p, b, n0 + threadIdx.x, len);
+  }
+};
+
 // ------------------------------------------------------------------ dropout
 // The Triton kernel's mask (kernels/attention.py, "Dropout"), bit for bit: Philox4x32-7 under the key
 // seed + (b * A + a) 2^32 (the seed in the low word, the stream of sequence b, head a in the high

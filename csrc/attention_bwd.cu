@@ -485,13 +485,14 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dkdv_mma_kernel(cons
 // NW warps, each owning 16 query rows for the whole loop (64 rows a block), over the key blocks of BN,
 // K and V double-buffered through cp.async (as the forward). S = Q K^T and dP = dO V^T as mma m16n8k16
 // (Q's and dO's A fragments from registers at D <= 32, else from shared memory each step: at 64 those
-// registers made the dropout kernel spill; K's and V's rows through ldmatrix); per element p = exp2(s c log2 e - lse_i log2 e) and
-// ds' = p (keep dp / (1 - dp) - d_i); then dQ += dS' K and pk += P K, dS' and P the A fragments of
-// their accumulators and K through ldmatrix .trans (one load serves both). The delta refinement
-// (header): r_i = sum_j ds'_ij over the row's 4 lanes, dq_i = c (dQ_i - r_i pk_i), Delta_i = d_i + r_i
-// written for the dK/dV kernel. The keep bits are the forward's tile layout: lane (g, t), 16-key block
-// C holds one byte. Rows past the sequence's end read lse = +inf (p = 0); keys are masked only in
-// blocks that hold an invalid one (their loop of their own).
+// registers made the dropout kernel spill; K's and V's rows through ldmatrix); per element
+// p = exp2(s c log2 e - lse_i log2 e) and ds' = p (keep dp / (1 - dp) - d_i); then dQ += dS' K and
+// pk += P K, dS' and P the A fragments of their accumulators and K through ldmatrix .trans (one load
+// serves both). The delta refinement (header): r_i = sum_j ds'_ij over the row's 4 lanes,
+// dq_i = c (dQ_i - r_i pk_i), Delta_i = d_i + r_i written for the dK/dV kernel. The keep bits are the
+// forward's tile layout: lane (g, t), 16-key block C holds one byte. Rows past the sequence's end read
+// lse = +inf (p = 0); keys are masked only in blocks that hold an invalid one (their loop of their
+// own), as KvStages loads them.
 template <typename T, int D, int BN>
 struct MmaDqSmem {
   static constexpr int BM = 64;
@@ -526,23 +527,12 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dq_mma_kernel(const 
 
   const T* q = static_cast<const T*>(p.q) + b * p.sq.batch + (sq.start + m0) * p.sq.row + h * p.sq.head;
   const T* dout = static_cast<const T*>(p.dout) + b * p.sdo.batch + (sq.start + m0) * p.sdo.row + h * p.sdo.head;
-  const T* kb = static_cast<const T*>(p.k) + b * p.sk.batch + sq.start * p.sk.row + h * p.sk.head;
-  const T* vb = static_cast<const T*>(p.v) + b * p.sv.batch + sq.start * p.sv.row + h * p.sv.head;
-  const TileCopy<T, BN, D, LD, NT, kVecKV> kcopy(p.head_dim, p.sk.row), vcopy(p.head_dim, p.sv.row);
-  const int nblocks = (sq.len + BN - 1) / BN;
-  const int nfull = p.key_mask == nullptr ? sq.len / BN : 0;  // blocks with every key valid: no mask
-  const auto load_kv = [&](int jb) {  // key block jb into stage jb % 2; its key mask if it needs one
-    const int n0 = jb * BN, stage = jb & 1;
-    kcopy.issue(Ks + stage * BN * LD, kb + n0 * p.sk.row, sq.len - n0);
-    vcopy.issue(Vs + stage * BN * LD, vb + n0 * p.sv.row, sq.len - n0);
-    if (jb >= nfull && threadIdx.x < BN)
-      kvalid[stage * BN + threadIdx.x] = key_valid(p, b, n0 + threadIdx.x, sq.len);
-  };
+  const KvStages<T, BN, D, LD, NT, kVecKV> kv(p, b, h, sq);
   // Q and dO land first (group 0), their fragments read while block 0's K and V (group 1) are in flight.
   copy_tile<T, BM, D, LD, NT>(Qs, q, p.sq.row, sq.len - m0, p.head_dim, p.vec & kVecQ);
   copy_tile<T, BM, D, LD, NT>(dOs, dout, p.sdo.row, sq.len - m0, p.head_dim, p.vec & kVecDO);
   ptx::cp_async_commit();
-  load_kv(0);
+  kv.load(p, b, 0, Ks, Vs, kvalid);
   ptx::cp_async_commit();
 
   const float scale2 = p.softmax_scale * kLog2e;
@@ -585,7 +575,7 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dq_mma_kernel(const 
     constexpr bool kMasked = decltype(masked)::value;
     [[maybe_unused]] const int n0 = jb * BN;
     const int stage = jb & 1;
-    if (jb + 1 < nblocks) load_kv(jb + 1);
+    if (jb + 1 < kv.nblocks) kv.load(p, b, jb + 1, Ks, Vs, kvalid);
     ptx::cp_async_commit();
     ptx::cp_async_wait<1>();  // this thread's copies of block jb (and of Q, dO) have landed
     __syncthreads();          // everyone's have
@@ -642,8 +632,8 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dq_mma_kernel(const 
     __syncthreads();  // every warp is done with this stage: the next block's copies overwrite it
   };
   int jb = 0;
-  for (; jb < nfull; ++jb) block(jb, std::false_type{});
-  for (; jb < nblocks; ++jb) block(jb, std::true_type{});
+  for (; jb < kv.nfull; ++jb) block(jb, std::false_type{});
+  for (; jb < kv.nblocks; ++jb) block(jb, std::true_type{});
 
   // r_i over the row's 4 lanes (a fixed order: deterministic), Delta_i for the dK/dV kernel, then
   // dq_i = c (dQ_i - r_i pk_i).
@@ -682,10 +672,10 @@ struct Bwd {
     if constexpr (kWmma<T> && D <= 128) {
       constexpr int BN = C::kMmaDqBN, BE = C::kMmaDqBNElementwise;
       const bool vec = (p.vec & kVecK) && (p.vec & kVecV);
-      auto dq = p.dropout_p > 0.f ? (vec ? attention_bwd_dq_mma_kernel<T, D, BN, 4, true, true>
-                                         : attention_bwd_dq_mma_kernel<T, D, BE, 4, true, false>)
-                                  : (vec ? attention_bwd_dq_mma_kernel<T, D, BN, 4, false, true>
-                                         : attention_bwd_dq_mma_kernel<T, D, BE, 4, false, false>);
+      auto dq = by_settings(p.dropout_p > 0.f, vec, [](auto drop, auto vec_kv) {
+        constexpr bool kVec = decltype(vec_kv)::value;
+        return attention_bwd_dq_mma_kernel<T, D, kVec ? BN : BE, 4, decltype(drop)::value, kVec>;
+      });
       const int bytes = vec ? MmaDqSmem<T, D, BN>::bytes : MmaDqSmem<T, D, BE>::bytes;
       if (int s = prepare(dq, bytes, "attention_bwd (dq)")) return s;
       dq<<<grid_for(p, MmaDqSmem<T, D, BN>::BM), 128, bytes, stream>>>(p);
@@ -701,10 +691,9 @@ struct Bwd {
       constexpr int BM = C::kMmaKvBM;
       using LK = MmaKvSmem<T, D, BM>;
       const bool vec = (p.vec & kVecQ) && (p.vec & kVecDO);
-      auto kv = p.dropout_p > 0.f ? (vec ? attention_bwd_dkdv_mma_kernel<T, D, BM, 4, true, true>
-                                         : attention_bwd_dkdv_mma_kernel<T, D, BM, 4, true, false>)
-                                  : (vec ? attention_bwd_dkdv_mma_kernel<T, D, BM, 4, false, true>
-                                         : attention_bwd_dkdv_mma_kernel<T, D, BM, 4, false, false>);
+      auto kv = by_settings(p.dropout_p > 0.f, vec, [](auto drop, auto vec_qd) {
+        return attention_bwd_dkdv_mma_kernel<T, D, BM, 4, decltype(drop)::value, decltype(vec_qd)::value>;
+      });
       if (int s = prepare(kv, LK::bytes, "attention_bwd (dk, dv)")) return s;
       kv<<<grid_for(p, LK::BN), 128, LK::bytes, stream>>>(p);
     } else {

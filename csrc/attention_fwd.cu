@@ -177,22 +177,11 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_fwd_mma_kernel(const Par
   const int row0 = m0 + 16 * w + (lane >> 2);  // this lane's rows: row0 and row0 + 8 (of the sequence)
 
   const T* q = static_cast<const T*>(p.q) + b * p.sq.batch + (sq.start + m0) * p.sq.row + h * p.sq.head;
-  const T* kb = static_cast<const T*>(p.k) + b * p.sk.batch + sq.start * p.sk.row + h * p.sk.head;
-  const T* vb = static_cast<const T*>(p.v) + b * p.sv.batch + sq.start * p.sv.row + h * p.sv.head;
-  const TileCopy<T, BN, D, LD, NT, kVecKV> kcopy(p.head_dim, p.sk.row), vcopy(p.head_dim, p.sv.row);
-  const int nblocks = (sq.len + BN - 1) / BN;
-  const int nfull = p.key_mask == nullptr ? sq.len / BN : 0;  // blocks with every key valid: no mask
-  const auto load_kv = [&](int jb) {  // key block jb into stage jb % 2; its key mask if it needs one
-    const int n0 = jb * BN, stage = jb & 1;
-    kcopy.issue(Ks + stage * BN * LD, kb + n0 * p.sk.row, sq.len - n0);
-    vcopy.issue(Vs + stage * BN * LD, vb + n0 * p.sv.row, sq.len - n0);
-    if (jb >= nfull && threadIdx.x < BN)
-      kvalid[stage * BN + threadIdx.x] = key_valid(p, b, n0 + threadIdx.x, sq.len);
-  };
+  const KvStages<T, BN, D, LD, NT, kVecKV> kv(p, b, h, sq);
   // Q lands first (group 0), its fragments read while block 0's K and V (group 1) are in flight.
   copy_tile<T, BM, D, LD, NT>(Qs, q, p.sq.row, sq.len - m0, p.head_dim, p.vec & kVecQ);
   ptx::cp_async_commit();
-  load_kv(0);
+  kv.load(p, b, 0, Ks, Vs, kvalid);
   ptx::cp_async_commit();
 
   const float scale2 = p.softmax_scale * kLog2e;
@@ -222,7 +211,7 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_fwd_mma_kernel(const Par
     constexpr bool kMasked = decltype(masked)::value;
     [[maybe_unused]] const int n0 = jb * BN;
     const int stage = jb & 1;
-    if (jb + 1 < nblocks) load_kv(jb + 1);
+    if (jb + 1 < kv.nblocks) kv.load(p, b, jb + 1, Ks, Vs, kvalid);
     ptx::cp_async_commit();
     ptx::cp_async_wait<1>();  // this thread's copies of block jb (and of Q) have landed
     __syncthreads();          // everyone's have
@@ -334,8 +323,8 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_fwd_mma_kernel(const Par
     __syncthreads();  // every warp is done with this stage: the next block's copies overwrite it
   };
   int jb = 0;
-  for (; jb < nfull; ++jb) block(jb, std::false_type{});
-  for (; jb < nblocks; ++jb) block(jb, std::true_type{});
+  for (; jb < kv.nfull; ++jb) block(jb, std::false_type{});
+  for (; jb < kv.nblocks; ++jb) block(jb, std::true_type{});
 
   // Each row's sum over its 4 lanes; out = O / (l (1 - p)); lse.
   float inv[2];
@@ -422,10 +411,9 @@ struct Fwd {
       using L = MmaFwdSmem<T, D, C::kMmaFwdBN>;
       constexpr int BN = C::kMmaFwdBN, NW = L::BM / 16;
       const bool vec = (p.vec & kVecK) && (p.vec & kVecV);
-      auto kernel = p.dropout_p > 0.f ? (vec ? attention_fwd_mma_kernel<T, D, BN, NW, true, true>
-                                             : attention_fwd_mma_kernel<T, D, BN, NW, true, false>)
-                                      : (vec ? attention_fwd_mma_kernel<T, D, BN, NW, false, true>
-                                             : attention_fwd_mma_kernel<T, D, BN, NW, false, false>);
+      auto kernel = by_settings(p.dropout_p > 0.f, vec, [](auto drop, auto vec_kv) {
+        return attention_fwd_mma_kernel<T, D, BN, NW, decltype(drop)::value, decltype(vec_kv)::value>;
+      });
       if (int s = prepare(kernel, L::bytes, "attention_fwd")) return s;
       kernel<<<grid_for(p, L::BM), L::BM / 16 * 32, L::bytes, stream>>>(p);
     } else {

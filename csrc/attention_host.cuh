@@ -77,6 +77,16 @@ inline Params with_vec(const AttentionParams& p) {
                 keep_threshold(p.dropout_p)};
 }
 
+// The instance of a kernel template for a launch's dropout and 16-byte-row settings, which the mma.sync
+// kernels take as template arguments (each carries only the instructions it runs): `instance` (a generic
+// lambda) gets them as std::bool_constant values and names the kernel.
+template <typename F>
+inline auto by_settings(bool dropout, bool vec, F instance) {
+  using Y = std::true_type;
+  using N = std::false_type;
+  return dropout ? (vec ? instance(Y{}, Y{}) : instance(Y{}, N{})) : (vec ? instance(N{}, Y{}) : instance(N{}, N{}));
+}
+
 // Runs F<T, D>::run(p, stream) for the runtime dtype on the tile head dim D: the smallest tier
 // >= head_dim, its extra columns zero. The tiers: 16, 32, 64 and 128 hold the common head dims
 // exactly (BERT's 64), 96 keeps 80 and 96 from padding to 128, 256 is the largest served; a head

@@ -544,7 +544,7 @@ def test_perf_model_command_reads_every_kernel_and_reports_the_targets(tmp_path)
     assert not [k["kernel"] for k in data["kernels"] if any("spills" in n for n in k["prediction"]["notes"])]
     assert all(k["prediction"]["predicted_s"] > 0 for k in data["kernels"])
     assert "Predictions, not measurements" in res.stdout
-    # the CUDA attention's forward beside Triton's (where nvcc compiles it; else a line says why not)
+    # the CUDA attention's kernels beside Triton's (where nvcc compiles them; else a line says why not)
     cuda = {(r["setting"], r["kernel"]): r for r in data["cuda_attention"]}
     if cuda:
         seq512 = "bert-large seq 512 batch 32 bf16 p=0.1"

@@ -30,8 +30,8 @@ class Gpu:
     gemm_flops: float = 727e12
     # mma.sync (HMMA in SASS, Ampere's warp-level instruction, which the CUDA attention issues): Hopper's
     # full tensor-core rate is wgmma's (HGMMA), and the older instruction reaches only part of it.
-    # Assumed: half the dense peak, for planning, until a GPU run times it (tests/ops/test_ptx.py's mma
-    # check runs the instruction there).
+    # Assumed: half the dense peak, for planning, until a GPU run times it (python -m
+    # bertfast.perfmodel.mma_rate, a step of the GPU check's stage 1).
     mma_sync_flops: float = 494.7e12
     launch_gap_s: float = 1.0e-6         # assumed: between back-to-back kernels on the device (a CUDA graph)
     # How long a global load takes to return under load (Little's law in model.latency_bound): fitted

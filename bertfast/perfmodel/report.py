@@ -1,5 +1,5 @@
 """`bertfast perf-model`: the predicted H100 speed of bertfast's Triton kernels, read from their sm_90
-SASS, against the benchmark targets, and the CUDA attention's forward beside Triton's; beside the
+SASS, against the benchmark targets, and the CUDA attention's kernels beside Triton's; beside the
 measured figures of a committed GPU run, with the overlap and memory constants refitted to them.
 Predictions are a plan, never a measurement (docs/perf-model.md).
 """
@@ -522,7 +522,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bertfast perf-model",
         description="Predicted H100 speed of bertfast's Triton kernels, read from their sm_90 SASS (no GPU "
-                    "needed), against the benchmark targets, and the CUDA attention's forward beside Triton's; "
+                    "needed), against the benchmark targets, and the CUDA attention's kernels beside Triton's; "
                     "beside a committed GPU run's measurements. Predictions, not measurements.")
     p.add_argument("--json", default=None, metavar="FILE", help="write the targets and every kernel's figures")
     p.add_argument("--profile", default=None, metavar="PROFILE_TXT",
