@@ -3,8 +3,10 @@
 Environment:
   BERTFAST_BUILD_CUDA   auto (default): build when nvcc is found, else install without the module;
                         1: build or fail loudly; 0: never build.
-  BERTFAST_CUDA_ARCHS   compute capabilities, ";"- or ","-separated (default "80;90"): one
+  BERTFAST_CUDA_ARCHS   compute capabilities, ";"- or ","-separated (default "80;90a"): one
                         ``-gencode`` each (SASS), plus PTX of the newest for later GPUs. >= 80.
+                        90a is sm_90 with its arch-specific features (wgmma: the CUDA attention's
+                        wgmma kernels run from it); give 90 or 90a, not both.
   MAX_JOBS              parallel compiles (default: CPU count).
   CUDA_HOME / CUDA_PATH where the toolkit lives (default: found from nvcc).
   CXX                   host compiler for nvcc (-ccbin) and the binding (default: g++).
@@ -31,7 +33,7 @@ import sysconfig
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(ROOT, "csrc")
 EXT_NAME = "bertfast._C"
-DEFAULT_ARCHS = "80;90"
+DEFAULT_ARCHS = "80;90a"
 
 
 def _log(msg: str) -> None:
@@ -68,6 +70,10 @@ def parse_archs(text: str):
             archs.append(arch)
     if not archs:
         raise RuntimeError("BERTFAST_CUDA_ARCHS is empty")
+    for arch in archs:
+        if arch.endswith("a") and arch[:-1] in archs:  # two cubins for one GPU: which one loads is unclear
+            raise RuntimeError(f"BERTFAST_CUDA_ARCHS: give {arch[:-1]} or {arch}, not both ({arch} is {arch[:-1]} "
+                               "with its arch-specific features)")
     return archs
 
 
@@ -75,9 +81,9 @@ def gencode_flags(archs):
     flags = []
     for arch in archs:
         flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
-    newest = max(archs, key=lambda a: int(re.match(r"\d+", a).group()))
-    if newest.isdigit():  # PTX of the newest plain arch, JIT-compiled on later GPUs
-        flags += ["-gencode", f"arch=compute_{newest},code=compute_{newest}"]
+    # PTX of the newest arch (its portable part: 90a gives compute_90), JIT-compiled on later GPUs
+    newest = max(int(re.match(r"\d+", a).group()) for a in archs)
+    flags += ["-gencode", f"arch=compute_{newest},code=compute_{newest}"]
     return flags
 
 

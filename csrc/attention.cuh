@@ -56,6 +56,7 @@
 
 #include "common.cuh"
 #include "ptx.cuh"
+#include "wgmma.cuh"
 
 namespace bertfast {
 namespace attn {
@@ -93,7 +94,23 @@ __device__ __forceinline__ Seq seq_of(const AttentionParams& p, int b) {
   return {s, len};
 }
 
-// Rows [0, ROWS) of a [*, hd] tile into smem as [ROWS, D] (row pitch LD); rows >= nvalid (so
+// A smem tile's layout: its row pitch LD (elements), or kSwizzle128, wgmma's 128-byte swizzle (wgmma.cuh)
+// for the wgmma kernels' operands. tile_at: where element (r, c) of a [ROWS, D] tile lies.
+constexpr int kSwizzle128 = 0;
+template <int ROWS, int LD>
+__device__ __forceinline__ int tile_at(int r, int c) {
+  if constexpr (LD == kSwizzle128) {
+    return ptx::sw128_offset<ROWS>(r, c);
+  } else {
+    return r * LD + c;
+  }
+}
+template <int ROWS, int D, int LD>
+__host__ __device__ constexpr int tile_elems() {
+  return ROWS * (LD == kSwizzle128 ? D : LD);
+}
+
+// Rows [0, ROWS) of a [*, hd] tile into smem as [ROWS, D] (layout LD); rows >= nvalid (so
 // that masked products stay finite) and columns >= hd are zero. 16-byte accesses when `vec`
 // (then hd is a whole number of vectors), else one element at a time.
 template <typename T, int ROWS, int D, int LD, int NT>
@@ -106,14 +123,14 @@ __device__ __forceinline__ void load_tile(T* __restrict__ dst, const T* __restri
       const int r = idx / VPR, c = (idx % VPR) * EPV;
       uint4 val = make_uint4(0u, 0u, 0u, 0u);
       if (r < nvalid && c < hd) val = *reinterpret_cast<const uint4*>(src + r * row_stride + c);
-      *reinterpret_cast<uint4*>(dst + r * LD + c) = val;
+      *reinterpret_cast<uint4*>(dst + tile_at<ROWS, LD>(r, c)) = val;
     }
   } else {
     // Kept rolled: unrolled, its loads in flight take registers the accumulators need (spills, sm_90).
 #pragma unroll 1
     for (int idx = threadIdx.x; idx < ROWS * D; idx += NT) {
       const int r = idx / D, c = idx % D;
-      dst[r * LD + c] = r < nvalid && c < hd ? src[r * row_stride + c] : from_f<T>(0.f);
+      dst[tile_at<ROWS, LD>(r, c)] = r < nvalid && c < hd ? src[r * row_stride + c] : from_f<T>(0.f);
     }
   }
 }
@@ -125,7 +142,7 @@ __device__ __noinline__ void load_tile_elementwise(T* dst, const T* src, int64_t
   load_tile<T, ROWS, D, LD, NT>(dst, src, row_stride, nvalid, hd, false);
 }
 
-// This thread's share of copying [ROWS, *] tiles into smem as [ROWS, D] (pitch LD), zero beyond
+// This thread's share of copying [ROWS, *] tiles into smem as [ROWS, D] (layout LD), zero beyond
 // nvalid rows and hd columns: 16-byte cp.async copies (they join the thread's open group) when the
 // tensor's rows allow them (kVec), else load_tile_elementwise (complete on return). Where NT is a
 // multiple of the vectors per row, a thread's vectors are one column, RS rows apart: its first
@@ -147,11 +164,11 @@ struct TileCopy {
       load_tile_elementwise<T, ROWS, D, LD, NT>(dst, src, row_stride, nvalid, hd);
     } else if constexpr (kStrided) {
       const T* from = src + r0 * row_stride + c0;
-      T* to = dst + r0 * LD + c0;
 #pragma unroll
       for (int i = 0; i < N; ++i) {
         if ((ROWS * VPR) % NT == 0 || r0 + i * RS < ROWS)
-          ptx::cp_async_16(to + i * RS * LD, from + i * rs_stride, col_ok && r0 + i * RS < nvalid);
+          ptx::cp_async_16(dst + tile_at<ROWS, LD>(r0 + i * RS, c0), from + i * rs_stride,
+                           col_ok && r0 + i * RS < nvalid);
       }
     } else {
 #pragma unroll
@@ -159,7 +176,7 @@ struct TileCopy {
         const int idx = threadIdx.x + i * NT;
         const int r = idx / VPR, c = idx % VPR * EPV;
         if ((ROWS * VPR) % NT == 0 || idx < ROWS * VPR)
-          ptx::cp_async_16(dst + r * LD + c, src + r * row_stride + c, c < hd && r < nvalid);
+          ptx::cp_async_16(dst + tile_at<ROWS, LD>(r, c), src + r * row_stride + c, c < hd && r < nvalid);
       }
     }
   }
@@ -415,10 +432,10 @@ __device__ __forceinline__ bool key_valid(const AttentionParams& p, int b, int j
   return j < len && (p.key_mask == nullptr || p.key_mask[b * p.key_mask_batch + j] != 0);
 }
 
-// K and V of one (sequence, head) streamed through two smem stages, BN keys at a time (the mma.sync
-// forward's and dQ's main loop): load(jb) issues key block jb's copies into stage jb % 2 (TileCopy)
-// and stores its key mask (kvalid) unless every key of it is valid: the first nfull blocks, when there
-// is no key mask, which the kernels run without one.
+// K and V of one (sequence, head) streamed through two smem stages (layout LD), BN keys at a time (the
+// main loop of the mma.sync forward, and of the mma.sync and wgmma dQ): load(jb) issues key block jb's
+// copies into stage jb % 2 (TileCopy) and stores its key mask (kvalid) unless every key of it is valid:
+// the first nfull blocks, when there is no key mask, which the kernels run without one.
 template <typename T, int BN, int D, int LD, int NT, bool kVec>
 struct KvStages {
   TileCopy<T, BN, D, LD, NT, kVec> kcopy, vcopy;
@@ -432,8 +449,8 @@ struct KvStages {
         nblocks((sq.len + BN - 1) / BN), nfull(p.key_mask == nullptr ? sq.len / BN : 0) {}
   __device__ __forceinline__ void load(const AttentionParams& p, int b, int jb, T* Ks, T* Vs, int* kvalid) const {
     const int n0 = jb * BN, stage = jb & 1;
-    kcopy.issue(Ks + stage * BN * LD, k + n0 * p.sk.row, len - n0);
-    vcopy.issue(Vs + stage * BN * LD, v + n0 * p.sv.row, len - n0);
+    kcopy.issue(Ks + stage * tile_elems<BN, D, LD>(), k + n0 * p.sk.row, len - n0);
+    vcopy.issue(Vs + stage * tile_elems<BN, D, LD>(), v + n0 * p.sv.row, len - n0);
     if (jb >= nfull && threadIdx.x < BN) kvalid[stage * BN + threadIdx.x] = key_valid(p, b, n0 + threadIdx.x, len);
   }
 };
@@ -542,6 +559,9 @@ struct Cfg {
   // ... when K's or V's rows are copied element by element: at D 128 the copy's call takes the registers
   // of half the S and dP tiles (BN 32 spilled)
   static constexpr int kMmaDqBNElementwise = D <= 96 ? kMmaDqBN : 16;
+  // dQ, fp16/bf16 on wgmma (head dims 64 and 128): 64 queries per block, BN keys per step (wgmma's N;
+  // registers as the mma.sync kernel's)
+  static constexpr int kWgmmaDqBN = D <= 64 ? 64 : 32;
   // dQ, fp32 and (D 256) fp16/bf16: BM query rows per block, BN keys per step (fp16/bf16: two
   // accumulators, dQ and sum_j p_ij k_j)
   static constexpr int kDqBM = kBig ? (kF32 ? 16 : 32) : (D > 64 ? 32 : 64);

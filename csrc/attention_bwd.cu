@@ -481,18 +481,121 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dkdv_mma_kernel(cons
   }
 }
 
-// ------------------------------------------------------------------ backward, fp16/bf16: dQ on mma.sync
-// NW warps, each owning 16 query rows for the whole loop (64 rows a block), over the key blocks of BN,
-// K and V double-buffered through cp.async (as the forward). S = Q K^T and dP = dO V^T as mma m16n8k16
-// (Q's and dO's A fragments from registers at D <= 32, else from shared memory each step: at 64 those
-// registers made the dropout kernel spill; K's and V's rows through ldmatrix); per element
-// p = exp2(s c log2 e - lse_i log2 e) and ds' = p (keep dp / (1 - dp) - d_i); then dQ += dS' K and
-// pk += P K, dS' and P the A fragments of their accumulators and K through ldmatrix .trans (one load
-// serves both). The delta refinement (header): r_i = sum_j ds'_ij over the row's 4 lanes,
-// dq_i = c (dQ_i - r_i pk_i), Delta_i = d_i + r_i written for the dK/dV kernel. The keep bits are the
-// forward's tile layout: lane (g, t), 16-key block C holds one byte. Rows past the sequence's end read
-// lse = +inf (p = 0); keys are masked only in blocks that hold an invalid one (their loop of their
-// own), as KvStages loads them.
+// ------------------------------------------------------------------ backward, fp16/bf16: dQ
+// A warp's 16 query rows of dQ (a lane's rows row0 and row0 + 8) in the mma C layout, shared by the
+// mma.sync and wgmma kernels: the rows' lse (log2 units; +inf past the sequence: p = 0) and d_i, the
+// per-element step from S and dP to P and dS' (step), and the end (finish) that sums r_i, writes Delta_i
+// and stores dq_i = c (dQ_i - r_i pk_i).
+template <typename T, bool kDropout>
+struct DqRows {
+  float l2[2], dl[2];
+  float resid[2] = {0.f, 0.f};  // this lane's part of r_i
+  float scale2, rdrop;
+  [[maybe_unused]] KeepBits keep_bits;
+  int row0, r16, g, t;  // r16: the warp's 16-row block of the sequence (keep bits)
+  __device__ __forceinline__ DqRows(const Params& p, int b, int h, const Seq& sq, int m0, int w, int lane)
+      : scale2(p.softmax_scale * kLog2e), rdrop(kDropout ? 1.f / (1.f - p.dropout_p) : 1.f), keep_bits(p, b, h),
+        row0(m0 + 16 * w + (lane >> 2)), r16((m0 >> 4) + w), g(lane >> 2), t(lane & 3) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int qi = row0 + 8 * r;
+      const int64_t stat = b * p.lse_batch + h * p.lse_head + sq.start + qi;
+      l2[r] = qi < sq.len ? p.lse[stat] * kLog2e : kInf;
+      dl[r] = qi < sq.len ? p.delta[stat] : 0.f;
+    }
+  }
+
+  // Keys n0 .. n0 + 8 NS - 1 (element i of tile n: row row0 + 8 (i / 2), key n0 + 8n + 2t + i % 2); s
+  // becomes P, dp dS'. kMasked reads each key's validity from kvalid (indexed from n0).
+  template <int NS, bool kMasked>
+  __device__ __forceinline__ void step(float (&s)[NS][4], float (&dp)[NS][4], int n0, const int* kvalid) {
+#pragma unroll
+    for (int c = 0; c < NS / 2; ++c) {  // keys 16c .. 16c + 15: the lane's keep byte
+      [[maybe_unused]] unsigned kbyte = 0u;
+      if constexpr (kDropout) kbyte = *keep_bits.byte(r16, g, (n0 >> 4) + c, t);
+#pragma unroll
+      for (int n = 2 * c; n < 2 * c + 2; ++n) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = i >> 1;
+          float pv = ptx::exp2_ftz(fmaf(s[n][i], scale2, -l2[r]));
+          if constexpr (kMasked) {
+            if (!kvalid[8 * n + 2 * t + (i & 1)]) pv = 0.f;
+          }
+          float dpv = dp[n][i] * rdrop;
+          if constexpr (kDropout) {
+            if (!((kbyte >> (4 * r + 2 * (n & 1) + (i & 1))) & 1u)) dpv = 0.f;
+          }
+          const float dsv = pv * (dpv - dl[r]);
+          resid[r] += dsv;
+          s[n][i] = pv;
+          dp[n][i] = dsv;
+        }
+      }
+    }
+  }
+
+  // r_i over the row's 4 lanes (a fixed order: deterministic), Delta_i for the dK/dV kernel, then
+  // dq_i = c (dQ_i - r_i pk_i).
+  template <int NO>
+  __device__ __forceinline__ void finish(const Params& p, int b, int h, const Seq& sq, const float (&dq)[NO][4],
+                                         const float (&pk)[NO][4]) const {
+    const bool vec_q = p.vec & kVecDQ;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float ri = resid[r];
+      ri += __shfl_xor_sync(0xffffffffu, ri, 1);
+      ri += __shfl_xor_sync(0xffffffffu, ri, 2);
+      const int qi = row0 + 8 * r;
+      if (qi >= sq.len) continue;
+      if (t == 0) p.delta[b * p.lse_batch + h * p.lse_head + sq.start + qi] = dl[r] + ri;
+      T* dqr = static_cast<T*>(p.dq) + b * p.sdq.batch + (sq.start + qi) * p.sdq.row + h * p.sdq.head;
+#pragma unroll
+      for (int n = 0; n < NO; ++n) {
+        const float x = (dq[n][2 * r] - ri * pk[n][2 * r]) * p.softmax_scale;
+        const float y = (dq[n][2 * r + 1] - ri * pk[n][2 * r + 1]) * p.softmax_scale;
+        store_pair<T>(dqr, 8 * n + 2 * t, p.head_dim, x, y, vec_q);
+      }
+    }
+  }
+};
+
+// A dQ block's shared memory as L lays it out (MmaDqSmem, WgmmaDqSmem): its own Q and dO tiles, K's and
+// V's two stages, the key mask. start() issues the block's copies of Q and dO (cp.async group 0, or
+// element by element) and key block 0's K and V (group 1), for either kernel's tile layout LD.
+template <typename T, typename L>
+struct DqTiles {
+  T* q;
+  T* dO;
+  T* k;
+  T* v;
+  int* kvalid;
+  __device__ __forceinline__ explicit DqTiles(unsigned char* smem)
+      : q(reinterpret_cast<T*>(smem + L::q)), dO(reinterpret_cast<T*>(smem + L::dO)),
+        k(reinterpret_cast<T*>(smem + L::k)), v(reinterpret_cast<T*>(smem + L::v)),
+        kvalid(reinterpret_cast<int*>(smem + L::kvalid)) {}
+  template <int D, int LD, int NT, typename KV>
+  __device__ __forceinline__ void start(const Params& p, int b, int h, const Seq& sq, int m0, const KV& kv) const {
+    const T* qg = static_cast<const T*>(p.q) + b * p.sq.batch + (sq.start + m0) * p.sq.row + h * p.sq.head;
+    const T* dog = static_cast<const T*>(p.dout) + b * p.sdo.batch + (sq.start + m0) * p.sdo.row + h * p.sdo.head;
+    copy_tile<T, L::BM, D, LD, NT>(q, qg, p.sq.row, sq.len - m0, p.head_dim, p.vec & kVecQ);
+    copy_tile<T, L::BM, D, LD, NT>(dO, dog, p.sdo.row, sq.len - m0, p.head_dim, p.vec & kVecDO);
+    ptx::cp_async_commit();
+    kv.load(p, b, 0, k, v, kvalid);
+    ptx::cp_async_commit();
+  }
+};
+
+// dQ on mma.sync: NW warps, each owning 16 query rows for the whole loop (64 rows a block), over the key
+// blocks of BN, K and V double-buffered through cp.async (as the forward). S = Q K^T and dP = dO V^T as mma
+// m16n8k16 (Q's and dO's A fragments from registers at D <= 32, else from shared memory each step: at 64
+// those registers made the dropout kernel spill; K's and V's rows through ldmatrix); per element p = exp2(s
+// c log2 e - lse_i log2 e) and ds' = p (keep dp / (1 - dp) - d_i); then dQ += dS' K and pk += P K, dS' and
+// P the A fragments of their accumulators and K through ldmatrix .trans (one load serves both). The delta
+// refinement (header): r_i = sum_j ds'_ij over the row's 4 lanes, dq_i = c (dQ_i - r_i pk_i), Delta_i = d_i
+// + r_i written for the dK/dV kernel. The keep bits are the forward's tile layout: lane (g, t), 16-key
+// block C holds one byte. Rows past the sequence's end read lse = +inf (p = 0); keys are masked only in
+// blocks that hold an invalid one (their loop of their own), as KvStages loads them.
 template <typename T, int D, int BN>
 struct MmaDqSmem {
   static constexpr int BM = 64;
@@ -509,43 +612,26 @@ template <typename T, int D, int BN, int NW, bool kDropout, bool kVecKV>
 __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dq_mma_kernel(const Params p) {
   using L = MmaDqSmem<T, D, BN>;
   constexpr int BM = 16 * NW, NT = NW * 32, LD = L::LD;
-  constexpr int KS = D / 16, NS = BN / 8, NO = D / 8;  // k-steps over the head; n8 tiles of S and of dQ
+  constexpr int KS = D / 16, NO = D / 8;  // k-steps over the head; n8 tiles of dQ
   constexpr bool kQRegs = D <= 32;
   static_assert(BM == L::BM && BN % 16 == 0 && D % 16 == 0 && BN <= NT, "whole 16-key tiles, a thread per key");
   extern __shared__ __align__(128) unsigned char smem[];
-  T* Qs = reinterpret_cast<T*>(smem + L::q);
-  T* dOs = reinterpret_cast<T*>(smem + L::dO);
-  T* Ks = reinterpret_cast<T*>(smem + L::k);
-  T* Vs = reinterpret_cast<T*>(smem + L::v);
-  int* kvalid = reinterpret_cast<int*>(smem + L::kvalid);
+  const DqTiles<T, L> tiles(smem);
+  T* Qs = tiles.q;
+  T* dOs = tiles.dO;
+  T* Ks = tiles.k;
+  T* Vs = tiles.v;
+  int* kvalid = tiles.kvalid;
 
   const int b = blockIdx.z, h = blockIdx.y, m0 = blockIdx.x * BM;
   const Seq sq = seq_of(p, b);
   if (m0 >= sq.len) return;
-  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int row0 = m0 + 16 * w + g;  // this lane's rows: row0 and row0 + 8 (of the sequence)
-
-  const T* q = static_cast<const T*>(p.q) + b * p.sq.batch + (sq.start + m0) * p.sq.row + h * p.sq.head;
-  const T* dout = static_cast<const T*>(p.dout) + b * p.sdo.batch + (sq.start + m0) * p.sdo.row + h * p.sdo.head;
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const KvStages<T, BN, D, LD, NT, kVecKV> kv(p, b, h, sq);
   // Q and dO land first (group 0), their fragments read while block 0's K and V (group 1) are in flight.
-  copy_tile<T, BM, D, LD, NT>(Qs, q, p.sq.row, sq.len - m0, p.head_dim, p.vec & kVecQ);
-  copy_tile<T, BM, D, LD, NT>(dOs, dout, p.sdo.row, sq.len - m0, p.head_dim, p.vec & kVecDO);
-  ptx::cp_async_commit();
-  kv.load(p, b, 0, Ks, Vs, kvalid);
-  ptx::cp_async_commit();
+  tiles.template start<D, LD, NT>(p, b, h, sq, m0, kv);
 
-  const float scale2 = p.softmax_scale * kLog2e;
-  const float rdrop = kDropout ? 1.f / (1.f - p.dropout_p) : 1.f;
-  [[maybe_unused]] const KeepBits keep_bits(p, b, h);
-  float l2[2], dl[2];  // per row: lse in log2 units (+inf: no row), d_i
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int qi = row0 + 8 * r;
-    const int64_t stat = b * p.lse_batch + h * p.lse_head + sq.start + qi;
-    l2[r] = qi < sq.len ? p.lse[stat] * kLog2e : kInf;
-    dl[r] = qi < sq.len ? p.delta[stat] : 0.f;
-  }
+  DqRows<T, kDropout> rows(p, b, h, sq, m0, w, lane);
   // ldmatrix row addresses: A (Q, dO) rows lane % 16, column half lane / 16; B (K, V) rows lane % 8 +
   // 8 (lane / 16), column half (lane / 8) % 2; B^T (K transposed) rows lane % 16, column half lane / 16.
   const int aoff = (16 * w + (lane & 15)) * LD + 8 * (lane >> 4);
@@ -568,12 +654,9 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dq_mma_kernel(const 
 #pragma unroll
     for (int i = 0; i < 4; ++i) dq[n][i] = pk[n][i] = 0.f;
   }
-  float resid[2] = {0.f, 0.f};  // this lane's part of r_i, rows row0 and row0 + 8
 
   // One key block: kMasked tests each key (kvalid), else every key is valid.
   const auto block = [&](int jb, auto masked) {
-    constexpr bool kMasked = decltype(masked)::value;
-    [[maybe_unused]] const int n0 = jb * BN;
     const int stage = jb & 1;
     if (jb + 1 < kv.nblocks) kv.load(p, b, jb + 1, Ks, Vs, kvalid);
     ptx::cp_async_commit();
@@ -582,35 +665,10 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dq_mma_kernel(const 
     const T* ks_ = Ks + stage * BN * LD;
     const T* vs_ = Vs + stage * BN * LD;
 
-    // S = Q K^T, dP = dO V^T
-    float s[NS][4], dp[NS][4];
-    mma_pair_nt<T, KS, NS, LD, kQRegs>(s, dp, qf, of, Qs + aoff, dOs + aoff, ks_ + boff, vs_ + boff);
-
-    // Element i of tile n: row row0 + 8 (i / 2), key n0 + 8n + 2t + i % 2. s becomes P, dp dS'.
-#pragma unroll
-    for (int c = 0; c < NS / 2; ++c) {  // keys 16c .. 16c + 15: the lane's keep byte
-      [[maybe_unused]] unsigned kbyte = 0u;
-      if constexpr (kDropout) kbyte = *keep_bits.byte((m0 >> 4) + w, g, (n0 >> 4) + c, t);
-#pragma unroll
-      for (int n = 2 * c; n < 2 * c + 2; ++n) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int r = i >> 1;
-          float pv = ptx::exp2_ftz(fmaf(s[n][i], scale2, -l2[r]));
-          if constexpr (kMasked) {
-            if (!kvalid[stage * BN + 8 * n + 2 * t + (i & 1)]) pv = 0.f;
-          }
-          float dpv = dp[n][i] * rdrop;
-          if constexpr (kDropout) {
-            if (!((kbyte >> (4 * r + 2 * (n & 1) + (i & 1))) & 1u)) dpv = 0.f;
-          }
-          const float dsv = pv * (dpv - dl[r]);
-          resid[r] += dsv;
-          s[n][i] = pv;
-          dp[n][i] = dsv;
-        }
-      }
-    }
+    // S = Q K^T, dP = dO V^T; then s is P, dp dS'
+    float s[BN / 8][4], dp[BN / 8][4];
+    mma_pair_nt<T, KS, BN / 8, LD, kQRegs>(s, dp, qf, of, Qs + aoff, dOs + aoff, ks_ + boff, vs_ + boff);
+    rows.template step<BN / 8, decltype(masked)::value>(s, dp, jb * BN, kvalid + stage * BN);
 
     // dQ += dS' K, pk += P K
 #pragma unroll
@@ -634,26 +692,108 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dq_mma_kernel(const 
   int jb = 0;
   for (; jb < kv.nfull; ++jb) block(jb, std::false_type{});
   for (; jb < kv.nblocks; ++jb) block(jb, std::true_type{});
+  rows.finish(p, b, h, sq, dq, pk);
+}
 
-  // r_i over the row's 4 lanes (a fixed order: deterministic), Delta_i for the dK/dV kernel, then
-  // dq_i = c (dQ_i - r_i pk_i).
-  const bool vec_q = p.vec & kVecDQ;
+// dQ on wgmma (sm_90a; tile head dims 64 and 128): the mma.sync kernel's algorithm with the warpgroup's
+// products. The block's 4 warps are one warpgroup over 64 query rows. S = Q K^T and dP = dO V^T read
+// both operands from shared memory (no fragment loads); dQ += dS' K and pk += P K take dS' and P from
+// registers and read the same K tile transposed. Q, dO, K and V are stored in wgmma's 128-byte swizzle
+// (kSwizzle128), K and V double-buffered through cp.async as in the mma.sync kernel; K's and V's rows
+// must allow 16-byte copies (the launcher runs the mma.sync kernel otherwise).
+template <typename T, int D, int BN>
+struct WgmmaDqSmem {
+  static constexpr int BM = 64;
+  static constexpr int q = 0;                                    // [BM, D], swizzled (1024-byte aligned)
+  static constexpr int dO = q + BM * D * 2;                      // [BM, D]
+  static constexpr int k = dO + BM * D * 2;                      // [2][BN, D]
+  static constexpr int v = k + 2 * BN * D * 2;                   // [2][BN, D]
+  static constexpr int kvalid = v + 2 * BN * D * 2;              // [2][BN]
+  static constexpr int bytes = kvalid + 2 * BN * 4 + 1024;       // + room to align the tiles
+  static_assert(BN * D * 2 % 1024 == 0, "each swizzled tile starts 1024-byte aligned");
+};
+
+template <typename T, int D, int BN, bool kDropout>
+__global__ void __launch_bounds__(128, 1) attention_bwd_dq_wgmma_kernel(const Params p) {
+#if defined(BERTFAST_EMU) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = WgmmaDqSmem<T, D, BN>;
+  constexpr int BM = L::BM, NT = 128, KS = D / 16, NO = D / 8;
+  static_assert(sizeof(T) == 2 && D % 64 == 0 && (BN == 32 || BN == 64 || BN == 128) && BN <= NT,
+                "16-bit tiles of whole 64-column blocks, BN an N of wgmma, a thread per key");
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const DqTiles<T, L> tiles(ptx::align1024(smem_raw));
+  int* kvalid = tiles.kvalid;
+
+  const int b = blockIdx.z, h = blockIdx.y, m0 = blockIdx.x * BM;
+  const Seq sq = seq_of(p, b);
+  if (m0 >= sq.len) return;
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const KvStages<T, BN, D, kSwizzle128, NT, true> kv(p, b, h, sq);
+  tiles.template start<D, kSwizzle128, NT>(p, b, h, sq, m0, kv);
+
+  DqRows<T, kDropout> rows(p, b, h, sq, m0, w, lane);
+  // Operand descriptors at k-step 0 (of stage 0 for K, V), moved per step and stage by a constant.
+  const uint64_t q_d = ptx::wgmma_desc_k(ptx::smem_addr(tiles.q)), do_d = ptx::wgmma_desc_k(ptx::smem_addr(tiles.dO));
+  const uint64_t k_d = ptx::wgmma_desc_k(ptx::smem_addr(tiles.k)), v_d = ptx::wgmma_desc_k(ptx::smem_addr(tiles.v));
+  const uint64_t kt_d = ptx::wgmma_desc_mn<BN>(ptx::smem_addr(tiles.k));
+  constexpr uint32_t kStage = BN * D * 2;  // bytes of a K or V stage
+  float dq[NO][4], pk[NO][4];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float ri = resid[r];
-    ri += __shfl_xor_sync(0xffffffffu, ri, 1);
-    ri += __shfl_xor_sync(0xffffffffu, ri, 2);
-    const int qi = row0 + 8 * r;
-    if (qi >= sq.len) continue;
-    if (t == 0) p.delta[b * p.lse_batch + h * p.lse_head + sq.start + qi] = dl[r] + ri;
-    T* dqr = static_cast<T*>(p.dq) + b * p.sdq.batch + (sq.start + qi) * p.sdq.row + h * p.sdq.head;
+  for (int n = 0; n < NO; ++n) {
 #pragma unroll
-    for (int n = 0; n < NO; ++n) {
-      const float x = (dq[n][2 * r] - ri * pk[n][2 * r]) * p.softmax_scale;
-      const float y = (dq[n][2 * r + 1] - ri * pk[n][2 * r + 1]) * p.softmax_scale;
-      store_pair<T>(dqr, 8 * n + 2 * t, p.head_dim, x, y, vec_q);
-    }
+    for (int i = 0; i < 4; ++i) dq[n][i] = pk[n][i] = 0.f;
   }
+
+  const auto block = [&](int jb, auto masked) {
+    const int stage = jb & 1;
+    if (jb + 1 < kv.nblocks) kv.load(p, b, jb + 1, tiles.k, tiles.v, kvalid);
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<1>();
+    __syncthreads();
+    const uint32_t at = stage * kStage;
+
+    // S = Q K^T, dP = dO V^T (m64 x BN, D / 16 k-steps); then s is P, dp dS'
+    float s[BN / 8][4], dp[BN / 8][4];
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      ptx::wgmma_ss<T, BN, false>(s, ptx::wgmma_desc_add(q_d, ptx::k_major_step<BM>(ks)),
+                                  ptx::wgmma_desc_add(k_d, at + ptx::k_major_step<BN>(ks)), ks > 0);
+    }
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      ptx::wgmma_ss<T, BN, false>(dp, ptx::wgmma_desc_add(do_d, ptx::k_major_step<BM>(ks)),
+                                  ptx::wgmma_desc_add(v_d, at + ptx::k_major_step<BN>(ks)), ks > 0);
+    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    rows.template step<BN / 8, decltype(masked)::value>(s, dp, jb * BN, kvalid + stage * BN);
+
+    // dQ += dS' K, pk += P K (m64 x D, BN / 16 k-steps over the keys; K read transposed)
+    uint32_t pa[BN / 16][4], da[BN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      accumulators_as_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
+      accumulators_as_a<T>(da[kk], dp[2 * kk], dp[2 * kk + 1]);
+    }
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      const uint64_t kt = ptx::wgmma_desc_add(kt_d, at + ptx::mn_major_step(kk));
+      ptx::wgmma_rs<T, D, true>(dq, da[kk], kt, true);
+      ptx::wgmma_rs<T, D, true>(pk, pa[kk], kt, true);
+    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    __syncthreads();  // every warp is done with this stage: the next block's copies overwrite it
+  };
+  int jb = 0;
+  for (; jb < kv.nfull; ++jb) block(jb, std::false_type{});
+  for (; jb < kv.nblocks; ++jb) block(jb, std::true_type{});
+  rows.finish(p, b, h, sq, dq, pk);
+#else
+  __trap();  // not launched: wgmma_available() is false without the sm_90a build
+#endif
 }
 
 }  // namespace attn
@@ -669,14 +809,25 @@ struct Bwd {
     attention_bwd_delta_kernel<T><<<grid_for(p, 4), 128, 0, stream>>>(p);
     BF_CHECK_LAUNCH("attention_bwd (delta)");
 
-    if constexpr (kWmma<T> && D <= 128) {
+    // dQ: wgmma on sm_90 (sm_90a build) at tile head dims 64 and 128 with 16-byte K and V rows, else
+    // mma.sync (fp16/bf16 up to 128), else the WMMA or FMA kernel.
+    const bool vec_kv = (p.vec & kVecK) && (p.vec & kVecV);
+    if (kWmma<T> && D % 64 == 0 && D <= 128 && vec_kv && wgmma_available()) {
+      if constexpr (kWmma<T> && D % 64 == 0 && D <= 128) {
+        constexpr int BN = C::kWgmmaDqBN;
+        using LW = WgmmaDqSmem<T, D, BN>;
+        auto dq = p.dropout_p > 0.f ? attention_bwd_dq_wgmma_kernel<T, D, BN, true>
+                                    : attention_bwd_dq_wgmma_kernel<T, D, BN, false>;
+        if (int s = prepare(dq, LW::bytes, "attention_bwd (dq)")) return s;
+        dq<<<grid_for(p, LW::BM), 128, LW::bytes, stream>>>(p);
+      }
+    } else if constexpr (kWmma<T> && D <= 128) {
       constexpr int BN = C::kMmaDqBN, BE = C::kMmaDqBNElementwise;
-      const bool vec = (p.vec & kVecK) && (p.vec & kVecV);
-      auto dq = by_settings(p.dropout_p > 0.f, vec, [](auto drop, auto vec_kv) {
-        constexpr bool kVec = decltype(vec_kv)::value;
+      auto dq = by_settings(p.dropout_p > 0.f, vec_kv, [](auto drop, auto vec) {
+        constexpr bool kVec = decltype(vec)::value;
         return attention_bwd_dq_mma_kernel<T, D, kVec ? BN : BE, 4, decltype(drop)::value, kVec>;
       });
-      const int bytes = vec ? MmaDqSmem<T, D, BN>::bytes : MmaDqSmem<T, D, BE>::bytes;
+      const int bytes = vec_kv ? MmaDqSmem<T, D, BN>::bytes : MmaDqSmem<T, D, BE>::bytes;
       if (int s = prepare(dq, bytes, "attention_bwd (dq)")) return s;
       dq<<<grid_for(p, MmaDqSmem<T, D, BN>::BM), 128, bytes, stream>>>(p);
     } else {

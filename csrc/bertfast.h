@@ -146,6 +146,13 @@ int attention_dropout_mask(bool* keep, int batch, int heads, int seqlen, float d
 int ptx_check_mma(const void* a, const void* b, const float* c, float* d, int dtype, cudaStream_t stream);
 int ptx_check_ldmatrix(const uint16_t* src, uint32_t* out, int variant, cudaStream_t stream);
 int ptx_check_cp_async(const uint8_t* src, uint8_t* out, cudaStream_t stream);
+// wgmma (wgmma.cuh), one warpgroup: variant 0 d = a b + c and 1 d = a b with A and B from shared memory
+// (a [64, 64], b [64, 128]; c, d [64, 64]), 2 d = a b + c with A from registers (a [64, 16], b [32, 128];
+// c, d [64, 128]); which k-steps of the tiles each reads: ptx_check.cu.
+int ptx_check_wgmma(const void* a, const void* b, const float* c, float* d, int dtype, int variant,
+                    cudaStream_t stream);
+// Whether the wgmma kernels run on the current device: an sm_90 GPU and this build's sm_90a code.
+bool wgmma_available();
 // mma.sync's throughput (bertfast.perfmodel.mma_rate times it): blocks of 4 warps, each warp iters x 8
 // m16n8k16 products on all-ones operands; out[4 * block + warp] = 16384 x iters.
 int ptx_mma_rate(float* out, int blocks, int iters, int dtype, cudaStream_t stream);

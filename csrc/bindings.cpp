@@ -318,6 +318,20 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("src"), py::arg("out"), py::arg("stream"));
   m.def(
+      "ptx_check_wgmma",
+      [](uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t d, int dtype, int variant, uintptr_t stream) {
+        int s;
+        {
+          py::gil_scoped_release nogil;
+          s = bertfast::ptx_check_wgmma(ptr(a), ptr(b), ptr<const float>(c), ptr<float>(d), dtype, variant,
+                                        stream_of(stream));
+        }
+        check(s, "ptx_check_wgmma");
+      },
+      py::arg("a"), py::arg("b"), py::arg("c"), py::arg("d"), py::arg("dtype"), py::arg("variant"), py::arg("stream"));
+  m.def("wgmma_available", &bertfast::wgmma_available,
+        "whether the wgmma kernels run on the current device (an sm_90 GPU, the extension built for sm_90a)");
+  m.def(
       "ptx_mma_rate",
       [](uintptr_t out, int blocks, int iters, int dtype, uintptr_t stream) {
         int s;

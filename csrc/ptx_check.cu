@@ -3,11 +3,14 @@
 // with plain loops over the PTX ISA's layouts. Operands go in and out through global memory in the
 // ISA's own element terms (element i of a fragment, lane l), written out here independently of
 // ptx.cuh and emu.h.
-#include "attention.cuh"
+#include "attention_host.cuh"
 #include "ptx.cuh"
+#include "wgmma.cuh"
 
 namespace bertfast {
 namespace {
+
+using attn::prepare;
 
 // mma.m16n8k16: d = a b + c, a [16, 16] row-major, b [16 (k), 8 (n)] row-major, c, d [16, 8] fp32.
 template <typename T>
@@ -71,6 +74,71 @@ __global__ void ptx_check_cp_async_kernel(const uint8_t* src, uint8_t* out) {
   for (int e = 0; e < 16; ++e) out[512 + 16 * lane + e] = buf[16 * lane + e];
   ptx::cp_async_wait<0>();
   for (int e = 0; e < 16; ++e) out[1024 + 16 * lane + e] = buf[512 + 16 * lane + e];
+}
+
+// wgmma m64nNk16, one warpgroup. Operand tiles go to shared memory in the 128-byte swizzle (sw128_offset)
+// and the product reads one k-step of each away from the tiles' starts:
+//   variant 0, 1: SS, N 64. A = columns 16..31 of a [64, 64] tile (k-step 1), B^T = columns 80..95 of a
+//     [64, 128] tile (k-step 5: the second 64-column block, 32 bytes into its rows), both K-major;
+//     variant 0 accumulates onto c, variant 1 does not (scale-d 0).
+//   variant 2: RS, N 128. A from registers (a [64, 16], row-major: warp w's mma.m16n8k16 A fragment of
+//     rows 16 w ..), B = rows 16..31 of a [32, 128] tile (k-step 1), MN-major (transposed), onto c.
+// c, d: [64, N] fp32 row-major; d element (16 w + g + 8 (i / 2 % 2), 8 j + 2 t + i % 2) is register
+// 4 j + i % 4 of warp w's lane 4 g + t.
+template <typename T>
+__global__ void __launch_bounds__(128) ptx_check_wgmma_kernel(const T* a, const T* b, const float* c, float* d,
+                                                              int variant) {
+#if defined(BERTFAST_EMU) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) unsigned char buf[];
+  unsigned char* base = ptx::align1024(buf);
+  T* at = reinterpret_cast<T*>(base);         // [64, 64]
+  T* bt = reinterpret_cast<T*>(base + 8192);  // [64, 128] or [32, 128]
+  const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
+  const bool rs = variant == 2;
+  const int brows = rs ? 32 : 64;
+  if (!rs) {
+    for (int i = tid; i < 64 * 64; i += 128) at[ptx::sw128_offset<64>(i / 64, i % 64)] = a[i];
+  }
+  for (int i = tid; i < brows * 128; i += 128) {
+    const int r = i / 128, col = i % 128;
+    bt[rs ? ptx::sw128_offset<32>(r, col) : ptx::sw128_offset<64>(r, col)] = b[i];
+  }
+  __syncthreads();
+  const uint32_t sa = ptx::smem_addr(at), sb = ptx::smem_addr(bt);
+  if (!rs) {
+    float acc[8][4];
+    for (int j = 0; j < 8; ++j)
+      for (int i = 0; i < 4; ++i) acc[j][i] = c[(16 * w + g + 8 * (i >> 1)) * 64 + 8 * j + 2 * tig + (i & 1)];
+    ptx::wgmma_fence();
+    const uint64_t da = ptx::wgmma_desc_add(ptx::wgmma_desc_k(sa), ptx::k_major_step<64>(1));
+    const uint64_t db = ptx::wgmma_desc_add(ptx::wgmma_desc_k(sb), ptx::k_major_step<64>(5));
+    ptx::wgmma_ss<T, 64, false>(acc, da, db, variant == 0);
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    for (int j = 0; j < 8; ++j)
+      for (int i = 0; i < 4; ++i) d[(16 * w + g + 8 * (i >> 1)) * 64 + 8 * j + 2 * tig + (i & 1)] = acc[j][i];
+  } else {
+    uint32_t ra[4];
+    for (int i = 0; i < 8; ++i) {  // a_i: row groupID (+8 for a2, a3, a6, a7), col 2 tig + (i & 1) (+8 for i >= 4)
+      const int row = 16 * w + g + ((i == 2 || i == 3 || i == 6 || i == 7) ? 8 : 0);
+      const int col = 2 * tig + (i & 1) + (i >= 4 ? 8 : 0);
+      T x = a[row * 16 + col];
+      const uint32_t bits = *reinterpret_cast<const uint16_t*>(&x);
+      if (i & 1) ra[i / 2] |= bits << 16; else ra[i / 2] = bits;
+    }
+    float acc[16][4];
+    for (int j = 0; j < 16; ++j)
+      for (int i = 0; i < 4; ++i) acc[j][i] = c[(16 * w + g + 8 * (i >> 1)) * 128 + 8 * j + 2 * tig + (i & 1)];
+    ptx::wgmma_fence();
+    ptx::wgmma_rs<T, 128, true>(acc, ra, ptx::wgmma_desc_add(ptx::wgmma_desc_mn<32>(sb), ptx::mn_major_step(1)), true);
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    for (int j = 0; j < 16; ++j)
+      for (int i = 0; i < 4; ++i) d[(16 * w + g + 8 * (i >> 1)) * 128 + 8 * j + 2 * tig + (i & 1)] = acc[j][i];
+  }
+#else
+  __trap();  // not launched: wgmma_available() is false without the sm_90a build
+#endif
 }
 
 // mma.sync's rate: every warp runs `iters` rounds of 8 independent m16n8k16 products on all-ones
@@ -140,6 +208,32 @@ int ptx_check_cp_async(const uint8_t* src, uint8_t* out, cudaStream_t stream) {
   clear_error();
   ptx_check_cp_async_kernel<<<1, 32, 1024, stream>>>(src, out);
   BF_CHECK_LAUNCH("ptx_check_cp_async");
+  return kOk;
+}
+
+int ptx_check_wgmma(const void* a, const void* b, const float* c, float* d, int dtype, int variant,
+                    cudaStream_t stream) {
+  clear_error();
+  if (variant < 0 || variant > 2)
+    return fail(kErrArgument, "ptx_check_wgmma: variant must be 0 (SS), 1 (SS, d = a b) or 2 (RS), got %d", variant);
+  if (!wgmma_available())
+    return fail(kErrUnsupported, "ptx_check_wgmma: wgmma needs an sm_90 GPU and the extension built for sm_90a "
+                "(BERTFAST_CUDA_ARCHS with 90a)");
+  constexpr int kBytes = 8192 + 16384 + 1024;  // the two tiles, and room to align them to 1024 bytes
+  if (dtype == kFloat16) {
+    auto kernel = ptx_check_wgmma_kernel<__half>;
+    if (int s = prepare(kernel, kBytes, "ptx_check_wgmma")) return s;
+    kernel<<<1, 128, kBytes, stream>>>(static_cast<const __half*>(a), static_cast<const __half*>(b), c, d, variant);
+  } else if (dtype == kBFloat16) {
+    auto kernel = ptx_check_wgmma_kernel<__nv_bfloat16>;
+    if (int s = prepare(kernel, kBytes, "ptx_check_wgmma")) return s;
+    kernel<<<1, 128, kBytes, stream>>>(static_cast<const __nv_bfloat16*>(a), static_cast<const __nv_bfloat16*>(b),
+                                       c, d, variant);
+  } else {
+    return fail(kErrArgument, "ptx_check_wgmma: dtype code must be float16 (%d) or bfloat16 (%d), got %d", kFloat16,
+                kBFloat16, dtype);
+  }
+  BF_CHECK_LAUNCH("ptx_check_wgmma");
   return kOk;
 }
 

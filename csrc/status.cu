@@ -1,4 +1,5 @@
-// Launcher error messages, the shared reduction-block policy, and the host Philox (for tests).
+// Launcher error messages, the shared reduction-block policy, whether wgmma kernels may run, and the
+// host Philox (for tests).
 #include <cstdarg>
 #include <cstdio>
 
@@ -34,6 +35,34 @@ int64_t reduction_blocks(int64_t n_rows) {
   const int64_t kMaxBlocks = 1024;
   if (n_rows <= 0) return 1;
   return n_rows < kMaxBlocks ? n_rows : kMaxBlocks;
+}
+
+// wgmma is an arch-specific feature of sm_90: its kernels run on an sm_90 GPU (H100, H200) from the
+// sm_90a build (BERTFAST_CUDA_ARCHS naming 90a; an sm_90 or later build has no such code). The CPU
+// emulator emulates an sm_90 device (emu_runtime.cpp; BERTFAST_EMU_ARCH may say another).
+static constexpr bool names_sm90a(const char* archs) {
+  for (; archs[0] != '\0'; ++archs) {
+    if (archs[0] == '9' && archs[1] == '0' && archs[2] == 'a') return true;
+  }
+  return false;
+}
+
+bool wgmma_available() {
+#if defined(BERTFAST_EMU)
+  constexpr bool kBuilt = true;
+#elif defined(BERTFAST_CUDA_ARCHS)
+  constexpr bool kBuilt = names_sm90a(BERTFAST_CUDA_ARCHS);
+#else
+  constexpr bool kBuilt = false;
+#endif
+  int dev = 0, major = 0, minor = 0;
+  if (!kBuilt || cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+    cudaGetLastError();  // no sticky error left for the next launch's check
+    return false;
+  }
+  return major == 9 && minor == 0;
 }
 
 void philox4x32_10_host(const uint32_t c[4], const uint32_t k[2], uint32_t out[4]) {

@@ -101,8 +101,14 @@ def test_parse_archs():
     for bad in ("75", "sm80x", ""):
         with pytest.raises(RuntimeError, match="BERTFAST_CUDA_ARCHS"):
             cuda_build.parse_archs(bad)
+    with pytest.raises(RuntimeError, match="give 90 or 90a, not both"):
+        cuda_build.parse_archs("90;90a")
     flags = cuda_build.gencode_flags(["80", "90"])
     assert flags == ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
+                     "-gencode", "arch=compute_90,code=compute_90"]
+    # the default: sm_90a SASS (wgmma) and portable compute_90 PTX for later GPUs
+    flags = cuda_build.gencode_flags(cuda_build.parse_archs(cuda_build.DEFAULT_ARCHS))
+    assert flags == ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90a,code=sm_90a",
                      "-gencode", "arch=compute_90,code=compute_90"]
 
 

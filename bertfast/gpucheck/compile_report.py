@@ -12,9 +12,10 @@ shape, as the autotuner would). Each candidate is then compiled for the target b
 itself, with an offline stand-in for the GPU driver; the figures are ptxas's own report
 (``-v``) and the kernel's shared-memory size.
 
-CUDA: each csrc/*.cu is compiled for sm_90 with ``nvcc -Xptxas -v``; its shared-memory column
-is the static size (the attention kernels size theirs at launch and check it against the
-device's limit there, failing with a clear error: csrc/attention_host.cuh, ``prepare``).
+CUDA: each csrc/*.cu is compiled for sm_90a (the build whose wgmma kernels an H100 runs) with
+``nvcc -Xptxas -v``; its shared-memory column is the static size (the attention kernels size
+theirs at launch and check it against the device's limit there, failing with a clear error:
+csrc/attention_host.cuh, ``prepare``).
 
 A kernel fails the report when it spills registers (any spill store), needs more shared
 memory than an sm_90 block can have (227 KiB), or does not compile. Exit status 1 when any
@@ -43,6 +44,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 SM90_SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
 TARGET_ARCH = 90
+CUDA_TARGET_ARCH = "90a"  # the extension's sm_90 build (cuda_build.DEFAULT_ARCHS): its wgmma kernels need it
 MODELS = {"bert-base": (768, 12, 3072), "bert-large": (1024, 16, 4096)}  # hidden, heads, ffn
 SEQ_BATCH = ((128, 128), (512, 32))  # 16384 tokens either way
 VOCAB, POSITIONS, TYPES, MASKED_ROWS = 30522, 512, 2, 64
@@ -495,10 +497,10 @@ def find_nvcc() -> Optional[str]:
 
 
 def compile_cuda(nvcc: str, source_dir: Path, jobs: int) -> List[Row]:
-    """ptxas -v of every csrc/*.cu for sm_90 (the flags of the extension build); one row per kernel."""
+    """ptxas -v of every csrc/*.cu for sm_90a (the flags of the extension build); one row per kernel."""
     sources = sorted(source_dir.glob("*.cu"))
     flags = ["-std=c++17", "-O3", "-lineinfo", f"-I{source_dir}", "-gencode",
-             f"arch=compute_{TARGET_ARCH},code=sm_{TARGET_ARCH}", "-Xptxas", "-v", "-c"]
+             f"arch=compute_{CUDA_TARGET_ARCH},code=sm_{CUDA_TARGET_ARCH}", "-Xptxas", "-v", "-c"]
 
     def one(src: Path) -> Tuple[Path, subprocess.CompletedProcess, float]:
         with tempfile.TemporaryDirectory() as tmp:
@@ -615,7 +617,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if nvcc is None or src is None:
             print(f"CUDA extension: skipped ({'nvcc not found' if nvcc is None else 'csrc/ not found'})")
         else:
-            print(f"CUDA extension: nvcc -Xptxas -v for sm_{TARGET_ARCH} ({nvcc}) ...", flush=True)
+            print(f"CUDA extension: nvcc -Xptxas -v for sm_{CUDA_TARGET_ARCH} ({nvcc}) ...", flush=True)
             rows += compile_cuda(nvcc, src, args.jobs)
     print(format_table(rows))
     print()

@@ -119,7 +119,7 @@ PYTEST = [PY, "-m", "pytest", "-m", "gpu or gpu_capable", "tests", "-p", "no:cac
           "--junitxml", f"{OUT}/stage2-tests/junit.xml"]
 
 STAGES: List[Stage] = [
-    Stage(1, "build", "install, the requirements' versions, the CUDA extension for sm_90 (all cores), bertfast "
+    Stage(1, "build", "install, the requirements' versions, the CUDA extension for sm_90a (all cores), bertfast "
           "info, compute-sanitizer memcheck and racecheck on every CUDA op, forward and backward, dropout on", [
               _step("install", [PY, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", "."],
                     sizing.install(), env={"BERTFAST_BUILD_CUDA": "0"}, dry_argv=[],
@@ -127,7 +127,7 @@ STAGES: List[Stage] = [
               _step("requirements", [PY, "-m", "bertfast.gpucheck.requirements"], sizing.requirements(),
                     needs=()),
               _step("build", [PY, "setup.py", "build_ext", "--inplace"], sizing.build(),
-                    env={"BERTFAST_BUILD_CUDA": "1", "BERTFAST_CUDA_ARCHS": "90", "MAX_JOBS": JOBS},
+                    env={"BERTFAST_BUILD_CUDA": "1", "BERTFAST_CUDA_ARCHS": "90a", "MAX_JOBS": JOBS},
                     dry_argv=[], dry_note="the CPU dry run uses the extension built at install, if any", needs=()),
               _step("info", [PY, "-m", "bertfast.cli", "info"], sizing.info()),
               # mma.sync's rate, which the perf model assumes for the CUDA attention (docs/perf-model.md)

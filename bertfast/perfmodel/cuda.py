@@ -1,8 +1,8 @@
-"""The CUDA backend's attention kernels on mma.sync (csrc/attention_fwd.cu's attention_fwd_mma_kernel,
-csrc/attention_bwd.cu's attention_bwd_dq_mma_kernel and attention_bwd_dkdv_mma_kernel) read by the
+"""The CUDA backend's attention kernels an H100 runs (csrc/attention_fwd.cu's attention_fwd_mma_kernel,
+csrc/attention_bwd.cu's attention_bwd_dq_wgmma_kernel and attention_bwd_dkdv_mma_kernel) read by the
 performance model, beside the Triton kernels they are held to (issue 39: within 1.3x).
 
-Each source is compiled for sm_90 with nvcc (the flags of the extension build) into a cubin whose
+Each source is compiled for sm_90a with nvcc (the flags of the extension build) into a cubin whose
 SASS the model reads like Triton's (sass.parse, model.predict); ptxas's report gives the registers.
 The launches modelled are the ones a BERT layer makes: bf16, head dim 64 (the kernels' tile is the
 head dim), 16-byte rows, varlen, every key of a block valid (their unmasked main loops). Each
@@ -46,31 +46,37 @@ class CudaKernel:
     tensors: int       # bf16 [tokens, hidden] tensors it reads or writes, each once
     stats: int         # fp32 [heads, tokens] rows it reads or writes (lse; Delta, which dQ also writes)
     products: int      # mma products a score element takes part in (2 head-dim flops each)
+    wgmma: bool = False  # a wgmma kernel: its tiles in the 128-byte swizzle (unpadded), 1024-byte aligned
 
     def mangled(self, dropout: bool, head_dim: int = K.HEAD_DIM) -> str:
-        """The symbol of the bf16 kernel with 16-byte rows (template <T, D, step, warps, dropout, vec>)."""
-        return (f"_ZN8bertfast4attn{len(self.name)}{self.name}I13__nv_bfloat16Li{head_dim}ELi{self.step}"
-                f"ELi{WARPS}ELb{int(dropout)}ELb1EEEvNS0_6ParamsE")
+        """The symbol of the bf16 kernel with 16-byte rows: template <T, D, step, warps, dropout, vec> on
+        mma.sync, <T, D, step, dropout> on wgmma (one warpgroup; its K/V rows always 16-byte)."""
+        prefix = f"_ZN8bertfast4attn{len(self.name)}{self.name}I13__nv_bfloat16Li{head_dim}ELi{self.step}E"
+        if self.wgmma:
+            return f"{prefix}Lb{int(dropout)}EEEvNS0_6ParamsE"
+        return f"{prefix}Li{WARPS}ELb{int(dropout)}ELb1EEEvNS0_6ParamsE"
 
     def shared_bytes(self, head_dim: int = K.HEAD_DIM) -> int:
-        """MmaFwdSmem / MmaDqSmem / MmaKvSmem bytes for 16-bit T: the block's own [rows, D + 8] tiles,
-        the two streamed ones double-buffered ([2][step, D + 8]: K and V, or Q and dO), then its
-        [2][step] arrays of 4 bytes."""
-        row = 2 * (head_dim + ROW_PAD)
+        """MmaFwdSmem / MmaDqSmem / MmaKvSmem / WgmmaDqSmem bytes for 16-bit T: the block's own [rows, D]
+        tiles, the two streamed ones double-buffered ([2][step, D]: K and V, or Q and dO), then its
+        [2][step] arrays of 4 bytes. mma.sync rows are padded by 8 elements, each part 128-byte aligned;
+        wgmma tiles are whole 1024-byte atoms, with 1024 bytes more to align them at run time."""
+        row = 2 * (head_dim + (0 if self.wgmma else ROW_PAD))
+        align = (lambda x: x) if self.wgmma else _align
         offset = 0
         for _ in range(self.own):
-            offset = _align(offset + self.rows * row)
+            offset = align(offset + self.rows * row)
         for _ in range(2):  # the two streamed tiles
-            offset = _align(offset + 2 * self.step * row)
+            offset = align(offset + 2 * self.step * row)
         for _ in range(self.arrays):
-            offset = _align(offset + 2 * self.step * 4)
-        return offset
+            offset = align(offset + 2 * self.step * 4)
+        return offset + (1024 if self.wgmma else 0)
 
 
 FORWARD = CudaKernel("attention_fwd_mma_kernel", "attention_fwd.cu", "_attention_fwd_kernel", "fwd", 64, 64,
                      own=1, arrays=1, tensors=4, stats=1, products=2)  # Q K^T, P V
-DQ = CudaKernel("attention_bwd_dq_mma_kernel", "attention_bwd.cu", "_attention_bwd_dq_kernel", "bwd", 64, 64,
-                own=2, arrays=1, tensors=5, stats=3, products=4)  # Q K^T, dO V^T, dS' K, P K
+DQ = CudaKernel("attention_bwd_dq_wgmma_kernel", "attention_bwd.cu", "_attention_bwd_dq_kernel", "bwd", 64, 64,
+                own=2, arrays=1, tensors=5, stats=3, products=4, wgmma=True)  # Q K^T, dO V^T, dS' K, P K
 DKDV = CudaKernel("attention_bwd_dkdv_mma_kernel", "attention_bwd.cu", "_attention_bwd_dkdv_kernel", "bwd", 64, 64,
                   own=2, arrays=2, tensors=6, stats=2, products=4)  # K Q^T, V dO^T, Pd^T dO, dS^T Q
 KERNELS = (FORWARD, DQ, DKDV)
@@ -101,7 +107,7 @@ def unavailable() -> Optional[str]:
 @lru_cache(maxsize=1)
 def compile_kernels() -> CompiledCuda:
     """sm_90 SASS, registers and spills of each kernel of KERNELS, with and without dropout."""
-    from bertfast.gpucheck.compile_report import TARGET_ARCH, parse_ptxas
+    from bertfast.gpucheck.compile_report import CUDA_TARGET_ARCH, parse_ptxas
     nvcc, src = _nvcc_and_csrc()
     if nvcc is None or src is None:
         raise RuntimeError(f"perf-model: the CUDA attention cannot be compiled: {unavailable()}")
@@ -110,7 +116,7 @@ def compile_kernels() -> CompiledCuda:
         with tempfile.TemporaryDirectory() as tmp:
             cubin = os.path.join(tmp, "k.cubin")
             res = subprocess.run([nvcc, "-std=c++17", "-O3", f"-I{src}", "-cubin", "-gencode",
-                                  f"arch=compute_{TARGET_ARCH},code=sm_{TARGET_ARCH}", "-Xptxas", "-v",
+                                  f"arch=compute_{CUDA_TARGET_ARCH},code=sm_{CUDA_TARGET_ARCH}", "-Xptxas", "-v",
                                   str(src / source), "-o", cubin], capture_output=True, text=True)
             if res.returncode != 0:
                 raise RuntimeError(f"perf-model: nvcc failed on {source}: {res.stderr.strip()[-500:]}")

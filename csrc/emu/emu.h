@@ -22,6 +22,13 @@
 //                                   a tile read before its wait reads stale bytes. A misaligned
 //                                   address aborts, as it faults on the hardware. exp2_ftz: exp2
 //                                   with subnormals flushed (exact where the hardware is 2 ulp).
+//   wgmma (wgmma.cuh)               a thread's products are queued by commit group and run at the
+//                                   wgmma_wait that requires them (warp-collective there: A fragments
+//                                   meet in warp scratch), reading shared memory then and writing the
+//                                   accumulators only then; the descriptor's 128-byte swizzle is applied
+//                                   to emulated shared addresses, where dynamic shared memory starts at
+//                                   kSharedBase (not 1024-aligned: a kernel must align its tiles itself).
+//                                   A product issued without a wgmma_fence since the last wait aborts.
 // Lanes do not run in lockstep here, so a missing __syncwarp shows up as a wrong result more
 // readily than on hardware.
 #pragma once
@@ -69,6 +76,7 @@ struct Block {
   std::barrier<> bar;
   std::vector<std::unique_ptr<Warp>> warps;
   unsigned char* dyn = nullptr;
+  size_t dyn_bytes = 0;
 };
 
 inline thread_local Block* tl_block = nullptr;
@@ -141,6 +149,7 @@ void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaSt
     unsigned char* dyn = static_cast<unsigned char*>(::operator new[](bytes, std::align_val_t(128)));
     std::memset(dyn, 0xFF, bytes);
     blk.dyn = dyn;
+    blk.dyn_bytes = bytes;
     std::vector<std::thread> threads;
     threads.reserve(nthreads);
     for (int t = 0; t < nthreads; ++t) {
@@ -367,6 +376,130 @@ inline void cp_async_wait() {
     }
     emu::tl_groups.erase(emu::tl_groups.begin());
   }
+}
+
+}  // namespace ptx
+}  // namespace bertfast
+
+// ------------------------------------------------------------------ wgmma (wgmma.cuh)
+namespace emu {
+
+constexpr uint32_t kSharedBase = 0x480;  // emulated shared address of dynamic shared memory's first byte
+
+[[noreturn]] inline void wgmma_fail(const char* why) {
+  std::fprintf(stderr, "emu: wgmma: %s\n", why);
+  std::abort();
+}
+
+struct WgmmaOp {
+  float* d;       // this thread's accumulators, [n / 8][4]
+  int n;
+  bool bf16, trans_b, accumulate, a_regs;
+  uint32_t a[4];  // A fragment (a_regs), as the registers held it at issue
+  uint64_t da, db;
+};
+inline thread_local std::vector<WgmmaOp> tl_wg_open;
+inline thread_local std::vector<std::vector<WgmmaOp>> tl_wg_groups;
+inline thread_local bool tl_wg_fenced = false;
+
+// The 16-bit element at an emulated shared address, as float.
+inline float shared_elem(uint32_t addr, bool bf16) {
+  const int64_t off = static_cast<int64_t>(addr) - kSharedBase;
+  if (off < 0 || off + 2 > static_cast<int64_t>(tl_block->dyn_bytes) || addr % 2)
+    wgmma_fail("an operand element lies outside the block's dynamic shared memory");
+  uint16_t bits;
+  std::memcpy(&bits, tl_block->dyn + off, 2);
+  return bf16 ? half_bits_to_float<__nv_bfloat16>(bits, 0) : half_bits_to_float<__half>(bits, 0);
+}
+
+// Shared address of element (mn, k) of a K-major operand, or of (k, mn) of an MN-major one, under a
+// 128-byte-swizzle descriptor: the canonical layouts (wgmma.cuh), then address bits 4-6 ^= bits 7-9.
+inline uint32_t operand_addr(uint64_t desc, int mn, int k, bool mn_major) {
+  if ((desc >> 62) != 1u) wgmma_fail("only the 128-byte swizzle is emulated");
+  if ((desc >> 49) & 7u) wgmma_fail("only base offset 0 is emulated");
+  const uint32_t start = static_cast<uint32_t>(desc & 0x3FFFu) << 4;
+  const uint32_t lbo = static_cast<uint32_t>((desc >> 16) & 0x3FFFu) << 4;
+  const uint32_t sbo = static_cast<uint32_t>((desc >> 32) & 0x3FFFu) << 4;
+  if (!mn_major && (start & 127u) + 32u > 128u) wgmma_fail("a K-major k-step crosses its 128-byte row");
+  const uint32_t logical = mn_major ? start + (mn % 64) * 2 + (mn / 64) * lbo + (k % 8) * 128 + (k / 8) * sbo
+                                    : start + (mn % 8) * 128 + (mn / 8) * sbo + k * 2;
+  return logical ^ (((logical >> 7) & 7u) << 4);
+}
+
+// One product, for this thread's share of its warp's 16 rows (all lanes of the warp call it together).
+inline void wgmma_run(const WgmmaOp& op) {
+  Warp* w = tl_warp;
+  const int lane = tl_lane, g = lane >> 2, t = lane & 3, rank = (threadIdx.x >> 5) & 3;  // warp in warpgroup
+  if (op.a_regs) {
+    for (int i = 0; i < 4; ++i) {
+      for (int e = 0; e < 2; ++e) {
+        w->A[(g + 8 * (i & 1)) * 16 + 2 * t + e + 8 * (i >> 1)] =
+            op.bf16 ? half_bits_to_float<__nv_bfloat16>(op.a[i], e) : half_bits_to_float<__half>(op.a[i], e);
+      }
+    }
+  } else {
+    for (int k = 0; k < 8; ++k) {  // lane: row lane % 16, columns 8 (lane / 16) ..
+      const int row = lane & 15, col = 8 * (lane >> 4) + k;
+      w->A[row * 16 + col] = shared_elem(operand_addr(op.da, 16 * rank + row, col, false), op.bf16);
+    }
+  }
+  w->bar.arrive_and_wait();
+  std::vector<float> out(op.n / 2);
+  for (int j = 0; j < op.n / 8; ++j) {
+    for (int i = 0; i < 4; ++i) {
+      const int row = g + 8 * (i >> 1), col = 8 * j + 2 * t + (i & 1);
+      float s = op.accumulate ? op.d[4 * j + i] : 0.f;
+      for (int k = 0; k < 16; ++k)
+        s += w->A[row * 16 + k] * shared_elem(operand_addr(op.db, col, k, op.trans_b), op.bf16);
+      out[4 * j + i] = s;
+    }
+  }
+  w->bar.arrive_and_wait();
+  std::copy(out.begin(), out.end(), op.d);
+}
+
+template <typename T, int N, bool kTransB>
+inline void wgmma_issue(float (&d)[N / 8][4], const uint32_t* a, uint64_t da, uint64_t db, bool accumulate) {
+  static_assert(N == 32 || N == 64 || N == 128, "wgmma: N of 32, 64 or 128");
+  if (!tl_wg_fenced) wgmma_fail("wgmma.mma_async without a wgmma.fence since the last wgmma.wait_group");
+  WgmmaOp op{&d[0][0], N, std::is_same<T, __nv_bfloat16>::value, kTransB, accumulate, a != nullptr, {}, da, db};
+  if (a) std::copy(a, a + 4, op.a);
+  tl_wg_open.push_back(op);
+}
+
+}  // namespace emu
+
+namespace bertfast {
+namespace ptx {
+
+// Emulated shared address of p, which must lie in the block's dynamic shared memory.
+inline uint32_t smem_addr(const void* p) {
+  const int64_t off = static_cast<const unsigned char*>(p) - emu::tl_block->dyn;
+  if (off < 0 || off > static_cast<int64_t>(emu::tl_block->dyn_bytes))
+    emu::wgmma_fail("smem_addr of a pointer outside the block's dynamic shared memory");
+  return emu::kSharedBase + static_cast<uint32_t>(off);
+}
+
+inline void wgmma_fence() { emu::tl_wg_fenced = true; }
+inline void wgmma_commit() {
+  emu::tl_wg_groups.push_back(std::move(emu::tl_wg_open));
+  emu::tl_wg_open.clear();
+}
+template <int N>
+inline void wgmma_wait() {
+  while (emu::tl_wg_groups.size() > static_cast<size_t>(N)) {
+    for (const emu::WgmmaOp& op : emu::tl_wg_groups.front()) emu::wgmma_run(op);
+    emu::tl_wg_groups.erase(emu::tl_wg_groups.begin());
+  }
+  emu::tl_wg_fenced = false;
+}
+template <typename T, int N, bool kTransB>
+inline void wgmma_ss(float (&d)[N / 8][4], uint64_t a, uint64_t b, bool accumulate) {
+  emu::wgmma_issue<T, N, kTransB>(d, nullptr, a, b, accumulate);
+}
+template <typename T, int N, bool kTransB>
+inline void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t b, bool accumulate) {
+  emu::wgmma_issue<T, N, kTransB>(d, a, 0, b, accumulate);
 }
 
 }  // namespace ptx

@@ -1,5 +1,6 @@
-"""The PTX the CUDA attention issues by hand (csrc/ptx.cuh): mma.sync m16n8k16, ldmatrix and cp.async,
-run by csrc/ptx_check.cu's one-warp kernels and compared with plain loops over the PTX ISA's layouts.
+"""The PTX the CUDA attention issues by hand (csrc/ptx.cuh, csrc/wgmma.cuh): mma.sync m16n8k16, ldmatrix,
+cp.async and wgmma, run by csrc/ptx_check.cu's one-warp (one-warpgroup) kernels and compared with plain
+loops over the PTX ISA's layouts.
 
 Without a GPU the kernels run on the CPU emulator (csrc/emu/emu.h), so a wrong fragment layout in
 the emulation fails here, on CPU, before any kernel built on it is trusted; with one they run the
@@ -92,6 +93,40 @@ def test_cp_async_lands_by_its_group(ext):
         assert (out[0] == 0xFF).all()
 
 
+def _wgmma_operands(dtype, variant):
+    """Small integers (exact products and sums in fp32): a, b, c and the expected d of ptx_check_wgmma's
+    variant, reading the k-steps ptx_check.cu names (A's columns 16..31 and B^T's 80..95 for the SS
+    variants, B's rows 16..31 for the RS one)."""
+    g = torch.Generator().manual_seed(11 + variant)
+    ints = lambda *shape: torch.randint(-4, 5, shape, generator=g).to(dtype)  # noqa: E731
+    if variant < 2:
+        a, b = ints(64, 64), ints(64, 128)
+        c = torch.randint(-50, 51, (64, 64), generator=g).float()
+        d = a[:, 16:32].float() @ b[:, 80:96].float().T
+        return a, b, c, d + c if variant == 0 else d
+    a, b = ints(64, 16), ints(32, 128)
+    c = torch.randint(-50, 51, (64, 128), generator=g).float()
+    return a, b, c, a.float() @ b[16:32].float() + c
+
+
+@pytest.mark.parametrize("variant", [0, 1, 2], ids=["ss", "ss-no-accumulate", "rs-transposed"])
+@pytest.mark.parametrize("dtype,code", [(torch.float16, 1), (torch.bfloat16, 2)], ids=["fp16", "bf16"])
+def test_wgmma_is_a_times_b_through_swizzled_shared_memory(ext, dtype, code, variant):
+    """The operand tiles sit in shared memory in the 128-byte swizzle, and each product starts one k-step
+    into them (32 bytes into the rows of a second 64-column block for B^T; 16 rows down, across 128
+    columns, for the transposed B), so a wrong descriptor offset, swizzle or fragment layout reads other
+    elements and shows as a wrong value."""
+    module, dev = ext
+    if GPU and not module.wgmma_available():
+        pytest.skip("wgmma needs an sm_90 GPU and the extension built for sm_90a")
+    a, b, c, expected = _wgmma_operands(dtype, variant)
+    d = torch.full_like(expected, float("nan"), device=dev)
+    a, b, c = a.to(dev), b.to(dev), c.to(dev)
+    module.ptx_check_wgmma(a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr(), code, variant, 0)
+    _sync(dev)
+    assert torch.equal(d.cpu(), expected)
+
+
 def test_check_entry_points_reject_bad_codes(ext):
     module, dev = ext
     buf = torch.zeros(512, device=dev)
@@ -99,6 +134,8 @@ def test_check_entry_points_reject_bad_codes(ext):
         module.ptx_check_mma(buf.data_ptr(), buf.data_ptr(), buf.data_ptr(), buf.data_ptr(), 0, 0)
     with pytest.raises(RuntimeError, match="variant must be .* got 7"):
         module.ptx_check_ldmatrix(buf.data_ptr(), buf.data_ptr(), 7, 0)
+    with pytest.raises(RuntimeError, match=r"variant must be 0 \(SS\), 1 .* or 2 \(RS\), got 3"):
+        module.ptx_check_wgmma(buf.data_ptr(), buf.data_ptr(), buf.data_ptr(), buf.data_ptr(), 1, 3, 0)
 
 
 def test_mma_rate_kernel_does_the_work_it_times(ext):
