@@ -41,6 +41,9 @@
 // Backward, fp16/bf16: dQ and dK/dV at tile head dims up to 128 are attention_bwd_dq_mma_kernel and
 //   attention_bwd_dkdv_mma_kernel (attention_bwd.cu: mma.sync, as the forward); at 256 (two
 //   accumulators of D / 2 registers a lane do not fit one warp's 16 rows) the WMMA kernels below.
+//   On an sm_90 GPU from the sm_90a build (wgmma_available), at tile head dims 64 and 128 with
+//   16-byte rows, attention_bwd_dq_wgmma_kernel and attention_bwd_dkdv_wgmma_kernel take their
+//   place: the same algorithm with the warpgroup's products (wgmma.cuh).
 // Tensor cores in the WMMA kernels: fp16/bf16 tiles are multiplied with WMMA 16x16x16 (fp32 accumulate). WMMA
 //   leaves the element-to-thread map of a fragment unspecified, so everything per element goes
 //   through shared memory, except the per-row rescale of the O accumulator: a fragment loaded
@@ -244,6 +247,51 @@ __device__ __forceinline__ void accumulators_as_a(uint32_t (&a)[4], const float 
   a[1] = ptx::pack2<T>(lo[2], lo[3]);
   a[2] = ptx::pack2<T>(hi[0], hi[1]);
   a[3] = ptx::pack2<T>(hi[2], hi[3]);
+}
+
+// ------------------------------------------------------------------ wgmma tile products (wgmma.cuh)
+// The two wgmma products of a backward step, for the warpgroup's 64 rows and N columns: x = A_x B_x^T
+// and y = A_y B_y^T over KS k-steps (S and dP; S^T and dP^T), A's tiles (MA rows) and B's (N rows)
+// K-major at the descriptors given (their k-step 0), B's `at` bytes into theirs (the stage); returns
+// when both are done.
+template <typename T, int KS, int MA, int N>
+__device__ __forceinline__ void wgmma_pair_nt(float (&x)[N / 8][4], float (&y)[N / 8][4], uint64_t xa, uint64_t ya,
+                                              uint64_t xb, uint64_t yb, uint32_t at) {
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+    ptx::wgmma_ss<T, N, false>(x, ptx::wgmma_desc_add(xa, ptx::k_major_step<MA>(ks)),
+                               ptx::wgmma_desc_add(xb, at + ptx::k_major_step<N>(ks)), ks > 0);
+  }
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+    ptx::wgmma_ss<T, N, false>(y, ptx::wgmma_desc_add(ya, ptx::k_major_step<MA>(ks)),
+                               ptx::wgmma_desc_add(yb, at + ptx::k_major_step<N>(ks)), ks > 0);
+  }
+  ptx::wgmma_commit();
+  ptx::wgmma_wait<0>();
+}
+
+// ... and its last two: x += X B_x and y += Y B_y, X and Y the first products' accumulators (rounded to
+// T: A operands from registers, 16 columns a k-step), B's tiles MN-major (read transposed) `at` bytes
+// into theirs; returns when both are done (the A registers and B's stage are free again).
+template <typename T, int NS, int N>
+__device__ __forceinline__ void wgmma_pair_rs(float (&x)[N / 8][4], float (&y)[N / 8][4], const float (&xs)[NS][4],
+                                              const float (&ys)[NS][4], uint64_t xb, uint64_t yb, uint32_t at) {
+  uint32_t xf[NS / 2][4], yf[NS / 2][4];
+#pragma unroll
+  for (int kk = 0; kk < NS / 2; ++kk) {
+    accumulators_as_a<T>(xf[kk], xs[2 * kk], xs[2 * kk + 1]);
+    accumulators_as_a<T>(yf[kk], ys[2 * kk], ys[2 * kk + 1]);
+  }
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < NS / 2; ++kk) {
+    ptx::wgmma_rs<T, N, true>(x, xf[kk], ptx::wgmma_desc_add(xb, at + ptx::mn_major_step(kk)), true);
+    ptx::wgmma_rs<T, N, true>(y, yf[kk], ptx::wgmma_desc_add(yb, at + ptx::mn_major_step(kk)), true);
+  }
+  ptx::wgmma_commit();
+  ptx::wgmma_wait<0>();
 }
 
 // Barrier over the warps that share a row group's smem rows: the warp, or the block when WN > 1
@@ -539,7 +587,8 @@ struct Draws {
 // wide, so its tiles stay small). Shared memory at D 256 (dQ, dK/dV): 80 and 96 KiB for 16-bit
 // types; (forward, dQ, dK/dV) 70, 69 and 70 KiB for fp32. The fp16/bf16 forward at every D, and
 // dQ and dK/dV up to D 128, are the mma.sync kernels, with tiles of their own (kMmaFwdBN, kMmaDqBN,
-// kMmaKvBM; their Smem structs): the WMMA backward's tiles serve 16-bit types at D 256 only.
+// kMmaKvBM; their Smem structs), and the wgmma backward at D 64 and 128 has its own (kWgmmaDqBN,
+// kWgmmaKvBM): the WMMA backward's tiles serve 16-bit types at D 256 only.
 template <typename T, int D>
 struct Cfg {
   static constexpr bool kF32 = std::is_same<T, float>::value;
@@ -562,6 +611,8 @@ struct Cfg {
   // dQ, fp16/bf16 on wgmma (head dims 64 and 128): 64 queries per block, BN keys per step (wgmma's N;
   // registers as the mma.sync kernel's)
   static constexpr int kWgmmaDqBN = D <= 64 ? 64 : 32;
+  // dK, dV, fp16/bf16 on wgmma (head dims 64 and 128): 64 keys per block, BM queries per step
+  static constexpr int kWgmmaKvBM = D <= 64 ? 64 : 32;
   // dQ, fp32 and (D 256) fp16/bf16: BM query rows per block, BN keys per step (fp16/bf16: two
   // accumulators, dQ and sum_j p_ij k_j)
   static constexpr int kDqBM = kBig ? (kF32 ? 16 : 32) : (D > 64 ? 32 : 64);

@@ -289,125 +289,33 @@ __global__ void __launch_bounds__(BM / 16 * WN * 32, 1) attention_bwd_dq_kernel(
   }
 }
 
-// ------------------------------------------------------------------ backward, fp16/bf16: dK, dV on mma.sync
-// NW warps, each owning 16 keys for the whole loop (64 keys a block), over the query blocks of BM:
-// S^T = K Q^T and dP^T = V dO^T as mma m16n8k16 (K's and V's A fragments from registers at D <= 64,
-// else from shared memory each step; Q's and dO's rows through ldmatrix); per element
-// pd = keep p / (1 - dp) and ds = p (keep dp / (1 - dp) - Delta_i), with p = exp2(s c log2 e - lse_i
-// log2 e); then dV += Pd^T dO and dK += dS^T Q, Pd^T and dS^T the A fragments of their accumulators
-// (as P in the forward) and dO, Q through ldmatrix .trans. Q, dO, lse and Delta are double-buffered
-// (cp.async; lse and Delta by plain stores, seen after the block's barrier). Queries past the end of
-// the sequence read lse = +inf, so their p is 0; keys are masked only in blocks that hold an invalid
-// one (their loop of their own). The keep bits of this transposed tile: lane (g, t) holds keys g and
-// g + 8, queries 8n + 2t + e; queries 16c + 2t + e and 16c + 8 + 2t + e are byte (8 (m0 / 16 + c) +
-// 2t + e, column pair g / 2) of the key's 16-block, bit 4 (n % 2) + 2 (key's half) + g % 2.
-template <typename T, int D, int BM>
-struct MmaKvSmem {
-  static constexpr int BN = 64;
-  static constexpr int LD = D + kPadT<T>;
-  static constexpr int k = 0;                                             // [BN, LD]
-  static constexpr int v = align128(k + 1LL * BN * LD * sizeof(T));       // [BN, LD]
-  static constexpr int q = align128(v + 1LL * BN * LD * sizeof(T));       // [2][BM, LD]
-  static constexpr int dO = align128(q + 2LL * BM * LD * sizeof(T));      // [2][BM, LD]
-  static constexpr int lse = align128(dO + 2LL * BM * LD * sizeof(T));    // [2][BM] log2 units, +inf: no row
-  static constexpr int delta = align128(lse + 2LL * BM * 4);              // [2][BM]
-  static constexpr int bytes = align128(delta + 2LL * BM * 4);
-};
-
-template <typename T, int D, int BM, int NW, bool kDropout, bool kVecQD>
-__global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dkdv_mma_kernel(const Params p) {
-  using L = MmaKvSmem<T, D, BM>;
-  constexpr int BN = 16 * NW, NT = NW * 32, LD = L::LD;
-  constexpr int KS = D / 16, NS = BM / 8, NO = D / 8;  // k-steps over the head; n8 tiles of S^T and of dK, dV
-  constexpr bool kKVRegs = D <= 64;
-  static_assert(BN == L::BN && BM % 16 == 0 && D % 16 == 0 && BM <= NT, "whole 16-row tiles, a thread per query");
-  extern __shared__ __align__(128) unsigned char smem[];
-  T* Ks = reinterpret_cast<T*>(smem + L::k);
-  T* Vs = reinterpret_cast<T*>(smem + L::v);
-  T* Qs = reinterpret_cast<T*>(smem + L::q);
-  T* dOs = reinterpret_cast<T*>(smem + L::dO);
-  float* lse_s = reinterpret_cast<float*>(smem + L::lse);
-  float* delta_s = reinterpret_cast<float*>(smem + L::delta);
-
-  const int b = blockIdx.z, h = blockIdx.y, n0 = blockIdx.x * BN;
-  const Seq sq = seq_of(p, b);
-  if (n0 >= sq.len) return;
-  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int key0 = n0 + 16 * w;  // this warp's keys; the lane's: key0 + g, key0 + g + 8
-
-  const T* k = static_cast<const T*>(p.k) + b * p.sk.batch + (sq.start + n0) * p.sk.row + h * p.sk.head;
-  const T* v = static_cast<const T*>(p.v) + b * p.sv.batch + (sq.start + n0) * p.sv.row + h * p.sv.head;
-  const T* qb = static_cast<const T*>(p.q) + b * p.sq.batch + sq.start * p.sq.row + h * p.sq.head;
-  const T* dob = static_cast<const T*>(p.dout) + b * p.sdo.batch + sq.start * p.sdo.row + h * p.sdo.head;
-  const float* lse_b = p.lse + b * p.lse_batch + h * p.lse_head + sq.start;
-  const float* delta_b = p.delta + b * p.lse_batch + h * p.lse_head + sq.start;
-  const TileCopy<T, BM, D, LD, NT, kVecQD> qcopy(p.head_dim, p.sq.row), docopy(p.head_dim, p.sdo.row);
-  const int nblocks = (sq.len + BM - 1) / BM;
-  const auto load_q = [&](int ib) {  // query block ib into stage ib % 2
-    const int m0 = ib * BM, stage = ib & 1;
-    qcopy.issue(Qs + stage * BM * LD, qb + m0 * p.sq.row, sq.len - m0);
-    docopy.issue(dOs + stage * BM * LD, dob + m0 * p.sdo.row, sq.len - m0);
-    if (threadIdx.x < BM) {
-      const bool ok = m0 + threadIdx.x < sq.len;
-      lse_s[stage * BM + threadIdx.x] = ok ? lse_b[m0 + threadIdx.x] * kLog2e : kInf;
-      delta_s[stage * BM + threadIdx.x] = ok ? delta_b[m0 + threadIdx.x] : 0.f;
-    }
-  };
-  // K and V land first (group 0), their fragments read while query block 0 (group 1) is in flight.
-  copy_tile<T, BN, D, LD, NT>(Ks, k, p.sk.row, sq.len - n0, p.head_dim, p.vec & kVecK);
-  copy_tile<T, BN, D, LD, NT>(Vs, v, p.sv.row, sq.len - n0, p.head_dim, p.vec & kVecV);
-  ptx::cp_async_commit();
-  load_q(0);
-  ptx::cp_async_commit();
-
-  const float scale2 = p.softmax_scale * kLog2e;
-  const float rdrop = kDropout ? 1.f / (1.f - p.dropout_p) : 1.f;
-  [[maybe_unused]] const KeepBits keep_bits(p, b, h);
-  // ldmatrix row addresses: A (K, V) rows lane % 16, column half lane / 16; B (Q, dO) rows lane % 8 +
-  // 8 (lane / 16), column half (lane / 8) % 2; B^T (Q, dO transposed) rows lane % 16, column half lane / 16.
-  const int aoff = (16 * w + (lane & 15)) * LD + 8 * (lane >> 4);
-  const int boff = ((lane & 7) + 8 * (lane >> 4)) * LD + 8 * ((lane >> 3) & 1);
-  const int toff = (lane & 15) * LD + 8 * (lane >> 4);
-
-  uint32_t kf[kKVRegs ? KS : 1][4], vf[kKVRegs ? KS : 1][4];
-  if constexpr (kKVRegs) {
-    ptx::cp_async_wait<1>();
-    __syncthreads();
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      ptx::ldmatrix_x4(kf[ks], Ks + aoff + 16 * ks);
-      ptx::ldmatrix_x4(vf[ks], Vs + aoff + 16 * ks);
-    }
-  }
+// ------------------------------------------------------------------ backward, fp16/bf16: dK, dV
+// A warp's 16 keys of dK and dV (a lane's keys key0 + g and key0 + g + 8) in the mma C layout of the
+// transposed scores, shared by the mma.sync and wgmma kernels: the per-element step from S^T and dP^T
+// to Pd^T and dS^T (step) and the end that stores dK (scaled by c) and dV (finish). Element i of tile
+// n: key key0 + g + 8 (i / 2), query m0 + 8n + 2t + i % 2; pd = keep p / (1 - dp) and
+// ds = p (keep dp / (1 - dp) - Delta_i), with p = exp2(s c log2 e - lse_i log2 e). Queries past the
+// end of the sequence read lse = +inf, so their p is 0. The keep bits of this transposed tile: queries
+// 16c + 2t + e and 16c + 8 + 2t + e are byte (8 (m0 / 16 + c) + 2t + e, column pair g / 2) of the
+// key's 16-block, bit 4 (n % 2) + 2 (key's half) + g % 2.
+template <typename T, bool kDropout>
+struct KvRows {
+  float scale2, rdrop;
+  [[maybe_unused]] KeepBits keep_bits;
+  int key0, g, t;
   bool key_ok[2];
+  __device__ __forceinline__ KvRows(const Params& p, int b, int h, const Seq& sq, int n0, int w, int lane)
+      : scale2(p.softmax_scale * kLog2e), rdrop(kDropout ? 1.f / (1.f - p.dropout_p) : 1.f), keep_bits(p, b, h),
+        key0(n0 + 16 * w), g(lane >> 2), t(lane & 3) {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) key_ok[r] = key_valid(p, b, key0 + g + 8 * r, sq.len);
-  float dk[NO][4], dv[NO][4];
-#pragma unroll
-  for (int n = 0; n < NO; ++n) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) dk[n][i] = dv[n][i] = 0.f;
+    for (int r = 0; r < 2; ++r) key_ok[r] = key_valid(p, b, key0 + g + 8 * r, sq.len);
   }
 
-  // One query block: kMasked zeroes the probabilities of invalid keys.
-  const auto block = [&](int ib, auto masked) {
-    constexpr bool kMasked = decltype(masked)::value;
-    [[maybe_unused]] const int m0 = ib * BM;
-    const int stage = ib & 1;
-    if (ib + 1 < nblocks) load_q(ib + 1);
-    ptx::cp_async_commit();
-    ptx::cp_async_wait<1>();  // this thread's copies of block ib (and of K, V) have landed
-    __syncthreads();          // everyone's have, and the block's lse and Delta are stored
-    const T* qs = Qs + stage * BM * LD;
-    const T* dos = dOs + stage * BM * LD;
-    const float* lse2 = lse_s + stage * BM;
-    const float* dl = delta_s + stage * BM;
-
-    // S^T = K Q^T, dP^T = V dO^T
-    float s[NS][4], dp[NS][4];
-    mma_pair_nt<T, KS, NS, LD, kKVRegs>(s, dp, kf, vf, Ks + aoff, Vs + aoff, qs + boff, dos + boff);
-
-    // Element i of tile n: key key0 + g + 8 (i / 2), query m0 + 8n + 2t + i % 2. s becomes Pd^T, dp dS^T.
+  // Queries m0 .. m0 + 8 NS - 1 (their lse in log2 units and Delta at lse2, dl); s becomes Pd^T, dp
+  // dS^T. kMasked zeroes the probabilities of invalid keys.
+  template <int NS, bool kMasked>
+  __device__ __forceinline__ void step(float (&s)[NS][4], float (&dp)[NS][4], int m0, const float* lse2,
+                                       const float* dl) const {
 #pragma unroll
     for (int c = 0; c < NS / 2; ++c) {  // queries 16c .. 16c + 15
       [[maybe_unused]] unsigned kbyte[2];
@@ -435,6 +343,154 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dkdv_mma_kernel(cons
         }
       }
     }
+  }
+
+  // dK scaled by c; rows of keys in the sequence
+  template <int NO>
+  __device__ __forceinline__ void finish(const Params& p, int b, int h, const Seq& sq, const float (&dk)[NO][4],
+                                         const float (&dv)[NO][4]) const {
+    const bool vec_k = p.vec & kVecDK, vec_v = p.vec & kVecDV;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int kj = key0 + g + 8 * r;
+      if (kj >= sq.len) continue;
+      T* dkr = static_cast<T*>(p.dk) + b * p.sdk.batch + (sq.start + kj) * p.sdk.row + h * p.sdk.head;
+      T* dvr = static_cast<T*>(p.dv) + b * p.sdv.batch + (sq.start + kj) * p.sdv.row + h * p.sdv.head;
+#pragma unroll
+      for (int n = 0; n < NO; ++n) {
+        const int c = 8 * n + 2 * t;
+        store_pair<T>(dkr, c, p.head_dim, dk[n][2 * r] * p.softmax_scale, dk[n][2 * r + 1] * p.softmax_scale, vec_k);
+        store_pair<T>(dvr, c, p.head_dim, dv[n][2 * r], dv[n][2 * r + 1], vec_v);
+      }
+    }
+  }
+};
+
+// A dK/dV block's shared memory as L lays it out (MmaKvSmem, WgmmaKvSmem): its own K and V tiles, Q's
+// and dO's two stages with their queries' lse (log2 units, +inf past the sequence) and Delta. start()
+// issues the block's copies of K and V (cp.async group 0, or element by element) and query block 0
+// (group 1); load(ib) query block ib into stage ib % 2 (lse and Delta by plain stores, seen after the
+// block's barrier). LD: the tiles' layout; kVec: Q's and dO's rows copied 16 bytes at a time.
+template <typename T, typename L, int D, int LD, int NT, bool kVec>
+struct KvTiles {
+  static constexpr int BM = L::BM;
+  T* k;
+  T* v;
+  T* q;
+  T* dO;
+  float* lse;
+  float* delta;
+  TileCopy<T, BM, D, LD, NT, kVec> qcopy, docopy;
+  const T* qb;  // the sequence's first Q, dO row of this head; its first lse, Delta
+  const T* dob;
+  const float* lse_b;
+  const float* delta_b;
+  int len, nblocks;
+  __device__ __forceinline__ KvTiles(unsigned char* smem, const Params& p, int b, int h, const Seq& sq)
+      : k(reinterpret_cast<T*>(smem + L::k)), v(reinterpret_cast<T*>(smem + L::v)),
+        q(reinterpret_cast<T*>(smem + L::q)), dO(reinterpret_cast<T*>(smem + L::dO)),
+        lse(reinterpret_cast<float*>(smem + L::lse)), delta(reinterpret_cast<float*>(smem + L::delta)),
+        qcopy(p.head_dim, p.sq.row), docopy(p.head_dim, p.sdo.row),
+        qb(static_cast<const T*>(p.q) + b * p.sq.batch + sq.start * p.sq.row + h * p.sq.head),
+        dob(static_cast<const T*>(p.dout) + b * p.sdo.batch + sq.start * p.sdo.row + h * p.sdo.head),
+        lse_b(p.lse + b * p.lse_batch + h * p.lse_head + sq.start),
+        delta_b(p.delta + b * p.lse_batch + h * p.lse_head + sq.start), len(sq.len),
+        nblocks((sq.len + BM - 1) / BM) {}
+  __device__ __forceinline__ void load(const Params& p, int ib) const {
+    const int m0 = ib * BM, stage = ib & 1;
+    qcopy.issue(q + stage * tile_elems<BM, D, LD>(), qb + m0 * p.sq.row, len - m0);
+    docopy.issue(dO + stage * tile_elems<BM, D, LD>(), dob + m0 * p.sdo.row, len - m0);
+    if (threadIdx.x < BM) {
+      const bool ok = m0 + threadIdx.x < len;
+      lse[stage * BM + threadIdx.x] = ok ? lse_b[m0 + threadIdx.x] * kLog2e : kInf;
+      delta[stage * BM + threadIdx.x] = ok ? delta_b[m0 + threadIdx.x] : 0.f;
+    }
+  }
+  __device__ __forceinline__ void start(const Params& p, int b, int h, const Seq& sq, int n0) const {
+    const T* kg = static_cast<const T*>(p.k) + b * p.sk.batch + (sq.start + n0) * p.sk.row + h * p.sk.head;
+    const T* vg = static_cast<const T*>(p.v) + b * p.sv.batch + (sq.start + n0) * p.sv.row + h * p.sv.head;
+    copy_tile<T, L::BN, D, LD, NT>(k, kg, p.sk.row, sq.len - n0, p.head_dim, p.vec & kVecK);
+    copy_tile<T, L::BN, D, LD, NT>(v, vg, p.sv.row, sq.len - n0, p.head_dim, p.vec & kVecV);
+    ptx::cp_async_commit();
+    load(p, 0);
+    ptx::cp_async_commit();
+  }
+};
+
+// dK, dV on mma.sync: NW warps, each owning 16 keys for the whole loop (64 keys a block), over the query
+// blocks of BM: S^T = K Q^T and dP^T = V dO^T as mma m16n8k16 (K's and V's A fragments from registers at
+// D <= 64, else from shared memory each step; Q's and dO's rows through ldmatrix); then KvRows::step, and
+// dV += Pd^T dO and dK += dS^T Q, Pd^T and dS^T the A fragments of their accumulators (as P in the
+// forward) and dO, Q through ldmatrix .trans. Q, dO, lse and Delta are double-buffered (KvTiles); keys
+// are masked only in blocks that hold an invalid one (their loop of their own).
+template <typename T, int D, int BM_>
+struct MmaKvSmem {
+  static constexpr int BN = 64, BM = BM_;
+  static constexpr int LD = D + kPadT<T>;
+  static constexpr int k = 0;                                             // [BN, LD]
+  static constexpr int v = align128(k + 1LL * BN * LD * sizeof(T));       // [BN, LD]
+  static constexpr int q = align128(v + 1LL * BN * LD * sizeof(T));       // [2][BM, LD]
+  static constexpr int dO = align128(q + 2LL * BM * LD * sizeof(T));      // [2][BM, LD]
+  static constexpr int lse = align128(dO + 2LL * BM * LD * sizeof(T));    // [2][BM] log2 units, +inf: no row
+  static constexpr int delta = align128(lse + 2LL * BM * 4);              // [2][BM]
+  static constexpr int bytes = align128(delta + 2LL * BM * 4);
+};
+
+template <typename T, int D, int BM, int NW, bool kDropout, bool kVecQD>
+__global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dkdv_mma_kernel(const Params p) {
+  using L = MmaKvSmem<T, D, BM>;
+  constexpr int BN = 16 * NW, NT = NW * 32, LD = L::LD;
+  constexpr int KS = D / 16, NS = BM / 8, NO = D / 8;  // k-steps over the head; n8 tiles of S^T and of dK, dV
+  constexpr bool kKVRegs = D <= 64;
+  static_assert(BN == L::BN && BM % 16 == 0 && D % 16 == 0 && BM <= NT, "whole 16-row tiles, a thread per query");
+  extern __shared__ __align__(128) unsigned char smem[];
+
+  const int b = blockIdx.z, h = blockIdx.y, n0 = blockIdx.x * BN;
+  const Seq sq = seq_of(p, b);
+  if (n0 >= sq.len) return;
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const KvTiles<T, L, D, LD, NT, kVecQD> tiles(smem, p, b, h, sq);
+  // K and V land first (group 0), their fragments read while query block 0 (group 1) is in flight.
+  tiles.start(p, b, h, sq, n0);
+  const KvRows<T, kDropout> rows(p, b, h, sq, n0, w, lane);
+  // ldmatrix row addresses: A (K, V) rows lane % 16, column half lane / 16; B (Q, dO) rows lane % 8 +
+  // 8 (lane / 16), column half (lane / 8) % 2; B^T (Q, dO transposed) rows lane % 16, column half lane / 16.
+  const int aoff = (16 * w + (lane & 15)) * LD + 8 * (lane >> 4);
+  const int boff = ((lane & 7) + 8 * (lane >> 4)) * LD + 8 * ((lane >> 3) & 1);
+  const int toff = (lane & 15) * LD + 8 * (lane >> 4);
+
+  uint32_t kf[kKVRegs ? KS : 1][4], vf[kKVRegs ? KS : 1][4];
+  if constexpr (kKVRegs) {
+    ptx::cp_async_wait<1>();
+    __syncthreads();
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      ptx::ldmatrix_x4(kf[ks], tiles.k + aoff + 16 * ks);
+      ptx::ldmatrix_x4(vf[ks], tiles.v + aoff + 16 * ks);
+    }
+  }
+  float dk[NO][4], dv[NO][4];
+#pragma unroll
+  for (int n = 0; n < NO; ++n) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dk[n][i] = dv[n][i] = 0.f;
+  }
+
+  // One query block: kMasked zeroes the probabilities of invalid keys.
+  const auto block = [&](int ib, auto masked) {
+    const int stage = ib & 1;
+    if (ib + 1 < tiles.nblocks) tiles.load(p, ib + 1);
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<1>();  // this thread's copies of block ib (and of K, V) have landed
+    __syncthreads();          // everyone's have, and the block's lse and Delta are stored
+    const T* qs = tiles.q + stage * BM * LD;
+    const T* dos = tiles.dO + stage * BM * LD;
+
+    // S^T = K Q^T, dP^T = V dO^T; then s is Pd^T, dp dS^T
+    float s[NS][4], dp[NS][4];
+    mma_pair_nt<T, KS, NS, LD, kKVRegs>(s, dp, kf, vf, tiles.k + aoff, tiles.v + aoff, qs + boff, dos + boff);
+    rows.template step<NS, decltype(masked)::value>(s, dp, ib * BM, tiles.lse + stage * BM,
+                                                   tiles.delta + stage * BM);
 
     // dV += Pd^T dO, dK += dS^T Q
 #pragma unroll
@@ -459,26 +515,88 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dkdv_mma_kernel(cons
   };
   const bool all_keys = p.key_mask == nullptr && n0 + BN <= sq.len;
   if (all_keys) {
-    for (int ib = 0; ib < nblocks; ++ib) block(ib, std::false_type{});
+    for (int ib = 0; ib < tiles.nblocks; ++ib) block(ib, std::false_type{});
   } else {
-    for (int ib = 0; ib < nblocks; ++ib) block(ib, std::true_type{});
+    for (int ib = 0; ib < tiles.nblocks; ++ib) block(ib, std::true_type{});
+  }
+  rows.finish(p, b, h, sq, dk, dv);
+}
+
+// dK, dV on wgmma (sm_90a; tile head dims 64 and 128): the mma.sync kernel's algorithm with the
+// warpgroup's products, the mirror of the wgmma dQ kernel. The block's 4 warps are one warpgroup over
+// 64 keys. S^T = K Q^T and dP^T = V dO^T read both operands from shared memory; dV += Pd^T dO and
+// dK += dS^T Q take Pd^T and dS^T from registers and read dO's and Q's tiles transposed. K, V, Q and dO
+// are stored in wgmma's 128-byte swizzle; Q's and dO's rows must allow 16-byte copies (the launcher runs
+// the mma.sync kernel otherwise).
+template <typename T, int D, int BM_>
+struct WgmmaKvSmem {
+  static constexpr int BN = 64, BM = BM_;
+  static constexpr int k = 0;                                    // [BN, D], swizzled (1024-byte aligned)
+  static constexpr int v = k + BN * D * 2;                       // [BN, D]
+  static constexpr int q = v + BN * D * 2;                       // [2][BM, D]
+  static constexpr int dO = q + 2 * BM * D * 2;                  // [2][BM, D]
+  static constexpr int lse = dO + 2 * BM * D * 2;                // [2][BM]
+  static constexpr int delta = lse + 2 * BM * 4;                 // [2][BM]
+  static constexpr int bytes = delta + 2 * BM * 4 + 1024;        // + room to align the tiles
+  static_assert(BM * D * 2 % 1024 == 0, "each swizzled tile starts 1024-byte aligned");
+};
+
+template <typename T, int D, int BM, bool kDropout>
+__global__ void __launch_bounds__(128, 1) attention_bwd_dkdv_wgmma_kernel(const Params p) {
+#if defined(BERTFAST_EMU) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = WgmmaKvSmem<T, D, BM>;
+  constexpr int BN = L::BN, NT = 128, KS = D / 16, NO = D / 8;
+  static_assert(sizeof(T) == 2 && D % 64 == 0 && (BM == 32 || BM == 64 || BM == 128) && BM <= NT,
+                "16-bit tiles of whole 64-column blocks, BM an N of wgmma, a thread per query");
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+
+  const int b = blockIdx.z, h = blockIdx.y, n0 = blockIdx.x * BN;
+  const Seq sq = seq_of(p, b);
+  if (n0 >= sq.len) return;
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const KvTiles<T, L, D, kSwizzle128, NT, true> tiles(ptx::align1024(smem_raw), p, b, h, sq);
+  tiles.start(p, b, h, sq, n0);
+  const KvRows<T, kDropout> rows(p, b, h, sq, n0, w, lane);
+  // Operand descriptors at k-step 0 (of stage 0 for Q, dO), moved per step and stage by a constant.
+  const uint64_t k_d = ptx::wgmma_desc_k(ptx::smem_addr(tiles.k)), v_d = ptx::wgmma_desc_k(ptx::smem_addr(tiles.v));
+  const uint64_t q_d = ptx::wgmma_desc_k(ptx::smem_addr(tiles.q)), do_d = ptx::wgmma_desc_k(ptx::smem_addr(tiles.dO));
+  const uint64_t qt_d = ptx::wgmma_desc_mn<BM>(ptx::smem_addr(tiles.q));
+  const uint64_t dot_d = ptx::wgmma_desc_mn<BM>(ptx::smem_addr(tiles.dO));
+  constexpr uint32_t kStage = BM * D * 2;  // bytes of a Q or dO stage
+  float dk[NO][4], dv[NO][4];
+#pragma unroll
+  for (int n = 0; n < NO; ++n) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dk[n][i] = dv[n][i] = 0.f;
   }
 
-  // dK scaled by c; rows of keys in the sequence
-  const bool vec_k = p.vec & kVecDK, vec_v = p.vec & kVecDV;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int kj = key0 + g + 8 * r;
-    if (kj >= sq.len) continue;
-    T* dkr = static_cast<T*>(p.dk) + b * p.sdk.batch + (sq.start + kj) * p.sdk.row + h * p.sdk.head;
-    T* dvr = static_cast<T*>(p.dv) + b * p.sdv.batch + (sq.start + kj) * p.sdv.row + h * p.sdv.head;
-#pragma unroll
-    for (int n = 0; n < NO; ++n) {
-      const int c = 8 * n + 2 * t;
-      store_pair<T>(dkr, c, p.head_dim, dk[n][2 * r] * p.softmax_scale, dk[n][2 * r + 1] * p.softmax_scale, vec_k);
-      store_pair<T>(dvr, c, p.head_dim, dv[n][2 * r], dv[n][2 * r + 1], vec_v);
-    }
+  const auto block = [&](int ib, auto masked) {
+    const int stage = ib & 1;
+    if (ib + 1 < tiles.nblocks) tiles.load(p, ib + 1);
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<1>();
+    __syncthreads();
+    const uint32_t at = stage * kStage;
+
+    // S^T = K Q^T, dP^T = V dO^T (m64 x BM, D / 16 k-steps); then s is Pd^T, dp dS^T
+    float s[BM / 8][4], dp[BM / 8][4];
+    wgmma_pair_nt<T, KS, BN, BM>(s, dp, k_d, v_d, q_d, do_d, at);
+    rows.template step<BM / 8, decltype(masked)::value>(s, dp, ib * BM, tiles.lse + stage * BM,
+                                                       tiles.delta + stage * BM);
+    // dV += Pd^T dO, dK += dS^T Q (m64 x D, BM / 16 k-steps over the queries; dO, Q read transposed)
+    wgmma_pair_rs<T, BM / 8, D>(dv, dk, s, dp, dot_d, qt_d, at);
+    __syncthreads();  // every warp is done with this stage: the next block's copies overwrite it
+  };
+  const bool all_keys = p.key_mask == nullptr && n0 + BN <= sq.len;
+  if (all_keys) {
+    for (int ib = 0; ib < tiles.nblocks; ++ib) block(ib, std::false_type{});
+  } else {
+    for (int ib = 0; ib < tiles.nblocks; ++ib) block(ib, std::true_type{});
   }
+  rows.finish(p, b, h, sq, dk, dv);
+#else
+  __trap();  // not launched: wgmma_available() is false without the sm_90a build
+#endif
 }
 
 // ------------------------------------------------------------------ backward, fp16/bf16: dQ
@@ -754,37 +872,10 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dq_wgmma_kernel(const Pa
 
     // S = Q K^T, dP = dO V^T (m64 x BN, D / 16 k-steps); then s is P, dp dS'
     float s[BN / 8][4], dp[BN / 8][4];
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      ptx::wgmma_ss<T, BN, false>(s, ptx::wgmma_desc_add(q_d, ptx::k_major_step<BM>(ks)),
-                                  ptx::wgmma_desc_add(k_d, at + ptx::k_major_step<BN>(ks)), ks > 0);
-    }
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      ptx::wgmma_ss<T, BN, false>(dp, ptx::wgmma_desc_add(do_d, ptx::k_major_step<BM>(ks)),
-                                  ptx::wgmma_desc_add(v_d, at + ptx::k_major_step<BN>(ks)), ks > 0);
-    }
-    ptx::wgmma_commit();
-    ptx::wgmma_wait<0>();
+    wgmma_pair_nt<T, KS, BM, BN>(s, dp, q_d, do_d, k_d, v_d, at);
     rows.template step<BN / 8, decltype(masked)::value>(s, dp, jb * BN, kvalid + stage * BN);
-
-    // dQ += dS' K, pk += P K (m64 x D, BN / 16 k-steps over the keys; K read transposed)
-    uint32_t pa[BN / 16][4], da[BN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      accumulators_as_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
-      accumulators_as_a<T>(da[kk], dp[2 * kk], dp[2 * kk + 1]);
-    }
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      const uint64_t kt = ptx::wgmma_desc_add(kt_d, at + ptx::mn_major_step(kk));
-      ptx::wgmma_rs<T, D, true>(dq, da[kk], kt, true);
-      ptx::wgmma_rs<T, D, true>(pk, pa[kk], kt, true);
-    }
-    ptx::wgmma_commit();
-    ptx::wgmma_wait<0>();
+    // dQ += dS' K, pk += P K (m64 x D, BN / 16 k-steps over the keys; K read transposed for both)
+    wgmma_pair_rs<T, BN / 8, D>(dq, pk, dp, s, kt_d, kt_d, at);
     __syncthreads();  // every warp is done with this stage: the next block's copies overwrite it
   };
   int jb = 0;
@@ -838,12 +929,21 @@ struct Bwd {
     }
     BF_CHECK_LAUNCH("attention_bwd (dq)");
 
-    if constexpr (kWmma<T> && D <= 128) {
+    // dK, dV: as dQ, wgmma where Q's and dO's rows allow 16-byte copies.
+    const bool vec_qd = (p.vec & kVecQ) && (p.vec & kVecDO);
+    if (kWmma<T> && D % 64 == 0 && D <= 128 && vec_qd && wgmma_available()) {
+      if constexpr (kWmma<T> && D % 64 == 0 && D <= 128) {
+        using LW = WgmmaKvSmem<T, D, C::kWgmmaKvBM>;
+        auto kv = p.dropout_p > 0.f ? attention_bwd_dkdv_wgmma_kernel<T, D, LW::BM, true>
+                                    : attention_bwd_dkdv_wgmma_kernel<T, D, LW::BM, false>;
+        if (int s = prepare(kv, LW::bytes, "attention_bwd (dk, dv)")) return s;
+        kv<<<grid_for(p, LW::BN), 128, LW::bytes, stream>>>(p);
+      }
+    } else if constexpr (kWmma<T> && D <= 128) {
       constexpr int BM = C::kMmaKvBM;
       using LK = MmaKvSmem<T, D, BM>;
-      const bool vec = (p.vec & kVecQ) && (p.vec & kVecDO);
-      auto kv = by_settings(p.dropout_p > 0.f, vec, [](auto drop, auto vec_qd) {
-        return attention_bwd_dkdv_mma_kernel<T, D, BM, 4, decltype(drop)::value, decltype(vec_qd)::value>;
+      auto kv = by_settings(p.dropout_p > 0.f, vec_qd, [](auto drop, auto vec) {
+        return attention_bwd_dkdv_mma_kernel<T, D, BM, 4, decltype(drop)::value, decltype(vec)::value>;
       });
       if (int s = prepare(kv, LK::bytes, "attention_bwd (dk, dv)")) return s;
       kv<<<grid_for(p, LK::BN), 128, LK::bytes, stream>>>(p);

@@ -545,21 +545,21 @@ def test_perf_model_command_reads_every_kernel_and_reports_the_targets(tmp_path)
     assert all(k["prediction"]["predicted_s"] > 0 for k in data["kernels"])
     assert "Predictions, not measurements" in res.stdout
     # the CUDA attention's kernels beside Triton's (where nvcc compiles them; else a line says why not)
+    from bertfast.perfmodel import cuda as CU
     cuda = {(r["setting"], r["kernel"]): r for r in data["cuda_attention"]}
     if cuda:
         seq512 = "bert-large seq 512 batch 32 bf16 p=0.1"
-        for kernel in ("attention_fwd_mma_kernel", "attention_bwd_dq_wgmma_kernel", "attention_bwd_dkdv_mma_kernel"):
+        for kernel in (CU.FORWARD.name, CU.DQ.name, CU.DKDV.name):
             row = cuda[seq512, kernel]
             assert row["ratio"] == pytest.approx(row["seconds"] / row["triton_seconds"]) and row["registers"] <= 255
             assert row["within"] == (row["ratio"] <= 1.3) and f"CUDA {kernel}" in res.stdout
         # seq 128 runs Triton's one-pass backward: no dQ or dK/dV kernel to set beside
-        for kernel in ("attention_bwd_dq_wgmma_kernel", "attention_bwd_dkdv_mma_kernel"):
+        for kernel in (CU.DQ.name, CU.DKDV.name):
             assert cuda["bert-large seq 128 batch 128 bf16 p=0.1", kernel]["ratio"] is None
         # the whole attention: the three CUDA kernels against Triton's (the one-pass backward at seq 128),
         # the delta kernels left out on both sides
         whole = cuda[seq512, "forward+backward"]
-        assert whole["seconds"] == pytest.approx(sum(cuda[seq512, k]["seconds"] for k in (
-            "attention_fwd_mma_kernel", "attention_bwd_dq_wgmma_kernel", "attention_bwd_dkdv_mma_kernel")))
+        assert whole["seconds"] == pytest.approx(sum(cuda[seq512, k.name]["seconds"] for k in CU.KERNELS))
         assert whole["triton_kernel"] == "+".join(sorted(
             ["_attention_bwd_dkdv_kernel", "_attention_bwd_dq_kernel", "_attention_fwd_kernel"]))
         assert cuda["bert-large seq 128 batch 128 bf16 p=0.1", "forward+backward"]["triton_kernel"] == (
@@ -692,7 +692,7 @@ def test_cuda_attention_kernels_work_and_shared_memory():
     """perfmodel.cuda's launches at BERT-large seq 512 batch 32: 64 x 64 score blocks, 16 heads, 8 blocks
     of 64 rows a (sequence, head); the bytes each tensor once (bf16 q, k, v, out, dO, dq, dk, dv; fp32 lse,
     Delta, which dQ reads and writes; with dropout the keep bits, a bit a score element); MmaFwdSmem's
-    and MmaKvSmem's bytes by hand (rows of 64 + 8 bf16 elements: 144 bytes), WgmmaDqSmem's (unpadded
+    bytes by hand (rows of 64 + 8 bf16 elements: 144 bytes), WgmmaDqSmem's and WgmmaKvSmem's (unpadded
     swizzled rows of 128 bytes, and 1024 bytes to align them)."""
     from bertfast.perfmodel import cuda as CU
     from bertfast.perfmodel.kernels import Setting
@@ -707,10 +707,11 @@ def test_cuda_attention_kernels_work_and_shared_memory():
     assert dkdv.hbm_bytes == 6 * 16384 * 1024 * 2 + 2 * 16384 * 16 * 4 + bits
     assert fwd.shared_bytes == 64 * 144 + 2 * (2 * 64 * 144) + 2 * 64 * 4
     assert dq.shared_bytes == 2 * 64 * 128 + 2 * (2 * 64 * 128) + 2 * 64 * 4 + 1024
-    assert dkdv.shared_bytes == 2 * 64 * 144 + 2 * (2 * 64 * 144) + 2 * (2 * 64 * 4)
+    assert dkdv.shared_bytes == 2 * 64 * 128 + 2 * (2 * 64 * 128) + 2 * (2 * 64 * 4) + 1024
     assert CU.FORWARD.mangled(True) == ("_ZN8bertfast4attn24attention_fwd_mma_kernelI13__nv_bfloat16Li64ELi64ELi4ELb1"
                                         "ELb1EEEvNS0_6ParamsE")
-    assert CU.DKDV.mangled(False).startswith("_ZN8bertfast4attn29attention_bwd_dkdv_mma_kernelI13__nv_bfloat16")
+    assert CU.DKDV.mangled(False) == ("_ZN8bertfast4attn31attention_bwd_dkdv_wgmma_kernelI13__nv_bfloat16Li64ELi64ELb0"
+                                      "EEEvNS0_6ParamsE")
     assert CU.DQ.mangled(True) == ("_ZN8bertfast4attn29attention_bwd_dq_wgmma_kernelI13__nv_bfloat16Li64ELi64ELb1EEEv"
                                    "NS0_6ParamsE")
 
@@ -720,16 +721,16 @@ def test_cuda_attention_kernels_work_and_shared_memory():
 def test_cuda_attention_kernels_are_read_from_their_sass():
     """The CUDA attention's sm_90a SASS as the perf model reads it: the mma.sync forward's main loop
     issues 64 HMMAs a warp (Q K^T and P V over a 64 x 64 block: 2 x 4 x 8 m16n8k16 products) and 32 LDSM
-    (K's and V's fragments), dK/dV's 128 HMMAs (S^T, dP^T, dV, dK) and 64 LDSM; the wgmma dQ's 16 HGMMAs
-    (S and dP, 4 k-steps each of m64n64k16; dQ and pk, 4 each over the keys) and no fragment loads;
-    spill-free; dropout adds its draws (the forward) or its keep-bit reads (the backward) and no tensor
-    work; priced beside Triton."""
+    (K's and V's fragments); the wgmma dQ's and dK/dV's 16 HGMMAs each (S and dP, or S^T and dP^T, 4
+    k-steps each of m64n64k16; then dQ and pk, or dV and dK, 4 each) and no fragment loads; spill-free;
+    dropout adds its draws (the forward) or its keep-bit reads (the backward) and no tensor work; priced
+    beside Triton."""
     from bertfast.perfmodel import cuda as CU
     from bertfast.perfmodel.kernels import Setting
     if CU.unavailable():
         pytest.skip(CU.unavailable())
     compiled = CU.compile_kernels()
-    for kernel, hmma, ldsm, hgmma in ((CU.FORWARD, 64, 32, 0), (CU.DQ, 0, 0, 16), (CU.DKDV, 128, 64, 0)):
+    for kernel, hmma, ldsm, hgmma in ((CU.FORWARD, 64, 32, 0), (CU.DQ, 0, 0, 16), (CU.DKDV, 0, 0, 16)):
         per_element = {}
         for dropout in (False, True):
             key = (kernel.name, dropout)

@@ -1,5 +1,5 @@
 """The CUDA backend's attention kernels an H100 runs (csrc/attention_fwd.cu's attention_fwd_mma_kernel,
-csrc/attention_bwd.cu's attention_bwd_dq_wgmma_kernel and attention_bwd_dkdv_mma_kernel) read by the
+csrc/attention_bwd.cu's attention_bwd_dq_wgmma_kernel and attention_bwd_dkdv_wgmma_kernel) read by the
 performance model, beside the Triton kernels they are held to (issue 39: within 1.3x).
 
 Each source is compiled for sm_90a with nvcc (the flags of the extension build) into a cubin whose
@@ -57,9 +57,9 @@ class CudaKernel:
         return f"{prefix}Li{WARPS}ELb{int(dropout)}ELb1EEEvNS0_6ParamsE"
 
     def shared_bytes(self, head_dim: int = K.HEAD_DIM) -> int:
-        """MmaFwdSmem / MmaDqSmem / MmaKvSmem / WgmmaDqSmem bytes for 16-bit T: the block's own [rows, D]
-        tiles, the two streamed ones double-buffered ([2][step, D]: K and V, or Q and dO), then its
-        [2][step] arrays of 4 bytes. mma.sync rows are padded by 8 elements, each part 128-byte aligned;
+        """MmaFwdSmem / WgmmaDqSmem / WgmmaKvSmem bytes for 16-bit T: the block's own [rows, D] tiles,
+        the two streamed ones double-buffered ([2][step, D]: K and V, or Q and dO), then its [2][step]
+        arrays of 4 bytes. mma.sync rows are padded by 8 elements, each part 128-byte aligned;
         wgmma tiles are whole 1024-byte atoms, with 1024 bytes more to align them at run time."""
         row = 2 * (head_dim + (0 if self.wgmma else ROW_PAD))
         align = (lambda x: x) if self.wgmma else _align
@@ -77,8 +77,8 @@ FORWARD = CudaKernel("attention_fwd_mma_kernel", "attention_fwd.cu", "_attention
                      own=1, arrays=1, tensors=4, stats=1, products=2)  # Q K^T, P V
 DQ = CudaKernel("attention_bwd_dq_wgmma_kernel", "attention_bwd.cu", "_attention_bwd_dq_kernel", "bwd", 64, 64,
                 own=2, arrays=1, tensors=5, stats=3, products=4, wgmma=True)  # Q K^T, dO V^T, dS' K, P K
-DKDV = CudaKernel("attention_bwd_dkdv_mma_kernel", "attention_bwd.cu", "_attention_bwd_dkdv_kernel", "bwd", 64, 64,
-                  own=2, arrays=2, tensors=6, stats=2, products=4)  # K Q^T, V dO^T, Pd^T dO, dS^T Q
+DKDV = CudaKernel("attention_bwd_dkdv_wgmma_kernel", "attention_bwd.cu", "_attention_bwd_dkdv_kernel", "bwd", 64,
+                  64, own=2, arrays=2, tensors=6, stats=2, products=4, wgmma=True)  # K Q^T, V dO^T, Pd^T dO, dS^T Q
 KERNELS = (FORWARD, DQ, DKDV)
 
 
