@@ -575,6 +575,7 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dkdv_wgmma_kernel(const 
     if (ib + 1 < tiles.nblocks) tiles.load(p, ib + 1);
     ptx::cp_async_commit();
     ptx::cp_async_wait<1>();
+    ptx::fence_proxy_async();  // the landed tiles (and Q's, dO's, or K's, V's first copies) visible to wgmma
     __syncthreads();
     const uint32_t at = stage * kStage;
 
@@ -867,6 +868,7 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dq_wgmma_kernel(const Pa
     if (jb + 1 < kv.nblocks) kv.load(p, b, jb + 1, tiles.k, tiles.v, kvalid);
     ptx::cp_async_commit();
     ptx::cp_async_wait<1>();
+    ptx::fence_proxy_async();  // the landed tiles (and Q's, dO's, or K's, V's first copies) visible to wgmma
     __syncthreads();
     const uint32_t at = stage * kStage;
 

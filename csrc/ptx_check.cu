@@ -103,6 +103,7 @@ __global__ void __launch_bounds__(128) ptx_check_wgmma_kernel(const T* a, const 
     const int r = i / 128, col = i % 128;
     bt[rs ? ptx::sw128_offset<32>(r, col) : ptx::sw128_offset<64>(r, col)] = b[i];
   }
+  ptx::fence_proxy_async();  // the tiles' stores visible to wgmma's reads (the async proxy)
   __syncthreads();
   const uint32_t sa = ptx::smem_addr(at), sb = ptx::smem_addr(bt);
   if (!rs) {

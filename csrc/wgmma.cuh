@@ -16,7 +16,9 @@
 // Order (the ISA's rules): wgmma_fence before the first product that reads registers (A, accumulators)
 // written by other instructions; wgmma_commit closes the group of products issued since the last one;
 // wgmma_wait<N> returns when at most N groups are pending. A product's accumulators and A registers may
-// be touched, and its shared memory overwritten, only after the wait that covers it.
+// be touched, and its shared memory overwritten, only after the wait that covers it. wgmma reads shared
+// memory through the async proxy: a thread's own writes of an operand tile (stores, landed cp.async
+// copies) are made visible to it by fence_proxy_async, before the barrier that precedes the product.
 // The CPU emulator (emu/emu.h) implements these functions with these semantics, lazily (a group's products
 // run at the wait that requires them); tests/ops/test_ptx.py checks them against plain loops.
 #pragma once
@@ -69,6 +71,7 @@ __device__ __forceinline__ uint64_t wgmma_desc_add(uint64_t desc, uint32_t bytes
 #ifndef BERTFAST_EMU
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {

@@ -28,7 +28,9 @@
 //                                   accumulators only then; the descriptor's 128-byte swizzle is applied
 //                                   to emulated shared addresses, where dynamic shared memory starts at
 //                                   kSharedBase (not 1024-aligned: a kernel must align its tiles itself).
-//                                   A product issued without a wgmma_fence since the last wait aborts.
+//                                   A product issued without a wgmma_fence since the last wait, or
+//                                   after a thread's cp.async copies landed without a fence_proxy_async
+//                                   (wgmma reads through the async proxy), aborts.
 // Lanes do not run in lockstep here, so a missing __syncwarp shows up as a wrong result more
 // readily than on hardware.
 #pragma once
@@ -285,6 +287,7 @@ struct Copy {
 };
 inline thread_local std::vector<Copy> tl_open;                 // this thread's uncommitted copies
 inline thread_local std::vector<std::vector<Copy>> tl_groups;  // its committed groups, oldest first
+inline thread_local bool tl_landed_unfenced = false;  // copies landed since its last fence_proxy_async
 
 template <typename T>
 inline float half_bits_to_float(uint32_t reg, int hi) {
@@ -373,6 +376,7 @@ inline void cp_async_wait() {
       } else {
         std::memset(c.dst, 0, 16);
       }
+      emu::tl_landed_unfenced = true;
     }
     emu::tl_groups.erase(emu::tl_groups.begin());
   }
@@ -462,6 +466,7 @@ template <typename T, int N, bool kTransB>
 inline void wgmma_issue(float (&d)[N / 8][4], const uint32_t* a, uint64_t da, uint64_t db, bool accumulate) {
   static_assert(N == 32 || N == 64 || N == 128, "wgmma: N of 32, 64 or 128");
   if (!tl_wg_fenced) wgmma_fail("wgmma.mma_async without a wgmma.fence since the last wgmma.wait_group");
+  if (tl_landed_unfenced) wgmma_fail("wgmma.mma_async after cp.async copies landed without a fence.proxy.async");
   WgmmaOp op{&d[0][0], N, std::is_same<T, __nv_bfloat16>::value, kTransB, accumulate, a != nullptr, {}, da, db};
   if (a) std::copy(a, a + 4, op.a);
   tl_wg_open.push_back(op);
@@ -481,6 +486,7 @@ inline uint32_t smem_addr(const void* p) {
 }
 
 inline void wgmma_fence() { emu::tl_wg_fenced = true; }
+inline void fence_proxy_async() { emu::tl_landed_unfenced = false; }
 inline void wgmma_commit() {
   emu::tl_wg_groups.push_back(std::move(emu::tl_wg_open));
   emu::tl_wg_open.clear();
