@@ -736,11 +736,6 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dq_mma_kernel(const 
   static_assert(BM == L::BM && BN % 16 == 0 && D % 16 == 0 && BN <= NT, "whole 16-key tiles, a thread per key");
   extern __shared__ __align__(128) unsigned char smem[];
   const DqTiles<T, L> tiles(smem);
-  T* Qs = tiles.q;
-  T* dOs = tiles.dO;
-  T* Ks = tiles.k;
-  T* Vs = tiles.v;
-  int* kvalid = tiles.kvalid;
 
   const int b = blockIdx.z, h = blockIdx.y, m0 = blockIdx.x * BM;
   const Seq sq = seq_of(p, b);
@@ -763,8 +758,8 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dq_mma_kernel(const 
     __syncthreads();
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
-      ptx::ldmatrix_x4(qf[ks], Qs + aoff + 16 * ks);
-      ptx::ldmatrix_x4(of[ks], dOs + aoff + 16 * ks);
+      ptx::ldmatrix_x4(qf[ks], tiles.q + aoff + 16 * ks);
+      ptx::ldmatrix_x4(of[ks], tiles.dO + aoff + 16 * ks);
     }
   }
   float dq[NO][4], pk[NO][4];
@@ -777,17 +772,17 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dq_mma_kernel(const 
   // One key block: kMasked tests each key (kvalid), else every key is valid.
   const auto block = [&](int jb, auto masked) {
     const int stage = jb & 1;
-    if (jb + 1 < kv.nblocks) kv.load(p, b, jb + 1, Ks, Vs, kvalid);
+    if (jb + 1 < kv.nblocks) kv.load(p, b, jb + 1, tiles.k, tiles.v, tiles.kvalid);
     ptx::cp_async_commit();
     ptx::cp_async_wait<1>();  // this thread's copies of block jb (and of Q, dO) have landed
     __syncthreads();          // everyone's have
-    const T* ks_ = Ks + stage * BN * LD;
-    const T* vs_ = Vs + stage * BN * LD;
+    const T* ks_ = tiles.k + stage * BN * LD;
+    const T* vs_ = tiles.v + stage * BN * LD;
 
     // S = Q K^T, dP = dO V^T; then s is P, dp dS'
     float s[BN / 8][4], dp[BN / 8][4];
-    mma_pair_nt<T, KS, BN / 8, LD, kQRegs>(s, dp, qf, of, Qs + aoff, dOs + aoff, ks_ + boff, vs_ + boff);
-    rows.template step<BN / 8, decltype(masked)::value>(s, dp, jb * BN, kvalid + stage * BN);
+    mma_pair_nt<T, KS, BN / 8, LD, kQRegs>(s, dp, qf, of, tiles.q + aoff, tiles.dO + aoff, ks_ + boff, vs_ + boff);
+    rows.template step<BN / 8, decltype(masked)::value>(s, dp, jb * BN, tiles.kvalid + stage * BN);
 
     // dQ += dS' K, pk += P K
 #pragma unroll
@@ -841,7 +836,6 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dq_wgmma_kernel(const Pa
                 "16-bit tiles of whole 64-column blocks, BN an N of wgmma, a thread per key");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const DqTiles<T, L> tiles(ptx::align1024(smem_raw));
-  int* kvalid = tiles.kvalid;
 
   const int b = blockIdx.z, h = blockIdx.y, m0 = blockIdx.x * BM;
   const Seq sq = seq_of(p, b);
@@ -865,7 +859,7 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dq_wgmma_kernel(const Pa
 
   const auto block = [&](int jb, auto masked) {
     const int stage = jb & 1;
-    if (jb + 1 < kv.nblocks) kv.load(p, b, jb + 1, tiles.k, tiles.v, kvalid);
+    if (jb + 1 < kv.nblocks) kv.load(p, b, jb + 1, tiles.k, tiles.v, tiles.kvalid);
     ptx::cp_async_commit();
     ptx::cp_async_wait<1>();
     ptx::fence_proxy_async();  // the landed tiles (and Q's, dO's, or K's, V's first copies) visible to wgmma
@@ -875,7 +869,7 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dq_wgmma_kernel(const Pa
     // S = Q K^T, dP = dO V^T (m64 x BN, D / 16 k-steps); then s is P, dp dS'
     float s[BN / 8][4], dp[BN / 8][4];
     wgmma_pair_nt<T, KS, BM, BN>(s, dp, q_d, do_d, k_d, v_d, at);
-    rows.template step<BN / 8, decltype(masked)::value>(s, dp, jb * BN, kvalid + stage * BN);
+    rows.template step<BN / 8, decltype(masked)::value>(s, dp, jb * BN, tiles.kvalid + stage * BN);
     // dQ += dS' K, pk += P K (m64 x D, BN / 16 k-steps over the keys; K read transposed for both)
     wgmma_pair_rs<T, BN / 8, D>(dq, pk, dp, s, kt_d, kt_d, at);
     __syncthreads();  // every warp is done with this stage: the next block's copies overwrite it
@@ -902,11 +896,15 @@ struct Bwd {
     attention_bwd_delta_kernel<T><<<grid_for(p, 4), 128, 0, stream>>>(p);
     BF_CHECK_LAUNCH("attention_bwd (delta)");
 
-    // dQ: wgmma on sm_90 (sm_90a build) at tile head dims 64 and 128 with 16-byte K and V rows, else
-    // mma.sync (fp16/bf16 up to 128), else the WMMA or FMA kernel.
+    // The wgmma kernels' tiles (fp16/bf16, head dims 64 and 128), and whether this device runs them
+    // (asked once a launch: an sm_90 GPU and the sm_90a build).
+    constexpr bool kWgmmaTile = kWmma<T> && D % 64 == 0 && D <= 128;
+    const bool wgmma = kWgmmaTile && wgmma_available();
+
+    // dQ: wgmma with 16-byte K and V rows, else mma.sync (fp16/bf16 up to 128), else the WMMA or FMA kernel.
     const bool vec_kv = (p.vec & kVecK) && (p.vec & kVecV);
-    if (kWmma<T> && D % 64 == 0 && D <= 128 && vec_kv && wgmma_available()) {
-      if constexpr (kWmma<T> && D % 64 == 0 && D <= 128) {
+    if (wgmma && vec_kv) {
+      if constexpr (kWgmmaTile) {
         constexpr int BN = C::kWgmmaDqBN;
         using LW = WgmmaDqSmem<T, D, BN>;
         auto dq = p.dropout_p > 0.f ? attention_bwd_dq_wgmma_kernel<T, D, BN, true>
@@ -933,8 +931,8 @@ struct Bwd {
 
     // dK, dV: as dQ, wgmma where Q's and dO's rows allow 16-byte copies.
     const bool vec_qd = (p.vec & kVecQ) && (p.vec & kVecDO);
-    if (kWmma<T> && D % 64 == 0 && D <= 128 && vec_qd && wgmma_available()) {
-      if constexpr (kWmma<T> && D % 64 == 0 && D <= 128) {
+    if (wgmma && vec_qd) {
+      if constexpr (kWgmmaTile) {
         using LW = WgmmaKvSmem<T, D, C::kWgmmaKvBM>;
         auto kv = p.dropout_p > 0.f ? attention_bwd_dkdv_wgmma_kernel<T, D, LW::BM, true>
                                     : attention_bwd_dkdv_wgmma_kernel<T, D, LW::BM, false>;

@@ -2,6 +2,7 @@
 // host Philox (for tests).
 #include <cstdarg>
 #include <cstdio>
+#include <string_view>
 
 #include "common.cuh"
 
@@ -40,18 +41,11 @@ int64_t reduction_blocks(int64_t n_rows) {
 // wgmma is an arch-specific feature of sm_90: its kernels run on an sm_90 GPU (H100, H200) from the
 // sm_90a build (BERTFAST_CUDA_ARCHS naming 90a; an sm_90 or later build has no such code). The CPU
 // emulator emulates an sm_90 device (emu_runtime.cpp; BERTFAST_EMU_ARCH may say another).
-static constexpr bool names_sm90a(const char* archs) {
-  for (; archs[0] != '\0'; ++archs) {
-    if (archs[0] == '9' && archs[1] == '0' && archs[2] == 'a') return true;
-  }
-  return false;
-}
-
 bool wgmma_available() {
 #if defined(BERTFAST_EMU)
   constexpr bool kBuilt = true;
 #elif defined(BERTFAST_CUDA_ARCHS)
-  constexpr bool kBuilt = names_sm90a(BERTFAST_CUDA_ARCHS);
+  constexpr bool kBuilt = std::string_view(BERTFAST_CUDA_ARCHS).find("90a") != std::string_view::npos;
 #else
   constexpr bool kBuilt = false;
 #endif
