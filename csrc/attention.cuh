@@ -43,7 +43,10 @@
 //   accumulators of D / 2 registers a lane do not fit one warp's 16 rows) the WMMA kernels below.
 //   On an sm_90 GPU from the sm_90a build (wgmma_available), at tile head dims 64 and 128 with
 //   16-byte rows, attention_bwd_dq_wgmma_kernel and attention_bwd_dkdv_wgmma_kernel take their
-//   place: the same algorithm with the warpgroup's products (wgmma.cuh).
+//   place: the same algorithm with the warpgroup's products (wgmma.cuh). There, at tile head dim 64 with
+//   every sequence at most kFusedBwdMaxSeqlen (128) tokens, attention_bwd_fused_wgmma_kernel does the whole
+//   backward in one pass instead (one block a sequence and head: whole rows of scores, so Delta is their
+//   sum and there is no delta kernel or refinement; Q, K, V and dO read once, not twice).
 // Tensor cores in the WMMA kernels: fp16/bf16 tiles are multiplied with WMMA 16x16x16 (fp32 accumulate). WMMA
 //   leaves the element-to-thread map of a fragment unspecified, so everything per element goes
 //   through shared memory, except the per-row rescale of the O accumulator: a fragment loaded
@@ -476,6 +479,23 @@ __device__ __forceinline__ void store_pair(T* row, int c, int hd, float x, float
   }
 }
 
+// A warp's accumulator rows row0 and row0 + 8 of a sequence (mma's C layout: d[n][i] is column 8n + 2t +
+// i % 2 of row row0 + 8 (i / 2), t = lane % 4), times `mul`, into rows of a [tokens, hd] gradient (dQ, dK
+// or dV of head h); rows past the sequence's end are skipped.
+template <typename T, int NO>
+__device__ __forceinline__ void store_rows(void* out, const Strides& s, int b, int h, const Seq& sq, int row0,
+                                           const float (&d)[NO][4], float mul, int hd, bool vec) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = row0 + 8 * r;
+    if (i >= sq.len) continue;
+    T* row = static_cast<T*>(out) + b * s.batch + (sq.start + i) * s.row + h * s.head;
+#pragma unroll
+    for (int n = 0; n < NO; ++n) store_pair<T>(row, 8 * n + 2 * t, hd, d[n][2 * r] * mul, d[n][2 * r + 1] * mul, vec);
+  }
+}
+
 __device__ __forceinline__ bool key_valid(const AttentionParams& p, int b, int j, int len) {
   return j < len && (p.key_mask == nullptr || p.key_mask[b * p.key_mask_batch + j] != 0);
 }
@@ -589,6 +609,10 @@ struct Draws {
 // dQ and dK/dV up to D 128, are the mma.sync kernels, with tiles of their own (kMmaFwdBN, kMmaDqBN,
 // kMmaKvBM; their Smem structs), and the wgmma backward at D 64 and 128 has its own (kWgmmaDqBN,
 // kWgmmaKvBM): the WMMA backward's tiles serve 16-bit types at D 256 only.
+// The backward runs in one pass (attention_bwd_fused_wgmma_kernel) where the longest sequence has at most
+// this many tokens, at tile head dim 64, on wgmma.
+constexpr int kFusedBwdMaxSeqlen = 128;
+
 template <typename T, int D>
 struct Cfg {
   static constexpr bool kF32 = std::is_same<T, float>::value;

@@ -1,5 +1,6 @@
 // Attention backward: the delta, dQ and dK/dV kernels and their launcher, which runs them in that
-// order: the dQ kernel refines delta for the dK/dV kernel (the math and the why: attention.cuh).
+// order: the dQ kernel refines delta for the dK/dV kernel (the math and the why: attention.cuh); and the
+// one-pass kernel that replaces all three for short sequences on wgmma.
 #include "attention_host.cuh"
 
 namespace bertfast {
@@ -349,20 +350,8 @@ struct KvRows {
   template <int NO>
   __device__ __forceinline__ void finish(const Params& p, int b, int h, const Seq& sq, const float (&dk)[NO][4],
                                          const float (&dv)[NO][4]) const {
-    const bool vec_k = p.vec & kVecDK, vec_v = p.vec & kVecDV;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int kj = key0 + g + 8 * r;
-      if (kj >= sq.len) continue;
-      T* dkr = static_cast<T*>(p.dk) + b * p.sdk.batch + (sq.start + kj) * p.sdk.row + h * p.sdk.head;
-      T* dvr = static_cast<T*>(p.dv) + b * p.sdv.batch + (sq.start + kj) * p.sdv.row + h * p.sdv.head;
-#pragma unroll
-      for (int n = 0; n < NO; ++n) {
-        const int c = 8 * n + 2 * t;
-        store_pair<T>(dkr, c, p.head_dim, dk[n][2 * r] * p.softmax_scale, dk[n][2 * r + 1] * p.softmax_scale, vec_k);
-        store_pair<T>(dvr, c, p.head_dim, dv[n][2 * r], dv[n][2 * r + 1], vec_v);
-      }
-    }
+    store_rows<T, NO>(p.dk, p.sdk, b, h, sq, key0 + g, dk, p.softmax_scale, p.head_dim, p.vec & kVecDK);
+    store_rows<T, NO>(p.dv, p.sdv, b, h, sq, key0 + g, dv, 1.f, p.head_dim, p.vec & kVecDV);
   }
 };
 
@@ -883,6 +872,189 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dq_wgmma_kernel(const Pa
 #endif
 }
 
+
+// ------------------------------------------------------------------ backward in one pass, short sequences
+// Sequences of at most 64 NWG tokens at tile head dim 64, on wgmma (sm_90a): one block per (sequence, head),
+// NWG warpgroups, holding every query, key and value of the sequence, computes dQ, dK and dV in one pass
+// over them (no delta kernel, no second read of Q, K, V and dO: the two-kernel backward reads each twice).
+// Warpgroup w owns queries 64 w .. 64 w + 63, then keys 64 w .. 64 w + 63:
+//   1. S = Q K^T and dP = dO V^T over every key (m64 x S, both operands from shared memory); the rows are
+//      whole, so Delta_i = sum_j p_ij dp_ij is summed here in fp32 (exact: nothing to refine);
+//      Pd = keep p / (1 - dp) and dS = p (dp - Delta) go to shared memory, and dQ = c dS K takes dS from
+//      registers (K read transposed) and is written.
+//   2. After a barrier: dV = Pd^T dO and dK = c dS^T Q for the warpgroup's keys, A read transposed from
+//      the stored Pd and dS (every query's rows), B (dO, Q) transposed.
+// Keys past the sequence's end are zero rows of K and V (the copies zero them), so without a key mask
+// they add nothing to Delta or dQ: their p is clamped to 1 (it is <= 1 for every real key; unclamped,
+// exp(-lse) could overflow), and their dK, dV rows are not written. With a key mask (kKeyMask) each
+// key's validity is tested. The tiles are the 128-byte swizzle; Pd and dS are [S queries, S keys]. Q's,
+// dO's, K's and V's rows must allow 16-byte copies (the launcher runs the two-kernel backward otherwise).
+template <typename T, int D, int NWG>
+struct WgmmaFusedSmem {
+  static constexpr int S = 64 * NWG;             // the tokens a block holds
+  static constexpr int q = 0;                    // [S, D], swizzled (1024-byte aligned)
+  static constexpr int dO = q + S * D * 2;       // [S, D]
+  static constexpr int k = dO + S * D * 2;       // [S, D]
+  static constexpr int v = k + S * D * 2;        // [S, D]
+  static constexpr int pd = v + S * D * 2;       // [S, S]
+  static constexpr int ds = pd + S * S * 2;      // [S, S]
+  static constexpr int kvalid = ds + S * S * 2;  // [S]
+  static constexpr int bytes = kvalid + S * 4 + 1024;  // + room to align the tiles
+};
+
+template <typename T, int D, int NWG, bool kDropout, bool kKeyMask>
+__global__ void __launch_bounds__(128 * NWG, 1) attention_bwd_fused_wgmma_kernel(const Params p) {
+#if defined(BERTFAST_EMU) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = WgmmaFusedSmem<T, D, NWG>;
+  constexpr int S = L::S, NT = 128 * NWG, KS = D / 16, NS = S / 8, NO = D / 8;
+  static_assert(sizeof(T) == 2 && D == 64 && (NWG == 1 || NWG == 2),
+                "16-bit tiles at head dim 64 (S, dP and dQ take 160 registers a thread), 64 or 128 tokens");
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = ptx::align1024(smem_raw);
+  T* qs = reinterpret_cast<T*>(smem + L::q);
+  T* dos = reinterpret_cast<T*>(smem + L::dO);
+  T* ks = reinterpret_cast<T*>(smem + L::k);
+  T* vs = reinterpret_cast<T*>(smem + L::v);
+  T* pds = reinterpret_cast<T*>(smem + L::pd);
+  T* dss = reinterpret_cast<T*>(smem + L::ds);
+  [[maybe_unused]] int* kvalid = reinterpret_cast<int*>(smem + L::kvalid);
+
+  const int b = blockIdx.z, h = blockIdx.y;
+  const Seq sq = seq_of(p, b);
+  if (sq.len <= 0) return;
+  const int wg = threadIdx.x >> 7, w = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const auto first = [&](const void* x, const Strides& s) {
+    return static_cast<const T*>(x) + b * s.batch + sq.start * s.row + h * s.head;
+  };
+  using Copy = TileCopy<T, S, D, kSwizzle128, NT, true>;
+  Copy(p.head_dim, p.sq.row).issue(qs, first(p.q, p.sq), sq.len);
+  Copy(p.head_dim, p.sdo.row).issue(dos, first(p.dout, p.sdo), sq.len);
+  Copy(p.head_dim, p.sk.row).issue(ks, first(p.k, p.sk), sq.len);
+  Copy(p.head_dim, p.sv.row).issue(vs, first(p.v, p.sv), sq.len);
+  ptx::cp_async_commit();
+  if constexpr (kKeyMask) {
+    if (threadIdx.x < S) kvalid[threadIdx.x] = key_valid(p, b, threadIdx.x, sq.len);
+  }
+  const int m0 = 64 * wg;                  // the warpgroup's first query, then its first key
+  const int row0 = m0 + 16 * w + g;        // this lane's rows (queries, then keys) row0 and row0 + 8
+  const int64_t stat = b * p.lse_batch + h * p.lse_head + sq.start;
+  float l2[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) l2[r] = row0 + 8 * r < sq.len ? p.lse[stat + row0 + 8 * r] * kLog2e : kInf;
+  ptx::cp_async_wait<0>();
+  ptx::fence_proxy_async();  // the landed tiles visible to wgmma
+  __syncthreads();
+
+  if (m0 < sq.len) {
+    // S = Q K^T, dP = dO V^T: the warpgroup's 64 queries against every key
+    float s[NS][4], dp[NS][4];
+    const uint64_t k_d = ptx::wgmma_desc_k(ptx::smem_addr(ks)), v_d = ptx::wgmma_desc_k(ptx::smem_addr(vs));
+    wgmma_pair_nt<T, KS, S, S>(s, dp, ptx::wgmma_desc_k(ptx::smem_addr(qs + m0 * D)),
+                               ptx::wgmma_desc_k(ptx::smem_addr(dos + m0 * D)), k_d, v_d, 0);
+    // s becomes P (Pd stored), dp keep dP / (1 - dp); element i of tile n: row row0 + 8 (i / 2), key
+    // 8n + 2t + i % 2; a lane's keep byte holds keys 16c .. 16c + 15 of its two rows.
+    const float scale2 = p.softmax_scale * kLog2e;
+    const float rdrop = kDropout ? 1.f / (1.f - p.dropout_p) : 1.f;
+    [[maybe_unused]] const KeepBits keep_bits(p, b, h);
+    float delta[2] = {0.f, 0.f};
+#pragma unroll
+    for (int c = 0; c < NS / 2; ++c) {
+      [[maybe_unused]] unsigned kbyte = 0u;
+      if constexpr (kDropout) kbyte = *keep_bits.byte((m0 >> 4) + w, g, c, t);
+#pragma unroll
+      for (int n = 2 * c; n < 2 * c + 2; ++n) {
+        float pd[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = i >> 1;
+          float pv = fminf(ptx::exp2_ftz(fmaf(s[n][i], scale2, -l2[r])), 1.f);
+          if constexpr (kKeyMask) {
+            if (!kvalid[8 * n + 2 * t + (i & 1)]) pv = 0.f;
+          }
+          float dpv = dp[n][i] * rdrop;
+          pd[i] = pv * rdrop;
+          if constexpr (kDropout) {
+            if (!((kbyte >> (4 * r + 2 * (n & 1) + (i & 1))) & 1u)) dpv = pd[i] = 0.f;
+          }
+          delta[r] = fmaf(pv, dpv, delta[r]);
+          s[n][i] = pv;
+          dp[n][i] = dpv;
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          *reinterpret_cast<uint32_t*>(pds + ptx::sw128_offset<S>(row0 + 8 * r, 8 * n + 2 * t)) =
+              ptx::pack2<T>(pd[2 * r], pd[2 * r + 1]);
+        }
+      }
+    }
+    // Delta over the row's 4 lanes (a fixed order: deterministic), then dS
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      delta[r] += __shfl_xor_sync(0xffffffffu, delta[r], 1);
+      delta[r] += __shfl_xor_sync(0xffffffffu, delta[r], 2);
+    }
+    uint32_t dsa[NS / 2][4];  // dS as the A fragments of dQ's k-steps (16 keys each), stored as they are
+#pragma unroll
+    for (int n = 0; n < NS; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) dp[n][i] = s[n][i] * (dp[n][i] - delta[i >> 1]);
+    }
+#pragma unroll
+    for (int kk = 0; kk < NS / 2; ++kk) {
+      accumulators_as_a<T>(dsa[kk], dp[2 * kk], dp[2 * kk + 1]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // a[i]: row row0 + 8 (i % 2), keys 16 kk + 8 (i / 2) + 2t, + 1
+        *reinterpret_cast<uint32_t*>(dss + ptx::sw128_offset<S>(row0 + 8 * (i & 1), 16 * kk + 8 * (i >> 1) + 2 * t)) =
+            dsa[kk][i];
+      }
+    }
+    // dQ = c dS K (m64 x D, S / 16 k-steps over the keys; K read transposed)
+    float dq[NO][4];
+    const uint64_t kt_d = ptx::wgmma_desc_mn<S>(ptx::smem_addr(ks));
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < NS / 2; ++kk)
+      ptx::wgmma_rs<T, D, true>(dq, dsa[kk], ptx::wgmma_desc_add(kt_d, ptx::mn_major_step(kk)), kk > 0);
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    store_rows<T, NO>(p.dq, p.sdq, b, h, sq, row0, dq, p.softmax_scale, p.head_dim, p.vec & kVecDQ);
+  } else {
+    // No query here (a sequence of at most 64 tokens in a 128-token block): the rows of Pd and dS the
+    // other warpgroups read are zero.
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int i = 0; i < 64 * S * 2 / 16 / 128; ++i) {  // 16-byte stores into each 64-column block's rows
+      const int e = 8 * (threadIdx.x - 128 * wg + 128 * i), cb = e / (64 * 64);
+      *reinterpret_cast<uint4*>(pds + cb * S * 64 + m0 * 64 + e % (64 * 64)) = zero;
+      *reinterpret_cast<uint4*>(dss + cb * S * 64 + m0 * 64 + e % (64 * 64)) = zero;
+    }
+  }
+  ptx::fence_proxy_async();  // this thread's Pd and dS stores visible to wgmma
+  __syncthreads();
+
+  if (m0 < sq.len) {
+    // dV = Pd^T dO, dK = c dS^T Q for the warpgroup's keys (m64 x D, S / 16 k-steps over the queries)
+    float dk[NO][4], dv[NO][4];
+    const uint64_t pdt_d = ptx::wgmma_desc_mn<S>(ptx::smem_addr(pds + m0 * S));
+    const uint64_t dst_d = ptx::wgmma_desc_mn<S>(ptx::smem_addr(dss + m0 * S));
+    const uint64_t dot_d = ptx::wgmma_desc_mn<S>(ptx::smem_addr(dos)), qt_d = ptx::wgmma_desc_mn<S>(ptx::smem_addr(qs));
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int ks_ = 0; ks_ < S / 16; ++ks_) {
+      const uint32_t at = ptx::mn_major_step(ks_);
+      ptx::wgmma_ss<T, D, true, true>(dv, ptx::wgmma_desc_add(pdt_d, at), ptx::wgmma_desc_add(dot_d, at), ks_ > 0);
+      ptx::wgmma_ss<T, D, true, true>(dk, ptx::wgmma_desc_add(dst_d, at), ptx::wgmma_desc_add(qt_d, at), ks_ > 0);
+    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    store_rows<T, NO>(p.dk, p.sdk, b, h, sq, row0, dk, p.softmax_scale, p.head_dim, p.vec & kVecDK);
+    store_rows<T, NO>(p.dv, p.sdv, b, h, sq, row0, dv, 1.f, p.head_dim, p.vec & kVecDV);
+  }
+#else
+  __trap();  // not launched: wgmma_available() is false without the sm_90a build
+#endif
+}
+
 }  // namespace attn
 
 namespace {
@@ -893,16 +1065,19 @@ template <typename T, int D>
 struct Bwd {
   static int run(const Params& p, cudaStream_t stream) {
     using C = Cfg<T, D>;
-    attention_bwd_delta_kernel<T><<<grid_for(p, 4), 128, 0, stream>>>(p);
-    BF_CHECK_LAUNCH("attention_bwd (delta)");
-
     // The wgmma kernels' tiles (fp16/bf16, head dims 64 and 128), and whether this device runs them
     // (asked once a launch: an sm_90 GPU and the sm_90a build).
     constexpr bool kWgmmaTile = kWmma<T> && D % 64 == 0 && D <= 128;
     const bool wgmma = kWgmmaTile && wgmma_available();
+    const bool vec_kv = (p.vec & kVecK) && (p.vec & kVecV), vec_qd = (p.vec & kVecQ) && (p.vec & kVecDO);
+    if constexpr (kWmma<T> && D == 64) {
+      if (wgmma && vec_kv && vec_qd && p.max_seqlen <= kFusedBwdMaxSeqlen) return run_fused(p, stream);
+    }
+
+    attention_bwd_delta_kernel<T><<<grid_for(p, 4), 128, 0, stream>>>(p);
+    BF_CHECK_LAUNCH("attention_bwd (delta)");
 
     // dQ: wgmma with 16-byte K and V rows, else mma.sync (fp16/bf16 up to 128), else the WMMA or FMA kernel.
-    const bool vec_kv = (p.vec & kVecK) && (p.vec & kVecV);
     if (wgmma && vec_kv) {
       if constexpr (kWgmmaTile) {
         constexpr int BN = C::kWgmmaDqBN;
@@ -930,7 +1105,6 @@ struct Bwd {
     BF_CHECK_LAUNCH("attention_bwd (dq)");
 
     // dK, dV: as dQ, wgmma where Q's and dO's rows allow 16-byte copies.
-    const bool vec_qd = (p.vec & kVecQ) && (p.vec & kVecDO);
     if (wgmma && vec_qd) {
       if constexpr (kWgmmaTile) {
         using LW = WgmmaKvSmem<T, D, C::kWgmmaKvBM>;
@@ -955,6 +1129,24 @@ struct Bwd {
     }
     BF_CHECK_LAUNCH("attention_bwd (dk, dv)");
     return kOk;
+  }
+
+  // Sequences of at most kFusedBwdMaxSeqlen tokens: the one-pass kernel, one block per (sequence, head),
+  // one warpgroup per 64 tokens of the longest.
+  static int run_fused(const Params& p, cudaStream_t stream) {
+    const auto pick = [&](auto nwg) -> int {
+      constexpr int NWG = decltype(nwg)::value;
+      using LF = WgmmaFusedSmem<T, D, NWG>;
+      // by_settings' two flags: dropout, and a key mask (whose keys the kernel tests)
+      auto kernel = by_settings(p.dropout_p > 0.f, p.key_mask != nullptr, [](auto drop, auto mask) {
+        return attention_bwd_fused_wgmma_kernel<T, D, NWG, decltype(drop)::value, decltype(mask)::value>;
+      });
+      if (int s = prepare(kernel, LF::bytes, "attention_bwd (one pass)")) return s;
+      kernel<<<grid_for(p, LF::S), 128 * NWG, LF::bytes, stream>>>(p);
+      BF_CHECK_LAUNCH("attention_bwd (one pass)");
+      return kOk;
+    };
+    return p.max_seqlen <= 64 ? pick(std::integral_constant<int, 1>{}) : pick(std::integral_constant<int, 2>{});
   }
 };
 

@@ -148,7 +148,8 @@ int ptx_check_ldmatrix(const uint16_t* src, uint32_t* out, int variant, cudaStre
 int ptx_check_cp_async(const uint8_t* src, uint8_t* out, cudaStream_t stream);
 // wgmma (wgmma.cuh), one warpgroup: variant 0 d = a b + c and 1 d = a b with A and B from shared memory
 // (a [64, 64], b [64, 128]; c, d [64, 64]), 2 d = a b + c with A from registers (a [64, 16], b [32, 128];
-// c, d [64, 128]); which k-steps of the tiles each reads: ptx_check.cu.
+// c, d [64, 128]), 3 as 0 with A's tile stored transposed (read MN-major); which k-steps of the tiles each
+// reads: ptx_check.cu.
 int ptx_check_wgmma(const void* a, const void* b, const float* c, float* d, int dtype, int variant,
                     cudaStream_t stream);
 // Whether the wgmma kernels run on the current device: an sm_90 GPU and this build's sm_90a code.

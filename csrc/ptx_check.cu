@@ -94,10 +94,11 @@ __global__ void __launch_bounds__(128) ptx_check_wgmma_kernel(const T* a, const 
   T* at = reinterpret_cast<T*>(base);         // [64, 64]
   T* bt = reinterpret_cast<T*>(base + 8192);  // [64, 128] or [32, 128]
   const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
-  const bool rs = variant == 2;
+  const bool rs = variant == 2, trans_a = variant == 3;
   const int brows = rs ? 32 : 64;
-  if (!rs) {
-    for (int i = tid; i < 64 * 64; i += 128) at[ptx::sw128_offset<64>(i / 64, i % 64)] = a[i];
+  if (!rs) {  // a [m][k]; transposed (variant 3): the tile's rows are k
+    for (int i = tid; i < 64 * 64; i += 128)
+      at[trans_a ? ptx::sw128_offset<64>(i % 64, i / 64) : ptx::sw128_offset<64>(i / 64, i % 64)] = a[i];
   }
   for (int i = tid; i < brows * 128; i += 128) {
     const int r = i / 128, col = i % 128;
@@ -111,9 +112,14 @@ __global__ void __launch_bounds__(128) ptx_check_wgmma_kernel(const T* a, const 
     for (int j = 0; j < 8; ++j)
       for (int i = 0; i < 4; ++i) acc[j][i] = c[(16 * w + g + 8 * (i >> 1)) * 64 + 8 * j + 2 * tig + (i & 1)];
     ptx::wgmma_fence();
-    const uint64_t da = ptx::wgmma_desc_add(ptx::wgmma_desc_k(sa), ptx::k_major_step<64>(1));
     const uint64_t db = ptx::wgmma_desc_add(ptx::wgmma_desc_k(sb), ptx::k_major_step<64>(5));
-    ptx::wgmma_ss<T, 64, false>(acc, da, db, variant == 0);
+    if (trans_a) {  // A's k-step 1 is the tile's rows 16 .. 31
+      ptx::wgmma_ss<T, 64, false, true>(acc, ptx::wgmma_desc_add(ptx::wgmma_desc_mn<64>(sa), ptx::mn_major_step(1)),
+                                        db, true);
+    } else {
+      ptx::wgmma_ss<T, 64, false>(acc, ptx::wgmma_desc_add(ptx::wgmma_desc_k(sa), ptx::k_major_step<64>(1)), db,
+                                  variant == 0);
+    }
     ptx::wgmma_commit();
     ptx::wgmma_wait<0>();
     for (int j = 0; j < 8; ++j)
@@ -215,8 +221,10 @@ int ptx_check_cp_async(const uint8_t* src, uint8_t* out, cudaStream_t stream) {
 int ptx_check_wgmma(const void* a, const void* b, const float* c, float* d, int dtype, int variant,
                     cudaStream_t stream) {
   clear_error();
-  if (variant < 0 || variant > 2)
-    return fail(kErrArgument, "ptx_check_wgmma: variant must be 0 (SS), 1 (SS, d = a b) or 2 (RS), got %d", variant);
+  if (variant < 0 || variant > 3)
+    return fail(kErrArgument,
+                "ptx_check_wgmma: variant must be 0 (SS), 1 (SS, d = a b), 2 (RS) or 3 (SS, A transposed), got %d",
+                variant);
   if (!wgmma_available())
     return fail(kErrUnsupported, "ptx_check_wgmma: wgmma needs an sm_90 GPU and the extension built for sm_90a "
                 "(BERTFAST_CUDA_ARCHS with 90a)");

@@ -121,12 +121,13 @@ __device__ __forceinline__ void wgmma_wait() {
   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" "}"
 
-// Operands after the accumulators: SS a, b, scale-d, trans-b; RS a[0..3], b, scale-d, trans-b.
-#define BF_WGMMA_SS(N, TY, A, B, ACC, TR)                                                                    \
+// Operands after the accumulators: SS a, b, scale-d, trans-a, trans-b; RS a[0..3], b, scale-d, trans-b.
+#define BF_WGMMA_SS(N, TY, A, B, ACC, TA, TR)                                                                \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" ACC ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N       \
-               "k16.f32." TY "." TY " " BF_WGMMA_R##N ", %" A ", %" B ", p, 1, 1, 0, %" TR ";\n}\n"          \
+               "k16.f32." TY "." TY " " BF_WGMMA_R##N ", %" A ", %" B ", p, 1, 1, %" TA ", %" TR ";\n}\n"    \
                : BF_WGMMA_D##N                                                                              \
-               : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)), "n"(static_cast<int>(kTransB))          \
+               : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)), "n"(static_cast<int>(kTransA)),         \
+                 "n"(static_cast<int>(kTransB))                                                             \
                : "memory")
 #define BF_WGMMA_RS(N, TY, A0, A1, A2, A3, B, ACC, TR)                                                       \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" ACC ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N       \
@@ -137,22 +138,22 @@ __device__ __forceinline__ void wgmma_wait() {
                  "n"(static_cast<int>(kTransB))                                                             \
                : "memory")
 
-// d (+)= A B for this warp's 16 rows of the warpgroup's m64 x N product: A [64, 16] K-major from shared
-// memory (descriptor a), B [16, N] through descriptor b (K-major, or MN-major when kTransB); accumulate
-// false: d = A B. T = __half or __nv_bfloat16.
-template <typename T, int N, bool kTransB>
+// d (+)= A B for this warp's 16 rows of the warpgroup's m64 x N product: A [64, 16] from shared memory
+// (descriptor a; K-major, or MN-major when kTransA), B [16, N] through descriptor b (K-major, or MN-major
+// when kTransB); accumulate false: d = A B. T = __half or __nv_bfloat16.
+template <typename T, int N, bool kTransB, bool kTransA = false>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], uint64_t a, uint64_t b, bool accumulate) {
   static_assert(N == 32 || N == 64 || N == 128, "wgmma_ss: N of 32, 64 or 128");
   constexpr bool kHalf = std::is_same<T, __half>::value;
   if constexpr (N == 32) {
-    if constexpr (kHalf) BF_WGMMA_SS(32, "f16", "16", "17", "18", "19");
-    else BF_WGMMA_SS(32, "bf16", "16", "17", "18", "19");
+    if constexpr (kHalf) BF_WGMMA_SS(32, "f16", "16", "17", "18", "19", "20");
+    else BF_WGMMA_SS(32, "bf16", "16", "17", "18", "19", "20");
   } else if constexpr (N == 64) {
-    if constexpr (kHalf) BF_WGMMA_SS(64, "f16", "32", "33", "34", "35");
-    else BF_WGMMA_SS(64, "bf16", "32", "33", "34", "35");
+    if constexpr (kHalf) BF_WGMMA_SS(64, "f16", "32", "33", "34", "35", "36");
+    else BF_WGMMA_SS(64, "bf16", "32", "33", "34", "35", "36");
   } else {
-    if constexpr (kHalf) BF_WGMMA_SS(128, "f16", "64", "65", "66", "67");
-    else BF_WGMMA_SS(128, "bf16", "64", "65", "66", "67");
+    if constexpr (kHalf) BF_WGMMA_SS(128, "f16", "64", "65", "66", "67", "68");
+    else BF_WGMMA_SS(128, "bf16", "64", "65", "66", "67", "68");
   }
 }
 

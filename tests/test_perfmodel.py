@@ -553,13 +553,17 @@ def test_perf_model_command_reads_every_kernel_and_reports_the_targets(tmp_path)
             row = cuda[seq512, kernel]
             assert row["ratio"] == pytest.approx(row["seconds"] / row["triton_seconds"]) and row["registers"] <= 255
             assert row["within"] == (row["ratio"] <= 1.3) and f"CUDA {kernel}" in res.stdout
-        # seq 128 runs Triton's one-pass backward: no dQ or dK/dV kernel to set beside
-        for kernel in (CU.DQ.name, CU.DKDV.name):
-            assert cuda["bert-large seq 128 batch 128 bf16 p=0.1", kernel]["ratio"] is None
-        # the whole attention: the three CUDA kernels against Triton's (the one-pass backward at seq 128),
-        # the delta kernels left out on both sides
+        # seq 128: both backends take one pass (no dQ or dK/dV kernel there)
+        seq128 = "bert-large seq 128 batch 128 bf16 p=0.1"
+        assert cuda[seq128, CU.FUSED.name]["triton_kernel"] == "_attention_bwd_fused_kernel"
+        assert cuda[seq128, CU.FUSED.name]["ratio"] is not None and (seq128, CU.DQ.name) not in cuda
+        assert (seq512, CU.FUSED.name) not in cuda
+        # the whole attention: the CUDA kernels against Triton's, the delta kernels left out on both sides
         whole = cuda[seq512, "forward+backward"]
-        assert whole["seconds"] == pytest.approx(sum(cuda[seq512, k.name]["seconds"] for k in CU.KERNELS))
+        assert whole["seconds"] == pytest.approx(sum(cuda[seq512, k.name]["seconds"] for k in
+                                                     (CU.FORWARD, CU.DQ, CU.DKDV)))
+        assert cuda[seq128, "forward+backward"]["seconds"] == pytest.approx(
+            cuda[seq128, CU.FORWARD.name]["seconds"] + cuda[seq128, CU.FUSED.name]["seconds"])
         assert whole["triton_kernel"] == "+".join(sorted(
             ["_attention_bwd_dkdv_kernel", "_attention_bwd_dq_kernel", "_attention_fwd_kernel"]))
         assert cuda["bert-large seq 128 batch 128 bf16 p=0.1", "forward+backward"]["triton_kernel"] == (
@@ -716,6 +720,25 @@ def test_cuda_attention_kernels_work_and_shared_memory():
                                    "NS0_6ParamsE")
 
 
+def test_cuda_one_pass_backward_work_and_shared_memory():
+    """The one-pass backward at BERT-large seq 128 batch 128: a block of 2 warpgroups (8 warps) per
+    (sequence, head) and its whole body once (no loop: a 128 x 128 score block); bytes each once (bf16 q,
+    k, v, dO read, dq, dk, dv written; fp32 lse; the keep bits); WgmmaFusedSmem's bytes by hand (Q, dO, K,
+    V [128, 64], Pd and dS [128, 128], the key mask, 1024 to align); which kernels each length runs."""
+    from bertfast.perfmodel import cuda as CU
+    from bertfast.perfmodel.kernels import Setting
+    setting = Setting("bert-large", 128, 128, 0.1)
+    w = CU.work(CU.FUSED, setting, 200)
+    assert w.programs == w.iterations == 128 * 16 and w.tile_elements == 128 * 128 and w.warps == 8
+    tokens = 128 * 128
+    assert w.hbm_bytes == 7 * tokens * 1024 * 2 + tokens * 16 * 4 + 128 * 16 * 128 * 128 / 8
+    assert w.shared_bytes == 4 * 128 * 128 + 2 * 128 * 128 * 2 + 128 * 4 + 1024
+    assert CU.FUSED.mangled(True) == ("_ZN8bertfast4attn32attention_bwd_fused_wgmma_kernelI13__nv_bfloat16Li64ELi2ELb1"
+                                      "ELb0EEEvNS0_6ParamsE")
+    assert CU.kernels_at(setting) == (CU.FORWARD, CU.FUSED)
+    assert CU.kernels_at(Setting("bert-large", 129, 128, 0.1)) == (CU.FORWARD, CU.DQ, CU.DKDV)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
                     reason="the CUDA attention compiles with nvcc")
 def test_cuda_attention_kernels_are_read_from_their_sass():
@@ -724,7 +747,7 @@ def test_cuda_attention_kernels_are_read_from_their_sass():
     (K's and V's fragments); the wgmma dQ's and dK/dV's 16 HGMMAs each (S and dP, or S^T and dP^T, 4
     k-steps each of m64n64k16; then dQ and pk, or dV and dK, 4 each) and no fragment loads; spill-free;
     dropout adds its draws (the forward) or its keep-bit reads (the backward) and no tensor work; priced
-    beside Triton."""
+    beside Triton; the one-pass backward's likewise, at seq 128."""
     from bertfast.perfmodel import cuda as CU
     from bertfast.perfmodel.kernels import Setting
     if CU.unavailable():
@@ -743,6 +766,17 @@ def test_cuda_attention_kernels_are_read_from_their_sass():
         assert 8 < per_element[False] < 24 and per_element[True] > per_element[False] + 1, kernel.name
     for f in CU.predict_kernels([Setting("bert-large", 512, 32, 0.1)], H100):
         flops = f.kernel.products * 2 * 64 * 32 * 16 * 512 * 512
+        assert f.prediction.tensor_flops == pytest.approx(flops) and f.prediction.predicted_s > 0
+    # the one-pass backward: no loop, its body once a block: 32 HGMMAs a warp (S and dP, 4 k-steps each of
+    # m64n128k16; dQ 8 of m64n64k16; dV and dK 8 each), a MUFU a score element of its 64 a thread
+    for dropout in (False, True):
+        key = (CU.FUSED.name, dropout)
+        span, body, rest = model.loop_and_rest(compiled.functions[key])
+        opcodes = [ins.opcode for ins in body]
+        assert span is None and not rest and opcodes.count("HGMMA") == 32 and opcodes.count("MUFU") >= 64
+        assert opcodes.count("LDSM") == 0 and compiled.spills[key] == 0 and compiled.registers[key] <= 255
+    for f in CU.predict_kernels([Setting("bert-large", 128, 128, 0.1)], H100):
+        flops = f.kernel.products * 2 * 64 * 128 * 16 * 128 * 128
         assert f.prediction.tensor_flops == pytest.approx(flops) and f.prediction.predicted_s > 0
 
 

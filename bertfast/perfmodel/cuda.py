@@ -1,12 +1,14 @@
 """The CUDA backend's attention kernels an H100 runs (csrc/attention_fwd.cu's attention_fwd_mma_kernel,
-csrc/attention_bwd.cu's attention_bwd_dq_wgmma_kernel and attention_bwd_dkdv_wgmma_kernel) read by the
-performance model, beside the Triton kernels they are held to (issue 39: within 1.3x).
+csrc/attention_bwd.cu's attention_bwd_dq_wgmma_kernel and attention_bwd_dkdv_wgmma_kernel, or up to 128
+tokens its one-pass attention_bwd_fused_wgmma_kernel) read by the performance model, beside the Triton
+kernels they are held to (issue 39: within 1.3x).
 
 Each source is compiled for sm_90a with nvcc (the flags of the extension build) into a cubin whose
 SASS the model reads like Triton's (sass.parse, model.predict); ptxas's report gives the registers.
 The launches modelled are the ones a BERT layer makes: bf16, head dim 64 (the kernels' tile is the
-head dim), 16-byte rows, varlen, every key of a block valid (their unmasked main loops). Each
-backward has a delta kernel (a dot product a row) beside these, left out on both sides.
+head dim), 16-byte rows, varlen, every key of a block valid (their unmasked main loops). The two-kernel
+backward has a delta kernel (a dot product a row) beside these, left out on both sides; the one-pass
+backward has none, on either side.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from bertfast.perfmodel.sass import Function, disassemble, parse
 
 RATIO = 1.3  # a CUDA kernel's predicted time, at most this times Triton's (issue 39)
 ROW_PAD = 8  # kPadT<T> for 16-bit T: shared-memory rows padded by 16 bytes
-WARPS = 4
+FUSED_MAX_SEQ = 128  # csrc/attention.cuh's kFusedBwdMaxSeqlen: the one-pass backward's longest sequence
 
 
 def _align(x: int) -> int:
@@ -47,25 +49,38 @@ class CudaKernel:
     stats: int         # fp32 [heads, tokens] rows it reads or writes (lse; Delta, which dQ also writes)
     products: int      # mma products a score element takes part in (2 head-dim flops each)
     wgmma: bool = False  # a wgmma kernel: its tiles in the 128-byte swizzle (unpadded), 1024-byte aligned
+    one_pass: bool = False  # the one-pass backward: rows = step = every token, nothing streamed, no loop
+
+    @property
+    def warps(self) -> int:
+        """A block's warps: 4, or the one-pass backward's warpgroup per 64 tokens."""
+        return self.rows // 16 if self.one_pass else 4
 
     def mangled(self, dropout: bool, head_dim: int = K.HEAD_DIM) -> str:
         """The symbol of the bf16 kernel with 16-byte rows: template <T, D, step, warps, dropout, vec> on
-        mma.sync, <T, D, step, dropout> on wgmma (one warpgroup; its K/V rows always 16-byte)."""
-        prefix = f"_ZN8bertfast4attn{len(self.name)}{self.name}I13__nv_bfloat16Li{head_dim}ELi{self.step}E"
+        mma.sync, <T, D, step, dropout> on wgmma (one warpgroup; its K/V rows always 16-byte), <T, D,
+        warpgroups, dropout, key mask> for the one-pass backward (no key mask)."""
+        prefix = f"_ZN8bertfast4attn{len(self.name)}{self.name}I13__nv_bfloat16Li{head_dim}E"
+        if self.one_pass:
+            return f"{prefix}Li{self.warps // 4}ELb{int(dropout)}ELb0EEEvNS0_6ParamsE"
         if self.wgmma:
-            return f"{prefix}Lb{int(dropout)}EEEvNS0_6ParamsE"
-        return f"{prefix}Li{WARPS}ELb{int(dropout)}ELb1EEEvNS0_6ParamsE"
+            return f"{prefix}Li{self.step}ELb{int(dropout)}EEEvNS0_6ParamsE"
+        return f"{prefix}Li{self.step}ELi{self.warps}ELb{int(dropout)}ELb1EEEvNS0_6ParamsE"
 
     def shared_bytes(self, head_dim: int = K.HEAD_DIM) -> int:
-        """MmaFwdSmem / WgmmaDqSmem / WgmmaKvSmem bytes for 16-bit T: the block's own [rows, D] tiles,
-        the two streamed ones double-buffered ([2][step, D]: K and V, or Q and dO), then its [2][step]
-        arrays of 4 bytes. mma.sync rows are padded by 8 elements, each part 128-byte aligned;
-        wgmma tiles are whole 1024-byte atoms, with 1024 bytes more to align them at run time."""
+        """MmaFwdSmem / WgmmaDqSmem / WgmmaKvSmem / WgmmaFusedSmem bytes for 16-bit T: the block's own
+        [rows, D] tiles, the two streamed ones double-buffered ([2][step, D]: K and V, or Q and dO), then
+        its [2][step] arrays of 4 bytes; the one-pass backward's own tiles, its two [rows, step] tiles
+        (Pd, dS) and its [rows] array (the key mask). mma.sync rows are padded by 8 elements, each part
+        128-byte aligned; wgmma tiles are whole 1024-byte atoms, with 1024 bytes more to align them at
+        run time."""
         row = 2 * (head_dim + (0 if self.wgmma else ROW_PAD))
         align = (lambda x: x) if self.wgmma else _align
         offset = 0
         for _ in range(self.own):
             offset = align(offset + self.rows * row)
+        if self.one_pass:
+            return offset + 2 * self.rows * self.step * 2 + self.rows * 4 + 1024
         for _ in range(2):  # the two streamed tiles
             offset = align(offset + 2 * self.step * row)
         for _ in range(self.arrays):
@@ -79,7 +94,16 @@ DQ = CudaKernel("attention_bwd_dq_wgmma_kernel", "attention_bwd.cu", "_attention
                 own=2, arrays=1, tensors=5, stats=3, products=4, wgmma=True)  # Q K^T, dO V^T, dS' K, P K
 DKDV = CudaKernel("attention_bwd_dkdv_wgmma_kernel", "attention_bwd.cu", "_attention_bwd_dkdv_kernel", "bwd", 64,
                   64, own=2, arrays=2, tensors=6, stats=2, products=4, wgmma=True)  # K Q^T, V dO^T, Pd^T dO, dS^T Q
-KERNELS = (FORWARD, DQ, DKDV)
+FUSED = CudaKernel("attention_bwd_fused_wgmma_kernel", "attention_bwd.cu", "_attention_bwd_fused_kernel", "bwd",
+                   FUSED_MAX_SEQ, FUSED_MAX_SEQ, own=4, arrays=0, tensors=7, stats=1, products=5, wgmma=True,
+                   one_pass=True)  # Q K^T, dO V^T, dS K, Pd^T dO, dS^T Q
+KERNELS = (FORWARD, DQ, DKDV, FUSED)
+
+
+def kernels_at(setting: K.Setting) -> Tuple[CudaKernel, ...]:
+    """The kernels a launch at ``setting`` runs: the forward, then the one-pass backward up to
+    FUSED_MAX_SEQ tokens, else dQ and dK/dV."""
+    return (FORWARD, FUSED) if setting.seq <= FUSED_MAX_SEQ else (FORWARD, DQ, DKDV)
 
 
 @dataclass
@@ -139,10 +163,11 @@ def compile_kernels() -> CompiledCuda:
 
 def work(kernel: CudaKernel, setting: K.Setting, registers: Optional[int]) -> Work:
     """One varlen launch at ``setting`` (every sequence at full length): a main-loop iteration is one
-    rows x step block of scores. Bytes, each tensor once: the forward reads q, k, v and writes out (bf16)
-    and lse (fp32); dQ reads q, k, v, dO, lse and Delta and writes dq and the refined Delta; dK/dV reads
-    q, k, v, dO, lse and Delta and writes dk, dv; with dropout the keep bits (one bit a score element)
-    are written by the forward and read by the others."""
+    rows x step block of scores (the one-pass backward's whole body, once a block). Bytes, each tensor
+    once: the forward reads q, k, v and writes out (bf16) and lse (fp32); dQ reads q, k, v, dO, lse and
+    Delta and writes dq and the refined Delta; dK/dV reads q, k, v, dO, lse and Delta and writes dk, dv;
+    the one-pass backward reads q, k, v, dO and lse and writes dq, dk, dv; with dropout the keep bits (one
+    bit a score element) are written by the forward and read by the others."""
     from bertfast.gpucheck.compile_report import MODELS
     hidden = MODELS[setting.model][0]
     heads = hidden // K.HEAD_DIM
@@ -151,7 +176,7 @@ def work(kernel: CudaKernel, setting: K.Setting, registers: Optional[int]) -> Wo
     moved = kernel.tensors * setting.tokens * hidden * 2 + kernel.stats * setting.tokens * heads * 4
     if setting.dropout > 0:
         moved += setting.batch * heads * setting.seq ** 2 / 8
-    return Work(iterations, kernel.rows * kernel.step, programs, WARPS, moved, registers=registers,
+    return Work(iterations, kernel.rows * kernel.step, programs, kernel.warps, moved, registers=registers,
                 shared_bytes=kernel.shared_bytes(), loads_ahead=1)
 
 
@@ -165,11 +190,11 @@ class CudaPrediction:
 
 
 def predict_kernels(settings: List[K.Setting], gpu: Gpu) -> List[CudaPrediction]:
-    """Each kernel of KERNELS predicted at each setting (its dropout picks the kernel)."""
+    """Each kernel a launch runs (kernels_at) predicted at each setting (its dropout picks the kernel)."""
     compiled = compile_kernels()
     out = []
     for setting in settings:
-        for kernel in KERNELS:
+        for kernel in kernels_at(setting):
             key = (kernel.name, setting.dropout > 0)
             prediction = predict(compiled.functions[key], work(kernel, setting, compiled.registers[key]), gpu)
             if compiled.spills[key]:
@@ -182,12 +207,12 @@ TRITON_DELTA = "_attention_bwd_delta_kernel"
 
 
 def beside_triton(results: Sequence, settings: Sequence[K.Setting], gpu: Gpu, log=print) -> List[Dict[str, object]]:
-    """Each kernel of KERNELS at each setting beside the Triton kernel doing the same work there, from
-    ``results`` (report.analyse's KernelResults; seq 128 runs Triton's one-pass backward, so no dQ or
-    dK/dV kernel stands beside them), then the attention as a whole (kernel "forward+backward": the
-    three CUDA kernels against every Triton attention kernel the setting runs, each side without its
-    delta kernel): prediction, instructions per element, binding bound and the ratio of the two times,
-    one line logged each. [] with a line saying why where they cannot be compiled here."""
+    """Each kernel a launch runs at each setting (kernels_at) beside the Triton kernel doing the same work
+    there, from ``results`` (report.analyse's KernelResults; both backends take one pass at seq 128),
+    then the attention as a whole (kernel "forward+backward": the CUDA kernels against every Triton
+    attention kernel the setting runs, each side without its delta kernel): prediction, instructions per
+    element, binding bound and the ratio of the two times, one line logged each. [] with a line saying
+    why where they cannot be compiled here."""
     why = unavailable()
     if why is not None:
         log(f"CUDA attention: not read ({why})")

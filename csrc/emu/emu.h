@@ -398,7 +398,7 @@ constexpr uint32_t kSharedBase = 0x480;  // emulated shared address of dynamic s
 struct WgmmaOp {
   float* d;       // this thread's accumulators, [n / 8][4]
   int n;
-  bool bf16, trans_b, accumulate, a_regs;
+  bool bf16, trans_a, trans_b, accumulate, a_regs;
   uint32_t a[4];  // A fragment (a_regs), as the registers held it at issue
   uint64_t da, db;
 };
@@ -444,7 +444,7 @@ inline void wgmma_run(const WgmmaOp& op) {
   } else {
     for (int k = 0; k < 8; ++k) {  // lane: row lane % 16, columns 8 (lane / 16) ..
       const int row = lane & 15, col = 8 * (lane >> 4) + k;
-      w->A[row * 16 + col] = shared_elem(operand_addr(op.da, 16 * rank + row, col, false), op.bf16);
+      w->A[row * 16 + col] = shared_elem(operand_addr(op.da, 16 * rank + row, col, op.trans_a), op.bf16);
     }
   }
   w->bar.arrive_and_wait();
@@ -462,12 +462,13 @@ inline void wgmma_run(const WgmmaOp& op) {
   std::copy(out.begin(), out.end(), op.d);
 }
 
-template <typename T, int N, bool kTransB>
+template <typename T, int N, bool kTransB, bool kTransA>
 inline void wgmma_issue(float (&d)[N / 8][4], const uint32_t* a, uint64_t da, uint64_t db, bool accumulate) {
   static_assert(N == 32 || N == 64 || N == 128, "wgmma: N of 32, 64 or 128");
   if (!tl_wg_fenced) wgmma_fail("wgmma.mma_async without a wgmma.fence since the last wgmma.wait_group");
   if (tl_landed_unfenced) wgmma_fail("wgmma.mma_async after cp.async copies landed without a fence.proxy.async");
-  WgmmaOp op{&d[0][0], N, std::is_same<T, __nv_bfloat16>::value, kTransB, accumulate, a != nullptr, {}, da, db};
+  WgmmaOp op{&d[0][0], N, std::is_same<T, __nv_bfloat16>::value, kTransA, kTransB, accumulate, a != nullptr, {}, da,
+             db};
   if (a) std::copy(a, a + 4, op.a);
   tl_wg_open.push_back(op);
 }
@@ -499,13 +500,13 @@ inline void wgmma_wait() {
   }
   emu::tl_wg_fenced = false;
 }
-template <typename T, int N, bool kTransB>
+template <typename T, int N, bool kTransB, bool kTransA = false>
 inline void wgmma_ss(float (&d)[N / 8][4], uint64_t a, uint64_t b, bool accumulate) {
-  emu::wgmma_issue<T, N, kTransB>(d, nullptr, a, b, accumulate);
+  emu::wgmma_issue<T, N, kTransB, kTransA>(d, nullptr, a, b, accumulate);
 }
 template <typename T, int N, bool kTransB>
 inline void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t b, bool accumulate) {
-  emu::wgmma_issue<T, N, kTransB>(d, a, 0, b, accumulate);
+  emu::wgmma_issue<T, N, kTransB, false>(d, a, 0, b, accumulate);
 }
 
 }  // namespace ptx

@@ -403,6 +403,33 @@ def test_cuda_backward_without_wgmma_is_the_mma_sync_kernels(fused_backend, head
     check_varlen(fused_backend, q, k, v, dout, cu, 77, p=0.1, seed=seed_of(fused_backend, 9))
 
 
+ONE_PASS_CASES = {  # form, lengths (varlen) or [batch, seqlen] and mask kind (padded), dtype, dropout
+    "varlen-128-dropout": ("varlen", [128, 70, 0], BF16, 0.2),  # two warpgroups; one full, one empty sequence
+    "varlen-64": ("varlen", [64, 9], FP16, 0.0),                # one warpgroup
+    "padded-mask-dropout": ("padded", (2, 100, "scattered"), BF16, 0.1),  # key mask, one sequence all pads
+    "varlen-150-two-kernels": ("varlen", [150, 5], BF16, 0.1),   # past 128 tokens: the dQ and dK/dV kernels
+}
+
+
+@pytest.mark.parametrize("fused_backend", ["cuda"], indirect=True)
+@pytest.mark.parametrize("case", list(ONE_PASS_CASES))
+def test_cuda_one_pass_backward_at_head_dim_64(fused_backend, case):
+    """At head dim 64 the wgmma backward takes one pass (attention_bwd_fused_wgmma_kernel) up to 128 tokens:
+    one block per sequence and head, a warpgroup per 64 tokens, Pd and dS read transposed from shared
+    memory; keys past a sequence's end are zero rows, keys under a mask are tested. Longer sequences take
+    the dQ and dK/dV kernels. Both against the reference, with dropout, empty and all-padding sequences."""
+    form, shape, dtype, p = ONE_PASS_CASES[case]
+    seed = seed_of(fused_backend, 17) if p else None
+    if form == "varlen":
+        lengths = torch.tensor(shape)
+        q, k, v, dout, cu = varlen_inputs(fused_backend, lengths, dtype, 64, seed=3)
+        check_varlen(fused_backend, q, k, v, dout, cu, int(lengths.max()), p=p, seed=seed)
+    else:
+        batch, seqlen, kind = shape
+        q, k, v, dout = padded_inputs(fused_backend, batch, seqlen, dtype, 64, seed=3)
+        check_padded(fused_backend, q, k, v, dout, key_mask(kind, batch, seqlen, seed=3), p=p, seed=seed)
+
+
 @pytest.mark.parametrize("fused_backend", ["cuda"], indirect=True)
 @pytest.mark.parametrize("dtype", [FP32, FP16, BF16], ids=["fp32", "fp16", "bf16"])
 def test_cuda_keep_bits_are_tritons_layout_and_the_backward_reads_them(fused_backend, dtype):

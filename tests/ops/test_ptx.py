@@ -96,26 +96,27 @@ def test_cp_async_lands_by_its_group(ext):
 def _wgmma_operands(dtype, variant):
     """Small integers (exact products and sums in fp32): a, b, c and the expected d of ptx_check_wgmma's
     variant, reading the k-steps ptx_check.cu names (A's columns 16..31 and B^T's 80..95 for the SS
-    variants, B's rows 16..31 for the RS one)."""
+    variants, A's from a tile stored transposed for the fourth, B's rows 16..31 for the RS one)."""
     g = torch.Generator().manual_seed(11 + variant)
     ints = lambda *shape: torch.randint(-4, 5, shape, generator=g).to(dtype)  # noqa: E731
-    if variant < 2:
+    if variant != 2:
         a, b = ints(64, 64), ints(64, 128)
         c = torch.randint(-50, 51, (64, 64), generator=g).float()
         d = a[:, 16:32].float() @ b[:, 80:96].float().T
-        return a, b, c, d + c if variant == 0 else d
+        return a, b, c, d if variant == 1 else d + c
     a, b = ints(64, 16), ints(32, 128)
     c = torch.randint(-50, 51, (64, 128), generator=g).float()
     return a, b, c, a.float() @ b[16:32].float() + c
 
 
-@pytest.mark.parametrize("variant", [0, 1, 2], ids=["ss", "ss-no-accumulate", "rs-transposed"])
+@pytest.mark.parametrize("variant", [0, 1, 2, 3], ids=["ss", "ss-no-accumulate", "rs-transposed", "ss-a-transposed"])
 @pytest.mark.parametrize("dtype,code", [(torch.float16, 1), (torch.bfloat16, 2)], ids=["fp16", "bf16"])
 def test_wgmma_is_a_times_b_through_swizzled_shared_memory(ext, dtype, code, variant):
     """The operand tiles sit in shared memory in the 128-byte swizzle, and each product starts one k-step
     into them (32 bytes into the rows of a second 64-column block for B^T; 16 rows down, across 128
     columns, for the transposed B), so a wrong descriptor offset, swizzle or fragment layout reads other
-    elements and shows as a wrong value."""
+    elements and shows as a wrong value. The fourth reads A transposed (MN-major), as the one-pass
+    backward reads Pd^T and dS^T."""
     module, dev = ext
     if GPU and not module.wgmma_available():
         pytest.skip("wgmma needs an sm_90 GPU and the extension built for sm_90a")
@@ -134,8 +135,8 @@ def test_check_entry_points_reject_bad_codes(ext):
         module.ptx_check_mma(buf.data_ptr(), buf.data_ptr(), buf.data_ptr(), buf.data_ptr(), 0, 0)
     with pytest.raises(RuntimeError, match="variant must be .* got 7"):
         module.ptx_check_ldmatrix(buf.data_ptr(), buf.data_ptr(), 7, 0)
-    with pytest.raises(RuntimeError, match=r"variant must be 0 \(SS\), 1 .* or 2 \(RS\), got 3"):
-        module.ptx_check_wgmma(buf.data_ptr(), buf.data_ptr(), buf.data_ptr(), buf.data_ptr(), 1, 3, 0)
+    with pytest.raises(RuntimeError, match=r"variant must be 0 \(SS\), 1 .* or 3 \(SS, A transposed\), got 4"):
+        module.ptx_check_wgmma(buf.data_ptr(), buf.data_ptr(), buf.data_ptr(), buf.data_ptr(), 1, 4, 0)
 
 
 def test_mma_rate_kernel_does_the_work_it_times(ext):
