@@ -15,7 +15,8 @@
 //
 // Forward, fp16/bf16: attention_fwd_mma_kernel (attention_fwd.cu): mma.sync m16n8k16 with every
 //   fragment in registers, S and P never in shared memory, K and V double-buffered through cp.async
-//   (the design is at the kernel).
+//   (the design is at the kernel); on an sm_90 GPU from the sm_90a build (wgmma_available), at tile head
+//   dims 64 and 128 with 16-byte K and V rows, attention_fwd_wgmma_kernel: the same on wgmma.
 // Forward, fp32 (one block per BM query rows of one (sequence, head); a row group of 16 query rows per
 //   warp, or per WN warps that split O's columns, see Cfg): Q tile stays in shared memory; for each
 //   key block: K, V -> smem, S = Q K^T (row group's rows, fp32 in smem), online softmax on its rows

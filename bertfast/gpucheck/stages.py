@@ -130,7 +130,7 @@ STAGES: List[Stage] = [
                     env={"BERTFAST_BUILD_CUDA": "1", "BERTFAST_CUDA_ARCHS": "90a", "MAX_JOBS": JOBS},
                     dry_argv=[], dry_note="the CPU dry run uses the extension built at install, if any", needs=()),
               _step("info", [PY, "-m", "bertfast.cli", "info"], sizing.info()),
-              # mma.sync's rate, which the perf model assumes for the CUDA attention (docs/perf-model.md)
+              # mma.sync's rate: the CUDA attention's instruction without wgmma (docs/perf-model.md)
               _step("mma-rate", [PY, "-m", "bertfast.perfmodel.mma_rate"], sizing.mma_rate(), dry_argv=[],
                     dry_note="no GPU: it times the hardware's mma.sync", needs=(PACKAGE, EXTENSION)),
               _step("memcheck", SANITIZER + ["--tool", "memcheck"] + SANITIZE, sizing.memcheck(),

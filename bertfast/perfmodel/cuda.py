@@ -1,7 +1,7 @@
-"""The CUDA backend's attention kernels an H100 runs (csrc/attention_fwd.cu's attention_fwd_mma_kernel,
-csrc/attention_bwd.cu's attention_bwd_dq_wgmma_kernel and attention_bwd_dkdv_wgmma_kernel, or up to 128
-tokens its one-pass attention_bwd_fused_wgmma_kernel) read by the performance model, beside the Triton
-kernels they are held to (issue 39: within 1.3x).
+"""The CUDA backend's attention kernels an H100 runs, all on wgmma (csrc/attention_fwd.cu's
+attention_fwd_wgmma_kernel, csrc/attention_bwd.cu's attention_bwd_dq_wgmma_kernel and
+attention_bwd_dkdv_wgmma_kernel, or up to 128 tokens its one-pass attention_bwd_fused_wgmma_kernel) read
+by the performance model, beside the Triton kernels they are held to (issue 39: within 1.3x).
 
 Each source is compiled for sm_90a with nvcc (the flags of the extension build) into a cubin whose
 SASS the model reads like Triton's (sass.parse, model.predict); ptxas's report gives the registers.
@@ -27,12 +27,7 @@ from bertfast.perfmodel.model import Prediction, Work, predict
 from bertfast.perfmodel.sass import Function, disassemble, parse
 
 RATIO = 1.3  # a CUDA kernel's predicted time, at most this times Triton's (issue 39)
-ROW_PAD = 8  # kPadT<T> for 16-bit T: shared-memory rows padded by 16 bytes
 FUSED_MAX_SEQ = 128  # csrc/attention.cuh's kFusedBwdMaxSeqlen: the one-pass backward's longest sequence
-
-
-def _align(x: int) -> int:
-    return (x + 127) // 128 * 128
 
 
 @dataclass(frozen=True)
@@ -48,7 +43,6 @@ class CudaKernel:
     tensors: int       # bf16 [tokens, hidden] tensors it reads or writes, each once
     stats: int         # fp32 [heads, tokens] rows it reads or writes (lse; Delta, which dQ also writes)
     products: int      # mma products a score element takes part in (2 head-dim flops each)
-    wgmma: bool = False  # a wgmma kernel: its tiles in the 128-byte swizzle (unpadded), 1024-byte aligned
     one_pass: bool = False  # the one-pass backward: rows = step = every token, nothing streamed, no loop
 
     @property
@@ -57,45 +51,34 @@ class CudaKernel:
         return self.rows // 16 if self.one_pass else 4
 
     def mangled(self, dropout: bool, head_dim: int = K.HEAD_DIM) -> str:
-        """The symbol of the bf16 kernel with 16-byte rows: template <T, D, step, warps, dropout, vec> on
-        mma.sync, <T, D, step, dropout> on wgmma (one warpgroup; its K/V rows always 16-byte), <T, D,
-        warpgroups, dropout, key mask> for the one-pass backward (no key mask)."""
+        """The symbol of the bf16 kernel: template <T, D, step, dropout> (one warpgroup; its streamed
+        rows 16-byte), <T, D, warpgroups, dropout, key mask> for the one-pass backward (no key mask)."""
         prefix = f"_ZN8bertfast4attn{len(self.name)}{self.name}I13__nv_bfloat16Li{head_dim}E"
         if self.one_pass:
             return f"{prefix}Li{self.warps // 4}ELb{int(dropout)}ELb0EEEvNS0_6ParamsE"
-        if self.wgmma:
-            return f"{prefix}Li{self.step}ELb{int(dropout)}EEEvNS0_6ParamsE"
-        return f"{prefix}Li{self.step}ELi{self.warps}ELb{int(dropout)}ELb1EEEvNS0_6ParamsE"
+        return f"{prefix}Li{self.step}ELb{int(dropout)}EEEvNS0_6ParamsE"
 
     def shared_bytes(self, head_dim: int = K.HEAD_DIM) -> int:
-        """MmaFwdSmem / WgmmaDqSmem / WgmmaKvSmem / WgmmaFusedSmem bytes for 16-bit T: the block's own
+        """WgmmaFwdSmem / WgmmaDqSmem / WgmmaKvSmem / WgmmaFusedSmem bytes for 16-bit T: the block's own
         [rows, D] tiles, the two streamed ones double-buffered ([2][step, D]: K and V, or Q and dO), then
         its [2][step] arrays of 4 bytes; the one-pass backward's own tiles, its two [rows, step] tiles
-        (Pd, dS) and its [rows] array (the key mask). mma.sync rows are padded by 8 elements, each part
-        128-byte aligned; wgmma tiles are whole 1024-byte atoms, with 1024 bytes more to align them at
-        run time."""
-        row = 2 * (head_dim + (0 if self.wgmma else ROW_PAD))
-        align = (lambda x: x) if self.wgmma else _align
-        offset = 0
-        for _ in range(self.own):
-            offset = align(offset + self.rows * row)
+        (Pd, dS) and its [rows] array (the key mask). Tiles are whole 1024-byte atoms of the 128-byte
+        swizzle (unpadded rows), with 1024 bytes more to align them at run time."""
+        row = 2 * head_dim
+        tiles = self.own * self.rows * row
         if self.one_pass:
-            return offset + 2 * self.rows * self.step * 2 + self.rows * 4 + 1024
-        for _ in range(2):  # the two streamed tiles
-            offset = align(offset + 2 * self.step * row)
-        for _ in range(self.arrays):
-            offset = align(offset + 2 * self.step * 4)
-        return offset + (1024 if self.wgmma else 0)
+            return tiles + 2 * self.rows * self.step * 2 + self.rows * 4 + 1024
+        return tiles + 2 * (2 * self.step * row) + self.arrays * 2 * self.step * 4 + 1024
 
 
-FORWARD = CudaKernel("attention_fwd_mma_kernel", "attention_fwd.cu", "_attention_fwd_kernel", "fwd", 64, 64,
+FORWARD = CudaKernel("attention_fwd_wgmma_kernel", "attention_fwd.cu", "_attention_fwd_kernel", "fwd", 64, 64,
                      own=1, arrays=1, tensors=4, stats=1, products=2)  # Q K^T, P V
 DQ = CudaKernel("attention_bwd_dq_wgmma_kernel", "attention_bwd.cu", "_attention_bwd_dq_kernel", "bwd", 64, 64,
-                own=2, arrays=1, tensors=5, stats=3, products=4, wgmma=True)  # Q K^T, dO V^T, dS' K, P K
+                own=2, arrays=1, tensors=5, stats=3, products=4)  # Q K^T, dO V^T, dS' K, P K
 DKDV = CudaKernel("attention_bwd_dkdv_wgmma_kernel", "attention_bwd.cu", "_attention_bwd_dkdv_kernel", "bwd", 64,
-                  64, own=2, arrays=2, tensors=6, stats=2, products=4, wgmma=True)  # K Q^T, V dO^T, Pd^T dO, dS^T Q
+                  64, own=2, arrays=2, tensors=6, stats=2, products=4)  # K Q^T, V dO^T, Pd^T dO, dS^T Q
 FUSED = CudaKernel("attention_bwd_fused_wgmma_kernel", "attention_bwd.cu", "_attention_bwd_fused_kernel", "bwd",
-                   FUSED_MAX_SEQ, FUSED_MAX_SEQ, own=4, arrays=0, tensors=7, stats=1, products=5, wgmma=True,
+                   FUSED_MAX_SEQ, FUSED_MAX_SEQ, own=4, arrays=0, tensors=7, stats=1, products=5,
                    one_pass=True)  # Q K^T, dO V^T, dS K, Pd^T dO, dS^T Q
 KERNELS = (FORWARD, DQ, DKDV, FUSED)
 
@@ -250,5 +233,4 @@ def beside_triton(results: Sequence, settings: Sequence[K.Setting], gpu: Gpu, lo
         log(f"CUDA attention forward+backward, {setting.label()}: {cuda * 1e6:.0f} us against Triton's "
             f"{triton_s * 1e6:.0f} us ({len(triton)} kernels), {ratio:.2f}x "
             f"({'within' if ratio <= RATIO else 'NOT within'} {RATIO:g}x; the delta kernels left out)")
-    log(f"  (mma.sync priced at {gpu.mma_sync_flops / 1e12:.0f} TFLOP/s, an assumption: hardware.Gpu.mma_sync_flops)")
     return rows

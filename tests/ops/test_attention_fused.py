@@ -380,8 +380,9 @@ def test_cuda_mma_kernels_at_every_tile_head_dim(fused_backend, head_dim, dtype)
     through cp.async) at each tile head dim they compile (16, 32, 64, 96, 128, 256, where the backward is
     WMMA; 12, 80 and 100 pad theirs, 12 and 100 copy rows element by element, which dQ at 128 does in tiles
     of its own), with dropout, over several blocks (77 rows: two blocks of 64, or three of 32, the last
-    partial) and a short sequence. dQ and dK/dV at 64 and 128 (16-byte rows) are the wgmma kernels on an
-    sm_90 GPU and on the emulator, which emulates one; the next test runs the mma.sync kernels there."""
+    partial) and a short sequence. The forward, dQ and dK/dV at 64 and 128 (16-byte rows) are the wgmma
+    kernels on an sm_90 GPU and on the emulator, which emulates one (at 64 the backward takes one pass
+    here: test_cuda_one_pass_backward_at_head_dim_64); the next test runs the mma.sync kernels there."""
     lengths = torch.tensor([77, 5])
     q, k, v, dout, cu = varlen_inputs(fused_backend, lengths, dtype, head_dim, heads=1, packed=False, seed=6)
     check_varlen(fused_backend, q, k, v, dout, cu, 77, p=0.1, seed=seed_of(fused_backend, 9))
@@ -390,12 +391,12 @@ def test_cuda_mma_kernels_at_every_tile_head_dim(fused_backend, head_dim, dtype)
 @pytest.mark.skipif(GPU, reason="a GPU's compute capability is its own: the emulator's is set here")
 @pytest.mark.parametrize("fused_backend", ["cuda"], indirect=True)
 @pytest.mark.parametrize("head_dim,dtype", [(64, FP16), (128, BF16)], ids=["d64-fp16", "d128-bf16"])
-def test_cuda_backward_without_wgmma_is_the_mma_sync_kernels(fused_backend, head_dim, dtype, monkeypatch):
-    """On a GPU other than sm_90 (the emulator told it is an A100), dQ and dK/dV at the tile head dims
-    wgmma serves run the mma.sync kernels, which must give the same contract."""
+def test_cuda_without_wgmma_is_the_mma_sync_kernels(fused_backend, head_dim, dtype, monkeypatch):
+    """On a GPU other than sm_90 (the emulator told it is an A100), the forward, dQ and dK/dV at the tile
+    head dims wgmma serves run the mma.sync kernels, which must give the same contract."""
     from bertfast.cuda import _common
 
-    assert _common._C.wgmma_available()  # the emulated sm_90, whose backward at 64 and 128 is wgmma
+    assert _common._C.wgmma_available()  # the emulated sm_90, whose kernels at 64 and 128 are wgmma
     monkeypatch.setenv("BERTFAST_EMU_ARCH", "80")
     assert not _common._C.wgmma_available()
     lengths = torch.tensor([77, 5])
