@@ -432,6 +432,21 @@ def test_cuda_one_pass_backward_at_head_dim_64(fused_backend, case):
 
 
 @pytest.mark.parametrize("fused_backend", ["cuda"], indirect=True)
+def test_cuda_one_pass_backward_with_very_negative_scores(fused_backend):
+    """Every score -200 (lse about -196): a key past a sequence's end, a zero row of K, scores 0, whose
+    exp(-lse) overflows fp32; the one-pass kernel clamps its p to 1 (no real p exceeds 1), where it meets
+    zero K and V rows, so the gradients stay finite and match the reference."""
+    lengths = torch.tensor([5, 70])
+    q, k, v, dout, cu = varlen_inputs(fused_backend, lengths, BF16, 64, seed=8)
+    with torch.no_grad():
+        q.zero_()
+        k.zero_()
+        q[..., 0] = 40.0
+        k[..., 0] = -40.0  # q . k / sqrt(64) = -200
+    check_varlen(fused_backend, q, k, v, dout, cu, 70)
+
+
+@pytest.mark.parametrize("fused_backend", ["cuda"], indirect=True)
 @pytest.mark.parametrize("dtype", [FP32, FP16, BF16], ids=["fp32", "fp16", "bf16"])
 def test_cuda_keep_bits_are_tritons_layout_and_the_backward_reads_them(fused_backend, dtype):
     """The CUDA forward records its decisions in the Triton kernel's keep bits (contract.keep_bits_shape:
