@@ -39,9 +39,10 @@
 //   attention_host.cuh); the runtime p.head_dim <= D. Columns >= head_dim are zero in shared
 //   memory, so Q K^T, P V, dO V^T, ... are those of the real columns, and are never read from or
 //   written to global memory.
-// Backward, fp16/bf16: dQ and dK/dV at tile head dims up to 128 are attention_bwd_dq_mma_kernel and
-//   attention_bwd_dkdv_mma_kernel (attention_bwd.cu: mma.sync, as the forward); at 256 (two
-//   accumulators of D / 2 registers a lane do not fit one warp's 16 rows) the WMMA kernels below.
+// Backward, fp16/bf16: dQ and dK/dV are attention_bwd_dq_mma_kernel and attention_bwd_dkdv_mma_kernel
+//   (attention_bwd.cu: mma.sync, as the forward); at tile head dim 256, where their two accumulators of
+//   D / 2 registers a lane do not fit one warp's 16 rows, two blocks per row block each compute half
+//   the columns (Cfg::kMmaColumns), each recomputing S and dP over the whole head.
 //   On an sm_90 GPU from the sm_90a build (wgmma_available), at tile head dims 64 and 128 with
 //   16-byte rows, attention_bwd_dq_wgmma_kernel and attention_bwd_dkdv_wgmma_kernel take their
 //   place: the same algorithm with the warpgroup's products (wgmma.cuh). There, at tile head dim 64 with
@@ -480,20 +481,21 @@ __device__ __forceinline__ void store_pair(T* row, int c, int hd, float x, float
   }
 }
 
-// A warp's accumulator rows row0 and row0 + 8 of a sequence (mma's C layout: d[n][i] is column 8n + 2t +
-// i % 2 of row row0 + 8 (i / 2), t = lane % 4), times `mul`, into rows of a [tokens, hd] gradient (dQ, dK
-// or dV of head h); rows past the sequence's end are skipped.
+// A warp's accumulator rows row0 and row0 + 8 of a sequence (mma's C layout: d[n][i] is column c0 + 8n + 2t
+// + i % 2 of row row0 + 8 (i / 2), t = lane % 4), times `mul`, into rows of a [tokens, hd] gradient (dQ, dK
+// or dV of head h); rows past the sequence's end are skipped. c0: a multiple of 16-byte vectors.
 template <typename T, int NO>
 __device__ __forceinline__ void store_rows(void* out, const Strides& s, int b, int h, const Seq& sq, int row0,
-                                           const float (&d)[NO][4], float mul, int hd, bool vec) {
+                                           const float (&d)[NO][4], float mul, int hd, bool vec, int c0 = 0) {
   const int t = threadIdx.x & 3;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int i = row0 + 8 * r;
     if (i >= sq.len) continue;
-    T* row = static_cast<T*>(out) + b * s.batch + (sq.start + i) * s.row + h * s.head;
+    T* row = static_cast<T*>(out) + b * s.batch + (sq.start + i) * s.row + h * s.head + c0;
 #pragma unroll
-    for (int n = 0; n < NO; ++n) store_pair<T>(row, 8 * n + 2 * t, hd, d[n][2 * r] * mul, d[n][2 * r + 1] * mul, vec);
+    for (int n = 0; n < NO; ++n)
+      store_pair<T>(row, 8 * n + 2 * t, hd - c0, d[n][2 * r] * mul, d[n][2 * r + 1] * mul, vec);
   }
 }
 
@@ -625,14 +627,17 @@ struct Cfg {
   // forward, fp16/bf16 (mma.sync): 64 query rows per block, BN keys per step (its S tile is BN / 2
   // registers a lane, its O accumulator D / 2)
   static constexpr int kMmaFwdBN = D <= 128 ? 64 : 32;
-  // dK, dV, fp16/bf16 (mma.sync, head dims up to 128): 64 keys per block, BM queries per step
+  // dK, dV, fp16/bf16 (mma.sync): 64 keys per block, BM queries per step
   static constexpr int kMmaKvBM = D <= 64 ? 64 : 32;
-  // dQ, fp16/bf16 (mma.sync, head dims up to 128): 64 queries per block, BN keys per step (two
-  // accumulators, dQ and pk, D / 2 registers a lane each; S and dP BN / 2 each)
+  // dQ, fp16/bf16 (mma.sync): 64 queries per block, BN keys per step (two accumulators, dQ and pk,
+  // kMmaColumns / 2 registers a lane each; S and dP BN / 2 each)
   static constexpr int kMmaDqBN = D <= 64 ? 64 : 32;
   // ... when K's or V's rows are copied element by element: at D 128 the copy's call takes the registers
   // of half the S and dP tiles (BN 32 spilled)
   static constexpr int kMmaDqBNElementwise = D <= 96 ? kMmaDqBN : 16;
+  // dQ's, dK's and dV's columns a mma.sync block computes: at D 256 two blocks each (their two accumulators
+  // of D / 2 registers a lane do not fit one warp), each with S and dP over the whole head
+  static constexpr int kMmaColumns = D > 128 ? 128 : D;
   // dQ, fp16/bf16 on wgmma (head dims 64 and 128): 64 queries per block, BN keys per step (wgmma's N;
   // registers as the mma.sync kernel's)
   static constexpr int kWgmmaDqBN = D <= 64 ? 64 : 32;

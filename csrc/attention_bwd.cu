@@ -349,9 +349,9 @@ struct KvRows {
   // dK scaled by c; rows of keys in the sequence
   template <int NO>
   __device__ __forceinline__ void finish(const Params& p, int b, int h, const Seq& sq, const float (&dk)[NO][4],
-                                         const float (&dv)[NO][4]) const {
-    store_rows<T, NO>(p.dk, p.sdk, b, h, sq, key0 + g, dk, p.softmax_scale, p.head_dim, p.vec & kVecDK);
-    store_rows<T, NO>(p.dv, p.sdv, b, h, sq, key0 + g, dv, 1.f, p.head_dim, p.vec & kVecDV);
+                                         const float (&dv)[NO][4], int c0 = 0) const {
+    store_rows<T, NO>(p.dk, p.sdk, b, h, sq, key0 + g, dk, p.softmax_scale, p.head_dim, p.vec & kVecDK, c0);
+    store_rows<T, NO>(p.dv, p.sdv, b, h, sq, key0 + g, dv, 1.f, p.head_dim, p.vec & kVecDV, c0);
   }
 };
 
@@ -429,12 +429,13 @@ template <typename T, int D, int BM, int NW, bool kDropout, bool kVecQD>
 __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dkdv_mma_kernel(const Params p) {
   using L = MmaKvSmem<T, D, BM>;
   constexpr int BN = 16 * NW, NT = NW * 32, LD = L::LD;
-  constexpr int KS = D / 16, NS = BM / 8, NO = D / 8;  // k-steps over the head; n8 tiles of S^T and of dK, dV
+  constexpr int DC = Cfg<T, D>::kMmaColumns, NC = D / DC;  // dK's, dV's columns a block; blocks a key block
+  constexpr int KS = D / 16, NS = BM / 8, NO = DC / 8;  // k-steps over the head; n8 tiles of S^T, of dK, dV
   constexpr bool kKVRegs = D <= 64;
   static_assert(BN == L::BN && BM % 16 == 0 && D % 16 == 0 && BM <= NT, "whole 16-row tiles, a thread per query");
   extern __shared__ __align__(128) unsigned char smem[];
 
-  const int b = blockIdx.z, h = blockIdx.y, n0 = blockIdx.x * BN;
+  const int b = blockIdx.z, h = blockIdx.y, n0 = blockIdx.x / NC * BN, c0 = blockIdx.x % NC * DC;
   const Seq sq = seq_of(p, b);
   if (n0 >= sq.len) return;
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -488,10 +489,10 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dkdv_mma_kernel(cons
       accumulators_as_a<T>(pa, s[2 * kk], s[2 * kk + 1]);
       accumulators_as_a<T>(da, dp[2 * kk], dp[2 * kk + 1]);
 #pragma unroll
-      for (int n2 = 0; n2 < NO / 2; ++n2) {  // head columns 16 n2 .. 16 n2 + 15: two n8 tiles
+      for (int n2 = 0; n2 < NO / 2; ++n2) {  // head columns c0 + 16 n2 .. c0 + 16 n2 + 15: two n8 tiles
         uint32_t of[4], qf[4];
-        ptx::ldmatrix_x4_trans(of, dos + 16 * kk * LD + toff + 16 * n2);
-        ptx::ldmatrix_x4_trans(qf, qs + 16 * kk * LD + toff + 16 * n2);
+        ptx::ldmatrix_x4_trans(of, dos + 16 * kk * LD + toff + c0 + 16 * n2);
+        ptx::ldmatrix_x4_trans(qf, qs + 16 * kk * LD + toff + c0 + 16 * n2);
         const uint32_t o0[2] = {of[0], of[1]}, o1[2] = {of[2], of[3]};
         const uint32_t q0[2] = {qf[0], qf[1]}, q1[2] = {qf[2], qf[3]};
         ptx::mma_m16n8k16<T>(dv[2 * n2], pa, o0);
@@ -508,7 +509,7 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dkdv_mma_kernel(cons
   } else {
     for (int ib = 0; ib < tiles.nblocks; ++ib) block(ib, std::true_type{});
   }
-  rows.finish(p, b, h, sq, dk, dv);
+  rows.finish(p, b, h, sq, dk, dv, c0);
 }
 
 // dK, dV on wgmma (sm_90a; tile head dims 64 and 128): the mma.sync kernel's algorithm with the
@@ -644,10 +645,11 @@ struct DqRows {
   }
 
   // r_i over the row's 4 lanes (a fixed order: deterministic), Delta_i for the dK/dV kernel, then
-  // dq_i = c (dQ_i - r_i pk_i).
+  // dq_i = c (dQ_i - r_i pk_i): columns c0 .. c0 + 8 NO - 1 (at head dim 256 a block for each half of the
+  // columns; both sum the same r_i, the first writes Delta_i).
   template <int NO>
   __device__ __forceinline__ void finish(const Params& p, int b, int h, const Seq& sq, const float (&dq)[NO][4],
-                                         const float (&pk)[NO][4]) const {
+                                         const float (&pk)[NO][4], int c0 = 0) const {
     const bool vec_q = p.vec & kVecDQ;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -656,13 +658,13 @@ struct DqRows {
       ri += __shfl_xor_sync(0xffffffffu, ri, 2);
       const int qi = row0 + 8 * r;
       if (qi >= sq.len) continue;
-      if (t == 0) p.delta[b * p.lse_batch + h * p.lse_head + sq.start + qi] = dl[r] + ri;
-      T* dqr = static_cast<T*>(p.dq) + b * p.sdq.batch + (sq.start + qi) * p.sdq.row + h * p.sdq.head;
+      if (t == 0 && c0 == 0) p.delta[b * p.lse_batch + h * p.lse_head + sq.start + qi] = dl[r] + ri;
+      T* dqr = static_cast<T*>(p.dq) + b * p.sdq.batch + (sq.start + qi) * p.sdq.row + h * p.sdq.head + c0;
 #pragma unroll
       for (int n = 0; n < NO; ++n) {
         const float x = (dq[n][2 * r] - ri * pk[n][2 * r]) * p.softmax_scale;
         const float y = (dq[n][2 * r + 1] - ri * pk[n][2 * r + 1]) * p.softmax_scale;
-        store_pair<T>(dqr, 8 * n + 2 * t, p.head_dim, x, y, vec_q);
+        store_pair<T>(dqr, 8 * n + 2 * t, p.head_dim - c0, x, y, vec_q);
       }
     }
   }
@@ -720,13 +722,14 @@ template <typename T, int D, int BN, int NW, bool kDropout, bool kVecKV>
 __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dq_mma_kernel(const Params p) {
   using L = MmaDqSmem<T, D, BN>;
   constexpr int BM = 16 * NW, NT = NW * 32, LD = L::LD;
-  constexpr int KS = D / 16, NO = D / 8;  // k-steps over the head; n8 tiles of dQ
+  constexpr int DC = Cfg<T, D>::kMmaColumns, NC = D / DC;  // dQ's columns a block; blocks a query block
+  constexpr int KS = D / 16, NO = DC / 8;  // k-steps over the head; n8 tiles of the block's dQ columns
   constexpr bool kQRegs = D <= 32;
   static_assert(BM == L::BM && BN % 16 == 0 && D % 16 == 0 && BN <= NT, "whole 16-key tiles, a thread per key");
   extern __shared__ __align__(128) unsigned char smem[];
   const DqTiles<T, L> tiles(smem);
 
-  const int b = blockIdx.z, h = blockIdx.y, m0 = blockIdx.x * BM;
+  const int b = blockIdx.z, h = blockIdx.y, m0 = blockIdx.x / NC * BM, c0 = blockIdx.x % NC * DC;
   const Seq sq = seq_of(p, b);
   if (m0 >= sq.len) return;
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -780,9 +783,9 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dq_mma_kernel(const 
       accumulators_as_a<T>(pa, s[2 * kk], s[2 * kk + 1]);
       accumulators_as_a<T>(da, dp[2 * kk], dp[2 * kk + 1]);
 #pragma unroll
-      for (int n2 = 0; n2 < NO / 2; ++n2) {  // head columns 16 n2 .. 16 n2 + 15: two n8 tiles
+      for (int n2 = 0; n2 < NO / 2; ++n2) {  // head columns c0 + 16 n2 .. c0 + 16 n2 + 15: two n8 tiles
         uint32_t kf[4];
-        ptx::ldmatrix_x4_trans(kf, ks_ + 16 * kk * LD + toff + 16 * n2);
+        ptx::ldmatrix_x4_trans(kf, ks_ + 16 * kk * LD + toff + c0 + 16 * n2);
         const uint32_t k0[2] = {kf[0], kf[1]}, k1[2] = {kf[2], kf[3]};
         ptx::mma_m16n8k16<T>(dq[2 * n2], da, k0);
         ptx::mma_m16n8k16<T>(dq[2 * n2 + 1], da, k1);
@@ -795,7 +798,7 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dq_mma_kernel(const 
   int jb = 0;
   for (; jb < kv.nfull; ++jb) block(jb, std::false_type{});
   for (; jb < kv.nblocks; ++jb) block(jb, std::true_type{});
-  rows.finish(p, b, h, sq, dq, pk);
+  rows.finish(p, b, h, sq, dq, pk, c0);
 }
 
 // dQ on wgmma (sm_90a; tile head dims 64 and 128): the mma.sync kernel's algorithm with the warpgroup's
@@ -1077,7 +1080,7 @@ struct Bwd {
     attention_bwd_delta_kernel<T><<<grid_for(p, 4), 128, 0, stream>>>(p);
     BF_CHECK_LAUNCH("attention_bwd (delta)");
 
-    // dQ: wgmma with 16-byte K and V rows, else mma.sync (fp16/bf16 up to 128), else the WMMA or FMA kernel.
+    // dQ: wgmma with 16-byte K and V rows, else mma.sync (fp16/bf16), else the FMA kernel (fp32).
     if (wgmma && vec_kv) {
       if constexpr (kWgmmaTile) {
         constexpr int BN = C::kWgmmaDqBN;
@@ -1087,15 +1090,20 @@ struct Bwd {
         if (int s = prepare(dq, LW::bytes, "attention_bwd (dq)")) return s;
         dq<<<grid_for(p, LW::BM), 128, LW::bytes, stream>>>(p);
       }
-    } else if constexpr (kWmma<T> && D <= 128) {
+    } else if constexpr (kWmma<T>) {
       constexpr int BN = C::kMmaDqBN, BE = C::kMmaDqBNElementwise;
-      auto dq = by_settings(p.dropout_p > 0.f, vec_kv, [](auto drop, auto vec) {
-        constexpr bool kVec = decltype(vec)::value;
+      // At D 256 with dropout the 16-byte copies' state spills the kernel (sm_90): K, V element by element.
+      constexpr bool kBigDrop = D > 128;
+      const bool vec = vec_kv && !(kBigDrop && p.dropout_p > 0.f);
+      auto dq = by_settings(p.dropout_p > 0.f, vec, [](auto drop, auto vec_) {
+        constexpr bool kVec = decltype(vec_)::value && !(kBigDrop && decltype(drop)::value);
         return attention_bwd_dq_mma_kernel<T, D, kVec ? BN : BE, 4, decltype(drop)::value, kVec>;
       });
-      const int bytes = vec_kv ? MmaDqSmem<T, D, BN>::bytes : MmaDqSmem<T, D, BE>::bytes;
+      const int bytes = vec ? MmaDqSmem<T, D, BN>::bytes : MmaDqSmem<T, D, BE>::bytes;
       if (int s = prepare(dq, bytes, "attention_bwd (dq)")) return s;
-      dq<<<grid_for(p, MmaDqSmem<T, D, BN>::BM), 128, bytes, stream>>>(p);
+      dim3 grid = grid_for(p, MmaDqSmem<T, D, BN>::BM);
+      grid.x *= D / C::kMmaColumns;  // a block per query block and column slice
+      dq<<<grid, 128, bytes, stream>>>(p);
     } else {
       using LQ = DqSmem<T, D, C::kDqBM, C::kDqBN, C::kDqWN>;
       auto dq = attention_bwd_dq_kernel<T, D, C::kDqBM, C::kDqBN, C::kDqWN>;
@@ -1113,14 +1121,16 @@ struct Bwd {
         if (int s = prepare(kv, LW::bytes, "attention_bwd (dk, dv)")) return s;
         kv<<<grid_for(p, LW::BN), 128, LW::bytes, stream>>>(p);
       }
-    } else if constexpr (kWmma<T> && D <= 128) {
+    } else if constexpr (kWmma<T>) {
       constexpr int BM = C::kMmaKvBM;
       using LK = MmaKvSmem<T, D, BM>;
       auto kv = by_settings(p.dropout_p > 0.f, vec_qd, [](auto drop, auto vec) {
         return attention_bwd_dkdv_mma_kernel<T, D, BM, 4, decltype(drop)::value, decltype(vec)::value>;
       });
       if (int s = prepare(kv, LK::bytes, "attention_bwd (dk, dv)")) return s;
-      kv<<<grid_for(p, LK::BN), 128, LK::bytes, stream>>>(p);
+      dim3 grid = grid_for(p, LK::BN);
+      grid.x *= D / C::kMmaColumns;  // a block per key block and column slice
+      kv<<<grid, 128, LK::bytes, stream>>>(p);
     } else {
       using LK = KvSmem<T, D, C::kKvBN, C::kKvBM>;
       auto kv = attention_bwd_dkdv_kernel<T, D, C::kKvBN, C::kKvBM, C::kKvWN>;

@@ -26,11 +26,11 @@ from bertfast.cuda import _common as C
 MAX_BATCH = 65535  # sequences per launch: the grid's z dimension
 # What these kernels are, for `bertfast info`.
 KERNELS = ("forward: mma.sync m16n8k16 with fragments in registers, K and V through a cp.async pipeline "
-           "(fp16/bf16), FMA (fp32); backward: delta, dQ and dK/dV kernels, mma.sync as the forward up to head "
-           "dim 128 (WMMA 16x16x16 above) for fp16/bf16, FMA for fp32, reading the forward's keep bits; on an "
-           "sm_90 GPU from the sm_90a build, at head dims 64 and 128, the forward, dQ and dK/dV on wgmma "
-           "(m64nNk16, operands in 128-byte-swizzled shared memory), and at 64 up to 128 tokens the backward in "
-           "one pass (no delta kernel); mask and keep bits: Triton's, bit for bit")
+           "(fp16/bf16), FMA (fp32); backward: delta, dQ and dK/dV kernels, mma.sync as the forward for "
+           "fp16/bf16 (at head dim 256 a block per half of the columns), FMA for fp32, reading the forward's "
+           "keep bits; on an sm_90 GPU from the sm_90a build, at head dims 64 and 128, the forward, dQ and dK/dV "
+           "on wgmma (m64nNk16, operands in 128-byte-swizzled shared memory), and at 64 up to 128 tokens the "
+           "backward in one pass (no delta kernel); mask and keep bits: Triton's, bit for bit")
 
 
 def unsupported(inputs) -> list:

@@ -377,9 +377,9 @@ MMA_TILES = [(12, FP16), (32, BF16), (64, BF16), (80, FP16), (100, FP16), (128, 
                          ids=[f"d{d}-{'bf16' if t == BF16 else 'fp16'}" for d, t in MMA_TILES])
 def test_cuda_mma_kernels_at_every_tile_head_dim(fused_backend, head_dim, dtype):
     """The fp16/bf16 mma.sync and wgmma kernels (forward, dQ, dK/dV; K and V, or Q and dO, double-buffered
-    through cp.async) at each tile head dim they compile (16, 32, 64, 96, 128, 256, where the backward is
-    WMMA; 12, 80 and 100 pad theirs, 12 and 100 copy rows element by element, which dQ at 128 does in tiles
-    of its own), with dropout, over several blocks (77 rows: two blocks of 64, or three of 32, the last
+    through cp.async) at each tile head dim they compile (16, 32, 64, 96, 128, 256, where the backward runs
+    a block per half of the columns; 12, 80 and 100 pad theirs, 12 and 100 copy rows element by element,
+    which dQ at 128 does in tiles of its own), with dropout, over several blocks (77 rows: two blocks of 64, or three of 32, the last
     partial) and a short sequence. The forward, dQ and dK/dV at 64 and 128 (16-byte rows) are the wgmma
     kernels on an sm_90 GPU and on the emulator, which emulates one (at 64 the backward takes one pass
     here: test_cuda_one_pass_backward_at_head_dim_64); the next test runs the mma.sync kernels there."""
@@ -402,6 +402,16 @@ def test_cuda_without_wgmma_is_the_mma_sync_kernels(fused_backend, head_dim, dty
     lengths = torch.tensor([77, 5])
     q, k, v, dout, cu = varlen_inputs(fused_backend, lengths, dtype, head_dim, heads=1, packed=False, seed=6)
     check_varlen(fused_backend, q, k, v, dout, cu, 77, p=0.1, seed=seed_of(fused_backend, 9))
+
+
+@pytest.mark.parametrize("fused_backend", ["cuda"], indirect=True)
+def test_cuda_mma_backward_at_head_dim_256_without_dropout(fused_backend):
+    """At tile head dim 256 the mma.sync dQ and dK/dV run two blocks per row block, one per half of the
+    gradient's columns (each recomputing S and dP over the whole head); without dropout K and V (and Q,
+    dO) are copied 16 bytes at a time (with dropout, dQ's K and V element by element: the tile test)."""
+    lengths = torch.tensor([77, 5])
+    q, k, v, dout, cu = varlen_inputs(fused_backend, lengths, BF16, 256, heads=1, seed=5)
+    check_varlen(fused_backend, q, k, v, dout, cu, 77)
 
 
 ONE_PASS_CASES = {  # form, lengths (varlen) or [batch, seqlen] and mask kind (padded), dtype, dropout
