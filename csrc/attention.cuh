@@ -49,17 +49,12 @@
 //   every sequence at most kFusedBwdMaxSeqlen (128) tokens, attention_bwd_fused_wgmma_kernel does the whole
 //   backward in one pass instead (one block a sequence and head: whole rows of scores, so Delta is their
 //   sum and there is no delta kernel or refinement; Q, K, V and dO read once, not twice).
-// Tensor cores in the WMMA kernels: fp16/bf16 tiles are multiplied with WMMA 16x16x16 (fp32 accumulate). WMMA
-//   leaves the element-to-thread map of a fragment unspecified, so everything per element goes
-//   through shared memory, except the per-row rescale of the O accumulator: a fragment loaded
-//   once from a matrix holding each element's row index tells every thread the row of each of
-//   its accumulator elements. fp32 inputs use a plain FMA path with the same structure.
+// fp32: the FMA kernels (attention_fwd_kernel, attention_bwd_dq_kernel, attention_bwd_dkdv_kernel), their
+//   S, P and dS through shared memory, products on the CUDA cores (warp_gemm_nt, WarpAcc).
 // Global rows move as 16-byte vectors where a tensor's pointer, strides and row width allow it
 //   (decided per tensor by the launcher: Params::vec), else element by element.
 // Limits: 8 <= head_dim <= 256; batch <= 65535; heads <= 65535.
 #pragma once
-#include <mma.h>
-
 #include <type_traits>
 
 #include "common.cuh"
@@ -69,13 +64,11 @@
 namespace bertfast {
 namespace attn {
 
-using namespace nvcuda;
-
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 template <typename T>
-constexpr bool kWmma = !std::is_same<T, float>::value;
+constexpr bool k16Bit = !std::is_same<T, float>::value;  // fp16/bf16: the tensor-core kernels
 template <typename T>
 constexpr int kPadT = 16 / sizeof(T);  // smem row padding of T tiles: 16 bytes
 constexpr int kPadF = 4;               // smem row padding of fp32 tiles: 16 bytes
@@ -311,107 +304,27 @@ __device__ __forceinline__ void sync_row_group() {
 }
 
 // ------------------------------------------------------------------ warp tile products
-// C[16, N] (fp32, smem, row pitch ldc) = A[16, K] B^T, A row-major (lda), B row-major [N, K] (ldb).
+// C[16, N] (fp32, smem, row pitch ldc) = A[16, K] B^T, A row-major (lda), B row-major [N, K] (ldb), on the
+// CUDA cores (the fp32 kernels).
 template <typename T, int N, int K>
 __device__ __forceinline__ void warp_gemm_nt(const T* A, int lda, const T* B, int ldb, float* C, int ldc) {
-  static_assert(!kWmma<T> || (N % 16 == 0 && K % 16 == 0), "WMMA tiles are 16 wide");
-  if constexpr (kWmma<T>) {
-#pragma unroll
-    for (int n = 0; n < N / 16; ++n) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> c;
-      wmma::fill_fragment(c, 0.f);
-#pragma unroll
-      for (int k = 0; k < K / 16; ++k) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b;  // b(k, n) = B[n, k]
-        wmma::load_matrix_sync(a, A + k * 16, lda);
-        wmma::load_matrix_sync(b, B + n * 16 * ldb + k * 16, ldb);
-        wmma::mma_sync(c, a, b, c);
-      }
-      wmma::store_matrix_sync(C + n * 16, c, ldc, wmma::mem_row_major);
-    }
-  } else {
-    const int lane = threadIdx.x & 31;
-    for (int idx = lane; idx < 16 * N; idx += 32) {
-      const int r = idx / N, c = idx % N;
-      float s = 0.f;
+  const int lane = threadIdx.x & 31;
+  for (int idx = lane; idx < 16 * N; idx += 32) {
+    const int r = idx / N, c = idx % N;
+    float s = 0.f;
 #pragma unroll 8
-      for (int k = 0; k < K; ++k) s += to_f(A[r * lda + k]) * to_f(B[c * ldb + k]);
-      C[r * ldc + c] = s;
-    }
+    for (int k = 0; k < K; ++k) s += to_f(A[r * lda + k]) * to_f(B[c * ldb + k]);
+    C[r * ldc + c] = s;
   }
 }
 
-// A warp's fp32 accumulator tile [16, N]: acc += A[16, K] B[K, N], A and B row-major in smem.
-template <typename T, int N, bool kUseWmma = kWmma<T>>
-struct WarpAcc;
-
+// A warp's fp32 accumulator tile [16, N] on the CUDA cores (the fp32 kernels): acc += A[16, K] B[K, N], A
+// and B row-major in smem; lane owns row lane / 2 and columns (lane % 2) + 2 i.
 template <typename T, int N>
-struct WarpAcc<T, N, true> {
-  using Frag = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
-  Frag f[N / 16];
-  int rows[Frag::num_elements];  // tile row of element e (the same map for every fragment)
-
-  // scratch: a warp-private fp32 [16, 16] block of smem (row pitch ld), 32-byte aligned.
-  __device__ __forceinline__ void init(float* scratch, int ld) {
-    const int lane = threadIdx.x & 31;
-    for (int e = lane; e < 256; e += 32) scratch[e / 16 * ld + e % 16] = static_cast<float>(e / 16);
-    __syncwarp();
-    Frag m;
-    wmma::load_matrix_sync(m, scratch, ld, wmma::mem_row_major);
-#pragma unroll
-    for (int e = 0; e < Frag::num_elements; ++e) rows[e] = static_cast<int>(m.x[e]);
-    __syncwarp();
-#pragma unroll
-    for (int n = 0; n < N / 16; ++n) wmma::fill_fragment(f[n], 0.f);
-  }
-  __device__ __forceinline__ void scale_rows(const float* s) {  // row r *= s[r]
-#pragma unroll
-    for (int n = 0; n < N / 16; ++n) {
-#pragma unroll
-      for (int e = 0; e < Frag::num_elements; ++e) f[n].x[e] *= s[rows[e]];
-    }
-  }
-  __device__ __forceinline__ void scale(float s) {
-#pragma unroll
-    for (int n = 0; n < N / 16; ++n) {
-#pragma unroll
-      for (int e = 0; e < Frag::num_elements; ++e) f[n].x[e] *= s;
-    }
-  }
-  __device__ __forceinline__ void sub_scaled_rows(const WarpAcc& o, const float* s) {  // row r -= s[r] o's row r
-#pragma unroll
-    for (int n = 0; n < N / 16; ++n) {
-#pragma unroll
-      for (int e = 0; e < Frag::num_elements; ++e) f[n].x[e] -= s[rows[e]] * o.f[n].x[e];
-    }
-  }
-  template <int K>
-  __device__ __forceinline__ void mma(const T* A, int lda, const T* B, int ldb) {
-#pragma unroll
-    for (int k = 0; k < K / 16; ++k) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-      wmma::load_matrix_sync(a, A + k * 16, lda);
-#pragma unroll
-      for (int n = 0; n < N / 16; ++n) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
-        wmma::load_matrix_sync(b, B + k * 16 * ldb + n * 16, ldb);
-        wmma::mma_sync(f[n], a, b, f[n]);
-      }
-    }
-  }
-  __device__ __forceinline__ void store(float* C, int ldc) const {
-#pragma unroll
-    for (int n = 0; n < N / 16; ++n) wmma::store_matrix_sync(C + n * 16, f[n], ldc, wmma::mem_row_major);
-  }
-};
-
-// FMA path: lane owns row lane / 2 and columns (lane % 2) + 2 i.
-template <typename T, int N>
-struct WarpAcc<T, N, false> {
+struct WarpAcc {
   float v[N / 2];
   int r, c0;
-  __device__ __forceinline__ void init(float*, int) {
+  __device__ __forceinline__ void init() {
     const int lane = threadIdx.x & 31;
     r = lane >> 1;
     c0 = lane & 1;
@@ -426,11 +339,6 @@ struct WarpAcc<T, N, false> {
   __device__ __forceinline__ void scale(float s) {
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) v[i] *= s;
-  }
-  __device__ __forceinline__ void sub_scaled_rows(const WarpAcc& o, const float* s) {
-    const float f = s[r];
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) v[i] -= f * o.v[i];
   }
   template <int K>
   __device__ __forceinline__ void mma(const T* A, int lda, const T* B, int ldb) {
@@ -602,23 +510,20 @@ struct Draws {
 };
 
 // ------------------------------------------------------------------ tile configurations
-// Block tiles per (dtype, tile head dim): shared memory under 100 KiB (sm_80 opts in to 163 KiB,
-// sm_90 to 227 KiB) and no register spills on sm_90 (ptxas -v; BN 64 spills at D 128).
-// *WN warps split the columns of a row group's accumulators (and of its S tile): at D 256 one
-// warp would hold 128 accumulator registers per lane for O or dQ, 256 for dK and dV. dK/dV splits
-// 16-bit tiles 4 ways (2 ways still spills), fp32 ones 2 ways (its FMA slices need not be 16
-// wide, so its tiles stay small). Shared memory at D 256 (dQ, dK/dV): 80 and 96 KiB for 16-bit
-// types; (forward, dQ, dK/dV) 70, 69 and 70 KiB for fp32. The fp16/bf16 forward at every D, and
-// dQ and dK/dV up to D 128, are the mma.sync kernels, with tiles of their own (kMmaFwdBN, kMmaDqBN,
-// kMmaKvBM; their Smem structs), and the wgmma backward at D 64 and 128 has its own (kWgmmaDqBN,
-// kWgmmaKvBM): the WMMA backward's tiles serve 16-bit types at D 256 only.
+// Block tiles per (dtype, tile head dim): shared memory under 99 KiB where a kernel runs on every GPU
+// (sm_86/sm_89 allow a block 99 KiB, sm_80 opts in to 163 KiB, sm_90 to 227 KiB) and no register
+// spills on sm_90 (ptxas -v; BN 64 spills at D 128). The fp16/bf16 kernels are the mma.sync ones
+// (kMmaFwdBN, kMmaDqBN, kMmaKvBM, kMmaWarps, kMmaColumns; their Smem structs: at D 256 the backward's
+// take 66 KiB), on sm_90 the wgmma ones at D 64 and 128 (kWgmmaDqBN, kWgmmaKvBM); the rest serve fp32
+// (the FMA kernels): *WN warps split the columns of a row group's accumulators (and of its S tile), 2
+// at D 256, where one warp would hold 128 accumulator registers per lane for O or dQ, 256 for dK and
+// dV; shared memory at D 256 (forward, dQ, dK/dV) 70, 69 and 70 KiB.
 // The backward runs in one pass (attention_bwd_fused_wgmma_kernel) where the longest sequence has at most
 // this many tokens, at tile head dim 64, on wgmma.
 constexpr int kFusedBwdMaxSeqlen = 128;
 
 template <typename T, int D>
 struct Cfg {
-  static constexpr bool kF32 = std::is_same<T, float>::value;
   static constexpr bool kBig = D > 128;
   // forward, fp32 (the FMA kernel; fp16/bf16 run the mma.sync one): BM query rows per block, BN keys per step
   static constexpr int kFwdBM = kBig ? 32 : 64;
@@ -627,11 +532,15 @@ struct Cfg {
   // forward, fp16/bf16 (mma.sync): 64 query rows per block, BN keys per step (its S tile is BN / 2
   // registers a lane, its O accumulator D / 2)
   static constexpr int kMmaFwdBN = D <= 128 ? 64 : 32;
-  // dK, dV, fp16/bf16 (mma.sync): 64 keys per block, BM queries per step
-  static constexpr int kMmaKvBM = D <= 64 ? 64 : 32;
-  // dQ, fp16/bf16 (mma.sync): 64 queries per block, BN keys per step (two accumulators, dQ and pk,
-  // kMmaColumns / 2 registers a lane each; S and dP BN / 2 each)
-  static constexpr int kMmaDqBN = D <= 64 ? 64 : 32;
+  // The backward's mma.sync kernels: kMmaWarps warps of 16 rows a block (keys for dK/dV, queries for dQ),
+  // 2 at D 256 (and a step of 16), where their [rows, D] and [2][step, D] tiles must fit the 99 KiB that
+  // sm_86/sm_89 GPUs allow a block
+  static constexpr int kMmaWarps = kBig ? 2 : 4;
+  // dK, dV, fp16/bf16 (mma.sync): BM queries per step
+  static constexpr int kMmaKvBM = D <= 64 ? 64 : (kBig ? 16 : 32);
+  // dQ, fp16/bf16 (mma.sync): BN keys per step (two accumulators, dQ and pk, kMmaColumns / 2 registers a
+  // lane each; S and dP BN / 2 each)
+  static constexpr int kMmaDqBN = D <= 64 ? 64 : (kBig ? 16 : 32);
   // ... when K's or V's rows are copied element by element: at D 128 the copy's call takes the registers
   // of half the S and dP tiles (BN 32 spilled)
   static constexpr int kMmaDqBNElementwise = D <= 96 ? kMmaDqBN : 16;
@@ -643,15 +552,14 @@ struct Cfg {
   static constexpr int kWgmmaDqBN = D <= 64 ? 64 : 32;
   // dK, dV, fp16/bf16 on wgmma (head dims 64 and 128): 64 keys per block, BM queries per step
   static constexpr int kWgmmaKvBM = D <= 64 ? 64 : 32;
-  // dQ, fp32 and (D 256) fp16/bf16: BM query rows per block, BN keys per step (fp16/bf16: two
-  // accumulators, dQ and sum_j p_ij k_j)
-  static constexpr int kDqBM = kBig ? (kF32 ? 16 : 32) : (D > 64 ? 32 : 64);
-  static constexpr int kDqBN = kF32 && kBig ? 16 : 32;
+  // dQ, fp32 (the FMA kernel): BM query rows per block, BN keys per step
+  static constexpr int kDqBM = kBig ? 16 : (D > 64 ? 32 : 64);
+  static constexpr int kDqBN = kBig ? 16 : 32;
   static constexpr int kDqWN = kBig ? 2 : 1;
-  // dK, dV, fp32 and (D 256) fp16/bf16: BN key rows per block, BM queries per step
+  // dK, dV, fp32 (the FMA kernel): BN key rows per block, BM queries per step
   static constexpr int kKvBN = kBig ? 16 : (D > 64 ? 32 : 64);
-  static constexpr int kKvBM = kBig ? (kF32 ? 16 : 64) : 32;
-  static constexpr int kKvWN = kBig ? (kF32 ? 2 : 4) : 1;
+  static constexpr int kKvBM = kBig ? 16 : 32;
+  static constexpr int kKvWN = kBig ? 2 : 1;
 };
 
 }  // namespace attn

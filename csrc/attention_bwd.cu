@@ -42,7 +42,7 @@ struct KvSmem {
   static constexpr int bytes = cmax(align128(kvalid + 4LL * BN), align128(o + 4LL * BN * LDO));
 };
 
-// Both WMMA backward kernels ask for a minimum of 1 block per SM: without it ptxas (CUDA 13) capped
+// Both FMA backward kernels (fp32) ask for a minimum of 1 block per SM: without it ptxas (CUDA 13) capped
 // some variants at 64-128 registers and spilled to raise occupancy.
 template <typename T, int D, int BN, int BM, int WN>
 __global__ void __launch_bounds__(BN / 16 * WN * 32, 1) attention_bwd_dkdv_kernel(const Params p) {
@@ -80,8 +80,8 @@ __global__ void __launch_bounds__(BN / 16 * WN * 32, 1) attention_bwd_dkdv_kerne
   T* PdTw = PdT + 16 * rg * L::LDP;
   T* dSTw = dST + 16 * rg * L::LDP;
   WarpAcc<T, DC> dk, dv;
-  dk.init(STw + cs * SC, L::LDF);
-  dv.init(STw + cs * SC, L::LDF);
+  dk.init();
+  dv.init();
 
   const T* qb = static_cast<const T*>(p.q) + b * p.sq.batch + sq.start * p.sq.row + h * p.sq.head;
   const T* dob = static_cast<const T*>(p.dout) + b * p.sdo.batch + sq.start * p.sdo.row + h * p.sdo.head;
@@ -160,10 +160,9 @@ __global__ void __launch_bounds__(BN / 16 * WN * 32, 1) attention_bwd_dkdv_kerne
 // ------------------------------------------------------------------ backward: dQ
 template <typename T, int D, int BM, int BN, int WN>
 struct DqSmem {
-  static constexpr bool kRefine = kWmma<T>;  // Delta refined (fp16/bf16; header)
   static constexpr int LDT = D + kPadT<T>;   // Q, dO, K, V rows
   static constexpr int LDS = BN + kPadF;     // S and dP rows
-  static constexpr int LDP = BN + kPadT<T>;  // dS (and P) rows
+  static constexpr int LDP = BN + kPadT<T>;  // dS rows
   static constexpr int LDO = D + kPadF;      // staging of dQ
   static constexpr int q = 0;
   static constexpr int dO = align128(q + 1LL * BM * LDT * sizeof(T));
@@ -172,17 +171,14 @@ struct DqSmem {
   static constexpr int s = align128(v + 1LL * BN * LDT * sizeof(T));
   static constexpr int dp = align128(s + 4LL * BM * LDS);
   static constexpr int ds = align128(dp + 4LL * BM * LDS);
-  static constexpr int pp = align128(ds + 1LL * BM * LDP * sizeof(T));
-  static constexpr int kvalid = align128(pp + (kRefine ? 1LL * BM * LDP * sizeof(T) : 0));
-  static constexpr int resid = align128(kvalid + 4LL * BN);  // [WN, BM] row sums of dS' (kRefine)
+  static constexpr int kvalid = align128(ds + 1LL * BM * LDP * sizeof(T));
   static constexpr int o = 0;
-  static constexpr int bytes = cmax(align128(resid + (kRefine ? 4LL * WN * BM : 0)), align128(o + 4LL * BM * LDO));
+  static constexpr int bytes = cmax(align128(kvalid + 4LL * BN), align128(o + 4LL * BM * LDO));
 };
 
 template <typename T, int D, int BM, int BN, int WN>
 __global__ void __launch_bounds__(BM / 16 * WN * 32, 1) attention_bwd_dq_kernel(const Params p) {
   using L = DqSmem<T, D, BM, BN, WN>;
-  constexpr bool kRefine = L::kRefine;
   constexpr int NT = BM / 16 * WN * 32;
   constexpr int SC = BN / WN, DC = D / WN;  // a warp's columns of S / dP and of dQ
   static_assert(SC % 8 == 0 && DC % 16 == 0, "a warp's columns: whole column groups and tiles");
@@ -194,9 +190,7 @@ __global__ void __launch_bounds__(BM / 16 * WN * 32, 1) attention_bwd_dq_kernel(
   float* Ss = reinterpret_cast<float*>(smem + L::s);  // [BM, LDS] scores
   float* dPs = reinterpret_cast<float*>(smem + L::dp);  // [BM, LDS]
   T* dSs = reinterpret_cast<T*>(smem + L::ds);        // [BM, LDP]
-  T* Ps = reinterpret_cast<T*>(smem + L::pp);         // [BM, LDP] probabilities (kRefine)
   int* kvalid = reinterpret_cast<int*>(smem + L::kvalid);  // [BN]
-  float* resid_s = reinterpret_cast<float*>(smem + L::resid);  // [WN, BM] (kRefine)
   float* Os = reinterpret_cast<float*>(smem + L::o);  // [BM, LDO] dQ staging, over the tiles
 
   const int b = blockIdx.z, h = blockIdx.y, m0 = blockIdx.x * BM;
@@ -213,16 +207,13 @@ __global__ void __launch_bounds__(BM / 16 * WN * 32, 1) attention_bwd_dq_kernel(
   load_tile<T, BM, D, L::LDT, NT>(dOs, dout, p.sdo.row, sq.len - m0, p.head_dim, p.vec & kVecDO);
   const int64_t stat = b * p.lse_batch + h * p.lse_head + sq.start + qi;
   const float l2 = qi < sq.len ? p.lse[stat] * kLog2e : kInf;
-  const float dl = qi < sq.len ? p.delta[stat] : 0.f;  // d_i, refined below (kRefine)
+  const float dl = qi < sq.len ? p.delta[stat] : 0.f;  // Delta_i, exact to fp32 rounding (header)
 
   float* Sw = Ss + 16 * rg * L::LDS;
   float* dPw = dPs + 16 * rg * L::LDS;
   T* dSw = dSs + 16 * rg * L::LDP;
-  T* Pw = Ps + 16 * rg * L::LDP;
-  WarpAcc<T, DC> dq, pk;  // dQ; sum_j p_ij k_j (kRefine)
-  dq.init(Sw + cs * SC, L::LDS);
-  if constexpr (kRefine) pk.init(Sw + cs * SC, L::LDS);
-  float resid = 0.f;  // this lane's part of r_i = sum_j ds'_ij (kRefine)
+  WarpAcc<T, DC> dq;
+  dq.init();
 
   const T* kb = static_cast<const T*>(p.k) + b * p.sk.batch + sq.start * p.sk.row + h * p.sk.head;
   const T* vb = static_cast<const T*>(p.v) + b * p.sv.batch + sq.start * p.sv.row + h * p.sv.head;
@@ -254,29 +245,10 @@ __global__ void __launch_bounds__(BM / 16 * WN * 32, 1) attention_bwd_dq_kernel(
         const float dpv = keep ? dPw[r * L::LDS + c] * rdrop : 0.f;
         const float dsv = pv * (dpv - dl);
         dSw[r * L::LDP + c] = from_f<T>(dsv);
-        if constexpr (kRefine) {
-          Pw[r * L::LDP + c] = from_f<T>(pv);
-          resid += dsv;
-        }
       }
     }
     sync_row_group<WN>();
     dq.template mma<BN>(dSw, L::LDP, Ks + cs * DC, L::LDT);  // dQ += dS K, this warp's columns
-    if constexpr (kRefine) pk.template mma<BN>(Pw, L::LDP, Ks + cs * DC, L::LDT);  // += P K
-  }
-  if constexpr (kRefine) {
-    // r_i: the lane pair's columns, then the WN column slices (fixed order: deterministic).
-    resid += __shfl_xor_sync(0xffffffffu, resid, 1);
-    if (half == 0) resid_s[cs * BM + 16 * rg + r] = resid;
-    __syncthreads();
-    if (cs == 0 && half == 0) {
-      float sum = 0.f;
-      for (int c = 0; c < WN; ++c) sum += resid_s[c * BM + 16 * rg + r];
-      resid_s[16 * rg + r] = sum;
-      if (qi < sq.len) p.delta[stat] = dl + sum;  // Delta_i for the dK/dV kernel
-    }
-    __syncthreads();
-    dq.sub_scaled_rows(pk, resid_s + 16 * rg);  // dQ -= r_i pk_i
   }
   dq.scale(p.softmax_scale);
 
@@ -412,9 +384,9 @@ struct KvTiles {
 // dV += Pd^T dO and dK += dS^T Q, Pd^T and dS^T the A fragments of their accumulators (as P in the
 // forward) and dO, Q through ldmatrix .trans. Q, dO, lse and Delta are double-buffered (KvTiles); keys
 // are masked only in blocks that hold an invalid one (their loop of their own).
-template <typename T, int D, int BM_>
+template <typename T, int D, int BM_, int BN_>
 struct MmaKvSmem {
-  static constexpr int BN = 64, BM = BM_;
+  static constexpr int BN = BN_, BM = BM_;
   static constexpr int LD = D + kPadT<T>;
   static constexpr int k = 0;                                             // [BN, LD]
   static constexpr int v = align128(k + 1LL * BN * LD * sizeof(T));       // [BN, LD]
@@ -427,7 +399,7 @@ struct MmaKvSmem {
 
 template <typename T, int D, int BM, int NW, bool kDropout, bool kVecQD>
 __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dkdv_mma_kernel(const Params p) {
-  using L = MmaKvSmem<T, D, BM>;
+  using L = MmaKvSmem<T, D, BM, 16 * NW>;
   constexpr int BN = 16 * NW, NT = NW * 32, LD = L::LD;
   constexpr int DC = Cfg<T, D>::kMmaColumns, NC = D / DC;  // dK's, dV's columns a block; blocks a key block
   constexpr int KS = D / 16, NS = BM / 8, NO = DC / 8;  // k-steps over the head; n8 tiles of S^T, of dK, dV
@@ -706,9 +678,9 @@ struct DqTiles {
 // + r_i written for the dK/dV kernel. The keep bits are the forward's tile layout: lane (g, t), 16-key
 // block C holds one byte. Rows past the sequence's end read lse = +inf (p = 0); keys are masked only in
 // blocks that hold an invalid one (their loop of their own), as KvStages loads them.
-template <typename T, int D, int BN>
+template <typename T, int D, int BN, int BM_>
 struct MmaDqSmem {
-  static constexpr int BM = 64;
+  static constexpr int BM = BM_;
   static constexpr int LD = D + kPadT<T>;
   static constexpr int q = 0;                                              // [BM, LD]
   static constexpr int dO = align128(q + 1LL * BM * LD * sizeof(T));       // [BM, LD]
@@ -720,7 +692,7 @@ struct MmaDqSmem {
 
 template <typename T, int D, int BN, int NW, bool kDropout, bool kVecKV>
 __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dq_mma_kernel(const Params p) {
-  using L = MmaDqSmem<T, D, BN>;
+  using L = MmaDqSmem<T, D, BN, 16 * NW>;
   constexpr int BM = 16 * NW, NT = NW * 32, LD = L::LD;
   constexpr int DC = Cfg<T, D>::kMmaColumns, NC = D / DC;  // dQ's columns a block; blocks a query block
   constexpr int KS = D / 16, NO = DC / 8;  // k-steps over the head; n8 tiles of the block's dQ columns
@@ -1070,10 +1042,10 @@ struct Bwd {
     using C = Cfg<T, D>;
     // The wgmma kernels' tiles (fp16/bf16, head dims 64 and 128), and whether this device runs them
     // (asked once a launch: an sm_90 GPU and the sm_90a build).
-    constexpr bool kWgmmaTile = kWmma<T> && D % 64 == 0 && D <= 128;
+    constexpr bool kWgmmaTile = k16Bit<T> && D % 64 == 0 && D <= 128;
     const bool wgmma = kWgmmaTile && wgmma_available();
     const bool vec_kv = (p.vec & kVecK) && (p.vec & kVecV), vec_qd = (p.vec & kVecQ) && (p.vec & kVecDO);
-    if constexpr (kWmma<T> && D == 64) {
+    if constexpr (k16Bit<T> && D == 64) {
       if (wgmma && vec_kv && vec_qd && p.max_seqlen <= kFusedBwdMaxSeqlen) return run_fused(p, stream);
     }
 
@@ -1090,20 +1062,20 @@ struct Bwd {
         if (int s = prepare(dq, LW::bytes, "attention_bwd (dq)")) return s;
         dq<<<grid_for(p, LW::BM), 128, LW::bytes, stream>>>(p);
       }
-    } else if constexpr (kWmma<T>) {
-      constexpr int BN = C::kMmaDqBN, BE = C::kMmaDqBNElementwise;
+    } else if constexpr (k16Bit<T>) {
+      constexpr int BN = C::kMmaDqBN, BE = C::kMmaDqBNElementwise, NW = C::kMmaWarps;
       // At D 256 with dropout the 16-byte copies' state spills the kernel (sm_90): K, V element by element.
       constexpr bool kBigDrop = D > 128;
       const bool vec = vec_kv && !(kBigDrop && p.dropout_p > 0.f);
       auto dq = by_settings(p.dropout_p > 0.f, vec, [](auto drop, auto vec_) {
         constexpr bool kVec = decltype(vec_)::value && !(kBigDrop && decltype(drop)::value);
-        return attention_bwd_dq_mma_kernel<T, D, kVec ? BN : BE, 4, decltype(drop)::value, kVec>;
+        return attention_bwd_dq_mma_kernel<T, D, kVec ? BN : BE, NW, decltype(drop)::value, kVec>;
       });
-      const int bytes = vec ? MmaDqSmem<T, D, BN>::bytes : MmaDqSmem<T, D, BE>::bytes;
+      const int bytes = vec ? MmaDqSmem<T, D, BN, 16 * NW>::bytes : MmaDqSmem<T, D, BE, 16 * NW>::bytes;
       if (int s = prepare(dq, bytes, "attention_bwd (dq)")) return s;
-      dim3 grid = grid_for(p, MmaDqSmem<T, D, BN>::BM);
+      dim3 grid = grid_for(p, 16 * NW);
       grid.x *= D / C::kMmaColumns;  // a block per query block and column slice
-      dq<<<grid, 128, bytes, stream>>>(p);
+      dq<<<grid, NW * 32, bytes, stream>>>(p);
     } else {
       using LQ = DqSmem<T, D, C::kDqBM, C::kDqBN, C::kDqWN>;
       auto dq = attention_bwd_dq_kernel<T, D, C::kDqBM, C::kDqBN, C::kDqWN>;
@@ -1121,16 +1093,16 @@ struct Bwd {
         if (int s = prepare(kv, LW::bytes, "attention_bwd (dk, dv)")) return s;
         kv<<<grid_for(p, LW::BN), 128, LW::bytes, stream>>>(p);
       }
-    } else if constexpr (kWmma<T>) {
-      constexpr int BM = C::kMmaKvBM;
-      using LK = MmaKvSmem<T, D, BM>;
+    } else if constexpr (k16Bit<T>) {
+      constexpr int BM = C::kMmaKvBM, NW = C::kMmaWarps;
+      using LK = MmaKvSmem<T, D, BM, 16 * NW>;
       auto kv = by_settings(p.dropout_p > 0.f, vec_qd, [](auto drop, auto vec) {
-        return attention_bwd_dkdv_mma_kernel<T, D, BM, 4, decltype(drop)::value, decltype(vec)::value>;
+        return attention_bwd_dkdv_mma_kernel<T, D, BM, NW, decltype(drop)::value, decltype(vec)::value>;
       });
       if (int s = prepare(kv, LK::bytes, "attention_bwd (dk, dv)")) return s;
       dim3 grid = grid_for(p, LK::BN);
       grid.x *= D / C::kMmaColumns;  // a block per key block and column slice
-      kv<<<grid, 128, LK::bytes, stream>>>(p);
+      kv<<<grid, NW * 32, LK::bytes, stream>>>(p);
     } else {
       using LK = KvSmem<T, D, C::kKvBN, C::kKvBM>;
       auto kv = attention_bwd_dkdv_kernel<T, D, C::kKvBN, C::kKvBM, C::kKvWN>;

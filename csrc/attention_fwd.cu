@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(BM / 16 * WN * 32) attention_fwd_kernel(const 
   float* Sw = Ss + 16 * rg * L::LDS;
   T* Pw = Ps + 16 * rg * L::LDP;
   WarpAcc<T, DC> acc;
-  acc.init(Sw + cs * SC, L::LDS);
+  acc.init();
 
   const float scale2 = p.softmax_scale * kLog2e;
   const bool dropout = p.dropout_p > 0.f;
@@ -533,7 +533,7 @@ struct Fwd {
     using C = Cfg<T, D>;
     // wgmma (an sm_90 GPU and the sm_90a build) at tile head dims 64 and 128 with 16-byte K and V rows,
     // else mma.sync (fp16/bf16), else the FMA kernel (fp32).
-    constexpr bool kWgmmaTile = kWmma<T> && D % 64 == 0 && D <= 128;
+    constexpr bool kWgmmaTile = k16Bit<T> && D % 64 == 0 && D <= 128;
     const bool vec = (p.vec & kVecK) && (p.vec & kVecV);
     if (kWgmmaTile && vec && wgmma_available()) {
       if constexpr (kWgmmaTile) {
@@ -543,7 +543,7 @@ struct Fwd {
         if (int s = prepare(kernel, L::bytes, "attention_fwd")) return s;
         kernel<<<grid_for(p, L::BM), 128, L::bytes, stream>>>(p);
       }
-    } else if constexpr (kWmma<T>) {
+    } else if constexpr (k16Bit<T>) {
       using L = MmaFwdSmem<T, D, C::kMmaFwdBN>;
       constexpr int BN = C::kMmaFwdBN, NW = L::BM / 16;
       auto kernel = by_settings(p.dropout_p > 0.f, vec, [](auto drop, auto vec_kv) {

@@ -1,12 +1,13 @@
 """Build bertfast's CUDA kernels as a CPU-emulated pybind11 module (for testing without a GPU).
 
 The csrc/ sources are copied with three mechanical rewrites, then compiled with g++ against
-emu.h (threads, barriers, shuffles, WMMA on the CPU) and emu_runtime.cpp (runtime stubs):
+emu.h (threads, barriers, shuffles and the PTX the attention issues, on the CPU) and emu_runtime.cpp
+(runtime stubs):
   kernel<<<grid, block, smem, stream>>>(args);  ->  ::emu::launch(kernel, grid, block, smem, stream, args);
   extern __shared__ [__align__(n)] T name[];     ->  T* name = reinterpret_cast<T*>(::emu::dyn_smem());
   __shared__ T name[...];                        ->  static T name[...];   (blocks run one at a time)
-and with BERTFAST_EMU defined, under which ptx.cuh leaves its inline PTX (ldmatrix, mma.sync, cp.async)
-to emu.h's emulation. Everything else (kernels, launchers, binding) is the real code. Usage:
+and with BERTFAST_EMU defined, under which ptx.cuh and wgmma.cuh leave their inline PTX (ldmatrix, mma.sync,
+cp.async, wgmma) to emu.h's emulation. Everything else (kernels, launchers, binding) is the real code. Usage:
   python csrc/emu/build_emu.py OUT_DIR     -> OUT_DIR/_C<ext suffix>; load with load(OUT_DIR).
 """
 import concurrent.futures
@@ -77,7 +78,6 @@ def _rewrite_launches(src: str) -> str:
 
 
 def transform(src: str) -> str:
-    src = src.replace("#include <mma.h>", '#include "emu.h"')
     src = re.sub(r"extern __shared__\s+(?:__align__\(\d+\)\s+)?([\w:][\w:\s]*?)\s+(\w+)\[\];",
                  r"\1* \2 = reinterpret_cast<\1*>(::emu::dyn_smem());", src)
     src = re.sub(r"(?<![\w])__shared__\s+", "static ", src)

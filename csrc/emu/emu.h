@@ -11,9 +11,6 @@
 //   shared memory                   per-block buffer (dynamic: filled with 0xFF bytes, so reading
 //                                   memory nobody wrote gives NaN); static __shared__ -> static
 //   atomicAdd                       std::atomic_ref
-//   nvcuda::wmma 16x16x16           fragments hold 8 elements per lane under a fixed map (for
-//                                   the accumulator the sm_80 m16n8k16 C layout); mma_sync is
-//                                   warp-collective: operands meet in warp scratch, fp32 sums.
 //   bertfast::ptx (ptx.cuh)         ldmatrix: lanes post their row addresses, each reads its elements
 //                                   from them; mma_m16n8k16: operands meet in warp scratch under the
 //                                   PTX ISA's layouts, fp32 sums in k order; cp.async: a thread's
@@ -175,102 +172,13 @@ void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaSt
 
 }  // namespace emu
 
-// ------------------------------------------------------------------ nvcuda::wmma (16x16x16)
-namespace nvcuda {
-namespace wmma {
-
-struct matrix_a {};
-struct matrix_b {};
-struct accumulator {};
-struct row_major {};
-struct col_major {};
-enum layout_t { mem_row_major, mem_col_major };
-
-template <typename Use, int M, int N, int K, typename T, typename Layout = void>
-struct fragment {
-  enum { num_elements = 8 };
-  float x[8];
-};
-
-// (row, col) of element e of lane l. Accumulator: sm_80 m16n8k16 C layout over two n8 halves.
-inline void acc_pos(int lane, int e, int* r, int* c) {
-  const int g = lane >> 2, t = lane & 3;
-  *r = g + 8 * ((e >> 1) & 1);
-  *c = 2 * t + (e & 1) + 8 * (e >> 2);
-}
-// Operands: a plain row-major split (their map is never observed by the kernels).
-inline void op_pos(int lane, int e, int* r, int* c) {
-  const int idx = lane * 8 + e;
-  *r = idx / 16;
-  *c = idx % 16;
-}
+namespace emu {
 
 inline float as_float(float v) { return v; }
 inline float as_float(__half v) { return __half2float(v); }
 inline float as_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 
-template <typename Use, typename T, typename L>
-inline void load_matrix_sync(fragment<Use, 16, 16, 16, T, L>& f, const T* p, unsigned ldm) {
-  static_assert(!std::is_same<Use, accumulator>::value, "operand fragments only");
-  for (int e = 0; e < 8; ++e) {
-    int r, c;  // matrix_a: (m, k); matrix_b: (k, n)
-    op_pos(emu::tl_lane, e, &r, &c);
-    f.x[e] = as_float(std::is_same<L, row_major>::value ? p[r * ldm + c] : p[c * ldm + r]);
-  }
-}
-
-inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p, unsigned ldm,
-                             layout_t layout) {
-  for (int e = 0; e < 8; ++e) {
-    int r, c;
-    acc_pos(emu::tl_lane, e, &r, &c);
-    f.x[e] = layout == mem_row_major ? p[r * ldm + c] : p[c * ldm + r];
-  }
-}
-
-inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm,
-                              layout_t layout) {
-  for (int e = 0; e < 8; ++e) {
-    int r, c;
-    acc_pos(emu::tl_lane, e, &r, &c);
-    (layout == mem_row_major ? p[r * ldm + c] : p[c * ldm + r]) = f.x[e];
-  }
-}
-
-template <typename Use, typename T, typename L>
-inline void fill_fragment(fragment<Use, 16, 16, 16, T, L>& f, float v) {
-  for (float& e : f.x) e = v;
-}
-
-template <typename T, typename LA, typename LB>
-inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix_a, 16, 16, 16, T, LA>& a,
-                     const fragment<matrix_b, 16, 16, 16, T, LB>& b,
-                     const fragment<accumulator, 16, 16, 16, float>& c) {
-  emu::Warp* w = emu::tl_warp;
-  const int lane = emu::tl_lane;
-  for (int e = 0; e < 8; ++e) {
-    int r, k;
-    op_pos(lane, e, &r, &k);
-    w->A[r * 16 + k] = a.x[e];
-    w->B[r * 16 + k] = b.x[e];  // b element (k = r, n = k)
-    acc_pos(lane, e, &r, &k);
-    w->C[r * 16 + k] = c.x[e];
-  }
-  w->bar.arrive_and_wait();
-  float out[8];
-  for (int e = 0; e < 8; ++e) {
-    int r, n;
-    acc_pos(lane, e, &r, &n);
-    float s = w->C[r * 16 + n];
-    for (int k = 0; k < 16; ++k) s += w->A[r * 16 + k] * w->B[k * 16 + n];
-    out[e] = s;
-  }
-  w->bar.arrive_and_wait();
-  for (int e = 0; e < 8; ++e) d.x[e] = out[e];
-}
-
-}  // namespace wmma
-}  // namespace nvcuda
+}  // namespace emu
 
 // ------------------------------------------------------------------ bertfast::ptx (ptx.cuh)
 namespace emu {
@@ -294,7 +202,7 @@ inline float half_bits_to_float(uint32_t reg, int hi) {
   const uint16_t bits = static_cast<uint16_t>(hi ? reg >> 16 : reg & 0xFFFFu);
   T v;
   std::memcpy(&v, &bits, 2);
-  return nvcuda::wmma::as_float(v);
+  return as_float(v);
 }
 
 // NM 8 x 8 matrices of 16-bit elements, rows addressed by lanes 8i .. 8i + 7.

@@ -3,7 +3,7 @@
 ``backend`` is parametrised over torch, triton and cuda. On a machine with a GPU each runs on
 CUDA tensors. Without one: torch on the CPU, Triton under the interpreter (TRITON_INTERPRET=1,
 set in tests/conftest.py), and CUDA on the CPU emulator (csrc/emu: the real kernels and
-launchers compiled with g++ against an emulation of threads, barriers and WMMA), built once per
+launchers compiled with g++ against an emulation of threads, barriers and the PTX they issue), built once per
 session. A backend that cannot run here skips with the reason.
 
 Inside ``with backend.forced():`` every op call goes to that backend (a forced backend never
