@@ -248,6 +248,28 @@ __device__ __forceinline__ void accumulators_as_a(uint32_t (&a)[4], const float 
 }
 
 // ------------------------------------------------------------------ wgmma tile products (wgmma.cuh)
+// A product's k-steps, issued into the caller's group (its fence, commit and wait are the caller's), for
+// the warpgroup's 64 rows and N columns. x (+)= A B^T over KS k-steps, A's tile (MA rows) and B's (N rows)
+// K-major at the descriptors given (their k-step 0), B's `at` bytes into its (the stage); the first
+// k-step overwrites x.
+template <typename T, int KS, int MA, int N>
+__device__ __forceinline__ void wgmma_issue_nt(float (&x)[N / 8][4], uint64_t a, uint64_t b, uint32_t at) {
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+    ptx::wgmma_ss<T, N, false>(x, ptx::wgmma_desc_add(a, ptx::k_major_step<MA>(ks)),
+                               ptx::wgmma_desc_add(b, at + ptx::k_major_step<N>(ks)), ks > 0);
+  }
+}
+// x (+)= A B over KK k-steps of 16, A's fragments in registers (af), B's tile MN-major (read transposed)
+// `at` bytes into its; accumulate false: the first k-step overwrites x.
+template <typename T, int KK, int N>
+__device__ __forceinline__ void wgmma_issue_rs(float (&x)[N / 8][4], const uint32_t (&af)[KK][4], uint64_t b,
+                                               uint32_t at, bool accumulate) {
+#pragma unroll
+  for (int kk = 0; kk < KK; ++kk)
+    ptx::wgmma_rs<T, N, true>(x, af[kk], ptx::wgmma_desc_add(b, at + ptx::mn_major_step(kk)), accumulate || kk > 0);
+}
+
 // The two wgmma products of a backward step, for the warpgroup's 64 rows and N columns: x = A_x B_x^T
 // and y = A_y B_y^T over KS k-steps (S and dP; S^T and dP^T), A's tiles (MA rows) and B's (N rows)
 // K-major at the descriptors given (their k-step 0), B's `at` bytes into theirs (the stage); returns
@@ -256,16 +278,8 @@ template <typename T, int KS, int MA, int N>
 __device__ __forceinline__ void wgmma_pair_nt(float (&x)[N / 8][4], float (&y)[N / 8][4], uint64_t xa, uint64_t ya,
                                               uint64_t xb, uint64_t yb, uint32_t at) {
   ptx::wgmma_fence();
-#pragma unroll
-  for (int ks = 0; ks < KS; ++ks) {
-    ptx::wgmma_ss<T, N, false>(x, ptx::wgmma_desc_add(xa, ptx::k_major_step<MA>(ks)),
-                               ptx::wgmma_desc_add(xb, at + ptx::k_major_step<N>(ks)), ks > 0);
-  }
-#pragma unroll
-  for (int ks = 0; ks < KS; ++ks) {
-    ptx::wgmma_ss<T, N, false>(y, ptx::wgmma_desc_add(ya, ptx::k_major_step<MA>(ks)),
-                               ptx::wgmma_desc_add(yb, at + ptx::k_major_step<N>(ks)), ks > 0);
-  }
+  wgmma_issue_nt<T, KS, MA, N>(x, xa, xb, at);
+  wgmma_issue_nt<T, KS, MA, N>(y, ya, yb, at);
   ptx::wgmma_commit();
   ptx::wgmma_wait<0>();
 }
@@ -283,11 +297,8 @@ __device__ __forceinline__ void wgmma_pair_rs(float (&x)[N / 8][4], float (&y)[N
     accumulators_as_a<T>(yf[kk], ys[2 * kk], ys[2 * kk + 1]);
   }
   ptx::wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < NS / 2; ++kk) {
-    ptx::wgmma_rs<T, N, true>(x, xf[kk], ptx::wgmma_desc_add(xb, at + ptx::mn_major_step(kk)), true);
-    ptx::wgmma_rs<T, N, true>(y, yf[kk], ptx::wgmma_desc_add(yb, at + ptx::mn_major_step(kk)), true);
-  }
+  wgmma_issue_rs<T, NS / 2, N>(x, xf, xb, at, true);
+  wgmma_issue_rs<T, NS / 2, N>(y, yf, yb, at, true);
   ptx::wgmma_commit();
   ptx::wgmma_wait<0>();
 }

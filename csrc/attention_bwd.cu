@@ -987,9 +987,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) attention_bwd_fused_wgmma_kernel
     float dq[NO][4];
     const uint64_t kt_d = ptx::wgmma_desc_mn<S>(ptx::smem_addr(ks));
     ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < NS / 2; ++kk)
-      ptx::wgmma_rs<T, D, true>(dq, dsa[kk], ptx::wgmma_desc_add(kt_d, ptx::mn_major_step(kk)), kk > 0);
+    wgmma_issue_rs<T, NS / 2, D>(dq, dsa, kt_d, 0, false);
     ptx::wgmma_commit();
     ptx::wgmma_wait<0>();
     store_rows<T, NO>(p.dq, p.sdq, b, h, sq, row0, dq, p.softmax_scale, p.head_dim, p.vec & kVecDQ);

@@ -445,11 +445,7 @@ __global__ void __launch_bounds__(128, 1) attention_fwd_wgmma_kernel(const Param
     // S = Q K^T (m64 x BN, D / 16 k-steps; raw scores)
     float s[NS][4];
     ptx::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      ptx::wgmma_ss<T, BN, false>(s, ptx::wgmma_desc_add(q_d, ptx::k_major_step<BM>(ks)),
-                                  ptx::wgmma_desc_add(k_d, at + ptx::k_major_step<BN>(ks)), ks > 0);
-    }
+    wgmma_issue_nt<T, KS, BM, BN>(s, q_d, k_d, at);
     ptx::wgmma_commit();
     ptx::wgmma_wait<0>();
     rows.template step<NS, NO, decltype(masked)::value>(s, o, jb * BN, tiles.kvalid + stage * BN, p);
@@ -459,9 +455,7 @@ __global__ void __launch_bounds__(128, 1) attention_fwd_wgmma_kernel(const Param
 #pragma unroll
     for (int kk = 0; kk < NS / 2; ++kk) accumulators_as_a<T>(pf[kk], s[2 * kk], s[2 * kk + 1]);
     ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < NS / 2; ++kk)
-      ptx::wgmma_rs<T, D, true>(o, pf[kk], ptx::wgmma_desc_add(vt_d, at + ptx::mn_major_step(kk)), true);
+    wgmma_issue_rs<T, NS / 2, D>(o, pf, vt_d, at, true);
     ptx::wgmma_commit();
     ptx::wgmma_wait<0>();
     __syncthreads();  // every warp is done with this stage: the next block's copies overwrite it
