@@ -21,6 +21,9 @@ _WHERE = {
     **{name: "bertfast.model.task_models" for name in (
         "BertForPreTraining", "BertForMaskedLM", "BertForSequenceClassification", "BertForTokenClassification",
         "BertForQuestionAnswering", "BertForMultipleChoice")},
+    **{f"{prefix}{suffix}": "bertfast.model.roberta" for prefix in ("Roberta", "XLMRoberta", "Camembert")
+       for suffix in ("PreTrainedModel", "Model", "ForMaskedLM", "ForSequenceClassification",
+                      "ForTokenClassification", "ForQuestionAnswering", "ForMultipleChoice")},
     "pack_batch": "bertfast.padding",
     "use_backend": "bertfast.dispatch",
     "register_auto": "bertfast.hf",

@@ -1,6 +1,6 @@
 """bertfast inside transformers: the Auto classes, and transformers' own BERT on the fused attention.
 
-    bertfast.register_auto()                        # AutoModel* build bertfast models for BERT configs
+    bertfast.register_auto()                        # AutoModel* build bertfast models (BERT, RoBERTa, XLM-R, CamemBERT)
     bertfast.unregister_auto()                      # and back
 
     import bertfast.hf
@@ -16,7 +16,7 @@ local layers), soft-capping, attention sinks, a position bias (passed beside the
 into it), and any mask that differs between query rows. Families that compute attention in their
 own code (DeBERTa, MPNet: no ``_supports_attention_backend``) would never call the kernel, so
 asking them for it raises when the model is built or loaded. For the whole fused, unpadded model
-use ``bertfast.BertModel`` instead.
+use ``bertfast.BertModel`` (``bertfast.RobertaModel``, ...) instead.
 """
 from __future__ import annotations
 
@@ -164,20 +164,27 @@ _displaced: dict = {}
 
 
 def _auto_keys():
+    """(an Auto class's mapping, a config class, the bertfast class it is to build) for every family."""
     import transformers
 
     import bertfast
+    from bertfast.model import roberta
 
     for auto_name, model_name in _AUTO_CLASSES:
         mapping = getattr(transformers, auto_name)._model_mapping
         for config_class in (transformers.BertConfig, bertfast.BertConfig):
             yield mapping, config_class, getattr(bertfast, model_name)
+    for prefix, table in roberta.AUTO_CLASSES.items():
+        config_class = getattr(transformers, f"{prefix}Config")
+        for auto_name, model_name in table.items():
+            yield getattr(transformers, auto_name)._model_mapping, config_class, roberta.MODEL_CLASSES[model_name]
 
 
 def register_auto() -> None:
     """Make transformers' Auto classes (and so pipelines, sentence-transformers, Trainer scripts)
-    build bertfast's models for BERT configs, in this process: ``AutoModel.from_pretrained(bert_dir)``
-    then returns a ``bertfast.BertModel``. ``unregister_auto()`` restores transformers' own."""
+    build bertfast's models for BERT, RoBERTa, XLM-R and CamemBERT configs, in this process:
+    ``AutoModel.from_pretrained(bert_dir)`` then returns a ``bertfast.BertModel`` (a RoBERTa
+    directory: a ``bertfast.RobertaModel``). ``unregister_auto()`` restores transformers' own."""
     for mapping, config_class, model_class in _auto_keys():
         if (id(mapping), config_class) not in _displaced:
             _displaced[(id(mapping), config_class)] = mapping._extra_content.get(config_class)

@@ -56,7 +56,8 @@ def packed_layout(cu_seqlens: Tensor, max_seqlen: int, tokens: int) -> Tuple[Ten
     return index, offsets[None, :] < lengths[:, None]
 
 
-def pack_batch(batch: Dict[str, Any], tokens: int, max_seqlen: int, slots: Optional[int] = None) -> Dict[str, Any]:
+def pack_batch(batch: Dict[str, Any], tokens: int, max_seqlen: int, slots: Optional[int] = None,
+               position_ids: bool = True) -> Dict[str, Any]:
     """A padded batch (model keyword arguments with attention_mask [B, S]) as packed sequences of
     fixed shapes: the B sequences one after another in one row of ``tokens`` tokens, the unused
     tail cut into dummy sequences of at most ``max_seqlen`` tokens, then empty sequences up to
@@ -65,8 +66,9 @@ def pack_batch(batch: Dict[str, Any], tokens: int, max_seqlen: int, slots: Optio
     Per-token values ([B, S, ...]) become [1, tokens, ...], filled with -100 (names holding
     "label") or 0; per-sequence values ([B, ...]) become [slots, ...], with -100 (integer labels,
     QA positions) or NaN (float targets: regression, multi-label) for the dummy and empty slots,
-    so they count in no loss. Float targets must therefore be finite. position_ids restart in
-    every sequence.
+    so they count in no loss. Float targets must therefore be finite. position_ids restart from 0 in
+    every sequence (BERT's), unless the batch has its own or ``position_ids=False`` leaves them to
+    the model (RoBERTa's family numbers each packed sequence from padding_idx + 1 itself).
 
     A multiple-choice batch (attention_mask [E, C, S]) packs its E x C sequences example after
     example, in groups of C slots (``slots`` a multiple of C; the default rounded up to one);
@@ -126,7 +128,7 @@ def pack_batch(batch: Dict[str, Any], tokens: int, max_seqlen: int, slots: Optio
             raise ValueError(f"pack_batch: {name} of shape {tuple(value.shape)} is neither per token "
                              f"[{', '.join(map(str, token_shape))}, ...] nor per "
                              f"{'example' if choices else 'sequence'} [{examples}, ...]")
-    if "position_ids" not in out:
+    if "position_ids" not in out and position_ids:
         out["position_ids"] = torch.cat([torch.arange(n) for n in pieces])[None].to(mask.device)
     out["cu_seq_lens_q"] = cu.to(mask.device)
     out["max_length_q"] = int(max_seqlen)

@@ -249,7 +249,6 @@ def _add_and_norm(output: nn.Module, h: torch.Tensor, residual: torch.Tensor) ->
 
 
 def mlm_head(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """BertLMPredictionHead: hidden [..., H] -> logits [..., V]."""
-    transform = head.transform
-    h = F.gelu(transform.dense(hidden), approximate=transform.approximate)
-    return head.decoder(transform.LayerNorm(h))
+    """An MLM head (bertfast.model.modeling.MLMHead: BERT's, RoBERTa's): hidden [..., H] -> logits [..., V]."""
+    dense, layer_norm, decoder, approximate = head.parts()
+    return decoder(layer_norm(F.gelu(dense(hidden), approximate=approximate)))

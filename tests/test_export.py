@@ -1,5 +1,6 @@
 """Export: torch.export and ONNX (opset 18, onnxruntime) of BertModel and BertForSequenceClassification
-with dynamic batch and sequence length, checked against transformers' BERT at real tokens.
+(and of the RoBERTa family's) with dynamic batch and sequence length, checked against transformers'
+classes at real tokens.
 
 Exporting traces the reference math (plain PyTorch ops, padded layout), never the custom ops.
 """
@@ -10,12 +11,24 @@ import bertfast
 
 transformers = pytest.importorskip("transformers")
 
-CASES = [("BertModel", "last_hidden_state"), ("BertForSequenceClassification", "logits")]
+CASES = [("BertModel", "last_hidden_state"), ("BertForSequenceClassification", "logits"),
+         ("RobertaModel", "last_hidden_state"), ("XLMRobertaForSequenceClassification", "logits")]
+
+
+def _config(cls_name):
+    """The tiny preset's sizes in the class's family config (RoBERTa's: 2 more positions, counted from 2)."""
+    config = bertfast.BertConfig.preset("tiny")
+    sizes = {k: getattr(config, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                             "intermediate_size")}
+    for family in ("XLMRoberta", "Roberta", "Camembert"):
+        if cls_name.startswith(family):
+            return getattr(transformers, f"{family}Config")(**sizes, pad_token_id=1, max_position_embeddings=130)
+    return config
 
 
 def _pair(cls_name, tmp_path):
     torch.manual_seed(0)
-    ours = getattr(bertfast, cls_name)(bertfast.BertConfig.preset("tiny")).eval()
+    ours = getattr(bertfast, cls_name)(_config(cls_name)).eval()
     ours.save_pretrained(tmp_path)
     theirs = getattr(transformers, cls_name).from_pretrained(tmp_path, attn_implementation="eager").eval()
     return ours, theirs

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import transformers
 
@@ -71,45 +71,59 @@ def gelu_approximate(config: transformers.PretrainedConfig) -> str:
     return "none" if config.hidden_act == "gelu" else "tanh"
 
 
-def check_supported(config: transformers.PretrainedConfig) -> None:
-    """Raise a ValueError naming the first setting the fused BERT encoder cannot run."""
-    if not isinstance(config, transformers.BertConfig):
-        raise ValueError(f"expected a transformers BertConfig (or bertfast.BertConfig), got "
-                         f"{type(config).__module__}.{type(config).__name__}")
+def roberta_config_classes() -> Tuple[type, ...]:
+    """The config classes of the RoBERTa family: transformers' RoBERTa code serves all three."""
+    return (transformers.RobertaConfig, transformers.XLMRobertaConfig, transformers.CamembertConfig)
 
+
+def check_supported(config: transformers.PretrainedConfig, expected: Tuple[type, ...] = (transformers.BertConfig,),
+                    counts_from_padding: bool = False) -> None:
+    """Raise a ValueError naming the first setting the fused encoder cannot run. ``expected``: the
+    config classes of the model's family; ``counts_from_padding``: a family whose positions count
+    from padding_idx + 1 (RoBERTa), which needs a pad_token_id."""
+    if not isinstance(config, expected):
+        names = " or ".join(c.__name__ for c in expected)
+        raise ValueError(f"expected a transformers {names}, got {type(config).__module__}.{type(config).__name__}")
+    kind = type(config).__name__
     for name in POSITIVE_INT_FIELDS:
         value = getattr(config, name)
         if not _positive_int(value):
-            raise ValueError(f"BertConfig.{name} must be a positive int, got {value!r}")
+            raise ValueError(f"{kind}.{name} must be a positive int, got {value!r}")
     if config.hidden_size % config.num_attention_heads:
-        raise ValueError(f"BertConfig.hidden_size ({config.hidden_size}) must be divisible by "
+        raise ValueError(f"{kind}.hidden_size ({config.hidden_size}) must be divisible by "
                          f"num_attention_heads ({config.num_attention_heads})")
     if config.hidden_act not in SUPPORTED_ACTIVATIONS:
-        raise ValueError(f"BertConfig.hidden_act must be one of {SUPPORTED_ACTIVATIONS}, got {config.hidden_act!r}")
+        raise ValueError(f"{kind}.hidden_act must be one of {SUPPORTED_ACTIVATIONS}, got {config.hidden_act!r}")
     # transformers 4 wrote this field; relative position embeddings are not served by the fused attention.
     position = getattr(config, "position_embedding_type", "absolute")
     if position != "absolute":
-        raise ValueError(f"BertConfig.position_embedding_type must be 'absolute' (bertfast's attention has no "
+        raise ValueError(f"{kind}.position_embedding_type must be 'absolute' (bertfast's attention has no "
                          f"relative position bias), got {position!r}")
     if config.is_decoder or config.add_cross_attention:
-        raise ValueError("bertfast's BERT is an encoder only: BertConfig.is_decoder and add_cross_attention must "
+        raise ValueError(f"bertfast's models are encoder only: {kind}.is_decoder and add_cross_attention must "
                          f"be False, got is_decoder={config.is_decoder}, "
                          f"add_cross_attention={config.add_cross_attention}")
     for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
         p = getattr(config, name)
         if not 0.0 <= float(p) < 1.0:
-            raise ValueError(f"BertConfig.{name} must be in [0, 1), got {p!r}")
+            raise ValueError(f"{kind}.{name} must be in [0, 1), got {p!r}")
     if config.classifier_dropout is not None and not 0.0 <= float(config.classifier_dropout) < 1.0:
-        raise ValueError(f"BertConfig.classifier_dropout must be None or in [0, 1), got {config.classifier_dropout!r}")
+        raise ValueError(f"{kind}.classifier_dropout must be None or in [0, 1), got {config.classifier_dropout!r}")
     if config.problem_type not in SUPPORTED_PROBLEM_TYPES:
-        raise ValueError(f"BertConfig.problem_type must be one of {SUPPORTED_PROBLEM_TYPES}, "
+        raise ValueError(f"{kind}.problem_type must be one of {SUPPORTED_PROBLEM_TYPES}, "
                          f"got {config.problem_type!r}")
     if not float(config.layer_norm_eps) > 0:
-        raise ValueError(f"BertConfig.layer_norm_eps must be > 0, got {config.layer_norm_eps!r}")
+        raise ValueError(f"{kind}.layer_norm_eps must be > 0, got {config.layer_norm_eps!r}")
     pad = config.pad_token_id
+    if counts_from_padding and not (_positive_int(pad) or pad == 0):
+        raise ValueError(f"{kind}.pad_token_id must be an int (positions count from it: padding_idx + 1 is the "
+                         f"first token's), got {pad!r}")
     if pad is not None and not 0 <= pad < config.vocab_size:
-        raise ValueError(f"BertConfig.pad_token_id must be None or in [0, vocab_size={config.vocab_size}), "
+        raise ValueError(f"{kind}.pad_token_id must be None or in [0, vocab_size={config.vocab_size}), "
                          f"got {pad!r}")
+    if counts_from_padding and pad + 1 >= config.max_position_embeddings:
+        raise ValueError(f"{kind}.max_position_embeddings ({config.max_position_embeddings}) must exceed "
+                         f"pad_token_id + 1 = {pad + 1}, the first token's position")
 
 
 PRESETS: Dict[str, Dict[str, Any]] = {

@@ -78,40 +78,74 @@ def table_rows(cfg: BertConfig, word_embeddings: torch.nn.Module) -> int:
 
 def prepare_inputs(cfg: BertConfig, word_embeddings: torch.nn.Module, input_ids: Optional[Tensor],
                    attention_mask: Optional[Tensor], token_type_ids: Optional[Tensor], position_ids: Optional[Tensor],
-                   inputs_embeds: Optional[Tensor], packed: Optional[Packed] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    """BertModel's inputs checked (``check_inputs``), then (attention_mask, token_type_ids, position_ids)
+                   inputs_embeds: Optional[Tensor], packed: Optional[Packed] = None,
+                   position_padding_idx: Optional[int] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """The encoder's inputs checked (``check_inputs``), then (attention_mask, token_type_ids, position_ids)
     of shape [batch, seq_len]: the defaults where not given, and [1, seq_len] ids broadcast over the
-    batch as transformers' embeddings do. Packed sequences ([1, T] with ``packed``) count positions
-    from 0 in each sequence."""
+    batch as transformers' embeddings do. Default positions count from 0 (BERT), or with
+    ``position_padding_idx`` from it + 1 (RoBERTa, ``counted_positions``). Packed sequences ([1, T]
+    with ``packed``) count positions in each sequence."""
     weight = getattr(word_embeddings, "weight", None)
+    first = 0 if position_padding_idx is None else position_padding_idx + 1
     batch, seqlen = check_inputs(cfg, table_rows(cfg, word_embeddings), input_ids, attention_mask, token_type_ids,
                                  position_ids, inputs_embeds, weight.dtype if isinstance(weight, Tensor) else None,
-                                 packed)
+                                 packed, first)
     device = (input_ids if input_ids is not None else inputs_embeds).device
+    given_mask = attention_mask
     if attention_mask is None:
         attention_mask = torch.ones((batch, seqlen), dtype=torch.long, device=device)
     if token_type_ids is None:
         token_type_ids = torch.zeros((batch, seqlen), dtype=torch.long, device=device)
-    if position_ids is None:
+    if position_ids is None and position_padding_idx is not None:
+        position_ids = counted_positions(input_ids, given_mask, position_padding_idx, packed, batch, seqlen, device)
+    elif position_ids is None:
         position_ids = torch.arange(seqlen, device=device) if packed is None else packed_positions(packed, seqlen)
     return attention_mask, token_type_ids.expand(batch, seqlen), position_ids.expand(batch, seqlen)
 
 
 def packed_positions(packed: Packed, tokens: int) -> Tensor:
     """[1, T] int64: each token's position in its own sequence (no host read)."""
+    return (torch.arange(tokens, device=packed.cu_seqlens.device) - _sequence_starts(packed, tokens))[None]
+
+
+def _sequence_starts(packed: Packed, tokens: int) -> Tensor:
+    """[T] int64: the index of the first token of each token's sequence."""
     cu = packed.cu_seqlens
     index = torch.arange(tokens, device=cu.device)
     sequence = torch.searchsorted(cu[1:], index.to(cu.dtype), right=True).clamp_(max=cu.numel() - 2)  # [T]
-    return (index - cu.long().index_select(0, sequence))[None]
+    return cu.long().index_select(0, sequence)
+
+
+def counted_positions(input_ids: Optional[Tensor], attention_mask: Optional[Tensor], padding_idx: int,
+                      packed: Optional[Packed], batch: int, seqlen: int, device: torch.device) -> Tensor:
+    """RoBERTa's positions [B, S] (fairseq's): the counted tokens numbered from padding_idx + 1 within
+    each sequence, the others at padding_idx. Counted are the ids other than padding_idx, as in
+    transformers (left padding then numbers each text as right padding does); with inputs_embeds,
+    the attention mask's tokens, where transformers numbers every position (wrong under left
+    padding). Packed, each sequence counts from its own first token: transformers' RoBERTa counts
+    across the whole row, and DataCollatorWithFlattening's position_ids count from 0."""
+    if input_ids is not None:
+        counted = input_ids.ne(padding_idx)
+    elif attention_mask is not None:
+        counted = attention_mask.ne(0)
+    else:
+        counted = torch.ones((batch, seqlen), dtype=torch.bool, device=device)
+    counts = counted.long().cumsum(1)
+    if packed is not None:  # restart the count at each sequence's first token
+        before = torch.cat([counts.new_zeros((1, 1)), counts[:, :-1]], dim=1)  # counted tokens before each
+        counts = counts - before[0].index_select(0, _sequence_starts(packed, seqlen))[None]
+    return counts * counted + padding_idx
 
 
 def check_inputs(cfg: BertConfig, vocab_size: int, input_ids: Optional[Tensor], attention_mask: Optional[Tensor],
                  token_type_ids: Optional[Tensor], position_ids: Optional[Tensor],
                  inputs_embeds: Optional[Tensor], model_dtype: Optional[torch.dtype] = None,
-                 packed: Optional[Packed] = None) -> Tuple[int, int]:
+                 packed: Optional[Packed] = None, first_position: int = 0) -> Tuple[int, int]:
     """Shapes, dtypes and devices of BertModel's inputs, then their values (one host sync, or
     none: see ``contract.value_checks``). ``vocab_size`` is the word table's (after a resize, before the
-    config is); ``model_dtype`` its weight's. Returns (batch, seq_len)."""
+    config is); ``model_dtype`` its weight's; ``first_position`` the family's first token's position
+    (RoBERTa's padding_idx + 1: given position_ids must not number a real token below it). Returns
+    (batch, seq_len)."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("BertModel: give exactly one of input_ids or inputs_embeds")
     named = (("input_ids", input_ids), ("inputs_embeds", inputs_embeds), ("attention_mask", attention_mask),
@@ -138,9 +172,11 @@ def check_inputs(cfg: BertConfig, vocab_size: int, input_ids: Optional[Tensor], 
                              f"position per sequence, got sequence length 0 (shape "
                              f"{tuple((input_ids if input_ids is not None else inputs_embeds).shape)})")
         longest = seqlen if packed is None else packed.max_seqlen
-        if longest > cfg.max_position_embeddings:
+        if longest + first_position > cfg.max_position_embeddings:
+            counted = (f" less the first token's position, padding_idx + 1 = {first_position}: "
+                       f"{cfg.max_position_embeddings - first_position} tokens" if first_position else "")
             raise ValueError(f"sequence length {longest} exceeds max_position_embeddings "
-                             f"{cfg.max_position_embeddings}")
+                             f"{cfg.max_position_embeddings}{counted}")
     if attention_mask is not None and tuple(attention_mask.shape) != (batch, seqlen):
         raise ValueError(f"attention_mask: expected shape [{batch}, {seqlen}], got {tuple(attention_mask.shape)}")
     # transformers' embeddings broadcast ids of one row over the batch (its own default position_ids are [1, S]).
@@ -153,13 +189,15 @@ def check_inputs(cfg: BertConfig, vocab_size: int, input_ids: Optional[Tensor], 
     mode = value_checks(input_ids if input_ids is not None else inputs_embeds)
     if mode == "off":
         return batch, seqlen
-    packed_rules = [] if packed is None else _packed_rules(packed, seqlen)
+    extra_rules = [] if packed is None else _packed_rules(packed, seqlen)
+    if first_position and position_ids is not None:
+        extra_rules.append(_first_position_rule(position_ids, attention_mask, first_position))
     if mode == "host":
         _check_values(cfg, vocab_size, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                      packed_rules)
+                      extra_rules)
     else:
         _assert_values(cfg, vocab_size, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                       packed_rules)
+                       extra_rules)
     return batch, seqlen
 
 
@@ -192,6 +230,18 @@ def _packed_rules(packed: Packed, tokens: int) -> List[Tuple[str, Tensor]]:
     return rules
 
 
+def _first_position_rule(position_ids: Tensor, attention_mask: Optional[Tensor], first: int) -> Tuple[str, Tensor]:
+    """A bool device scalar, true when no real token's position is below ``first`` (RoBERTa's
+    padding_idx + 1: position ids counted from 0, as BERT's or DataCollatorWithFlattening's, would
+    read the padding row and rows no token was trained on)."""
+    real = position_ids if attention_mask is None else torch.where(attention_mask == 0, first, position_ids)
+    message = (f"position_ids: this model numbers tokens from padding_idx + 1 = {first} (RoBERTa's positions), "
+               f"got a real token's position below it (counted from 0, as DataCollatorWithFlattening's are?); "
+               f"leave position_ids out (bertfast numbers each sequence, packed ones too: "
+               f"pack_batch(..., position_ids=False)) or add {first}")
+    return message, (real >= first).all()
+
+
 def _check_embeds_dtype(dtype: torch.dtype, model_dtype: Optional[torch.dtype], device: torch.device) -> None:
     """inputs_embeds must not be wider than the model's weights (transformers then fails inside LayerNorm
     with a mixed-dtype error); a narrower float type is promoted, as in transformers. Under autocast
@@ -207,9 +257,10 @@ def _check_embeds_dtype(dtype: torch.dtype, model_dtype: Optional[torch.dtype], 
 
 
 def _check_values(cfg: BertConfig, vocab_size: int, input_ids, attention_mask, token_type_ids, position_ids,
-                  inputs_embeds=None, packed_rules: Sequence[Tuple[str, Tensor]] = ()) -> None:
-    """Range checks (and ``_packed_rules``), gathered into one host sync."""
-    checks: List[Tuple[str, Tensor]] = [(message, ok.logical_not()) for message, ok in packed_rules]
+                  inputs_embeds=None, extra_rules: Sequence[Tuple[str, Tensor]] = ()) -> None:
+    """Range checks and the extra rules (``_packed_rules``, ``_first_position_rule``), gathered into one
+    host sync."""
+    checks: List[Tuple[str, Tensor]] = [(message, ok.logical_not()) for message, ok in extra_rules]
     if input_ids is not None and input_ids.numel():
         checks += [("input_ids_min", input_ids.min()), ("input_ids_max", input_ids.max())]
     if token_type_ids is not None and token_type_ids.numel():
@@ -223,7 +274,7 @@ def _check_values(cfg: BertConfig, vocab_size: int, input_ids, attention_mask, t
     if not checks:
         return
     values = dict(zip([n for n, _ in checks], torch.stack([v.to(torch.float64) for _, v in checks]).tolist()))
-    for message, _ in packed_rules:
+    for message, _ in extra_rules:
         if values[message]:
             raise ValueError(message)
     if values.get("input_ids_min", 0) < 0 or values.get("input_ids_max", 0) >= vocab_size:
@@ -245,7 +296,7 @@ def _check_values(cfg: BertConfig, vocab_size: int, input_ids, attention_mask, t
 
 
 def _assert_values(cfg: BertConfig, vocab_size: int, input_ids, attention_mask, token_type_ids, position_ids,
-                   inputs_embeds=None, packed_rules: Sequence[Tuple[str, Tensor]] = ()) -> None:
+                   inputs_embeds=None, extra_rules: Sequence[Tuple[str, Tensor]] = ()) -> None:
     """``_check_values``'s rules asserted on the device (no host read)."""
     def within(t: Optional[Tensor], hi: int) -> Optional[Tensor]:
         return None if t is None else ((t >= 0) & (t < hi)).all()
@@ -257,7 +308,7 @@ def _assert_values(cfg: BertConfig, vocab_size: int, input_ids, attention_mask, 
              (within(attention_mask, 2), "attention_mask: expected only 0 (padding) and 1 (token)"),
              (None if inputs_embeds is None else inputs_embeds.detach().isfinite().all(),
               "inputs_embeds: expected finite values")]
-    rules += [(ok, message) for message, ok in packed_rules]
+    rules += [(ok, message) for message, ok in extra_rules]
     for ok, message in rules:
         if ok is not None:
             torch._assert_async(ok, message)

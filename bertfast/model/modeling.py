@@ -7,6 +7,9 @@ atomic saves), dtype and device handling, gradient checkpointing,
 embedding resize, weight tying and the output classes are transformers'. Same class
 names, parameter names (state-dict keys), forward keywords, outputs and losses as
 transformers' BERT; the deliberate differences are listed in the README's drop-in table.
+What another family's classes share with BERT's is here too: ``FastPreTrainedModel`` (listed before
+the family's transformers PreTrainedModel) and ``EncoderModel`` (its encoder model's modules and
+forward; ``bertfast.model.roberta`` for RoBERTa, XLM-R and CamemBERT).
 
 Two ways to run the same modules and weights:
 
@@ -33,6 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules import module as _torch_module
+import transformers
 from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -58,6 +62,9 @@ class BertModelOutput(BaseModelOutputWithPoolingAndCrossAttentions):
     token_row_index: Optional[Tensor] = None
     # Packed inputs' layout (cu_seq_lens_q, max_length_q), for the heads with per-sequence losses.
     packed: Optional[model_inputs.Packed] = None
+    # Each sequence's first real token [B, H] (packed: [K, H], zeros for an empty sequence): what the
+    # pooler reads, and RoBERTa's classification head.
+    first_tokens: Optional[Tensor] = None
 
 
 class BertForPreTrainingOutput(hf_bert.BertForPreTrainingOutput):
@@ -85,7 +92,7 @@ FAST, REFERENCE = "fast", "reference"
 @contextlib.contextmanager
 def reference_execution(model: nn.Module) -> Iterator[nn.Module]:
     """Run ``model`` (same modules, same weights) through the plain padded reference encoder."""
-    encoders = [m for m in model.modules() if isinstance(m, BertModel)]
+    encoders = [m for m in model.modules() if isinstance(m, EncoderModel)]
     previous = [m.execution for m in encoders]
     for m in encoders:
         m.execution = REFERENCE
@@ -142,6 +149,9 @@ def _bias_in_gemm(x: Tensor, dense: nn.Linear, op: str) -> bool:
 
 # ================================================================= embeddings
 class BertEmbeddings(nn.Module):
+    # Default positions count from 0 (RoBERTa's embeddings: from this index + 1, model_inputs.counted_positions).
+    position_padding_idx: Optional[int] = None
+
     def __init__(self, config: BertConfig):
         super().__init__()
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
@@ -371,11 +381,14 @@ class BertPooler(nn.Module):
         return self.activation(self.dense(hidden_states[:, 0]))
 
 
-# ================================================================= base class
-class BertPreTrainedModel(hf_bert.BertPreTrainedModel):
-    """transformers' BertPreTrainedModel with bertfast's modules: PreTrainedModel's machinery, fused forward."""
+# ================================================================= base classes
+class FastPreTrainedModel:
+    """What bertfast adds to a family's transformers PreTrainedModel (the first of its bases):
+    PreTrainedModel's machinery, the fused forward. ``supported_configs``: the family's config
+    classes; ``counts_from_padding``: positions count from padding_idx + 1 (RoBERTa)."""
 
-    config_class = BertConfig
+    supported_configs: Tuple[type, ...] = (transformers.BertConfig,)
+    counts_from_padding = False
     # The fused attention always runs; transformers' attention backends do not apply to these classes.
     _supports_sdpa = False
     _supports_flash_attn = False
@@ -387,8 +400,8 @@ class BertPreTrainedModel(hf_bert.BertPreTrainedModel):
     accepts_loss_kwargs = False
     _keys_to_ignore_on_load_unexpected = [r"embeddings\.position_ids", r"embeddings\.token_type_ids"]
 
-    def __init__(self, config: BertConfig, *inputs: Any, **kwargs: Any):
-        check_supported(config)
+    def __init__(self, config: Any, *inputs: Any, **kwargs: Any):
+        check_supported(config, self.supported_configs, self.counts_from_padding)
         super().__init__(config, *inputs, **kwargs)
 
     @classmethod
@@ -403,17 +416,27 @@ class BertPreTrainedModel(hf_bert.BertPreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         PreTrainedModel._init_weights(self, module)  # Linear, Embedding (pad row 0), LayerNorm
-        if isinstance(module, BertLMPredictionHead):
+        if isinstance(module, MLMHead):
             init.zeros_(module.bias)
 
 
-# ================================================================= BertModel
-class BertModel(BertPreTrainedModel):
+class BertPreTrainedModel(FastPreTrainedModel, hf_bert.BertPreTrainedModel):
+    """transformers' BertPreTrainedModel with bertfast's modules."""
+
+    config_class = BertConfig
+
+
+# ================================================================= the encoder model
+class EncoderModel:
+    """The encoder model of a family (BertModel, RobertaModel, ...; a mixin listed before the family's
+    FastPreTrainedModel): embeddings (``embeddings_class``), layers, pooler, the fused forward."""
+
+    embeddings_class = BertEmbeddings
     _no_split_modules = ["BertEmbeddings", "BertLayer"]
 
-    def __init__(self, config: BertConfig, add_pooling_layer: bool = True):
+    def __init__(self, config: Any, add_pooling_layer: bool = True):
         super().__init__(config)
-        self.embeddings = BertEmbeddings(config)
+        self.embeddings = self.embeddings_class(config)
         self.encoder = BertEncoder(config)
         self.pooler = BertPooler(config) if add_pooling_layer else None
         self.execution = FAST
@@ -439,7 +462,7 @@ class BertModel(BertPreTrainedModel):
         return_dict = cfg.return_dict if return_dict is None else return_dict
         attention_mask, token_type_ids, position_ids = model_inputs.prepare_inputs(
             cfg, self.embeddings.word_embeddings, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-            packed)
+            packed, self.embeddings.position_padding_idx)
         index = token_rows = probs = None
         want_states = bool(output_hidden_states)
         if _reference(self) and packed is not None:
@@ -466,11 +489,14 @@ class BertModel(BertPreTrainedModel):
                                                         inputs_embeds, want_states)
             firsts = layout.first_tokens(sequence, token_rows, attention_mask)
         pooled = self.pooler(firsts) if self.pooler is not None else None
-        if pooled is not None and packed is not None:  # an empty sequence pools to 0 (on every path)
-            pooled = pooled.masked_fill((packed.cu_seqlens.diff() == 0)[:, None], 0.0)
+        if packed is not None:  # an empty sequence pools to 0 (on every path)
+            empty = packed.cu_seqlens.diff() == 0
+            firsts = firsts.masked_fill(empty[:, None, None], 0.0)
+            pooled = None if pooled is None else pooled.masked_fill(empty[:, None], 0.0)
         out = BertModelOutput(last_hidden_state=sequence, pooler_output=pooled, hidden_states=states,
                               attentions=probs)
-        out = _with_extras(out, token_rows=token_rows, token_row_index=index, packed=packed)
+        out = _with_extras(out, token_rows=token_rows, token_row_index=index, packed=packed,
+                           first_tokens=firsts[:, 0])
         return out if return_dict else out.to_tuple()
 
     def _encode(self, layout: Layout, input_ids, token_type_ids, position_ids, inputs_embeds, want_states: bool):
@@ -516,6 +542,13 @@ class BertModel(BertPreTrainedModel):
         return varlen_inference(layout.cu_seqlens, layout.max_seqlen, tokens)
 
 
+class BertModel(EncoderModel, BertPreTrainedModel):
+    """transformers' BertModel, fused."""
+
+
+BertPreTrainedModel.encoder_class = BertModel  # what the task models build (bertfast.model.task_models)
+
+
 # ================================================================= heads
 class BertPredictionHeadTransform(nn.Module):
     def __init__(self, config: BertConfig):
@@ -528,7 +561,35 @@ class BertPredictionHeadTransform(nn.Module):
         return _layer_norm(self.LayerNorm, _dense_gelu(self.dense, h, self.approximate)[0])
 
 
-class BertLMPredictionHead(nn.Module):
+class MLMHead(nn.Module):
+    """An MLM head: LayerNorm(GELU(dense(h))), then the decoder (tied to the word embeddings) and the
+    family's ``bias`` (tied to the decoder's). ``parts`` names its modules for the fused loss and the
+    reference."""
+
+    bias: nn.Parameter
+
+    def parts(self) -> Tuple[nn.Linear, nn.LayerNorm, nn.Linear, str]:
+        """(dense, layer_norm, decoder, GELU approximation)."""
+        raise NotImplementedError
+
+    def loss(self, encoded: BertModelOutput, labels: Tensor, max_predictions_per_seq: Optional[int]) -> ops.MLMHeadLoss:
+        """Mean CE over labels [B, S] (checked, -100 at padding); the fused head runs on the labelled rows only."""
+        unpadded = encoded.token_row_index is not None
+        dense, ln, decoder, approximate = self.parts()
+        if hooked(self) or not (_biased_linear(dense, decoder) and fusable(ln)):
+            hidden, flat = encoded.last_hidden_state, labels
+            if unpadded:
+                hidden, flat = encoded.token_rows, labels.reshape(-1).index_select(0, encoded.token_row_index)
+            return ops.MLMHeadLoss(*reference.classification_loss(self(hidden), flat))
+        if unpadded and max_predictions_per_seq is None:
+            hidden, row_labels = encoded.token_rows, labels.reshape(-1).index_select(0, encoded.token_row_index)
+        else:
+            hidden, row_labels = encoded.last_hidden_state, labels
+        return ops.mlm_head_loss(hidden, row_labels, dense.weight, dense.bias, ln.weight, ln.bias, ln.eps,
+                                 decoder.weight, decoder.bias, approximate, max_predictions_per_seq)
+
+
+class BertLMPredictionHead(MLMHead):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.transform = BertPredictionHeadTransform(config)
@@ -540,22 +601,9 @@ class BertLMPredictionHead(nn.Module):
         """Full logits [..., V] (the no-labels path, as transformers)."""
         return self.decoder(self.transform(h))
 
-    def loss(self, encoded: BertModelOutput, labels: Tensor, max_predictions_per_seq: Optional[int]) -> ops.MLMHeadLoss:
-        """Mean CE over labels [B, S] (checked, -100 at padding); the fused head runs on the labelled rows only."""
-        unpadded = encoded.token_row_index is not None
+    def parts(self) -> Tuple[nn.Linear, nn.LayerNorm, nn.Linear, str]:
         t = self.transform
-        if hooked(self) or not (_biased_linear(t.dense, self.decoder) and fusable(t.LayerNorm)):
-            hidden, flat = encoded.last_hidden_state, labels
-            if unpadded:
-                hidden, flat = encoded.token_rows, labels.reshape(-1).index_select(0, encoded.token_row_index)
-            return ops.MLMHeadLoss(*reference.classification_loss(self(hidden), flat))
-        if unpadded and max_predictions_per_seq is None:
-            hidden, row_labels = encoded.token_rows, labels.reshape(-1).index_select(0, encoded.token_row_index)
-        else:
-            hidden, row_labels = encoded.last_hidden_state, labels
-        return ops.mlm_head_loss(hidden, row_labels, t.dense.weight, t.dense.bias, t.LayerNorm.weight,
-                                 t.LayerNorm.bias, t.LayerNorm.eps, self.decoder.weight, self.decoder.bias,
-                                 t.approximate, max_predictions_per_seq)
+        return t.dense, t.LayerNorm, self.decoder, t.approximate
 
 
 class BertPreTrainingHeads(nn.Module):
@@ -571,5 +619,5 @@ class BertOnlyMLMHead(nn.Module):
         self.predictions = BertLMPredictionHead(config)
 
 
-def _reference(bert: BertModel) -> bool:
+def _reference(bert: EncoderModel) -> bool:
     return bert.execution == REFERENCE or model_inputs.exporting()

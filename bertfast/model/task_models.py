@@ -2,6 +2,10 @@
 classification, question answering, multiple choice. Each is a transformers model (the same class
 names, state-dict keys, forward keywords and outputs as transformers' BERT) over
 ``bertfast.model.modeling.BertModel``; the MLM loss runs the fused head at labelled positions only.
+
+The heads' forwards are mixins (``MaskedLMModel``, ``TokenClassificationModel``, ...) over a family's
+encoder, reached as ``self.base_model`` (``self.bert``, ``self.roberta``): the other families' classes
+(``bertfast.model.roberta``) take them with their own encoder and head modules.
 """
 from __future__ import annotations
 
@@ -16,8 +20,8 @@ from bertfast.model import losses, model_inputs
 from bertfast.model.config import BertConfig
 from bertfast.contract import IGNORE_INDEX
 from bertfast.model.modeling import (BertForPreTrainingOutput, BertMaskedLMOutput, BertModel, BertModelOutput,
-                               BertOnlyMLMHead, BertPreTrainedModel, BertPreTrainingHeads, Tensor, _reference,
-                               _with_extras)
+                                     BertOnlyMLMHead, BertPreTrainedModel, BertPreTrainingHeads, MLMHead, Tensor,
+                                     _reference, _with_extras)
 from bertfast.ops.mlm_head_loss import check_max_predictions_per_seq, masked_positions
 
 
@@ -37,29 +41,31 @@ def _full_logits_with_labels(model: BertPreTrainedModel, return_logits: Optional
     return not model.training or not return_dict
 
 
-class _WithMLMHead(BertPreTrainedModel):
-    """What the two classes with an MLM head (``self.cls.predictions``) share: tying and its accessors."""
+class MLMHeadModel:
+    """What the classes with an MLM head share (a mixin before the family's PreTrainedModel): the
+    head (``mlm_head``: BERT's ``cls.predictions``, RoBERTa's ``lm_head``), its accessors, logits and loss."""
 
-    _tied_weights_keys = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
-                          "cls.predictions.decoder.bias": "cls.predictions.bias"}
+    @property
+    def mlm_head(self) -> MLMHead:
+        raise NotImplementedError
 
     def get_output_embeddings(self) -> nn.Module:
-        return self.cls.predictions.decoder
+        return self.mlm_head.decoder
 
     def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
-        self.cls.predictions.decoder = new_embeddings
-        self.cls.predictions.bias = new_embeddings.bias
+        self.mlm_head.decoder = new_embeddings
+        self.mlm_head.bias = new_embeddings.bias
 
     def _mlm_logits(self, sequence: Tensor) -> Tensor:
-        head = self.cls.predictions
-        return reference.mlm_head(head, sequence) if _reference(self.bert) else head(sequence)
+        head = self.mlm_head
+        return reference.mlm_head(head, sequence) if _reference(self.base_model) else head(sequence)
 
     def _mlm_loss(self, encoded: BertModelOutput, labels: Tensor, attention_mask: Optional[Tensor],
                   max_predictions_per_seq: Optional[int], logits: Optional[Tensor] = None) -> ops.MLMHeadLoss:
         """Mean CE over labelled real tokens (labels at padded positions are ignored on every path);
         from ``logits`` when the full logits were made anyway (the head then runs once, as in
         transformers), else from the head at labelled positions only."""
-        head, sequence = self.cls.predictions, encoded.last_hidden_state
+        head, sequence = self.mlm_head, encoded.last_hidden_state
         if labels.shape != sequence.shape[:2]:
             raise ValueError(f"labels: expected shape {tuple(sequence.shape[:2])}, got {tuple(labels.shape)}")
         model_inputs.check_labels("labels", labels, head.decoder.out_features)
@@ -70,22 +76,32 @@ class _WithMLMHead(BertPreTrainedModel):
             if max_predictions_per_seq is not None:  # the limit holds whichever head computes the loss
                 masked_positions(labels, max_predictions_per_seq)
             return ops.MLMHeadLoss(*reference.classification_loss(logits, labels))
-        if _reference(self.bert):
+        if _reference(self.base_model):
             return ops.MLMHeadLoss(*reference.classification_loss(reference.mlm_head(head, sequence), labels))
         return head.loss(encoded, labels, max_predictions_per_seq)
 
 
-class BertForPreTraining(_WithMLMHead):
+_BERT_TIED = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+              "cls.predictions.decoder.bias": "cls.predictions.bias"}
+
+
+class BertForPreTraining(MLMHeadModel, BertPreTrainedModel):
     """BERT with the MLM and NSP heads. With ``labels`` in training the MLM head runs only at
     labelled positions and ``prediction_logits`` is None; in evaluation, with return_dict=False or
     with ``return_logits=True`` it returns full logits too (``return_logits=False``: never).
     ``max_predictions_per_seq`` (a call argument) gives the MLM head a static shape."""
+
+    _tied_weights_keys = _BERT_TIED
 
     def __init__(self, config: BertConfig):
         super().__init__(config)
         self.bert = BertModel(config)
         self.cls = BertPreTrainingHeads(config)
         self.post_init()
+
+    @property
+    def mlm_head(self) -> MLMHead:
+        return self.cls.predictions
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, next_sentence_label=None, output_attentions=None,
@@ -115,24 +131,19 @@ class BertForPreTraining(_WithMLMHead):
         return _return(self, result, return_dict)
 
 
-class BertForMaskedLM(_WithMLMHead):
-    """BERT with the MLM head. With ``labels`` in training the head runs only at labelled positions
-    and ``logits`` is None; in evaluation, with return_dict=False or with ``return_logits=True`` it
-    returns full logits too (``return_logits=False``: never); without labels, full logits."""
-
-    def __init__(self, config: BertConfig):
-        super().__init__(config)
-        self.bert = BertModel(config, add_pooling_layer=False)
-        self.cls = BertOnlyMLMHead(config)
-        self.post_init()
+class MaskedLMModel(MLMHeadModel):
+    """A family's ForMaskedLM forward. With ``labels`` in training the head runs only at labelled
+    positions and ``logits`` is None; in evaluation, with return_dict=False or with
+    ``return_logits=True`` it returns full logits too (``return_logits=False``: never); without
+    labels, full logits."""
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
                 return_dict=None, max_predictions_per_seq: Optional[int] = None,
                 return_logits: Optional[bool] = None, **kwargs):
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                        output_attentions=output_attentions, output_hidden_states=output_hidden_states,
-                        return_dict=True, **kwargs)
+        out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                              output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                              return_dict=True, **kwargs)
         if labels is not None:
             logits = (self._mlm_logits(out.last_hidden_state)
                       if _full_logits_with_labels(self, return_logits, return_dict) else None)
@@ -146,27 +157,45 @@ class BertForMaskedLM(_WithMLMHead):
         return _return(self, result, return_dict)
 
 
-def _classifier_dropout(config: BertConfig) -> nn.Dropout:
+class BertForMaskedLM(MaskedLMModel, BertPreTrainedModel):
+    """BERT with the MLM head (``MaskedLMModel``)."""
+
+    _tied_weights_keys = _BERT_TIED
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.bert = BertModel(config, add_pooling_layer=False)
+        self.cls = BertOnlyMLMHead(config)
+        self.post_init()
+
+    @property
+    def mlm_head(self) -> MLMHead:
+        return self.cls.predictions
+
+
+def classifier_dropout(config) -> nn.Dropout:
     p = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
     return nn.Dropout(p)
 
 
-class BertForSequenceClassification(BertPreTrainedModel):
-    def __init__(self, config: BertConfig):
-        super().__init__(config)
-        self.num_labels = config.num_labels
-        self.bert = BertModel(config)
-        self.dropout = _classifier_dropout(config)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self.post_init()
+def _encoder(model, config, add_pooling_layer: bool) -> None:
+    """The family's encoder (its PreTrainedModel's ``encoder_class``) as ``model.<base_model_prefix>``."""
+    setattr(model, model.base_model_prefix, model.encoder_class(config, add_pooling_layer=add_pooling_layer))
+
+
+class SequenceClassificationModel:
+    """A family's ForSequenceClassification forward; ``sequence_logits`` is the family's head."""
+
+    def sequence_logits(self, encoded: BertModelOutput) -> Tensor:
+        raise NotImplementedError
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
                 return_dict=None, **kwargs):
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                        output_attentions=output_attentions, output_hidden_states=output_hidden_states,
-                        return_dict=True, **kwargs)
-        logits = self.classifier(self.dropout(out.pooler_output))
+        out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                              output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                              return_dict=True, **kwargs)
+        logits = self.sequence_logits(out)
         loss = None
         if labels is not None:
             loss = losses.sequence_classification(self, logits, labels, packed=out.packed is not None)
@@ -175,23 +204,39 @@ class BertForSequenceClassification(BertPreTrainedModel):
         return _return(self, result, return_dict)
 
 
-class BertForTokenClassification(BertPreTrainedModel):
-    """Labels at padded positions are ignored (bertfast's padded rows are zeros, never encoded)."""
+class BertForSequenceClassification(SequenceClassificationModel, BertPreTrainedModel):
+    """The classifier reads the pooler's output: each sequence's first real token, pooled."""
 
     def __init__(self, config: BertConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.bert = BertModel(config, add_pooling_layer=False)
-        self.dropout = _classifier_dropout(config)
+        self.bert = BertModel(config)
+        self.dropout = classifier_dropout(config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def sequence_logits(self, encoded: BertModelOutput) -> Tensor:
+        return self.classifier(self.dropout(encoded.pooler_output))
+
+
+class TokenClassificationModel:
+    """A family's ForTokenClassification. Labels at padded positions are ignored (bertfast's padded
+    rows are zeros, never encoded)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        _encoder(self, config, add_pooling_layer=False)
+        self.dropout = classifier_dropout(config)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
                 return_dict=None, **kwargs):
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                        output_attentions=output_attentions, output_hidden_states=output_hidden_states,
-                        return_dict=True, **kwargs)
+        out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                              output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                              return_dict=True, **kwargs)
         logits = self.classifier(self.dropout(out.last_hidden_state))
         loss = None
         if labels is not None:
@@ -204,25 +249,30 @@ class BertForTokenClassification(BertPreTrainedModel):
         return _return(self, result, return_dict)
 
 
-class BertForQuestionAnswering(BertPreTrainedModel):
-    """The span softmax runs over every position, padded ones included, as in transformers; bertfast's
-    padded positions score the classifier bias alone (their hidden states are zeros). Packed inputs
-    give logits [1, T] and take one start and end position per sequence, counted from its first
-    token; there each softmax runs over its own sequence (``losses.packed_span``)."""
+class BertForTokenClassification(TokenClassificationModel, BertPreTrainedModel):
+    """BERT with a token classifier (``TokenClassificationModel``)."""
 
-    def __init__(self, config: BertConfig):
+
+class QuestionAnsweringModel:
+    """A family's ForQuestionAnswering. The span softmax runs over every position, padded ones
+    included, as in transformers; bertfast's padded positions score the classifier bias alone (their
+    hidden states are zeros). Packed inputs give logits [1, T] and take one start and end position
+    per sequence, counted from its first token; there each softmax runs over its own sequence
+    (``losses.packed_span``)."""
+
+    def __init__(self, config):
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.bert = BertModel(config, add_pooling_layer=False)
+        _encoder(self, config, add_pooling_layer=False)
         self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, start_positions=None, end_positions=None, output_attentions=None,
                 output_hidden_states=None, return_dict=None, **kwargs):
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                        output_attentions=output_attentions, output_hidden_states=output_hidden_states,
-                        return_dict=True, **kwargs)
+        out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                              output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                              return_dict=True, **kwargs)
         logits = self.qa_outputs(out.last_hidden_state)
         start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))
         loss = None
@@ -236,17 +286,26 @@ class BertForQuestionAnswering(BertPreTrainedModel):
         return _return(self, result, return_dict)
 
 
-class BertForMultipleChoice(BertPreTrainedModel):
-    """Inputs [B, C, S]. Packed inputs ([1, T] with cu_seq_lens_q, as ``padding.pack_batch`` makes
-    them) hold each example's C choices in C consecutive slots and need ``num_choices=C``: the
-    logits are then [slots / C, C], labels one per group of slots (-100 for the groups without one)."""
+class BertForQuestionAnswering(QuestionAnsweringModel, BertPreTrainedModel):
+    """BERT with a span head (``QuestionAnsweringModel``)."""
 
-    def __init__(self, config: BertConfig):
+
+class MultipleChoiceModel:
+    """A family's ForMultipleChoice: inputs [B, C, S], the pooler's output scored per choice.
+    Packed inputs ([1, T] with cu_seq_lens_q, as ``padding.pack_batch`` makes them) hold each
+    example's C choices in C consecutive slots and need ``num_choices=C``: the logits are then
+    [slots / C, C], labels one per group of slots (-100 for the groups without one)."""
+
+    def __init__(self, config):
         super().__init__(config)
-        self.bert = BertModel(config)
-        self.dropout = _classifier_dropout(config)
+        _encoder(self, config, add_pooling_layer=True)
+        self.dropout = self.choice_dropout(config)
         self.classifier = nn.Linear(config.hidden_size, 1)
         self.post_init()
+
+    @staticmethod
+    def choice_dropout(config) -> nn.Dropout:
+        return classifier_dropout(config)  # BERT's; RoBERTa's is hidden_dropout_prob
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
@@ -257,24 +316,24 @@ class BertForMultipleChoice(BertPreTrainedModel):
             slots = cu.numel() - 1 if isinstance(cu, Tensor) else None  # not a tensor: BertModel says so
             if (isinstance(num_choices, bool) or not isinstance(num_choices, int) or num_choices < 1
                     or (slots is not None and slots % num_choices)):
-                raise ValueError(f"BertForMultipleChoice: packed sequences need num_choices, the choices per example "
+                raise ValueError(f"{type(self).__name__}: packed sequences need num_choices, the choices per example "
                                  f"(a positive int dividing the {slots} slots), got {num_choices!r}")
-            out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                            output_attentions=output_attentions, output_hidden_states=output_hidden_states,
-                            return_dict=True, **kwargs)
+            out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                                  output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                                  return_dict=True, **kwargs)
         else:
             source = input_ids if input_ids is not None else inputs_embeds
             if source is None or source.dim() < 3 or source.shape[1] == 0:
-                raise ValueError(f"BertForMultipleChoice: expected inputs of shape [batch, num_choices >= 1, "
+                raise ValueError(f"{type(self).__name__}: expected inputs of shape [batch, num_choices >= 1, "
                                  f"seq_len], got {None if source is None else tuple(source.shape)}")
             if num_choices is not None and num_choices != source.shape[1]:
-                raise ValueError(f"BertForMultipleChoice: num_choices={num_choices!r}, but the inputs hold "
+                raise ValueError(f"{type(self).__name__}: num_choices={num_choices!r}, but the inputs hold "
                                  f"{source.shape[1]} choices")
             num_choices = source.shape[1]
             flat = lambda t, k=1: None if t is None else t.reshape(-1, *t.shape[-k:])  # noqa: E731  (as transformers)
-            out = self.bert(flat(input_ids), flat(attention_mask), flat(token_type_ids), flat(position_ids),
-                            flat(inputs_embeds, 2), output_attentions=output_attentions,
-                            output_hidden_states=output_hidden_states, return_dict=True, **kwargs)
+            out = self.base_model(flat(input_ids), flat(attention_mask), flat(token_type_ids), flat(position_ids),
+                                  flat(inputs_embeds, 2), output_attentions=output_attentions,
+                                  output_hidden_states=output_hidden_states, return_dict=True, **kwargs)
         logits = self.classifier(self.dropout(out.pooler_output)).view(-1, num_choices)
         loss = None
         if labels is not None:
@@ -283,6 +342,12 @@ class BertForMultipleChoice(BertPreTrainedModel):
         result = MultipleChoiceModelOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
                                            attentions=out.attentions)
         return _return(self, result, return_dict)
+
+
+
+
+class BertForMultipleChoice(MultipleChoiceModel, BertPreTrainedModel):
+    """BERT with a multiple-choice head (``MultipleChoiceModel``)."""
 
 
 MODEL_CLASSES = {cls.__name__: cls for cls in (BertModel, BertForPreTraining, BertForMaskedLM,
