@@ -24,6 +24,9 @@ _WHERE = {
     **{f"{prefix}{suffix}": "bertfast.model.roberta" for prefix in ("Roberta", "XLMRoberta", "Camembert")
        for suffix in ("PreTrainedModel", "Model", "ForMaskedLM", "ForSequenceClassification",
                       "ForTokenClassification", "ForQuestionAnswering", "ForMultipleChoice")},
+    **{f"Electra{suffix}": "bertfast.model.electra" for suffix in (
+        "PreTrainedModel", "Model", "ForPreTraining", "ForMaskedLM", "ForSequenceClassification",
+        "ForTokenClassification", "ForQuestionAnswering", "ForMultipleChoice")},
     "pack_batch": "bertfast.padding",
     "use_backend": "bertfast.dispatch",
     "register_auto": "bertfast.hf",

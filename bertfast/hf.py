@@ -1,6 +1,6 @@
 """bertfast inside transformers: the Auto classes, and transformers' own BERT on the fused attention.
 
-    bertfast.register_auto()                        # AutoModel* build bertfast models (BERT, RoBERTa, XLM-R, CamemBERT)
+    bertfast.register_auto()                        # AutoModel* build bertfast models (BERT, RoBERTa, ELECTRA, ...)
     bertfast.unregister_auto()                      # and back
 
     import bertfast.hf
@@ -168,21 +168,22 @@ def _auto_keys():
     import transformers
 
     import bertfast
-    from bertfast.model import roberta
+    from bertfast.model import electra, roberta
 
     for auto_name, model_name in _AUTO_CLASSES:
         mapping = getattr(transformers, auto_name)._model_mapping
         for config_class in (transformers.BertConfig, bertfast.BertConfig):
             yield mapping, config_class, getattr(bertfast, model_name)
-    for prefix, table in roberta.AUTO_CLASSES.items():
-        config_class = getattr(transformers, f"{prefix}Config")
-        for auto_name, model_name in table.items():
-            yield getattr(transformers, auto_name)._model_mapping, config_class, roberta.MODEL_CLASSES[model_name]
+    for family in (roberta, electra):
+        for config_name, table in family.AUTO_CLASSES.items():
+            for auto_name, model_name in table.items():
+                yield (getattr(transformers, auto_name)._model_mapping, getattr(transformers, config_name),
+                       family.MODEL_CLASSES[model_name])
 
 
 def register_auto() -> None:
     """Make transformers' Auto classes (and so pipelines, sentence-transformers, Trainer scripts)
-    build bertfast's models for BERT, RoBERTa, XLM-R and CamemBERT configs, in this process:
+    build bertfast's models for BERT, RoBERTa, XLM-R, CamemBERT and ELECTRA configs, in this process:
     ``AutoModel.from_pretrained(bert_dir)`` then returns a ``bertfast.BertModel`` (a RoBERTa
     directory: a ``bertfast.RobertaModel``). ``unregister_auto()`` restores transformers' own."""
     for mapping, config_class, model_class in _auto_keys():

@@ -165,6 +165,9 @@ def encoder(bert: nn.Module, input_ids: Optional[torch.Tensor], attention_mask: 
     words = emb.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
     h = words + emb.token_type_embeddings(token_type_ids) + emb.position_embeddings(position_ids)
     x = emb.dropout(emb.LayerNorm(h))
+    project = bert._modules.get("embeddings_project")  # ELECTRA's, when its embedding size is not the hidden size
+    if project is not None:
+        x = project(x)
     states = [x] if want_states else None
     probs = [] if want_probs else None
     for layer in bert.encoder.layer:

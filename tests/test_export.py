@@ -12,17 +12,21 @@ import bertfast
 transformers = pytest.importorskip("transformers")
 
 CASES = [("BertModel", "last_hidden_state"), ("BertForSequenceClassification", "logits"),
-         ("RobertaModel", "last_hidden_state"), ("XLMRobertaForSequenceClassification", "logits")]
+         ("RobertaModel", "last_hidden_state"), ("XLMRobertaForSequenceClassification", "logits"),
+         ("ElectraModel", "last_hidden_state")]
 
 
 def _config(cls_name):
-    """The tiny preset's sizes in the class's family config (RoBERTa's: 2 more positions, counted from 2)."""
+    """The tiny preset's sizes in the class's family config (RoBERTa's: 2 more positions, counted from 2;
+    ELECTRA's: narrower embeddings)."""
     config = bertfast.BertConfig.preset("tiny")
     sizes = {k: getattr(config, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                                              "intermediate_size")}
     for family in ("XLMRoberta", "Roberta", "Camembert"):
         if cls_name.startswith(family):
             return getattr(transformers, f"{family}Config")(**sizes, pad_token_id=1, max_position_embeddings=130)
+    if cls_name.startswith("Electra"):  # with the embeddings projection
+        return transformers.ElectraConfig(**sizes, embedding_size=32)
     return config
 
 

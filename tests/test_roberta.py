@@ -3,10 +3,10 @@ CPU: every class of each family, outputs at real tokens within 1e-5, losses with
 parameter's gradient within 1e-4 of its norm; RoBERTa's positions (left padding, packed
 sequences, inputs_embeds, given position_ids); the Auto classes; the Triton kernels.
 """
-import tempfile
-
 import pytest
 import torch
+from family_helpers import SIDES, assert_loss_and_grads_match, grads, labels_for, main_output, twin
+from family_helpers import make_inputs as _make_inputs
 
 import bertfast
 from bertfast.padding import pack_batch
@@ -17,7 +17,6 @@ FAMILIES = ("Roberta", "XLMRoberta", "Camembert")
 HEADS = ("Model", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering",
          "ForMultipleChoice")
 PAD = 1  # RoBERTa's padding id: positions count from 2
-SIDES = ("right", "left", "mixed")
 
 
 def make_config(family="Roberta", **extra):
@@ -28,56 +27,13 @@ def make_config(family="Roberta", **extra):
     return getattr(transformers, f"{family}Config")(**values)
 
 
+def make_inputs(side="right", **kw):
+    return _make_inputs(PAD, 99, side, **kw)
+
+
 def build(family, head, seed=0, **extra):
     torch.manual_seed(seed)
     return getattr(bertfast, family + head)(make_config(family, **extra))
-
-
-def twin(model, cls_name):
-    """transformers' class loaded from ``model``'s checkpoint (eager attention)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp)
-        return getattr(transformers, cls_name).from_pretrained(tmp, attn_implementation="eager").eval()
-
-
-def make_mask(side, batch, seqlen, gen):
-    """[B, S] with 1..S real tokens a row (row 0 always padded): at the row's start (right padding),
-    its end (left) or alternating (mixed)."""
-    lengths = torch.randint(1, seqlen + 1, (batch,), generator=gen)
-    lengths[0] = seqlen - 3
-    cols = torch.arange(seqlen)[None]
-    right, left = cols < lengths[:, None], cols >= (seqlen - lengths)[:, None]
-    mask = {"right": right, "left": left}.get(side, torch.where((torch.arange(batch) % 2 == 0)[:, None], left, right))
-    return mask.long()
-
-
-def make_inputs(side="right", batch=4, seqlen=10, seed=0, choices=None):
-    gen = torch.Generator().manual_seed(seed)
-    shape = (batch, seqlen) if choices is None else (batch * choices, seqlen)
-    mask = make_mask(side, *shape, gen)
-    ids = torch.where(mask.bool(), torch.randint(3, 99, shape, generator=gen), PAD)
-    if choices is not None:
-        ids, mask = ids.view(batch, choices, seqlen), mask.view(batch, choices, seqlen)
-    return ids, mask
-
-
-def labels_for(head, ids, mask, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    batch = ids.shape[0]
-    if head == "ForMaskedLM":
-        return {"labels": torch.where((torch.rand(ids.shape, generator=gen) < 0.4) & mask.bool(), ids, -100)}
-    if head == "ForTokenClassification":
-        return {"labels": torch.where(mask.bool(), torch.randint(0, 2, ids.shape, generator=gen), -100)}
-    if head == "ForQuestionAnswering":
-        return {"start_positions": torch.randint(0, 5, (batch,), generator=gen),
-                "end_positions": torch.randint(0, 5, (batch,), generator=gen)}
-    return {"labels": torch.randint(0, 2, (batch,), generator=gen)}  # sequence classification, multiple choice
-
-
-def main_output(head, out):
-    if head == "Model":
-        return out.last_hidden_state
-    return out.start_logits if head == "ForQuestionAnswering" else out.logits
 
 
 def first_token_expected(head, hf, ids, mask):
@@ -113,13 +69,6 @@ def test_every_class_matches_transformers(family, head, side):
             assert not ours[~real].any()  # padded rows are never encoded
 
 
-def grads(model, loss):
-    # Tied weights under each name (transformers' XLM-R registers lm_head before the encoder).
-    named = [(n, p) for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
-    got = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
-    return {n: g for (n, _), g in zip(named, got) if g is not None}
-
-
 @pytest.mark.parametrize("head", [h for h in HEADS if h != "Model"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_losses_and_gradients_match_transformers(family, head):
@@ -128,14 +77,7 @@ def test_losses_and_gradients_match_transformers(family, head):
     ids, mask = make_inputs("right", seed=3, choices=3 if head == "ForMultipleChoice" else None)
     if head == "ForQuestionAnswering":  # with padding the span softmax differs (the README's drop-in table)
         ids, mask = torch.where(mask.bool(), ids, 5), torch.ones_like(mask)
-    labels = labels_for(head, ids, mask)
-    ours = model(input_ids=ids, attention_mask=mask, **labels)
-    theirs = hf(input_ids=ids, attention_mask=mask, **labels)
-    torch.testing.assert_close(ours.loss, theirs.loss, atol=1e-5, rtol=1e-5)
-    a, b = grads(model, ours.loss), grads(hf, theirs.loss)
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    for name in b:
-        assert (a[name] - b[name]).norm() <= 1e-4 * b[name].norm() + 1e-7, name
+    assert_loss_and_grads_match(model, hf, head, ids, mask)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -89,6 +89,9 @@ def check_supported(config: transformers.PretrainedConfig, expected: Tuple[type,
         value = getattr(config, name)
         if not _positive_int(value):
             raise ValueError(f"{kind}.{name} must be a positive int, got {value!r}")
+    size = getattr(config, "embedding_size", None)  # ELECTRA's embeddings width
+    if size is not None and not _positive_int(size):
+        raise ValueError(f"{kind}.embedding_size must be a positive int, got {size!r}")
     if config.hidden_size % config.num_attention_heads:
         raise ValueError(f"{kind}.hidden_size ({config.hidden_size}) must be divisible by "
                          f"num_attention_heads ({config.num_attention_heads})")

@@ -35,6 +35,17 @@ def mean(values: Tensor) -> Tensor:
     return values.sum() / max(values.numel(), 1)
 
 
+def replaced_tokens(logits: Tensor, labels: Tensor, attention_mask: "Tensor | None") -> Tensor:
+    """ELECTRA's discriminator loss: mean binary cross-entropy (fp32) of logits [B, S] against labels
+    [B, S] (1 = replaced) over the attention mask's tokens (every position without a mask); 0 when
+    there are none."""
+    values = F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none")
+    if attention_mask is None:
+        return mean(values)
+    active = attention_mask == 1
+    return values.masked_fill(~active, 0.0).sum() / active.sum().clamp_min(1)
+
+
 def _float_targets(loss, logits: Tensor, labels: Tensor, packed: bool) -> Tensor:
     """Mean of an elementwise loss against float targets; in a packed batch NaN targets (the slots
     without a sequence to learn from) are left out."""

@@ -161,8 +161,9 @@ def check_inputs(cfg: BertConfig, vocab_size: int, input_ids: Optional[Tensor], 
             raise ValueError(f"input_ids: expected shape [batch, seq_len], got {tuple(input_ids.shape)}")
         batch, seqlen = input_ids.shape
     else:
-        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != cfg.hidden_size:
-            raise ValueError(f"inputs_embeds: expected [batch, seq_len, {cfg.hidden_size}], "
+        width = getattr(cfg, "embedding_size", cfg.hidden_size)  # ELECTRA's embeddings are narrower
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != width:
+            raise ValueError(f"inputs_embeds: expected [batch, seq_len, {width}], "
                              f"got {tuple(inputs_embeds.shape)}")
         _check_embeds_dtype(inputs_embeds.dtype, model_dtype, inputs_embeds.device)
         batch, seqlen = inputs_embeds.shape[:2]

@@ -152,12 +152,14 @@ class BertEmbeddings(nn.Module):
     # Default positions count from 0 (RoBERTa's embeddings: from this index + 1, model_inputs.counted_positions).
     position_padding_idx: Optional[int] = None
 
-    def __init__(self, config: BertConfig):
+    def __init__(self, config: BertConfig, size: Optional[int] = None):
+        """``size``: the embeddings' width, when not the hidden size (ELECTRA's embedding_size)."""
         super().__init__()
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        size = size or config.hidden_size
+        self.word_embeddings = nn.Embedding(config.vocab_size, size, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, size)
+        self.LayerNorm = nn.LayerNorm(size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, input_ids: Optional[Tensor], position_ids: Tensor, token_type_ids: Tensor,
@@ -429,7 +431,9 @@ class BertPreTrainedModel(FastPreTrainedModel, hf_bert.BertPreTrainedModel):
 # ================================================================= the encoder model
 class EncoderModel:
     """The encoder model of a family (BertModel, RobertaModel, ...; a mixin listed before the family's
-    FastPreTrainedModel): embeddings (``embeddings_class``), layers, pooler, the fused forward."""
+    FastPreTrainedModel): embeddings (``embeddings_class``), layers, pooler, the fused forward. An
+    embedding_size other than the hidden size (ELECTRA's) adds ``embeddings_project`` between the
+    embeddings and the first layer, as transformers does."""
 
     embeddings_class = BertEmbeddings
     _no_split_modules = ["BertEmbeddings", "BertLayer"]
@@ -437,6 +441,8 @@ class EncoderModel:
     def __init__(self, config: Any, add_pooling_layer: bool = True):
         super().__init__(config)
         self.embeddings = self.embeddings_class(config)
+        if getattr(config, "embedding_size", config.hidden_size) != config.hidden_size:
+            self.embeddings_project = nn.Linear(config.embedding_size, config.hidden_size)
         self.encoder = BertEncoder(config)
         self.pooler = BertPooler(config) if add_pooling_layer else None
         self.execution = FAST
@@ -504,6 +510,9 @@ class EncoderModel:
         None, the last layer's rows [N, H])."""
         rows = layout.rows
         x = self.embeddings(rows(input_ids), rows(position_ids), rows(token_type_ids), rows(inputs_embeds))
+        project = self._modules.get("embeddings_project")
+        if project is not None:
+            x = project(x)
         layout.plain = self._plain_attention(x, layout)
         x, states = self.encoder(x, layout, want_states=want_states)
         return layout.restore(x), states, x
@@ -573,20 +582,27 @@ class MLMHead(nn.Module):
         raise NotImplementedError
 
     def loss(self, encoded: BertModelOutput, labels: Tensor, max_predictions_per_seq: Optional[int]) -> ops.MLMHeadLoss:
-        """Mean CE over labels [B, S] (checked, -100 at padding); the fused head runs on the labelled rows only."""
-        unpadded = encoded.token_row_index is not None
-        dense, ln, decoder, approximate = self.parts()
-        if hooked(self) or not (_biased_linear(dense, decoder) and fusable(ln)):
-            hidden, flat = encoded.last_hidden_state, labels
-            if unpadded:
-                hidden, flat = encoded.token_rows, labels.reshape(-1).index_select(0, encoded.token_row_index)
-            return ops.MLMHeadLoss(*reference.classification_loss(self(hidden), flat))
-        if unpadded and max_predictions_per_seq is None:
-            hidden, row_labels = encoded.token_rows, labels.reshape(-1).index_select(0, encoded.token_row_index)
-        else:
-            hidden, row_labels = encoded.last_hidden_state, labels
-        return ops.mlm_head_loss(hidden, row_labels, dense.weight, dense.bias, ln.weight, ln.bias, ln.eps,
-                                 decoder.weight, decoder.bias, approximate, max_predictions_per_seq)
+        return mlm_loss(self, hooked(self), encoded, labels, max_predictions_per_seq)
+
+
+def mlm_loss(head: Any, head_hooked: bool, encoded: BertModelOutput, labels: Tensor,
+             max_predictions_per_seq: Optional[int]) -> ops.MLMHeadLoss:
+    """Mean CE over labels [B, S] (checked, -100 at padding) of an MLM head (``parts()``, called for full
+    logits); the fused head runs on the labelled rows only, unless the head runs hooks or its parts
+    are not plain modules (then it is called on the real tokens' rows)."""
+    unpadded = encoded.token_row_index is not None
+    dense, ln, decoder, approximate = head.parts()
+    if head_hooked or not (_biased_linear(dense, decoder) and fusable(ln)):
+        hidden, flat = encoded.last_hidden_state, labels
+        if unpadded:
+            hidden, flat = encoded.token_rows, labels.reshape(-1).index_select(0, encoded.token_row_index)
+        return ops.MLMHeadLoss(*reference.classification_loss(head(hidden), flat))
+    if unpadded and max_predictions_per_seq is None:
+        hidden, row_labels = encoded.token_rows, labels.reshape(-1).index_select(0, encoded.token_row_index)
+    else:
+        hidden, row_labels = encoded.last_hidden_state, labels
+    return ops.mlm_head_loss(hidden, row_labels, dense.weight, dense.bias, ln.weight, ln.bias, ln.eps,
+                             decoder.weight, decoder.bias, approximate, max_predictions_per_seq)
 
 
 class BertLMPredictionHead(MLMHead):

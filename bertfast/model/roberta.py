@@ -110,9 +110,9 @@ class RobertaSequenceClassification(SequenceClassificationModel):
 
 
 class RobertaMultipleChoice(MultipleChoiceModel):
-    @staticmethod
-    def choice_dropout(config) -> nn.Dropout:
-        return nn.Dropout(config.hidden_dropout_prob)  # transformers' RoBERTa ignores classifier_dropout here
+    def add_choice_head(self, config) -> None:
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)  # transformers' RoBERTa ignores classifier_dropout here
+        self.classifier = nn.Linear(config.hidden_size, 1)
 
 
 class _RobertaFamily(FastPreTrainedModel):
@@ -211,12 +211,12 @@ RobertaPreTrainedModel.encoder_class = RobertaModel
 XLMRobertaPreTrainedModel.encoder_class = XLMRobertaModel
 CamembertPreTrainedModel.encoder_class = CamembertModel
 
-# The classes per family, by transformers' Auto class (bertfast.hf.register_auto).
+# The classes by config class and transformers' Auto class (bertfast.hf.register_auto).
 AUTO_CLASSES = {
-    prefix: {"AutoModel": f"{prefix}Model", "AutoModelForMaskedLM": f"{prefix}ForMaskedLM",
-             "AutoModelForSequenceClassification": f"{prefix}ForSequenceClassification",
-             "AutoModelForTokenClassification": f"{prefix}ForTokenClassification",
-             "AutoModelForQuestionAnswering": f"{prefix}ForQuestionAnswering",
-             "AutoModelForMultipleChoice": f"{prefix}ForMultipleChoice"}
+    f"{prefix}Config": {"AutoModel": f"{prefix}Model", "AutoModelForMaskedLM": f"{prefix}ForMaskedLM",
+                        "AutoModelForSequenceClassification": f"{prefix}ForSequenceClassification",
+                        "AutoModelForTokenClassification": f"{prefix}ForTokenClassification",
+                        "AutoModelForQuestionAnswering": f"{prefix}ForQuestionAnswering",
+                        "AutoModelForMultipleChoice": f"{prefix}ForMultipleChoice"}
     for prefix in ("Roberta", "XLMRoberta", "Camembert")}
 MODEL_CLASSES = {name: globals()[name] for table in AUTO_CLASSES.values() for name in table.values()}

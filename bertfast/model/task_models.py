@@ -5,7 +5,8 @@ names, state-dict keys, forward keywords and outputs as transformers' BERT) over
 
 The heads' forwards are mixins (``MaskedLMModel``, ``TokenClassificationModel``, ...) over a family's
 encoder, reached as ``self.base_model`` (``self.bert``, ``self.roberta``): the other families' classes
-(``bertfast.model.roberta``) take them with their own encoder and head modules.
+(``bertfast.model.roberta``, ``bertfast.model.electra``) take them with their own encoder and head
+modules.
 """
 from __future__ import annotations
 
@@ -291,21 +292,28 @@ class BertForQuestionAnswering(QuestionAnsweringModel, BertPreTrainedModel):
 
 
 class MultipleChoiceModel:
-    """A family's ForMultipleChoice: inputs [B, C, S], the pooler's output scored per choice.
+    """A family's ForMultipleChoice: inputs [B, C, S], each choice scored (``choice_scores``: BERT's and
+    RoBERTa's from the pooler's output).
     Packed inputs ([1, T] with cu_seq_lens_q, as ``padding.pack_batch`` makes them) hold each
     example's C choices in C consecutive slots and need ``num_choices=C``: the logits are then
     [slots / C, C], labels one per group of slots (-100 for the groups without one)."""
 
+    pooled = True  # the encoder has a pooler (ELECTRA's has none)
+
     def __init__(self, config):
         super().__init__(config)
-        _encoder(self, config, add_pooling_layer=True)
-        self.dropout = self.choice_dropout(config)
-        self.classifier = nn.Linear(config.hidden_size, 1)
+        _encoder(self, config, add_pooling_layer=self.pooled)
+        self.add_choice_head(config)
         self.post_init()
 
-    @staticmethod
-    def choice_dropout(config) -> nn.Dropout:
-        return classifier_dropout(config)  # BERT's; RoBERTa's is hidden_dropout_prob
+    def add_choice_head(self, config) -> None:
+        """The modules that score a choice: BERT's dropout and classifier on the pooler's output."""
+        self.dropout = classifier_dropout(config)
+        self.classifier = nn.Linear(config.hidden_size, 1)
+
+    def choice_scores(self, encoded: BertModelOutput) -> Tensor:
+        """A score [slots, 1] per encoded choice."""
+        return self.classifier(self.dropout(encoded.pooler_output))
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
@@ -334,7 +342,7 @@ class MultipleChoiceModel:
             out = self.base_model(flat(input_ids), flat(attention_mask), flat(token_type_ids), flat(position_ids),
                                   flat(inputs_embeds, 2), output_attentions=output_attentions,
                                   output_hidden_states=output_hidden_states, return_dict=True, **kwargs)
-        logits = self.classifier(self.dropout(out.pooler_output)).view(-1, num_choices)
+        logits = self.choice_scores(out).view(-1, num_choices)
         loss = None
         if labels is not None:
             model_inputs.check_labels("labels", labels, num_choices)
