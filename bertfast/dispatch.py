@@ -302,10 +302,8 @@ def select(op: str, **inputs) -> str:
     a constant (Dynamo never traces the dispatcher).
     """
     if torch.compiler.is_compiling():
-        # The leading size (rows: possibly data-dependent) is described as 1: no backend's
-        # limits depend on it, only on the trailing sizes, device and dtype.
         spec = tuple((name, None if t is None else (t.device.type, t.device.index, str(t.dtype).split(".")[-1],
-                                                    (1,) + tuple(int(d) for d in t.shape[1:])))
+                                                    _described_shape(t)))
                      for name, t in inputs.items())
         return _select_from_spec(op, spec)
     forced = forced_backend(op)  # resolved first: part of the key
@@ -330,6 +328,16 @@ def select(op: str, **inputs) -> str:
             except KeyError:  # emptied by another thread meanwhile
                 break
     return name
+
+
+def _described_shape(t: torch.Tensor) -> Tuple[int, ...]:
+    """A traced input's shape as constants for ``_select_from_spec``: a float input's last size (features,
+    head dim: what backends' limits read, static since it comes from the weights), every other size
+    described as 1. Rows are data-dependent on the unpadded path, and a sequence length is symbolic
+    once a dynamic-shape compile has seen two (Dynamo cannot pass a symbolic size as a constant)."""
+    if t.dim() == 0:
+        return ()
+    return (1,) * (t.dim() - 1) + (int(t.shape[-1]) if t.is_floating_point() else 1,)
 
 
 @torch.compiler.assume_constant_result

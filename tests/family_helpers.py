@@ -119,8 +119,8 @@ def assert_pipeline_matches(task, path, texts, expected_class):
 
 
 def compile_fresh(model):
-    """torch.compile(model, fullgraph=True) with dynamo's caches emptied first: every family's encoder
-    runs one forward (one code object), so a compile of another test at other shapes would make this
-    one a dynamic-shape recompile, which fullgraph refuses at bertfast's dispatch."""
+    """torch.compile(model, fullgraph=True) with Dynamo's caches emptied first: every family's encoder
+    runs one forward (one code object), so this test compiles it afresh whatever ran before
+    (a recompile at new shapes is tests/test_ops.py's)."""
     torch._dynamo.reset()
-    return torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=False)
+    return torch.compile(model, fullgraph=True, backend="aot_eager")

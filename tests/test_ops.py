@@ -6,6 +6,7 @@ import inspect
 
 import pytest
 import torch
+import transformers
 
 import bertfast
 import bertfast.ops as ops
@@ -78,3 +79,28 @@ def test_torch_compile_fullgraph_matches_eager():
     got = torch.autograd.grad(out.loss, list(model.parameters()))
     for a, b in zip(got, eager_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_torch_compile_follows_new_shapes_through_a_dynamic_recompile():
+    """A second shape makes Dynamo recompile with a symbolic batch and length: fullgraph once stopped
+    there at dispatch (a symbolic size cannot be passed as a constant), and token_type_ids given only
+    then (static beside the symbolic ids) were refused as of the wrong shape. BERT's and RoBERTa's
+    encoders (one forward, one code object) at three shapes against eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)
+    models = [bertfast.BertModel(bertfast.BertConfig(**sizes)).eval(),
+              bertfast.RobertaModel(transformers.RobertaConfig(**sizes, pad_token_id=1, type_vocab_size=1)).eval()]
+    try:
+        for model in models:
+            compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+            for batch, seqlen, types in ((3, 10, False), (2, 12, False), (4, 7, True)):
+                ids = torch.randint(3, 99, (batch, seqlen))
+                mask = torch.ones_like(ids)
+                mask[0, seqlen // 2:] = 0
+                kw = dict(input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids) if types else None)
+                with torch.no_grad():
+                    got, want = compiled(**kw).last_hidden_state, model(**kw).last_hidden_state
+                torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=1e-5, rtol=0)
+    finally:
+        torch._dynamo.reset()

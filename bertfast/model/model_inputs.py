@@ -182,7 +182,9 @@ def check_inputs(cfg: BertConfig, vocab_size: int, input_ids: Optional[Tensor], 
         raise ValueError(f"attention_mask: expected shape [{batch}, {seqlen}], got {tuple(attention_mask.shape)}")
     # transformers' embeddings broadcast ids of one row over the batch (its own default position_ids are [1, S]).
     for name, t in (("token_type_ids", token_type_ids), ("position_ids", position_ids)):
-        if t is not None and tuple(t.shape) not in ((batch, seqlen), (1, seqlen)):
+        # Compared as tuples, not with ``in``: under a dynamic-shape compile Dynamo's ``in`` reads a
+        # static size against a symbolic one as unequal.
+        if t is not None and not (tuple(t.shape) == (batch, seqlen) or tuple(t.shape) == (1, seqlen)):
             raise ValueError(f"{name}: expected shape [{batch}, {seqlen}] (or [1, {seqlen}], broadcast over the "
                              f"batch), got {tuple(t.shape)}")
     if packed is not None:
