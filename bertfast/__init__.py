@@ -27,6 +27,9 @@ _WHERE = {
     **{f"Electra{suffix}": "bertfast.model.electra" for suffix in (
         "PreTrainedModel", "Model", "ForPreTraining", "ForMaskedLM", "ForSequenceClassification",
         "ForTokenClassification", "ForQuestionAnswering", "ForMultipleChoice")},
+    **{f"DistilBert{suffix}": "bertfast.model.distilbert" for suffix in (
+        "PreTrainedModel", "Model", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification",
+        "ForQuestionAnswering", "ForMultipleChoice")},
     "pack_batch": "bertfast.padding",
     "use_backend": "bertfast.dispatch",
     "register_auto": "bertfast.hf",

@@ -168,13 +168,13 @@ def _auto_keys():
     import transformers
 
     import bertfast
-    from bertfast.model import electra, roberta
+    from bertfast.model import distilbert, electra, roberta
 
     for auto_name, model_name in _AUTO_CLASSES:
         mapping = getattr(transformers, auto_name)._model_mapping
         for config_class in (transformers.BertConfig, bertfast.BertConfig):
             yield mapping, config_class, getattr(bertfast, model_name)
-    for family in (roberta, electra):
+    for family in (roberta, electra, distilbert):
         for config_name, table in family.AUTO_CLASSES.items():
             for auto_name, model_name in table.items():
                 yield (getattr(transformers, auto_name)._model_mapping, getattr(transformers, config_name),
@@ -183,7 +183,7 @@ def _auto_keys():
 
 def register_auto() -> None:
     """Make transformers' Auto classes (and so pipelines, sentence-transformers, Trainer scripts)
-    build bertfast's models for BERT, RoBERTa, XLM-R, CamemBERT and ELECTRA configs, in this process:
+    build bertfast's models for BERT, RoBERTa, XLM-R, CamemBERT, ELECTRA and DistilBERT configs, in this process:
     ``AutoModel.from_pretrained(bert_dir)`` then returns a ``bertfast.BertModel`` (a RoBERTa
     directory: a ``bertfast.RobertaModel``). ``unregister_auto()`` restores transformers' own."""
     for mapping, config_class, model_class in _auto_keys():

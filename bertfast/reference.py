@@ -163,14 +163,16 @@ def encoder(bert: nn.Module, input_ids: Optional[torch.Tensor], attention_mask: 
     embeddings first or None, attention probabilities [B, A, S, S] per layer or None)."""
     emb = bert.embeddings
     words = emb.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
-    h = words + emb.token_type_embeddings(token_type_ids) + emb.position_embeddings(position_ids)
+    types = emb._modules.get("token_type_embeddings")  # DistilBERT has none
+    h = words + emb.position_embeddings(position_ids) if types is None else \
+        words + types(token_type_ids) + emb.position_embeddings(position_ids)
     x = emb.dropout(emb.LayerNorm(h))
     project = bert._modules.get("embeddings_project")  # ELECTRA's, when its embedding size is not the hidden size
     if project is not None:
         x = project(x)
     states = [x] if want_states else None
     probs = [] if want_probs else None
-    for layer in bert.encoder.layer:
+    for layer in bert.layer_stack.layer:
         x, layer_probs = encoder_layer(layer, x, attention_mask, want_probs)
         if states is not None:
             states.append(x)
@@ -219,7 +221,7 @@ def encoder_packed(bert: nn.Module, cu_seqlens: torch.Tensor, max_seqlen: int, i
 def encoder_layer(layer: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor, want_probs: bool = False
                   ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """One BertLayer on x [B, S, H] -> (output [B, S, H], attention probabilities when asked)."""
-    self_attention = layer.attention.self
+    self_attention = layer.roles().self_attention
     p = self_attention.dropout.p if self_attention.training else 0.0
     probs = []
 
@@ -238,17 +240,20 @@ def layer_math(layer: nn.Module, x: torch.Tensor, attend: Callable[..., torch.Te
     LayerNorm(Dropout(dense(context)) + x), GELU(dense), LayerNorm(Dropout(dense) + h). The reference
     encoder's (padded, attend masks the padding) and the fast model's in inference on a CPU (token
     rows, attend the torch backend's varlen attention: bertfast.model.layout's plain)."""
-    self_attention = layer.attention.self
+    r = layer.roles()
+    self_attention = r.self_attention
     split = (*x.shape[:-1], self_attention.num_attention_heads, self_attention.attention_head_size)
     q, k, v = (m(x).view(split) for m in (self_attention.query, self_attention.key, self_attention.value))
-    h = _add_and_norm(layer.attention.output, attend(q, k, v).reshape(x.shape), x)
-    ffn = layer.intermediate
-    return _add_and_norm(layer.output, F.gelu(ffn.dense(h), approximate=ffn.approximate), h)
+    h = _add_and_norm(r.attention_dense, r.attention_dropout, r.attention_norm, attend(q, k, v).reshape(x.shape), x)
+    return _add_and_norm(r.down, r.ffn_dropout, r.ffn_norm, F.gelu(r.up(h), approximate=r.approximate), h)
 
 
-def _add_and_norm(output: nn.Module, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """BertSelfOutput / BertOutput: LayerNorm(Dropout(dense(h)) + residual)."""
-    return output.LayerNorm(output.dropout(output.dense(h)) + residual)
+def _add_and_norm(dense: nn.Module, dropout: Optional[nn.Module], norm: nn.Module, h: torch.Tensor,
+                  residual: torch.Tensor) -> torch.Tensor:
+    """BertSelfOutput / BertOutput: LayerNorm(Dropout(dense(h)) + residual) (no dropout: DistilBERT's
+    attention output)."""
+    y = dense(h)
+    return norm((y if dropout is None else dropout(y)) + residual)
 
 
 def mlm_head(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:

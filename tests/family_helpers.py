@@ -1,6 +1,8 @@
-"""The encoder families' tests' shared pieces (tests/test_roberta.py, tests/test_electra.py): a
-transformers twin loaded from a bertfast checkpoint, padded inputs with labels for every head, and
-gradients by parameter name, so each family is checked against transformers the same way."""
+"""The encoder families' tests' shared pieces (tests/test_roberta.py, test_electra.py, test_distilbert.py,
+test_family_integrations.py): a transformers twin loaded from a bertfast checkpoint, padded inputs with
+labels for every head, gradients by parameter name, and the checks of what users run the models in
+(pipelines, PEFT LoRA, Trainer, sentence-transformers, torch.compile), so each family is checked
+against transformers the same way."""
 from __future__ import annotations
 
 import tempfile
@@ -124,3 +126,138 @@ def compile_fresh(model):
     (a recompile at new shapes is tests/test_ops.py's)."""
     torch._dynamo.reset()
     return torch.compile(model, fullgraph=True, backend="aot_eager")
+
+
+def demo_wordpiece(tokenizer_class):
+    """``tokenizer_class`` (BertTokenizer, DistilBertTokenizer, ...) over bertfast's demo vocabulary."""
+    from importlib import resources
+    words = resources.files("bertfast.data").joinpath("demo_vocab.txt").read_text().splitlines()
+    return tokenizer_class(vocab={w: i for i, w in enumerate(words)})
+
+
+def assert_triton_matches_reference(model, ids, mask):
+    """``model`` (an MLM class) with every op on the Triton backend (the interpreter on a CPU) against
+    the reference encoder and head: the loss within 1e-5 and each gradient within 1e-4 of its norm."""
+    import bertfast
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = model.to(device).train()
+    batch = {"input_ids": ids.to(device), "attention_mask": mask.to(device),
+             **{k: v.to(device) for k, v in labels_for("ForMaskedLM", ids, mask).items()}}
+    params = list(model.parameters())
+    with bertfast.use_backend("triton"):
+        fast = model(**batch)
+        fast_grads = torch.autograd.grad(fast.loss, params, allow_unused=True)
+    with bertfast.reference_execution(model):
+        ref = model(**batch)
+        ref_grads = torch.autograd.grad(ref.loss, params, allow_unused=True)
+    torch.testing.assert_close(fast.loss, ref.loss, atol=1e-5, rtol=1e-5)
+    for (name, _), a, b in zip(model.named_parameters(), fast_grads, ref_grads):
+        if b is not None:
+            assert (a - b).norm() <= 1e-4 * b.norm() + 1e-6, name
+
+
+def assert_lora_matches(ours_class, theirs_class, path, tokenizer, texts, target_modules):
+    """PEFT LoRA (random LoRA weights, the same in both) on bertfast's and transformers' sequence
+    classifiers from ``path``: logits within 1e-5, every LoRA gradient non-zero and within 1e-3."""
+    import peft
+    lora = dict(r=4, lora_alpha=64, target_modules=list(target_modules), init_lora_weights=False)
+    models = []
+    for cls in (ours_class, theirs_class):
+        torch.manual_seed(1)
+        base = cls.from_pretrained(path).eval()
+        models.append(peft.get_peft_model(base, peft.LoraConfig(task_type="SEQ_CLS", **lora)))
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    labels = torch.arange(len(texts)) % 2
+    outs = [m(**batch, labels=labels) for m in models]
+    torch.testing.assert_close(outs[0].logits, outs[1].logits, atol=1e-5, rtol=0)
+    for out in outs:
+        out.loss.backward()
+    grads = [{n: p.grad for n, p in m.named_parameters() if "lora_" in n} for m in models]
+    assert grads[0] and grads[0].keys() == grads[1].keys()
+    for name in grads[1]:
+        assert grads[0][name] is not None and grads[0][name].abs().sum() > 0, name
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-5, rtol=1e-3, msg=name)
+    return models
+
+
+def trainer_losses(model, tokenizer, texts, out_dir, accumulation=1):
+    """The logged losses of transformers' Trainer fine-tuning ``model`` for 2 epochs on ``texts``
+    (labels alternating), a batch of 4 (with ``accumulation`` steps), then its evaluation and the
+    trainer."""
+    rows = [{"text": t, "label": i % 2} for i, t in enumerate(texts * 4)]
+
+    def collate(batch):
+        encoded = tokenizer([r["text"] for r in batch], padding=True, return_tensors="pt")
+        return {**encoded, "labels": torch.tensor([r["label"] for r in batch])}
+    args = transformers.TrainingArguments(output_dir=str(out_dir), per_device_train_batch_size=4,
+                                          gradient_accumulation_steps=accumulation, num_train_epochs=2,
+                                          learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=True,
+                                          save_strategy="no", seed=0, data_seed=0, disable_tqdm=True,
+                                          remove_unused_columns=False)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows,
+                                   data_collator=collate)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return losses, trainer.evaluate(), trainer, collate(rows[:4])
+
+
+def assert_sentence_embeddings_match(path, texts, expected_class, pooling="mean"):
+    """sentence-transformers over ``path`` (Transformer and Pooling modules) built with register_auto
+    (an ``expected_class`` encoder inside) gives transformers' embeddings within 1e-5."""
+    import sentence_transformers as st
+    try:
+        from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    except ImportError:  # sentence-transformers before 5.2
+        from sentence_transformers.models import Pooling, Transformer
+
+    def encoder():
+        word = Transformer(path)
+        pool = Pooling(word.get_word_embedding_dimension(), pooling_mode=pooling)
+        return st.SentenceTransformer(modules=[word, pool], device="cpu")
+    theirs = encoder()
+    with Auto():
+        ours = encoder()
+    assert any(type(m) is expected_class for m in ours.modules())
+    torch.testing.assert_close(ours.encode(texts, convert_to_tensor=True), theirs.encode(texts, convert_to_tensor=True),
+                               atol=1e-5, rtol=0)
+
+
+def assert_compiles_like_eager(model, batch, labels):
+    """torch.compile(fullgraph=True) of an MLM model (``compile_fresh``): the loss and every gradient as eager's."""
+    eager = model(**batch, labels=labels)
+    eager_grads = torch.autograd.grad(eager.loss, list(model.parameters()))
+    out = compile_fresh(model)(**batch, labels=labels)
+    got = torch.autograd.grad(out.loss, list(model.parameters()))
+    torch._dynamo.reset()  # nothing of this compile left to the tests after it
+    torch.testing.assert_close(out.loss, eager.loss, atol=1e-5, rtol=0)
+    for a, b in zip(got, eager_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def first_real_hidden(encoder, ids, mask):
+    """transformers' ``encoder`` on ids / mask ([B, S] or [B, C, S]): each sequence's first real token's
+    last hidden state [B * C, H], where bertfast's heads read (transformers' read position 0)."""
+    flat_ids, flat_mask = ids.reshape(-1, ids.shape[-1]), mask.reshape(-1, mask.shape[-1])
+    hidden = encoder(input_ids=flat_ids, attention_mask=flat_mask).last_hidden_state
+    return hidden[torch.arange(len(hidden)), flat_mask.argmax(dim=1)]
+
+
+def assert_class_matches(model, hf, head, side, ids, mask, first_token_expected):
+    """``model`` (eval) against its transformers twin on one padded batch: the head's output at real
+    tokens and every hidden state within 1e-5, padded rows of the encoder's output zero. The heads that
+    read a sequence's first token (sequence classification, multiple choice) compare whole under right
+    padding, else against ``first_token_expected()``: transformers' head at the first real token."""
+    ours = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    theirs = hf(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    a, b = main_output(head, ours), main_output(head, theirs)
+    assert torch.isfinite(a).all()
+    if head in ("ForSequenceClassification", "ForMultipleChoice"):
+        torch.testing.assert_close(a, b if side == "right" else first_token_expected(), atol=1e-5, rtol=0)
+        return
+    real = mask.bool()
+    torch.testing.assert_close(a[real], b[real], atol=1e-5, rtol=0)
+    if head == "Model":
+        assert not a[~real].any()  # padded rows are never encoded
+    assert len(ours.hidden_states) == len(theirs.hidden_states) == model.config.num_hidden_layers + 1
+    for x, y in zip(ours.hidden_states, theirs.hidden_states):
+        torch.testing.assert_close(x[real], y[real], atol=1e-5, rtol=0)

@@ -13,12 +13,12 @@ transformers = pytest.importorskip("transformers")
 
 CASES = [("BertModel", "last_hidden_state"), ("BertForSequenceClassification", "logits"),
          ("RobertaModel", "last_hidden_state"), ("XLMRobertaForSequenceClassification", "logits"),
-         ("ElectraModel", "last_hidden_state")]
+         ("ElectraModel", "last_hidden_state"), ("DistilBertForSequenceClassification", "logits")]
 
 
 def _config(cls_name):
     """The tiny preset's sizes in the class's family config (RoBERTa's: 2 more positions, counted from 2;
-    ELECTRA's: narrower embeddings)."""
+    ELECTRA's: narrower embeddings; DistilBERT's under its own names)."""
     config = bertfast.BertConfig.preset("tiny")
     sizes = {k: getattr(config, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                                              "intermediate_size")}
@@ -27,6 +27,10 @@ def _config(cls_name):
             return getattr(transformers, f"{family}Config")(**sizes, pad_token_id=1, max_position_embeddings=130)
     if cls_name.startswith("Electra"):  # with the embeddings projection
         return transformers.ElectraConfig(**sizes, embedding_size=32)
+    if cls_name.startswith("DistilBert"):
+        return transformers.DistilBertConfig(vocab_size=sizes["vocab_size"], dim=sizes["hidden_size"],
+                                             n_layers=sizes["num_hidden_layers"], n_heads=sizes["num_attention_heads"],
+                                             hidden_dim=sizes["intermediate_size"])
     return config
 
 

@@ -5,7 +5,8 @@ sequences, inputs_embeds, given position_ids); the Auto classes; the Triton kern
 """
 import pytest
 import torch
-from family_helpers import SIDES, assert_loss_and_grads_match, grads, labels_for, main_output, twin
+from family_helpers import (SIDES, assert_class_matches, assert_loss_and_grads_match, first_real_hidden, grads,
+                            labels_for, twin)
 from family_helpers import make_inputs as _make_inputs
 
 import bertfast
@@ -39,9 +40,7 @@ def build(family, head, seed=0, **extra):
 def first_token_expected(head, hf, ids, mask):
     """transformers' head applied at each sequence's first real token (where bertfast applies it;
     transformers reads position 0, under left padding a pad token)."""
-    flat_ids, flat_mask = ids.reshape(-1, ids.shape[-1]), mask.reshape(-1, mask.shape[-1])
-    hidden = hf.roberta(input_ids=flat_ids, attention_mask=flat_mask).last_hidden_state
-    first = hidden[torch.arange(len(hidden)), flat_mask.argmax(dim=1)]
+    first = first_real_hidden(hf.roberta, ids, mask)
     if head == "ForSequenceClassification":
         return hf.classifier(first[:, None])
     return hf.classifier(hf.roberta.pooler.activation(hf.roberta.pooler.dense(first))).view(ids.shape[0], -1)
@@ -53,20 +52,8 @@ def first_token_expected(head, hf, ids, mask):
 def test_every_class_matches_transformers(family, head, side):
     model = build(family, head).eval()
     hf = twin(model, family + head)
-    choices = 3 if head == "ForMultipleChoice" else None
-    ids, mask = make_inputs(side, choices=choices)
-    ours, theirs = main_output(head, model(input_ids=ids, attention_mask=mask)), main_output(
-        head, hf(input_ids=ids, attention_mask=mask))
-    assert torch.isfinite(ours).all()
-    if head in ("ForSequenceClassification", "ForMultipleChoice"):
-        if side != "right":
-            theirs = first_token_expected(head, hf, ids, mask)
-        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
-    else:
-        real = mask.bool()
-        torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=0)
-        if head == "Model":
-            assert not ours[~real].any()  # padded rows are never encoded
+    ids, mask = make_inputs(side, choices=3 if head == "ForMultipleChoice" else None)
+    assert_class_matches(model, hf, head, side, ids, mask, lambda: first_token_expected(head, hf, ids, mask))
 
 
 @pytest.mark.parametrize("head", [h for h in HEADS if h != "Model"])

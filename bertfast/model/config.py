@@ -67,8 +67,16 @@ def head_dim(config: transformers.PretrainedConfig) -> int:
 
 
 def gelu_approximate(config: transformers.PretrainedConfig) -> str:
-    """'none' for BERT's exact erf GELU, 'tanh' for the tanh approximation."""
-    return "none" if config.hidden_act == "gelu" else "tanh"
+    """'none' for BERT's exact erf GELU, 'tanh' for the tanh approximation (DistilBERT names the
+    activation ``activation``)."""
+    act = getattr(config, "hidden_act", None)
+    return "none" if (config.activation if act is None else act) == "gelu" else "tanh"
+
+
+def ffn_size(config: transformers.PretrainedConfig) -> int:
+    """The feed-forward layer's width: intermediate_size (DistilBERT's hidden_dim)."""
+    size = getattr(config, "intermediate_size", None)
+    return config.hidden_dim if size is None else size
 
 
 def roberta_config_classes() -> Tuple[type, ...]:

@@ -10,15 +10,13 @@ only, as BERT's does.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch.nn as nn
 import transformers
 from transformers.models.electra import modeling_electra as hf_electra
 
 from bertfast.model import losses
-from bertfast.model.modeling import (BertEmbeddings, BertModelOutput, EncoderModel, FastPreTrainedModel, Tensor,
-                                     hooked, mlm_loss)
+from bertfast.model.modeling import (BertEmbeddings, BertModelOutput, EncoderModel, FastPreTrainedModel,
+                                     MLMHeadView, Tensor)
 from bertfast.model.task_models import (MaskedLMModel, MultipleChoiceModel, QuestionAnsweringModel,
                                         SequenceClassificationModel, TokenClassificationModel, _encoder, _return)
 
@@ -83,27 +81,19 @@ class ElectraForPreTraining(ElectraPreTrainedModel):
         return _return(self, result, return_dict)
 
 
-class _GeneratorHead:
-    """ElectraForMaskedLM's generator_predictions then generator_lm_head, seen as one MLM head (both
-    stay the model's modules, under transformers' keys)."""
-
-    def __init__(self, model: "ElectraForMaskedLM"):
-        self.model = model
-
-    @property
-    def decoder(self) -> nn.Linear:
-        return self.model.generator_lm_head
+class _GeneratorHead(MLMHeadView):
+    """ElectraForMaskedLM's generator_predictions then generator_lm_head (the model's modules, under
+    transformers' keys) as one MLM head."""
 
     def parts(self):
         predictions = self.model.generator_predictions
         return predictions.dense, predictions.LayerNorm, self.model.generator_lm_head, "none"  # exact GELU
 
+    def modules(self):
+        return self.model.generator_predictions, self.model.generator_lm_head
+
     def __call__(self, h: Tensor) -> Tensor:
         return self.model.generator_lm_head(self.model.generator_predictions(h))
-
-    def loss(self, encoded: BertModelOutput, labels: Tensor, max_predictions_per_seq: Optional[int]):
-        head_hooked = hooked(self.model.generator_predictions) or hooked(self.model.generator_lm_head)
-        return mlm_loss(self, head_hooked, encoded, labels, max_predictions_per_seq)
 
 
 class ElectraForMaskedLM(MaskedLMModel, ElectraPreTrainedModel):

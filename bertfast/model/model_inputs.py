@@ -283,7 +283,7 @@ def _check_values(cfg: BertConfig, vocab_size: int, input_ids, attention_mask, t
     if values.get("input_ids_min", 0) < 0 or values.get("input_ids_max", 0) >= vocab_size:
         raise ValueError(f"input_ids: expected values in [0, vocab_size={vocab_size}), got values in "
                          f"[{int(values['input_ids_min'])}, {int(values['input_ids_max'])}]")
-    if values.get("tt_min", 0) < 0 or values.get("tt_max", 0) >= cfg.type_vocab_size:
+    if "tt_min" in values and (values["tt_min"] < 0 or values["tt_max"] >= cfg.type_vocab_size):
         raise ValueError(f"token_type_ids: expected values in [0, type_vocab_size={cfg.type_vocab_size}), "
                          f"got values in [{int(values['tt_min'])}, {int(values['tt_max'])}]")
     if values.get("pos_min", 0) < 0 or values.get("pos_max", 0) >= cfg.max_position_embeddings:
@@ -304,8 +304,8 @@ def _assert_values(cfg: BertConfig, vocab_size: int, input_ids, attention_mask, 
     def within(t: Optional[Tensor], hi: int) -> Optional[Tensor]:
         return None if t is None else ((t >= 0) & (t < hi)).all()
     rules = [(within(input_ids, vocab_size), f"input_ids: expected values in [0, vocab_size={vocab_size})"),
-             (within(token_type_ids, cfg.type_vocab_size),
-              f"token_type_ids: expected values in [0, type_vocab_size={cfg.type_vocab_size})"),
+             (None if token_type_ids is None else within(token_type_ids, cfg.type_vocab_size),
+              f"token_type_ids: expected values in [0, type_vocab_size={getattr(cfg, 'type_vocab_size', 0)})"),
              (within(position_ids, cfg.max_position_embeddings),
               f"position_ids: expected values in [0, max_position_embeddings={cfg.max_position_embeddings})"),
              (within(attention_mask, 2), "attention_mask: expected only 0 (padding) and 1 (token)"),

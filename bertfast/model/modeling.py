@@ -30,7 +30,7 @@ quantized or parametrized modules and hooked modules are called as modules.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -45,7 +45,7 @@ from transformers.models.bert import modeling_bert as hf_bert
 
 from bertfast import dispatch, ops, reference
 from bertfast.model import fused_qkv, model_inputs, residual_linear, saving
-from bertfast.model.config import BertConfig, check_supported, gelu_approximate, head_dim
+from bertfast.model.config import BertConfig, check_supported, ffn_size, gelu_approximate, head_dim
 from bertfast.model.layout import PADDED, Layout, first_real_tokens
 from bertfast.ops.attention import varlen_inference
 
@@ -248,22 +248,34 @@ class BertSelfOutput(nn.Module):
 
     def forward(self, h: Tensor, residual: Tensor) -> Tensor:
         """LN(Dropout(h @ W^T + b) + residual): one op after the GEMM."""
-        ln = self.LayerNorm
-        if not fusable(ln, self.dropout):
-            return ln(self.dropout(self.dense(h)) + residual)
-        if not fusable(self.dense):
-            y, bias = self.dense(h), None
-        elif _bias_in_gemm(h, self.dense, "bias_dropout_residual_layernorm"):
-            y, bias = _linear(h, self.dense.weight, self.dense.bias), None
-        else:
-            y, bias = _linear(h, self.dense.weight), self.dense.bias  # bias fused into the LayerNorm op
-        return self.norm(y, bias, residual)
+        return dense_norm(self.dense, self.dropout, self.LayerNorm, h, residual)
 
     def norm(self, y: Tensor, bias: Optional[Tensor], residual: Tensor) -> Tensor:
         """LN(Dropout(y + bias) + residual) in one op, y the dense's output before its bias."""
-        ln = self.LayerNorm
-        p = self.dropout.p if self.training else 0.0
-        return ops.bias_dropout_residual_layernorm(y, bias, residual, ln.weight, ln.bias, ln.eps, p)
+        return fused_norm(self.dropout, self.LayerNorm, y, bias, residual)
+
+
+def dense_norm(dense: nn.Module, dropout: Optional[nn.Module], ln: nn.Module, h: Tensor, residual: Tensor) -> Tensor:
+    """LN(Dropout(dense(h)) + residual), one op after the GEMM where the modules are plain (the bias
+    fused into the LayerNorm op; on a CPU into the GEMM). ``dropout`` None: a layer without one
+    there (DistilBERT's attention output)."""
+    if not fusable(ln) or (dropout is not None and not fusable(dropout)):
+        y = dense(h)
+        return ln((y if dropout is None else dropout(y)) + residual)
+    if not fusable(dense):
+        y, bias = dense(h), None
+    elif _bias_in_gemm(h, dense, "bias_dropout_residual_layernorm"):
+        y, bias = _linear(h, dense.weight, dense.bias), None
+    else:
+        y, bias = _linear(h, dense.weight), dense.bias  # bias fused into the LayerNorm op
+    return fused_norm(dropout, ln, y, bias, residual)
+
+
+def fused_norm(dropout: Optional[nn.Module], ln: nn.Module, y: Tensor, bias: Optional[Tensor],
+               residual: Tensor) -> Tensor:
+    """LN(Dropout(y + bias) + residual) in one op, y a dense's output before its bias."""
+    p = dropout.p if dropout is not None and dropout.training else 0.0
+    return ops.bias_dropout_residual_layernorm(y, bias, residual, ln.weight, ln.bias, ln.eps, p)
 
 
 class BertOutput(BertSelfOutput):
@@ -307,19 +319,19 @@ def _dense_gelu(dense: nn.Linear, x: Tensor, approximate: str) -> Tuple[Tensor, 
     return ops.bias_gelu(y, dense.bias, approximate), residual
 
 
-def _ffn(intermediate: "BertIntermediate", output: BertOutput, h: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+def _ffn(up: nn.Module, approximate: str, down: nn.Module, after: Tuple[nn.Module, ...], h: Tensor
+         ) -> Optional[Tuple[Tensor, Tensor]]:
     """(GELU(h @ W1^T + b1) @ W2^T, h to use as the residual) from one node whose GEMMs apply the
     bias and GELU in their epilogues (bertfast.model.residual_linear.ffn), where it applies: differentiated,
-    both Linears, the LayerNorm and dropout after them plain modules, the output module without hooks
-    (its own dense is inside the node) and a backend with such GEMMs; else None."""
-    up, down = intermediate.dense, output.dense
-    if (hooked(output) or not _biased_linear(up, down) or not fusable(output.LayerNorm, output.dropout)
+    both Linears and the modules ``after`` them (the dropout and LayerNorm) plain, and a backend with
+    such GEMMs; else None."""
+    if (not _biased_linear(up, down) or not fusable(*after)
             or not residual_linear.records_grad(h, up.weight, up.bias, down.weight, down.bias)):
         return None
     gemms = residual_linear.ffn_gemms(h, up.weight, up.bias, down.weight)
     if gemms is None:
         return None
-    return residual_linear.ffn(h, up.weight, up.bias, down.weight, intermediate.approximate, gemms)
+    return residual_linear.ffn(h, up.weight, up.bias, down.weight, approximate, gemms)
 
 
 class BertIntermediate(nn.Module):
@@ -336,12 +348,33 @@ class BertIntermediate(nn.Module):
         return _dense_gelu(self.dense, x, self.approximate)
 
 
+class LayerRoles(NamedTuple):
+    """A layer's modules by what they do, whatever the family names them (``roles()``): what the
+    reference math and the CPU inference path read."""
+    self_attention: nn.Module  # query, key, value (properties where the family names them otherwise)
+    attention_dense: nn.Module
+    attention_dropout: Optional[nn.Module]  # None: no dropout after the attention's dense (DistilBERT)
+    attention_norm: nn.Module
+    up: nn.Module
+    approximate: str  # the GELU between up and down
+    down: nn.Module
+    ffn_dropout: nn.Module
+    ffn_norm: nn.Module
+    containers: Tuple[nn.Module, ...]  # modules above these whose forwards the math does not call
+
+
 class BertLayer(GradientCheckpointingLayer):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.attention = BertAttention(config)
         self.intermediate = BertIntermediate(config)
         self.output = BertOutput(config)
+
+    def roles(self) -> LayerRoles:
+        a = self.attention
+        return LayerRoles(a.self, a.output.dense, a.output.dropout, a.output.LayerNorm, self.intermediate.dense,
+                          self.intermediate.approximate, self.output.dense, self.output.dropout,
+                          self.output.LayerNorm, (a, a.self, a.output, self.intermediate, self.output))
 
     def forward(self, x: Tensor, layout: Layout) -> Tensor:
         """x positional (gradient checkpointing re-runs the layer on it)."""
@@ -350,7 +383,9 @@ class BertLayer(GradientCheckpointingLayer):
         h = self.attention(x, layout)
         if hooked(self.intermediate):  # called as a module, so its hooks run
             return self.output(self.intermediate(h), h)
-        fused = _ffn(self.intermediate, self.output, h)
+        out = self.output  # its own dense runs inside the fused node: not when it runs hooks
+        fused = None if hooked(out) else _ffn(self.intermediate.dense, self.intermediate.approximate, out.dense,
+                                               (out.LayerNorm, out.dropout), h)
         if fused is not None:
             return self.output.norm(fused[0], self.output.dense.bias, fused[1])
         y, residual = self.intermediate.gelu_keeping_input(h)
@@ -358,9 +393,9 @@ class BertLayer(GradientCheckpointingLayer):
 
 
 class BertEncoder(nn.Module):
-    def __init__(self, config: BertConfig):
+    def __init__(self, config: BertConfig, layer_class: type = BertLayer):
         super().__init__()
-        self.layer = nn.ModuleList([BertLayer(config) for _ in range(config.num_hidden_layers)])
+        self.layer = nn.ModuleList([layer_class(config) for _ in range(config.num_hidden_layers)])
 
     def forward(self, x: Tensor, layout: Layout,
                 want_states: bool = False) -> Tuple[Tensor, Optional[Tuple[Tensor, ...]]]:
@@ -403,8 +438,13 @@ class FastPreTrainedModel:
     _keys_to_ignore_on_load_unexpected = [r"embeddings\.position_ids", r"embeddings\.token_type_ids"]
 
     def __init__(self, config: Any, *inputs: Any, **kwargs: Any):
-        check_supported(config, self.supported_configs, self.counts_from_padding)
+        self.check_config(config)
         super().__init__(config, *inputs, **kwargs)
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        """A ValueError naming the first setting of ``config`` the fused encoder does not serve."""
+        check_supported(config, cls.supported_configs, cls.counts_from_padding)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any):
@@ -436,6 +476,8 @@ class EncoderModel:
     embeddings and the first layer, as transformers does."""
 
     embeddings_class = BertEmbeddings
+    layer_class = BertLayer
+    stack_name = "encoder"  # the layers' module (DistilBERT's: transformer)
     _no_split_modules = ["BertEmbeddings", "BertLayer"]
 
     def __init__(self, config: Any, add_pooling_layer: bool = True):
@@ -443,10 +485,15 @@ class EncoderModel:
         self.embeddings = self.embeddings_class(config)
         if getattr(config, "embedding_size", config.hidden_size) != config.hidden_size:
             self.embeddings_project = nn.Linear(config.embedding_size, config.hidden_size)
-        self.encoder = BertEncoder(config)
+        setattr(self, self.stack_name, BertEncoder(config, self.layer_class))
         self.pooler = BertPooler(config) if add_pooling_layer else None
         self.execution = FAST
         self.post_init()
+
+    @property
+    def layer_stack(self) -> "BertEncoder":
+        """The layers' module: ``encoder`` (``transformer`` in DistilBERT)."""
+        return self._modules[self.stack_name]
 
     def get_input_embeddings(self) -> nn.Module:
         return self.embeddings.word_embeddings
@@ -514,7 +561,7 @@ class EncoderModel:
         if project is not None:
             x = project(x)
         layout.plain = self._plain_attention(x, layout)
-        x, states = self.encoder(x, layout, want_states=want_states)
+        x, states = self.layer_stack(x, layout, want_states=want_states)
         return layout.restore(x), states, x
 
     def _plain_attention(self, x: Tensor, layout: Layout):
@@ -536,17 +583,16 @@ class EncoderModel:
         # The attention first: on a GPU the answer is no at once.
         if (dispatch.select("attention_varlen", q=stand_in(tokens, 3, cfg.num_attention_heads, head_dim(cfg)),
                             cu_seqlens=layout.cu_seqlens) != "torch"
-                or dispatch.select("bias_gelu", x=stand_in(tokens, cfg.intermediate_size),
-                                   bias=stand_in(cfg.intermediate_size)) != "torch"
+                or dispatch.select("bias_gelu", x=stand_in(tokens, ffn_size(cfg)),
+                                   bias=stand_in(ffn_size(cfg))) != "torch"
                 or dispatch.select("bias_dropout_residual_layernorm", x=x, bias=stand_in(width), residual=x,
                                    weight=stand_in(width), ln_bias=stand_in(width)) != "torch"):
             return None
-        for layer in self.encoder.layer:
-            param = next(layer.parameters(), None)
-            if layer.attention.self.training or param is None or param.device != device:
+        for layer in self.layer_stack.layer:
+            param, roles = next(layer.parameters(), None), layer.roles()
+            if roles.self_attention.training or param is None or param.device != device:
                 return None
-            if any(hooked(m) for m in (layer.attention, layer.attention.self, layer.attention.output,
-                                       layer.intermediate, layer.output)):
+            if any(hooked(m) for m in roles.containers):
                 return None
         return varlen_inference(layout.cu_seqlens, layout.max_seqlen, tokens)
 
@@ -583,6 +629,31 @@ class MLMHead(nn.Module):
 
     def loss(self, encoded: BertModelOutput, labels: Tensor, max_predictions_per_seq: Optional[int]) -> ops.MLMHeadLoss:
         return mlm_loss(self, hooked(self), encoded, labels, max_predictions_per_seq)
+
+
+class MLMHeadView:
+    """An MLM head made of a model's own modules, not one module of its own (ELECTRA's generator,
+    DistilBERT's vocab_*), seen as MLMHead is by the fused loss and the reference: ``parts()``,
+    called for full logits, ``decoder``, and the modules whose hooks send the loss through them."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def parts(self) -> Tuple[nn.Module, nn.Module, nn.Module, str]:
+        raise NotImplementedError
+
+    def modules(self) -> Tuple[nn.Module, ...]:
+        raise NotImplementedError
+
+    def __call__(self, h: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    @property
+    def decoder(self) -> nn.Module:
+        return self.parts()[2]
+
+    def loss(self, encoded: BertModelOutput, labels: Tensor, max_predictions_per_seq: Optional[int]) -> ops.MLMHeadLoss:
+        return mlm_loss(self, any(hooked(m) for m in self.modules()), encoded, labels, max_predictions_per_seq)
 
 
 def mlm_loss(head: Any, head_hooked: bool, encoded: BertModelOutput, labels: Tensor,

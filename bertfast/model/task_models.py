@@ -44,7 +44,8 @@ def _full_logits_with_labels(model: BertPreTrainedModel, return_logits: Optional
 
 class MLMHeadModel:
     """What the classes with an MLM head share (a mixin before the family's PreTrainedModel): the
-    head (``mlm_head``: BERT's ``cls.predictions``, RoBERTa's ``lm_head``), its accessors, logits and loss."""
+    head (``mlm_head``: BERT's ``cls.predictions``, RoBERTa's ``lm_head``, ELECTRA's generator modules
+    seen as one), its accessors, logits and loss."""
 
     @property
     def mlm_head(self) -> MLMHead:
@@ -142,7 +143,8 @@ class MaskedLMModel(MLMHeadModel):
                 inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
                 return_dict=None, max_predictions_per_seq: Optional[int] = None,
                 return_logits: Optional[bool] = None, **kwargs):
-        out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+        out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                              position_ids=position_ids, inputs_embeds=inputs_embeds,
                               output_attentions=output_attentions, output_hidden_states=output_hidden_states,
                               return_dict=True, **kwargs)
         if labels is not None:
@@ -175,8 +177,10 @@ class BertForMaskedLM(MaskedLMModel, BertPreTrainedModel):
 
 
 def classifier_dropout(config) -> nn.Dropout:
-    p = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-    return nn.Dropout(p)
+    """classifier_dropout, else hidden_dropout_prob (DistilBERT, which has neither: its dropout)."""
+    p = getattr(config, "classifier_dropout", None)
+    p = getattr(config, "hidden_dropout_prob", None) if p is None else p
+    return nn.Dropout(config.dropout if p is None else p)
 
 
 def _encoder(model, config, add_pooling_layer: bool) -> None:
@@ -193,7 +197,8 @@ class SequenceClassificationModel:
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
                 return_dict=None, **kwargs):
-        out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+        out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                              position_ids=position_ids, inputs_embeds=inputs_embeds,
                               output_attentions=output_attentions, output_hidden_states=output_hidden_states,
                               return_dict=True, **kwargs)
         logits = self.sequence_logits(out)
@@ -235,7 +240,8 @@ class TokenClassificationModel:
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
                 return_dict=None, **kwargs):
-        out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+        out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                              position_ids=position_ids, inputs_embeds=inputs_embeds,
                               output_attentions=output_attentions, output_hidden_states=output_hidden_states,
                               return_dict=True, **kwargs)
         logits = self.classifier(self.dropout(out.last_hidden_state))
@@ -265,16 +271,25 @@ class QuestionAnsweringModel:
         super().__init__(config)
         self.num_labels = config.num_labels
         _encoder(self, config, add_pooling_layer=False)
-        self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
+        self.add_span_head(config)
         self.post_init()
+
+    def add_span_head(self, config) -> None:
+        """The modules that score span starts and ends (DistilBERT's adds a dropout before them)."""
+        self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
+
+    def span_logits(self, hidden: Tensor) -> Tensor:
+        """[B, S, H] -> [B, S, 2]."""
+        return self.qa_outputs(hidden)
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, start_positions=None, end_positions=None, output_attentions=None,
                 output_hidden_states=None, return_dict=None, **kwargs):
-        out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+        out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                              position_ids=position_ids, inputs_embeds=inputs_embeds,
                               output_attentions=output_attentions, output_hidden_states=output_hidden_states,
                               return_dict=True, **kwargs)
-        logits = self.qa_outputs(out.last_hidden_state)
+        logits = self.span_logits(out.last_hidden_state)
         start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))
         loss = None
         if start_positions is not None and end_positions is not None and out.packed is not None:
@@ -326,7 +341,8 @@ class MultipleChoiceModel:
                     or (slots is not None and slots % num_choices)):
                 raise ValueError(f"{type(self).__name__}: packed sequences need num_choices, the choices per example "
                                  f"(a positive int dividing the {slots} slots), got {num_choices!r}")
-            out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+            out = self.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                  token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
                                   output_attentions=output_attentions, output_hidden_states=output_hidden_states,
                                   return_dict=True, **kwargs)
         else:
@@ -339,8 +355,9 @@ class MultipleChoiceModel:
                                  f"{source.shape[1]} choices")
             num_choices = source.shape[1]
             flat = lambda t, k=1: None if t is None else t.reshape(-1, *t.shape[-k:])  # noqa: E731  (as transformers)
-            out = self.base_model(flat(input_ids), flat(attention_mask), flat(token_type_ids), flat(position_ids),
-                                  flat(inputs_embeds, 2), output_attentions=output_attentions,
+            out = self.base_model(input_ids=flat(input_ids), attention_mask=flat(attention_mask),
+                                  token_type_ids=flat(token_type_ids), position_ids=flat(position_ids),
+                                  inputs_embeds=flat(inputs_embeds, 2), output_attentions=output_attentions,
                                   output_hidden_states=output_hidden_states, return_dict=True, **kwargs)
         logits = self.choice_scores(out).view(-1, num_choices)
         loss = None
