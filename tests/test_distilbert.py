@@ -110,3 +110,24 @@ def test_triton_kernels_match_the_reference():
     """The MLM loss and gradients with every op on Triton (the embeddings op with its zero token-type
     row included) against the reference encoder and head."""
     assert_triton_matches_reference(build("ForMaskedLM"), *make_inputs(0, VOCAB, "mixed", batch=3, seqlen=12, seed=6))
+
+
+@pytest.mark.parametrize("where", ["attention", "sa_layer_norm", "ffn", "output_layer_norm"])
+def test_a_hooked_part_runs_its_hook_with_transformers_results(where):
+    """A forward hook on a block's part sends the block through that module (its hook runs, shifting
+    its output's features here) and the results and gradients stay transformers' under the same hook."""
+    model = build("ForTokenClassification", seed=4).train()
+    hf = twin(model, "DistilBertForTokenClassification").train()
+    ids, mask = make_inputs(0, VOCAB, "mixed", seed=7)
+    labels = {"labels": torch.where(mask.bool(), ids % 2, -100)}
+
+    shift = torch.linspace(-1.0, 1.0, 32)  # not a LayerNorm's invariance (a scale or one shift)
+
+    def hook(module, args, output):  # transformers' attention returns (output, weights)
+        return (output[0] + shift, *output[1:]) if isinstance(output, tuple) else output + shift
+    for m in (model.distilbert, hf.distilbert):
+        getattr(m.transformer.layer[0], where).register_forward_hook(hook)
+    plain = build("ForTokenClassification", seed=4).train()(input_ids=ids, attention_mask=mask, **labels).loss
+    ours = model(input_ids=ids, attention_mask=mask, **labels).loss
+    assert not torch.isclose(ours, plain)  # the hook ran
+    assert_loss_and_grads_match(model, hf, "ForTokenClassification", ids, mask)

@@ -150,7 +150,8 @@ class DistilBertBlock(GradientCheckpointingLayer):
             h = _layer_norm(self.sa_layer_norm, attention(x, layout) + x)
         else:
             context, residual = attention.context_keeping_input(x, layout)
-            h = dense_norm(attention.out_lin, None, self.sa_layer_norm, context, residual)
+            h = dense_norm(attention.out_lin, None, self.sa_layer_norm, context,
+                           _residual(residual, x, self.sa_layer_norm))
         if hooked(ffn):
             return _layer_norm(norm, ffn(h) + h)
         fused = _ffn(ffn.lin1, ffn.approximate, ffn.lin2, (ffn.dropout, norm), h)
