@@ -257,6 +257,6 @@ def _add_and_norm(dense: nn.Module, dropout: Optional[nn.Module], norm: nn.Modul
 
 
 def mlm_head(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """An MLM head (bertfast.model.modeling.MLMHead: BERT's, RoBERTa's): hidden [..., H] -> logits [..., V]."""
+    """An MLM head (bertfast.model.mlm_heads: BERT's, RoBERTa's, ...): hidden [..., H] -> logits [..., V]."""
     dense, layer_norm, decoder, approximate = head.parts()
     return decoder(layer_norm(F.gelu(dense(hidden), approximate=approximate)))

@@ -25,9 +25,10 @@ from transformers.models.distilbert import modeling_distilbert as hf_distilbert
 from bertfast import ops
 from bertfast.model.config import SUPPORTED_ACTIVATIONS, SUPPORTED_PROBLEM_TYPES, gelu_approximate
 from bertfast.model.layout import Layout
+from bertfast.model.mlm_heads import MLMHeadView
 from bertfast.model.modeling import (BertModelOutput, BertSelfAttention, EncoderModel, FastPreTrainedModel,
-                                     LayerRoles, MLMHeadView, Tensor, _activation_dtype, _dense_gelu, _ffn,
-                                     _layer_norm, _residual, dense_norm, fused_norm, fusable, hooked)
+                                     LayerRoles, Tensor, _activation_dtype, _dense_gelu, _ffn, _layer_norm, _residual,
+                                     dense_norm, fused_norm, fusable, hooked)
 from bertfast.model.task_models import (MaskedLMModel, MultipleChoiceModel, QuestionAnsweringModel,
                                         SequenceClassificationModel, TokenClassificationModel, _encoder)
 from bertfast import reference
@@ -204,10 +205,6 @@ class DistilBertModel(EncoderModel, DistilBertPreTrainedModel):
 DistilBertPreTrainedModel.encoder_class = DistilBertModel
 
 
-def _first_tokens(encoded: BertModelOutput) -> Tensor:
-    return encoded.first_tokens
-
-
 class _VocabHead(MLMHeadView):
     """DistilBertForMaskedLM's vocab_transform, activation, vocab_layer_norm and vocab_projector as one MLM head."""
 
@@ -263,7 +260,7 @@ class DistilBertForSequenceClassification(SequenceClassificationModel, DistilBer
         self.post_init()
 
     def sequence_logits(self, encoded: BertModelOutput) -> Tensor:
-        return self.classifier(_pre_classified(self, _first_tokens(encoded)))
+        return self.classifier(_pre_classified(self, encoded.first_tokens))
 
 
 class DistilBertForTokenClassification(TokenClassificationModel, DistilBertPreTrainedModel):
@@ -290,7 +287,7 @@ class DistilBertForMultipleChoice(MultipleChoiceModel, DistilBertPreTrainedModel
         self.dropout = nn.Dropout(config.seq_classif_dropout)
 
     def choice_scores(self, encoded: BertModelOutput) -> Tensor:
-        return self.classifier(_pre_classified(self, _first_tokens(encoded)))
+        return self.classifier(_pre_classified(self, encoded.first_tokens))
 
 
 MODEL_CLASSES = {cls.__name__: cls for cls in (

@@ -15,8 +15,8 @@ import transformers
 from transformers.models.electra import modeling_electra as hf_electra
 
 from bertfast.model import losses
-from bertfast.model.modeling import (BertEmbeddings, BertModelOutput, EncoderModel, FastPreTrainedModel,
-                                     MLMHeadView, Tensor)
+from bertfast.model.mlm_heads import MLMHeadView
+from bertfast.model.modeling import BertEmbeddings, BertModelOutput, EncoderModel, FastPreTrainedModel, Tensor
 from bertfast.model.task_models import (MaskedLMModel, MultipleChoiceModel, QuestionAnsweringModel,
                                         SequenceClassificationModel, TokenClassificationModel, _encoder, _return)
 

@@ -9,7 +9,8 @@ names, parameter names (state-dict keys), forward keywords, outputs and losses a
 transformers' BERT; the deliberate differences are listed in the README's drop-in table.
 What another family's classes share with BERT's is here too: ``FastPreTrainedModel`` (listed before
 the family's transformers PreTrainedModel) and ``EncoderModel`` (its encoder model's modules and
-forward; ``bertfast.model.roberta`` for RoBERTa, XLM-R and CamemBERT).
+forward; ``bertfast.model.roberta`` for RoBERTa, XLM-R and CamemBERT). The MLM heads are in
+``bertfast.model.mlm_heads``.
 
 Two ways to run the same modules and weights:
 
@@ -457,6 +458,8 @@ class FastPreTrainedModel:
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
+        from bertfast.model.mlm_heads import MLMHead  # the heads' module imports this one
+
         PreTrainedModel._init_weights(self, module)  # Linear, Embedding (pad row 0), LayerNorm
         if isinstance(module, MLMHead):
             init.zeros_(module.bias)
@@ -602,108 +605,6 @@ class BertModel(EncoderModel, BertPreTrainedModel):
 
 
 BertPreTrainedModel.encoder_class = BertModel  # what the task models build (bertfast.model.task_models)
-
-
-# ================================================================= heads
-class BertPredictionHeadTransform(nn.Module):
-    def __init__(self, config: BertConfig):
-        super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.approximate = gelu_approximate(config)
-
-    def forward(self, h: Tensor) -> Tensor:
-        return _layer_norm(self.LayerNorm, _dense_gelu(self.dense, h, self.approximate)[0])
-
-
-class MLMHead(nn.Module):
-    """An MLM head: LayerNorm(GELU(dense(h))), then the decoder (tied to the word embeddings) and the
-    family's ``bias`` (tied to the decoder's). ``parts`` names its modules for the fused loss and the
-    reference."""
-
-    bias: nn.Parameter
-
-    def parts(self) -> Tuple[nn.Linear, nn.LayerNorm, nn.Linear, str]:
-        """(dense, layer_norm, decoder, GELU approximation)."""
-        raise NotImplementedError
-
-    def loss(self, encoded: BertModelOutput, labels: Tensor, max_predictions_per_seq: Optional[int]) -> ops.MLMHeadLoss:
-        return mlm_loss(self, hooked(self), encoded, labels, max_predictions_per_seq)
-
-
-class MLMHeadView:
-    """An MLM head made of a model's own modules, not one module of its own (ELECTRA's generator,
-    DistilBERT's vocab_*), seen as MLMHead is by the fused loss and the reference: ``parts()``,
-    called for full logits, ``decoder``, and the modules whose hooks send the loss through them."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def parts(self) -> Tuple[nn.Module, nn.Module, nn.Module, str]:
-        raise NotImplementedError
-
-    def modules(self) -> Tuple[nn.Module, ...]:
-        raise NotImplementedError
-
-    def __call__(self, h: Tensor) -> Tensor:
-        raise NotImplementedError
-
-    @property
-    def decoder(self) -> nn.Module:
-        return self.parts()[2]
-
-    def loss(self, encoded: BertModelOutput, labels: Tensor, max_predictions_per_seq: Optional[int]) -> ops.MLMHeadLoss:
-        return mlm_loss(self, any(hooked(m) for m in self.modules()), encoded, labels, max_predictions_per_seq)
-
-
-def mlm_loss(head: Any, head_hooked: bool, encoded: BertModelOutput, labels: Tensor,
-             max_predictions_per_seq: Optional[int]) -> ops.MLMHeadLoss:
-    """Mean CE over labels [B, S] (checked, -100 at padding) of an MLM head (``parts()``, called for full
-    logits); the fused head runs on the labelled rows only, unless the head runs hooks or its parts
-    are not plain modules (then it is called on the real tokens' rows)."""
-    unpadded = encoded.token_row_index is not None
-    dense, ln, decoder, approximate = head.parts()
-    if head_hooked or not (_biased_linear(dense, decoder) and fusable(ln)):
-        hidden, flat = encoded.last_hidden_state, labels
-        if unpadded:
-            hidden, flat = encoded.token_rows, labels.reshape(-1).index_select(0, encoded.token_row_index)
-        return ops.MLMHeadLoss(*reference.classification_loss(head(hidden), flat))
-    if unpadded and max_predictions_per_seq is None:
-        hidden, row_labels = encoded.token_rows, labels.reshape(-1).index_select(0, encoded.token_row_index)
-    else:
-        hidden, row_labels = encoded.last_hidden_state, labels
-    return ops.mlm_head_loss(hidden, row_labels, dense.weight, dense.bias, ln.weight, ln.bias, ln.eps,
-                             decoder.weight, decoder.bias, approximate, max_predictions_per_seq)
-
-
-class BertLMPredictionHead(MLMHead):
-    def __init__(self, config: BertConfig):
-        super().__init__()
-        self.transform = BertPredictionHeadTransform(config)
-        # The decoder's weight is tied to the word embeddings and its bias to self.bias (transformers ties them).
-        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=True)
-        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
-
-    def forward(self, h: Tensor) -> Tensor:
-        """Full logits [..., V] (the no-labels path, as transformers)."""
-        return self.decoder(self.transform(h))
-
-    def parts(self) -> Tuple[nn.Linear, nn.LayerNorm, nn.Linear, str]:
-        t = self.transform
-        return t.dense, t.LayerNorm, self.decoder, t.approximate
-
-
-class BertPreTrainingHeads(nn.Module):
-    def __init__(self, config: BertConfig):
-        super().__init__()
-        self.predictions = BertLMPredictionHead(config)
-        self.seq_relationship = nn.Linear(config.hidden_size, 2)
-
-
-class BertOnlyMLMHead(nn.Module):
-    def __init__(self, config: BertConfig):
-        super().__init__()
-        self.predictions = BertLMPredictionHead(config)
 
 
 def _reference(bert: EncoderModel) -> bool:

@@ -20,8 +20,9 @@ from transformers.models.roberta import modeling_roberta as hf_roberta
 from transformers.models.xlm_roberta import modeling_xlm_roberta as hf_xlm_roberta
 
 from bertfast.model.config import roberta_config_classes
-from bertfast.model.modeling import (BertEmbeddings, BertModelOutput, EncoderModel, FastPreTrainedModel, MLMHead,
-                                     Tensor, _dense_gelu, _layer_norm)
+from bertfast.model.mlm_heads import MLMHead
+from bertfast.model.modeling import (BertEmbeddings, BertModelOutput, EncoderModel, FastPreTrainedModel, Tensor,
+                                     _dense_gelu, _layer_norm)
 from bertfast.model.task_models import (MaskedLMModel, MultipleChoiceModel, QuestionAnsweringModel,
                                         SequenceClassificationModel, TokenClassificationModel, _encoder,
                                         classifier_dropout)

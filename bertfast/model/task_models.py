@@ -20,9 +20,9 @@ from bertfast import ops, reference
 from bertfast.model import losses, model_inputs
 from bertfast.model.config import BertConfig
 from bertfast.contract import IGNORE_INDEX
+from bertfast.model.mlm_heads import BertOnlyMLMHead, BertPreTrainingHeads, MLMHead
 from bertfast.model.modeling import (BertForPreTrainingOutput, BertMaskedLMOutput, BertModel, BertModelOutput,
-                                     BertOnlyMLMHead, BertPreTrainedModel, BertPreTrainingHeads, MLMHead, Tensor,
-                                     _reference, _with_extras)
+                                     BertPreTrainedModel, Tensor, _reference, _with_extras)
 from bertfast.ops.mlm_head_loss import check_max_predictions_per_seq, masked_positions
 
 
