@@ -31,6 +31,7 @@ _WHERE = {
         "PreTrainedModel", "Model", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification",
         "ForQuestionAnswering", "ForMultipleChoice")},
     "pack_batch": "bertfast.padding",
+    "unpadded": "bertfast.sentence",
     "use_backend": "bertfast.dispatch",
     "register_auto": "bertfast.hf",
     "unregister_auto": "bertfast.hf",

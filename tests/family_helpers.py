@@ -5,7 +5,9 @@ labels for every head, gradients by parameter name, and the checks of what users
 against transformers the same way."""
 from __future__ import annotations
 
+import contextlib
 import tempfile
+from unittest import mock
 
 import torch
 import transformers
@@ -201,25 +203,40 @@ def trainer_losses(model, tokenizer, texts, out_dir, accumulation=1):
     return losses, trainer.evaluate(), trainer, collate(rows[:4])
 
 
-def assert_sentence_embeddings_match(path, texts, expected_class, pooling="mean"):
-    """sentence-transformers over ``path`` (Transformer and Pooling modules) built with register_auto
-    (an ``expected_class`` encoder inside) gives transformers' embeddings within 1e-5."""
+@contextlib.contextmanager
+def packed_only():
+    """The block's encoders must take their batches packed: unpadding or padding one fails."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the encoder unpadded or padded a batch: the unpadded path was not taken end to end")
+    with mock.patch("bertfast.model.layout.unpad_mask", refuse), mock.patch("bertfast.model.layout.pad_rows", refuse):
+        yield
+
+
+def sentence_encoder(path, pooling="mean"):
+    """sentence-transformers' SentenceTransformer of ``path``'s encoder and a Pooling module."""
     import sentence_transformers as st
     try:
         from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
     except ImportError:  # sentence-transformers before 5.2
         from sentence_transformers.models import Pooling, Transformer
+    word = Transformer(path)
+    dim = getattr(word, "get_embedding_dimension", None) or word.get_word_embedding_dimension  # renamed in 6.0
+    pool = Pooling(dim(), pooling_mode=pooling)
+    return st.SentenceTransformer(modules=[word, pool], device="cpu")
 
-    def encoder():
-        word = Transformer(path)
-        pool = Pooling(word.get_word_embedding_dimension(), pooling_mode=pooling)
-        return st.SentenceTransformer(modules=[word, pool], device="cpu")
-    theirs = encoder()
+
+def assert_sentence_embeddings_match(path, texts, expected_class, pooling="mean", unpadded=False):
+    """sentence-transformers over ``path`` built with register_auto (an ``expected_class`` encoder
+    inside) gives transformers' embeddings within 1e-5; ``unpadded``: through ``bertfast.unpadded``,
+    the batch flattened into one row of tokens from the tokenizer to the pooling."""
+    import bertfast
+    theirs = sentence_encoder(path, pooling)
     with Auto():
-        ours = encoder()
+        ours = sentence_encoder(path, pooling)
     assert any(type(m) is expected_class for m in ours.modules())
-    torch.testing.assert_close(ours.encode(texts, convert_to_tensor=True), theirs.encode(texts, convert_to_tensor=True),
-                               atol=1e-5, rtol=0)
+    with packed_only() if unpadded else contextlib.nullcontext():
+        got = (bertfast.unpadded(ours) if unpadded else ours).encode(texts, convert_to_tensor=True)
+    torch.testing.assert_close(got, theirs.encode(texts, convert_to_tensor=True), atol=1e-5, rtol=0)
 
 
 def assert_compiles_like_eager(model, batch, labels):

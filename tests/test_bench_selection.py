@@ -12,15 +12,15 @@ from bench_helpers import _cpu_ctx
 def test_implementation_families():
     from bertfast.bench.common import DTYPES
     from bertfast.bench.options import DTYPE_NAMES, IMPL_FAMILIES
-    from bertfast.bench.results import (BERTFAST, BERTFAST_GRAPHS, BERTFAST_REFERENCE, BERTFAST_STATIC, SDPA_CUDNN,
-                                        TORCH_COMPILE, impl_family)
+    from bertfast.bench.results import (BERTFAST, BERTFAST_GRAPHS, BERTFAST_REFERENCE, BERTFAST_STATIC, ONNXRUNTIME,
+                                        SDPA_CUDNN, TORCH_COMPILE, impl_family)
     assert [impl_family(i) for i in ("bertfast:triton varlen", BERTFAST, BERTFAST_STATIC, BERTFAST_GRAPHS,
                                      BERTFAST_REFERENCE, TORCH_EAGER, FULL_HEAD, GEMM_FLOOR, TORCH_COMPILE, SDPA_FLASH,
-                                     SDPA_CUDNN, HF_EAGER, HF_COMPILED)] == [
+                                     SDPA_CUDNN, HF_EAGER, HF_COMPILED, ONNXRUNTIME)] == [
         "bertfast", "bertfast", "static-shapes", "static-shapes", "reference", "eager", "eager", "eager", "compiled",
-        "sdpa", "sdpa", "transformers", "transformers-compiled"]
+        "sdpa", "sdpa", "transformers", "transformers-compiled", "onnxruntime"]
     assert set(IMPL_FAMILIES) == {"bertfast", "static-shapes", "reference", "eager", "compiled", "sdpa",
-                                  "transformers", "transformers-compiled"}
+                                  "transformers", "transformers-compiled", "onnxruntime"}
     assert sorted(DTYPES) == sorted(DTYPE_NAMES)  # --dtype's choices (torch-free) are the dtypes the bench maps
     with pytest.raises(ValueError, match="no family"):
         impl_family("numpy")
@@ -42,6 +42,9 @@ def test_cli_rejects_unknown_families_and_bad_case_filters(capsys):
     assert cli.main(["--case", "model", "--device", "cpu"]) == 2
     assert "expected FIELD=VALUE" in capsys.readouterr().err
     assert cli.main(["--time-budget", "0", "--device", "cpu"]) == 2
+    assert cli.main(["--models", "inference,embedding", "--device", "cpu"]) == 2
+    assert "unknown model benchmarks ['embedding']; expected pretrain, finetune, inference, embeddings" in \
+        capsys.readouterr().err
 
 
 def test_case_filter_and_time_budget(monkeypatch):

@@ -42,6 +42,36 @@ def test_model_suite_times_the_static_shape_pretrain_step_and_skips_graphs_witho
     assert graphs.status == "skipped" and graphs.reason == "--cuda-graphs needs a CUDA device (got cpu)"
 
 
+def test_embeddings_case_encodes_the_corpus_on_each_implementation_and_gates_it(monkeypatch):
+    """sentence-transformers on bertfast (flattened batches), on transformers and through onnxruntime:
+    each gated against transformers' embeddings, timed, with sentences/s; a broken one is not timed."""
+    pytest.importorskip("sentence_transformers", minversion="5.4")
+    from bertfast.bench import embeddings, model_suite
+    from bertfast.bench.results import BERTFAST, ONNXRUNTIME
+    rows = model_suite.run(_cpu_ctx(models=("embeddings",), with_transformers=True))
+    by_impl = {r.impl: r for r in rows}
+    assert list(by_impl) == [BERTFAST, HF_EAGER, ONNXRUNTIME][:len(by_impl)] and len(by_impl) >= 2
+    case = rows[0].case
+    assert case["family"] == "bert" and case["lengths"] == "queries+passages" and 0.3 < case["fill"] < 1
+    for r in rows:
+        if r.status == "skipped":
+            assert r.impl == ONNXRUNTIME and "not installed" in r.reason
+            continue
+        assert r.ok and r.parity["ok"] and r.parity["max_abs_err"] <= 1e-4, (r.impl, r.reason)
+        assert r.metric("seq_per_s") == pytest.approx(case["texts"] * 1e3 / r.time_ms.median, rel=1e-6)
+        assert r.work["tokens"] == case["real_tokens"]
+    # the texts: alternately a short query and a longer passage
+    texts = embeddings.corpus(6, torch.Generator().manual_seed(0))
+    assert all(t.endswith("?") and len(t.split()) <= 13 for t in texts[::2])
+    assert all(t.endswith(".") and len(t.split()) >= 31 for t in texts[1::2])
+    # a wrong implementation fails the gate and is not timed
+    encode = embeddings.OnnxEncoder.encode
+    monkeypatch.setattr(embeddings.OnnxEncoder, "encode", lambda self, texts: encode(self, texts) * 0.9)
+    rows = model_suite.run(_cpu_ctx(models=("embeddings",), impls=("onnxruntime",)))
+    assert len(rows) == 1 and rows[0].status in ("FAILED PARITY", "skipped")
+    assert rows[0].time_ms is None and (rows[0].status == "skipped" or rows[0].parity["max_abs_err"] > 1e-4)
+
+
 def test_packed_pretrain_rows_step_with_pretrains_optimizer_and_clipping(monkeypatch):
     """The static-shape and CUDA-graph rows time `bertfast pretrain`'s step: its optimizer built by
     pretrain's own function from its default settings (on a GPU in bf16, the triton AdamW writing
@@ -106,7 +136,7 @@ def test_quick_cpu_run_end_to_end(tmp_path, capsys):
     rows = data["rows"]
     groups = {r["group"] for r in rows}
     assert {"attention", "bias_gelu", "bias_dropout_residual_layernorm", "embeddings", "mlm_head_loss_decoder",
-            "mlm_head_loss", "pretrain_step", "finetune_step", "inference"} <= groups
+            "mlm_head_loss", "pretrain_step", "finetune_step", "inference", "embeddings"} <= groups
     bad = [(r["group"], r["impl"], r["status"], r["reason"]) for r in rows if r["status"] not in ("ok", "skipped")]
     assert not bad
     for r in rows:

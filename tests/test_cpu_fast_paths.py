@@ -13,6 +13,8 @@ own rules:
   * in CPU inference the layers call their modules and the torch backend's attention (Layout.plain),
     with the fused ops' numbers, and only when every layer op would run that backend without autograd;
   * unpadding and padding back are views when the batch has no padding;
+  * the inference attention groups sequences of similar lengths, so a short sequence beside a
+    long one is not padded to it;
   * bf16 autocast on CPU runs the whole model.
 """
 import pytest
@@ -276,6 +278,28 @@ def test_inference_on_cpu_calls_the_modules_with_the_ops_numbers(form, monkeypat
     assert calls == {"attention_varlen": layers, "bias_gelu": 0, "bias_dropout_residual_layernorm": 2 * layers}
     torch.testing.assert_close(plain.last_hidden_state, fused.last_hidden_state.detach(), atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(plain.pooler_output, fused.pooler_output.detach(), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("lengths", [[5, 200, 7, 180, 12, 150, 3, 1, 0], [16, 16, 16], [64, 64, 0, 0], [9, 0, 7]])
+def test_inference_attention_groups_sequences_by_length(lengths, monkeypatch):
+    """varlen_inference gives each sequence its own attention (aten's SDPA on it alone), running the
+    flash kernel on groups of similar lengths: a query beside a passage is not padded to its length."""
+    impl = _torch_attention()
+    cu = cu_seqlens_from_lengths(torch.tensor(lengths))
+    tokens = sum(lengths)
+    q, k, v = (torch.randn(tokens, 2, 8) for _ in range(3))
+    shapes = []  # [group, length, heads, dim] of each padded call
+    padded_fwd = impl.attention_padded_fwd
+    monkeypatch.setattr(impl, "attention_padded_fwd", lambda q, *a: shapes.append(q.shape) or padded_fwd(q, *a))
+    got = impl.varlen_inference(cu, max(lengths), tokens)(q, k, v)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if b > a:
+            want = torch.nn.functional.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)))
+            torch.testing.assert_close(got[a:b], want.transpose(0, 1), atol=1e-6, rtol=1e-5)
+    real = [n for n in lengths if n]
+    positions = sum(shape[0] * shape[1] for shape in shapes)
+    assert sum(real) <= positions <= 1.25 * sum(real)  # a group's sequences: at least 1 / 1.25 of its longest
+    assert len(shapes) == len(set(real)) if len(set(real)) <= 2 else len(shapes) < len(real)
 
 
 def test_inference_runs_the_ops_when_a_layer_op_would_not_run_plain(monkeypatch):

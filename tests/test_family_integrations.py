@@ -133,6 +133,15 @@ def test_sentence_transformers_embeddings_match(family, pooling, checkpoint):
                                      pooling)
 
 
+@pytest.mark.parametrize("pooling", ["mean", "cls", "lasttoken"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sentence_transformers_unpadded_embeddings_match(family, pooling, checkpoint):
+    """bertfast.unpadded: no padding from the tokenizer to the pooling; transformers' padded embeddings."""
+    pytest.importorskip("sentence_transformers", minversion="5.4")
+    assert_sentence_embeddings_match(checkpoint(family, "Model"), texts(family), getattr(bertfast, family + "Model"),
+                                     pooling, unpadded=True)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_torch_compile_fullgraph_matches_eager(family, tokenizers_by_family):
     torch.manual_seed(0)

@@ -14,7 +14,7 @@ import torch
 from bertfast.bench import device as devmod
 from bertfast.bench import report
 from bertfast.bench.common import DTYPES, Stopped, SuiteContext
-from bertfast.bench.options import IMPL_FAMILIES, parser
+from bertfast.bench.options import IMPL_FAMILIES, MODEL_BENCHMARKS, parser
 from bertfast.bench.results import Row, Run
 from bertfast.bench.targets import evaluate_targets
 from bertfast.bench.timing import TimingPolicy
@@ -96,6 +96,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     unknown = [b for b in backends if b not in ("triton", "cuda", "torch")]
     if unknown:
         print(f"bertfast bench: unknown backends {unknown}; expected triton, cuda, torch", file=sys.stderr)
+        return 2
+    unknown = [m for m in _csv(args.models) or () if m not in MODEL_BENCHMARKS]
+    if unknown:
+        print(f"bertfast bench: unknown model benchmarks {unknown}; expected {', '.join(MODEL_BENCHMARKS)}",
+              file=sys.stderr)
         return 2
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if info.is_cuda else torch.float32)
     impls = _csv(args.impls)

@@ -6,6 +6,9 @@ Benchmarks (``--models`` names):
   finetune   BertForSequenceClassification training step on a batch with mean length 50% of max
              ("padded") and on the same real tokens as full sequences ("no-padding").
   inference  BertModel forward latency at batch 1, 8, 64 (full-length sequences).
+  embeddings sentence-transformers encoding a corpus of short queries and longer passages, on
+             bertfast (unpadded end to end), transformers and onnxruntime: sentences/s
+             (bertfast/bench/embeddings.py).
 
 Implementations: ``bertfast`` (the fast unpadded path, default backends), ``bertfast reference``
 (the same model object under ``bertfast.reference_execution``), ``transformers sdpa eager`` and
@@ -31,12 +34,13 @@ from bertfast.model import mfu as bert_flops
 from bertfast.parity import loss_only
 from bertfast.bench.common import (Stopped, SuiteContext, compile_skip_reason, describe_lengths, dtype_name,
                                    free_memory, generator_for, mask_from, sequence_lengths, short_error, strict_fp32)
+from bertfast.bench.options import MODEL_BENCHMARKS
 from bertfast.bench.results import (BERTFAST, BERTFAST_GRAPHS, BERTFAST_REFERENCE, BERTFAST_STATIC, ERROR,
                                     FAILED_PARITY, HF_COMPILED, HF_EAGER, Row, case_text, skipped)
 from bertfast.bench.timing import TimingPolicy, peak_memory, time_cpu_interleaved, time_fn
 
 SUITE = "model"
-BENCHMARKS = ("pretrain", "finetune", "inference")
+BENCHMARKS = MODEL_BENCHMARKS
 IMPLS = (BERTFAST, BERTFAST_STATIC, BERTFAST_GRAPHS, BERTFAST_REFERENCE, HF_EAGER, HF_COMPILED)
 LOSS_TOL = GRAD_TOL = LOGITS_TOL = 1e-3  # as bertfast.parity.check_batch
 
@@ -512,7 +516,8 @@ def _bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, 
 
 # --------------------------------------------------------------------------- the suite
 def _skipped_case(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, reason: str) -> List[Row]:
-    impls = [impl for impl in IMPLS if ctx.wants(impl)]
+    from bertfast.bench import embeddings
+    impls = [impl for impl in (embeddings.IMPLS if group == embeddings.GROUP else IMPLS) if ctx.wants(impl)]
     return [skipped(SUITE, group, dict(case), direction, impl, reason) for impl in impls]
 
 
@@ -522,14 +527,14 @@ def run(ctx: SuiteContext) -> List[Row]:
     cases = _cases(ctx)
     left = []  # cases the time budget did not reach
 
-    def bench_or_skip(group, case, direction, *args) -> List[Row]:
+    def bench_or_skip(group, case, direction, *args, bench=_bench) -> List[Row]:
         if not ctx.wants_case(case):
             return []
         if ctx.budget_spent():
             left.append(case)
             return ctx.record(_skipped_case(ctx, group, case, direction, ctx.budget_reason()))
         try:
-            case_rows = _bench(ctx, group, case, direction, *args)
+            case_rows = bench(ctx, group, case, direction, *args)
         except Stopped as stop:  # the cases after this one are built as the suite goes: only this one is known
             ctx.record(_skipped_case(ctx, group, case, direction, stop.reason(running=True)))
             raise
@@ -584,6 +589,13 @@ def run(ctx: SuiteContext) -> List[Row]:
             case = {"model": preset, "seqlen": seqlen, "batch": batch_size, "lengths": mode,
                     **describe_lengths(lengths, seqlen)}
             rows += bench_or_skip("inference", case, "inference", "inference", batch, lengths, flops, policy)
+
+    if "embeddings" in wanted:
+        from bertfast.bench import embeddings
+        for preset, family, n_texts, batch_size in embeddings.cases(ctx):
+            ctx.log(f"[model] embeddings {preset} {family} {n_texts} texts batch {batch_size}")
+            case, texts, lengths = embeddings.prepare(preset, family, n_texts, batch_size)
+            rows += bench_or_skip(embeddings.GROUP, case, "inference", texts, lengths, _figures, bench=embeddings.bench)
     if left:
         ctx.log(f"  time budget spent: {len(left)} model case(s) not run")
     return rows

@@ -6,10 +6,11 @@ import argparse
 
 SUITES = ("kernels", "model", "overhead", "all")  # all = kernels + model
 DTYPE_NAMES = ("bf16", "fp16", "fp32")  # bertfast.bench.common.DTYPES maps them to torch dtypes
+MODEL_BENCHMARKS = ("pretrain", "finetune", "inference", "embeddings")  # the model suite's (--models)
 
 # Implementation families: what `bertfast bench --impls` selects (bertfast.bench.results.impl_family).
 IMPL_FAMILIES = ("bertfast", "static-shapes", "reference", "eager", "compiled", "sdpa", "transformers",
-                 "transformers-compiled")
+                 "transformers-compiled", "onnxruntime")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -30,7 +31,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", default="triton,cuda,torch",
                    help="comma-separated bertfast backends to benchmark (default: all)")
     p.add_argument("--ops", default=None, help="comma-separated kernel- or overhead-suite ops (default: all)")
-    p.add_argument("--models", default=None, help="comma-separated model-suite benchmarks (default: all)")
+    p.add_argument("--models", default=None,
+                   help=f"comma-separated model-suite benchmarks: {', '.join(MODEL_BENCHMARKS)} (default: all)")
     p.add_argument("--reps", type=int, default=None,
                    help="CPU only: timed calls per figure after one warm-up call (default 3 with --quick, 5 "
                         "otherwise); on a GPU the number of calls follows the time budget")

@@ -38,6 +38,7 @@ BERTFAST_GRAPHS = "bertfast cuda graphs"    # ... and `--cuda-graphs`'s
 BERTFAST_REFERENCE = "bertfast reference"
 HF_EAGER = "transformers sdpa eager"
 HF_COMPILED = "transformers sdpa compiled"
+ONNXRUNTIME = "onnxruntime fp32"  # the embeddings benchmark: transformers' encoder exported to ONNX
 
 
 def case_text(case: Dict[str, Any]) -> str:
@@ -63,6 +64,8 @@ def impl_family(impl: str) -> str:
         return "transformers"
     if impl == HF_COMPILED:
         return "transformers-compiled"
+    if impl == ONNXRUNTIME:
+        return "onnxruntime"
     raise ValueError(f"unknown implementation {impl!r}: no family")
 
 

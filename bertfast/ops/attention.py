@@ -32,7 +32,7 @@ are bertfast.kernels.attention and bertfast.cuda.attention):
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -488,14 +488,53 @@ def attention_varlen_fwd(q, k, v, cu_seqlens, max_seqlen, softmax_scale, dropout
     return form.unpad(out), form.unpad(lse.transpose(1, 2), float("inf")).t().contiguous(), keep
 
 
+class _LengthGroups:
+    """Varlen rows [T, ...] as groups of sequences of similar lengths, each group padded to its
+    longest: a batch mixing short and long sequences (queries and passages) then costs the attention
+    about what its sequences' own lengths cost, where the one padded form [B, max_seqlen] costs each
+    sequence the longest's. A group's sequences are at least 1 / RATIO of its longest; a group of
+    equal lengths has no mask. Reads the lengths on the host, once per forward."""
+    RATIO = 1.25
+
+    def __init__(self, cu_seqlens: Tensor, tokens: int):
+        starts, lengths = cu_seqlens[:-1].tolist(), cu_seqlens.diff().tolist()
+        order = sorted((b for b, n in enumerate(lengths) if n > 0), key=lambda b: -lengths[b])
+        self.groups: List[Tuple[Tensor, Optional[Tensor], Tensor, Optional[Tensor]]] = []
+        first = 0
+        while first < len(order):
+            longest, end = lengths[order[first]], first
+            while end < len(order) and lengths[order[end]] * self.RATIO >= longest:
+                end += 1
+            members = order[first:end]
+            offsets = torch.arange(longest)
+            start = torch.tensor([starts[b] for b in members])[:, None]
+            mask = offsets[None, :] < torch.tensor([lengths[b] for b in members])[:, None]  # [G, L]
+            index = (start + offsets[None, :]).clamp_(max=tokens - 1).to(cu_seqlens.device)  # rows, [G, L]
+            if bool(mask.all()):
+                self.groups.append((index, None, index.flatten(), None))
+            else:
+                positions = mask.flatten().nonzero().flatten().to(cu_seqlens.device)  # [n] in G * L
+                self.groups.append((index, mask.to(cu_seqlens.device), index.flatten()[positions], positions))
+            first = end
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """attention_padded_fwd without dropout on each group: q, k, v [T, A, D] -> [T, A, D]."""
+        out = q.new_zeros(q.shape)
+        for index, mask, rows, positions in self.groups:
+            o = attention_padded_fwd(q[index], k[index], v[index], mask, None, 0.0, None)[0].flatten(0, 1)
+            out[rows] = o if positions is None else o[positions]
+        return out
+
+
 def varlen_inference(cu_seqlens: Tensor, max_seqlen: int, tokens: int) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     """attention_varlen_fwd without dropout, for every layer of one forward: q, k, v [T, A, D] -> [T, A, D].
-    The padded form is worked out once instead of at every call, and no log-sum-exp is kept."""
+    The sequences are grouped by length once (``_LengthGroups``) instead of padded at every call,
+    and no log-sum-exp is kept. A batch of full sequences is a view."""
     form = _PaddedForm(cu_seqlens, max_seqlen, tokens)
-
-    def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return form.unpad(attention_padded_fwd(*(form.pad(t) for t in (q, k, v)), form.mask, None, 0.0, None)[0])
-    return run
+    if form.dense:
+        return lambda q, k, v: form.unpad(attention_padded_fwd(*(form.pad(t) for t in (q, k, v)), None, None, 0.0,
+                                                               None)[0])
+    return _LengthGroups(cu_seqlens, tokens).attend
 
 
 def attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed, keep,
