@@ -4,8 +4,8 @@ sentence-transformers (5.4 and later) can encode a batch as one row of tokens wi
 boundaries (transformers' cu_seq_lens_q / max_length_q) and pool straight from those rows (mean,
 CLS, last token, max, weighted mean), but turns it on only for FlashAttention models.
 ``unpadded(model)`` turns it on for the bertfast encoders inside a model, with a collator of its
-own: transformers' DataCollatorWithFlattening keeps only input_ids, and losing the token type ids
-of sentence pairs would change BERT's embeddings without a word. The encoder numbers each
+own: transformers' DataCollatorWithFlattening carries no token_type_ids, and losing those of
+sentence pairs would change BERT's embeddings without a word. The encoder numbers each
 sequence's positions itself (from padding_idx + 1 for the RoBERTa family).
 
     bertfast.register_auto()                                   # the encoders are bertfast's
@@ -44,12 +44,12 @@ class FlattenTexts:
         for i, feature in enumerate(features):
             other = sorted(set(feature) - set(TOKEN_KEYS))
             if other:
-                raise ValueError(f"FlattenTexts: text {i} has {other}: a flattened row carries only "
+                raise ValueError(f"FlattenTexts: the batch's text {i} has {other}: a flattened row carries only "
                                  f"{list(TOKEN_KEYS)} (the tokenizer must not pad or return a mask)")
             if sorted(feature) != sorted(keys):
-                raise ValueError(f"FlattenTexts: text {i} has {sorted(feature)}, text 0 has {sorted(keys)}")
+                raise ValueError(f"FlattenTexts: the batch's text {i} has {sorted(feature)}, its text 0 {sorted(keys)}")
             if len(feature["input_ids"]) == 0:
-                raise ValueError(f"FlattenTexts: text {i} has no tokens (a tokenizer without special tokens "
+                raise ValueError(f"FlattenTexts: the batch's text {i} has no tokens (a tokenizer without special tokens "
                                  f"and an empty text): a sequence needs at least one token to be pooled")
         lengths = torch.tensor([len(f["input_ids"]) for f in features], dtype=torch.int64)
         out: Dict[str, Any] = {k: torch.tensor([t for f in features for t in _ids(f[k])], dtype=torch.int64)[None]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bertfast.bench import cli, device as devmod, report
-from bertfast.bench.common import SuiteContext, sequence_lengths
+from bertfast.bench.common import SuiteContext, generator_for, sequence_lengths
 from bertfast.bench.results import GEMM_FLOOR, HF_COMPILED, HF_EAGER, TORCH_EAGER
 from bertfast.bench.targets import MET, NOT_MEASURED, NOT_MET, evaluate_targets
 from bertfast.bench.timing import TimingPolicy
@@ -70,6 +70,35 @@ def test_embeddings_case_encodes_the_corpus_on_each_implementation_and_gates_it(
     rows = model_suite.run(_cpu_ctx(models=("embeddings",), impls=("onnxruntime",)))
     assert len(rows) == 1 and rows[0].status in ("FAILED PARITY", "skipped")
     assert rows[0].time_ms is None and (rows[0].status == "skipped" or rows[0].parity["max_abs_err"] > 1e-4)
+
+
+@pytest.mark.parametrize("family", ["xlm-roberta", "electra", "distilbert"])
+def test_inference_cases_of_the_other_encoder_families(family):
+    """Each family's bertfast encoder gated against its reference and transformers' against it, both timed."""
+    from bertfast.bench import families, model_suite
+    from bertfast.model import mfu
+    rows = model_suite.run(_cpu_ctx(models=("inference",), with_transformers=True, cases={"family": family}))
+    by_impl = {r.impl: r for r in rows}
+    for impl in ("bertfast", HF_EAGER):
+        assert by_impl[impl].ok and by_impl[impl].parity["ok"] and by_impl[impl].time_ms.median > 0, by_impl[impl]
+    case = rows[0].case
+    assert case["family"] == family and case["lengths"] == "finetune"
+    lengths = sequence_lengths(case["lengths"], case["batch"], case["seqlen"], generator_for(
+        "inference", case["model"], case["seqlen"], case["batch"], case["lengths"]))  # the suite's batch
+    assert sum(lengths) == case["real_tokens"]
+    assert rows[0].work["flops"] == mfu.bert_forward_flops(families.config(case["model"], family), lengths, "none")
+
+
+def test_family_configs_take_the_presets_sizes():
+    from bertfast.bench import families
+    for family in families.FAMILIES:
+        config = families.config("minilm", family)
+        assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (384, 12, 12), family
+    assert families.config("minilm", "distilbert").hidden_dim == 1536
+    assert families.config("minilm", "electra").embedding_size == 128
+    assert families.config("tiny", "xlm-roberta", pad_token_id=1).max_position_embeddings == 128 + 2
+    with pytest.raises(ValueError, match="unknown encoder family 'deberta'"):
+        families.config("tiny", "deberta")
 
 
 def test_packed_pretrain_rows_step_with_pretrains_optimizer_and_clipping(monkeypatch):

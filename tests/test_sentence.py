@@ -132,11 +132,11 @@ def test_flatten_texts_packs_the_row_and_refuses_what_it_cannot_carry():
     assert out["input_ids"].tolist() == [[5, 6, 7, 8]] and out["token_type_ids"].tolist() == [[0, 0, 1, 0]]
     assert out["cu_seq_lens_q"].tolist() == [0, 3, 4] and out["cu_seq_lens_q"].dtype == torch.int32
     assert out["max_length_q"] == 3
-    with pytest.raises(ValueError, match="text 1 has no tokens"):
+    with pytest.raises(ValueError, match="the batch's text 1 has no tokens"):
         FlattenTexts()([{"input_ids": [5]}, {"input_ids": []}])
-    with pytest.raises(ValueError, match=r"text 0 has \['attention_mask'\]"):
+    with pytest.raises(ValueError, match=r"the batch's text 0 has \['attention_mask'\]"):
         FlattenTexts()([{"input_ids": [5], "attention_mask": [1]}])
-    with pytest.raises(ValueError, match=r"text 1 has \['input_ids'\], text 0 has \['input_ids', 'token_type_ids'\]"):
+    with pytest.raises(ValueError, match=r"text 1 has \['input_ids'\], its text 0 \['input_ids', 'token_type_ids'\]"):
         FlattenTexts()([{"input_ids": [5], "token_type_ids": [0]}, {"input_ids": [6]}])
     with pytest.raises(ValueError, match="at least one tokenized text"):
         FlattenTexts()([])

@@ -30,13 +30,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from bertfast.bench import families
 from bertfast.bench.common import SuiteContext, generator_for, short_error, strict_fp32
 from bertfast.bench.results import BERTFAST, ERROR, FAILED_PARITY, HF_EAGER, ONNXRUNTIME, Row, case_text, skipped
 from bertfast.bench.timing import peak_memory, time_cpu_interleaved, time_fn
 
 GROUP = "embeddings"
 IMPLS = (BERTFAST, HF_EAGER, ONNXRUNTIME)
-FAMILIES = ("bert", "xlm-roberta")
+FAMILIES = ("bert", "xlm-roberta")  # of bench.families: the models sentence encoders are
 MAX_SEQ_LENGTH = 256
 FP32_TOL, AUTOCAST_COSINE = 1e-4, 0.999
 
@@ -91,27 +92,13 @@ def demo_tokenizer(family: str):
     return tokenizer
 
 
-def _transformers_config(preset: str, family: str, pad_token_id: int):
-    import transformers
-
-    from bertfast import BertConfig
-    sizes = {k: getattr(BertConfig.preset(preset), k) for k in (
-        "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
-        "layer_norm_eps")}
-    if family == "bert":
-        return transformers.BertConfig(vocab_size=4096, max_position_embeddings=512, pad_token_id=pad_token_id,
-                                       **sizes)
-    # RoBERTa's positions start after padding_idx (the tokenizer's pad id here)
-    return transformers.XLMRobertaConfig(vocab_size=4096, max_position_embeddings=512 + pad_token_id + 1,
-                                         type_vocab_size=1, pad_token_id=pad_token_id, **sizes)
-
-
 def save_model(preset: str, family: str, path: str) -> None:
     """A seeded random transformers encoder of the family and size, saved with ``demo_tokenizer``."""
     import transformers
     tokenizer = demo_tokenizer(family)
     torch.manual_seed(0)
-    config = _transformers_config(preset, family, tokenizer.pad_token_id)
+    config = families.config(preset, family, pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer),
+                             max_positions=512)
     transformers.AutoModel.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
 

@@ -5,7 +5,8 @@ Benchmarks (``--models`` names):
              BERT-base and BERT-large at seq 128 and 512, NSP-pair lengths (mostly full).
   finetune   BertForSequenceClassification training step on a batch with mean length 50% of max
              ("padded") and on the same real tokens as full sequences ("no-padding").
-  inference  BertModel forward latency at batch 1, 8, 64 (full-length sequences).
+  inference  BertModel forward latency at batch 1, 8, 64 (full-length sequences); on a CPU also
+             XLM-R's, ELECTRA's and DistilBERT's encoders (bench.families), full and at mean length 50%.
   embeddings sentence-transformers encoding a corpus of short queries and longer passages, on
              bertfast (unpadded end to end), transformers and onnxruntime: sentences/s
              (bertfast/bench/embeddings.py).
@@ -32,6 +33,7 @@ import torch
 
 from bertfast.model import mfu as bert_flops
 from bertfast.parity import loss_only
+from bertfast.bench import families
 from bertfast.bench.common import (Stopped, SuiteContext, compile_skip_reason, describe_lengths, dtype_name,
                                    free_memory, generator_for, mask_from, sequence_lengths, short_error, strict_fp32)
 from bertfast.bench.options import MODEL_BENCHMARKS
@@ -47,16 +49,21 @@ LOSS_TOL = GRAD_TOL = LOGITS_TOL = 1e-3  # as bertfast.parity.check_batch
 
 # --------------------------------------------------------------------------- cases
 def _cases(ctx: SuiteContext) -> Dict[str, List[Tuple]]:
-    """benchmark -> [(preset, seqlen, batch)]; inference cases add their length mode (none: full sequences)."""
+    """benchmark -> [(preset, seqlen, batch)]; inference cases add their length mode (none: full
+    sequences) and, for a family other than BERT, the family (bench.families)."""
     if not ctx.device.is_cuda and ctx.cpu_model_cases:
         # What CPU users run (MiniLM-sized sentence encoders): batch 1 and 32, full and mean 50% length;
         # training steps at batch 8 (finetune's no-padding rows hold the padded batch's tokens: batch 8).
+        # Inference again for each other encoder family, full and at mean length 50%.
         return {"pretrain": [("minilm", 128, 8)], "finetune": [("minilm", 128, 16)],
                 "inference": [("minilm", 128, 1, "none"), ("minilm", 128, 32, "none"),
-                              ("minilm", 128, 32, "finetune")]}
+                              ("minilm", 128, 32, "finetune")]
+                + [("minilm", 128, 32, mode, family) for family in families.FAMILIES[1:]
+                   for mode in ("none", "finetune")]}
     if not ctx.device.is_cuda:
         return {"pretrain": [("tiny", 32, 4)], "finetune": [("tiny", 32, 4)],
-                "inference": [("tiny", 32, 1, "none"), ("tiny", 32, 8, "none")]}
+                "inference": [("tiny", 32, 1, "none"), ("tiny", 32, 8, "none")]
+                + [("tiny", 32, 4, "finetune", family) for family in families.FAMILIES[1:]]}
     if ctx.quick:
         return {"pretrain": [("bert-base", 128, 32)], "finetune": [("bert-base", 128, 32)],
                 "inference": [("bert-base", 128, b, "none") for b in (1, 8, 64)]}
@@ -70,9 +77,10 @@ GPU_CASES = {  # the headline target first: a budget-limited run measures it bef
 }
 
 
-def _config(preset: str):
+def _config(preset: str, family: str = "bert"):
+    """bertfast's BertConfig of the preset; another family's transformers config of its sizes."""
     from bertfast import BertConfig
-    return BertConfig.preset(preset)
+    return BertConfig.preset(preset) if family == "bert" else families.config(preset, family)
 
 
 # --------------------------------------------------------------------------- batches
@@ -131,8 +139,11 @@ def packed_pretrain_batch(batch: Dict[str, torch.Tensor]) -> Dict[str, Any]:
 
 def inference_batch(config, lengths: Sequence[int], seqlen: int, gen: torch.Generator,
                     device: torch.device) -> Dict[str, torch.Tensor]:
+    """An encoder's batch: with token types where the family has two (BERT, ELECTRA)."""
     b = classification_batch(config, lengths, seqlen, gen, device)
     b.pop("labels")
+    if getattr(config, "type_vocab_size", 0) < 2:
+        b.pop("token_type_ids")
     return b
 
 
@@ -141,12 +152,15 @@ def transformers_twin(model: torch.nn.Module, kind: str):
     """A transformers model (attn_implementation='sdpa') holding a copy of ``model``'s weights."""
     import transformers
 
-    cfg = model.config.to_dict()
-    for key in ("extra", "model_type", "architectures"):
-        cfg.pop(key, None)
-    hf_config = transformers.BertConfig(**cfg)
-    cls = {"pretrain": transformers.BertForPreTraining, "finetune": transformers.BertForSequenceClassification,
-           "inference": transformers.BertModel}[kind]
+    if isinstance(model.config, transformers.BertConfig):
+        cfg = model.config.to_dict()
+        for key in ("extra", "model_type", "architectures"):
+            cfg.pop(key, None)
+        hf_config = transformers.BertConfig(**cfg)
+        cls = {"pretrain": transformers.BertForPreTraining, "finetune": transformers.BertForSequenceClassification,
+               "inference": transformers.BertModel}[kind]
+    else:  # another family's encoder: its config is transformers' already
+        hf_config, cls = model.config, getattr(transformers, type(model).__name__)
     hf = cls._from_config(hf_config, attn_implementation="sdpa")
     state = model.state_dict()
     missing, unexpected = hf.load_state_dict(state, strict=False)
@@ -386,10 +400,10 @@ def _bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, 
     """All implementations of one benchmark case: build, gate, then time."""
     import bertfast
 
-    preset = case["model"]
-    config = _config(preset)
+    preset, family = case["model"], case.get("family", "bert")
+    config = _config(preset, family)
     cls = {"pretrain": bertfast.BertForPreTraining, "finetune": bertfast.BertForSequenceClassification,
-           "inference": bertfast.BertModel}[kind]
+           "inference": families.encoder_class(family)}[kind]
     torch.manual_seed(0)
     model = cls(config).to(ctx.torch_device)
     model.train(kind != "inference")
@@ -579,15 +593,17 @@ def run(ctx: SuiteContext) -> List[Row]:
                 rows += bench_or_skip("finetune_step", case, "step", "finetune", batch, lengths, flops, policy)
 
     if "inference" in wanted:
-        for preset, seqlen, batch_size, mode in cases["inference"]:
-            ctx.log(f"[model] inference {preset} seq {seqlen} batch {batch_size} lengths {mode}")
-            config = _config(preset)
+        for preset, seqlen, batch_size, mode, *family in cases["inference"]:
+            family = family[0] if family else "bert"
+            ctx.log(f"[model] inference {preset}{'' if family == 'bert' else ' ' + family} seq {seqlen} "
+                    f"batch {batch_size} lengths {mode}")
+            config = _config(preset, family)
             gen = generator_for("inference", preset, seqlen, batch_size, *(() if mode == "none" else (mode,)))
             lengths = sequence_lengths(mode, batch_size, seqlen, gen)
             batch = inference_batch(config, lengths, seqlen, gen, dev)
             flops = bert_flops.bert_forward_flops(config, lengths, "none")
-            case = {"model": preset, "seqlen": seqlen, "batch": batch_size, "lengths": mode,
-                    **describe_lengths(lengths, seqlen)}
+            case = {"model": preset, **({} if family == "bert" else {"family": family}), "seqlen": seqlen,
+                    "batch": batch_size, "lengths": mode, **describe_lengths(lengths, seqlen)}
             rows += bench_or_skip("inference", case, "inference", "inference", batch, lengths, flops, policy)
 
     if "embeddings" in wanted:

@@ -41,7 +41,8 @@ def bert_forward_flops_from_counts(config, tokens: float, sum_len_sq: float, seq
     """
     if head not in HEADS:
         raise ValueError(f"head must be one of {HEADS}, got {head!r}")
-    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    from bertfast.model.config import ffn_size  # (transformers: imported when first counted)
+    h, i, layers = config.hidden_size, ffn_size(config), config.num_hidden_layers
     flops = layers * (2.0 * tokens * (4 * h * h + 2 * h * i) + 4.0 * sum_len_sq * h)
     flops += 2.0 * sequences * h * h  # pooler
     if head == "pretraining":
