@@ -50,7 +50,7 @@ def cases(ctx: SuiteContext) -> List[Tuple[str, str, int, int]]:
         return [("tiny", "bert", 16, 8)]
     if ctx.quick:
         return [("bert-base", "bert", 1024, 128)]
-    return [("bert-base", family, 4096, 128) for family in FAMILIES]
+    return [("bert-base", family, 2048, 128) for family in FAMILIES]
 
 
 # --------------------------------------------------------------------------- corpus and models
