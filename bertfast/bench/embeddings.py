@@ -57,9 +57,7 @@ def cases(ctx: SuiteContext) -> List[Tuple[str, str, int, int]]:
 def corpus(texts: int, gen: torch.Generator) -> List[str]:
     """``texts`` texts, alternately a query (3-12 words, a question) and a passage (30-200 words,
     sentences of 5-20 words), from the demo vocabulary's whole words."""
-    from importlib import resources
-    vocab = resources.files("bertfast.data").joinpath("demo_vocab.txt").read_text().splitlines()
-    words = [w for w in vocab if w.isalpha() and w.islower() and len(w) > 1]
+    words = [w for w in _demo_vocab() if w.isalpha() and w.islower() and len(w) > 1]
 
     def pick(n: int) -> List[str]:
         return [words[i] for i in torch.randint(0, len(words), (n,), generator=gen).tolist()]
@@ -81,12 +79,15 @@ def corpus(texts: int, gen: torch.Generator) -> List[str]:
     return out
 
 
+def _demo_vocab() -> List[str]:
+    from importlib import resources
+    return resources.files("bertfast.data").joinpath("demo_vocab.txt").read_text().splitlines()
+
+
 def demo_tokenizer(family: str):
     """The demo vocabulary's WordPiece tokenizer; for XLM-R without token types, as XLM-R's own."""
     import transformers
-    from importlib import resources
-    vocab = resources.files("bertfast.data").joinpath("demo_vocab.txt").read_text().splitlines()
-    tokenizer = transformers.BertTokenizer(vocab={w: i for i, w in enumerate(vocab)})
+    tokenizer = transformers.BertTokenizer(vocab={w: i for i, w in enumerate(_demo_vocab())})
     if family == "xlm-roberta":
         tokenizer.model_input_names = ["input_ids", "attention_mask"]
     return tokenizer
@@ -133,8 +134,8 @@ def sentence_model(path: str, device: torch.device, bertfast_encoder: bool):
     def build():
         kwargs = {} if bertfast_encoder else {"model_kwargs": {"attn_implementation": "sdpa"}}
         word = Transformer(path, max_seq_length=MAX_SEQ_LENGTH, **kwargs)
-        return st.SentenceTransformer(modules=[word, Pooling(word.get_embedding_dimension(), "mean"), Normalize()],
-                                      device=str(device))
+        width = getattr(word, "get_embedding_dimension", None) or word.get_word_embedding_dimension  # 6.0 renamed it
+        return st.SentenceTransformer(modules=[word, Pooling(width(), "mean"), Normalize()], device=str(device))
     if not bertfast_encoder:
         return build()
     bertfast.register_auto()
