@@ -61,16 +61,16 @@ def test_cpu_interleaved_timing_takes_turns_and_drops_a_callable_that_raises():
 
 def test_model_suite_on_cpu_times_the_implementations_in_turns(monkeypatch):
     """The CPU model suite's ratio against transformers: both timed in the same rounds."""
-    from bertfast.bench import model_suite
+    from bertfast.bench import common, model_suite
 
     seen = []
-    real = model_suite.time_cpu_interleaved
+    real = common.time_cpu_interleaved
 
     def spy(fns, policy=None):
         seen.append(len(fns))
         return real(fns, policy)
-    monkeypatch.setattr(model_suite, "time_cpu_interleaved", spy)
-    monkeypatch.setattr(model_suite, "time_fn", lambda *a, **k: pytest.fail("a CPU case timed on its own"))
+    monkeypatch.setattr(common, "time_cpu_interleaved", spy)  # where the suites' time_plans times them
+    monkeypatch.setattr(common, "time_fn", lambda *a, **k: pytest.fail("a CPU case timed on its own"))
     ctx = _cpu_ctx(models=("inference",), impls=("bertfast", "transformers"), with_transformers=True)
     rows = model_suite.run(ctx)
     assert seen and all(n == 2 for n in seen)

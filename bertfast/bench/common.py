@@ -13,7 +13,7 @@ import torch
 
 from bertfast.bench.device import DeviceInfo, compiler_status
 from bertfast.bench.results import Row
-from bertfast.bench.timing import TimingPolicy
+from bertfast.bench.timing import TimingPolicy, peak_memory, time_cpu_interleaved, time_fn
 
 # --------------------------------------------------------------------------- lengths
 LENGTH_MODES = ("none", "pretrain", "finetune")
@@ -173,6 +173,34 @@ def free_memory() -> None:
     if torch.cuda.is_available():
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def time_plans(ctx: "SuiteContext", plans: Sequence[Tuple[str, Callable[[], Callable[[], object]], object]],
+               policy: TimingPolicy, timed: Callable[[str, object, object, object], None]) -> None:
+    """Time each plan (implementation, make: builds its step, the report of its gate) and hand
+    ``timed`` (implementation, its Stat or the exception raised, its peak memory or None, report).
+    On a GPU one implementation after the other, each step built just before it is timed and its
+    memory freed after; on a CPU (a shared machine, where the ratio against transformers is the
+    figure) in turns, a call of each per round."""
+    if ctx.torch_device.type == "cpu":
+        steps = []
+        for impl, make, report in plans:
+            try:
+                steps.append((impl, make(), report))
+            except Exception as exc:  # noqa: BLE001
+                timed(impl, exc, None, report)
+        for (impl, _, report), t in zip(steps, time_cpu_interleaved([step for _, step, _ in steps], policy)):
+            timed(impl, t, None, report)
+        return
+    for impl, make, report in plans:
+        try:
+            step = make()
+            t = time_fn(step, ctx.torch_device, policy)
+            mem = peak_memory(step, ctx.torch_device)
+        except Exception as exc:  # noqa: BLE001
+            t, mem = exc, None
+        timed(impl, t, mem, report)
+        free_memory()
 
 
 def short_error(exc: BaseException, limit: int = 400) -> str:

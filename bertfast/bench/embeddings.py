@@ -31,9 +31,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from bertfast.bench import families
-from bertfast.bench.common import SuiteContext, generator_for, short_error, strict_fp32
+from bertfast.bench.common import SuiteContext, generator_for, short_error, strict_fp32, time_plans
 from bertfast.bench.results import BERTFAST, ERROR, FAILED_PARITY, HF_EAGER, ONNXRUNTIME, Row, case_text, skipped
-from bertfast.bench.timing import peak_memory, time_cpu_interleaved, time_fn
 
 GROUP = "embeddings"
 IMPLS = (BERTFAST, HF_EAGER, ONNXRUNTIME)
@@ -246,7 +245,7 @@ def bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, t
                 rows.append(row(impl, status=ERROR, reason=short_error(exc)))
                 continue
             if report["ok"]:
-                plans.append((impl, step, report))
+                plans.append((impl, lambda s=step: s, report))
             else:
                 rows.append(row(impl, status=FAILED_PARITY, parity=report,
                                 reason=f"embeddings differ from transformers': {report}"))
@@ -259,16 +258,7 @@ def bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, t
                             parity=report))
             ctx.log(f"  {group} {case_text(case)} {impl:28s} {t.median:9.1f} ms")
 
-        if dev.type == "cpu":
-            for (impl, _, report), t in zip(plans, time_cpu_interleaved([s for _, s, _ in plans], ctx.step_policy)):
-                timed(impl, t, None, report)
-        else:
-            for impl, step, report in plans:
-                try:
-                    t, mem = time_fn(step, dev, ctx.step_policy), peak_memory(step, dev)
-                except Exception as exc:  # noqa: BLE001
-                    t, mem = exc, None
-                timed(impl, t, mem, report)
+        time_plans(ctx, plans, ctx.step_policy, timed)
     rows.sort(key=lambda r: IMPLS.index(r.impl))
     return rows
 

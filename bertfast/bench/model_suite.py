@@ -35,11 +35,12 @@ from bertfast.model import mfu as bert_flops
 from bertfast.parity import loss_only
 from bertfast.bench import families
 from bertfast.bench.common import (Stopped, SuiteContext, compile_skip_reason, describe_lengths, dtype_name,
-                                   free_memory, generator_for, mask_from, sequence_lengths, short_error, strict_fp32)
+                                   free_memory, generator_for, mask_from, sequence_lengths, short_error, strict_fp32,
+                                   time_plans)
 from bertfast.bench.options import MODEL_BENCHMARKS
 from bertfast.bench.results import (BERTFAST, BERTFAST_GRAPHS, BERTFAST_REFERENCE, BERTFAST_STATIC, ERROR,
                                     FAILED_PARITY, HF_COMPILED, HF_EAGER, Row, case_text, skipped)
-from bertfast.bench.timing import TimingPolicy, peak_memory, time_cpu_interleaved, time_fn
+from bertfast.bench.timing import TimingPolicy
 
 SUITE = "model"
 BENCHMARKS = MODEL_BENCHMARKS
@@ -492,8 +493,7 @@ def _bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, 
             else:
                 plans.append((impl, lambda f=forward: make_train_step(ctx, hf, batch, forward=f), report))
 
-    # 2. timing. On a GPU one implementation after the other; on a CPU (a shared machine, where the
-    # ratio against transformers is the figure) in turns, a call of each per round.
+    # 2. timing (common.time_plans: on a CPU in turns).
     def timed(impl: str, t, mem, report) -> None:
         if isinstance(t, BaseException):
             rows.append(row(impl, status=ERROR, reason=f"while timing: {short_error(t)}", parity=report))
@@ -502,25 +502,7 @@ def _bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, 
                         parity=report))
         ctx.log(f"  {group} {case_text(case)} {impl:28s} {t.median:9.3f} ms")
 
-    if ctx.torch_device.type == "cpu":
-        steps = []
-        for impl, make, report in plans:
-            try:
-                steps.append((impl, make(), report))
-            except Exception as exc:  # noqa: BLE001
-                timed(impl, exc, None, report)
-        for (impl, _, report), t in zip(steps, time_cpu_interleaved([step for _, step, _ in steps], policy)):
-            timed(impl, t, None, report)
-    else:
-        for impl, make, report in plans:
-            try:
-                step = make()
-                t = time_fn(step, ctx.torch_device, policy)
-                mem = peak_memory(step, ctx.torch_device)
-            except Exception as exc:  # noqa: BLE001
-                t, mem = exc, None
-            timed(impl, t, mem, report)
-            free_memory()
+    time_plans(ctx, plans, policy, timed)
     order = {name: i for i, name in enumerate(IMPLS)}
     rows.sort(key=lambda r: order.get(r.impl, len(order)))
     model = hf = None  # drop the models (the plans' closures share these cells) before freeing memory
