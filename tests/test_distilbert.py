@@ -5,7 +5,7 @@ in: tests/test_family_integrations.py)."""
 import pytest
 import torch
 from family_helpers import (SIDES, assert_class_matches, assert_loss_and_grads_match, assert_triton_matches_reference,
-                            first_real_hidden, make_inputs, twin)
+                            choices, first_real_hidden, make_inputs, twin)
 
 import bertfast
 
@@ -40,7 +40,7 @@ def first_token_expected(head, hf, ids, mask):
 def test_every_class_matches_transformers(head, side):
     model = build(head).eval()
     hf = twin(model, "DistilBert" + head)
-    ids, mask = make_inputs(0, VOCAB, side, choices=3 if head == "ForMultipleChoice" else None)
+    ids, mask = make_inputs(0, VOCAB, side, choices=choices(head))
     assert_class_matches(model, hf, head, side, ids, mask, lambda: first_token_expected(head, hf, ids, mask))
 
 
@@ -48,9 +48,7 @@ def test_every_class_matches_transformers(head, side):
 def test_losses_and_gradients_match_transformers(head):
     model = build(head, seed=2).train()  # dropout 0: train mode is deterministic
     hf = twin(model, "DistilBert" + head).train()
-    ids, mask = make_inputs(0, VOCAB, "right", seed=3, choices=3 if head == "ForMultipleChoice" else None)
-    if head == "ForQuestionAnswering":  # with padding the span softmax differs (the README's drop-in table)
-        ids, mask = torch.where(mask.bool(), ids, 5), torch.ones_like(mask)
+    ids, mask = make_inputs(0, VOCAB, "right", seed=3, choices=choices(head))
     assert_loss_and_grads_match(model, hf, head, ids, mask)
 
 

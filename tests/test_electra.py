@@ -5,7 +5,7 @@ the Auto classes and the Triton kernels (what users run it in: tests/test_family
 import pytest
 import torch
 from family_helpers import (SIDES, assert_class_matches, assert_loss_and_grads_match, assert_triton_matches_reference,
-                            first_real_hidden, labels_for, make_inputs, twin)
+                            choices, first_real_hidden, labels_for, make_inputs, twin)
 
 import bertfast
 
@@ -44,7 +44,7 @@ def test_every_class_matches_transformers(head, side, embedding_size):
     model = build(head, embedding_size=embedding_size).eval()
     assert hasattr(model.base_model, "embeddings_project") == (embedding_size != 32)
     hf = twin(model, "Electra" + head)
-    ids, mask = make_inputs(0, VOCAB, side, choices=3 if head == "ForMultipleChoice" else None)
+    ids, mask = make_inputs(0, VOCAB, side, choices=choices(head))
     # hidden states too: the projected embeddings first
     assert_class_matches(model, hf, head, side, ids, mask, lambda: first_token_expected(head, hf, ids, mask))
 
@@ -53,9 +53,7 @@ def test_every_class_matches_transformers(head, side, embedding_size):
 def test_losses_and_gradients_match_transformers(head):
     model = build(head, seed=2).train()  # dropout 0: train mode is deterministic
     hf = twin(model, "Electra" + head).train()
-    ids, mask = make_inputs(0, VOCAB, "right", seed=3, choices=3 if head == "ForMultipleChoice" else None)
-    if head == "ForQuestionAnswering":  # with padding the span softmax differs (the README's drop-in table)
-        ids, mask = torch.where(mask.bool(), ids, 5), torch.ones_like(mask)
+    ids, mask = make_inputs(0, VOCAB, "right", seed=3, choices=choices(head))
     assert_loss_and_grads_match(model, hf, head, ids, mask)
 
 

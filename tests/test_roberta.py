@@ -5,7 +5,7 @@ sequences, inputs_embeds, given position_ids); the Auto classes; the Triton kern
 """
 import pytest
 import torch
-from family_helpers import (SIDES, assert_class_matches, assert_loss_and_grads_match, first_real_hidden, grads,
+from family_helpers import (SIDES, assert_class_matches, assert_loss_and_grads_match, choices, first_real_hidden, grads,
                             labels_for, twin)
 from family_helpers import make_inputs as _make_inputs
 
@@ -52,7 +52,7 @@ def first_token_expected(head, hf, ids, mask):
 def test_every_class_matches_transformers(family, head, side):
     model = build(family, head).eval()
     hf = twin(model, family + head)
-    ids, mask = make_inputs(side, choices=3 if head == "ForMultipleChoice" else None)
+    ids, mask = make_inputs(side, choices=choices(head))
     assert_class_matches(model, hf, head, side, ids, mask, lambda: first_token_expected(head, hf, ids, mask))
 
 
@@ -61,9 +61,7 @@ def test_every_class_matches_transformers(family, head, side):
 def test_losses_and_gradients_match_transformers(family, head):
     model = build(family, head, seed=2).train()  # dropout 0: train mode is deterministic
     hf = twin(model, family + head).train()
-    ids, mask = make_inputs("right", seed=3, choices=3 if head == "ForMultipleChoice" else None)
-    if head == "ForQuestionAnswering":  # with padding the span softmax differs (the README's drop-in table)
-        ids, mask = torch.where(mask.bool(), ids, 5), torch.ones_like(mask)
+    ids, mask = make_inputs("right", seed=3, choices=choices(head))
     assert_loss_and_grads_match(model, hf, head, ids, mask)
 
 
