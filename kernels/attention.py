@@ -51,8 +51,8 @@ Math, per sequence b and head h (i: query row, j: key column, both < len_b):
   once. The tiles are keys-major ([keys, queries], the orientation of dK's and dV's products, whose
   operands then come from registers; the keep bits are transposed in shared memory, and dS for dQ).
 
-Dropout: keep_ij = (u >= p), u in [0, 1) in steps of 2**-16, from Philox4x32-7 (tl.randint4x,
-N_ROUNDS) keyed by (seed, b * A + h) -- the seed in the key's low word, the (batch, head) stream in
+Dropout: keep_ij = (u >= p), u in [0, 1) in steps of 2**-16, from Philox4x32-7 (_philox.py: tl.randint4x's
+words, N_ROUNDS) keyed by (seed, b * A + h) -- the seed in the key's low word, the (batch, head) stream in
 its high word. One Philox call makes 8 keep decisions, a 16-bit half of each of its 4 words compared
 as an integer (bits >= ceil(p * 2**16), no float per element): group g of row i, at counter
 i * 2**13 + g, holds the columns 32m + 8w + 2q + e of g = 4m + q, decision 2w + e from half e of
@@ -136,6 +136,7 @@ from bertfast.contract import (KEEP_ALIGN, check_bias_dtype, check_cu_seqlens, c
 
 from . import _common
 from ._common import autotune, interpreting, launch
+from ._philox import philox4x32
 from ._rows import column_sums
 
 # log2(e): a constexpr so the kernels can read it. _bwd_fused_block still writes the number out until
@@ -169,9 +170,15 @@ def _groups(start_n, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _philox_words(seed_bh, rows, groups):
-    """The 4 Philox words of group ``groups`` of row ``rows`` (broadcasting tensors; header)."""
-    return tl.randint4x(seed_bh, rows * 8192 + groups, N_ROUNDS)  # 2**13 groups per row
+def _philox_words(seed_bh, rows, groups, WIDE: tl.constexpr = True):
+    """The 4 Philox words of group ``groups`` of row ``rows`` (broadcasting tensors; header): WIDE, with
+    _philox.py's wide products; else tl.randint4x's, the same words (fp32, which draws bytewise: at 8-warp
+    16 x 16 tiles with a key mask, head dims 80 to 256, the wide products spilled 4-8 bytes on triton 3.9)."""
+    if WIDE:
+        words = philox4x32(seed_bh, rows * 8192 + groups, N_ROUNDS)  # 2**13 groups per row
+    else:
+        words = tl.randint4x(seed_bh, rows * 8192 + groups, N_ROUNDS)
+    return words
 
 
 @triton.jit
@@ -182,10 +189,10 @@ def _kept_halves(word, threshold):
 
 
 @triton.jit
-def _philox_bits(seed_bh, offs_m, start_n, threshold, BLOCK_N: tl.constexpr):
+def _philox_bits(seed_bh, offs_m, start_n, threshold, BLOCK_N: tl.constexpr, WIDE: tl.constexpr):
     """The 8 keep decisions of each group of _groups (header), as 8 bool [BM, G] tensors: bit 2w + e
     is half e of Philox word w."""
-    r0, r1, r2, r3 = _philox_words(seed_bh, offs_m[:, None], _groups(start_n, BLOCK_N)[None, :])
+    r0, r1, r2, r3 = _philox_words(seed_bh, offs_m[:, None], _groups(start_n, BLOCK_N)[None, :], WIDE)
     b0, b1 = _kept_halves(r0, threshold)
     b2, b3 = _kept_halves(r1, threshold)
     b4, b5 = _kept_halves(r2, threshold)
@@ -214,9 +221,10 @@ def _keep_tile(b0, b1, b2, b3, b4, b5, b6, b7, start_n, BLOCK_M: tl.constexpr, B
 
 
 @triton.jit
-def _dropout_keep(seed_bh, offs_m, start_n, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] keep flags (True = kept) of rows offs_m, columns start_n + n."""
-    b0, b1, b2, b3, b4, b5, b6, b7 = _philox_bits(seed_bh, offs_m, start_n, threshold, BLOCK_N)
+def _dropout_keep(seed_bh, offs_m, start_n, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  WIDE: tl.constexpr = True):
+    """[BLOCK_M, BLOCK_N] keep flags (True = kept) of rows offs_m, columns start_n + n (WIDE: _philox_words)."""
+    b0, b1, b2, b3, b4, b5, b6, b7 = _philox_bits(seed_bh, offs_m, start_n, threshold, BLOCK_N, WIDE)
     return _keep_tile(b0, b1, b2, b3, b4, b5, b6, b7, start_n, BLOCK_M, BLOCK_N)
 
 
@@ -225,18 +233,27 @@ def _drop_and_record(p, seed_bh, offs_m, start_m, start_n, threshold, keep_base,
                      BLOCK_N: tl.constexpr, BYTEWISE_KEEP: tl.constexpr):
     """The forward's probability tile p with its dropped elements 0, and its keep bits stored for the
     backward (header, "Keep bits") at keep_base + keep_rows[:, None] + byte column."""
-    p = tl.where(_dropout_keep(seed_bh, offs_m, start_n, threshold, BLOCK_M, BLOCK_N), p, 0.0)
     if BYTEWISE_KEEP:
+        p = tl.where(_dropout_keep(seed_bh, offs_m, start_n, threshold, BLOCK_M, BLOCK_N, False), p, 0.0)
         cols = start_n // 4 + tl.arange(0, BLOCK_N // 4)
         byte = _drawn_keep_bytes(seed_bh, start_m, cols, threshold, BLOCK_M, BLOCK_N)
     else:
-        # Packed from the dropped tile (bit = P != 0, header), summing over its (h, w, e) axes, which each
-        # thread holds in registers: the sum is not rematerialised, so only the bytes change layout for
-        # the store. (Packed from the draws, the store compiles to a second Philox chain in its own layout.)
-        bits = tl.reshape(p != 0.0, (BLOCK_M // 16, 2, 8, BLOCK_N // 16, 2, 4, 2))        # [R, h, r, C, w, q, e]
-        bits = tl.permute(bits, (0, 2, 3, 5, 1, 4, 6))                                    # [R, r, C, q, h, w, e]
-        bits = tl.reshape(bits, (BLOCK_M // 2, BLOCK_N // 4, 8)).to(tl.int32)              # [byte row, col, bit]
-        byte = tl.sum(bits << tl.arange(0, 8)[None, None, :], 2)
+        p = tl.where(_dropout_keep(seed_bh, offs_m, start_n, threshold, BLOCK_M, BLOCK_N), p, 0.0)
+        # Packed from the dropped tile (bit = P != 0, header) over its (h, w, e) axes, which each thread
+        # holds in registers: nothing is rematerialised, so only the bytes change layout for the store.
+        # (Packed from the draws, the store compiles to a second Philox chain in its own layout.) The bit
+        # is min(P's bits as int32, 1): P is +0 or positive (a GPU's NaN too), one VIMNMX an element; the
+        # bits are added in a tree of splits. As P != 0 summed over an axis, ptxas got an FSETP, a SEL
+        # and byte shuffles (PRMT) an element: 652 instructions an iteration of the forward at BERT's
+        # tiles, 608 so (with tl.randint4x: _philox.py).
+        bits = tl.minimum(p.to(tl.int32, bitcast=True), 1)
+        bits = tl.reshape(bits, (BLOCK_M // 16, 2, 8, BLOCK_N // 16, 2, 4, 2))  # [R, h, r, C, w, q, e]
+        bits = tl.permute(bits, (0, 2, 3, 5, 1, 4, 6))                          # [R, r, C, q, h, w, e]
+        bits = tl.reshape(bits, (BLOCK_M // 2, BLOCK_N // 4, 2, 2, 2))           # [byte row, col, h, w, e]
+        e0, e1 = tl.split(bits)
+        w0, w1 = tl.split(e0 + (e1 << 1))
+        h0, h1 = tl.split(w0 + (w1 << 2))
+        byte = h0 + (h1 << 4)
         cols = start_n // 4 + tl.arange(0, BLOCK_N // 4)
     tl.store(keep_base + (keep_rows[:, None] + cols[None, :]), byte.to(tl.uint8))
     return p
@@ -270,7 +287,7 @@ def _drawn_keep_bytes(seed_bh, start_m, cols, threshold, BLOCK_M: tl.constexpr, 
     odd = ((cols // 4) % 2 == 1)[None, :]
     byte = tl.zeros([BLOCK_M // 2, BLOCK_N // 4], tl.int32)
     for h in tl.static_range(2):
-        r0, r1, r2, r3 = _philox_words(seed_bh, (rows + 8 * h)[:, None], groups[None, :])
+        r0, r1, r2, r3 = _philox_words(seed_bh, (rows + 8 * h)[:, None], groups[None, :], False)
         k0, k1 = _kept_halves(tl.where(odd, r2, r0), threshold)  # w = 0: bits 0, 1
         k2, k3 = _kept_halves(tl.where(odd, r3, r1), threshold)  # w = 1: bits 2, 3
         nibble = k0.to(tl.int32) | (k1.to(tl.int32) << 1) | (k2.to(tl.int32) << 2) | (k3.to(tl.int32) << 3)

@@ -97,3 +97,33 @@ def test_the_attention_target_is_shown_beside_the_runs_measurement():
     assert report.measured_attention_target(SU.SuiteRun("x", "d", H100, "", [(setting, "fwd", 1e-4)], {})) is None
     at_128 = K.Setting("bert-base", 128, 128, 0.1)
     assert report.measured_attention_target(SU.SuiteRun("x", "d", H100, "", [(at_128, "fwd+bwd", 1e-4)], {})) is None
+
+
+def test_a_direction_whose_kernels_changed_since_the_run_is_shown_and_not_fitted(monkeypatch):
+    """As the step's profile: a kernel edited after the run measured other code (the forward's keep-bit
+    packing and Philox of 2026-11-28), so its rows are marked and the overlap fits the others alone."""
+    setting = K.Setting("bert-base", 512, 32, 0.1)
+    fwd = _result(setting, "_attention_fwd_kernel", 100)
+    bwd = [_result(setting, "_attention_bwd_dq_kernel", 100), _result(setting, "_attention_bwd_dkdv_kernel", 120)]
+    # the backward measured as if the overlap were 0.8, the (changed) forward at 3 times its prediction
+    measured = {"fwd": 3 * fwd.prediction.predicted_s, "bwd": sum(retime(r.prediction, 0.8, 0.0) for r in bwd)}
+    run = SU.SuiteRun(report.RESULTS + "/gpu/x", "NVIDIA H200", H100, "2026-01-01",
+                      [(setting, d, measured[d]) for d in ("fwd", "bwd")], {})
+    monkeypatch.setattr(report, "analyse", lambda *a, **k: [fwd, *bwd])
+    asked = []
+
+    def changed_since(path, sources, repo=report.REPO, kernel=None):
+        asked.append((path, tuple(sources), kernel))
+        return kernel == "_attention_fwd_kernel"
+    monkeypatch.setattr(report, "changed_since", changed_since)
+    lines = []
+    got = report.suite_comparison(run, log=lines.append)
+    assert [(r["direction"], r["changed_since_run"]) for r in got["rows"]] == [("fwd", True), ("bwd", False)]
+    assert got["overlap_fitted"] == pytest.approx(0.8)
+    assert ("x/results.json", ("kernels/attention.py",), "_attention_fwd_kernel") in [
+        (p.split("/gpu/")[-1], s, k) for p, s, k in asked]
+    assert "[source changed since this run: not fitted]" in next(line for line in lines if " fwd " in line)
+    assert not any("not fitted" in line for line in lines if " bwd " in line)
+    # unchanged, the forward joins the fit and pulls the overlap up
+    monkeypatch.setattr(report, "changed_since", lambda *a, **k: False)
+    assert report.suite_comparison(run, log=lambda m: None)["overlap_fitted"] > 0.8

@@ -466,8 +466,13 @@ def suite_comparison(suite: SU.SuiteRun, log=print) -> Dict[str, object]:
     autotuner chose, and the one overlap that fits those times (perfmodel/suite.py)."""
     results = analyse(suite.settings(), suite.gpu, log=lambda m: None, tuned=suite.tuned, ops=["attention"])
     rows = SU.compare(results, suite)
+    # A row whose kernels changed since the run measured other code: shown, not fitted (as in compare).
+    timed = os.path.join(suite.path, "results.json")
+    for row in rows:
+        row["changed_since_run"] = any(changed_since(timed, ["kernels/attention.py"], kernel=kernel)
+                                       for kernel in row["kernels"])
     memory_overlap = suite.gpu.memory_overlap
-    fitted = SU.fit_overlap(rows, memory_overlap)
+    fitted = SU.fit_overlap([row for row in rows if not row["changed_since_run"]], memory_overlap)
     shown = os.path.relpath(suite.path, REPO)
     log(f"\nthe attention as {shown}'s kernel suite timed it ({suite.device}; the op alone, cold L2, full "
         f"lengths; predicted at {suite.gpu.achievable_hbm_bytes_per_s / 1e12:.2f} TB/s), us per call:")
@@ -479,13 +484,15 @@ def suite_comparison(suite: SU.SuiteRun, log=print) -> Dict[str, object]:
             f"({attention_tflops(setting, direction, measured):3.0f} TFLOP/s)  predicted {predicted * 1e6:6.1f} "
             f"({attention_tflops(setting, direction, predicted):3.0f})  measured/predicted {measured / predicted:.2f}"
             + (f"  at the fitted overlap {row['refit_s'] * 1e6:6.1f}" if fitted is not None else "")
-            + ("" if row["tuned"] else "  [first candidate: the run's config unknown]"))
+            + ("" if row["tuned"] else "  [first candidate: the run's config unknown]")
+            + ("  [source changed since this run: not fitted]" if row["changed_since_run"] else ""))
     log("  one overlap fitted to these: " + (f"{fitted:.2f}" if fitted is not None else "-")
         + f" (assumed {suite.gpu.overlap:g})")
     return {"run": shown, "device": suite.device, "overlap_fitted": fitted,
             "rows": [{"setting": row["setting"].label(), "direction": row["direction"],
                       "measured_s": row["measured_s"], "predicted_s": row["predicted_s"], "refit_s": row["refit_s"],
-                      "kernels": row["kernels"], "tuned": row["tuned"]} for row in rows]}
+                      "kernels": row["kernels"], "tuned": row["tuned"], "changed_since_run": row["changed_since_run"]}
+                     for row in rows]}
 
 
 def measured_attention_target(suite: SU.SuiteRun) -> Optional[Dict[str, object]]:

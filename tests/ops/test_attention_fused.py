@@ -15,6 +15,7 @@ import torch
 from bertfast.testing import BackendUnderTest, check_close, references
 from test_attention import (A, BF16, FP16, FP32, PADDED, VARLEN, check_padded, check_varlen, key_mask,
                             lengths_of, padded_inputs, seed_of, varlen_inputs)
+from test_philox import philox4x32_numpy
 
 GPU = torch.cuda.is_available()
 NO_KEEP = torch.empty(0, dtype=torch.uint8)  # keep bits of a forward without dropout
@@ -328,20 +329,6 @@ def test_triton_dkdv_orientations_agree(monkeypatch):
     assert torch.equal(grads[False][:, 0], grads[True][:, 0])  # dQ: the same kernel
 
 
-def _philox4x32(counter, key, rounds):
-    """Philox4x32-R (Salmon et al., SC'11) on numpy arrays: counter word 0 varies, words 1-3 are 0."""
-    import numpy as np
-    c = [counter.astype(np.uint64), *(np.zeros_like(counter, dtype=np.uint64) for _ in range(3))]
-    k0, k1 = np.uint64(key & 0xFFFFFFFF), np.uint64(key >> 32)
-    mask = np.uint64(0xFFFFFFFF)
-    for _ in range(rounds):
-        p0, p1 = np.uint64(0xD2511F53) * c[0], np.uint64(0xCD9E8D57) * c[2]
-        c = [((p1 >> np.uint64(32)) ^ c[1] ^ k0) & mask, p1 & mask, ((p0 >> np.uint64(32)) ^ c[3] ^ k1) & mask,
-             p0 & mask]
-        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & mask, (k1 + np.uint64(0xBB67AE85)) & mask
-    return c
-
-
 @pytest.mark.parametrize("seed", [12345, 2**40 + 77, -3], ids=["seed", "high-word", "negative"])
 def test_dropout_mask_is_the_documented_function(fused_backend, seed):
     """kernels/attention.py's header, written out in numpy, for both fused backends (csrc/attention.cuh
@@ -363,7 +350,7 @@ def test_dropout_mask_is_the_documented_function(fused_backend, seed):
     for b in range(batch):
         for h in range(heads):
             key = (seed + ((b * heads + h) << 32)) % 2**64
-            words = _philox4x32((i * 8192 + group).astype(np.uint64), key, K.N_ROUNDS.value)
+            words = philox4x32_numpy((i * 8192 + group).astype(np.uint64), key, K.N_ROUNDS.value)
             r = np.choose(word, words)
             bits = np.where(half == 1, r >> np.uint64(16), r & np.uint64(0xFFFF))
             np.testing.assert_array_equal(keep[b, h], bits >= threshold, err_msg=f"sequence {b}, head {h}")
