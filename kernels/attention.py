@@ -233,12 +233,12 @@ def _drop_and_record(p, seed_bh, offs_m, start_m, start_n, threshold, keep_base,
                      BLOCK_N: tl.constexpr, BYTEWISE_KEEP: tl.constexpr):
     """The forward's probability tile p with its dropped elements 0, and its keep bits stored for the
     backward (header, "Keep bits") at keep_base + keep_rows[:, None] + byte column."""
+    # fp32 (BYTEWISE_KEEP) draws with tl.randint4x (_philox_words)
+    p = tl.where(_dropout_keep(seed_bh, offs_m, start_n, threshold, BLOCK_M, BLOCK_N, not BYTEWISE_KEEP), p, 0.0)
     if BYTEWISE_KEEP:
-        p = tl.where(_dropout_keep(seed_bh, offs_m, start_n, threshold, BLOCK_M, BLOCK_N, False), p, 0.0)
         cols = start_n // 4 + tl.arange(0, BLOCK_N // 4)
         byte = _drawn_keep_bytes(seed_bh, start_m, cols, threshold, BLOCK_M, BLOCK_N)
     else:
-        p = tl.where(_dropout_keep(seed_bh, offs_m, start_n, threshold, BLOCK_M, BLOCK_N), p, 0.0)
         # Packed from the dropped tile (bit = P != 0, header) over its (h, w, e) axes, which each thread
         # holds in registers: nothing is rematerialised, so only the bytes change layout for the store.
         # (Packed from the draws, the store compiles to a second Philox chain in its own layout.) The bit

@@ -468,9 +468,10 @@ def suite_comparison(suite: SU.SuiteRun, log=print) -> Dict[str, object]:
     rows = SU.compare(results, suite)
     # A row whose kernels changed since the run measured other code: shown, not fitted (as in compare).
     timed = os.path.join(suite.path, "results.json")
+    changed = {kernel: changed_since(timed, ["kernels/attention.py"], kernel=kernel)
+               for kernel in {kernel for row in rows for kernel in row["kernels"]}}
     for row in rows:
-        row["changed_since_run"] = any(changed_since(timed, ["kernels/attention.py"], kernel=kernel)
-                                       for kernel in row["kernels"])
+        row["changed_since_run"] = any(changed[kernel] for kernel in row["kernels"])
     memory_overlap = suite.gpu.memory_overlap
     fitted = SU.fit_overlap([row for row in rows if not row["changed_since_run"]], memory_overlap)
     shown = os.path.relpath(suite.path, REPO)

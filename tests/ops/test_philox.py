@@ -1,5 +1,5 @@
-"""kernels/_philox.py: the Philox4x32 every Triton dropout mask draws from, against Random123's known
-answer, a numpy Philox, and tl.randint4x, word for word.
+"""kernels/_philox.py: the Philox4x32 the Triton attention's dropout mask draws from, against Random123's
+known answer, a numpy Philox, and tl.randint4x, word for word.
 
 Without a GPU the kernel runs under the interpreter (the uint64 product); with one, the PTX wide
 multiply the compiled kernels use, which is how a GPU run checks it.
