@@ -12,15 +12,24 @@ Math, per token t (one row of H elements), fp32 after upcasting every load:
     dln_weight = sum_t dz * zhat,   dln_bias = sum_t dz        (per-program fp32 partials, then a sum)
     g          = dz * ln_weight
     dh         = rstd * (g - zhat * sum(g * zhat) / H - sum(g) / H)
-    dword[v]   = sum of dh[t] over the tokens t with input_ids[t] == v, in token order   (likewise
-    dpos[q]      dpos over position_ids, and dtoken_type over token_type_ids)
+    dword[v]   = sum of dh[t] over the tokens t with input_ids[t] == v   (likewise dpos over
+    dpos[q]      position_ids, and dtoken_type over token_type_ids)
   The table gradients are deterministic: no atomics, every sum taken in one fixed order, so a
   step gives the same bits every time (a stopped run resumes exactly, docs/training.md). The
   backward kernel writes dh [T, H] fp32 and the sort keys (ids, V + position ids); the keys are
   sorted (torch.sort, stable: a row's tokens stay in token order; on the device, no host read,
-  graph-safe), and _table_grads_kernel adds each table row's tokens' dh rows in that order
-  (BLOCK_T-row tiles of fixed size, then one sum over the tile) and stores the row once, in the
-  table's dtype: zeros for rows no token uses, so no zero-fill and no cast pass.
+  graph-safe). Two passes then add each table row's dh rows, as csrc/embeddings.cu does, with
+  every program's work bounded whatever the ids (at BERT's phase 1 [MASK] alone holds ~2,000 of
+  the 32,768 sorted entries; the former single pass, four table rows a program, each row's entries
+  16 at a time, took 338 us of the H200's BERT-large step where the backward kernel took 88):
+    _table_chunks_kernel  cuts the sorted entries into chunks of _TABLE_CHUNK, gathers a chunk's
+                          dh rows at once and sums its runs of equal keys (a segmented scan: a
+                          fixed tree); a run inside the chunk is a whole table row, stored; the
+                          runs cut by the chunk's edges leave partial sums.
+    _table_rows_kernel    stores every other row once: zeros for rows no token uses (no
+                          zero-fill pass), the sum of its chunks' partials in chunk order for
+                          the rows that cross chunks.
+  Rows are stored in the table's dtype (no cast pass).
   Token-type rows are few (2 in BERT), so every token would hit the same rows: per-program fp32
   partials in registers, then a sum over programs, when the table has <= 4 rows; else its rows
   join the sorted reduction (keys V + P + token-type ids).
@@ -30,8 +39,8 @@ Math, per token t (one row of H elements), fp32 after upcasting every load:
 
 Launch: as kernels/bias_dropout_residual_layernorm.py (row tiles autotuned on GPU, fixed under
 the interpreter); the backward runs about four programs per SM, each walking a contiguous block
-of tokens. The table-gradient kernel has one fixed configuration (never autotuned: its block
-sizes set the order of its sums).
+of tokens. The table passes have one fixed configuration each (never autotuned: the chunk sets the
+order of the sums).
 
 Limits: H <= 8192; ids 1-D int32/int64 of one length T, in range (the caller validates);
 tables 2-D with unit column stride. The dropout counter is (token row, column), as in every
@@ -180,42 +189,97 @@ def _embeddings_bwd_kernel(
 
 
 @triton.jit
-def _table_grads_kernel(
-    DH,      # [T, H] fp32 from _embeddings_bwd_kernel
-    ORDER,   # [K * T] int64: indices into KEYS sorted by key (stable: equal keys in token order)
-    BOUNDS,  # [R + 1] int64: the keys of stacked table row r sit at ORDER[BOUNDS[r]:BOUNDS[r + 1]]
-    DWORD,   # [V, H] word gradient, contiguous, in the word table's dtype
-    DPOS,    # [P, H] position gradient, likewise
-    DTT,     # [TT, H] token-type gradient, likewise (rows V + P .. R - 1; only when K = 3)
-    T, H, V, P, R,
-    ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+def _store_table_rows(DWORD, DPOS, DTT, keys, g, ok, cols, col_ok, H, V, P, TT_SORTED: tl.constexpr):
+    """Rows ``keys`` of the stacked tables [word; position; token type] (the last only when the token
+    types are sorted with them): g [len(keys), BLOCK_H] fp32 into its table, in its dtype, where ``ok``."""
+    k = keys.to(tl.int64)[:, None]
+    m = ok[:, None] & col_ok[None, :]
+    tl.store(DWORD + k * H + cols[None, :], g.to(DWORD.dtype.element_ty), mask=m & (k < V))
+    tl.store(DPOS + (k - V) * H + cols[None, :], g.to(DPOS.dtype.element_ty), mask=m & (k >= V) & (k < V + P))
+    if TT_SORTED:
+        tl.store(DTT + (k - V - P) * H + cols[None, :], g.to(DTT.dtype.element_ty), mask=m & (k >= V + P))
+
+
+@triton.jit
+def _run_sum(key_a, sum_a, key_b, sum_b):
+    """Segmented sum over sorted keys: b continues a's run of one table row when their keys match."""
+    return key_b, tl.where(key_a == key_b, sum_a + sum_b, sum_b)
+
+
+@triton.jit
+def _table_chunks_kernel(
+    DH,       # [T, H] fp32 from _embeddings_bwd_kernel
+    KEYS,     # [N] int32 sorted keys (the stacked table row of each entry)
+    ORDER,    # [N] int64: each sorted entry's index into the unsorted keys (its token, + T per table)
+    PART,     # [chunks, 2, H] fp32: the sums of the runs that cross a chunk's edges
+    DWORD, DPOS, DTT,  # the table gradients, contiguous, in their tables' dtypes (DTT: TT_SORTED only)
+    N, T, H, V, P,
+    TT_SORTED: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """Each program: ROWS consecutive rows of the stacked tables [word; position; token type] at
-    BLOCK_H columns. A row's gradient is the sum of its tokens' dh rows: slot j of a [BLOCK_T,
-    BLOCK_H] fp32 tile adds the row's tokens j, j + BLOCK_T, j + 2 BLOCK_T, ... in token order,
-    then the slots are summed; each row is stored once (zeros when no token has it). The order
-    of every addition follows from the sorted keys and the fixed block sizes alone."""
+    """Each program: CHUNK consecutive sorted entries at BLOCK_H columns, their dh rows gathered at
+    once, then summed by run of equal keys (a segmented scan). A run that lies inside the chunk is a
+    whole table row: stored. A run cut by the chunk's first edge (the row began before) goes to
+    PART[chunk, 0]; one cut only by its last edge (the row goes on after) to PART[chunk, 1];
+    _table_rows_kernel adds those. The order of every addition follows from the sorted keys and
+    CHUNK alone."""
+    c = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
-    for i in range(ROWS):
-        r = tl.program_id(0) * ROWS + i
-        if r < R:
-            lo = tl.load(BOUNDS + r)
-            hi = tl.load(BOUNDS + r + 1)
-            acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-            for start in range(lo, hi, BLOCK_T):
-                idx = start + tl.arange(0, BLOCK_T)
-                ok = idx < hi
-                tok = tl.load(ORDER + idx, mask=ok, other=0) % T
-                acc += tl.load(DH + tok[:, None] * H + cols[None, :], mask=ok[:, None] & col_ok[None, :],
-                               other=0.0)
-            g = tl.sum(acc, axis=0)
-            if r < V:
-                tl.store(DWORD + r.to(tl.int64) * H + cols, g.to(DWORD.dtype.element_ty), mask=col_ok)
-            elif r < V + P:
-                tl.store(DPOS + (r - V).to(tl.int64) * H + cols, g.to(DPOS.dtype.element_ty), mask=col_ok)
-            else:
-                tl.store(DTT + (r - V - P).to(tl.int64) * H + cols, g.to(DTT.dtype.element_ty), mask=col_ok)
+    first = c * CHUNK
+    e = first + tl.arange(0, CHUNK)
+    ok = e < N
+    keys = tl.load(KEYS + e, mask=ok, other=-1)
+    tok = tl.load(ORDER + e, mask=ok, other=0) % T
+    dh = tl.load(DH + tok[:, None] * H + cols[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0)
+    _, runs = tl.associative_scan((tl.broadcast_to(keys[:, None], [CHUNK, BLOCK_H]), dh), 0, _run_sum)
+    next_keys = tl.load(KEYS + e + 1, mask=e + 1 < N, other=-1)
+    ends = ok & ((next_keys != keys) | (e == first + CHUNK - 1))  # each run's last entry in the chunk
+    began_before = keys == tl.load(KEYS + first - 1, mask=c > 0, other=-1)
+    goes_on = keys == tl.load(KEYS + first + CHUNK, mask=first + CHUNK < N, other=-1)
+    _store_table_rows(DWORD, DPOS, DTT, keys, runs, ends & ~began_before & ~goes_on, cols, col_ok, H, V, P,
+                      TT_SORTED)
+    slot = (2 * c + tl.where(began_before, 0, 1)).to(tl.int64)
+    tl.store(PART + slot[:, None] * H + cols[None, :], runs,
+             mask=(ends & (began_before | goes_on))[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _table_rows_kernel(
+    PART,     # [chunks, 2, H] fp32 from _table_chunks_kernel
+    BOUNDS,   # [R + 1] int64: stacked table row r's entries sit at sorted positions BOUNDS[r] .. BOUNDS[r + 1]
+    DWORD, DPOS, DTT,
+    H, V, P, R,
+    TT_SORTED: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Each program: ROWS consecutive stacked table rows at BLOCK_H columns. A row no entry has is
+    stored as zeros (so no zero-fill pass); a row whose entries cross chunks is the sum of its first
+    chunk's PART[c0, 1] and its later chunks' PART[c, 0], in chunk order, all the program's such rows
+    at once, four chunks' loads in flight ([MASK] holds ~12% of the tokens: 2,000 entries in 31
+    chunks at BERT's phase 1); the rows inside one chunk were stored by _table_chunks_kernel."""
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_ok = cols < H
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok = rows < R
+    lo = tl.load(BOUNDS + rows, mask=ok, other=0)
+    hi = tl.load(BOUNDS + rows + 1, mask=ok, other=0)
+    _store_table_rows(DWORD, DPOS, DTT, rows, tl.zeros([ROWS, BLOCK_H], tl.float32), ok & (lo == hi), cols, col_ok,
+                      H, V, P, TT_SORTED)
+    c0 = lo // CHUNK
+    c1 = (hi - 1) // CHUNK
+    spans = ok & (lo < hi) & (c0 < c1)
+    n = tl.max(tl.where(spans, c1 - c0, 0), 0)
+    if n > 0:
+        m = spans[:, None] & col_ok[None, :]
+        part = PART + cols[None, :]
+        acc = tl.load(part + (2 * c0 + 1)[:, None] * H, mask=m, other=0.0)
+        for j in range(1, n + 1, 4):
+            c = c0 + j
+            p0 = tl.load(part + (2 * c)[:, None] * H, mask=m & (c <= c1)[:, None], other=0.0)
+            p1 = tl.load(part + (2 * c + 2)[:, None] * H, mask=m & (c + 1 <= c1)[:, None], other=0.0)
+            p2 = tl.load(part + (2 * c + 4)[:, None] * H, mask=m & (c + 2 <= c1)[:, None], other=0.0)
+            p3 = tl.load(part + (2 * c + 6)[:, None] * H, mask=m & (c + 3 <= c1)[:, None], other=0.0)
+            acc = (((acc + p0) + p1) + p2) + p3
+        _store_table_rows(DWORD, DPOS, DTT, rows, acc, spans, cols, col_ok, H, V, P, TT_SORTED)
 
 
 _fwd_tuned = autotune(row_tile_configs(), ["H", "n_bucket", "HAS_DROPOUT", "STORE_KEEP"],
@@ -223,11 +287,13 @@ _fwd_tuned = autotune(row_tile_configs(), ["H", "n_bucket", "HAS_DROPOUT", "STOR
 # The backward writes every buffer it is given (no accumulation): the autotuner runs it as it is.
 _bwd_tuned = autotune(row_tile_configs(MAX_ROWS_PER_TILE), ["H", "n_bucket", "HAS_DROPOUT", "TT_IN_REGS", "TT_BLOCK"],
                       row_config_pruner(BWD_PER_THREAD))(_embeddings_bwd_kernel)
-# The table-gradient sums: one fixed configuration, as its block sizes set the order of the sums.
-_TABLE_ROWS = 4           # table rows per program (64 under the interpreter: fewer programs to run)
-_TABLE_BLOCK_T = 16       # token rows per step of a row's sum
-_TABLE_MAX_BLOCK_H = 256  # columns per program
-_TABLE_WARPS = 4
+# The table passes: one fixed configuration each, as the chunk sets the order of the sums.
+_TABLE_CHUNK = 64          # sorted entries per chunk (a power of two)
+_TABLE_CHUNK_BLOCK_H = 32  # columns per chunk program (a 128-byte line of each fp32 dh row): the scan's
+_TABLE_CHUNK_WARPS = 2     # instructions an element fall as its tile narrows (41 at [64, 32], 83 at [64, 128])
+_TABLE_ROWS = 16           # table rows per rows program (64 under the interpreter: fewer programs to run)
+_TABLE_ROWS_BLOCK_H = 256
+_TABLE_ROWS_WARPS = 8
 
 
 # --------------------------------------------------------------------------- validation
@@ -338,11 +404,20 @@ def embeddings_bwd(dy: torch.Tensor, input_ids: torch.Tensor, position_ids: torc
     dword = torch.empty(word.shape, dtype=word.dtype, device=dev)
     dpos = torch.empty(pos.shape, dtype=pos.dtype, device=dev)
     dtt_rows = dword if tt_in_regs else torch.empty(token_type.shape, dtype=token_type.dtype, device=dev)
+    n = keys.numel()
+    chunks = triton.cdiv(n, _TABLE_CHUNK)
+    cut_runs = torch.empty((chunks, 2, h), dtype=torch.float32, device=dev)
+    # Under the interpreter a program costs its Python, not registers: every column at once.
+    chunk_block_h = block_h if interpreting() else min(block_h, _TABLE_CHUNK_BLOCK_H)
+    launch(_table_chunks_kernel, (chunks, triton.cdiv(h, chunk_block_h)),
+           (dh, sorted_keys, order, cut_runs, dword, dpos, dtt_rows, n, t, h, v, p_rows),
+           dict(TT_SORTED=not tt_in_regs, CHUNK=_TABLE_CHUNK, BLOCK_H=chunk_block_h, num_warps=_TABLE_CHUNK_WARPS))
     rows = 64 if interpreting() else _TABLE_ROWS
-    table_block_h = min(block_h, _TABLE_MAX_BLOCK_H)
-    launch(_table_grads_kernel, (triton.cdiv(n_rows, rows), triton.cdiv(h, table_block_h)),
-           (dh, order, bounds, dword, dpos, dtt_rows, t, h, v, p_rows, n_rows),
-           dict(ROWS=rows, BLOCK_T=_TABLE_BLOCK_T, BLOCK_H=table_block_h, num_warps=_TABLE_WARPS))
+    rows_block_h = block_h if interpreting() else min(block_h, _TABLE_ROWS_BLOCK_H)
+    launch(_table_rows_kernel, (triton.cdiv(n_rows, rows), triton.cdiv(h, rows_block_h)),
+           (cut_runs, bounds, dword, dpos, dtt_rows, h, v, p_rows, n_rows),
+           dict(TT_SORTED=not tt_in_regs, CHUNK=_TABLE_CHUNK, ROWS=rows, BLOCK_H=rows_block_h,
+                num_warps=_TABLE_ROWS_WARPS))
     if tt_in_regs:
         dtt_rows = column_sums(dtt.view(1, groups, num_types * h), [token_type.dtype])[0].view(num_types, h)
     dln_weight, dln_bias = column_sums(part, [ln_weight.dtype, ln_bias.dtype])

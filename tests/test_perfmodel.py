@@ -446,14 +446,15 @@ def test_step_budget_lines_and_its_ceiling_from_given_kernel_predictions():
     kernels = {"_attention_fwd_kernel": 60, "_attention_bwd_delta_kernel": 20, "_attention_bwd_dq_kernel": 80,
                "_attention_bwd_dkdv_kernel": 100,
                "_bias_dropout_residual_layernorm_fwd_kernel": 66, "_bias_dropout_residual_layernorm_bwd_kernel": 58,
-               "_embeddings_fwd_kernel": 88, "_embeddings_bwd_kernel": 47}
+               "_embeddings_fwd_kernel": 88, "_embeddings_bwd_kernel": 47, "_table_chunks_kernel": 48,
+               "_table_rows_kernel": 43}
     results = _budget_results(case, kernels)
     plan = step.budget(results, case, H100, accumulation=1)
     items = {i["name"]: i["seconds"] for i in plan["items"]}
     assert plan["seconds"] == pytest.approx(sum(items.values()))
     assert items["attention"] == pytest.approx(24 * 260 * us)
     rows = 2 * 66 + 2 * 58
-    assert items["row ops"] == pytest.approx((24 * rows + 88 + 47) * us)
+    assert items["row ops"] == pytest.approx((24 * rows + 88 + 47 + 48 + 43) * us)  # the table passes too
     assert items["residual grads"] > 0 and items["weight casts"] > 0 and items["accumulation"] == 0
     params, copies, bw = step.parameters(1024, 4096, 24), step.working_copies(1024, 4096, 24), \
         H100.achievable_hbm_bytes_per_s
@@ -678,7 +679,8 @@ def test_the_steps_are_priced_again_with_refitted_constants():
 
     kernels = {"_attention_fwd_kernel": 60,
                "_bias_dropout_residual_layernorm_fwd_kernel": 66, "_bias_dropout_residual_layernorm_bwd_kernel": 58,
-               "_embeddings_fwd_kernel": 88, "_embeddings_bwd_kernel": 47}
+               "_embeddings_fwd_kernel": 88, "_embeddings_bwd_kernel": 47, "_table_chunks_kernel": 48,
+               "_table_rows_kernel": 43}
     results = []
     for case in step.STEP_CASES:  # seq 128: the one-pass backward; 512: three kernels
         backward = (("_attention_bwd_fused_kernel",) if case.setting.seq == 128 else
@@ -786,3 +788,31 @@ def test_mma_rate_refuses_without_a_gpu():
     res = subprocess.run([sys.executable, "-m", "bertfast.perfmodel.mma_rate"], capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 2 and "needs a GPU" in res.stderr
+
+
+def test_row_op_figures_add_the_embeddings_table_passes_to_their_backward():
+    """An op's figure is its bytes over the time of its direction's kernels: the embeddings' backward is
+    three launches (the kernel, then the table passes that sum dh into the tables), priced over the
+    benchmark's byte contract; the FFN GEMM that runs bias+GELU in its epilogue is not added to bias_gelu's."""
+    from types import SimpleNamespace
+    from bertfast.bench.flops import embeddings_bytes
+    from bertfast.perfmodel import report
+    from bertfast.perfmodel.kernels import Setting
+    s = Setting("bert-large", 512, 32, 0.1)
+
+    def result(op, kernel, us, moved=1e8):
+        prediction = SimpleNamespace(predicted_s=us * 1e-6, binding="memory")
+        return report.KernelResult(s, op, kernel, "", "", 64, moved, prediction)
+    results = [result("embeddings", "_embeddings_fwd_kernel", 80, 2.4e8),
+               result("embeddings", "_embeddings_bwd_kernel", 37),
+               result("embeddings", "_table_chunks_kernel", 48), result("embeddings", "_table_rows_kernel", 43),
+               result("bias_gelu", "_bias_gelu_fwd_kernel", 60, 3e8),
+               result("bias_gelu", "_gemm_bias_gelu_kernel", 900)]
+    rows = {(r["op"], r["direction"]): r for r in report.row_op_figures(results, s, H100)}
+    bwd = rows["embeddings", "bwd"]
+    assert bwd["seconds"] == pytest.approx(128e-6) and bwd["kernel"].count("+") == 2
+    contract = embeddings_bytes(s.tokens, 1024, 30522, 512, 2, 8, 4, 2, "bwd")
+    assert bwd["bytes"] == contract and contract > 3e8  # the fp32 table gradients (127 MB) among them
+    assert bwd["fraction"] == pytest.approx(contract / 128e-6 / H100.achievable_hbm_bytes_per_s)
+    assert rows["embeddings", "fwd"]["seconds"] == pytest.approx(80e-6)
+    assert rows["bias_gelu", "fwd"]["seconds"] == pytest.approx(60e-6) and rows["bias_gelu", "fwd"]["bytes"] == 3e8

@@ -90,6 +90,8 @@ CONDITIONAL_ARGS: Dict[str, Dict[str, str]] = {
                                                     "SEED": "HAS_DROPOUT"},
     "_embeddings_fwd_kernel": {"KEEP": "STORE_KEEP", "SEED": "HAS_DROPOUT"},
     "_embeddings_bwd_kernel": {"DTT": "TT_IN_REGS", "SEED": "HAS_DROPOUT"},
+    "_table_chunks_kernel": {"DTT": "TT_SORTED"},
+    "_table_rows_kernel": {"DTT": "TT_SORTED"},
     "_gemm_bias_gelu_kernel": {"BIAS": "!BACKWARD", "Z": "HAS_Z", "DBIAS_PART": "BACKWARD"},
 }
 
@@ -167,12 +169,41 @@ def _embeddings_fwd(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
 
 
 def _embeddings_bwd(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
+    """The token-sized tensors (dy read, dh written, ids, statistics, keys), the vectors, and the three
+    table rows each token gathers again to recompute h (not the whole tables: until 2026-11-28 those
+    rows went uncounted, 201 of BERT-large's ~300 MB with fp32 tables)."""
     tile = _tile(launch.meta, "BLOCK_M", "BLOCK_H")
     elements = launch.args[0].numel()
-    moved = _bytes(launch, lambda a: a.dim() < 2 or a.shape[0] == setting.tokens)  # not the tables
+    gathered = 3 * elements * launch.args[4].element_size()  # WORD's dtype: the tables share it in training
+    moved = _bytes(launch, lambda a: a.dim() < 2 or a.shape[0] == setting.tokens) + gathered
     programs = _row_groups("embeddings")(setting, launch, gpu)
     return Work(elements / tile, tile, programs, int(launch.meta["num_warps"]), moved,
                 overhead_bytes=programs * _partial_bytes_per_program(launch, 2))
+
+
+def _table_chunks(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
+    """One chunk of sorted entries a program: each entry's fp32 dh row gathered, its key and token
+    index read; the table rows it completes are priced with _table_rows (which writes the rest); the
+    partial sums of the runs cut by the chunks' edges (at most two rows a chunk), written and read
+    back, as overhead."""
+    entries, hidden = launch.args[1].numel(), launch.args[0].shape[1]
+    programs = _numel(launch.grid)
+    return Work(programs, _tile(launch.meta, "CHUNK", "BLOCK_H"), programs, int(launch.meta["num_warps"]),
+                entries * (hidden * 4 + 4 + 8), overhead_bytes=2 * launch.args[3].numel() * 4)
+
+
+def _table_rows(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
+    """ROWS x BLOCK_H of the stacked tables a program: each table row written once by the two passes
+    together (zeros, or the sum of its chunks' partials), the bounds read. Its loop, over a row's
+    chunks, runs only in the few programs whose rows cross chunks (the positions', [MASK]'s): not
+    priced, so iterations 0 and the body once per program."""
+    rows = launch.args[1].numel() - 1
+    programs = _numel(launch.grid)
+    unused = set(launch.unused_names())
+    tables = sum(a.numel() * a.element_size() for a, name in zip(launch.args, launch.names)
+                 if name in ("DWORD", "DPOS", "DTT") and name not in unused)
+    return Work(0, _tile(launch.meta, "ROWS", "BLOCK_H"), programs, int(launch.meta["num_warps"]),
+                tables + 8 * (rows + 1))
 
 
 def _partial_bytes_per_program(launch: Launch, sets: int) -> int:
@@ -203,8 +234,8 @@ def _gemm(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
                 _bytes(launch), loads_ahead=max(1, int(meta.get("num_stages", 2)) - 1))
 
 
-# kernel -> how a launch's work is counted; the kernels not listed are not modelled yet (the embeddings'
-# table gradients, the MLM loss, LAMB): the step budget prices their work by its bytes, or not at all
+# kernel -> how a launch's work is counted; the kernels not listed are not modelled yet (the MLM loss,
+# LAMB): the step budget prices their work by its bytes, or not at all
 WORK: Dict[str, Callable[[Setting, Launch, Gpu], Work]] = {
     "_attention_fwd_kernel": _attention,
     "_attention_bwd_dq_kernel": _attention,
@@ -217,6 +248,8 @@ WORK: Dict[str, Callable[[Setting, Launch, Gpu], Work]] = {
     "_bias_dropout_residual_layernorm_bwd_kernel": _ln_bwd,
     "_embeddings_fwd_kernel": _embeddings_fwd,
     "_embeddings_bwd_kernel": _embeddings_bwd,
+    "_table_chunks_kernel": _table_chunks,
+    "_table_rows_kernel": _table_rows,
     "_gemm_bias_gelu_kernel": _gemm,
 }
 def priced_ops() -> Tuple[str, ...]:

@@ -1,16 +1,18 @@
-"""embeddings on the CUDA backend: the table gradients do not depend on the block schedule.
+"""embeddings on the fused backends: the table gradients do not depend on the block schedule.
 
-A resumed pre-training run must continue bit for bit (docs/training.md), so csrc/embeddings.cu adds no
-table gradient with atomics: the backward kernel stores dh (the fp32 gradient of the summed embedding
-row, [T, H]); the wrapper stably sorts the row keys (word ids, then V + position ids, then, when the
-token-type partials do not fit in shared memory, V + P + type ids); the first table pass adds each
-chunk of sorted entries in order (a row inside a chunk is written there, the rows at a chunk's edges
-leave partial sums), the second writes every other row once: the sum of its chunks' partials in order,
-or zeros. Token types in shared memory: per-block partials, summed in block order (column_sum.cu).
+A resumed pre-training run must continue bit for bit (docs/training.md), so neither csrc/embeddings.cu
+nor kernels/embeddings.py adds a table gradient with atomics: the backward kernel stores dh (the fp32
+gradient of the summed embedding row, [T, H]); the wrapper stably sorts the row keys (word ids, then
+V + position ids, then, when the token-type partials do not fit, V + P + type ids); the first table
+pass adds each chunk of sorted entries (a row inside a chunk is written there, the rows at a chunk's
+edges leave partial sums), the second writes every other row once: the sum of its chunks' partials in
+order, or zeros. CUDA adds a chunk's entries in order, Triton by a segmented scan (a fixed tree).
+Token types kept aside (shared memory, registers): per-block partials, summed in block order.
 
 On the CPU emulator (tests/ops/conftest.py) BERTFAST_EMU_BLOCK_ORDER runs the blocks of every launch
-reversed or shuffled; on a GPU the same test compares repeated runs. ``sort_chunk`` is patched small
-so that a few tokens already span several chunks (hot rows, rows at chunk edges, rows inside one).
+reversed or shuffled; on a GPU the same test compares repeated runs. The chunk (CUDA's ``sort_chunk``,
+Triton's ``_TABLE_CHUNK``) is patched small so that a few tokens already span several chunks (hot rows,
+rows at chunk edges, rows inside one).
 """
 import pytest
 import torch
@@ -51,14 +53,17 @@ def grads(name, inp, p=0.0, seed=None):
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Three sorted entries per chunk of the first table pass."""
+    """Three sorted entries per chunk of CUDA's first table pass, four of Triton's (a power of two)."""
     from bertfast.cuda import embeddings as CE
+    from bertfast.kernels import embeddings as EM
 
     monkeypatch.setattr(CE, "sort_chunk", lambda n: 3)
+    monkeypatch.setattr(EM, "_TABLE_CHUNK", 4)
 
 
 CASES = {  # T, H, vocab, positions, types, table dtype, out dtype, hot word id
     "hot-ids": (24, 64, 9, 7, 2, torch.float32, None, 3),
+    "hot-ids-many-chunks": (48, 32, 9, 7, 2, torch.float32, None, 3),  # 24 + entries: 6 + small chunks
     "one-token": (1, 64, 4, 3, 2, torch.float32, None, None),
     "no-tokens": (0, 64, 4, 3, 2, torch.float32, None, None),
     "bf16": (20, 64, 6, 5, 2, torch.bfloat16, None, 1),
@@ -70,15 +75,15 @@ CASES = {  # T, H, vocab, positions, types, table dtype, out dtype, hot word id
 }
 
 
-@pytest.mark.parametrize("backend", ["cuda"], indirect=True)
-@pytest.mark.parametrize("chunk", ["chunk3", "default"])
+@pytest.mark.parametrize("backend", ["cuda", "triton"], indirect=True)
+@pytest.mark.parametrize("chunk", ["small", "default"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_table_gradients_match_torch(backend, case, chunk, request):
     t, h, vocab, positions, types, dtype, out_dtype, hot = CASES[case]
-    if chunk == "chunk3":
+    if chunk == "small":
         request.getfixturevalue("small_chunks")
     inp = make(backend.device, t, h, vocab, positions, types, dtype, out_dtype, hot)
-    got, want = grads("cuda", inp), grads("torch", inp)
+    got, want = grads(backend.name, inp), grads("torch", inp)
     for name in TABLES[:3]:
         table = inp["tables"][name]
         assert got[name].dtype == table.dtype and got[name].shape == table.shape, name
