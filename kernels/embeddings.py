@@ -287,10 +287,12 @@ _fwd_tuned = autotune(row_tile_configs(), ["H", "n_bucket", "HAS_DROPOUT", "STOR
 # The backward writes every buffer it is given (no accumulation): the autotuner runs it as it is.
 _bwd_tuned = autotune(row_tile_configs(MAX_ROWS_PER_TILE), ["H", "n_bucket", "HAS_DROPOUT", "TT_IN_REGS", "TT_BLOCK"],
                       row_config_pruner(BWD_PER_THREAD))(_embeddings_bwd_kernel)
-# The table passes: one fixed configuration each, as the chunk sets the order of the sums.
+# The table passes: one fixed configuration each, as the chunk sets the order of the sums. The chunk
+# pass's scan costs fewer instructions an element as its tile narrows (41 at [64, 32] in 2 warps, 83 at
+# [64, 128] in 8), so it takes 32 columns, a 128-byte line of each fp32 dh row.
 _TABLE_CHUNK = 64          # sorted entries per chunk (a power of two)
-_TABLE_CHUNK_BLOCK_H = 32  # columns per chunk program (a 128-byte line of each fp32 dh row): the scan's
-_TABLE_CHUNK_WARPS = 2     # instructions an element fall as its tile narrows (41 at [64, 32], 83 at [64, 128])
+_TABLE_CHUNK_BLOCK_H = 32
+_TABLE_CHUNK_WARPS = 2
 _TABLE_ROWS = 16           # table rows per rows program (64 under the interpreter: fewer programs to run)
 _TABLE_ROWS_BLOCK_H = 256
 _TABLE_ROWS_WARPS = 8
