@@ -7,7 +7,9 @@ Environment:
                         ``-gencode`` each (SASS), plus PTX of the newest for later GPUs. >= 80.
                         90a is sm_90 with its arch-specific features (wgmma: the CUDA attention's
                         wgmma kernels run from it); give 90 or 90a, not both.
-  MAX_JOBS              parallel compiles (default: CPU count).
+  MAX_JOBS              compiles at once (default: CPU count), nvcc's threads counted: each nvcc runs
+                        its targets (an arch's SASS, the PTX) in threads of their own (--threads), so
+                        MAX_JOBS // targets sources compile side by side.
   CUDA_HOME / CUDA_PATH where the toolkit lives (default: found from nvcc).
   CXX                   host compiler for nvcc (-ccbin) and the binding (default: g++).
 
@@ -155,6 +157,15 @@ def _max_jobs() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def nvcc_threads(archs) -> int:
+    """nvcc's threads for one source: a thread per target, each arch's SASS and the PTX."""
+    return len(archs) + 1
+
+
+def _parallel_sources(archs) -> int:
+    return max(1, _max_jobs() // nvcc_threads(archs))
+
+
 def _host_cxx() -> str:
     return os.environ.get("CXX") or shutil.which("g++") or "c++"
 
@@ -166,8 +177,8 @@ def _compile_commands(nvcc, cuda, archs, obj_dir):
     cu, cpp = _sources()
     cxx = _host_cxx()
     archs_text = ";".join(archs)
-    nvcc_flags = ["-std=c++17", "-O3", "-lineinfo", "-ccbin", cxx, "-Xcompiler", "-fPIC",
-                  "-I" + CSRC] + gencode_flags(archs)
+    nvcc_flags = ["-std=c++17", "-O3", "-lineinfo", "-ccbin", cxx, "-Xcompiler", "-fPIC", "--threads",
+                  str(nvcc_threads(archs)), "-I" + CSRC] + gencode_flags(archs)
     cxx_flags = ["-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-I" + CSRC,
                  "-I" + pybind11.get_include(), "-I" + sysconfig.get_paths()["include"],
                  f'-DBERTFAST_CUDA_ARCHS="{archs_text}"', f'-DBERTFAST_CUDA_RUNTIME="{cuda["runtime"]}"']
@@ -181,7 +192,7 @@ def _compile_commands(nvcc, cuda, archs, obj_dir):
     return jobs
 
 
-def _run_ninja(jobs, build_dir) -> None:
+def _run_ninja(jobs, build_dir, parallel: int) -> None:
     ninja = shutil.which("ninja")
     if ninja is None:
         try:
@@ -191,8 +202,8 @@ def _run_ninja(jobs, build_dir) -> None:
         except ImportError:
             ninja = None
     if ninja is None:
-        _log(f"ninja not found; compiling with a thread pool of {_max_jobs()}")
-        with concurrent.futures.ThreadPoolExecutor(_max_jobs()) as pool:
+        _log(f"ninja not found; compiling with a thread pool of {parallel}")
+        with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
             results = list(pool.map(lambda j: subprocess.run(j[1], capture_output=True, text=True), jobs))
         for (obj, cmd, _), res in zip(jobs, results):
             if res.returncode != 0:
@@ -209,8 +220,8 @@ def _run_ninja(jobs, build_dir) -> None:
     path = os.path.join(build_dir, "build.ninja")
     with open(path, "w") as fh:
         fh.write("\n".join(lines))
-    _log(f"ninja -j {_max_jobs()} ({len(jobs)} sources)")
-    subprocess.run([ninja, "-C", build_dir, "-j", str(_max_jobs())], check=True)
+    _log(f"ninja -j {parallel} ({len(jobs)} sources)")
+    subprocess.run([ninja, "-C", build_dir, "-j", str(parallel)], check=True)
 
 
 def _ninja_escape(path: str) -> str:
@@ -249,7 +260,7 @@ def cuda_extension_kwargs() -> dict:
             jobs = _compile_commands(nvcc, cuda, archs, build_dir)
             _log(f"nvcc {nvcc}; CUDA include {cuda['include']}; runtime {cuda['runtime']} from {cuda['lib_dir']}; "
                  f"archs {';'.join(archs)}")
-            _run_ninja(jobs, build_dir)
+            _run_ninja(jobs, build_dir, _parallel_sources(archs))
             out = self.get_ext_fullpath(ext.name)
             os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
             link = [_host_cxx(), "-shared", "-o", out] + [obj for obj, _, _ in jobs]

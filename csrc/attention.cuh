@@ -1,7 +1,8 @@
 // Fused bidirectional attention with padding masks, FlashAttention-2 style: the math and design
 // below, and what the kernels share (parameters, tile loads, warp tile products, tile configurations).
 // The kernels live with their launchers, which instantiate them per dtype and head dim: the forward
-// in attention_fwd.cu, the backward's three in attention_bwd.cu.
+// in attention_fwd.cuh, the backward's three in attention_bwd.cuh, each compiled once per dtype
+// (attention_{fwd,bwd}_<dtype>.cu) behind its entry point (attention_fwd.cu, attention_bwd.cu).
 //
 // Math, per sequence b and head a, with scale c, queries i and keys j of the sequence
 // (padded form: keys with key_padding_mask = 0 are left out; a row with no key gives 0):
@@ -13,7 +14,7 @@
 //     dq_i = c sum_j ds_ij k_j,   dk_j = c sum_i ds_ij q_i
 //   keep_ij: the Triton kernel's mask, drawn from Philox4x32-7 (Dropout below).
 //
-// Forward, fp16/bf16: attention_fwd_mma_kernel (attention_fwd.cu): mma.sync m16n8k16 with every
+// Forward, fp16/bf16: attention_fwd_mma_kernel (attention_fwd.cuh): mma.sync m16n8k16 with every
 //   fragment in registers, S and P never in shared memory, K and V double-buffered through cp.async
 //   (the design is at the kernel); on an sm_90 GPU from the sm_90a build (wgmma_available), at tile head
 //   dims 64 and 128 with 16-byte K and V rows, attention_fwd_wgmma_kernel: the same on wgmma.
@@ -40,7 +41,7 @@
 //   memory, so Q K^T, P V, dO V^T, ... are those of the real columns, and are never read from or
 //   written to global memory.
 // Backward, fp16/bf16: dQ and dK/dV are attention_bwd_dq_mma_kernel and attention_bwd_dkdv_mma_kernel
-//   (attention_bwd.cu: mma.sync, as the forward); at tile head dim 256, where their two accumulators of
+//   (attention_bwd.cuh: mma.sync, as the forward); at tile head dim 256, where their two accumulators of
 //   D / 2 registers a lane do not fit one warp's 16 rows, two blocks per row block each compute half
 //   the columns (Cfg::kMmaColumns), each recomputing S and dP over the whole head.
 //   On an sm_90 GPU from the sm_90a build (wgmma_available), at tile head dims 64 and 128 with

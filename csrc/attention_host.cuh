@@ -1,6 +1,6 @@
 // Host-side helpers shared by the attention launchers (attention_fwd.cu, attention_bwd.cu):
 // shared-memory opt-in with a clear error, the grid, argument checks, the per-tensor choice of
-// 16-byte row accesses, and the dispatch onto a tile head dim.
+// 16-byte row accesses, the dispatch onto a tile head dim, and the per-dtype launchers.
 #pragma once
 #include "attention.cuh"
 
@@ -87,24 +87,29 @@ inline auto by_settings(bool dropout, bool vec, F instance) {
   return dropout ? (vec ? instance(Y{}, Y{}) : instance(Y{}, N{})) : (vec ? instance(N{}, Y{}) : instance(N{}, N{}));
 }
 
-// Runs F<T, D>::run(p, stream) for the runtime dtype on the tile head dim D: the smallest tier
-// >= head_dim, its extra columns zero. The tiers: 16, 32, 64 and 128 hold the common head dims
-// exactly (BERT's 64), 96 keeps 80 and 96 from padding to 128, 256 is the largest served; a head
-// dim pays at most twice its work (17 in 32, 129 in 256). Few tiers, since each is compiled for
-// every dtype and arch (and for the CPU emulator).
-template <template <typename, int> class F>
-inline int dispatch(const AttentionParams& args, cudaStream_t stream) {
-  const Params p = with_vec(args);
-  BF_DISPATCH_T(p.dtype, T, {
-    if (p.head_dim <= 16) return F<T, 16>::run(p, stream);
-    if (p.head_dim <= 32) return F<T, 32>::run(p, stream);
-    if (p.head_dim <= 64) return F<T, 64>::run(p, stream);
-    if (p.head_dim <= 96) return F<T, 96>::run(p, stream);
-    if (p.head_dim <= 128) return F<T, 128>::run(p, stream);
-    return F<T, 256>::run(p, stream);
-  });
-  return kOk;
+// Runs F<T, D>::run(p, stream) on the tile head dim D: the smallest tier >= head_dim, its extra
+// columns zero. The tiers: 16, 32, 64 and 128 hold the common head dims exactly (BERT's 64), 96 keeps
+// 80 and 96 from padding to 128, 256 is the largest served; a head dim pays at most twice its work (17
+// in 32, 129 in 256). Few tiers, since each is compiled for every dtype and arch (and for the CPU
+// emulator).
+template <template <typename, int> class F, typename T>
+inline int dispatch_head_dim(const Params& p, cudaStream_t stream) {
+  if (p.head_dim <= 16) return F<T, 16>::run(p, stream);
+  if (p.head_dim <= 32) return F<T, 32>::run(p, stream);
+  if (p.head_dim <= 64) return F<T, 64>::run(p, stream);
+  if (p.head_dim <= 96) return F<T, 96>::run(p, stream);
+  if (p.head_dim <= 128) return F<T, 128>::run(p, stream);
+  return F<T, 256>::run(p, stream);
 }
+
+// Each direction's launcher for one dtype, defined in attention_fwd.cuh and attention_bwd.cuh and
+// compiled in a translation unit of its own (attention_{fwd,bwd}_{fp32,fp16,bf16}.cu), so the build
+// compiles the six side by side: in one file per direction the backward alone took nvcc a minute
+// (sm_90a). attention_fwd.cu and attention_bwd.cu check the arguments and pick the dtype's.
+template <typename T>
+int run_fwd(const Params& p, cudaStream_t stream);
+template <typename T>
+int run_bwd(const Params& p, cudaStream_t stream);
 
 }  // namespace attn
 }  // namespace bertfast

@@ -132,7 +132,20 @@ def test_build_modes(monkeypatch):
     sources = {os.path.basename(s) for s in extension.sources}
     assert {"attention_fwd.cu", "attention_bwd.cu", "bias_gelu.cu", "bias_dropout_residual_layernorm.cu",
             "embeddings.cu", "mlm_head_loss.cu", "bindings.cpp"} <= sources
+    # each attention direction's kernels compile per dtype, side by side
+    assert {f"attention_{d}_{t}.cu" for d in ("fwd", "bwd") for t in ("fp32", "fp16", "bf16")} <= sources
     assert "build_ext" in kwargs["cmdclass"]
+
+
+def test_nvcc_compiles_each_target_in_a_thread_and_max_jobs_counts_them(monkeypatch, tmp_path):
+    assert cuda_build.nvcc_threads(["90a"]) == 2 and cuda_build.nvcc_threads(["80", "90a"]) == 3  # + the PTX
+    monkeypatch.setenv("MAX_JOBS", "16")
+    assert cuda_build._parallel_sources(["90a"]) == 8
+    monkeypatch.setenv("MAX_JOBS", "2")
+    assert cuda_build._parallel_sources(["80", "90a"]) == 1
+    jobs = cuda_build._compile_commands("nvcc", {"runtime": "static"}, ["80", "90a"], str(tmp_path))
+    nvcc_jobs = [cmd for _, cmd, kind in jobs if kind == "nvcc"]
+    assert nvcc_jobs and all(cmd[cmd.index("--threads") + 1] == "3" for cmd in nvcc_jobs)
 
 
 def test_toolkit_lookup():

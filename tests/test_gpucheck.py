@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,7 +45,8 @@ def test_plan_fits_a_lent_gpu_machine():
         "mma-rate", "memcheck", "racecheck"]
     assert all(not step.needs for step in STAGES[0].steps[:3])
     tests = STAGES[1].steps[0]
-    assert tests.env == {"BERTFAST_AUTOTUNE": "0"} and "gpu or gpu_capable" in tests.argv
+    assert tests.env == {"BERTFAST_AUTOTUNE": "0", "OMP_NUM_THREADS": "1"} and "gpu or gpu_capable" in tests.argv
+    assert tests.argv[tests.argv.index("--dist") + 1] == "loadgroup" and "--dist" not in tests.dry_argv
     assert "bertfast.gpucheck.pytest_progress" in tests.argv and "bertfast.gpucheck.pytest_progress" in tests.dry_argv
     assert all(step.sizing for s in STAGES for step in s.steps)
 
@@ -455,6 +457,38 @@ def test_sizing_is_current_with_the_kernels_and_the_bench(monkeypatch):
     kernels = {k for entry in counts for k in entry["compiles"]}
     assert kernels <= set(sizing.measured()["triton"]) and counts[0]["compiles"] and counts[0]["timings"]
     assert sizing.measured()["tests"] > 300
+    # every source the build compiles was timed, and the newest GPU run's tests price stage 2
+    sources = {p.name for p in (Path(REPO) / "csrc").glob("*.cu")}
+    assert set(sizing.measured()["nvcc_s"]) == sources, "csrc/*.cu changed: run `make gpu-sizing`"
+    assert sizing.measured()["gpu_tests"] == sizing._gpu_run_tests(), "a GPU run was filed: run `make gpu-sizing`"
+
+
+def test_compile_groups_put_one_kernel_variants_data_cases_together():
+    from bertfast.gpucheck import compile_groups as cg
+    padded = "tests/ops/test_attention_gpu_sizes.py::test_gpu_padded_awkward_length_every_head_dim"
+    name = "test_gpu_padded_awkward_length_every_head_dim:triton-fp32-256"
+    assert cg.group(f"{padded}[triton-fp32-256-nomask]") == name
+    assert cg.group(f"{padded}[triton-fp32-256-scattered]@{name}") == name  # as xdist renames it
+    assert "]" not in name  # xdist takes "@group" as the group only after the last "]"
+    assert cg.group(f"{padded}[cuda-fp32-256-nomask]") is None  # built once, nothing to share
+    assert cg.group("tests/ops/test_attention.py::test_head_dims[triton-d256-fp32]") is None
+    durations = {f"{padded}[triton-fp32-256-{k}]": s for k, s in [("nomask", 40.0), ("random", 30.0), ("empty", 1.0)]}
+    durations[f"{padded}[torch-fp32-256-empty]"] = 2.0
+    assert cg.grouped_seconds(durations) == 40.0 + 2 * 1.0 + 2.0
+
+
+def test_stage_two_runs_the_groups_on_one_worker(tmp_path):
+    """Under --dist loadgroup, tests/ops/conftest.py marks a group's tests so xdist sends them to one worker."""
+    res = subprocess.run([sys.executable, "-m", "pytest", "-v", "-n", "2", "--dist", "loadgroup", "-p",
+                          "no:cacheprovider", "tests/ops/test_attention_gpu_sizes.py", "-k",
+                          "padded_awkward and fp32-16"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    workers = {}
+    for line in res.stdout.splitlines():
+        if line.startswith("[gw") and "[triton-fp32-16-" in line:
+            assert line.rstrip().endswith("@test_gpu_padded_awkward_length_every_head_dim:triton-fp32-16"), line
+            workers.setdefault(line.split()[0], []).append(line)
+    assert len(workers) == 1 and len(next(iter(workers.values()))) == 4, workers
 
 
 def test_headline_falls_back_to_fixed_configs_where_tuning_does_not_fit(monkeypatch):

@@ -12,7 +12,8 @@ Measured here (measured.json):
   import_s          a fresh interpreter's ``import torch`` and ``import bertfast.ops`` (torch,
                     transformers, triton and the kernels), median of 3
   install_s         ``pip install --no-deps --no-build-isolation -e .`` without the extension build
-  nvcc_s            each csrc/*.cu compiled for sm_90 alone (the build's flags), one core each
+  nvcc_s            each csrc/*.cu compiled by stage 1's build command (sm_90a and its PTX, nvcc's two
+                    threads), one at a time
   triton            per Triton kernel, the mean seconds to compile one autotune candidate for
                     sm_90 (Triton's own compiler with an offline driver, one core), measured over
                     the headline stage's candidates
@@ -21,6 +22,8 @@ Measured here (measured.json):
                     candidate per autotune key) it times; counts from the code, held current by
                     tests/test_gpucheck.py
   tests             the number of tests stage 2 selects (``-m "gpu or gpu_capable"``)
+  gpu_tests         the newest GPU run's stage-2 tests in benchmarks/results (its progress file): how
+                    many finished, their test-seconds, and those priced as grouped (compile_groups)
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -71,10 +75,11 @@ TUNE_TIMING_S = 0.03        # one candidate timed: 5 ms warm-up + 20 ms (kernels
 # start-up and tuning included, in 110 s.
 CASE_S = {"bert-base": 30.0, "bert-large": 50.0}
 BENCH_START_S = 20.0        # the bench process: imports, device calibration, writing the report
-PER_TEST_S = 3.5            # one stage-2 test on the GPU, fixtures, references and syncs included: 3.75 s
-                            # measured on the H200, less the compiles counted apart (was 1.0, stated)
 TEST_WORKERS = 16           # pytest-xdist workers (one per core)
-BUILD_OVERHEAD_S = 20.0     # setup.py start-up, the host compile of the binding, the link
+BUILD_OVERHEAD_S = 10.0     # setup.py start-up, the host compile of the binding, the link (was 20): the GPU runs'
+                            # builds took 20-31 s where the slowest source's sm_90a compile took 17 s here, ~24 s
+                            # with its PTX (the ratio measured on 2026-11-28: 86 s to 62 s)
+BUILD_ARCHS = ["90a"]       # stage 1's build: BERTFAST_CUDA_ARCHS (stages.py)
 MARGIN = 1.25               # every limit: the estimate plus a quarter
 MIN_LIMIT_S = 20            # and never under this: any Python process's cold start on a fresh machine
 
@@ -103,7 +108,8 @@ def _gpu_import_s() -> float:
 
 # --------------------------------------------------------------------------- the estimates
 def build() -> Estimate:
-    """nvcc runs one job per source on all cores, so the slowest source sets the pace."""
+    """nvcc runs the sources side by side on all cores (MAX_JOBS // nvcc's threads at once; the attention's
+    per dtype), so the slowest source sets the pace."""
     nvcc = measured()["nvcc_s"]
     slowest = max(nvcc, key=nvcc.get)
     s = nvcc[slowest] / CPU_SPEED + BUILD_OVERHEAD_S
@@ -152,17 +158,16 @@ def requirements() -> Estimate:
 
 
 def tests() -> Estimate:
-    """Stage 2: every selected test on TEST_WORKERS workers, each compiling the fixed configs it
-    needs (the first candidate per kernel variant; workers share Triton's disk cache)."""
+    """Stage 2: every selected test on TEST_WORKERS workers at the newest GPU run's mean seconds a test
+    (its Triton compiles included: the first candidate per kernel variant, workers sharing Triton's disk
+    cache), priced with the tests that compile the same kernels grouped on one worker (compile_groups)."""
     m = measured()
-    tri = m["triton"]
-    variants = sum(k["variants"] for k in tri.values())
-    compile_s = sum(k["variants"] * k["mean_s"] for k in tri.values()) / CPU_SPEED
-    s = _gpu_import_s() + m["tests"] * PER_TEST_S / TEST_WORKERS + compile_s * 2 / TEST_WORKERS \
-        + m["collect_s"]
-    return Estimate(s, f"{m['tests']} tests x {PER_TEST_S:g} s / {TEST_WORKERS} workers + {variants} kernel "
-                       f"variants compiled ({compile_s:.0f} s x 2, as workers meet a kernel before the cache has "
-                       f"it, / {TEST_WORKERS}) + collection {m['collect_s']:.0f} s + import")
+    run = m["gpu_tests"]
+    per_test = run["grouped_test_s"] / run["tests"]
+    s = _gpu_import_s() + m["tests"] * per_test / TEST_WORKERS + m["collect_s"]
+    return Estimate(s, f"{m['tests']} tests x {per_test:.2f} s / {TEST_WORKERS} workers (the {run['run']} run's "
+                       f"{run['tests']} tests: {run['test_s']:.0f} test-seconds, {run['grouped_test_s']:.0f} "
+                       f"grouped) + collection {m['collect_s']:.0f} s + import")
 
 
 @dataclass(frozen=True)
@@ -281,15 +286,26 @@ def _measure_triton() -> Dict[str, Dict]:
 
 
 def _measure_nvcc() -> Dict[str, float]:
+    """Each csrc/*.cu compiled by the command stage 1's build gives it (cuda_build.py, BERTFAST_CUDA_ARCHS
+    90a: sm_90a's SASS and compute_90's PTX, in nvcc's two threads), one source at a time."""
     from bertfast.gpucheck import compile_report as cr
 
     nvcc, src = cr.find_nvcc(), cr.csrc_dir()
     if nvcc is None or src is None:
         raise SystemExit("sizing: nvcc and csrc/ are needed to measure the build")
-    rows = cr.compile_cuda(nvcc, src, jobs=1)
+    sys.path.insert(0, str(REPO))
+    import cuda_build
+
     out: Dict[str, float] = {}
-    for r in rows:
-        out[r.kernel.split(":")[0]] = r.compile_s
+    with tempfile.TemporaryDirectory() as tmp:
+        for obj, cmd, kind in cuda_build._compile_commands(nvcc, cuda_build.find_cuda(nvcc), BUILD_ARCHS, tmp):
+            if kind != "nvcc":
+                continue
+            start = time.perf_counter()
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                raise SystemExit(f"sizing: nvcc failed on {obj}: {res.stderr.strip()[-500:]}")
+            out[os.path.basename(obj)[:-len(".o")]] = round(time.perf_counter() - start, 2)
     return dict(sorted(out.items()))
 
 
@@ -311,6 +327,28 @@ def _count_tests() -> Tuple[int, float]:
     return sum(1 for line in res.stdout.splitlines() if "::" in line), round(seconds, 1)
 
 
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def _gpu_run_tests() -> Dict:
+    """The stage-2 test durations of the newest GPU run filed under benchmarks/results (by the date
+    in its folder's name, then its number that day)."""
+    from bertfast.gpucheck import compile_groups
+    from bertfast.gpucheck.pytest_progress import read_progress
+
+    def when(path: Path) -> Tuple[str, int]:
+        day, n = path.parent.name[:10], path.parent.name[11:]
+        return day, int(n) if n.isdigit() else 1
+
+    runs = sorted(RESULTS.glob("*/*/stage2-tests-progress.jsonl"), key=when)
+    if not runs:
+        raise SystemExit(f"sizing: no GPU run's stage2-tests-progress.jsonl under {RESULTS}")
+    durations = read_progress(str(runs[-1])).seconds
+    return {"run": f"{runs[-1].parent.parent.name}/{runs[-1].parent.name}", "tests": len(durations),
+            "test_s": round(sum(durations.values()), 1),
+            "grouped_test_s": round(compile_groups.grouped_seconds(durations), 1)}
+
+
 def measure() -> Dict:
     import torch
     import triton
@@ -327,6 +365,7 @@ def measure() -> Dict:
         "headline": headline_counts(),
         "tests": tests,
         "collect_s": collect_s,
+        "gpu_tests": _gpu_run_tests(),
     }
     return data
 

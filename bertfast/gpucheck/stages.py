@@ -127,7 +127,8 @@ STAGES: List[Stage] = [
               _step("requirements", [PY, "-m", "bertfast.gpucheck.requirements"], sizing.requirements(),
                     needs=()),
               _step("build", [PY, "setup.py", "build_ext", "--inplace"], sizing.build(),
-                    env={"BERTFAST_BUILD_CUDA": "1", "BERTFAST_CUDA_ARCHS": "90a", "MAX_JOBS": JOBS},
+                    env={"BERTFAST_BUILD_CUDA": "1", "BERTFAST_CUDA_ARCHS": ";".join(sizing.BUILD_ARCHS),
+                         "MAX_JOBS": JOBS},
                     dry_argv=[], dry_note="the CPU dry run uses the extension built at install, if any", needs=()),
               _step("info", [PY, "-m", "bertfast.cli", "info"], sizing.info()),
               # mma.sync's rate: the CUDA attention's instruction without wgmma (docs/perf-model.md)
@@ -146,8 +147,11 @@ STAGES: List[Stage] = [
           ]),
     Stage(2, "tests", "correctness: every GPU test and every test that runs on CUDA when it can (the kernel "
           "tests too), in parallel, each autotuned kernel at its fixed first config (BERTFAST_AUTOTUNE=0)", [
-              _step("pytest", PYTEST[:3] + ["-n", JOBS, "-rfE", "--durations=15"] + PYTEST[3:], sizing.tests(),
-                    env={"BERTFAST_AUTOTUNE": "0"}, dry_argv=PYTEST + ["-q", "-rfE"],
+              # --dist loadgroup: the tests that compile the same Triton kernels on one worker (compile_groups);
+              # one torch CPU thread a worker, where 16 workers on 16 cores would each start 16
+              _step("pytest", PYTEST[:3] + ["-n", JOBS, "--dist", "loadgroup", "-rfE", "--durations=15"] + PYTEST[3:],
+                    sizing.tests(), env={"BERTFAST_AUTOTUNE": "0", "OMP_NUM_THREADS": "1"},
+                    dry_argv=PYTEST + ["-q", "-rfE"],
                     dry_note="no GPU: the same selection on CPU (Triton interpreter; GPU-marked tests skip)"),
           ]),
     Stage(3, "headline", "BERT-base and BERT-large pre-training steps (seq 128 and 512; BERT-large seq 128, the "

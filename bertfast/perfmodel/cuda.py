@@ -1,10 +1,11 @@
-"""The CUDA backend's attention kernels an H100 runs, all on wgmma (csrc/attention_fwd.cu's
-attention_fwd_wgmma_kernel, csrc/attention_bwd.cu's attention_bwd_dq_wgmma_kernel and
+"""The CUDA backend's attention kernels an H100 runs, all on wgmma (csrc/attention_fwd.cuh's
+attention_fwd_wgmma_kernel, csrc/attention_bwd.cuh's attention_bwd_dq_wgmma_kernel and
 attention_bwd_dkdv_wgmma_kernel, or up to 128 tokens its one-pass attention_bwd_fused_wgmma_kernel) read
 by the performance model, beside the Triton kernels they are held to (issue 39: within 1.3x).
 
-Each source is compiled for sm_90a with nvcc (the flags of the extension build) into a cubin whose
-SASS the model reads like Triton's (sass.parse, model.predict); ptxas's report gives the registers.
+Each source (the bf16 translation units, attention_fwd_bf16.cu and attention_bwd_bf16.cu) is compiled
+for sm_90a with nvcc (the flags of the extension build) into a cubin whose SASS the model reads like
+Triton's (sass.parse, model.predict); ptxas's report gives the registers.
 The launches modelled are the ones a BERT layer makes: bf16, head dim 64 (the kernels' tile is the
 head dim), 16-byte rows, varlen, every key of a block valid (their unmasked main loops). The two-kernel
 backward has a delta kernel (a dot product a row) beside these, left out on both sides; the one-pass
@@ -71,13 +72,13 @@ class CudaKernel:
         return tiles + 2 * (2 * self.step * row) + self.arrays * 2 * self.step * 4 + 1024
 
 
-FORWARD = CudaKernel("attention_fwd_wgmma_kernel", "attention_fwd.cu", "_attention_fwd_kernel", "fwd", 64, 64,
+FORWARD = CudaKernel("attention_fwd_wgmma_kernel", "attention_fwd_bf16.cu", "_attention_fwd_kernel", "fwd", 64, 64,
                      own=1, arrays=1, tensors=4, stats=1, products=2)  # Q K^T, P V
-DQ = CudaKernel("attention_bwd_dq_wgmma_kernel", "attention_bwd.cu", "_attention_bwd_dq_kernel", "bwd", 64, 64,
+DQ = CudaKernel("attention_bwd_dq_wgmma_kernel", "attention_bwd_bf16.cu", "_attention_bwd_dq_kernel", "bwd", 64, 64,
                 own=2, arrays=1, tensors=5, stats=3, products=4)  # Q K^T, dO V^T, dS' K, P K
-DKDV = CudaKernel("attention_bwd_dkdv_wgmma_kernel", "attention_bwd.cu", "_attention_bwd_dkdv_kernel", "bwd", 64,
+DKDV = CudaKernel("attention_bwd_dkdv_wgmma_kernel", "attention_bwd_bf16.cu", "_attention_bwd_dkdv_kernel", "bwd", 64,
                   64, own=2, arrays=2, tensors=6, stats=2, products=4)  # K Q^T, V dO^T, Pd^T dO, dS^T Q
-FUSED = CudaKernel("attention_bwd_fused_wgmma_kernel", "attention_bwd.cu", "_attention_bwd_fused_kernel", "bwd",
+FUSED = CudaKernel("attention_bwd_fused_wgmma_kernel", "attention_bwd_bf16.cu", "_attention_bwd_fused_kernel", "bwd",
                    FUSED_MAX_SEQ, FUSED_MAX_SEQ, own=4, arrays=0, tensors=7, stats=1, products=5,
                    one_pass=True)  # Q K^T, dO V^T, dS K, Pd^T dO, dS^T Q
 KERNELS = (FORWARD, DQ, DKDV, FUSED)

@@ -1,0 +1,47 @@
+"""Stage 2's tests that compile the same Triton kernels, sent to one pytest-xdist worker.
+
+Stage 2 runs every test on 16 workers that share Triton's disk cache, each autotuned kernel at its
+first config. A worker that meets a kernel variant before the cache has it compiles it, so tests of one
+variant spread over several workers compile it several times at once. The attention's awkward-length
+tests at every head dim are the costly case: four or five data cases (masks, lengths: the last
+parameter) of each compiled variant. The H200 run of 2026-11-27-3 spent 1,719 of its 6,148
+test-seconds on their Triton cases; priced as if grouped (below), the same durations give 1,037.
+
+``group(nodeid)`` names a test's group, or None: those tests' Triton cases, their last parameter
+dropped (``test_gpu_padded_awkward_length_every_head_dim:triton-fp32-256``). tests/ops/conftest.py
+marks each with ``xdist_group`` under ``--dist loadgroup`` (stage 2's pytest), and sizing prices a GPU
+run's recorded durations by the same rule (``grouped_seconds``).
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+# Test functions whose last parameter is data only (a mask, a set of lengths) for the kernels compiled
+FAMILIES = ("test_gpu_varlen_awkward_length_every_head_dim", "test_gpu_padded_awkward_length_every_head_dim")
+COMPILING_BACKENDS = ("triton",)  # the CUDA kernels are compiled once by the build, torch's need nothing
+
+
+def group(nodeid: str) -> Optional[str]:
+    """The xdist group of a test id (xdist's own "@group" suffix ignored), or None when it has none."""
+    name, _, params = nodeid.split("@")[0].partition("::")[2].partition("[")
+    parts = params.rstrip("]").split("-")
+    if name not in FAMILIES or len(parts) < 2 or parts[0] not in COMPILING_BACKENDS:
+        return None
+    return f"{name}:{'-'.join(parts[:-1])}"  # no "]": xdist reads "@name" after a "]" as the group
+
+
+def grouped_seconds(durations: Dict[str, float]) -> float:
+    """The test-seconds these tests (id -> seconds, as a GPU run recorded them) would take grouped: a
+    group costs its slowest test (its compiles and its own work) and its fastest once for each other
+    test (the work alone, the kernels cached); a test in no group costs what it took."""
+    groups: Dict[str, list] = {}
+    total = 0.0
+    for nodeid, seconds in durations.items():
+        name = group(nodeid)
+        if name is None:
+            total += seconds
+        else:
+            groups.setdefault(name, []).append(seconds)
+    for times in groups.values():
+        total += max(times) + (len(times) - 1) * min(times)
+    return total

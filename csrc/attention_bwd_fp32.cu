@@ -1,0 +1,9 @@
+// The attention backward's kernels for fp32 (attention_bwd.cuh), in a translation unit of their own so the
+// build compiles the dtypes side by side (attention_host.cuh, run_bwd).
+#include "attention_bwd.cuh"
+
+namespace bertfast {
+namespace attn {
+template int run_bwd<float>(const Params& p, cudaStream_t stream);
+}  // namespace attn
+}  // namespace bertfast
