@@ -14,6 +14,8 @@ Measured here (measured.json):
   install_s         ``pip install --no-deps --no-build-isolation -e .`` without the extension build
   nvcc_s            each csrc/*.cu compiled by stage 1's build command (sm_90a and its PTX, nvcc's two
                     threads), one at a time
+  csrc_digest       per csrc/*.cu, a digest of it and the csrc headers it includes: a test fails when a
+                    source's time is stale
   triton            per Triton kernel, the mean seconds to compile one autotune candidate for
                     sm_90 (Triton's own compiler with an offline driver, one core), measured over
                     the headline stage's candidates
@@ -309,6 +311,31 @@ def _measure_nvcc() -> Dict[str, float]:
     return dict(sorted(out.items()))
 
 
+def csrc_digests() -> Dict[str, str]:
+    """Per csrc/*.cu, a digest of its text and of the csrc headers it includes, directly or not."""
+    import hashlib
+    import re
+
+    src = REPO / "csrc"
+
+    def included(path: Path, seen: set) -> None:
+        for name in re.findall(r'^#include "([^"]+)"', path.read_text(), flags=re.M):
+            header = src / name
+            if header.exists() and header not in seen:
+                seen.add(header)
+                included(header, seen)
+
+    out = {}
+    for cu in sorted(src.glob("*.cu")):
+        files = {cu}
+        included(cu, files)
+        digest = hashlib.sha256()
+        for f in sorted(files):
+            digest.update(f.name.encode() + b"\0" + f.read_bytes())
+        out[cu.name] = digest.hexdigest()[:12]
+    return out
+
+
 def _measure_install() -> float:
     """The install stage 1 runs (the same package is re-installed here, without the extension build)."""
     env = dict(os.environ, BERTFAST_BUILD_CUDA="0")
@@ -361,6 +388,7 @@ def measure() -> Dict:
         "import_s": {"torch": _median_import_s("torch"), "bertfast.ops": _median_import_s("bertfast.ops")},
         "install_s": _measure_install(),
         "nvcc_s": _measure_nvcc(),
+        "csrc_digest": csrc_digests(),
         "triton": _measure_triton(),
         "headline": headline_counts(),
         "tests": tests,
