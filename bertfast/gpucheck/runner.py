@@ -252,9 +252,8 @@ def _environment(out: str, dry_run: bool, machine: Machine) -> Dict[str, str]:
 def _command(step: Step, out: str, dry_run: bool, log) -> List[str]:
     argv = [_fill(a, out) for a in (step.dry_argv if dry_run and step.dry_argv else step.argv)]
     if step.name == "pytest" and not dry_run and importlib.util.find_spec("xdist") is None:
-        for option in ("-n", "--dist"):
-            i = argv.index(option)
-            del argv[i:i + 2]
+        i = argv.index("-n")
+        del argv[i:i + 2]
         log("pytest-xdist is not installed: the tests run in one process")
     return argv
 

@@ -147,9 +147,10 @@ STAGES: List[Stage] = [
           ]),
     Stage(2, "tests", "correctness: every GPU test and every test that runs on CUDA when it can (the kernel "
           "tests too), in parallel, each autotuned kernel at its fixed first config (BERTFAST_AUTOTUNE=0)", [
-              # --dist loadgroup: the tests that compile the same Triton kernels on one worker (compile_groups);
-              # one torch CPU thread a worker, where 16 workers on 16 cores would each start 16
-              _step("pytest", PYTEST[:3] + ["-n", JOBS, "--dist", "loadgroup", "-rfE", "--durations=15"] + PYTEST[3:],
+              # compile_groups: the tests that compile the same Triton kernels on one worker; one torch CPU
+              # thread a worker, where 16 workers on 16 cores would each start 16
+              _step("pytest", PYTEST[:3] + ["-n", JOBS, "-p", "bertfast.gpucheck.compile_groups", "-rfE",
+                                            "--durations=15"] + PYTEST[3:],
                     sizing.tests(), env={"BERTFAST_AUTOTUNE": "0", "OMP_NUM_THREADS": "1"},
                     dry_argv=PYTEST + ["-q", "-rfE"],
                     dry_note="no GPU: the same selection on CPU (Triton interpreter; GPU-marked tests skip)"),

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from bertfast import dispatch
-from bertfast.gpucheck import compile_groups
 from bertfast.testing import BackendUnderTest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -111,18 +110,12 @@ def fused_backend(request, monkeypatch):
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     # Contract tests run on CUDA when there is a GPU: the GPU check selects them with gpu_capable.
-    grouping = getattr(config.option, "loadgroup", False)  # set by xdist on its workers under --dist loadgroup
     for item in items:
         names = getattr(item, "fixturenames", ())
         if str(item.path).startswith(HERE) and ("backend" in names or "fused_backend" in names):
             item.add_marker(pytest.mark.gpu_capable)
-        # The GPU check's stage 2: tests that compile the same Triton kernels run on one worker.
-        name = compile_groups.group(item.nodeid) if grouping else None
-        if name:
-            item.add_marker(pytest.mark.xdist_group(name))
 
 
 class Reached(Exception):
