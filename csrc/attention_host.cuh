@@ -1,6 +1,7 @@
-// Host-side helpers shared by the attention launchers (attention_fwd.cu, attention_bwd.cu):
-// shared-memory opt-in with a clear error, the grid, argument checks, the per-tensor choice of
-// 16-byte row accesses, the dispatch onto a tile head dim, and the per-dtype launchers.
+// Host-side helpers shared by the attention launchers (attention_fwd.cuh, attention_bwd.cuh) and entry
+// points (attention_fwd.cu, attention_bwd.cu): shared-memory opt-in with a clear error, the grid,
+// argument checks, the per-tensor choice of 16-byte row accesses, the dispatch onto a tile head dim,
+// and the per-dtype launchers.
 #pragma once
 #include "attention.cuh"
 

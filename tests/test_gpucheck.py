@@ -46,7 +46,8 @@ def test_plan_fits_a_lent_gpu_machine():
     assert all(not step.needs for step in STAGES[0].steps[:3])
     tests = STAGES[1].steps[0]
     assert tests.env == {"BERTFAST_AUTOTUNE": "0", "OMP_NUM_THREADS": "1"} and "gpu or gpu_capable" in tests.argv
-    assert tests.argv[tests.argv.index("-n") + 2:tests.argv.index("-n") + 4] == ["-p", "bertfast.gpucheck.compile_groups"]
+    n = tests.argv.index("-n")
+    assert tests.argv[n + 2:n + 4] == ["-p", "bertfast.gpucheck.compile_groups"]  # tests sharing compiles together
     assert "bertfast.gpucheck.pytest_progress" in tests.argv and "bertfast.gpucheck.pytest_progress" in tests.dry_argv
     assert all(step.sizing for s in STAGES for step in s.steps)
 

@@ -14,8 +14,8 @@ Measured here (measured.json):
   install_s         ``pip install --no-deps --no-build-isolation -e .`` without the extension build
   nvcc_s            each csrc/*.cu compiled by stage 1's build command (sm_90a and its PTX, nvcc's two
                     threads), one at a time
-  csrc_digest       per csrc/*.cu, a digest of it and the csrc headers it includes: a test fails when a
-                    source's time is stale
+  csrc_digest       per csrc/*.cu, a digest of its code and the csrc headers' it includes (comments
+                    left out): a test fails when a source's time is stale
   triton            per Triton kernel, the mean seconds to compile one autotune candidate for
                     sm_90 (Triton's own compiler with an offline driver, one core), measured over
                     the headline stage's candidates
@@ -311,8 +311,17 @@ def _measure_nvcc() -> Dict[str, float]:
     return dict(sorted(out.items()))
 
 
+def _code(text: str) -> bytes:
+    """A source's code: its comments and blank lines dropped, so that a comment changes no digest."""
+    import re
+
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    lines = (re.sub(r"//.*", "", line).rstrip() for line in text.splitlines())
+    return "\n".join(line for line in lines if line).encode()
+
+
 def csrc_digests() -> Dict[str, str]:
-    """Per csrc/*.cu, a digest of its text and of the csrc headers it includes, directly or not."""
+    """Per csrc/*.cu, a digest of its code and of the csrc headers' it includes, directly or not."""
     import hashlib
     import re
 
@@ -331,7 +340,7 @@ def csrc_digests() -> Dict[str, str]:
         included(cu, files)
         digest = hashlib.sha256()
         for f in sorted(files):
-            digest.update(f.name.encode() + b"\0" + f.read_bytes())
+            digest.update(f.name.encode() + b"\0" + _code(f.read_text()))
         out[cu.name] = digest.hexdigest()[:12]
     return out
 
