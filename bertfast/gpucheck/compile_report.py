@@ -485,15 +485,21 @@ def _demangle(names: Sequence[str]) -> Dict[str, str]:
     return dict(zip(names, out)) if len(out) == len(names) else {n: n for n in names}
 
 
-def find_nvcc() -> Optional[str]:
-    """nvcc as the extension build finds it (cuda_build.py beside csrc/ in a checkout)."""
+def cuda_build():
+    """The extension build's module (cuda_build.py beside csrc/ in a checkout), or None without csrc/."""
     src = csrc_dir()
     if src is None:
         return None
     spec = importlib.util.spec_from_file_location("cuda_build", src.parent / "cuda_build.py")
-    cuda_build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cuda_build)
-    return cuda_build.find_nvcc()
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def find_nvcc() -> Optional[str]:
+    """nvcc as the extension build finds it."""
+    build = cuda_build()
+    return build.find_nvcc() if build is not None else None
 
 
 def compile_cuda(nvcc: str, source_dir: Path, jobs: int) -> List[Row]:

@@ -292,15 +292,13 @@ def _measure_nvcc() -> Dict[str, float]:
     90a: sm_90a's SASS and compute_90's PTX, in nvcc's two threads), one source at a time."""
     from bertfast.gpucheck import compile_report as cr
 
-    nvcc, src = cr.find_nvcc(), cr.csrc_dir()
-    if nvcc is None or src is None:
+    build = cr.cuda_build()
+    nvcc = build.find_nvcc() if build is not None else None
+    if nvcc is None:
         raise SystemExit("sizing: nvcc and csrc/ are needed to measure the build")
-    sys.path.insert(0, str(REPO))
-    import cuda_build
-
     out: Dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for obj, cmd, kind in cuda_build._compile_commands(nvcc, cuda_build.find_cuda(nvcc), BUILD_ARCHS, tmp):
+        for obj, cmd, kind in build._compile_commands(nvcc, build.find_cuda(nvcc), BUILD_ARCHS, tmp):
             if kind != "nvcc":
                 continue
             start = time.perf_counter()
@@ -363,20 +361,14 @@ def _count_tests() -> Tuple[int, float]:
     return sum(1 for line in res.stdout.splitlines() if "::" in line), round(seconds, 1)
 
 
-RESULTS = REPO / "benchmarks" / "results"
-
-
 def _gpu_run_tests() -> Dict:
-    """The stage-2 test durations of the newest GPU run filed under benchmarks/results (by the date
-    in its folder's name, then its number that day)."""
+    """The stage-2 test durations of the newest GPU run filed under benchmarks/results (ordered as the
+    perf model orders them: by when each was measured)."""
     from bertfast.gpucheck import compile_groups
     from bertfast.gpucheck.pytest_progress import read_progress
+    from bertfast.perfmodel.report import RESULTS, run_date
 
-    def when(path: Path) -> Tuple[str, int]:
-        day, n = path.parent.name[:10], path.parent.name[11:]
-        return day, int(n) if n.isdigit() else 1
-
-    runs = sorted(RESULTS.glob("*/*/stage2-tests-progress.jsonl"), key=when)
+    runs = sorted(Path(RESULTS).glob("*/*/stage2-tests-progress.jsonl"), key=lambda p: run_date(str(p.parent)))
     if not runs:
         raise SystemExit(f"sizing: no GPU run's stage2-tests-progress.jsonl under {RESULTS}")
     durations = read_progress(str(runs[-1])).seconds
