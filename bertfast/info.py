@@ -42,6 +42,8 @@ def report() -> str:
         lines.append(f"triton {triton.__version__}" + ("  (TRITON_INTERPRET=1: kernels run on the CPU interpreter)"
                                                       if interp else ""))
         lines.append(_autotune_line())
+        from bertfast.kernels.attention import dq_summary
+        lines.append(dq_summary())
     else:
         lines.append(f"triton: unavailable: {why}")
     ok, why = dispatch.cuda_ext_availability()

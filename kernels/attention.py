@@ -38,7 +38,7 @@ Math, per sequence b and head h (i: query row, j: key column, both < len_b):
   Three kernels: the preprocessing kernel computes d; one program per query block iterates over
   the key blocks for dQ (and delta); one program per key block iterates over the query blocks for
   dK, dV. Every output element is written by exactly one program (no atomics), so results are
-  deterministic for a fixed launch configuration.
+  deterministic for a fixed launch configuration. (Or dQ added atomically: "Atomic dQ" below.)
 
   Short sequences (up to FUSED_BWD_MAX_SEQLEN tokens, head dims up to FUSED_BWD_MAX_HEAD_DIM: BERT's
   pre-training phase 1 and most fine-tuning): one kernel, one program per (sequence, head), holding
@@ -78,6 +78,18 @@ The one-pass kernel stores each query block's sums as the block ends: one sum ca
 loop spilled at 255 registers. (ptxas also spilled, at some small fp32 configs, the index
 arithmetic of a sum stored in the reduction's own layout, hoisted across the loop: the dQ and
 dK/dV kernels store theirs from the tile's own layout, dK/dV's before the tiles themselves.)
+
+Atomic dQ (BERTFAST_ATTENTION_DQ=atomic, dq_mode(); sequences the one-pass kernel does not take). The
+dK/dV kernel, which holds dS' for its keys, also forms each query block's sum_j dS'_ij k_j over them
+and adds it to an fp32 accumulator [rows, A, D] (zero-filled; relaxed atomic adds, which sm_90 issues
+four floats at a time); _attention_bwd_dq_store_kernel scales it by scale / (1 - p) into dQ and sums
+its columns for the bias gradient. Five products per score element instead of seven, two kernels
+instead of three, at the price of the accumulator's traffic (written zero, added to, read back: 4
+bytes an element three times, 2 for dQ) and of the refinement of delta: the dK/dV kernel takes
+d_i = dO_i . O_i as it stands (FlashAttention-2 does), which leaves fp16/bf16 gradients the error the
+refinement removes (above: a key every padded row attends). dQ then depends on the order in which
+the key blocks' adds land: not deterministic, so torch.use_deterministic_algorithms(True) keeps
+the dQ kernel. The padding keys' rows of K load as 0, so their dS adds nothing to dQ.
 
 Keep bits: the forward records its decisions for the backward, one bit per score element, and both
 backward kernels read them back instead of drawing the mask again (a Philox call costs ~9
@@ -124,6 +136,8 @@ gradients; sequences of length 0 contribute nothing. fp32 dots use IEEE precisio
 """
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -146,8 +160,9 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 N_ROUNDS = tl.constexpr(7)  # Philox rounds of the dropout mask (header)
 # What these kernels are, for `bertfast info`.
 KERNELS = ("FlashAttention-2 in Triton (tl.dot on tensor cores), autotuned per shape; backward: one pass per "
-           "(sequence, head) for short sequences, else delta, dQ and dK/dV kernels; the forward records its "
-           "dropout decisions as keep bits for the backward")
+           "(sequence, head) for short sequences, else delta, dQ and dK/dV kernels (or delta and dK/dV with an "
+           "atomic dQ: BERTFAST_ATTENTION_DQ=atomic); the forward records its dropout decisions as keep bits for "
+           "the backward")
 
 
 # =========================================================================== jit helpers
@@ -887,6 +902,189 @@ def _attention_bwd_dq_kernel(
                 dq.to(DQ.dtype.element_ty), row_ok, HEAD_DIM, BLOCK_D)
 
 
+# =========================================================================== backward, atomic dQ
+@triton.jit
+def _bwd_kv_atomic_dq_block(dk, dv, k, v, q_ptrs, do_ptrs, dq_base, lse_ptr, delta_ptr, keep_base, keep_rows, start_m,
+                            start_n, seq_len, stride_qs, stride_dos, stride_dqs, qk_scale, keep_len, keep_frac,
+                            MASKED: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+                            DOT_PREC: tl.constexpr, BYTEWISE_KEEP: tl.constexpr, QUERY_MAJOR: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    """_bwd_kv_block's dK, dV contributions of one query block, and its dQ contribution sum_j dS'_ij k_j
+    added to its rows of the fp32 accumulator at dq_base (header, "Atomic dQ"). The caller zeroes the K
+    rows of padding keys, so their dS adds nothing."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < seq_len
+    q = _load_tile(q_ptrs + start_m * stride_qs, row_ok, MASKED, HEAD_DIM, BLOCK_D)
+    do = _load_tile(do_ptrs + start_m * stride_dos, row_ok, MASKED, HEAD_DIM, BLOCK_D)
+    if MASKED:
+        lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0)
+        delta = tl.load(delta_ptr + offs_m, mask=row_ok, other=0.0)
+    else:
+        lse = tl.load(lse_ptr + offs_m)
+        delta = tl.load(delta_ptr + offs_m)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse2 = lse * _LOG2E
+    if HAS_DROPOUT:
+        delta = delta * keep_frac
+        block_rows = keep_rows + (start_m // 2) * (keep_len // 4)
+    if QUERY_MAJOR:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BM, BN]
+        p = tl.exp2(s * qk_scale - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        if HAS_DROPOUT:
+            keep = _keep_flags(keep_base, block_rows, offs_m, start_n, keep_len, BLOCK_M, BLOCK_N, BYTEWISE_KEEP,
+                               False)
+            kept = tl.where(keep, p, 0.0)
+            dv = tl.dot(tl.trans(kept.to(do.dtype)), do, dv, input_precision=DOT_PREC)
+            ds = (kept * dp - p * delta[:, None]).to(q.dtype)
+        else:
+            dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PREC)
+            ds = (p * (dp - delta[:, None])).to(q.dtype)
+        dk = tl.dot(tl.trans(ds), q, dk, input_precision=DOT_PREC)
+        dq = tl.dot(ds, k, input_precision=DOT_PREC)  # [BM, BLOCK_D]
+    else:
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)  # [BN, BM]
+        p_t = tl.exp2(s_t * qk_scale - lse2[None, :])
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+        if HAS_DROPOUT:
+            keep_t = _keep_flags(keep_base, block_rows, offs_m, start_n, keep_len, BLOCK_M, BLOCK_N, BYTEWISE_KEEP,
+                                 True)
+            kept_t = tl.where(keep_t, p_t, 0.0)
+            dv = tl.dot(kept_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+            ds_t = (kept_t * dp_t - p_t * delta[None, :]).to(q.dtype)
+        else:
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+            ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PREC)
+        dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PREC)  # [BM, BLOCK_D]
+    offs_d = tl.arange(0, BLOCK_D)
+    tl.atomic_add(dq_base + (offs_m[:, None] * stride_dqs + offs_d[None, :]), dq,
+                  mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _attention_bwd_dkdv_atomic_dq_kernel(
+    Q, K, V, DO, LSE,  # as _attention_bwd_dkdv_kernel's
+    DELTA,       # fp32, lse layout: rowsum(dO * O) from _attention_bwd_delta_kernel (not refined)
+    DK, DV,      # written: dK, dV, q layout (their own strides)
+    DQ_ACC,      # fp32 [rows, A, D] contiguous, zeros: sum_j dS'_ij k_j added (atomics)
+    CU_SEQLENS, KEY_MASK, KEEP,
+    DB,          # fp32 [rows, 3 * A * D], zeros: the dK, dV sections of the QKV bias gradient partials (HAS_DB)
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    stride_lb, stride_lh,
+    stride_mb, stride_ms,
+    stride_db, db_rows,
+    seqlen, num_heads, softmax_scale, qk_scale, dropout_p, inv_keep, seqlen_bucket, keep_len,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BYTEWISE_KEEP: tl.constexpr,
+    HAS_DB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUERY_MAJOR: tl.constexpr,
+):
+    """One program per (key block, head, sequence): dK, dV of BLOCK_N keys over all queries, and
+    their share of every query's dQ, added to DQ_ACC (header, "Atomic dQ")."""
+    pid_n = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    seq_start, seq_len = _seq_range(CU_SEQLENS, b, seqlen, IS_VARLEN)
+    start_n = pid_n * BLOCK_N
+    if start_n >= seq_len:
+        return
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    key_in = offs_n < seq_len
+    key_ok = key_in
+    if HAS_KEY_MASK:
+        key_ok = key_ok & (tl.load(KEY_MASK + b64 * stride_mb + offs_n * stride_ms, mask=key_in, other=0) != 0)
+
+    # Padding keys load as zero rows: their scores then pollute only their own dK, dV rows (zeroed
+    # below), and dS k adds nothing to any dQ (rows past the end read 0 already). The mask is read again
+    # after the loop: held across it, it spilled.
+    k, v = _key_block(K, V, b64, h64, seq_start, offs_n, key_ok, stride_kb, stride_ks, stride_kh, stride_vb,
+                      stride_vs, stride_vh, UPCAST, HEAD_DIM, BLOCK_D)
+    q_ptrs = (Q + b64 * stride_qb + seq_start * stride_qs + h64 * stride_qh
+              + offs_m0[:, None] * stride_qs + offs_d[None, :])
+    do_ptrs = (DO + b64 * stride_dob + seq_start * stride_dos + h64 * stride_doh
+               + offs_m0[:, None] * stride_dos + offs_d[None, :])
+    # DQ_ACC is [rows, A, D] contiguous: sequence b starts at row seq_start (varlen) or b * S (padded)
+    if IS_VARLEN:
+        acc_row = seq_start
+    else:
+        acc_row = b64 * seqlen
+    stride_dqs = num_heads * HEAD_DIM
+    dq_base = DQ_ACC + (acc_row * num_heads + h64) * HEAD_DIM
+    lse_ptr = LSE + b64 * stride_lb + h64 * stride_lh + seq_start
+    delta_ptr = DELTA + b64 * stride_lb + h64 * stride_lh + seq_start
+
+    keep_base = _keep_block(KEEP, b64, h64, num_heads, keep_len)
+    keep_rows = _keep_rows(0, keep_len, BLOCK_M)
+    keep_frac = 1.0 - dropout_p
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    m_full = (seq_len // BLOCK_M) * BLOCK_M
+    for start_m in range(0, m_full, BLOCK_M):
+        dk, dv = _bwd_kv_atomic_dq_block(dk, dv, k, v, q_ptrs, do_ptrs, dq_base, lse_ptr, delta_ptr, keep_base,
+                                         keep_rows, start_m, start_n, seq_len, stride_qs, stride_dos, stride_dqs,
+                                         qk_scale, keep_len, keep_frac, False, HAS_DROPOUT, UPCAST, DOT_PREC,
+                                         BYTEWISE_KEEP, QUERY_MAJOR, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+    for start_m in range(m_full, seq_len, BLOCK_M):
+        dk, dv = _bwd_kv_atomic_dq_block(dk, dv, k, v, q_ptrs, do_ptrs, dq_base, lse_ptr, delta_ptr, keep_base,
+                                         keep_rows, start_m, start_n, seq_len, stride_qs, stride_dos, stride_dqs,
+                                         qk_scale, keep_len, keep_frac, True, HAS_DROPOUT, UPCAST, DOT_PREC,
+                                         BYTEWISE_KEEP, QUERY_MAJOR, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+    if HAS_DROPOUT:
+        dk = dk * (softmax_scale * inv_keep)
+        dv = dv * inv_keep
+    else:
+        dk = dk * softmax_scale
+    key_ok = key_in  # keys past the end and padding keys: 0 (the bias gradient sums these rows)
+    if HAS_KEY_MASK:
+        key_ok = key_in & (tl.load(KEY_MASK + b64 * stride_mb + offs_n * stride_ms, mask=key_in, other=0) != 0)
+    dk = tl.where(key_ok[:, None], dk, 0.0)
+    dv = tl.where(key_ok[:, None], dv, 0.0)
+    if HAS_DB:
+        row = b64 * db_rows + start_n // BLOCK_N
+        _store_bias_grad_tile(DB, row, stride_db, 1, h64, num_heads, dk, HEAD_DIM, BLOCK_N, BLOCK_D)
+        _store_bias_grad_tile(DB, row, stride_db, 2, h64, num_heads, dv, HEAD_DIM, BLOCK_N, BLOCK_D)
+    _store_key_grads(DK, DV, dk, dv, b64, h64, seq_start, offs_n, key_in, stride_dkb, stride_dks, stride_dkh,
+                     stride_dvb, stride_dvs, stride_dvh, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _attention_bwd_dq_store_kernel(
+    DQ_ACC,      # fp32 [rows, A, D] contiguous, from _attention_bwd_dkdv_atomic_dq_kernel
+    DQ,          # written: dQ, rows of [rows, A, D] at its own row and head strides
+    DB,          # fp32 [>= cdiv(rows, BLOCK_T), 3 * A * D]: the dQ section of row i written (HAS_DB)
+    stride_dqr, stride_dqh, stride_db,
+    rows, num_heads, dq_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DB: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """dQ = dq_scale * DQ_ACC in DQ's dtype, BLOCK_T rows of one head a program, and with HAS_DB the
+    column sums of those rows (fp32, before rounding) into the dQ section of DB's row pid_t."""
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    t64 = offs_t.to(tl.int64)
+    ok = (offs_t < rows)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    acc = tl.load(DQ_ACC + (t64[:, None] * num_heads + h) * HEAD_DIM + offs_d[None, :], mask=ok, other=0.0)
+    dq = acc * dq_scale
+    tl.store(DQ + t64[:, None] * stride_dqr + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=ok)
+    if HAS_DB:
+        _store_bias_grad(DB, pid_t, stride_db, 0, h, num_heads, tl.sum(dq, 0), HEAD_DIM, BLOCK_D)
+
+
 # =========================================================================== backward, short sequences
 @triton.jit
 def _bwd_fused_block(dk, dv, k, v, key_ok, q_base, do_base, dq_base, lse_ptr, keep_base, keep_rows,
@@ -1122,6 +1320,26 @@ _CANDIDATES = {
         (False, 256): [(32, 32, 8, 2, _K), (32, 32, 8, 1, _K), (64, 32, 8, 1, _K)],
         (True, 256): [(16, 16, 8, 2, _K)],
     },
+    # dK/dV with the atomic dQ (header, "Atomic dQ"): the dK/dV lists less what spills with the dQ product.
+    # At 64, wgmma takes 64 rows a warpgroup, so the tile is at least 64 keys (dK, dV) and 64 queries (dQ)
+    # a warpgroup: (64, 128, 8, 3) keys-major first (predicted 171 us at BERT-large seq 512, dropout 0.1,
+    # against 188 for (128, 64, 8, 2), the dK/dV kernel's first); 16-bit (64, 64, 4, 3) keys-major
+    # spills on triton 3.6, query-major at 4 warps on 3.9 with a key mask and dropout, (64, 128, 8, 3)
+    # query-major and (128, 128, 8, 2) on both, and at 128 (32, 64, 8, 3) (3.9) and (16, 32, 4, 3)
+    # (3.6, head dim 80). fp32 spilled 4-36 bytes in (32, 32, 8, 2) and (16, 32, 8, 2) at <= 64 and in
+    # (16, 16, 8, 2) at 256 (3.9), and, per head dim and flags, in most other tiles at 4, 8 or 16 warps:
+    # the entries left are those neither triton spills in at 16, 26, 32, 64 and 256.
+    "dkdv_atomic_dq": {
+        (False, 32): [(32, 64, 4, 3, _K), (64, 128, 8, 3, _K), (64, 64, 8, 2, _K), (32, 128, 8, 3, _K),
+                      (16, 64, 4, 3, _K), (32, 32, 4, 4, _K)],
+        (False, 64): [(64, 128, 8, 3, _K), (128, 64, 8, 2, _Q)],
+        (False, 128): [(32, 32, 8, 3, _K), (16, 64, 8, 3, _K), (16, 128, 8, 3, _K)],
+        (True, 32): [(32, 16, 4, 2, _K), (16, 32, 16, 2, _K)],
+        (True, 64): [(32, 16, 8, 2, _K), (16, 16, 4, 2, _K), (32, 32, 16, 2, _K)],
+        (True, 128): [(16, 32, 8, 2, _K)],
+        (False, 256): [(32, 32, 8, 2, _K), (32, 32, 8, 1, _K)],
+        (True, 256): [(16, 16, 16, 1, _K), (16, 16, 16, 2, _K)],
+    },
     "dq": {
         (False, 32): [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 8, 3)],
         (False, 64): [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 8, 3)],
@@ -1140,6 +1358,7 @@ _INTERP = {"fwd": {"BLOCK_M": 16, "BLOCK_N": 16}, "dkdv": {"BLOCK_M": 16, "BLOCK
            "dq": {"BLOCK_M": 32, "BLOCK_N": 16}, "mask": {"BLOCK_M": 16, "BLOCK_N": 32},
            "fused": {"BLOCK_M": 16}}  # its BLOCK_N: fused_block_n
 _DELTA_BLOCK_M = 64
+_DQ_STORE_ELEMENTS = 4096  # _attention_bwd_dq_store_kernel's tile: rows x head-dim tile (the interpreter: 16 rows)
 # The keep bits' rows and columns are padded to a multiple of every tile, so no kernel masks its
 # byte loads and stores (header, "Keep bits"); _tuned checks each candidate against it.
 _OUTSIDE_BLOCKS = {"BLOCK_T": 64, "BLOCK_C": 128}
@@ -1215,7 +1434,51 @@ _AUTOTUNE_KEY = ["seqlen_bucket", "HEAD_DIM", "IS_VARLEN", "HAS_KEY_MASK", "HAS_
 _fwd_tuned = _tuned(_attention_fwd_kernel, "fwd")
 _bwd_dkdv_tuned = _tuned(_attention_bwd_dkdv_kernel, "dkdv")
 _bwd_dq_tuned = _tuned(_attention_bwd_dq_kernel, "dq")
+_bwd_dkdv_atomic_dq_tuned = _tuned(_attention_bwd_dkdv_atomic_dq_kernel, "dkdv_atomic_dq")
 _bwd_fused_tuned = _fused_tuned(_attention_bwd_fused_kernel)
+
+
+# =========================================================================== atomic dQ
+DQ_ENV = "BERTFAST_ATTENTION_DQ"
+DQ_MODES = ("deterministic", "atomic")
+
+
+def dq_mode() -> str:
+    """How the backward of sequences longer than the one-pass kernel takes forms dQ (header, "Atomic
+    dQ"): BERTFAST_ATTENTION_DQ, "deterministic" (default: the dQ kernel) or "atomic" (added in the
+    dK/dV kernel), which torch.use_deterministic_algorithms(True) overrides."""
+    value = (os.environ.get(DQ_ENV) or "deterministic").strip()
+    if value not in DQ_MODES:
+        raise ValueError(f"{DQ_ENV}: expected one of {', '.join(DQ_MODES)}, got {value!r}")
+    return "deterministic" if torch.are_deterministic_algorithms_enabled() else value
+
+
+@contextlib.contextmanager
+def using_dq(mode: str):
+    """BERTFAST_ATTENTION_DQ set to ``mode`` inside the block (the compile report's and the bench's
+    launches of both backwards), as it was after."""
+    if mode not in DQ_MODES:
+        raise ValueError(f"dQ mode: expected one of {', '.join(DQ_MODES)}, got {mode!r}")
+    saved = os.environ.get(DQ_ENV)
+    os.environ[DQ_ENV] = mode
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[DQ_ENV]
+        else:
+            os.environ[DQ_ENV] = saved
+
+
+def dq_summary() -> str:
+    """`bertfast info`'s line: the backward's dQ and why."""
+    try:
+        mode = dq_mode()
+    except ValueError as exc:
+        return f"Triton attention dQ: {exc}"
+    why = "torch.use_deterministic_algorithms" if torch.are_deterministic_algorithms_enabled() else DQ_ENV
+    return (f"Triton attention dQ (sequences over {FUSED_BWD_MAX_SEQLEN[False]} tokens): {mode} ({why}; "
+            f"{' or '.join(DQ_MODES)})")
 
 
 # =========================================================================== validation
@@ -1286,7 +1549,8 @@ def _forward(q, k, v, out, lse, cu_seqlens, key_mask, seed, keep, batch, seqlen,
 def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, keep, batch, seqlen,
               varlen, softmax_scale, dropout_p, bias_dtype=None):
     """Launches the backward into dq, dk, dv; given bias_dtype, returns the QKV bias gradient
-    [3 * A * D] in it (header, "QKV bias gradient")."""
+    [3 * A * D] in it (header, "QKV bias gradient"). Past the one-pass kernel's lengths, dQ as
+    dq_mode() says."""
     heads, head_dim = q.shape[-2], q.shape[-1]
     upcast, prec = _dot_flags(q.dtype)
     lse = lse.contiguous()
@@ -1300,7 +1564,8 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, keep, b
                   HAS_DB=bias_dtype is not None)
     qkv_strides = (*_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(dout, varlen))
     fused = fused_backward(seqlen, head_dim, q.dtype)
-    db_rows = bias_grad_rows(seqlen, head_dim, q.dtype, fused)
+    atomic_dq = not fused and dq_mode() == "atomic"
+    db_rows = bias_grad_rows(seqlen, head_dim, q.dtype, fused, atomic_dq=atomic_dq)
     db = None
     if bias_dtype is not None:
         db = torch.zeros((batch * db_rows, 3 * heads * head_dim), dtype=torch.float32, device=q.device)
@@ -1320,34 +1585,52 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, keep, b
         launch(_bwd_fused_tuned, (1, heads, batch), args, consts, interp=interp, scratch=scratch)
         return None if db is None else column_sums(db.unsqueeze(0), [bias_dtype])[0]
     delta = torch.empty_like(lse)  # same layout as lse: d = rowsum(dO * O)
-    # fp16/bf16: the dQ kernel refines d into delta (header) for the dK/dV kernel; fp32: d is delta
-    refine = q.dtype != torch.float32
-    delta_out = torch.empty_like(lse) if refine else delta
-
     delta_block = _INTERP["fwd"]["BLOCK_M"] if interpreting() else _DELTA_BLOCK_M
     launch(_attention_bwd_delta_kernel, (triton.cdiv(seqlen, delta_block), heads, batch),
            (out, dout, delta, cu, *_bsh(out, varlen), *_bsh(dout, varlen), *_lse_strides(lse, varlen), seqlen),
            dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), IS_VARLEN=varlen, BLOCK_M=delta_block))
+    key_grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_N"]), heads, batch)  # noqa: E731
+
+    if atomic_dq:
+        rows = q.shape[0] if varlen else batch * seqlen
+        assert varlen or dq.stride(0) == seqlen * dq.stride(1), "padded dq: rows b * S + s"
+        block_t = 16 if interpreting() else _DQ_STORE_ELEMENTS // block_d(head_dim)
+        if db is not None and db.shape[0] < triton.cdiv(rows, block_t):  # varlen rows past the sequences
+            db = torch.cat([db, db.new_zeros((triton.cdiv(rows, block_t) - db.shape[0], db.shape[1]))])
+        db_arg = db if db is not None else lse
+        dq_acc = torch.zeros((rows, heads, head_dim), dtype=torch.float32, device=q.device)
+        args = (q, k, v, dout, lse, delta, dk, dv, dq_acc, cu, kmask, keep_arg, db_arg,
+                *qkv_strides, *_bsh(dk, varlen), *_bsh(dv, varlen), *tail)
+        launch(_bwd_dkdv_atomic_dq_tuned, key_grid, args, consts, interp=_INTERP["dkdv"],
+               scratch=scratch + ("DQ_ACC",))
+        launch(_attention_bwd_dq_store_kernel, (triton.cdiv(rows, block_t), heads),
+               (dq_acc, dq, db_arg, dq.stride(-3), dq.stride(-2), db.stride(0) if db is not None else 0, rows, heads,
+                softmax_scale / (1.0 - dropout_p)),
+               dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), HAS_DB=db is not None, BLOCK_T=block_t))
+        return None if db is None else column_sums(db.unsqueeze(0), [bias_dtype])[0]
+
+    # fp16/bf16: the dQ kernel refines d into delta (header) for the dK/dV kernel; fp32: d is delta
+    refine = q.dtype != torch.float32
+    delta_out = torch.empty_like(lse) if refine else delta
 
     args = (q, k, v, dout, lse, delta, delta_out, dq, cu, kmask, keep_arg, db_arg,
             *qkv_strides, *_bsh(dq, varlen), *tail)
-    grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_M"]), heads, batch)  # noqa: E731
-    launch(_bwd_dq_tuned, grid, args, dict(consts, REFINE_DELTA=refine), interp=_INTERP["dq"], scratch=scratch)
+    query_grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_M"]), heads, batch)  # noqa: E731
+    launch(_bwd_dq_tuned, query_grid, args, dict(consts, REFINE_DELTA=refine), interp=_INTERP["dq"], scratch=scratch)
 
     args = (q, k, v, dout, lse, delta_out, dk, dv, cu, kmask, keep_arg, db_arg,
             *qkv_strides, *_bsh(dk, varlen), *_bsh(dv, varlen), *tail)
-    grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_N"]), heads, batch)  # noqa: E731
-    launch(_bwd_dkdv_tuned, grid, args, consts, interp=_INTERP["dkdv"], scratch=scratch)
+    launch(_bwd_dkdv_tuned, key_grid, args, consts, interp=_INTERP["dkdv"], scratch=scratch)
     return None if db is None else column_sums(db.unsqueeze(0), [bias_dtype])[0]
 
 
 def bias_grad_rows(seqlen: int, head_dim: int, dtype: torch.dtype, one_pass: Optional[bool] = None,
-                   interpreted: Optional[bool] = None) -> int:
+                   interpreted: Optional[bool] = None, atomic_dq: bool = False) -> int:
     """Rows of the QKV bias gradient's partials per sequence (header): a row per block of the
     smallest any candidate may take (zeros where the chosen blocks leave none), query blocks for the
-    one-pass kernel, query and key blocks for the three. one_pass: which backward runs (None:
-    fused_backward's choice); interpreted: whether the interpreter's blocks run (None: whether
-    launch() would run them now)."""
+    one-pass kernel, query and key blocks for the three, key blocks for the atomic dQ's dK/dV kernel
+    (atomic_dq). one_pass: which backward runs (None: fused_backward's choice); interpreted: whether
+    the interpreter's blocks run (None: whether launch() would run them now)."""
     if one_pass is None:
         one_pass = fused_backward(seqlen, head_dim, dtype)
     if interpreted is None:
@@ -1358,6 +1641,8 @@ def bias_grad_rows(seqlen: int, head_dim: int, dtype: torch.dtype, one_pass: Opt
             e[0] for e in _FUSED_CANDIDATES[fp32][fused_block_n(seqlen)])
     elif interpreted:
         smallest = min(_INTERP["dq"]["BLOCK_M"], _INTERP["dkdv"]["BLOCK_N"])
+    elif atomic_dq:  # key blocks only: the dQ sections come from _attention_bwd_dq_store_kernel's rows
+        smallest = min(e[1] for e in _CANDIDATES["dkdv_atomic_dq"][(fp32, max(block_d(head_dim), 32))])
     else:
         key = (fp32, max(block_d(head_dim), 32))
         smallest = min(min(e[0] for e in _CANDIDATES["dq"][key]), min(e[1] for e in _CANDIDATES["dkdv"][key]))

@@ -151,6 +151,30 @@ def test_triton_interpreter_path_is_benchmarked_on_cpu():
     assert any("TRITON_INTERPRET" in n for n in ctx.notes)
 
 
+def test_attention_atomic_dq_is_timed_beside_the_dq_kernel(monkeypatch):
+    """Past the one-pass backward's lengths (fp32: 32 tokens) the suite also times Triton's backward with
+    the atomic dQ (`bertfast:triton varlen atomic-dq`, BERTFAST_ATTENTION_DQ=atomic around its forward and
+    backward), gated like every implementation; at shorter sequences it would run the same kernels."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("TRITON_INTERPRET=1 is set by conftest on machines without CUDA")
+    from bertfast.bench import kernel_cases, kernels_suite
+    from bertfast.kernels import attention as K
+
+    monkeypatch.delenv(K.DQ_ENV, raising=False)
+    ctx = _cpu_ctx(backends=("triton",), policy=TimingPolicy(cpu_warmup=0, cpu_reps=1))
+    atomic = "bertfast:triton varlen atomic-dq"
+    cpu = torch.device("cpu")
+    assert atomic not in [i.name for i in kernel_cases._attention_case(ctx, cpu, 2, 32, 2, 16, "none", 0.0).impls]
+    case = kernel_cases._attention_case(ctx, cpu, 2, 40, 2, 16, "finetune", 0.0)
+    modes = []
+    real = K._backward
+    monkeypatch.setattr(K, "_backward", lambda *a, **kw: modes.append(K.dq_mode()) or real(*a, **kw))
+    rows = [r for r in kernels_suite.run_case(ctx, case) if r.impl.startswith("bertfast:triton varlen")]
+    assert sorted({r.impl for r in rows}) == ["bertfast:triton varlen", atomic]
+    assert all(r.ok for r in rows), [(r.impl, r.direction, r.reason) for r in rows]
+    assert "atomic" in modes and "deterministic" in modes and K.DQ_ENV not in os.environ
+
+
 def test_quick_cpu_run_end_to_end(tmp_path, capsys):
     out = tmp_path / "run"
     code = cli.main(["--quick", "--out", str(out), "--no-compile", "--backends", "torch", "--reps", "1"])

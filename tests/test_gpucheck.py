@@ -191,6 +191,7 @@ def test_compile_report_fast_part_is_spill_free_on_sm90():
                          capture_output=True, text=True, cwd=REPO, env=_env_without_interpreter(), timeout=1500)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     for kernel in ("_attention_fwd_kernel", "_attention_bwd_dkdv_kernel", "_attention_bwd_dq_kernel",
+                   "_attention_bwd_dkdv_atomic_dq_kernel", "_attention_bwd_dq_store_kernel",
                    "_attention_bwd_fused_kernel", "_bias_dropout_residual_layernorm_bwd_kernel", "_embeddings_bwd_kernel", "_mlm_head_loss_fwd_kernel",
                    "_bias_gelu_fwd_kernel"):
         assert f"triton {kernel}" in res.stdout

@@ -295,6 +295,8 @@ from bertfast.perfmodel import kernels as K
 out = []
 launches = K.record(K.Setting("bert-base", 128, 8, 0.1))  # the one-pass attention backward
 launches += [x for x in K.record(K.Setting("bert-base", 512, 2, 0.1)) if x.op == "attention"]  # three kernels
+launches += [x for x in K.record(K.Setting("bert-base", 512, 2, 0.1), dq_mode="atomic")  # the atomic dQ's two
+             if x.kernel in ("_attention_bwd_dkdv_atomic_dq_kernel", "_attention_bwd_dq_store_kernel")]
 for launch in launches:
     if launch.kernel not in K.WORK:
         continue

@@ -18,9 +18,10 @@ training takes under autocast.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -54,10 +55,14 @@ class Prepared:
     grad_out: Optional[Tensor]
     canon: Callable[[Tensor, Sequence[Optional[Tensor]]], Dict[str, Tensor]]
     gated: bool = True  # False for the GEMM floor, which is not the op
+    # entered around every forward and backward of the path (the attention's atomic dQ: its backward reads
+    # BERTFAST_ATTENTION_DQ when it runs)
+    context: Callable[[], ContextManager] = contextlib.nullcontext
 
     def run_once(self) -> Dict[str, Tensor]:
-        out = self.forward()
-        grads = torch.autograd.grad(out, self.leaves, self.grad_out, allow_unused=True)
+        with self.context():
+            out = self.forward()
+            grads = torch.autograd.grad(out, self.leaves, self.grad_out, allow_unused=True)
         return {k: v.detach().float() for k, v in self.canon(out.detach(), grads).items()}
 
 
@@ -119,12 +124,14 @@ def _simple(fn: Callable[..., Tensor], names: Sequence[str], data: Dict[str, Ten
 
 
 def _backend_impls(ctx: SuiteContext, op_names: Sequence[str], make: Callable[[], Builder],
-                   variant: str = "") -> List[Impl]:
-    """One impl per requested bertfast backend, the builder run under use_backend({op: backend})."""
+                   variant: str = "", backends: Optional[Sequence[str]] = None,
+                   context: Optional[Callable[[], ContextManager]] = None) -> List[Impl]:
+    """One impl per requested bertfast backend (of ``backends``, when given), the builder run under
+    use_backend({op: backend}), its forward and backward inside ``context`` (Prepared.context)."""
     from bertfast.ops import use_backend
 
     impls = []
-    for backend in ctx.backends:
+    for backend in ctx.backends if backends is None else [b for b in backends if b in ctx.backends]:
         inner = make()
 
         def build(dtype, inner=inner, backend=backend):
@@ -135,6 +142,8 @@ def _backend_impls(ctx: SuiteContext, op_names: Sequence[str], make: Callable[[]
                 with use_backend({op: backend for op in op_names}):
                     return forward()
             p.forward = forced
+            if context is not None:
+                p.context = context
             return p
         impls.append(Impl(bertfast_impl(backend, variant), build))
     return impls
@@ -182,6 +191,22 @@ def attention_cases(ctx: SuiteContext) -> List[OpCase]:
                 with_dropout.gate_case = plain
                 out.append(with_dropout)
     return out
+
+
+def _atomic_dq_impls(ctx: SuiteContext, seqlen: int, varlen_path: Callable[[], Builder]) -> List[Impl]:
+    """``bertfast:triton varlen atomic-dq``: the varlen path with the Triton backward's atomic dQ
+    (BERTFAST_ATTENTION_DQ=atomic, kernels/attention.py), where the sequences are longer than the one-pass
+    backward takes (elsewhere it is the same kernels as ``bertfast:triton varlen``)."""
+    if "triton" not in ctx.backends:
+        return []
+    try:
+        from bertfast.kernels.attention import FUSED_BWD_MAX_SEQLEN, using_dq
+    except ImportError:  # no Triton: the triton rows say why
+        return []
+    if seqlen <= FUSED_BWD_MAX_SEQLEN[ctx.dtype == torch.float32]:
+        return []
+    return _backend_impls(ctx, ["attention_varlen"], varlen_path, "varlen atomic-dq", ["triton"],
+                          lambda: using_dq("atomic"))
 
 
 def _attention_case(ctx, dev, batch, seqlen, heads, head_dim, mode, dropout_p) -> OpCase:
@@ -242,6 +267,7 @@ def _attention_case(ctx, dev, batch, seqlen, heads, head_dim, mode, dropout_p) -
         return fn
 
     impls = _backend_impls(ctx, ["attention_varlen"], varlen_path, "varlen")
+    impls += _atomic_dq_impls(ctx, seqlen, varlen_path)
     impls += _backend_impls(ctx, ["attention_padded"], lambda: padded_path(ops_padded), "padded")
     impls.append(Impl(TORCH_EAGER, padded_path(eager)))
     impls.append(_compile_impl(ctx, eager, padded_path))

@@ -49,18 +49,21 @@ def direction_callable(p: Prepared, direction: str) -> Callable[[], None]:
     """What one timed call of a direction runs (bwd: autograd.grad on a graph built once, retained)."""
     if direction == "fwd":
         def fwd() -> None:
-            with torch.no_grad():
+            with torch.no_grad(), p.context():
                 p.forward()
         return fwd
     if direction == "bwd":
-        out = p.forward()
+        with p.context():
+            out = p.forward()
 
         def bwd() -> None:
-            torch.autograd.grad(out, p.leaves, p.grad_out, retain_graph=True)
+            with p.context():
+                torch.autograd.grad(out, p.leaves, p.grad_out, retain_graph=True)
         return bwd
     if direction == "fwd+bwd":
         def step() -> None:
-            torch.autograd.grad(p.forward(), p.leaves, p.grad_out)
+            with p.context():
+                torch.autograd.grad(p.forward(), p.leaves, p.grad_out)
         return step
     if direction == STEP:  # an optimizer step: the path's forward is the whole step
         return p.forward

@@ -90,8 +90,9 @@ def run_target(ops: Sequence[str], backend: str, dry_run: bool, warmup: int = 2)
         torch.cuda.synchronize()
         torch.cuda.profiler.start()
     for op, case, p in prepared:
-        out = p.forward()
-        torch.autograd.grad(out, p.leaves, p.grad_out, allow_unused=True)
+        with p.context():
+            out = p.forward()
+            torch.autograd.grad(out, p.leaves, p.grad_out, allow_unused=True)
         print(f"ncu target: ran {op} {json.dumps(case)}: a training forward and its backward", flush=True)
     if on_gpu:
         torch.cuda.synchronize()

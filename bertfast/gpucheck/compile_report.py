@@ -68,6 +68,9 @@ FULL_MATRIX_FP16_ATTENTION_HEAD_DIMS = (64,)
 SHORT_SEQUENCES = (16, 32, 64)
 SHORT_SEQUENCE_HEAD_DIMS = (26, 64)
 SHORT_SEQUENCE_KERNELS = ("_attention_bwd_fused_kernel",)
+# Both backwards of sequences the one-pass kernel does not take: dQ by its own kernel and added atomically
+# (kernels/attention.py, "Atomic dQ"; BERTFAST_ATTENTION_DQ).
+DQ_MODES = ("deterministic", "atomic")
 
 
 @dataclasses.dataclass
@@ -202,6 +205,7 @@ class LaunchSetting:
     padded_attention: bool = True
     fp16_head_dims: Optional[Sequence[int]] = None
     short_sequences: bool = False
+    dq_modes: Sequence[str] = ("deterministic",)  # the attention backward's dQ modes (BERTFAST_ATTENTION_DQ)
 
     def __post_init__(self):
         import torch
@@ -224,17 +228,19 @@ class LaunchSetting:
 
 def bert_launches(settings: Sequence[Setting], head_dims: Sequence[int] = (64,), ops: Optional[Sequence[str]] = None,
                   padded_attention: bool = True, fp16_head_dims: Optional[Sequence[int]] = None,
-                  short_sequences: bool = False) -> Iterator[Tuple[str, Callable[[], None]]]:
+                  short_sequences: bool = False, dq_modes: Sequence[str] = ("deterministic",)
+                  ) -> Iterator[Tuple[str, Callable[[], None]]]:
     """(case label, function that calls the launchers of ``ops`` (default: every op with launches) at
     that setting) for every setting; attention at each of ``head_dims`` (fp16 attention only at those
     also in ``fp16_head_dims``, when given), varlen and (``padded_attention``) padded; with
     ``short_sequences``, at seq 128 the backward also at SHORT_SEQUENCES, at the head dims of
-    SHORT_SEQUENCE_HEAD_DIMS given."""
+    SHORT_SEQUENCE_HEAD_DIMS given; the backward in each of ``dq_modes`` (BERTFAST_ATTENTION_DQ: where
+    the one-pass kernel takes it, the same launch)."""
     from bertfast import registry
     wanted = _ops_with_launches() if ops is None else tuple(ops)
     for model, seq, batch, act_name, params, p in settings:
         setting = LaunchSetting(model, seq, batch, act_name, params, p, head_dims, padded_attention,
-                                fp16_head_dims, short_sequences)
+                                fp16_head_dims, short_sequences, tuple(dq_modes))
         for op in registry.ops():
             if op.launches and op.name in wanted:
                 yield f"{op.name} [{setting.label}]", functools.partial(registry.resolve(op.launches), setting)
@@ -252,15 +258,18 @@ def attention_launches(s: LaunchSetting) -> None:
         q, k, v = qkv.unbind(1)
         cu = torch.arange(0, s.tokens + 1, s.seq, dtype=torch.int32)
         out, lse, keep = A.attention_varlen_fwd(q, k, v, cu, s.seq, 0.125, s.p, s.seed)
-        # as training asks: with the gradient of the QKV GEMM's fp32 biases
-        A.attention_varlen_bwd(torch.empty_like(out), q, k, v, out, lse, cu, s.seq, 0.125, s.p, s.seed, keep,
-                               torch.float32)
+        for mode in s.dq_modes:
+            with A.using_dq(mode):  # as training asks: with the gradient of the QKV GEMM's fp32 biases
+                A.attention_varlen_bwd(torch.empty_like(out), q, k, v, out, lse, cu, s.seq, 0.125, s.p, s.seed,
+                                       keep, torch.float32)
         if not s.padded_attention:
             continue
         qp = s.empty(s.batch, s.seq, heads_here, head_dim)
         mask = torch.ones(s.batch, s.seq, dtype=torch.bool)
         outp, lsep, keepp = A.attention_padded_fwd(qp, qp, qp, mask, 0.125, s.p, s.seed)
-        A.attention_padded_bwd(outp, qp, qp, qp, outp, lsep, mask, 0.125, s.p, s.seed, keepp)
+        for mode in s.dq_modes:
+            with A.using_dq(mode):
+                A.attention_padded_bwd(outp, qp, qp, qp, outp, lsep, mask, 0.125, s.p, s.seed, keepp)
         if s.short_sequences and s.seq == 128 and head_dim in SHORT_SEQUENCE_HEAD_DIMS:
             for short in SHORT_SEQUENCES:
                 if not A.fused_backward(short, head_dim, s.act):
@@ -359,21 +368,23 @@ def record_launches(fast: bool, attention_only: bool = False) -> List[Launch]:
     """Every distinct launch (kernel, flags, dtypes) the report's BERT settings make, with its candidates."""
     if attention_only:
         dims = tuple(d for d in ATTENTION_HEAD_DIMS if d != 64)
-        return record_settings(ATTENTION_MATRIX, dims, ("attention",), short_sequences=True)
+        return record_settings(ATTENTION_MATRIX, dims, ("attention",), short_sequences=True, dq_modes=DQ_MODES)
     return record_settings(_matrix(fast), (64,) if fast else ATTENTION_HEAD_DIMS,
-                           fp16_head_dims=FULL_MATRIX_FP16_ATTENTION_HEAD_DIMS, short_sequences=not fast)
+                           fp16_head_dims=FULL_MATRIX_FP16_ATTENTION_HEAD_DIMS, short_sequences=not fast,
+                           dq_modes=DQ_MODES)
 
 
 def record_settings(settings: Sequence[Setting], head_dims: Sequence[int] = (64,), ops: Optional[Sequence[str]] = None,
                     padded_attention: bool = True, fp16_head_dims: Optional[Sequence[int]] = None,
-                    short_sequences: bool = False) -> List[Launch]:
+                    short_sequences: bool = False, dq_modes: Sequence[str] = ("deterministic",)) -> List[Launch]:
     """Every distinct launch (kernel, flags, dtypes) at these settings, with its candidates and the
     autotuner keys it was launched with (see bert_launches); ``short_sequences``: the attention's
     one-pass backward also at every shorter key tile (SHORT_SEQUENCES), a launch per tile."""
     from bertfast.kernels._common import compile_only
 
     by_variant: Dict[tuple, Launch] = {}
-    for case, call in bert_launches(settings, head_dims, ops, padded_attention, fp16_head_dims, short_sequences):
+    for case, call in bert_launches(settings, head_dims, ops, padded_attention, fp16_head_dims, short_sequences,
+                                    dq_modes):
         def record(fn, grid, args, consts, configs, key, case=case):
             variant = (fn.__name__, tuple(sorted(consts.items())), _dtypes(args))
             if fn.__name__ in SHORT_SEQUENCE_KERNELS:  # its candidates are its key tile's

@@ -82,6 +82,8 @@ CONDITIONAL_ARGS: Dict[str, Dict[str, str]] = {
     "_attention_fwd_kernel": _ATTENTION_ARGS,
     "_attention_bwd_fused_kernel": _ATTENTION_BWD_ARGS,
     "_attention_bwd_dkdv_kernel": _ATTENTION_BWD_ARGS,
+    "_attention_bwd_dkdv_atomic_dq_kernel": _ATTENTION_BWD_ARGS,
+    "_attention_bwd_dq_store_kernel": {"DB": "HAS_DB"},
     "_attention_bwd_dq_kernel": {**_ATTENTION_BWD_ARGS, "DELTA_OUT": "REFINE_DELTA"},
     "_attention_bwd_delta_kernel": {"CU_SEQLENS": "IS_VARLEN"},
     "_bias_dropout_residual_layernorm_fwd_kernel": {"BIAS": "HAS_BIAS", "RES": "HAS_RES", "PRE": "STORE_PRE",
@@ -117,6 +119,15 @@ def _attention(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
     # Triton pipelines the key (query) blocks' loads over num_stages: num_stages - 1 are in flight.
     return Work(scores / tile, tile, _numel(launch.grid), int(launch.meta["num_warps"]), _bytes(launch),
                 loads_ahead=max(1, int(launch.meta.get("num_stages", 2)) - 1))
+
+
+def _attention_atomic_dq(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
+    """_attention, with the fp32 dQ accumulator counted twice: its atomics read it and write it back
+    (their L2 traffic, every key block's adds, is not priced: a GPU run will say)."""
+    work = _attention(setting, launch, gpu)
+    acc = launch.args[launch.names.index("DQ_ACC")]
+    work.hbm_bytes += acc.numel() * acc.element_size()
+    return work
 
 
 def _no_loop(*tile_names: str) -> Callable[[Setting, Launch, Gpu], Work]:
@@ -240,6 +251,8 @@ WORK: Dict[str, Callable[[Setting, Launch, Gpu], Work]] = {
     "_attention_fwd_kernel": _attention,
     "_attention_bwd_dq_kernel": _attention,
     "_attention_bwd_dkdv_kernel": _attention,
+    "_attention_bwd_dkdv_atomic_dq_kernel": _attention_atomic_dq,
+    "_attention_bwd_dq_store_kernel": _no_loop("BLOCK_T", "BLOCK_D"),
     "_attention_bwd_delta_kernel": _no_loop("BLOCK_M", "BLOCK_D"),
     "_attention_bwd_fused_kernel": _attention,
     "_bias_gelu_fwd_kernel": _no_loop("BLOCK_N", "BLOCK_F"),
@@ -259,16 +272,17 @@ def priced_ops() -> Tuple[str, ...]:
 
 
 def record(setting: Setting, ops: Optional[Sequence[str]] = None,
-           tuned: Optional[Dict[str, Dict[Tuple, str]]] = None) -> List[Launch]:
-    """Every kernel launch of ``ops`` (default: priced_ops()) at ``setting`` (varlen attention, head dim 64): the first
-    candidate, or the config ``tuned`` (kernel -> tuning key -> config_text, a GPU run's autotuner's
-    choices) names for the launch's key when it is still among the candidates."""
+           tuned: Optional[Dict[str, Dict[Tuple, str]]] = None, dq_mode: str = "deterministic") -> List[Launch]:
+    """Every kernel launch of ``ops`` (default: priced_ops()) at ``setting`` (varlen attention, head dim 64, its
+    backward in ``dq_mode``, BERTFAST_ATTENTION_DQ's): the first candidate, or the config ``tuned`` (kernel ->
+    tuning key -> config_text, a GPU run's autotuner's choices) names for the launch's key when it is still
+    among the candidates."""
     from bertfast.gpucheck.compile_report import bert_launches
     from bertfast.kernels._common import compile_only, config_text, key_values
 
     launches: List[Launch] = []
     for case, call in bert_launches([setting.as_report_setting()], (HEAD_DIM,), ops or priced_ops(),
-                                    padded_attention=False):
+                                    padded_attention=False, dq_modes=(dq_mode,)):
         op = case.split(" ", 1)[0]
 
         def keep(fn, grid, args, consts, configs, key, op=op):

@@ -77,16 +77,16 @@ _COMPILED: Dict[Tuple, K.Compiled] = {}  # one compile per kernel variant and co
 
 def analyse(settings: Sequence[K.Setting], gpu: Gpu = H100, log=print,
             tuned: Optional[Dict[str, Dict[Tuple, str]]] = None,
-            ops: Optional[Sequence[str]] = None) -> List[KernelResult]:
+            ops: Optional[Sequence[str]] = None, dq_mode: str = "deterministic") -> List[KernelResult]:
     """Compile, read and predict every modelled kernel launch (of ``ops``, default every priced op) at
     each setting, for ``gpu``: each kernel's first candidate, or the config ``tuned`` names (a GPU
-    run's choices: Profile.tuned)."""
+    run's choices: Profile.tuned); the attention's backward in ``dq_mode`` (kernels.record)."""
     compiled = _COMPILED
     results: List[KernelResult] = []
     with K.offline_triton():
         for setting in settings:
             start = time.perf_counter()
-            launches = K.record(setting, ops=ops, tuned=tuned)
+            launches = K.record(setting, ops=ops, tuned=tuned, dq_mode=dq_mode)
             for launch in launches:
                 if launch.kernel not in K.WORK:
                     continue
@@ -144,6 +144,33 @@ def attention_figures(results: Sequence[KernelResult], setting: K.Setting) -> Di
                       "instructions_per_element": out["fwd"]["instructions_per_element"]
                       + out["bwd"]["instructions_per_element"]}
     return out
+
+
+def atomic_dq_figures(deterministic: Sequence[KernelResult], gpu: Gpu = H100, log=print) -> List[Dict[str, object]]:
+    """The attention at the targets' settings with the backward's atomic dQ (kernels/attention.py, "Atomic
+    dQ"; BERTFAST_ATTENTION_DQ=atomic) beside the default, deterministic one (``deterministic``: analyse's
+    results): its kernels' predictions and the fp32 accumulator's zero fill at the achievable bandwidth."""
+    results = analyse(TARGET_SETTINGS, gpu, log=lambda m: None, ops=["attention"], dq_mode="atomic")
+    rows = []
+    for setting in TARGET_SETTINGS:
+        plain = attention_figures(deterministic, setting)
+        atomic = attention_figures(results, setting)
+        fill = setting.tokens * heads(setting) * K.HEAD_DIM * 4 / gpu.achievable_hbm_bytes_per_s
+        bwd = atomic["bwd"]["seconds"] + fill
+        total = atomic["fwd"]["seconds"] + bwd
+        kernels = {r.kernel: r.prediction.predicted_s for r in _of(results, setting, "attention")
+                   if r.direction() == "bwd"}
+        row = {"setting": setting.label(), "bwd_s": bwd, "fill_s": fill, "kernels_s": kernels,
+               "deterministic_bwd_s": plain["bwd"]["seconds"], "tflops": attention_tflops(setting, "fwd+bwd", total),
+               "deterministic_tflops": plain["fwd+bwd"]["tflops"]}
+        rows.append(row)
+        log(f"attention with the atomic dQ (BERTFAST_ATTENTION_DQ=atomic), {setting.label()}: bwd "
+            f"{bwd * 1e6:.0f} us (" + ", ".join(f"{k.strip('_').replace('_kernel', '')} {t * 1e6:.0f}"
+                                                for k, t in kernels.items())
+            + f", the accumulator's zero fill {fill * 1e6:.0f}) where the deterministic takes "
+            f"{plain['bwd']['seconds'] * 1e6:.0f}; fwd+bwd {row['tflops']:.0f} TFLOP/s "
+            f"({row['deterministic_tflops']:.0f})")
+    return rows
 
 
 # Kernels that finish a row op's direction after its own kernel: the embeddings' table passes.
@@ -585,6 +612,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"attention, {setting.label()}: " + "; ".join(
             f"{d} {att[d]['seconds'] * 1e6:.0f} us, {att[d]['tflops']:.0f} TFLOP/s, "
             f"{att[d]['instructions_per_element']:.1f} instr/elem" for d in ("fwd", "bwd", "fwd+bwd")))
+    atomic_rows = atomic_dq_figures(results, gpu)
     print()
     cuda_rows = CU.beside_triton(results, [s for s in settings if s.model == "bert-large"], gpu)
     plans = [S.budget(results, case, gpu) for case in S.STEP_CASES]
@@ -691,6 +719,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             json.dump({"gpu": gpu.name, "overlap": gpu.overlap, "memory_overlap": gpu.memory_overlap,
                        "memory_latency_s": gpu.memory_latency_s, "targets": goals, "steps": plans,
                        "kernels": [r.to_dict() for r in results], "cuda_attention": cuda_rows,
+                       "atomic_dq": atomic_rows,
                        "measured": comparison}, f, indent=1)
     print(f"\npredicted: {sum(1 for t in goals if t['met'])} of {len(goals)} targets met")
     return 0

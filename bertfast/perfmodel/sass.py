@@ -41,7 +41,7 @@ _CLASS_OF = {
     "mufu": ("MUFU",),
     "convert": ("F2F", "F2I", "I2F", "FRND", "I2I", "F2IP"),
     "shared": ("LDS", "STS", "LDSM", "STSM", "ATOMS"),
-    "global": ("LDG", "STG", "LDGSTS", "RED", "ATOM", "ATOMG", "LD", "ST", "LDL", "STL", "UTMALDG", "UTMASTG",
+    "global": ("LDG", "STG", "LDGSTS", "RED", "REDG", "ATOM", "ATOMG", "LD", "ST", "LDL", "STL", "UTMALDG", "UTMASTG",
                "UBLKCP", "UTMAPF", "CCTL"),
     "shuffle": ("SHFL", "REDUX", "VOTE", "MATCH"),
     "sync": ("BAR", "DEPBAR", "LDGDEPBAR", "MEMBAR", "FENCE", "WARPGROUP", "WARPSYNC", "SYNCS", "ARRIVES",

@@ -104,14 +104,18 @@ def test_launcher_errors_are_clear(fused_backend):
 
 
 # =========================================================================== Triton
-@pytest.fixture(params=["one-pass", "three-kernel"])
+@pytest.fixture(params=["one-pass", "three-kernel", "atomic-dq"])
 def triton_backward(request, monkeypatch):
     """Triton's attention backward as each path runs it: the one-pass kernel (what sequences up to
-    FUSED_BWD_MAX_SEQLEN take, so every short test) or the three kernels (longer ones), forced."""
+    FUSED_BWD_MAX_SEQLEN take, so every short test), the three kernels (longer ones) or, under
+    BERTFAST_ATTENTION_DQ=atomic, the delta and dK/dV kernels with dQ added atomically, forced."""
     from bertfast.kernels import attention as K
 
-    if request.param == "three-kernel":
+    monkeypatch.delenv(K.DQ_ENV, raising=False)
+    if request.param != "one-pass":
         monkeypatch.setattr(K, "FUSED_BWD_MAX_SEQLEN", {False: 0, True: 0})
+    if request.param == "atomic-dq":
+        monkeypatch.setenv(K.DQ_ENV, "atomic")
     return request.param
 
 
@@ -120,8 +124,9 @@ def test_triton_autotuned_launch_path_under_interpreter(stand_in_tuner, triton_b
     """Each pruned candidate runs once on the real buffers (pure outputs) and the best is relaunched."""
     from bertfast.kernels import attention as K
 
-    tuned = (K._fwd_tuned, K._bwd_fused_tuned) if triton_backward == "one-pass" else (
-        K._fwd_tuned, K._bwd_dkdv_tuned, K._bwd_dq_tuned)
+    tuned = {"one-pass": (K._fwd_tuned, K._bwd_fused_tuned),
+             "three-kernel": (K._fwd_tuned, K._bwd_dkdv_tuned, K._bwd_dq_tuned),
+             "atomic-dq": (K._fwd_tuned, K._bwd_dkdv_atomic_dq_tuned)}[triton_backward]
     stand_in_tuner(*tuned)
     triton = BackendUnderTest("triton", torch.device("cpu"))
     lengths = torch.tensor([9, 20])
@@ -162,6 +167,96 @@ def test_triton_backward_takes_one_pass_up_to_its_limits(monkeypatch, seqlen, dt
                         ["_attention_bwd_delta_kernel", "_attention_bwd_dq_kernel", "_attention_bwd_dkdv_kernel"])
     assert K.fused_backward(seqlen, head_dim, dtype) is one_pass
     assert K.fused_block_n(seqlen) >= seqlen
+
+
+@pytest.mark.parametrize("mode,deterministic,kernels", [
+    ("atomic", False, ["_attention_bwd_delta_kernel", "_attention_bwd_dkdv_atomic_dq_kernel",
+                       "_attention_bwd_dq_store_kernel"]),
+    ("atomic", True, ["_attention_bwd_delta_kernel", "_attention_bwd_dq_kernel", "_attention_bwd_dkdv_kernel"]),
+    ("deterministic", False, ["_attention_bwd_delta_kernel", "_attention_bwd_dq_kernel",
+                              "_attention_bwd_dkdv_kernel"])])
+def test_triton_backward_adds_dq_atomically_when_asked(monkeypatch, mode, deterministic, kernels):
+    """BERTFAST_ATTENTION_DQ=atomic (header, "Atomic dQ") replaces the dQ kernel past the one-pass
+    kernel's lengths, unless torch.use_deterministic_algorithms is on; the one-pass kernel is unchanged,
+    `bertfast info` says which runs, and a value it does not know is refused by name."""
+    from bertfast.info import report
+    from bertfast.kernels import attention as K
+
+    monkeypatch.setenv(K.DQ_ENV, mode)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
+
+    def names(seqlen):
+        q = torch.empty(2 * seqlen, 3, 2, 64, dtype=BF16).unbind(1)
+        cu = torch.tensor([0, seqlen, 2 * seqlen], dtype=torch.int32)
+        lse = torch.empty(2, 2 * seqlen)
+        launched = _launched(monkeypatch, lambda: K.attention_varlen_bwd(q[0], *q, q[0], lse, cu, seqlen, None, 0.0,
+                                                                         None, NO_KEEP))
+        return [n for n in launched if n != "_attention_outside_rows_kernel"]
+
+    assert names(129) == kernels
+    assert names(128) == ["_attention_bwd_fused_kernel"]
+    expected = "deterministic" if deterministic else mode
+    assert f"Triton attention dQ (sequences over 128 tokens): {expected} (" in report()
+    monkeypatch.setenv(K.DQ_ENV, "fast")
+    with pytest.raises(ValueError, match="BERTFAST_ATTENTION_DQ: expected one of deterministic, atomic, got 'fast'"):
+        names(129)
+    assert "Triton attention dQ: BERTFAST_ATTENTION_DQ: expected one of" in report()
+
+
+@pytest.mark.parametrize("form", [VARLEN, PADDED])
+def test_triton_atomic_dq_adds_every_key_block(monkeypatch, form):
+    """The atomic dQ sums its rows over several key blocks a sequence (70 tokens in blocks of 32 under the
+    interpreter), with dropout, padding keys, a padded head dim and the QKV bias gradient, against the
+    reference and the deterministic path (the same to fp32 rounding: other orders of addition)."""
+    from bertfast.kernels import attention as K
+
+    dev = torch.device("cuda" if GPU else "cpu")
+    triton = BackendUnderTest("triton", dev)
+    seed, p = seed_of(triton, 21), 0.2
+    monkeypatch.setenv(K.DQ_ENV, "atomic")
+    if form == VARLEN:
+        lengths = torch.tensor([70, 33, 0, 5])
+        q, k, v, dout, cu = varlen_inputs(triton, lengths, FP32, 26, extra=2, seed=14)
+        *_, atomic = check_varlen(triton, q, k, v, dout, cu, 70, p=p, seed=seed)
+        monkeypatch.setenv(K.DQ_ENV, "deterministic")
+        *_, plain = check_varlen(triton, q, k, v, dout, cu, 70, p=p, seed=seed)
+    else:
+        q, k, v, dout = padded_inputs(triton, 3, 70, FP32, 32, seed=14)
+        mask = key_mask("scattered", 3, 70, seed=14)
+        *_, atomic = check_padded(triton, q, k, v, dout, mask, p=p, seed=seed)
+        monkeypatch.setenv(K.DQ_ENV, "deterministic")
+        *_, plain = check_padded(triton, q, k, v, dout, mask, p=p, seed=seed)
+        atomic, plain = torch.stack(atomic, 2), torch.stack(plain, 2)
+    torch.testing.assert_close(atomic, plain, atol=5e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "atomic"])
+def test_triton_backward_grids_cover_every_block(monkeypatch, mode):
+    """Each backward kernel's grid, at every candidate config, has a program per block of its own
+    axis: dQ per query block (BLOCK_M), dK/dV per key block (BLOCK_N), a sequence head and batch row
+    each (the interpreter's tiles are alike, so its tests would not see a grid of the other axis)."""
+    from bertfast.kernels import _common, attention as K
+
+    monkeypatch.setenv(K.DQ_ENV, mode)
+    monkeypatch.setattr(_common, "interpreting", lambda: False)
+    seqlen, heads, grids = 300, 2, []
+    q = torch.empty(2 * seqlen, 3, heads, 64, dtype=BF16).unbind(1)
+    cu = torch.tensor([0, seqlen, 2 * seqlen], dtype=torch.int32)
+
+    def record(fn, grid, args, consts, configs, key):
+        for config in configs:
+            meta = dict(consts, **(config.all_kwargs() if config is not None else {}))
+            grids.append((fn.__name__, meta, grid(meta) if callable(grid) else grid))
+    with _common.compile_only(record):
+        K.attention_varlen_bwd(q[0], *q, q[0], torch.empty(heads, 2 * seqlen), cu, seqlen, None, 0.0, None, NO_KEEP)
+    axis = {"_attention_bwd_dq_kernel": "BLOCK_M", "_attention_bwd_dkdv_kernel": "BLOCK_N",
+            "_attention_bwd_dkdv_atomic_dq_kernel": "BLOCK_N"}
+    checked = [name for name, meta, grid in grids if name in axis]
+    assert set(checked) == ({"_attention_bwd_dkdv_atomic_dq_kernel"} if mode == "atomic" else
+                            {"_attention_bwd_dq_kernel", "_attention_bwd_dkdv_kernel"})
+    for name, meta, grid in grids:
+        if name in axis:
+            assert tuple(grid) == (-(-seqlen // meta[axis[name]]), heads, 2), (name, meta)
 
 
 PATH_CASES = {  # up to 30 tokens: the one-pass kernel's fp32 limit is 32

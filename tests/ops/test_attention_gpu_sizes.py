@@ -4,7 +4,7 @@ test_attention.py's."""
 import pytest
 import torch
 
-from bertfast.testing import PADDING_MODES, mask_from_lengths
+from bertfast.testing import PADDING_MODES, BackendUnderTest, mask_from_lengths
 from test_attention import (BF16, FP16, FP32, PADDED, VARLEN, _bert_lengths, check_padded, check_varlen, key_mask,
                             lengths_of, padded_inputs, seed_of, varlen_inputs)
 
@@ -91,3 +91,35 @@ def test_gpu_dropout_mask_fraction_at_scale(backend):
     assert abs((1.0 - keep.float().mean().item()) - p) < 0.004  # 262144 draws: sigma 0.0006
     cu = torch.tensor([0, 100, 228, 300, 428], dtype=torch.int32, device=backend.device)
     assert torch.equal(keep, backend.module(VARLEN).attention_varlen_dropout_mask(cu, 128, 4, p, seed_of(backend, 1)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [26, 64, 128, 256])
+@pytest.mark.parametrize("dtype", ALL_GPU, ids=["fp32", "fp16", "bf16"])
+def test_gpu_triton_atomic_dq(monkeypatch, dtype, head_dim):
+    """BERTFAST_ATTENTION_DQ=atomic (kernels/attention.py, "Atomic dQ") past the one-pass kernel's lengths:
+    the varlen form with empty sequences and dropout, the padded form with keys anywhere, against the
+    reference; its adds are the GPU's atomics, which the interpreter's tests do not run."""
+    from bertfast.kernels import attention as K
+
+    monkeypatch.setenv(K.DQ_ENV, "atomic")
+    triton = BackendUnderTest("triton", torch.device("cuda"))
+    seed = seed_of(triton, 78)
+    lengths = lengths_of("empty", 3, 200, seed=8)  # past 128 (fp16/bf16) and 32 (fp32): not the one-pass kernel
+    q, k, v, dout, cu = varlen_inputs(triton, lengths, dtype, head_dim)
+    check_varlen(triton, q, k, v, dout, cu, int(lengths.max()), p=0.2, seed=seed, atol=1e-4, grad_atol=1e-4)
+    q, k, v, dout = padded_inputs(triton, 3, 200, dtype, head_dim)
+    check_padded(triton, q, k, v, dout, key_mask("scattered", 3, 200, seed=12), atol=1e-4, grad_atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_triton_atomic_dq_bert_size(monkeypatch):
+    """The atomic dQ at BERT-base's training shape (bf16, seq 512, dropout 0.1, the varlen form the encoder
+    runs) against the reference: dQ summed from 4 key blocks' adds."""
+    from bertfast.kernels import attention as K
+
+    monkeypatch.setenv(K.DQ_ENV, "atomic")
+    triton = BackendUnderTest("triton", torch.device("cuda"))
+    lengths = _bert_lengths(512)
+    q, k, v, dout, cu = varlen_inputs(triton, lengths, BF16, 64, 12)
+    check_varlen(triton, q, k, v, dout, cu, 512, p=0.1, seed=seed_of(triton, 79))
