@@ -645,7 +645,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                   + ("" if row["tuned_config"] else "  [first candidate: the run's config unknown]")
                   + ("  [source changed since this run: not fitted]" if row["changed_since_run"] else ""))
         latency = fitted_memory["memory_latency_s"]
-        print(f"  fitted to the kernels unchanged since the run: overlap "
+        print("  fitted to the kernels unchanged since the run: overlap "
               + (f"{fitted:.2f}" if fitted is not None else "- (none of them has tensor-core work or is issue-bound)")
               + f" (assumed {measured_gpu.overlap:g}); memory_overlap "
               + (f"{fitted_memory['memory_overlap']:.2f}" if fitted_memory["memory_overlap"] is not None else "-")
