@@ -51,7 +51,7 @@ def test_profile_rebuilt_from_a_stopped_profiles_trace(tmp_path):
     busy time a union of spans; the wall time and host ops said to be missing, not made up."""
     import gzip, json
     from bertfast.bench import profile
-    from bertfast.perfmodel.report import read_profile
+    from bertfast.perfmodel.runs import read_profile
     events = [{"cat": "user_annotation", "name": "Optimizer.step#AdamW.step", "ts": 0, "dur": 1}] * 2 + [
         {"cat": "kernel", "name": "_bias_gelu_fwd_kernel", "ts": 0, "dur": 30},
         {"cat": "kernel", "name": "nvjet_sm90_gemm", "ts": 10, "dur": 40},  # overlaps the first: busy once

@@ -182,14 +182,14 @@ def test_pipe_bound_counts_each_pipe_at_its_rate(gelu_bwd):
 
 
 def test_a_profile_is_read_and_the_overlap_fitted_to_it(tmp_path, gelu_bwd):
-    from bertfast.perfmodel import report
+    from bertfast.perfmodel import report, runs
     from bertfast.perfmodel.hardware import H200, gpu_named
     text = ("bert-large seq 128 batch 128, bf16 on NVIDIA H200\n\n# bertfast\nwall per step 1 ms\n\n"
             "  ms/step  share  calls  kernel\n   35.952  25.2%    273  aten::mm\n"
             "    2.765   1.9%     25  _bias_gelu_bwd_kernel\n\n  ms/step  calls  host op (self time)\n")
     path = tmp_path / "profile-bertfast.txt"
     path.write_text(text)
-    profile = report.read_profile(str(path))
+    profile = runs.read_profile(str(path))
     assert profile.setting.label() == "bert-large seq 128 batch 128 bf16 p=0.1" and profile.device == "NVIDIA H200"
     assert profile.kernels["_bias_gelu_bwd_kernel"] == (2.765, 25) and profile.kernels["aten::mm"] == (35.952, 273)
     assert profile.tuned == {}  # profiles before 2026-11-27's second H200 run did not list the configs
@@ -197,13 +197,13 @@ def test_a_profile_is_read_and_the_overlap_fitted_to_it(tmp_path, gelu_bwd):
     path.write_text(text + "\nautotuned configs (kernel | tuning key | config):\n"
                     '  _bias_gelu_bwd_kernel | [4096, 16384, false, "torch.bfloat16"] | BLOCK_F=1024 BLOCK_N=4 '
                     "num_warps=8 num_stages=3\n")
-    profile = report.read_profile(str(path))
+    profile = runs.read_profile(str(path))
     assert profile.kernels["_bias_gelu_bwd_kernel"] == (2.765, 25)
     assert profile.tuned == {"_bias_gelu_bwd_kernel": {(4096, 16384, False, "torch.bfloat16"):
                                                        "BLOCK_F=1024 BLOCK_N=4 num_warps=8 num_stages=3"}}
-    assert gpu_named(profile.device) is H200 and report.run_gpu(profile) is H200  # no results.json beside it
+    assert gpu_named(profile.device) is H200 and runs.run_gpu(profile) is H200  # no results.json beside it
     (tmp_path / "other.txt").write_text("fp32 tiny run\n")
-    assert report.read_profile(str(tmp_path / "other.txt")) is None
+    assert runs.read_profile(str(tmp_path / "other.txt")) is None
 
     # two kernels the issue slots bind, measured at exactly their predictions at overlap 0.5: the fit
     # finds 0.5; a memory-bound row beside them does not move it
@@ -225,13 +225,13 @@ def test_a_kernel_timed_in_two_variants_is_compared_with_their_mean(tmp_path):
     are set beside the mean of the two predictions."""
     from types import SimpleNamespace
 
-    from bertfast.perfmodel import report
+    from bertfast.perfmodel import report, runs
     from bertfast.perfmodel import kernels as K
     setting = K.Setting("bert-large", 128, 128, 0.1)
     path = tmp_path / "profile-bertfast.txt"
     path.write_text("bert-large seq 128 batch 128, bf16 on NVIDIA H200\n\n# bertfast\nwall per step 1 ms\n\n"
                     "  ms/step  share  calls  kernel\n   12.000  20.0%     48  _gemm_bias_gelu_kernel\n")
-    profile = report.read_profile(str(path))
+    profile = runs.read_profile(str(path))
     results = [report.KernelResult(setting, "bias_gelu", "_gemm_bias_gelu_kernel", f"BACKWARD={b}", "", 110, 1e8,
                                    SimpleNamespace(predicted_s=t)) for b, t in ((0, 200e-6), (1, 300e-6))]
     row, = report.compare(results, profile)
@@ -243,7 +243,7 @@ def test_a_kernel_timed_in_two_variants_is_compared_with_their_mean(tmp_path):
     path.write_text(path.read_text() + f"    2.000   3.0%     48  {ln}\n")
     results += [report.KernelResult(setting, "bias_dropout_residual_layernorm", ln, f"HAS_BIAS={b}", "", 60, 1e8,
                                     SimpleNamespace(predicted_s=t)) for b, t in ((1, 40e-6), (0, 20e-6))]
-    rows = {r["kernel"]: r for r in report.compare(results, report.read_profile(str(path)))}
+    rows = {r["kernel"]: r for r in report.compare(results, runs.read_profile(str(path)))}
     assert rows[ln]["predicted_s"] == pytest.approx(40e-6) and rows[ln]["variants"] == 1
 
 
@@ -270,22 +270,22 @@ def test_the_memory_constants_are_fitted_to_the_memory_bound_kernels(gelu_bwd):
 def test_the_latest_profile_is_the_last_measured_not_the_last_folder_name(tmp_path):
     """An H200's second run of a day ("2026-11-26-2") and an H100's later first ("2026-11-26"): the
     runs' own timestamps order them; without a results.json, the folder's name does."""
-    from bertfast.perfmodel import report
-    runs = {("nvidia-h200", "2026-11-26-2"): "2026-11-26T03:39:47+00:00",
-            ("nvidia-h100", "2026-11-26"): "2026-11-26T11:27:48+00:00", ("nvidia-a100", "2026-11-25"): None}
-    for (gpu, day), date in runs.items():
+    from bertfast.perfmodel import runs
+    dates = {("nvidia-h200", "2026-11-26-2"): "2026-11-26T03:39:47+00:00",
+             ("nvidia-h100", "2026-11-26"): "2026-11-26T11:27:48+00:00", ("nvidia-a100", "2026-11-25"): None}
+    for (gpu, day), date in dates.items():
         run = tmp_path / gpu / day
         run.mkdir(parents=True)
         (run / "profile-bertfast.txt").write_text(f"bert-large seq 128 batch 128, bf16 on {gpu}\n")
         if date:
             (run / "results.json").write_text(json.dumps({"date": date}))
-    assert report.latest_profile(str(tmp_path)).device == "nvidia-h100"
-    assert report.run_date(str(tmp_path / "nvidia-a100" / "2026-11-25")) == "2026-11-25"
+    assert runs.latest_profile(str(tmp_path)).device == "nvidia-h100"
+    assert runs.run_date(str(tmp_path / "nvidia-a100" / "2026-11-25")) == "2026-11-25"
     # a run that also profiled pretrain's graphed step: that profile, the budget's step, is the one read
-    assert not report.latest_profile(str(tmp_path)).graphed
+    assert not runs.latest_profile(str(tmp_path)).graphed
     latest = tmp_path / "nvidia-h100" / "2026-11-26"
     (latest / "profile-graphs.txt").write_text("bert-large seq 128 batch 128, bf16 on nvidia-h100\n")
-    profile = report.latest_profile(str(tmp_path))
+    profile = runs.latest_profile(str(tmp_path))
     assert profile.graphed and profile.trace == str(latest / "profile-graphs.trace.json.gz")
 
 
@@ -609,7 +609,7 @@ def test_perf_model_command_reads_every_kernel_and_reports_the_targets(tmp_path)
 def test_a_kernel_changed_since_the_profiled_run_is_marked_and_not_fitted(tmp_path):
     """The committed profile measured the code of its commit: a kernel edited since is shown but
     leaves the overlap fit (its measured time is of other code)."""
-    from bertfast.perfmodel import report
+    from bertfast.perfmodel import report, runs
     if shutil.which("git") is None:
         pytest.skip("no git")
 
@@ -627,13 +627,13 @@ def test_a_kernel_changed_since_the_profiled_run_is_marked_and_not_fitted(tmp_pa
     profile.write_text("profile\n")
     git("add", "-A")
     git("commit", "-qm", "the GPU run")
-    assert report.changed_since(str(profile), ["kernels/attention.py"], str(tmp_path)) is False
+    assert runs.changed_since(str(profile), ["kernels/attention.py"], str(tmp_path)) is False
     (tmp_path / "kernels" / "attention.py").write_text("v2\n")
-    assert report.changed_since(str(profile), ["kernels/attention.py"], str(tmp_path)) is True  # not committed yet
+    assert runs.changed_since(str(profile), ["kernels/attention.py"], str(tmp_path)) is True  # not committed yet
     git("commit", "-qam", "faster attention")
-    assert report.changed_since(str(profile), ["kernels/attention.py"], str(tmp_path)) is True
-    assert report.changed_since(str(profile), ["kernels/bias_gelu.py"], str(tmp_path)) is False
-    assert report.changed_since(str(tmp_path / "nowhere.txt"), ["kernels/bias_gelu.py"], str(tmp_path)) is None
+    assert runs.changed_since(str(profile), ["kernels/attention.py"], str(tmp_path)) is True
+    assert runs.changed_since(str(profile), ["kernels/bias_gelu.py"], str(tmp_path)) is False
+    assert runs.changed_since(str(tmp_path / "nowhere.txt"), ["kernels/bias_gelu.py"], str(tmp_path)) is None
     # Asked for one kernel, only its function and the helpers of its file it calls count: a kernel added
     # beside it does not change it, an edit of a helper it calls does.
     source = "@jit\ndef helper(x):\n    return x\n\n\n@jit\ndef kernel(x):\n    return helper(x)\n"
@@ -647,11 +647,11 @@ def test_a_kernel_changed_since_the_profiled_run_is_marked_and_not_fitted(tmp_pa
     sources = ["kernels/bias_gelu.py"]
     (tmp_path / "kernels" / "bias_gelu.py").write_text(source + "\n\n@jit\ndef gemm(x):\n    return x\n")
     git("commit", "-qam", "a GEMM beside it")
-    assert report.changed_since(str(second), sources, str(tmp_path)) is True  # the file did change
-    assert report.changed_since(str(second), sources, str(tmp_path), kernel="kernel") is False
+    assert runs.changed_since(str(second), sources, str(tmp_path)) is True  # the file did change
+    assert runs.changed_since(str(second), sources, str(tmp_path), kernel="kernel") is False
     (tmp_path / "kernels" / "bias_gelu.py").write_text(source.replace("return x", "return 2 * x"))
-    assert report.changed_since(str(second), sources, str(tmp_path), kernel="kernel") is True  # its helper
-    assert report.changed_since(str(second), sources + ["kernels/attention.py"], str(tmp_path),
+    assert runs.changed_since(str(second), sources, str(tmp_path), kernel="kernel") is True  # its helper
+    assert runs.changed_since(str(second), sources + ["kernels/attention.py"], str(tmp_path),
                                 kernel="gemm") is True  # not in the run's file: it counts as changed
     # A changed kernel's row does not move the fitted overlap.
     work = model.Work(100, 4096, 132, 8, 1e3)

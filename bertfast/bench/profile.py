@@ -295,7 +295,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def tuned_report() -> str:
     """The autotuner's choices in this process (kernels/_common.py tuned_configs), a line per kernel and
-    key: the configs the profiled kernels ran, which the perf model reads back (report.read_profile)."""
+    key: the configs the profiled kernels ran, which the perf model reads back (runs.read_profile)."""
     from bertfast.kernels._common import tuned_configs
     chosen = tuned_configs()
     if not chosen:
@@ -307,7 +307,7 @@ def tuned_report() -> str:
 
 
 def _case(args, device_type: str) -> str:
-    """The first line's case (the perf model reads it back: bertfast/perfmodel/report.py read_profile)."""
+    """The first line's case (the perf model reads it back: bertfast/perfmodel/runs.py read_profile)."""
     return f"{args.model} seq {args.seqlen} batch {args.batch}, {args.dtype if device_type == 'cuda' else 'fp32'}"
 
 

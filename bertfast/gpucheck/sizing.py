@@ -366,7 +366,7 @@ def _gpu_run_tests() -> Dict:
     perf model orders them: by when each was measured)."""
     from bertfast.gpucheck import compile_groups
     from bertfast.gpucheck.pytest_progress import read_progress
-    from bertfast.perfmodel.report import RESULTS, run_date
+    from bertfast.perfmodel.runs import RESULTS, run_date
 
     runs = sorted(Path(RESULTS).glob("*/*/stage2-tests-progress.jsonl"), key=lambda p: run_date(str(p.parent)))
     if not runs:
