@@ -63,7 +63,8 @@ def _check_key_padding(mask: torch.Tensor, keep: torch.Tensor, key_keep: torch.T
         served = served & (keep | blocked).all()
     message = ("bertfast attention serves key-padding masks only (every query row masks the same keys, "
                "a float mask holds only 0 and a large negative); this mask holds a position bias or "
-               "masks per query (causal, sliding window, chunked). Use attn_implementation='sdpa'")
+               "masks per query (causal, sliding window, chunked, or sequences packed by position ids that "
+               "restart). Use attn_implementation='sdpa', or bertfast's own models for packed sequences")
     if torch.compiler.is_compiling():  # no host sync in a graph: checked on the device
         torch._assert_async(served, message)
         return

@@ -41,12 +41,14 @@ def dropout(x: torch.Tensor, p: float, keep_mask: Optional[torch.Tensor] = None,
 # --------------------------------------------------------------------------- attention
 def attention_probs(q: torch.Tensor, k: torch.Tensor, key_padding_mask: Optional[torch.Tensor] = None,
                     softmax_scale: Optional[float] = None) -> torch.Tensor:
-    """softmax(q k^T * scale) over the valid keys: q, k [B, S, A, D] -> [B, A, S, S] (rows with no key: 0)."""
+    """softmax(q k^T * scale) over the valid keys: q, k [B, S, A, D] -> [B, A, S, S] (rows with no key: 0).
+    key_padding_mask [B, S] (1 = token), or [B, S, S] per query (True where the query attends the key:
+    packed sequences read from position ids, ``model_inputs.same_sequence``)."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     scores = torch.einsum("bqad,bkad->baqk", q, k) * scale  # [B, A, S, S]
     if key_padding_mask is None:
         return torch.softmax(scores, dim=-1)
-    keep = key_padding_mask.bool()[:, None, None, :]
+    keep = key_padding_mask.bool()[:, None] if key_padding_mask.dim() == 3 else key_padding_mask.bool()[:, None, None]
     scores = scores.masked_fill(~keep, float("-inf"))
     # A row with no valid key would be softmax(-inf, ..., -inf) = NaN: make it all zero.
     any_key = keep.any(dim=-1, keepdim=True)
@@ -60,7 +62,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               dropout_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Bidirectional self-attention on padded tensors.
 
-    q, k, v: [B, S, A, D]; key_padding_mask: [B, S] (1 = token); dropout_mask: [B, A, S, S] keep.
+    q, k, v: [B, S, A, D]; key_padding_mask: [B, S] (1 = token) or [B, S, S] (``attention_probs``);
+    dropout_mask: [B, A, S, S] keep.
     Returns [B, S, A, D].
     """
     probs = dropout(attention_probs(q, k, key_padding_mask, softmax_scale), dropout_p, dropout_mask)
@@ -158,9 +161,10 @@ def encoder(bert: nn.Module, input_ids: Optional[torch.Tensor], attention_mask: 
             want_states: bool = False, want_probs: bool = False
             ) -> Tuple[torch.Tensor, Optional[Tuple[torch.Tensor, ...]], Optional[Tuple[torch.Tensor, ...]]]:
     """The padded BERT encoder of ``bert`` (a BertModel). Inputs [B, S] (inputs_embeds [B, S, H]),
-    attention_mask 1 = token. Padded positions are computed like tokens (they attend to the
-    tokens), as in transformers. Returns (last hidden state [B, S, H], hidden states with the
-    embeddings first or None, attention probabilities [B, A, S, S] per layer or None)."""
+    attention_mask 1 = token, or [B, S, S] per query (``attention_probs``). Padded positions are
+    computed like tokens (they attend to the tokens), as in transformers. Returns (last hidden state
+    [B, S, H], hidden states with the embeddings first or None, attention probabilities [B, A, S, S]
+    per layer or None)."""
     emb = bert.embeddings
     words = emb.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
     types = emb._modules.get("token_type_embeddings")  # DistilBERT has none

@@ -313,32 +313,14 @@ def test_position_and_token_type_ids_of_one_row_broadcast_as_in_transformers(cls
     hf = getattr(transformers, cls_name).from_pretrained(tmp_path, attn_implementation="eager").eval()
     kw = inputs(cls_name)
     del kw["attention_mask"], kw["token_type_ids"]  # no padding: transformers' padded rows differ by design
-    # positions that run on by one (from 3): restarts without an attention mask are packed sequences to
-    # transformers 5.25 (the next test)
+    # positions that run on by one (from 3): restarts without an attention mask are packed sequences
+    # (tests/test_position_packing.py)
     row = dict(position_ids=torch.arange(SEQ)[None] + 3, token_type_ids=(torch.arange(SEQ)[None] > 4).long())
     full = {k: v.expand(kw["input_ids"].shape) for k, v in row.items()}
     with torch.no_grad():
         ours, expanded, theirs = model(**kw, **row), model(**kw, **full), hf(**kw, **row)
     for key in ours.keys():
         torch.testing.assert_close(ours[key], expanded[key], atol=0, rtol=0)
-        torch.testing.assert_close(ours[key], theirs[key], atol=2e-5, rtol=0)
-
-
-def test_position_ids_that_restart_are_one_sequence_as_before_transformers_5_25(tmp_path):
-    """The documented difference (README): without an attention mask, transformers 5.25 reads position ids
-    that do not run on by one as packed sequences and attends within each; bertfast, like transformers
-    before it, attends over the whole row: transformers' result with a mask of ones (which it does not
-    read as packing), on any version. Packed sequences go through cu_seq_lens_q (tests/test_packed.py)."""
-    model = build("BertModel")
-    model.save_pretrained(tmp_path)
-    hf = transformers.BertModel.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    kw = inputs("BertModel")
-    del kw["attention_mask"], kw["token_type_ids"]
-    positions = torch.arange(SEQ).flip(0)[None].expand(kw["input_ids"].shape) + 3  # a restart at every token
-    with torch.no_grad():
-        ours = model(**kw, position_ids=positions)
-        theirs = hf(**kw, position_ids=positions, attention_mask=torch.ones_like(kw["input_ids"]))
-    for key in ours.keys():
         torch.testing.assert_close(ours[key], theirs[key], atol=2e-5, rtol=0)
 
 

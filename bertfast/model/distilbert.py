@@ -185,6 +185,7 @@ class DistilBertModel(EncoderModel, DistilBertPreTrainedModel):
     embeddings_class = DistilBertEmbeddings
     layer_class = DistilBertBlock
     stack_name = "transformer"
+    packs_by_position_ids = False  # transformers' DistilBERT masks read no position ids
     _no_split_modules = ["DistilBertBlock"]
 
     def __init__(self, config, add_pooling_layer: bool = False):

@@ -3,7 +3,10 @@ input forms change: every layer runs the same code over a ``Layout``.
 
 * unpadded (the default): a padded batch [B, S] loses its padding once (``bertfast.padding``); the
   rows are the real tokens, the attention is the varlen op over cu_seqlens, the output is padded
-  back with zeros. Any mask pattern works, left padding too.
+  back with zeros. Any mask pattern works, left padding too. Given position ids that restart and
+  no attention mask (packed sequences, as transformers 5.25 reads them), every position is a row
+  and cu_seqlens cut each row where its positions restart (``Layout.segmented``; not under
+  torch.compile, which takes packed sequences as cu_seq_lens_q).
 * padded (under torch.compile): every position is a row, static shapes; the attention is the
   padded op with the key mask (unpadding has a data-dependent size).
 * packed (transformers' cu_seq_lens_q / max_length_q on a [1, T] row): the row is already the
@@ -43,6 +46,24 @@ class Layout:
         """The real tokens of attention_mask [B, S] (one host read: the row count)."""
         index, cu_seqlens, max_seqlen = unpad_mask(attention_mask)
         return cls(UNPADDED, *attention_mask.shape, index=index, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+
+    @classmethod
+    def segmented(cls, starts: Tensor) -> "Layout":
+        """Every position of a batch [B, S] a row, in the sequences ``starts`` [B, S] begin (True at
+        each one's first token, every row's first among them: ``model_inputs.position_restarts``).
+        One host read: the sequences' count and the longest."""
+        if torch.compiler.is_compiling():
+            raise ValueError(
+                "position_ids with no attention_mask: bertfast reads positions that restart as packed sequences "
+                "(as transformers 5.25 does), and cutting them has a size torch.compile cannot trace. Pass "
+                "cu_seq_lens_q and max_length_q for packed sequences (DataCollatorWithFlattening("
+                "return_flash_attn_kwargs=True), bertfast.pack_batch), or an attention_mask (of ones) for one "
+                "sequence a row")
+        batch, seqlen = starts.shape
+        firsts = starts.flatten().nonzero().flatten()
+        cu_seqlens = torch.cat([firsts, firsts.new_full((1,), batch * seqlen)]).to(torch.int32)
+        return cls(UNPADDED, batch, seqlen, index=torch.arange(batch * seqlen, device=starts.device),
+                   cu_seqlens=cu_seqlens, max_seqlen=int(cu_seqlens.diff().max()))
 
     @classmethod
     def padded(cls, attention_mask: Tensor) -> "Layout":

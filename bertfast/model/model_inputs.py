@@ -108,6 +108,23 @@ def packed_positions(packed: Packed, tokens: int) -> Tensor:
     return (torch.arange(tokens, device=packed.cu_seqlens.device) - _sequence_starts(packed, tokens))[None]
 
 
+def position_restarts(position_ids: Tensor) -> Tensor:
+    """Packed sequences read from position ids, as transformers (5.25 and later) reads them when no
+    attention_mask is given: a token whose position is not the one before it plus one starts a
+    sequence, and attention stays within each (``DataCollatorWithFlattening``'s default batch).
+    position_ids [B, S] -> [B, S] bool, True at each sequence's first token (every row's first among
+    them). No host read."""
+    first = torch.ones_like(position_ids[:, :1], dtype=torch.bool)
+    return torch.cat([first, position_ids.diff(dim=1) != 1], dim=1)
+
+
+def same_sequence(starts: Tensor) -> Tensor:
+    """[B, S, S] bool: True where the query's and the key's tokens lie in one sequence of ``starts``
+    (``position_restarts``'s): the reference encoder's mask for them."""
+    sequence = starts.long().cumsum(1)
+    return sequence[:, :, None] == sequence[:, None, :]
+
+
 def _sequence_starts(packed: Packed, tokens: int) -> Tensor:
     """[T] int64: the index of the first token of each token's sequence."""
     cu = packed.cu_seqlens

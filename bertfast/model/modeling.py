@@ -481,6 +481,9 @@ class EncoderModel:
     embeddings_class = BertEmbeddings
     layer_class = BertLayer
     stack_name = "encoder"  # the layers' module (DistilBERT's: transformer)
+    # Position ids that restart, given without an attention mask, pack sequences (transformers 5.25's
+    # masks read them so; its DistilBERT's do not).
+    packs_by_position_ids = True
     _no_split_modules = ["BertEmbeddings", "BertLayer"]
 
     def __init__(self, config: Any, add_pooling_layer: bool = True):
@@ -516,9 +519,11 @@ class EncoderModel:
         output_attentions = cfg.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
         return_dict = cfg.return_dict if return_dict is None else return_dict
+        packs = self.packs_by_position_ids and position_ids is not None and attention_mask is None and packed is None
         attention_mask, token_type_ids, position_ids = model_inputs.prepare_inputs(
             cfg, self.embeddings.word_embeddings, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
             packed, self.embeddings.position_padding_idx)
+        starts = model_inputs.position_restarts(position_ids) if packs else None
         index = token_rows = probs = None
         want_states = bool(output_hidden_states)
         if _reference(self) and packed is not None:
@@ -526,9 +531,9 @@ class EncoderModel:
                 self, packed.cu_seqlens, packed.max_seqlen, input_ids, token_type_ids, position_ids, inputs_embeds,
                 want_states, bool(output_attentions))
         elif _reference(self):
-            sequence, states, probs = reference.encoder(self, input_ids, attention_mask, token_type_ids,
-                                                        position_ids, inputs_embeds, want_states,
-                                                        bool(output_attentions))
+            sequence, states, probs = reference.encoder(
+                self, input_ids, attention_mask if starts is None else model_inputs.same_sequence(starts),
+                token_type_ids, position_ids, inputs_embeds, want_states, bool(output_attentions))
             firsts = first_real_tokens(sequence, attention_mask)
         elif output_attentions:
             raise ValueError("output_attentions=True: the fused attention never materialises attention "
@@ -536,6 +541,8 @@ class EncoderModel:
         else:
             if packed is not None:
                 layout = Layout.packed(packed.cu_seqlens, packed.max_seqlen, position_ids.shape[1])
+            elif starts is not None:
+                layout = Layout.segmented(starts)
             elif torch.compiler.is_compiling():  # static shapes: unpadding has a data-dependent size
                 layout = Layout.padded(attention_mask)
             else:
