@@ -166,12 +166,17 @@ def _choose_on_scratch(kernel, grid, args: Sequence, consts: Dict, scratch: Sequ
         # Same sizes and strides (a row-strided view keeps its row stride, which the kernel is given).
         spare = [torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device) if name in scratch
                  else a for name, a in zip(kernel.arg_names, args)]
-        kernel[grid](*spare, **consts)
+        kernel[grid](*spare, **consts, **COMPILE_OPTIONS)
         _SCRATCH_CHOICES[key] = kernel.best_config
     return _SCRATCH_CHOICES[key]
 
 
 # --------------------------------------------------------------------------- launching
+# Compile options every launch and every compile for a report passes. FP contraction (FMA) on, as the
+# kernels were checked and tuned: triton 3.9 warns on each run that leaves it to the default, and
+# triton 3.10 turns that default off.
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
+
 # (jit function, grid, args, consts, candidate configs, tuning key or None for a plain kernel)
 Recorder = Callable[[object, object, Sequence, Dict, List[triton.Config], Optional[Tuple]], None]
 _RECORDER: Optional[Recorder] = None
@@ -209,11 +214,11 @@ def launch(kernel, grid, args: Sequence, consts: Dict, *, interp: Optional[Dict]
         _RECORDER(fn, grid, args, consts, configs, _tuning_key(kernel, args, consts) if tuned else None)
         return
     if not tuned:
-        fn[grid](*args, **consts)
+        fn[grid](*args, **consts, **COMPILE_OPTIONS)
     elif not autotune_enabled():
-        fn[grid](*args, **consts, **candidates(kernel, args, consts)[0].all_kwargs())
+        fn[grid](*args, **consts, **candidates(kernel, args, consts)[0].all_kwargs(), **COMPILE_OPTIONS)
     elif scratch:
         config = _choose_on_scratch(kernel, grid, args, consts, scratch)
-        fn[grid](*args, **consts, **config.all_kwargs())
+        fn[grid](*args, **consts, **config.all_kwargs(), **COMPILE_OPTIONS)
     else:
-        kernel[grid](*args, **consts)
+        kernel[grid](*args, **consts, **COMPILE_OPTIONS)

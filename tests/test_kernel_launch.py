@@ -26,7 +26,8 @@ def test_fixed_mode_runs_the_first_candidate_without_tuning(stand_in_tuner, monk
 
     def spy(self, *args, **kwargs):
         if self.fn.__name__.startswith("_bias_gelu"):  # not the backward's column_sums launch
-            launched.append({k: kwargs[k] for k in ("BLOCK_N", "BLOCK_F", "num_warps") if k in kwargs})
+            launched.append({k: kwargs[k] for k in ("BLOCK_N", "BLOCK_F", "num_warps", "enable_fp_fusion")
+                             if k in kwargs})
         return original(self, *args, **kwargs)
     monkeypatch.setattr(type(BG._fwd_tuned.fn), "run", spy)
     x, bias, dy = _bias_gelu_inputs()
@@ -38,8 +39,28 @@ def test_fixed_mode_runs_the_first_candidate_without_tuning(stand_in_tuner, monk
     (gz,) = torch.autograd.grad(want, z, dy)
     torch.testing.assert_close(dx, gz, atol=2e-6, rtol=1e-5)
     first = _common.candidates(BG._fwd_tuned, (x, bias, y, 37, 300, 300, 64), {"APPROX_TANH": False})[0]
-    assert launched[0] == {**first.kwargs, "num_warps": first.num_warps}
+    assert launched[0] == {**first.kwargs, "num_warps": first.num_warps, **_common.COMPILE_OPTIONS}
     assert len(launched) == 2
+
+
+def test_every_launch_pins_fp_contraction(stand_in_tuner, monkeypatch):
+    """Tuned, fixed and plain launches pass enable_fp_fusion=True: triton 3.10 turns its default off."""
+    assert _common.COMPILE_OPTIONS == {"enable_fp_fusion": True}
+    stand_in_tuner(BG._fwd_tuned, BG._bwd_tuned)
+    seen = []
+    original = type(BG._fwd_tuned.fn).run
+
+    def spy(self, *args, **kwargs):
+        seen.append((self.fn.__name__, kwargs.get("enable_fp_fusion")))
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(type(BG._fwd_tuned.fn), "run", spy)
+    x, bias, dy = _bias_gelu_inputs()
+    for fixed in ("1", "0"):  # autotuned (each candidate timed, then the best), then the first candidate
+        monkeypatch.setenv(_common.AUTOTUNE_ENV, fixed)
+        BG.bias_gelu_bwd(dy, x, bias)  # the tuned kernel, then the plain column_sums kernel
+    names = {name for name, _ in seen}
+    assert any(n.startswith("_bias_gelu") for n in names) and len(names) >= 2, names
+    assert all(flag is True for _, flag in seen), seen
 
 
 def test_tuned_configs_report_what_the_autotuner_chose_under_the_key_recorded_offline(stand_in_tuner):

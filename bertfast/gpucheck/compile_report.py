@@ -439,6 +439,8 @@ def _config_text(launch: Launch, config) -> str:
 
 def compile_triton(launches: Sequence[Launch], shard: Tuple[int, int] = (0, 1)) -> List[Row]:
     """Compile every candidate of every launch (those of this shard) for sm_90."""
+    from bertfast.kernels._common import COMPILE_OPTIONS
+
     rows: List[Row] = []
     index = 0
     for launch in launches:
@@ -454,7 +456,7 @@ def compile_triton(launches: Sequence[Launch], shard: Tuple[int, int] = (0, 1)) 
             start = time.perf_counter()
             try:
                 with contextlib.redirect_stdout(log):
-                    kernel = launch.fn.warmup(*launch.args, grid=(1,), **consts)
+                    kernel = launch.fn.warmup(*launch.args, grid=(1,), **consts, **COMPILE_OPTIONS)
             except Exception as exc:  # noqa: BLE001 - a kernel that does not compile is a finding
                 row.error = f"does not compile: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                 rows.append(row)

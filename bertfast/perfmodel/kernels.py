@@ -278,7 +278,7 @@ def record(setting: Setting, ops: Optional[Sequence[str]] = None,
     tuning key -> config_text, a GPU run's autotuner's choices) names for the launch's key when it is still
     among the candidates."""
     from bertfast.gpucheck.compile_report import bert_launches
-    from bertfast.kernels._common import compile_only, config_text, key_values
+    from bertfast.kernels._common import COMPILE_OPTIONS, compile_only, config_text, key_values
 
     launches: List[Launch] = []
     for case, call in bert_launches([setting.as_report_setting()], (HEAD_DIM,), ops or priced_ops(),
@@ -293,8 +293,9 @@ def record(setting: Setting, ops: Optional[Sequence[str]] = None,
             if config is not None:
                 meta.update(config.all_kwargs())
             shape = grid(meta) if callable(grid) else grid
-            launches.append(Launch(op, fn.__name__, meta, tuple(int(g) for g in shape), tuple(args),
-                                   lambda fn=fn, args=tuple(args), meta=meta: fn.warmup(*args, grid=(1,), **meta),
+            def compile_it(fn=fn, args=tuple(args), meta=meta):
+                return fn.warmup(*args, grid=(1,), **meta, **COMPILE_OPTIONS)
+            launches.append(Launch(op, fn.__name__, meta, tuple(int(g) for g in shape), tuple(args), compile_it,
                                    tuple(fn.arg_names[:len(args)]), chosen is not None))
         with compile_only(keep):
             call()
