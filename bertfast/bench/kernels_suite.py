@@ -25,8 +25,12 @@ from bertfast.bench.common import Stopped, SuiteContext, free_memory, short_erro
 from bertfast.bench.gate import compare
 from bertfast.bench.kernel_cases import ALL_DIRECTIONS, STEP, SUITE, Impl, OpCase, Prepared, case_builders
 from bertfast.bench.results import ERROR, FAILED_PARITY, TORCH_COMPILE, Row, case_text, skipped
-from bertfast.bench.timing import (COLD_L2, PERF_COUNTER, SMALL_KERNEL_MS, host_overhead_us, peak_memory, time_fn,
-                                   time_small)
+from bertfast.bench.timing import (BACK_TO_BACK, COLD_L2, PERF_COUNTER, SMALL_KERNEL_MS, host_overhead_us, peak_memory,
+                                   time_fn, time_small)
+
+# A back-to-back re-timing whose calls took no longer than this share of their host time measured the host:
+# the cold-L2 figure, queued ahead of the host, stands.
+HOST_BOUND_SHARE = 0.8
 
 
 # --------------------------------------------------------------------------- running
@@ -75,15 +79,21 @@ def _time_direction(ctx: SuiteContext, p: Prepared, direction: str):
     re-timing else None, peak memory or None).
 
     Cold-L2 CUDA events per call; a figure under SMALL_KERNEL_MS is re-timed by graph replay (or
-    back to back), its host overhead measured apart. CPU: perf_counter."""
+    back to back), its host overhead measured apart. A back-to-back re-timing bound by the host
+    (HOST_BOUND_SHARE) is not kept: the H200 run of 2026-11-27-3 reported a LayerNorm backward whose
+    calls could not be captured at 0.50 ms, its host's 0.51, where its cold-L2 time was under 0.05.
+    CPU: perf_counter."""
     fn = direction_callable(p, direction)
     dev = ctx.torch_device
     t = time_fn(fn, dev, ctx.policy)
     method, host, cold = (COLD_L2 if ctx.device.is_cuda else PERF_COUNTER), None, None
     if ctx.device.is_cuda and t.median < SMALL_KERNEL_MS:
-        cold = t
-        t, method = time_small(fn, dev)
+        warm, warm_method = time_small(
+            fn, dev, not_captured=lambda exc: ctx.log(f"  {direction}: not captured in a CUDA graph "
+                                                      f"({short_error(exc)}): timed back to back"))
         host = host_overhead_us(fn, dev)
+        if warm_method != BACK_TO_BACK or host.median / 1e3 < HOST_BOUND_SHARE * warm.median:
+            t, method, cold = warm, warm_method, t
     return t, method, host, cold, (peak_memory(fn, dev) if direction == "fwd+bwd" else None)
 
 

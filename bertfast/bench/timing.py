@@ -290,13 +290,17 @@ def _capture(fn: Callable[[], object], device: torch.device, calls: int) -> "tor
     return graph
 
 
-def time_small(fn: Callable[[], object], device: torch.device, calls: int = 20, samples: int = 10):
-    """(Stat of ms per call, method): graph replay of ``calls`` calls, else back to back."""
+def time_small(fn: Callable[[], object], device: torch.device, calls: int = 20, samples: int = 10,
+               not_captured: Optional[Callable[[Exception], None]] = None):
+    """(Stat of ms per call, method): graph replay of ``calls`` calls, else back to back
+    (``not_captured`` gets the capture's exception)."""
     device = torch.device(device)
     try:
         graph = _capture(fn, device, calls)
         run, method = graph.replay, GRAPH_REPLAY
-    except Exception:  # noqa: BLE001 - not capturable here: time the eager calls back to back
+    except Exception as exc:  # noqa: BLE001 - not capturable here: time the eager calls back to back
+        if not_captured is not None:
+            not_captured(exc)
         torch.cuda.synchronize(device)
 
         def run():
