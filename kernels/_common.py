@@ -29,6 +29,10 @@ import torch
 import triton
 
 AUTOTUNE_ENV = "BERTFAST_AUTOTUNE"
+# Compile options every launch and every compile for a report passes. FP contraction (FMA) on, as the
+# kernels were checked and tuned: triton 3.9 warns on each run that leaves it to the default, and
+# triton 3.10 turns that default off.
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
 # Per config: 5 ms warm-up and 20 ms of timed calls (Triton's default is 25 + 100 ms). The
 # choice between candidates that are each a few microseconds apart does not need more.
 TUNE_WARMUP_MS = 5
@@ -172,11 +176,6 @@ def _choose_on_scratch(kernel, grid, args: Sequence, consts: Dict, scratch: Sequ
 
 
 # --------------------------------------------------------------------------- launching
-# Compile options every launch and every compile for a report passes. FP contraction (FMA) on, as the
-# kernels were checked and tuned: triton 3.9 warns on each run that leaves it to the default, and
-# triton 3.10 turns that default off.
-COMPILE_OPTIONS = {"enable_fp_fusion": True}
-
 # (jit function, grid, args, consts, candidate configs, tuning key or None for a plain kernel)
 Recorder = Callable[[object, object, Sequence, Dict, List[triton.Config], Optional[Tuple]], None]
 _RECORDER: Optional[Recorder] = None
