@@ -45,6 +45,32 @@ def test_row_op_bytes_hand_computed():
     assert W.embeddings_bytes(2, 3, 5, 4, 2, 8, 4, 2, "bwd") == 328
 
 
+def test_embeddings_bytes_count_each_gathered_table_row_once():
+    """A gather reads each distinct table row from DRAM once (its repeats are L2 hits): 8 tokens over
+    tables of 5, 4 and 2 rows read at most those 11 rows, not 24; given the ids' distinct rows, those."""
+    # T=8 H=3, int64 ids, fp32 tables, bf16 out: fwd ids 192 + rows (5+4+2)*3*4 = 132 + LN 24 + y 48 + stats 64
+    assert W.gathered_rows(8, 5) == 5 and W.gathered_rows(2, 5) == 2
+    assert W.embeddings_bytes(8, 3, 5, 4, 2, 8, 4, 2, "fwd") == 460
+    # bwd dy 48 + ids 192 + rows 132 + LN 24 + stats 64 + dense table grads 132 + dLN 24
+    assert W.embeddings_bytes(8, 3, 5, 4, 2, 8, 4, 2, "bwd") == 616
+    # the ids hold 3 distinct words, 2 positions, 1 type: 6 rows, 72 bytes
+    assert W.embeddings_bytes(8, 3, 5, 4, 2, 8, 4, 2, "fwd", distinct=(3, 2, 1)) == 460 - 132 + 72
+    assert W.embeddings_bytes(8, 3, 5, 4, 2, 8, 4, 2, "fwd+bwd", distinct=(3, 2, 1)) == 460 + 616 - 2 * 60
+
+
+def test_the_embeddings_case_counts_its_ids_distinct_rows():
+    """The kernel suite's embeddings case divides by the rows its ids gather, each distinct word, position
+    and token-type row once: at CPU's 64 tokens over 100 words, fewer words than tokens."""
+    from bertfast.bench.common import generator_for
+    from bertfast.bench.kernel_cases import embeddings_cases
+    case = embeddings_cases(_cpu_ctx())[0]
+    t, h, vocab = case.case["tokens"], case.case["hidden"], case.case["vocab"]
+    words = int(torch.randint(0, vocab, (t,), generator=generator_for("embeddings", t, h, vocab)).unique().numel())
+    assert words < t
+    for d in ("fwd", "bwd"):  # fp32 here: 4-byte tables and outputs; 32 positions (64 % 32), 2 types
+        assert case.work(d)["bytes"] == W.embeddings_bytes(t, h, vocab, 32, 2, 8, 4, 4, d, (words, 32, 2))
+
+
 def test_model_flops_and_mfu_hand_computed():
     cfg = types.SimpleNamespace(hidden_size=4, num_hidden_layers=2, intermediate_size=8, vocab_size=10)
     # per layer: linear 2 * 5 tokens * (4*16 + 2*4*8) = 1280, attention 4 * (2^2 + 3^2) * 4 = 208

@@ -792,6 +792,36 @@ def test_mma_rate_refuses_without_a_gpu():
     assert res.returncode == 2 and "needs a GPU" in res.stderr
 
 
+_EMBEDDINGS_BYTES = """
+import json
+from bertfast.perfmodel import kernels as K
+from bertfast.perfmodel.hardware import H100
+setting = K.Setting("bert-large", 512, 32, 0.1)
+launches = {launch.kernel: launch for launch in K.record(setting, ["embeddings"])}
+print(json.dumps({k: K.WORK[k](setting, launches[k], H100).hbm_bytes
+                  for k in ("_embeddings_fwd_kernel", "_embeddings_bwd_kernel")}))
+"""
+
+
+def test_embeddings_kernels_read_each_gathered_table_row_once():
+    """The embeddings' forward and backward kernels read the table rows their tokens gather, each distinct
+    row once (bench.flops.gathered_rows): at BERT-large's 16,384 tokens, fp32 tables, 16,384 word rows
+    (the vocabulary holds 30,522), the position table's 512 and the token-type table's 2: 69 MB, not three
+    rows a token (201 MB, where the position and token-type tables hold 2 MB)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # recorded, not interpreted
+    res = subprocess.run([sys.executable, "-c", _EMBEDDINGS_BYTES], capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    tokens, h = 16384, 1024
+    gathered = (16384 + 512 + 2) * h * 4
+    # + y (bf16), ids, mean and rstd
+    assert got["_embeddings_fwd_kernel"] == gathered + tokens * (2 * h + 3 * 8 + 2 * 4)
+    # + dy (bf16) read, dh (fp32) written, ids, mean and rstd, the sort keys (two int32 a token), the
+    # LayerNorm weight, the seed
+    assert got["_embeddings_bwd_kernel"] == gathered + tokens * (2 * h + 4 * h + 3 * 8 + 2 * 4 + 2 * 4) + 4 * h + 8
+
+
 def test_row_op_figures_add_the_embeddings_table_passes_to_their_backward():
     """An op's figure is its bytes over the time of its direction's kernels: the embeddings' backward is
     three launches (the kernel, then the table passes that sum dh into the tables), priced over the
@@ -814,7 +844,8 @@ def test_row_op_figures_add_the_embeddings_table_passes_to_their_backward():
     bwd = rows["embeddings", "bwd"]
     assert bwd["seconds"] == pytest.approx(128e-6) and bwd["kernel"].count("+") == 2
     contract = embeddings_bytes(s.tokens, 1024, 30522, 512, 2, 8, 4, 2, "bwd")
-    assert bwd["bytes"] == contract and contract > 3e8  # the fp32 table gradients (127 MB) among them
+    # the fp32 table gradients (127 MB) and the gathered rows (69 MB) among them
+    assert bwd["bytes"] == contract and 2.3e8 < contract < 2.4e8
     assert bwd["fraction"] == pytest.approx(contract / 128e-6 / H100.achievable_hbm_bytes_per_s)
     assert rows["embeddings", "fwd"]["seconds"] == pytest.approx(80e-6)
     assert rows["bias_gelu", "fwd"]["seconds"] == pytest.approx(60e-6) and rows["bias_gelu", "fwd"]["bytes"] == 3e8

@@ -10,9 +10,10 @@ Conventions (stated in every report):
   (seven matmuls over its dK/dV and dQ kernels): its TFLOP/s under-counts its work by
   design and compares directly with FlashAttention's published figures.
 * Row ops (bias_gelu, bias_dropout_residual_layernorm, embeddings): GB/s = the bytes the op
-  must move by the launcher contract (every input read once, every output written once,
-  1e9 bytes per GB) / time. The same count divides every implementation's time, so GB/s is
-  comparable across them; % of the copy bandwidth measured in the same run.
+  must move by the launcher contract (every input read once, every output written once, a
+  gathered table's distinct rows once each, 1e9 bytes per GB) / time. The same count divides
+  every implementation's time, so GB/s is comparable across them; % of the copy bandwidth
+  measured in the same run.
 * GEMM-bound ops (mlm_head_loss_decoder / MLM head, the FFN): 2 flops per multiply-add; backward
   = 2 x forward (grad input and grad weight).
 * Optimizer steps (adamw, lamb): GB/s = the bytes a one-pass update must move (read the
@@ -26,7 +27,7 @@ Conventions (stated in every report):
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence, Tuple
 
 from bertfast.model.mfu import mlm_head_flops
 
@@ -77,15 +78,30 @@ def bias_dropout_residual_layernorm_bytes(n: int, h: int, act_bytes: int, param_
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[direction]
 
 
+def gathered_rows(tokens: int, table_rows: int) -> int:
+    """The rows of a table that a gather over ``tokens`` ids reads from DRAM at most: each distinct row
+    once, the repeats served by L2, so never more than the table holds. BERT's position and token-type
+    tables (2 MB and 8 KB at BERT-large in fp32) are read once however many tokens gather them."""
+    return min(tokens, table_rows)
+
+
 def embeddings_bytes(t: int, h: int, vocab: int, positions: int, types: int, id_bytes: int,
-                     table_bytes: int, out_bytes: int, direction: str) -> int:
-    """fwd: read 3 ids per token, the 3 gathered table rows, LN weight/bias; write y, mean, rstd.
-    bwd: read dy, ids, the 3 gathered rows (recompute), LN weight/bias, mean, rstd; write the dense
-    table gradients dword [V,H], dpos [P,H], dtype [TT,H] (zero-filled + scatter-added) and dLN."""
+                     table_bytes: int, out_bytes: int, direction: str,
+                     distinct: Optional[Tuple[int, int, int]] = None) -> int:
+    """fwd: read 3 ids per token, the gathered table rows, LN weight/bias; write y, mean, rstd.
+    bwd: read dy, ids, the gathered rows (recompute), LN weight/bias, mean, rstd; write the dense
+    table gradients dword [V,H], dpos [P,H], dtype [TT,H] (zero-filled + scatter-added) and dLN.
+    The gathered rows are each table's distinct rows (``distinct``: word, position, token-type, as the
+    ids hold them; default gathered_rows of each, its most), read once: a token's row read again is
+    an L2 hit. (Until 2026-12-06 every token's three rows counted: 201 MB at BERT-large's 16,384
+    tokens with fp32 tables, where the position and token-type tables hold 2 MB; the H200 run of
+    2026-11-27-3 put a forward at 131% of the copy bandwidth that way.)"""
     _check_direction(direction)
+    if distinct is None:
+        distinct = (gathered_rows(t, vocab), gathered_rows(t, positions), gathered_rows(t, types))
     stats = 2 * t * FP32_STAT_BYTES
     ids = 3 * t * id_bytes
-    gathered = 3 * t * h * table_bytes
+    gathered = sum(distinct) * h * table_bytes
     ln = 2 * h * table_bytes
     fwd = ids + gathered + ln + t * h * out_bytes + stats
     bwd = t * h * out_bytes + ids + gathered + ln + stats + (vocab + positions + types) * h * table_bytes + ln

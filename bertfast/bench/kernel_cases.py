@@ -429,6 +429,8 @@ def embeddings_cases(ctx: SuiteContext) -> List[OpCase]:
                 "ln_bias": 0.1 * torch.randn(h, generator=gen)}
         data = {k: v.to(dev) for k, v in data.items()}
         dy = torch.randn(t, h, generator=gen).to(dev)
+        # the rows each table's gather reads from DRAM: its distinct ids' (flops.embeddings_bytes)
+        distinct = tuple(int(ids[name].unique().numel()) for name in ("input_ids", "position_ids", "token_type_ids"))
         for params in _param_modes(ctx):
             fp32 = tuple(names) if params == "fp32" else ()
             act, par = _sizes(ctx, params)
@@ -450,8 +452,9 @@ def embeddings_cases(ctx: SuiteContext) -> List[OpCase]:
             out.append(OpCase("embeddings", {"tokens": t, "hidden": h, "vocab": vocab, "params": params,
                                              "dtype": dtype_name(ctx.dtype)},
                               make(eager, fp32=()), impls,
-                              lambda d, t=t, h=h, vocab=vocab, positions=positions, act=act, par=par: {
-                                  "bytes": W.embeddings_bytes(t, h, vocab, positions, 2, 8, par, act, d)}))
+                              lambda d, t=t, h=h, vocab=vocab, positions=positions, act=act, par=par,
+                              distinct=distinct: {
+                                  "bytes": W.embeddings_bytes(t, h, vocab, positions, 2, 8, par, act, d, distinct)}))
     return out
 
 

@@ -171,22 +171,31 @@ def _gelu_bwd(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
     return work
 
 
+def _gathered_bytes(setting: Setting, launch: Launch) -> int:
+    """The table rows a launch's tokens gather, each distinct row read from DRAM once
+    (bertfast.bench.flops.gathered_rows: at most the tokens, at most the table)."""
+    from bertfast.bench.flops import gathered_rows
+    tables = [launch.args[launch.names.index(name)] for name in ("WORD", "POS", "TT")]
+    return sum(gathered_rows(setting.tokens, t.shape[0]) * t.shape[1] * t.element_size() for t in tables)
+
+
 def _embeddings_fwd(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
-    # Reads the three gathered table rows (fp32 parameters), writes the bf16 output; not the tables.
+    # Reads the ids and the gathered table rows (fp32 parameters), writes the bf16 output and the
+    # statistics; not the tables.
     programs = _numel(launch.grid)
     hidden = launch.args[3].shape[1]
-    moved = setting.tokens * hidden * (3 * launch.args[3].element_size() + 2) + 3 * setting.tokens * 8
+    moved = setting.tokens * (hidden * 2 + 3 * 8 + 2 * 4) + _gathered_bytes(setting, launch)
     return Work(programs, _tile(launch.meta, "BLOCK_M", "BLOCK_H"), programs, int(launch.meta["num_warps"]), moved)
 
 
 def _embeddings_bwd(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
-    """The token-sized tensors (dy read, dh written, ids, statistics, keys), the vectors, and the three
-    table rows each token gathers again to recompute h (not the whole tables: until 2026-11-28 those
-    rows went uncounted, 201 of BERT-large's ~300 MB with fp32 tables)."""
+    """The token-sized tensors (dy read, dh written, ids, statistics, keys), the vectors, and the table
+    rows the tokens gather again to recompute h (_gathered_bytes; until 2026-11-28 uncounted, then
+    three rows a token, 201 of BERT-large's ~300 MB with fp32 tables, until 2026-12-06)."""
     tile = _tile(launch.meta, "BLOCK_M", "BLOCK_H")
     elements = launch.args[0].numel()
-    gathered = 3 * elements * launch.args[4].element_size()  # WORD's dtype: the tables share it in training
-    moved = _bytes(launch, lambda a: a.dim() < 2 or a.shape[0] == setting.tokens) + gathered
+    moved = (_bytes(launch, lambda a: a.dim() < 2 or a.shape[0] == setting.tokens)
+             + _gathered_bytes(setting, launch))
     programs = _row_groups("embeddings")(setting, launch, gpu)
     return Work(elements / tile, tile, programs, int(launch.meta["num_warps"]), moved,
                 overhead_bytes=programs * _partial_bytes_per_program(launch, 2))
