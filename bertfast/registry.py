@@ -88,7 +88,8 @@ class Op:
     overhead: Mapping[str, str] = field(default_factory=dict)  # overhead-suite case -> builder(gen, dtype, device)
     sanitize: Mapping[str, str] = field(default_factory=dict)  # sanitizer call -> fn(device, dtype) -> [tensors]
     launches: Optional[str] = None  # compile report: fn(LaunchSetting) calling the Triton launchers
-    # Nsight Compute's case (a kernel-suite case of BERT-large's seq-128 pre-training shapes)
+    # Nsight Compute's case (a kernel-suite case of BERT-large's seq-128 pre-training shapes; of the
+    # preference case where the op names one: the kernels training runs)
     profile_case: Optional[Mapping[str, object]] = None
     modules: Mapping[str, str] = field(default_factory=dict)  # backend -> module, where not the convention
 
@@ -155,7 +156,7 @@ _OPS: List[Op] = [
        launches=f"{_CR}:bias_dropout_residual_layernorm_launches",
        profile_case={**_ROW_PROFILE, "dropout": 0.1}),
     # In training bias_gelu runs inside the FFN's GEMMs where the backend has them (Triton), so
-    # the FFN case orders its backends.
+    # the FFN case orders its backends, and ncu profiles it.
     Op("bias_gelu", ROW,
        forms=(Form("bias_gelu", {"x": act(8, 3072), "bias": act(3072)}),),
        launchers=("bias_gelu_fwd", "bias_gelu_bwd"),
@@ -164,7 +165,7 @@ _OPS: List[Op] = [
        overhead={"bias_gelu": f"{_OH}:bias_gelu_case"},
        sanitize={"bias_gelu": f"{_SAN}:bias_gelu"},
        launches=f"{_CR}:bias_gelu_launches",
-       profile_case={"tokens": 16384, "features": 4096, "params": "fp32"}),
+       profile_case={"tokens": 16384, "hidden": 1024, "features": 4096}),
     Op("mlm_head_loss", HEAD,
        forms=(Form("mlm_head_loss", {"x": act(8, 768), "weight": act(100, 768), "bias": act(100),
                                      "labels": of("int64", 8)}),),

@@ -5,8 +5,9 @@
 # A correctness loan (the code changed since the last GPU run whose tests all passed):
 #   scripts/gpu-loan.sh 1 GPU_OUT BUNDLE [SECONDS]   stage 1 without the sanitizers (install,
 #                                                     requirements, the sm_90 build, bertfast info), then the
-#                                                     sanitizers in a second process beside stage 2's tests
-#                                                     (neither is timed, so they may share the GPU)
+#                                                     sanitizers and ncu on each op's kernels (their first
+#                                                     candidates) in a second process beside stage 2's tests
+#                                                     (none of them is timed, so they may share the GPU)
 #   scripts/gpu-loan.sh 2 GPU_OUT BUNDLE [SECONDS]   stage 3 (the headline, alone on the GPU, ending
 #                                                     PROFILE_S=100 s early), the profile of the BERT-large
 #                                                     step, then what fits of stages 4 and 5
@@ -54,11 +55,23 @@ profile() {
     cat "$G/profile/summary.txt" 2>/dev/null
     bundle
 }
-# ncu on one training forward and backward of each op (bertfast/bench/ncu.py), in the stages' cache.
+# ncu on one training forward and backward of each op (bertfast/bench/ncu.py), in the stages' cache:
+# alone on the GPU and autotuned (a speed loan), or, with "beside", beside stage 2's tests at each
+# kernel's first candidate (autotuning there would time candidates on a shared GPU) and not bundled
+# (the part bundles once the tests end).
+BESIDE_NOTE="Taken beside the GPU check's tests (a correctness loan's first part): the tests' kernels are \
+small and mostly wait on their compiles, but the times and DRAM rates may include slices of theirs; a speed \
+loan's ncu, alone on the GPU and autotuned, is the clean one."
 ncu_kernels() {
     mkdir -p "$G/ncu"
     if [ -n "${DRY:-}" ]; then
         echo "[gpu-loan] ncu: not on a CPU dry run (the target alone: python -m bertfast.bench.ncu --target --dry-run)"
+        return
+    fi
+    if [ "${1:-}" = beside ]; then
+        BERTFAST_AUTOTUNE=0 TRITON_CACHE_DIR="$G/cache/triton" timeout $(( $(left) - 20 )) "$PY" -m bertfast.bench.ncu \
+            --out "$G/ncu" --note "$BESIDE_NOTE" > "$G/ncu/ncu.log" 2>&1
+        echo "[gpu-loan] ncu (beside the tests, first candidates): exit $?"
         return
     fi
     TRITON_CACHE_DIR="$G/cache/triton" timeout $(( $(left) - 15 )) "$PY" -m bertfast.bench.ncu --out "$G/ncu" \
@@ -66,6 +79,16 @@ ncu_kernels() {
     echo "[gpu-loan] ncu: exit $?"
     cat "$G/ncu/ncu.md" 2>/dev/null
     bundle
+}
+# What runs beside stage 2's tests in a correctness loan's first part: the sanitizers, then ncu while
+# a minute is left (expected to take about two: the kernels' compiles and their replays).
+beside_tests() {
+    run --stage 1 --step memcheck --step racecheck > "$G/sanitizers.out" 2>&1
+    if [ "$(left)" -ge 60 ]; then
+        ncu_kernels beside
+    else
+        echo "[gpu-loan] not run: ncu ($(left) s left)"
+    fi
 }
 # Stage 3, ending PROFILE_S early where the part has time for both, then the profile.
 headline_and_profile() {
@@ -98,11 +121,11 @@ run_while_time() {
 case "$PART" in
 1)
     run --stage 1 --skip memcheck --skip racecheck
-    run --stage 1 --step memcheck --step racecheck > "$G/sanitizers.out" 2>&1 &
-    sanitizers=$!
+    beside_tests > "$G/beside.out" 2>&1 &
+    beside=$!
     run --stage 2
-    wait $sanitizers
-    cat "$G/sanitizers.out"
+    wait $beside
+    cat "$G/sanitizers.out" "$G/beside.out" "$G/ncu/ncu.md" 2>/dev/null
     bundle
     ;;
 2)

@@ -3,6 +3,9 @@ trace) and bertfast.bench.ncu's summary and target, which the GPU check runs aft
 from __future__ import annotations
 
 import json
+import os
+import sys
+import textwrap
 
 import pytest
 
@@ -19,6 +22,8 @@ def test_gpu_ncu_target_finds_each_ops_case_at_bert_large_shapes(capsys):
     assert [line.split()[3] for line in ran] == profiled
     layernorm = ran[profiled.index("bias_dropout_residual_layernorm")]
     assert '"tokens": 16384' in layernorm and '"dropout": 0.1' in layernorm
+    ffn = ran[profiled.index("bias_gelu")]  # the FFN, whose GEMMs run GELU in training
+    assert '"hidden": 1024' in ffn and '"features": 4096' in ffn
 
 
 def test_profile_writes_where_a_steps_time_goes(tmp_path):
@@ -85,8 +90,9 @@ def test_profile_rebuilt_from_a_stopped_profiles_trace(tmp_path):
 def test_ncu_summary_reads_the_raw_page_and_the_target_runs_each_op(tmp_path, monkeypatch, capsys):
     """bertfast.bench.ncu: the raw page (a header of metrics, a row of units, a row per kernel) becomes
     a table per kernel with its time, DRAM bytes and rate, issue and occupancy, and its largest stall
-    reasons, units converted; the target runs one training forward and backward of each op (on CPU,
-    --dry-run); without ncu the driver says so; the command profiles only the target's region."""
+    reasons, units converted, under a header saying how the kernels ran where the driver kept it; the
+    target runs one training forward and backward of each op (on CPU, --dry-run), bias_gelu's through
+    the FFN; without ncu the driver says so; the command profiles only the target's region."""
     import csv
     from bertfast.bench import ncu
     names = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Block Size", "Grid Size",
@@ -115,12 +121,25 @@ def test_ncu_summary_reads_the_raw_page_and_the_target_runs_each_op(tmp_path, mo
     gelu = next(r for r in json.loads((tmp_path / "ncu.json").read_text()) if r["kernel"] == "_bias_gelu_fwd_kernel")
     assert gelu["time_us"] == pytest.approx(1200.5) and gelu["dram_bytes"] == pytest.approx(300e6)
     assert [s[0] for s in gelu["stalls"]] == ["long_scoreboard", "wait"]
+    assert "Configs:" not in md  # no conditions kept: no header claims how the kernels ran
+    monkeypatch.setenv("BERTFAST_AUTOTUNE", "0")
+    (tmp_path / ncu.CONDITIONS).write_text(json.dumps(ncu.conditions(["attention"], "Beside the tests.")))
+    assert ncu.main(["--summarize", str(tmp_path)]) == 0
+    header = (tmp_path / "ncu.md").read_text().splitlines()[2]
+    assert header == ("Ops: attention. Configs: each kernel's first candidate (BERTFAST_AUTOTUNE=0), the config "
+                      "the perf model reads. Beside the tests.")
+    monkeypatch.setenv("BERTFAST_AUTOTUNE", "1")
+    assert ncu.conditions(["attention"])["configs"].startswith("autotuned")
     (tmp_path / "ncu-raw.csv").write_text('"ID","Kernel Name"\n"",""\n')
     assert ncu.main(["--summarize", str(tmp_path)]) == 1  # no kernel: said, not an empty table
 
     assert ncu.main(["--target", "--dry-run", "--backend", "torch"]) == 0
     ran = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ncu target: ran")]
     assert [line.split()[3] for line in ran] == list(ncu.target_cases())
+    # bias_gelu through its preference case, the FFN (where training runs it), whose fields its case names
+    assert ncu.case_builder("bias_gelu") == "ffn" and ncu.case_builder("attention") == "attention"
+    assert '"features": 128' in ran[list(ncu.target_cases()).index("bias_gelu")]
+    assert set(ncu.target_cases()["bias_gelu"]) == {"tokens", "hidden", "features"}
     monkeypatch.setattr(ncu, "find_ncu", lambda: None)
     assert ncu.main(["--out", str(tmp_path / "n")]) == 2
     assert "no ncu" in capsys.readouterr().err
@@ -128,6 +147,55 @@ def test_ncu_summary_reads_the_raw_page_and_the_target_runs_each_op(tmp_path, mo
     assert cmd[cmd.index("--profile-from-start") + 1] == "off" and cmd[cmd.index("--clock-control") + 1] == "none"
     assert cmd[-6:] == ["bertfast.bench.ncu", "--target", "--ops", "bias_gelu", "--backend", "triton"]
     assert ncu.main(["--target", "--ops", "attention,softmax"]) == 2
+
+
+def test_ncu_driver_keeps_how_the_kernels_ran_beside_the_report(tmp_path, monkeypatch):
+    """The driver (what the GPU loan runs) on a stand-in ncu that writes a report and its CSV pages: it
+    records the ops, the configs (first candidates under BERTFAST_AUTOTUNE=0) and the note, and ncu.md
+    says them above the table."""
+    from bertfast.bench import ncu
+    fake = tmp_path / "ncu"
+    fake.write_text(f"#!{sys.executable}\n" + textwrap.dedent('''\
+        import os, sys
+        args = sys.argv[1:]
+        if "--import" in args:  # a CSV page: metric names, units, a kernel
+            print('"ID","Kernel Name","gpu__time_duration.sum"')
+            print('"","","usecond"')
+            print('"0","_gemm_bias_gelu_kernel","250.0"')
+        else:  # the profiling run: the report, and the target's exit status
+            open(args[args.index("-o") + 1] + ".ncu-rep", "w").write("report")
+            raise SystemExit(int(os.environ.get("FAKE_TARGET_EXIT", "0")))
+        '''))
+    fake.chmod(0o755)
+    monkeypatch.setattr(ncu, "find_ncu", lambda: str(fake))
+    monkeypatch.setenv("BERTFAST_AUTOTUNE", "0")
+    out = tmp_path / "out"
+    assert ncu.main(["--out", str(out), "--ops", "bias_gelu", "--note", "Beside the tests."]) == 0
+    kept = json.loads((out / ncu.CONDITIONS).read_text())
+    assert kept["ops"] == ["bias_gelu"] and "BERTFAST_AUTOTUNE=0" in kept["configs"]
+    md = (out / "ncu.md").read_text()
+    assert "Ops: bias_gelu. Configs: each kernel's first candidate" in md and md.count("Beside the tests.") == 1
+    assert "| _gemm_bias_gelu_kernel | 250.0 |" in md
+    # an op the target left out: the kernels it did profile are still summarised, and the status says so
+    monkeypatch.setenv("FAKE_TARGET_EXIT", "1")
+    os.remove(out / "ncu.md")
+    assert ncu.main(["--out", str(out), "--ops", "bias_gelu"]) == 1
+    assert "| _gemm_bias_gelu_kernel | 250.0 |" in (out / "ncu.md").read_text()
+
+
+def test_ncu_target_leaves_out_an_op_that_fails_and_profiles_the_others(monkeypatch, capsys):
+    """One op's failure (here its case builder's) is said and leaves the other ops' kernels profiled,
+    so a loan's ncu is not lost to one kernel that does not run; the exit status is then 1."""
+    from bertfast.bench import kernel_cases, ncu
+    builders = kernel_cases.case_builders()
+
+    def broken(ctx):
+        raise RuntimeError("the FFN's GEMM did not compile")
+    monkeypatch.setattr(kernel_cases, "case_builders", lambda: dict(builders, ffn=broken))
+    assert ncu.main(["--target", "--dry-run", "--backend", "torch", "--ops", "attention,bias_gelu"]) == 1
+    out, err = capsys.readouterr()
+    assert [line.split()[3] for line in out.splitlines() if line.startswith("ncu target: ran")] == ["attention"]
+    assert "ncu target: bias_gelu: left out: RuntimeError: the FFN's GEMM did not compile" in err
 
 
 def test_profile_counts_overlapping_kernels_once():

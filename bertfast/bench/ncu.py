@@ -13,14 +13,19 @@ what the warps stall on.
 
 The target builds the kernel suite's case of each op at BERT-large's seq-128 pre-training shapes
 (``target_cases()``: 16,384 tokens, bf16 activations with fp32 parameters, dropout 0.1; the attention's
-pre-training lengths), warms each up (the autotuner chooses its configs there, in the stages' Triton
-cache), then runs one training forward and its backward between cudaProfilerStart and Stop, so ncu
-(``--profile-from-start off``) profiles those kernels alone, with the clocks left as they are
-(``--clock-control none``). The driver then exports the report's raw metrics (DIR/ncu-raw.csv) and
-details page (DIR/ncu-details.csv) and writes DIR/ncu.md: per kernel its time, DRAM bytes and
-throughput, issue slots busy, occupancy, registers, grid and block, and its three largest stall
-reasons. The target's last line gives the autotuner's choices (kernels/_common.py tuned_configs):
-the configs the profiled kernels ran.
+pre-training lengths; through the op's ``preference_case`` where bertfast.registry names one, the
+case whose kernels training runs: bias_gelu's FFN, the GEMMs with GELU in their epilogues beside
+cuBLAS's GEMMs of the same FFN), warms each up (the autotuner chooses its configs
+there, in the stages' Triton cache; under BERTFAST_AUTOTUNE=0 every kernel runs its first
+candidate, the config the perf model reads), then runs one training forward and its backward
+between cudaProfilerStart and Stop, so ncu (``--profile-from-start off``) profiles those kernels
+alone, with the clocks left as they are (``--clock-control none``). The driver then exports the
+report's raw metrics (DIR/ncu-raw.csv) and details page (DIR/ncu-details.csv) and writes DIR/ncu.md:
+per kernel its time, DRAM bytes and throughput, issue slots busy, occupancy, registers, grid and
+block, and its three largest stall reasons, under a header saying how the kernels ran (autotuned or
+first candidates; ``--note``: e.g. beside the GPU check's tests, DIR/ncu-conditions.json keeps both).
+The target's last line gives the autotuner's choices (kernels/_common.py tuned_configs): the configs
+the profiled kernels ran.
 """
 from __future__ import annotations
 
@@ -41,6 +46,13 @@ def target_cases() -> Dict[str, Dict[str, object]]:
     return {op.name: dict(op.profile_case) for op in registry.ops() if op.profile_case is not None}
 
 
+def case_builder(op: str) -> str:
+    """The kernel-suite case an op is profiled through: its ``preference_case`` where it names one
+    (where training runs the op's kernels), else the case named after it."""
+    from bertfast import registry
+    return registry.get(op).preference_case or op
+
+
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "SchedulerStats", "WarpStateStats", "InstructionStats",
             "MemoryWorkloadAnalysis")
 MAX_KERNELS = 64  # a bound on what one profiled region may launch (--launch-count)
@@ -56,14 +68,16 @@ def _pick(cases, want: Optional[Dict[str, object]]):
 
 
 def run_target(ops: Sequence[str], backend: str, dry_run: bool, warmup: int = 2) -> int:
-    """Each op's case, warmed up, then one training forward and backward inside the profiled region."""
+    """Each op's case, warmed up, then one training forward and backward inside the profiled region.
+    An op that cannot run (no path, an exception) is said and left out, so the others' kernels are still
+    profiled; the exit status is then 1."""
     import torch
 
     from bertfast.bench import device as devmod
     from bertfast.bench.common import SuiteContext
     from bertfast.bench.kernel_cases import case_builders
     from bertfast.bench.results import bertfast_impl
-    from bertfast.kernels._common import tuned_configs
+    from bertfast.kernels._common import AUTOTUNE_ENV, autotune_enabled, tuned_configs
 
     on_gpu = torch.cuda.is_available() and not dry_run
     if not on_gpu and not dry_run:
@@ -72,33 +86,44 @@ def run_target(ops: Sequence[str], backend: str, dry_run: bool, warmup: int = 2)
     ctx = SuiteContext(device=devmod.detect("cuda" if on_gpu else "cpu"), quick=False,
                        dtype=torch.bfloat16 if on_gpu else torch.float32, backends=(backend,), compile=False,
                        with_transformers=False, log=lambda s: None)
-    prepared, targets, builders = [], target_cases(), case_builders()
+    prepared, failed, targets, builders = [], [], target_cases(), case_builders()
     for op in ops:
         want = targets[op] if on_gpu else None
         name = bertfast_impl(backend, "varlen" if op == "attention" else "")  # the model's attention: packed
-        oc = _pick(builders[op](ctx), want)
-        impl = next((i for i in oc.impls if i.name == name), None) if oc is not None else None
-        if impl is None or impl.skip:
-            print(f"ncu target: {op}: no {name} path for the case {want or 'first listed'}"
-                  + (f" ({impl.skip})" if impl is not None else ""), file=sys.stderr)
-            return 2
-        p = impl.build(ctx.dtype)
-        for _ in range(warmup):  # the autotuner chooses here, outside the profiled region
-            p.run_once()
+        try:
+            oc = _pick(builders[case_builder(op)](ctx), want)
+            impl = next((i for i in oc.impls if i.name == name), None) if oc is not None else None
+            if impl is None or impl.skip:
+                raise LookupError(f"no {name} path for the case {want or 'first listed'}"
+                                  + (f" ({impl.skip})" if impl is not None else ""))
+            p = impl.build(ctx.dtype)
+            for _ in range(warmup):  # the autotuner chooses here, outside the profiled region
+                p.run_once()
+        except Exception as exc:  # noqa: BLE001 - said, and the other ops are still profiled
+            print(f"ncu target: {op}: left out: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            failed.append(op)
+            continue
         prepared.append((op, oc.case, p))
     if on_gpu:
         torch.cuda.synchronize()
         torch.cuda.profiler.start()
     for op, case, p in prepared:
-        with p.context():
-            out = p.forward()
-            torch.autograd.grad(out, p.leaves, p.grad_out, allow_unused=True)
+        try:
+            with p.context():
+                out = p.forward()
+                torch.autograd.grad(out, p.leaves, p.grad_out, allow_unused=True)
+        except Exception as exc:  # noqa: BLE001
+            print(f"ncu target: {op}: failed in the profiled region: {type(exc).__name__}: {exc}", file=sys.stderr,
+                  flush=True)
+            failed.append(op)
+            continue
         print(f"ncu target: ran {op} {json.dumps(case)}: a training forward and its backward", flush=True)
     if on_gpu:
         torch.cuda.synchronize()
         torch.cuda.profiler.stop()
-    print("ncu target: autotuned configs " + json.dumps(tuned_configs()), flush=True)
-    return 0
+    print("ncu target: " + ("autotuned configs " + json.dumps(tuned_configs()) if autotune_enabled()
+                            else f"first candidate configs ({AUTOTUNE_ENV}=0)"), flush=True)
+    return 1 if failed else 0
 
 
 # --------------------------------------------------------------------------- the driver
@@ -122,25 +147,41 @@ def ncu_command(ncu: str, report: str, ops: Sequence[str], backend: str) -> List
                   "--backend", backend]
 
 
-def drive(out: str, ops: Sequence[str], backend: str) -> int:
+CONDITIONS = "ncu-conditions.json"
+
+
+def conditions(ops: Sequence[str], note: str = "") -> Dict[str, object]:
+    """How the profiled kernels ran (ncu.md's header, kept beside the CSV pages as CONDITIONS): their
+    configs (the autotuner's, or each kernel's first candidate under BERTFAST_AUTOTUNE=0) and the
+    caller's note."""
+    from bertfast.kernels._common import AUTOTUNE_ENV, autotune_enabled
+    configs = ("autotuned (the target's last line in ncu.log lists the choices)" if autotune_enabled()
+               else f"each kernel's first candidate ({AUTOTUNE_ENV}=0), the config the perf model reads")
+    return {"ops": list(ops), "configs": configs, "note": note}
+
+
+def drive(out: str, ops: Sequence[str], backend: str, note: str = "") -> int:
     ncu = find_ncu()
     if ncu is None:
         print("bertfast ncu: no ncu (Nsight Compute) on PATH or under /opt/nvidia/nsight-compute", file=sys.stderr)
         return 2
     os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, CONDITIONS), "w") as fh:
+        json.dump(conditions(ops, note), fh, indent=1)
     report = os.path.join(out, "ncu")
     cmd = ncu_command(ncu, report, ops, backend)
     print("$ " + " ".join(cmd), flush=True)
     res = subprocess.run(cmd)
-    if res.returncode != 0 or not os.path.exists(report + ".ncu-rep"):
-        print(f"bertfast ncu: ncu exited {res.returncode}" + ("" if os.path.exists(report + ".ncu-rep")
-                                                              else f"; no report at {report}.ncu-rep"),
-              file=sys.stderr)
+    if not os.path.exists(report + ".ncu-rep"):
+        print(f"bertfast ncu: ncu exited {res.returncode}; no report at {report}.ncu-rep", file=sys.stderr)
         return 1
+    if res.returncode != 0:  # an op the target left out, or ncu's own error: the kernels it did profile count
+        print(f"bertfast ncu: ncu exited {res.returncode} (the target's lines above say what failed); "
+              f"summarising the kernels it profiled", file=sys.stderr)
     for page in ("raw", "details"):
         with open(os.path.join(out, f"ncu-{page}.csv"), "w") as fh:
             subprocess.run([ncu, "--import", report + ".ncu-rep", "--csv", "--page", page], stdout=fh, check=True)
-    return summarize(out)
+    return summarize(out) or (1 if res.returncode else 0)
 
 
 # --------------------------------------------------------------------------- the summary
@@ -203,8 +244,12 @@ def _f(x: Optional[float], digits: int = 1) -> str:
     return "-" if x is None else f"{x:,.{digits}f}"
 
 
-def markdown(rows: List[Dict[str, object]], source: str) -> str:
-    lines = [f"# ncu: one training forward and backward of each op ({source})", "",
+def markdown(rows: List[Dict[str, object]], source: str, ran: Optional[Dict[str, object]] = None) -> str:
+    ran = ran or {}
+    how = " ".join(part for part in (f"Ops: {', '.join(ran['ops'])}." if ran.get("ops") else "",
+                                     f"Configs: {ran['configs']}." if ran.get("configs") else "",
+                                     ran.get("note") or "") if part)
+    lines = [f"# ncu: one training forward and backward of each op ({source})", "", *([how, ""] if how else []),
              "Per kernel in launch order. DRAM GB/s: the bytes DRAM read and wrote over the kernel's time. Issue "
              "busy: the share of cycles a scheduler issued. Stalls: cycles per issued instruction a warp spent "
              "stalled, by reason (ncu's smsp__average_warps_issue_stalled_*_per_issue_active), largest three.", "",
@@ -232,7 +277,13 @@ def summarize(out: str) -> int:
         print(f"bertfast ncu: {raw} lists no kernels (was anything launched between cudaProfilerStart and Stop?)",
               file=sys.stderr)
         return 1
-    text = markdown(rows, os.path.basename(raw))
+    ran = None
+    try:
+        with open(os.path.join(out, CONDITIONS), encoding="utf-8") as fh:
+            ran = json.load(fh)
+    except (OSError, ValueError):
+        pass  # a report from before the conditions were kept, or summarised apart from them
+    text = markdown(rows, os.path.basename(raw), ran)
     with open(os.path.join(out, "ncu.md"), "w") as fh:
         fh.write(text)
     with open(os.path.join(out, "ncu.json"), "w") as fh:
@@ -250,6 +301,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--target", action="store_true", help="be what ncu profiles (the driver runs this)")
     ap.add_argument("--dry-run", action="store_true", help="with --target: run the calls without a GPU or profiler")
     ap.add_argument("--summarize", metavar="DIR", help="write DIR/ncu.md from DIR/ncu-raw.csv and stop")
+    ap.add_argument("--note", default="", help="how the profile was taken, for ncu.md's header (the driver)")
     args = ap.parse_args(argv)
     if args.summarize:
         return summarize(args.summarize)
@@ -263,7 +315,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.out:
         print("bertfast ncu: --out DIR is required (or --target, --summarize DIR)", file=sys.stderr)
         return 2
-    return drive(args.out, ops, args.backend)
+    return drive(args.out, ops, args.backend, args.note)
 
 
 if __name__ == "__main__":
