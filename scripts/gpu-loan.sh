@@ -68,15 +68,16 @@ ncu_kernels() {
         echo "[gpu-loan] ncu: not on a CPU dry run (the target alone: python -m bertfast.bench.ncu --target --dry-run)"
         return
     fi
+    local autotune=${BERTFAST_AUTOTUNE:-1} note="" margin=15 how=""
     if [ "${1:-}" = beside ]; then
-        BERTFAST_AUTOTUNE=0 TRITON_CACHE_DIR="$G/cache/triton" timeout $(( $(left) - 20 )) "$PY" -m bertfast.bench.ncu \
-            --out "$G/ncu" --note "$BESIDE_NOTE" > "$G/ncu/ncu.log" 2>&1
-        echo "[gpu-loan] ncu (beside the tests, first candidates): exit $?"
-        return
+        autotune=0 note=$BESIDE_NOTE margin=20 how=" (beside the tests, first candidates)"
     fi
-    TRITON_CACHE_DIR="$G/cache/triton" timeout $(( $(left) - 15 )) "$PY" -m bertfast.bench.ncu --out "$G/ncu" \
-        > "$G/ncu/ncu.log" 2>&1
-    echo "[gpu-loan] ncu: exit $?"
+    BERTFAST_AUTOTUNE=$autotune TRITON_CACHE_DIR="$G/cache/triton" timeout $(( $(left) - margin )) "$PY" \
+        -m bertfast.bench.ncu --out "$G/ncu" --note "$note" > "$G/ncu/ncu.log" 2>&1
+    echo "[gpu-loan] ncu$how: exit $?"
+    if [ "${1:-}" = beside ]; then
+        return  # the part prints ncu.md and bundles once the tests end
+    fi
     cat "$G/ncu/ncu.md" 2>/dev/null
     bundle
 }
