@@ -251,7 +251,8 @@ def test_overhead_suite_times_every_op_on_cpu(monkeypatch):
         got = {(r.direction, r.impl) for r in rows if r.group == op}
         assert got == {("select", "bertfast:torch"), ("decide", "bertfast:torch"), ("fwd", "bertfast:torch"),
                        ("fwd", TORCH_EAGER),
-                       ("fwd+bwd", "bertfast:torch"), ("fwd+bwd", TORCH_EAGER)}, op
+                       ("fwd+bwd", "bertfast:torch"), ("fwd+bwd", TORCH_EAGER),
+                       ("fwd+bwd", "bertfast:torch custom op")}, op
     for r in rows:
         host = r.metrics["host_us"]
         assert r.suite == "overhead" and host.n == 3 and 0 < host.p20 <= host.median <= host.p80
@@ -267,7 +268,7 @@ def test_overhead_suite_from_the_cli_and_its_report(tmp_path, monkeypatch):
     data = json.load(open(out / "results.json"))
     rows = data["rows"]
     assert {r["suite"] for r in rows} == {"overhead"} and {r["group"] for r in rows} == {"bias_gelu"}
-    assert len(rows) == 6 and all(r["status"] == "ok" and r["metrics"]["host_us"]["median"] > 0 for r in rows)
+    assert len(rows) == 7 and all(r["status"] == "ok" and r["metrics"]["host_us"]["median"] > 0 for r in rows)
     md = open(out / "results.md").read()
     assert "## Overhead suite" in md and "+us vs torch eager" in md and "## Kernel suite" not in md
 

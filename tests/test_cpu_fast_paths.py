@@ -8,7 +8,8 @@ own rules:
   * with dropout and autograd on, the attention entries keep the probabilities and mask for the
     backward (no custom op, no second draw) and give the custom op's numbers;
   * with nothing to differentiate (inference), an op entry calls its launcher, not the custom op,
-    with the same result; with autograd on, the custom op runs;
+    with the same result; with autograd on, the op's forward and backward run (the custom op's, or
+    its eager autograd.Function: tests/ops/test_fused_op.py), named bertfast::<op> in profiles;
   * inference stays current after a fused optimizer step (which leaves version counters alone);
   * in CPU inference the layers call their modules and the torch backend's attention (Layout.plain),
     with the fused ops' numbers, and only when every layer op would run that backend without autograd;
@@ -160,7 +161,7 @@ def test_inference_calls_the_launcher_not_the_custom_op(op):
     call = _op_calls(requires_grad=True)[op]
     with_grad = call()
     assert with_grad.requires_grad
-    assert _custom_ops_run(call), "autograd on: the custom op (with its backward) must run"
+    assert _custom_ops_run(call), "autograd on: the op (with its backward) must run"
     with torch.no_grad():
         assert not _custom_ops_run(call), "nothing to differentiate: the launcher is called directly"
         direct = call()

@@ -9,7 +9,10 @@ torch.library custom op, autograd. For every op the suite times, on the same inp
   decide    the same choice made afresh, without the cache (what a cache miss costs, and what
             every call cost before the cache);
   fwd       the op's forward under no_grad, and the plain-PyTorch math of the op (``torch eager``);
-  fwd+bwd   forward with grad, then ``torch.autograd.grad``, for both.
+  fwd+bwd   forward with grad, then ``torch.autograd.grad``, for both; and the bertfast op once more
+            through its torch.library custom ops (impl ``bertfast:<backend> custom op``), the way
+            every training call went before ``ops._common.FusedOp``'s eager path: the difference
+            is what that path saves a call.
 
 The bertfast path runs the backend that dispatch picks by default (torch on CPU, a fused one
 on a GPU), so the difference between its row and the torch eager row is the op's overhead.
@@ -36,11 +39,13 @@ from bertfast import ops as bf
 from bertfast.bench.common import Stopped, SuiteContext, dtype_name, short_error
 from bertfast.bench.results import ERROR, FAILED_PARITY, TORCH_EAGER, Row, bertfast_impl, skipped
 from bertfast.bench.timing import Stat, summarize
+from bertfast.ops import _common
 
 SUITE = "overhead"
 SELECT, DECIDE, FWD, FWD_BWD = "select", "decide", "fwd", "fwd+bwd"
 DIRECTIONS = (SELECT, DECIDE, FWD, FWD_BWD)
 HOST_LOOP = "host perf_counter, back to back, no sync in the loop"
+CUSTOM_OP = "custom op"  # the variant of the bertfast impl timed through the torch.library custom ops
 EPS = 1e-12
 
 Tensor = torch.Tensor
@@ -204,6 +209,16 @@ def _grad_step(forward: Callable[[], Tensor], leaves: Sequence[Tensor]) -> Calla
     return step
 
 
+def _through_custom_ops(step: Callable[[], None]) -> Callable[[], None]:
+    def through() -> None:
+        before, _common.EAGER_FUNCTIONS = _common.EAGER_FUNCTIONS, False
+        try:
+            step()
+        finally:
+            _common.EAGER_FUNCTIONS = before
+    return through
+
+
 def _no_grad(forward: Callable[[], Tensor]) -> Callable[[], None]:
     def fwd() -> None:
         with torch.no_grad():
@@ -247,11 +262,13 @@ def run_case(ctx: SuiteContext, oc: OverheadCase) -> List[Row]:
              (DECIDE, ours, lambda: dispatch._select(oc.dispatch_op, dispatch.forced_backend(oc.dispatch_op),
                                                      **oc.select_inputs)),
              (FWD, ours, _no_grad(oc.bertfast)), (FWD, TORCH_EAGER, _no_grad(oc.eager)),
-             (FWD_BWD, ours, _grad_step(oc.bertfast, oc.leaves)), (FWD_BWD, TORCH_EAGER, _grad_step(oc.eager, oc.leaves))]
+             (FWD_BWD, ours, _grad_step(oc.bertfast, oc.leaves)),
+             (FWD_BWD, TORCH_EAGER, _grad_step(oc.eager, oc.leaves)),
+             (FWD_BWD, bertfast_impl(chosen, CUSTOM_OP), _through_custom_ops(_grad_step(oc.bertfast, oc.leaves)))]
     for direction, impl, fn in plans:
         if not ctx.wants(impl):
             continue
-        if mismatch and impl == ours and direction not in (SELECT, DECIDE):
+        if mismatch and impl.startswith(ours) and direction not in (SELECT, DECIDE):
             rows.append(Row(SUITE, oc.op, dict(oc.case), direction, impl, status=FAILED_PARITY, reason=mismatch))
             continue
         try:
@@ -269,7 +286,8 @@ def run(ctx: SuiteContext) -> List[Row]:
              f"{samples} samples of {calls} back-to-back calls after {warmup} warm-up calls, no synchronisation "
              "in the timed loop; select = dispatch.select alone (cached), decide = the same choice without the "
              "cache, fwd under no_grad, fwd+bwd = forward + "
-             "autograd.grad; bertfast runs the backend dispatch picks by default"
+             "autograd.grad; bertfast runs the backend dispatch picks by default ('custom op': fwd+bwd through "
+             "the torch.library custom ops, not the eager autograd.Function)"
              + ("" if ctx.device.is_cuda else "; on a CPU the figures include the (tiny) compute"))
     rows: List[Row] = []
     for op, builder in case_builders().items():

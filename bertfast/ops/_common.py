@@ -10,6 +10,7 @@ their backends from it.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -29,6 +30,103 @@ def launch_directly(*tensors: Optional[torch.Tensor]) -> bool:
         return False
     grad = torch.is_grad_enabled()
     return all(t is None or (type(t) in PLAIN_TYPES and not (grad and t.requires_grad)) for t in tensors)
+
+
+# False: every call of a FusedOp goes through its custom op (tests compare the two ways; the overhead
+# suite times both).
+EAGER_FUNCTIONS = True
+FUSED_OPS: Dict[str, "FusedOp"] = {}  # name -> op, every op module's
+
+
+class FusedOp:
+    """A torch.library custom op (``bertfast::<name>``) and the plain function it was made from.
+
+    Called like the custom op. Eager, on plain tensors, outside torch.func's transforms, the call
+    runs the same function, its setup_context and backward under a torch.autograd.Function instead
+    of the custom op's dispatch (the function itself when nothing needs a gradient): the same code,
+    outputs and gradients, without the dispatcher's round trips, the alias check and the
+    dynamo-disabled wrappers (60-200 µs less host time per forward and backward of an op on a CPU,
+    6% of a small model's eager step: benchmarks/host-overhead/cpu-2026-12-06.md). Under
+    torch.compile, fake tensors or tensor subclasses, and with EAGER_FUNCTIONS False, the custom op
+    runs. A backward that records itself (create_graph) calls the backward op's custom op, as
+    before. Profiles name the call ``bertfast::<name>`` either way. A list of tensors among the
+    arguments (attention's qkv_bias) takes a gradient per tensor."""
+
+    def __init__(self, name: str, fn):
+        self.name, self.fn = name, fn
+        self.custom = torch.library.custom_op(name, mutates_args=())(fn)
+        self._function = None
+        FUSED_OPS[name] = self
+
+    def register_fake(self, fake):
+        return self.custom.register_fake(fake)
+
+    def register_autograd(self, backward, *, setup_context) -> None:
+        self.custom.register_autograd(backward, setup_context=setup_context)
+        fn = self.fn
+
+        class Function(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, spec, *flat):
+                args = _unflatten(flat, spec)
+                output = fn(*args)
+                setup_context(ctx, args, output)
+                ctx.spec = spec
+                return output
+
+            @staticmethod
+            def backward(ctx, *grads):
+                return (None, *_flatten(backward(ctx, *grads), ctx.spec, grads=True)[0])
+
+        Function.__name__ = Function.__qualname__ = self.name.split("::")[-1]
+        self._function = Function
+
+    def __call__(self, *args):
+        if EAGER_FUNCTIONS and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
+            flat, spec = _flatten(args)
+            tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+            if all(type(t) in PLAIN_TYPES for t in tensors):
+                grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+                if not grad or self._function is not None:
+                    with _named(self.name):
+                        return self._function.apply(spec, *flat) if grad else self.fn(*args)
+        return self.custom(*args)
+
+
+def _named(name: str):
+    """record_function(name) while a profiler runs (what the custom op shows), else nothing to pay."""
+    return torch.autograd.profiler.record_function(name) if torch.autograd.profiler._is_profiler_enabled else _NOTHING
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+def _flatten(values, spec=None, grads: bool = False):
+    """Arguments -> (flat values, spec): each list or tuple of tensors spread out, its length in spec
+    (None for a single value). With a spec and grads, a backward's values: a list's None is a None
+    for each of its tensors."""
+    flat, lengths = [], []
+    for i, value in enumerate(values):
+        n = spec[i] if spec is not None else (len(value) if isinstance(value, (list, tuple)) else None)
+        if n is None:
+            flat.append(value)
+        else:
+            flat.extend([None] * n if value is None and grads else value)
+        lengths.append(n)
+    return flat, tuple(lengths)
+
+
+def _unflatten(flat, spec) -> list:
+    args, i = [], 0
+    for n in spec:
+        args.append(flat[i] if n is None else list(flat[i:i + n]))
+        i += 1 if n is None else n
+    return args
+
+
+def fused_op(name: str):
+    """Decorator: a FusedOp named ``name`` over the function (mutates nothing)."""
+    return lambda fn: FusedOp(name, fn)
 
 
 # Gradients an op's backward allocated for one input alone and hands to autograd, in eager mode on

@@ -37,7 +37,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from bertfast import contract, dispatch
-from bertfast.ops._common import PLAIN_TYPES, distinct, keep_mask, launch_directly, no_zero_grads, seed_for
+from bertfast.ops._common import (PLAIN_TYPES, distinct, fused_op, keep_mask, launch_directly, no_zero_grads,
+                                  seed_for)
 from bertfast.padding import packed_layout
 
 Tensor = torch.Tensor
@@ -52,7 +53,7 @@ def _fake_keep(like: Tensor, op: str, backend: str, batch: int, heads: int, seql
 
 
 # ------------------------------------------------------------------ variable length
-@torch.library.custom_op("bertfast::attention_varlen", mutates_args=())
+@fused_op("bertfast::attention_varlen")
 def _attention_varlen(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, softmax_scale: float, dropout_p: float,
                       seed: Optional[Tensor], backend: str, qkv_bias: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """qkv_bias: not read; inputs so that the backward returns their gradient."""
@@ -69,7 +70,7 @@ def _(qkv, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed, backend, qkv_
     return qkv.new_empty((tokens, heads, head_dim)), qkv.new_empty((heads, tokens), dtype=torch.float32), keep
 
 
-@torch.library.custom_op("bertfast::attention_varlen_backward", mutates_args=())
+@fused_op("bertfast::attention_varlen_backward")
 def _attention_varlen_backward(dout: Tensor, qkv: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor,
                                max_seqlen: int, softmax_scale: float, dropout_p: float, seed: Optional[Tensor],
                                keep: Tensor, backend: str,
@@ -189,7 +190,7 @@ def attention_varlen(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p
 
 
 # ------------------------------------------------------------------ padded + mask
-@torch.library.custom_op("bertfast::attention_padded", mutates_args=())
+@fused_op("bertfast::attention_padded")
 def _attention_padded(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor, softmax_scale: float,
                       dropout_p: float, seed: Optional[Tensor], backend: str) -> tuple[Tensor, Tensor, Tensor]:
     outputs = _impl("attention_padded", backend).attention_padded_fwd(q, k, v, key_padding_mask, softmax_scale,
@@ -205,7 +206,7 @@ def _(q, k, v, key_padding_mask, softmax_scale, dropout_p, seed, backend):
     return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen), dtype=torch.float32), keep
 
 
-@torch.library.custom_op("bertfast::attention_padded_backward", mutates_args=())
+@fused_op("bertfast::attention_padded_backward")
 def _attention_padded_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                                key_padding_mask: Tensor, softmax_scale: float, dropout_p: float,
                                seed: Optional[Tensor], keep: Tensor, backend: str) -> tuple[Tensor, Tensor, Tensor]:

@@ -26,7 +26,7 @@ import torch
 
 from bertfast import dispatch, reference
 from bertfast.contract import check_dropout
-from bertfast.ops._common import (distinct, empty, hand_over, keep_mask, launch_directly, layer_norm_bwd,
+from bertfast.ops._common import (distinct, empty, fused_op, hand_over, keep_mask, launch_directly, layer_norm_bwd,
                                   layer_norm_fwd, no_zero_grads, or_none, seed_for)
 
 OP = "bias_dropout_residual_layernorm"
@@ -38,7 +38,7 @@ def stores_pre_norm(has_bias: bool, has_residual: bool, dropout_p: float) -> boo
     return has_bias or has_residual or dropout_p > 0.0
 
 
-@torch.library.custom_op("bertfast::bias_dropout_residual_layernorm", mutates_args=())
+@fused_op("bertfast::bias_dropout_residual_layernorm")
 def _bias_dropout_residual_layernorm(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], weight: Tensor,
                                      ln_bias: Tensor, eps: float, dropout_p: float, seed: Optional[Tensor],
                                      backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -56,7 +56,7 @@ def _(x, bias, residual, weight, ln_bias, eps, dropout_p, seed, backend):
     return x.new_empty(x.shape), pre_norm, stats, torch.empty_like(stats)
 
 
-@torch.library.custom_op("bertfast::bias_dropout_residual_layernorm_backward", mutates_args=())
+@fused_op("bertfast::bias_dropout_residual_layernorm_backward")
 def _bias_dropout_residual_layernorm_backward(dy: Tensor, pre_norm: Tensor, mean: Tensor, rstd: Tensor,
                                               weight: Tensor, dropout_p: float, seed: Optional[Tensor],
                                               has_bias: bool, has_residual: bool, backend: str

@@ -11,12 +11,12 @@ import torch
 
 from bertfast import dispatch
 from bertfast.contract import check_approximate
-from bertfast.ops._common import distinct, launch_directly
+from bertfast.ops._common import distinct, fused_op, launch_directly
 
 OP = "bias_gelu"
 
 
-@torch.library.custom_op("bertfast::bias_gelu", mutates_args=())
+@fused_op("bertfast::bias_gelu")
 def _bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str, backend: str) -> torch.Tensor:
     return distinct([dispatch.get(OP, backend).impl.bias_gelu_fwd(x, bias, approximate)], [x, bias])[0]
 
@@ -26,7 +26,7 @@ def _(x, bias, approximate, backend):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("bertfast::bias_gelu_backward", mutates_args=())
+@fused_op("bertfast::bias_gelu_backward")
 def _bias_gelu_backward(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, approximate: str,
                         backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     return distinct(dispatch.get(OP, backend).impl.bias_gelu_bwd(dy.contiguous(), x, bias, approximate), [dy, x, bias])

@@ -19,14 +19,14 @@ import torch.nn.functional as F
 
 from bertfast import dispatch, reference
 from bertfast.contract import check_dropout
-from bertfast.ops._common import (distinct, keep_mask, launch_directly, layer_norm_bwd, layer_norm_fwd,
+from bertfast.ops._common import (distinct, fused_op, keep_mask, launch_directly, layer_norm_bwd, layer_norm_fwd,
                                   no_zero_grads, seed_for)
 
 OP = "embeddings"
 Tensor = torch.Tensor
 
 
-@torch.library.custom_op("bertfast::embeddings", mutates_args=())
+@fused_op("bertfast::embeddings")
 def _embeddings(input_ids: Tensor, position_ids: Tensor, token_type_ids: Tensor, word: Tensor, pos: Tensor,
                 token_type: Tensor, ln_weight: Tensor, ln_bias: Tensor, eps: float, dropout_p: float,
                 seed: Optional[Tensor], out_dtype: torch.dtype, backend: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -44,7 +44,7 @@ def _(input_ids, position_ids, token_type_ids, word, pos, token_type, ln_weight,
     return word.new_empty((tokens, word.shape[1]), dtype=out_dtype), stats, torch.empty_like(stats)
 
 
-@torch.library.custom_op("bertfast::embeddings_backward", mutates_args=())
+@fused_op("bertfast::embeddings_backward")
 def _embeddings_backward(dy: Tensor, input_ids: Tensor, position_ids: Tensor, token_type_ids: Tensor,
                          word: Tensor, pos: Tensor, token_type: Tensor, ln_weight: Tensor, ln_bias: Tensor,
                          mean: Tensor, rstd: Tensor, dropout_p: float, seed: Optional[Tensor], backend: str

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from bertfast import dispatch
 from bertfast.contract import FLOAT_DTYPES, ID_DTYPES, IGNORE_INDEX, check_tensor, value_checks
-from bertfast.ops._common import distinct, empty, fp32_gemm_caps, no_zero_grads
+from bertfast.ops._common import distinct, empty, fp32_gemm_caps, fused_op, no_zero_grads
 from bertfast.ops.bias_dropout_residual_layernorm import bias_dropout_residual_layernorm
 from bertfast.ops.bias_gelu import bias_gelu
 
@@ -36,7 +36,7 @@ OP = "mlm_head_loss"
 Tensor = torch.Tensor
 
 
-@torch.library.custom_op("bertfast::mlm_head_loss_decoder", mutates_args=())
+@fused_op("bertfast::mlm_head_loss_decoder")
 def _mlm_head_loss_decoder(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, chunk_rows: int,
                           compute_grad: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     kernel = dispatch.get(OP, backend).impl.mlm_head_loss_fwd
