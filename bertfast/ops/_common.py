@@ -11,6 +11,7 @@ their backends from it.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -56,6 +57,10 @@ class FusedOp:
         self.name, self.fn = name, fn
         self.custom = torch.library.custom_op(name, mutates_args=())(fn)
         self._function = None
+        # Whether an argument is a list of tensors (its schema's list[Tensor]), which the
+        # autograd.Function takes spread out; most ops have none and skip the spreading.
+        self._lists = any(str(p.annotation).lower().startswith("list")
+                          for p in inspect.signature(fn).parameters.values())
         FUSED_OPS[name] = self
 
     def register_fake(self, fake):
@@ -68,7 +73,7 @@ class FusedOp:
         class Function(torch.autograd.Function):
             @staticmethod
             def forward(ctx, spec, *flat):
-                args = _unflatten(flat, spec)
+                args = flat if spec is None else _unflatten(flat, spec)
                 output = fn(*args)
                 setup_context(ctx, args, output)
                 ctx.spec = spec
@@ -76,14 +81,15 @@ class FusedOp:
 
             @staticmethod
             def backward(ctx, *grads):
-                return (None, *_flatten(backward(ctx, *grads), ctx.spec, grads=True)[0])
+                got = backward(ctx, *grads)
+                return (None, *(got if ctx.spec is None else _flatten(got, ctx.spec, grads=True)[0]))
 
         Function.__name__ = Function.__qualname__ = self.name.split("::")[-1]
         self._function = Function
 
     def __call__(self, *args):
         if EAGER_FUNCTIONS and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
-            flat, spec = _flatten(args)
+            flat, spec = _flatten(args) if self._lists else (args, None)
             tensors = [t for t in flat if isinstance(t, torch.Tensor)]
             if all(type(t) in PLAIN_TYPES for t in tensors):
                 grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
