@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -243,6 +243,18 @@ def _row(ctx: SuiteContext, oc: OverheadCase, direction: str, impl: str, host: S
                timing=HOST_LOOP)
 
 
+def _plans(oc: OverheadCase, backend: str) -> List[Tuple[str, str, Callable[[], object]]]:
+    """A case's rows in order: (direction, impl, what is timed), for the backend dispatch chose."""
+    ours = bertfast_impl(backend)
+    return [(SELECT, ours, lambda: dispatch.select(oc.dispatch_op, **oc.select_inputs)),
+            (DECIDE, ours, lambda: dispatch._select(oc.dispatch_op, dispatch.forced_backend(oc.dispatch_op),
+                                                    **oc.select_inputs)),
+            (FWD, ours, _no_grad(oc.bertfast)), (FWD, TORCH_EAGER, _no_grad(oc.eager)),
+            (FWD_BWD, ours, _grad_step(oc.bertfast, oc.leaves)),
+            (FWD_BWD, TORCH_EAGER, _grad_step(oc.eager, oc.leaves)),
+            (FWD_BWD, bertfast_impl(backend, CUSTOM_OP), _through_custom_ops(_grad_step(oc.bertfast, oc.leaves)))]
+
+
 def run_case(ctx: SuiteContext, oc: OverheadCase) -> List[Row]:
     dev = ctx.torch_device
     warmup, calls, samples = _timing_counts(ctx)
@@ -258,14 +270,7 @@ def run_case(ctx: SuiteContext, oc: OverheadCase) -> List[Row]:
         return [Row(SUITE, oc.op, dict(oc.case), d, ours, status=ERROR, reason=f"while checking: {short_error(exc)}")
                 for d in DIRECTIONS]
     rows: List[Row] = []
-    plans = [(SELECT, ours, lambda: dispatch.select(oc.dispatch_op, **oc.select_inputs)),
-             (DECIDE, ours, lambda: dispatch._select(oc.dispatch_op, dispatch.forced_backend(oc.dispatch_op),
-                                                     **oc.select_inputs)),
-             (FWD, ours, _no_grad(oc.bertfast)), (FWD, TORCH_EAGER, _no_grad(oc.eager)),
-             (FWD_BWD, ours, _grad_step(oc.bertfast, oc.leaves)),
-             (FWD_BWD, TORCH_EAGER, _grad_step(oc.eager, oc.leaves)),
-             (FWD_BWD, bertfast_impl(chosen, CUSTOM_OP), _through_custom_ops(_grad_step(oc.bertfast, oc.leaves)))]
-    for direction, impl, fn in plans:
+    for direction, impl, fn in _plans(oc, chosen):
         if not ctx.wants(impl):
             continue
         if mismatch and impl.startswith(ours) and direction not in (SELECT, DECIDE):
@@ -305,10 +310,8 @@ def run(ctx: SuiteContext) -> List[Row]:
         try:
             case_rows = run_case(ctx, oc)
         except Stopped as stop:  # dispatch's choice may not be known yet: bertfast:?
-            impls = ([(d, bertfast_impl("?")) for d in DIRECTIONS] + [(d, TORCH_EAGER) for d in (FWD, FWD_BWD)]
-                     + [(FWD_BWD, bertfast_impl("?", CUSTOM_OP))])
             ctx.record([skipped(SUITE, oc.op, dict(oc.case), d, impl, stop.reason(running=True))
-                        for d, impl in impls if ctx.wants(impl)])
+                        for d, impl, _ in _plans(oc, "?") if ctx.wants(impl)])
             raise
         rows += ctx.record(case_rows)
     return rows

@@ -27,10 +27,17 @@ def launch_directly(*tensors: Optional[torch.Tensor]) -> bool:
     eager, plain tensors, nothing that needs a gradient (inference). The custom op's dispatch costs
     tens of microseconds per call, which is what a whole layer's row op takes at batch 1 on a CPU,
     and buys nothing there: it exists for autograd and for tracing (torch.compile, fake tensors)."""
-    if torch.compiler.is_compiling():
-        return False
-    grad = torch.is_grad_enabled()
-    return all(t is None or (type(t) in PLAIN_TYPES and not (grad and t.requires_grad)) for t in tensors)
+    return not torch.compiler.is_compiling() and plain(tensors) and not needs_grad(tensors)
+
+
+def plain(tensors: Sequence[Optional[torch.Tensor]]) -> bool:
+    """Every tensor a plain one (None skipped): what an op may launch on outside the custom op."""
+    return all(t is None or type(t) in PLAIN_TYPES for t in tensors)
+
+
+def needs_grad(tensors: Sequence[Optional[torch.Tensor]]) -> bool:
+    """Whether autograd would record a call on these tensors (None skipped)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 # False: every call of a FusedOp goes through its custom op (tests compare the two ways; the overhead
@@ -82,7 +89,7 @@ class FusedOp:
             @staticmethod
             def backward(ctx, *grads):
                 got = backward(ctx, *grads)
-                return (None, *(got if ctx.spec is None else _flatten(got, ctx.spec, grads=True)[0]))
+                return (None, *(got if ctx.spec is None else _flatten_grads(got, ctx.spec)))
 
         Function.__name__ = Function.__qualname__ = self.name.split("::")[-1]
         self._function = Function
@@ -91,8 +98,8 @@ class FusedOp:
         if EAGER_FUNCTIONS and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
             flat, spec = _flatten(args) if self._lists else (args, None)
             tensors = [t for t in flat if isinstance(t, torch.Tensor)]
-            if all(type(t) in PLAIN_TYPES for t in tensors):
-                grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+            if plain(tensors):
+                grad = needs_grad(tensors)
                 if not grad or self._function is not None:
                     with _named(self.name):
                         return self._function.apply(spec, *flat) if grad else self.fn(*args)
@@ -107,19 +114,30 @@ def _named(name: str):
 _NOTHING = contextlib.nullcontext()
 
 
-def _flatten(values, spec=None, grads: bool = False):
+def _flatten(values):
     """Arguments -> (flat values, spec): each list or tuple of tensors spread out, its length in spec
-    (None for a single value). With a spec and grads, a backward's values: a list's None is a None
-    for each of its tensors."""
+    (None for a single value)."""
     flat, lengths = [], []
-    for i, value in enumerate(values):
-        n = spec[i] if spec is not None else (len(value) if isinstance(value, (list, tuple)) else None)
+    for value in values:
+        n = len(value) if isinstance(value, (list, tuple)) else None
         if n is None:
             flat.append(value)
         else:
-            flat.extend([None] * n if value is None and grads else value)
+            flat.extend(value)
         lengths.append(n)
     return flat, tuple(lengths)
+
+
+def _flatten_grads(grads, spec) -> list:
+    """A backward's gradients, one per argument, spread out as _flatten spread the arguments: a list's
+    gradients one per tensor (its None a None for each)."""
+    flat = []
+    for grad, n in zip(grads, spec):
+        if n is None:
+            flat.append(grad)
+        else:
+            flat.extend([None] * n if grad is None else grad)
+    return flat
 
 
 def _unflatten(flat, spec) -> list:

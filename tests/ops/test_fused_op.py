@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bertfast import ops
 from bertfast.ops import _common
-from bertfast.testing import cu_seqlens_from_lengths
+from bertfast.testing import BackendUnderTest, cu_seqlens_from_lengths
 
 P = 0.25
 
@@ -102,7 +102,7 @@ def test_the_qkv_bias_list_takes_a_gradient_per_tensor(backend, monkeypatch):
 
 
 def test_profiles_name_the_op_either_way(monkeypatch):
-    call, leaves = _calls(_cpu())["bias_dropout_residual_layernorm"]
+    call, leaves = _calls(BackendUnderTest("torch", torch.device("cpu")))["bias_dropout_residual_layernorm"]
     names = []
     for eager in (True, False):
         monkeypatch.setattr(_common, "EAGER_FUNCTIONS", eager)
@@ -145,8 +145,3 @@ def test_every_op_module_makes_its_custom_ops_fused_ops():
     assert "bertfast::mlm_head_loss_decoder" in names
     for name, op in _common.FUSED_OPS.items():
         assert (op._function is None) == name.endswith("_backward"), name
-
-
-def _cpu():
-    from bertfast.testing import BackendUnderTest
-    return BackendUnderTest("torch", torch.device("cpu"))
