@@ -11,6 +11,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from bertfast.bench.clocks import ClockSampler
 from bertfast.bench.device import DeviceInfo, compiler_status
 from bertfast.bench.results import Row
 from bertfast.bench.timing import TimingPolicy, peak_memory, time_cpu_interleaved, time_fn
@@ -176,9 +177,10 @@ def free_memory() -> None:
 
 
 def time_plans(ctx: "SuiteContext", plans: Sequence[Tuple[str, Callable[[], Callable[[], object]], object]],
-               policy: TimingPolicy, timed: Callable[[str, object, object, object], None]) -> None:
+               policy: TimingPolicy, timed: Callable[[str, object, object, object, Dict], None]) -> None:
     """Time each plan (implementation, make: builds its step, the report of its gate) and hand
-    ``timed`` (implementation, its Stat or the exception raised, its peak memory or None, report).
+    ``timed`` (implementation, its Stat or the exception raised, its peak memory or None, report, the
+    GPU's clocks while it was timed: bench.clocks, empty on a CPU).
     On a GPU one implementation after the other, each step built just before it is timed and its
     memory freed after; on a CPU (a shared machine, where the ratio against transformers is the
     figure) in turns, a call of each per round."""
@@ -188,18 +190,19 @@ def time_plans(ctx: "SuiteContext", plans: Sequence[Tuple[str, Callable[[], Call
             try:
                 steps.append((impl, make(), report))
             except Exception as exc:  # noqa: BLE001
-                timed(impl, exc, None, report)
+                timed(impl, exc, None, report, {})
         for (impl, _, report), t in zip(steps, time_cpu_interleaved([step for _, step, _ in steps], policy)):
-            timed(impl, t, None, report)
+            timed(impl, t, None, report, {})
         return
     for impl, make, report in plans:
         try:
             step = make()
-            t = time_fn(step, ctx.torch_device, policy)
+            with ClockSampler(ctx.torch_device) as sampler:
+                t = time_fn(step, ctx.torch_device, policy)
             mem = peak_memory(step, ctx.torch_device)
         except Exception as exc:  # noqa: BLE001
             t, mem = exc, None
-        timed(impl, t, mem, report)
+        timed(impl, t, mem, report, sampler.summary() if not isinstance(t, BaseException) else {})
         free_memory()
 
 

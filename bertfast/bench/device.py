@@ -190,8 +190,11 @@ def calibrate(info: DeviceInfo, quick: bool = False) -> DeviceInfo:
         nbytes = (16 if quick else 64) * 2 ** 20
         size, dtype = (512 if quick else 1024), torch.float32
         policy = TimingPolicy(cpu_warmup=1, cpu_reps=5, flush_l2=False)
-    info.copy_bandwidth_gbps = measure_copy_bandwidth(device, nbytes, policy)
-    info.peak_matmul_tflops = measure_matmul_peak(device, size, dtype, policy)
+    from bertfast.bench.clocks import ClockSampler
+    with ClockSampler(device) as copy_clocks:
+        info.copy_bandwidth_gbps = measure_copy_bandwidth(device, nbytes, policy)
+    with ClockSampler(device) as matmul_clocks:
+        info.peak_matmul_tflops = measure_matmul_peak(device, size, dtype, policy)
     info.calibration = {
         "copy": f"device-to-device copy of a {nbytes / 2**20:.0f} MiB buffer; read + write counted "
                 f"(2 x {nbytes} bytes per copy); GB/s = 1e9 bytes/s",
@@ -200,5 +203,8 @@ def calibrate(info: DeviceInfo, quick: bool = False) -> DeviceInfo:
                   f"2*M*N*K flops per call",
         "matmul_size": size,
         "matmul_dtype": str(dtype).replace("torch.", ""),
+        # the GPU's clocks while each was timed (bench.clocks; empty on a CPU)
+        "copy_clocks": copy_clocks.summary(),
+        "matmul_clocks": matmul_clocks.summary(),
     }
     return info

@@ -250,12 +250,12 @@ def bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, t
                 rows.append(row(impl, status=FAILED_PARITY, parity=report,
                                 reason=f"embeddings differ from transformers': {report}"))
 
-        def timed(impl, t, mem, report) -> None:
+        def timed(impl, t, mem, report, clocks) -> None:
             if isinstance(t, BaseException):
                 rows.append(row(impl, status=ERROR, reason=f"while timing: {short_error(t)}", parity=report))
                 return
             rows.append(row(impl, time_ms=t, metrics=figures(ctx, t, n_texts, sum(lengths), flops), memory=mem,
-                            parity=report))
+                            parity=report, clocks=clocks))
             ctx.log(f"  {group} {case_text(case)} {impl:28s} {t.median:9.1f} ms")
 
         time_plans(ctx, plans, ctx.step_policy, timed)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from bertfast.bench.clocks import ClockSampler
 from bertfast.bench.common import Stopped, SuiteContext, free_memory, short_error, strict_fp32
 from bertfast.bench.gate import compare
 from bertfast.bench.kernel_cases import ALL_DIRECTIONS, STEP, SUITE, Impl, OpCase, Prepared, case_builders
@@ -210,7 +211,8 @@ def _run_impl(ctx: SuiteContext, oc: OpCase, impl: Impl, refs: _References) -> L
     for direction in oc.directions:
         work = oc.work(direction)
         try:
-            t, method, host, cold, mem = _time_direction(ctx, p, direction)
+            with ClockSampler(ctx.torch_device) as sampler:
+                t, method, host, cold, mem = _time_direction(ctx, p, direction)
         except Exception as exc:  # noqa: BLE001
             rows.append(Row(SUITE, oc.group, dict(oc.case), direction, impl.name, status=ERROR,
                             reason=f"while timing: {short_error(exc)}", parity=parity, work=work))
@@ -221,7 +223,7 @@ def _run_impl(ctx: SuiteContext, oc: OpCase, impl: Impl, refs: _References) -> L
         if cold is not None:
             metrics["cold_l2_ms"] = cold
         rows.append(Row(SUITE, oc.group, dict(oc.case), direction, impl.name, time_ms=t, metrics=metrics,
-                        memory=mem, parity=parity, work=work, timing=method))
+                        memory=mem, parity=parity, work=work, timing=method, clocks=sampler.summary()))
         ctx.log(f"  {oc.group} {direction:8s} {impl.name:28s} {t.median:9.4f} ms")
     return rows
 

@@ -494,12 +494,12 @@ def _bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, 
                 plans.append((impl, lambda f=forward: make_train_step(ctx, hf, batch, forward=f), report))
 
     # 2. timing (common.time_plans: on a CPU in turns).
-    def timed(impl: str, t, mem, report) -> None:
+    def timed(impl: str, t, mem, report, clocks) -> None:
         if isinstance(t, BaseException):
             rows.append(row(impl, status=ERROR, reason=f"while timing: {short_error(t)}", parity=report))
             return
         rows.append(row(impl, time_ms=t, metrics=_figures(ctx, t, bsz, tokens, model_flops), memory=mem,
-                        parity=report))
+                        parity=report, clocks=clocks))
         ctx.log(f"  {group} {case_text(case)} {impl:28s} {t.median:9.3f} ms")
 
     time_plans(ctx, plans, policy, timed)

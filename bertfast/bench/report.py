@@ -11,6 +11,7 @@ import os
 import textwrap
 from typing import Any, Dict, List, Optional, Tuple
 
+from bertfast.bench.clocks import describe as describe_clocks
 from bertfast.bench.results import HF_EAGER, TORCH_EAGER, Row, Run, case_text
 
 BASELINE = {"kernels": TORCH_EAGER, "model": HF_EAGER, "overhead": TORCH_EAGER}
@@ -114,11 +115,11 @@ def markdown(run: Run) -> str:
     if d.copy_bandwidth_gbps is not None:
         md.append(f"- measured copy bandwidth: {_fmt(d.copy_bandwidth_gbps.median, 4)} GB/s "
                   f"[p20 {_fmt(d.copy_bandwidth_gbps.p20, 4)}, p80 {_fmt(d.copy_bandwidth_gbps.p80, 4)}] "
-                  f"({d.calibration.get('copy', '')})")
+                  f"({d.calibration.get('copy', '')}){_while(d.calibration.get('copy_clocks'))}")
     if d.peak_matmul_tflops is not None:
         md.append(f"- measured peak matmul: {_fmt(d.peak_matmul_tflops.median, 4)} TFLOP/s "
                   f"[p20 {_fmt(d.peak_matmul_tflops.p20, 4)}, p80 {_fmt(d.peak_matmul_tflops.p80, 4)}] "
-                  f"({d.calibration.get('matmul', '')})")
+                  f"({d.calibration.get('matmul', '')}){_while(d.calibration.get('matmul_clocks'))}")
     if getattr(d, "datasheet_bf16_tflops", None):
         md.append(f"- datasheet dense bf16 peak: {_fmt(d.datasheet_bf16_tflops, 4)} TFLOP/s (the MFU targets' peak)")
     md.append(f"- config: `{json.dumps(_without_tuned(run.config), sort_keys=True)}`")
@@ -160,6 +161,7 @@ def markdown(run: Run) -> str:
                      [[r.group, r.case_key(), r.direction, r.impl, _host(r), _fmt(_extra_us(run, r)), _status(r)]
                       for r in overhead])
         md.append("")
+    md += _clocks_section(run)
     tuned = tuned_rows(run.config)
     if tuned:
         md += ["## Autotuned configs", "", "The config Triton's autotuner chose for each kernel and tuning key "
@@ -170,6 +172,39 @@ def markdown(run: Run) -> str:
     if run.notes:
         md += ["## Notes", ""] + [f"- {n}" for n in run.notes] + [""]
     return "\n".join(md)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _while(clocks: Optional[Dict]) -> str:
+    text = describe_clocks(clocks or {})
+    return f"; while timed: {text}" if text else ""
+
+
+def _clocks_section(run: Run) -> List[str]:
+    """Each model-suite row's clocks, and the spread of the kernel suite's (bench.clocks)."""
+    model = [r for r in run.rows if r.suite == "model" and r.clocks]
+    kernels = [r for r in run.rows if r.suite == "kernels" and r.clocks]
+    if not model and not kernels:
+        return []
+    md = ["## Clocks", "", "The GPU's SM clock, memory clock, power and temperature while each case was timed "
+          "(nvidia-smi every 100 ms, the samples with the GPU busy: median [p20, p80]), and the clock limits "
+          "active in them.", ""]
+    if model:
+        md += _table(["benchmark", "case", "impl", "clocks"],
+                     [[r.group, r.case_key(), r.impl, describe_clocks(r.clocks)] for r in model])
+        md.append("")
+    if kernels:
+        sm = sorted(r.clocks["sm_mhz"]["median"] for r in kernels if "sm_mhz" in r.clocks)
+        limited = sum(1 for r in kernels if r.clocks.get("limits"))
+        unread = sum(1 for r in kernels if "error" in r.clocks)
+        spread = f"SM clock medians from {sm[0]:,.0f} to {sm[-1]:,.0f} MHz" if sm else "no SM clock read"
+        md += [f"Kernel suite, {_count(len(kernels), 'row')}: {spread}; a clock limit active in "
+               f"{_count(limited, 'row')}" + (f"; {unread} not sampled" if unread else "")
+               + " (results.json has each row's).", ""]
+    return md
 
 
 def _without_tuned(config: Dict) -> Dict:

@@ -95,6 +95,7 @@ class Row:
     parity: Dict[str, Any] = field(default_factory=dict)  # what the gate measured
     work: Dict[str, float] = field(default_factory=dict)  # bytes / flops / tokens the figures divide
     timing: str = ""  # how time_ms was measured (see bertfast.bench.timing.METHODS)
+    clocks: Dict[str, Any] = field(default_factory=dict)  # the GPU's while timed (bertfast.bench.clocks)
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -126,6 +127,7 @@ class Row:
             "parity": dict(self.parity),
             "work": dict(self.work),
             "timing": self.timing,
+            "clocks": dict(self.clocks),
         }
 
     @classmethod
@@ -139,6 +141,7 @@ class Row:
             parity=dict(d.get("parity", {})),
             work=dict(d.get("work", {})),
             timing=d.get("timing", ""),
+            clocks=dict(d.get("clocks", {})),
         )
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from bertfast import registry
+from bertfast.bench.clocks import describe as describe_clocks
 from bertfast.bench.results import (BERTFAST, BERTFAST_GRAPHS, BERTFAST_STATIC, FAILED_PARITY, FULL_HEAD,
                                     GEMM_FLOOR, HF_COMPILED, HF_EAGER, SDPA_CUDNN, SDPA_FLASH, SDPA_MEM_EFFICIENT,
                                     Row, Run, is_fast_impl)
@@ -121,8 +122,10 @@ def _model_mfu(model: str, seqlen: int, threshold: float) -> Callable[[Run], Out
         mfu, peak = row.metric("mfu_datasheet"), "datasheet peak"
         if mfu is None:
             mfu, peak = row.metric("mfu"), "measured peak (GPU not in the datasheet table)"
+        clocks = describe_clocks(row.clocks)
         return _compare(mfu, threshold, True,
-                        f"MFU {mfu:.1%} of the {peak} (batch {row.case.get('batch')}{_step_name(row)})")
+                        f"MFU {mfu:.1%} of the {peak} (batch {row.case.get('batch')}{_step_name(row)})"
+                        + (f"; {clocks}" if clocks else ""))
     return evaluate
 
 
