@@ -14,6 +14,9 @@ process is set up to:
   compile-only  inside ``compile_only(record)`` (bertfast.gpucheck.compile_report): nothing
                 runs; ``record`` receives each launch with its candidate configs.
 
+In the tuned and fixed modes the config is chosen on a launch key's first launch; later launches
+with that key pass it to the JIT function directly (_LAUNCH_KWARGS).
+
 Kernels that modify their inputs (the in-place softmax-CE, atomics into zeroed buffers) are
 tuned once per tuning key on scratch copies of those buffers, then launched on the real ones
 with the chosen config: no clone or zeroing inside the timed call, and no trial can clobber
@@ -159,20 +162,54 @@ def _tuning_key(kernel, args: Sequence, consts: Dict) -> Tuple:
     return tuple(key)
 
 
-_SCRATCH_CHOICES: Dict[Tuple[int, Tuple], triton.Config] = {}
-
-
 def _choose_on_scratch(kernel, grid, args: Sequence, consts: Dict, scratch: Sequence[str]) -> triton.Config:
-    """The tuned config for this key, found by running the autotuner on scratch copies of the
+    """The tuned config for these arguments, found by running the autotuner on scratch copies of the
     arguments named in ``scratch`` (their contents do not change a kernel's speed)."""
-    key = (id(kernel), _tuning_key(kernel, args, consts))
-    if key not in _SCRATCH_CHOICES:
-        # Same sizes and strides (a row-strided view keeps its row stride, which the kernel is given).
-        spare = [torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device) if name in scratch
-                 else a for name, a in zip(kernel.arg_names, args)]
-        kernel[grid](*spare, **consts, **COMPILE_OPTIONS)
-        _SCRATCH_CHOICES[key] = kernel.best_config
-    return _SCRATCH_CHOICES[key]
+    # Same sizes and strides (a row-strided view keeps its row stride, which the kernel is given).
+    spare = [torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device) if name in scratch
+             else a for name, a in zip(kernel.arg_names, args)]
+    kernel[grid](*spare, **consts, **COMPILE_OPTIONS)
+    return kernel.best_config
+
+
+# An autotuned kernel's launch keyword arguments (its constexprs, the config chosen for it, the compile
+# options) per _launch_key: a launch after the first with the same key passes them to the JIT function
+# directly. Triton's autotuner builds its key from dicts of every argument on each call, about 12 us
+# of a 29 us launch on a CPU (benchmarks/host-overhead/cpu-2026-12-06-launch.md).
+_LAUNCH_KWARGS: Dict[Tuple, Dict] = {}
+_KEY_POSITIONS: Dict[int, Tuple[int, ...]] = {}
+
+
+def _launch_key(kernel, args: Sequence, consts: Dict, tuned: bool) -> Tuple:
+    """What decides an autotuned kernel's config: its tuning key's arguments and every tensor's dtype
+    (Triton's autotuner key), the constexprs (which the candidates' pruning reads too) and the mode."""
+    positions = _KEY_POSITIONS.get(id(kernel))
+    if positions is None:
+        positions = _KEY_POSITIONS[id(kernel)] = tuple(
+            i for i, name in enumerate(kernel.arg_names) if name in kernel.keys)
+    return (id(kernel), tuned, tuple(args[i] for i in positions if i < len(args)),
+            tuple(a.dtype for a in args if isinstance(a, torch.Tensor)), tuple(consts.items()))
+
+
+def _choose(kernel, grid, args: Sequence, consts: Dict, scratch: Sequence[str], autotuned: bool
+            ) -> Tuple[triton.Config, bool]:
+    """The config of a launch key's first launch, and whether choosing it launched the kernel."""
+    if not autotuned:
+        return candidates(kernel, args, consts)[0], False
+    if scratch:
+        return _choose_on_scratch(kernel, grid, args, consts, scratch), False
+    kernel[grid](*args, **consts, **COMPILE_OPTIONS)  # the autotuner chooses (or reads its disk cache) and launches
+    return kernel.best_config, True
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) on the host, as triton.cdiv: triton 3.9's is a constexpr function, ~2 us a call there."""
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 >= n (0 for n <= 0), as triton.next_power_of_2, on the host (see cdiv)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 # --------------------------------------------------------------------------- launching
@@ -214,10 +251,14 @@ def launch(kernel, grid, args: Sequence, consts: Dict, *, interp: Optional[Dict]
         return
     if not tuned:
         fn[grid](*args, **consts, **COMPILE_OPTIONS)
-    elif not autotune_enabled():
-        fn[grid](*args, **consts, **candidates(kernel, args, consts)[0].all_kwargs(), **COMPILE_OPTIONS)
-    elif scratch:
-        config = _choose_on_scratch(kernel, grid, args, consts, scratch)
-        fn[grid](*args, **consts, **config.all_kwargs(), **COMPILE_OPTIONS)
-    else:
-        kernel[grid](*args, **consts, **COMPILE_OPTIONS)
+        return
+    key = _launch_key(kernel, args, consts, autotune_enabled())
+    kwargs = _LAUNCH_KWARGS.get(key)
+    if kwargs is None:
+        config, launched = _choose(kernel, grid, args, consts, scratch, autotuned=key[1])
+        # In the autotuner's order: Triton's in-memory kernel cache keys on the options' text, so
+        # another order would compile the same kernel again.
+        kwargs = _LAUNCH_KWARGS[key] = {**consts, **COMPILE_OPTIONS, **config.all_kwargs()}
+        if launched:
+            return
+    fn[grid](*args, **kwargs)

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import interpreting, launch
+from ._common import cdiv, interpreting, launch, next_power_of_2
 
 MAX_HIDDEN = 8192  # LayerNorm rows (LayerNorm, embeddings) are one register tile: H <= 8192
 MAX_ROWS_PER_TILE = 16  # the largest BLOCK_M in the backward configs; row groups are multiples of it
@@ -191,11 +191,11 @@ def interpreter_rows(block_h: int, cap: int) -> int:
 
 def block_h_for(h: int) -> int:
     """Columns of the register tile: next power of two of H, at least 16 (dropout uses 8-column groups)."""
-    return max(16, triton.next_power_of_2(h))
+    return max(16, next_power_of_2(h))
 
 
 def n_bucket(n: int) -> int:
-    return min(triton.next_power_of_2(max(n, 1)), 1 << 16)
+    return min(next_power_of_2(max(n, 1)), 1 << 16)
 
 
 @functools.lru_cache(maxsize=None)
@@ -216,8 +216,8 @@ def row_groups(n_rows: int, device: torch.device, per_sm: int):
 def row_group_shape(n_rows: int, programs: int) -> Tuple[int, int]:
     """(G, rows_per_program) for about ``programs`` programs: rows_per_program is a multiple of the
     largest BLOCK_M, so only a program's last tile is partial."""
-    rpp = triton.cdiv(triton.cdiv(n_rows, programs), MAX_ROWS_PER_TILE) * MAX_ROWS_PER_TILE
-    return triton.cdiv(n_rows, rpp), rpp
+    rpp = cdiv(cdiv(n_rows, programs), MAX_ROWS_PER_TILE) * MAX_ROWS_PER_TILE
+    return cdiv(n_rows, rpp), rpp
 
 
 def hidden_reasons(h: int):
@@ -281,6 +281,6 @@ def column_sums(part: torch.Tensor, dtypes: Sequence[torch.dtype]) -> Tuple[torc
         return tuple(o.zero_() for o in outs)
     block_g = 2 if interpreting() else _SUMS_BLOCK_G  # the interpreter: several tiles and a partial one
     slots = outs + (outs[0],) * (3 - k)
-    launch(_column_sums_kernel, (triton.cdiv(c, _SUMS_BLOCK_C), k), (part, *slots, g, c),
+    launch(_column_sums_kernel, (cdiv(c, _SUMS_BLOCK_C), k), (part, *slots, g, c),
            dict(BLOCK_G=block_g, BLOCK_C=_SUMS_BLOCK_C, num_warps=8))
     return outs

@@ -149,7 +149,7 @@ from bertfast.contract import (KEEP_ALIGN, check_bias_dtype, check_cu_seqlens, c
                                keep_bits_shape, softmax_scale as _softmax_scale)
 
 from . import _common
-from ._common import autotune, interpreting, launch
+from ._common import autotune, cdiv, interpreting, launch, next_power_of_2
 from ._philox import philox4x32
 from ._rows import column_sums
 
@@ -1387,7 +1387,7 @@ _FUSED_CANDIDATES = {
 
 def fused_block_n(seqlen: int) -> int:
     """The short-sequence backward's key tile: every key of the longest sequence."""
-    return max(16, triton.next_power_of_2(seqlen))
+    return max(16, next_power_of_2(seqlen))
 
 
 def fused_backward(seqlen: int, head_dim: int, dtype: torch.dtype) -> bool:
@@ -1490,7 +1490,7 @@ def unsupported(inputs) -> list:
 def block_d(head_dim: int) -> int:
     """The kernels' head-dim tile: tl.arange and tl.dot need a power of two >= 16; the columns
     past the head dim are masked (loaded as 0, never stored)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def _check_qkv(names, tensors, ndim: int, layout: str) -> None:
@@ -1539,10 +1539,10 @@ def _forward(q, k, v, out, lse, cu_seqlens, key_mask, seed, keep, batch, seqlen,
             seed if dropout_p > 0 else dummy, keep if dropout_p > 0 else dummy,
             *_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(out, varlen),
             *_lse_strides(lse, varlen), *mask_strides,
-            seqlen, heads, softmax_scale * _LOG2E.value, dropout_p, triton.next_power_of_2(seqlen), _keep_len(keep))
+            seqlen, heads, softmax_scale * _LOG2E.value, dropout_p, next_power_of_2(seqlen), _keep_len(keep))
     consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), IS_VARLEN=varlen, HAS_KEY_MASK=key_mask is not None,
                   HAS_DROPOUT=dropout_p > 0, UPCAST=upcast, DOT_PREC=prec, BYTEWISE_KEEP=_bytewise_keep(q.dtype))
-    grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_M"]), heads, batch)  # noqa: E731
+    grid = lambda meta: (cdiv(seqlen, meta["BLOCK_M"]), heads, batch)  # noqa: E731
     launch(_fwd_tuned, grid, args, consts, interp=_INTERP["fwd"])
 
 
@@ -1558,7 +1558,7 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, keep, b
     mask_strides = (key_mask.stride(0), key_mask.stride(1)) if key_mask is not None else (0, 0)
     kmask = key_mask if key_mask is not None else lse
     keep_arg = keep if dropout_p > 0 else lse
-    bucket = triton.next_power_of_2(seqlen)
+    bucket = next_power_of_2(seqlen)
     consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), IS_VARLEN=varlen, HAS_KEY_MASK=key_mask is not None,
                   HAS_DROPOUT=dropout_p > 0, UPCAST=upcast, DOT_PREC=prec, BYTEWISE_KEEP=_bytewise_keep(q.dtype),
                   HAS_DB=bias_dtype is not None)
@@ -1586,24 +1586,24 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, keep, b
         return None if db is None else column_sums(db.unsqueeze(0), [bias_dtype])[0]
     delta = torch.empty_like(lse)  # same layout as lse: d = rowsum(dO * O)
     delta_block = _INTERP["fwd"]["BLOCK_M"] if interpreting() else _DELTA_BLOCK_M
-    launch(_attention_bwd_delta_kernel, (triton.cdiv(seqlen, delta_block), heads, batch),
+    launch(_attention_bwd_delta_kernel, (cdiv(seqlen, delta_block), heads, batch),
            (out, dout, delta, cu, *_bsh(out, varlen), *_bsh(dout, varlen), *_lse_strides(lse, varlen), seqlen),
            dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), IS_VARLEN=varlen, BLOCK_M=delta_block))
-    key_grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_N"]), heads, batch)  # noqa: E731
+    key_grid = lambda meta: (cdiv(seqlen, meta["BLOCK_N"]), heads, batch)  # noqa: E731
 
     if atomic_dq:
         rows = q.shape[0] if varlen else batch * seqlen
         assert varlen or dq.stride(0) == seqlen * dq.stride(1), "padded dq: rows b * S + s"
         block_t = 16 if interpreting() else _DQ_STORE_ELEMENTS // block_d(head_dim)
-        if db is not None and db.shape[0] < triton.cdiv(rows, block_t):  # varlen rows past the sequences
-            db = torch.cat([db, db.new_zeros((triton.cdiv(rows, block_t) - db.shape[0], db.shape[1]))])
+        if db is not None and db.shape[0] < cdiv(rows, block_t):  # varlen rows past the sequences
+            db = torch.cat([db, db.new_zeros((cdiv(rows, block_t) - db.shape[0], db.shape[1]))])
         db_arg = db if db is not None else lse
         dq_acc = torch.zeros((rows, heads, head_dim), dtype=torch.float32, device=q.device)
         args = (q, k, v, dout, lse, delta, dk, dv, dq_acc, cu, kmask, keep_arg, db_arg,
                 *qkv_strides, *_bsh(dk, varlen), *_bsh(dv, varlen), *tail)
         launch(_bwd_dkdv_atomic_dq_tuned, key_grid, args, consts, interp=_INTERP["dkdv"],
                scratch=scratch + ("DQ_ACC",))
-        launch(_attention_bwd_dq_store_kernel, (triton.cdiv(rows, block_t), heads),
+        launch(_attention_bwd_dq_store_kernel, (cdiv(rows, block_t), heads),
                (dq_acc, dq, db_arg, dq.stride(-3), dq.stride(-2), db.stride(0) if db is not None else 0, rows, heads,
                 softmax_scale / (1.0 - dropout_p)),
                dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), HAS_DB=db is not None, BLOCK_T=block_t))
@@ -1615,7 +1615,7 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, keep, b
 
     args = (q, k, v, dout, lse, delta, delta_out, dq, cu, kmask, keep_arg, db_arg,
             *qkv_strides, *_bsh(dq, varlen), *tail)
-    query_grid = lambda meta: (triton.cdiv(seqlen, meta["BLOCK_M"]), heads, batch)  # noqa: E731
+    query_grid = lambda meta: (cdiv(seqlen, meta["BLOCK_M"]), heads, batch)  # noqa: E731
     launch(_bwd_dq_tuned, query_grid, args, dict(consts, REFINE_DELTA=refine), interp=_INTERP["dq"], scratch=scratch)
 
     args = (q, k, v, dout, lse, delta_out, dk, dv, cu, kmask, keep_arg, db_arg,
@@ -1646,13 +1646,13 @@ def bias_grad_rows(seqlen: int, head_dim: int, dtype: torch.dtype, one_pass: Opt
     else:
         key = (fp32, max(block_d(head_dim), 32))
         smallest = min(min(e[0] for e in _CANDIDATES["dq"][key]), min(e[1] for e in _CANDIDATES["dkdv"][key]))
-    return triton.cdiv(seqlen, smallest)
+    return cdiv(seqlen, smallest)
 
 
 def _clear_outside_rows(out: torch.Tensor, lse: Optional[torch.Tensor], cu_seqlens: torch.Tensor) -> None:
     """Rows of a varlen output that no sequence covers: 0 (and lse +inf), as the contract says."""
     tokens = out.shape[0]
-    launch(_attention_outside_rows_kernel, (triton.cdiv(tokens, _OUTSIDE_BLOCKS["BLOCK_T"]),),
+    launch(_attention_outside_rows_kernel, (cdiv(tokens, _OUTSIDE_BLOCKS["BLOCK_T"]),),
            (out, lse if lse is not None else cu_seqlens, cu_seqlens, cu_seqlens.numel() - 1, tokens,
             out[0].numel(), lse.shape[0] if lse is not None else 0, lse.stride(0) if lse is not None else 0),
            dict(HAS_LSE=lse is not None, **_OUTSIDE_BLOCKS))
@@ -1793,7 +1793,7 @@ def _dropout_mask(batch: int, seqlen: int, num_heads: int, dropout_p: float,
         return torch.ones((batch, num_heads, seqlen, seqlen), dtype=torch.bool, device=device)
     keep = torch.empty((batch, num_heads, seqlen, seqlen), dtype=torch.uint8, device=device)
     blocks = _INTERP["mask"] if interpreting() else {"BLOCK_M": 64, "BLOCK_N": 64}
-    launch(_attention_dropout_mask_kernel, (triton.cdiv(seqlen, blocks["BLOCK_M"]), num_heads, batch),
+    launch(_attention_dropout_mask_kernel, (cdiv(seqlen, blocks["BLOCK_M"]), num_heads, batch),
            (keep, seed, num_heads, seqlen, dropout_p), blocks)
     return keep.view(torch.bool)
 

@@ -54,7 +54,7 @@ import triton.language as tl
 
 from bertfast.contract import check_dropout, check_eps, check_rows, check_tensor, check_vector, row_stride
 
-from ._common import autotune, launch
+from ._common import autotune, cdiv, launch
 from ._rows import (BWD_PER_THREAD, FWD_MAX_WARPS, FWD_PER_THREAD, MAX_ROWS_PER_TILE, block_h_for, check_hidden,
                     column_sums, hidden_reasons, interpreter_rows, layernorm_bwd_rows, layernorm_rows, load_cols,
                     n_bucket, program_rows, row_config_pruner, row_dropout, row_groups, row_tile_configs,
@@ -252,7 +252,7 @@ def bias_dropout_residual_layernorm_fwd(x: torch.Tensor, bias: Optional[torch.Te
                 eps, dropout_p, n_bucket(n))
         flags = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_DROPOUT=has_dropout,
                      STORE_PRE=store_pre, STORE_KEEP=store_keep, BLOCK_H=block_h)
-        launch(_fwd_tuned, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]),), args, flags,
+        launch(_fwd_tuned, lambda meta: (cdiv(n, meta["BLOCK_M"]),), args, flags,
                interp={"BLOCK_M": interpreter_rows(block_h, 16)})
     out = (y, pre, mean, rstd)
     return out + (keep,) if return_dropout_mask else out

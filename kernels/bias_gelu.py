@@ -53,7 +53,7 @@ import triton.language as tl
 
 from bertfast.contract import check_approximate, check_bias_gelu, check_gemm_bias_gelu, check_rows, row_stride
 
-from ._common import autotune, interpreting, launch
+from ._common import autotune, cdiv, interpreting, launch, next_power_of_2
 from ._rows import MAX_ROWS_PER_TILE, column_sums, n_bucket, row_group_shape
 
 
@@ -231,7 +231,7 @@ def _tile_configs():
 
 def _prune_tiles(configs, named_args, **kwargs):
     """No tile wider than F needs (F rounded up to a power of two, at least 256)."""
-    f_cap = max(256, triton.next_power_of_2(named_args["F"]))
+    f_cap = max(256, next_power_of_2(named_args["F"]))
     return [c for c in configs if c.kwargs["BLOCK_F"] <= f_cap]
 
 
@@ -249,8 +249,8 @@ def _gemm_configs():
 
 def _prune_gemm(configs, named_args, **kwargs):
     """No tile wider than N or deeper than K needs (rounded up to powers of two)."""
-    n_cap = max(64, triton.next_power_of_2(named_args["N"]))
-    k_cap = max(16, triton.next_power_of_2(named_args["K"]))
+    n_cap = max(64, next_power_of_2(named_args["N"]))
+    k_cap = max(16, next_power_of_2(named_args["K"]))
     kept = [c for c in configs if c.kwargs["BLOCK_N"] <= n_cap and c.kwargs["BLOCK_K"] <= k_cap]
     return kept or configs[:1]
 
@@ -262,7 +262,7 @@ _gemm_tuned = autotune(_gemm_configs(), ["N", "K", "m_bucket", "BACKWARD", "HAS_
 
 
 def _interp_block_f(f: int) -> int:
-    return min(1024, max(16, triton.next_power_of_2(f)))
+    return min(1024, max(16, next_power_of_2(f)))
 
 
 def _row_groups(n: int, device: torch.device):
@@ -275,7 +275,7 @@ def _row_groups(n: int, device: torch.device):
     if device.type != "cuda":
         return row_group_shape(n, 3)
     rpp = 2 * MAX_ROWS_PER_TILE
-    return triton.cdiv(n, rpp), rpp
+    return cdiv(n, rpp), rpp
 
 
 # --------------------------------------------------------------------------- launchers
@@ -287,7 +287,7 @@ def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none"
         return y
     args = (x, bias, y, n, f, row_stride(x), n_bucket(n))
     block_f = _interp_block_f(f)
-    launch(_fwd_tuned, lambda m: (triton.cdiv(n, m["BLOCK_N"]), triton.cdiv(f, m["BLOCK_F"])), args,
+    launch(_fwd_tuned, lambda m: (cdiv(n, m["BLOCK_N"]), cdiv(f, m["BLOCK_F"])), args,
            dict(APPROX_TANH=approximate == "tanh"),
            interp={"BLOCK_N": max(1, min(16, 4096 // block_f)), "BLOCK_F": block_f})
     return y
@@ -303,7 +303,7 @@ def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, approxi
     groups, rpp = _row_groups(n, x.device)
     part = torch.empty((groups, f), dtype=torch.float32, device=x.device)
     args = (dy, x, bias, dx, part, n, f, row_stride(dy), row_stride(x), rpp, n_bucket(n))
-    launch(_bwd_tuned, lambda m: (groups, triton.cdiv(f, m["BLOCK_F"])), args,
+    launch(_bwd_tuned, lambda m: (groups, cdiv(f, m["BLOCK_F"])), args,
            dict(APPROX_TANH=approximate == "tanh"), interp={"BLOCK_N": 4, "BLOCK_F": _interp_block_f(f)})
     return dx, column_sums(part.view(1, groups, f), [bias.dtype])[0]
 
@@ -323,7 +323,7 @@ def _gemm(a, b, stride_bk, stride_bn, bias, z, out, part, m, n, k, backward, has
     args = (a, b, bias, z, out, part, m, n, k, row_stride(a), stride_bk, stride_bn, n_bucket(m))
     upcast = interpreting() and a.dtype == torch.bfloat16
     even_k = k % (_GEMM_INTERP["BLOCK_K"] if interpreting() else 64) == 0  # every candidate's BLOCK_K divides 64
-    launch(_gemm_tuned, lambda c: (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),), args,
+    launch(_gemm_tuned, lambda c: (cdiv(m, c["BLOCK_M"]) * cdiv(n, c["BLOCK_N"]),), args,
            dict(BACKWARD=backward, HAS_Z=has_z, APPROX_TANH=approximate == "tanh", EVEN_K=even_k, PART_M=_part_m(),
                 UPCAST=upcast, DOT_PREC="ieee" if a.dtype == torch.float32 or upcast else "tf32"),
            interp=_GEMM_INTERP)
@@ -358,7 +358,7 @@ def gemm_gelu_bwd(dy: torch.Tensor, weight: torch.Tensor, z: torch.Tensor, appro
     if m == 0 or n == 0 or n2 == 0:
         return dz.zero_(), torch.zeros((n,), dtype=bias_dtype, device=z.device)
     z = z if z.is_contiguous() else z.contiguous()
-    blocks = triton.cdiv(m, _part_m())
+    blocks = cdiv(m, _part_m())
     part = torch.empty((blocks, n), dtype=torch.float32, device=z.device)
     _gemm(dy, weight, row_stride(weight), 1, dz, z, dz, part, m, n, n2, True, True, approximate)
     return dz, column_sums(part.view(1, blocks, n), [bias_dtype])[0]

@@ -57,7 +57,7 @@ import triton.language as tl
 from bertfast.contract import (FLOAT_DTYPES, ID_DTYPES, check_dropout, check_eps, check_rows, check_tensor,
                                check_vector, row_stride)
 
-from ._common import autotune, interpreting, launch
+from ._common import autotune, cdiv, interpreting, launch, next_power_of_2
 from ._rows import (BWD_PER_THREAD, FWD_MAX_WARPS, FWD_PER_THREAD, MAX_ROWS_PER_TILE, block_h_for, check_hidden,
                     column_sums, hidden_reasons, interpreter_rows, layernorm_bwd_rows, layernorm_rows, load_cols,
                     n_bucket, program_rows, row_config_pruner, row_dropout, row_groups, row_tile_configs,
@@ -352,7 +352,7 @@ def embeddings_fwd(input_ids: torch.Tensor, position_ids: torch.Tensor, token_ty
                 t, h, row_stride(word), row_stride(pos), row_stride(token_type),
                 eps, dropout_p, n_bucket(t))
         flags = dict(HAS_DROPOUT=has_dropout, STORE_KEEP=store_keep, BLOCK_H=block_h)
-        launch(_fwd_tuned, lambda meta: (triton.cdiv(t, meta["BLOCK_M"]),), args, flags,
+        launch(_fwd_tuned, lambda meta: (cdiv(t, meta["BLOCK_M"]),), args, flags,
                interp={"BLOCK_M": interpreter_rows(block_h, 16)})
     out = (y, mean, rstd)
     return out + (keep,) if return_dropout_mask else out
@@ -396,7 +396,7 @@ def embeddings_bwd(dy: torch.Tensor, input_ids: torch.Tensor, position_ids: torc
             t, h, v, p_rows, num_types, row_stride(dy), row_stride(word), row_stride(pos),
             row_stride(token_type), rpp, dropout_p, n_bucket(t))
     flags = dict(HAS_DROPOUT=has_dropout, TT_IN_REGS=tt_in_regs,
-                 TT_BLOCK=triton.next_power_of_2(num_types) if tt_in_regs else 1, BLOCK_H=block_h)
+                 TT_BLOCK=next_power_of_2(num_types) if tt_in_regs else 1, BLOCK_H=block_h)
     launch(_bwd_tuned, (groups,), args, flags, interp={"BLOCK_M": interpreter_rows(block_h, 4)})
 
     # Each table row's tokens, in token order: a stable sort of the keys, and where each row's run starts.
@@ -407,16 +407,16 @@ def embeddings_bwd(dy: torch.Tensor, input_ids: torch.Tensor, position_ids: torc
     dpos = torch.empty(pos.shape, dtype=pos.dtype, device=dev)
     dtt_rows = dword if tt_in_regs else torch.empty(token_type.shape, dtype=token_type.dtype, device=dev)
     n = keys.numel()
-    chunks = triton.cdiv(n, _TABLE_CHUNK)
+    chunks = cdiv(n, _TABLE_CHUNK)
     cut_runs = torch.empty((chunks, 2, h), dtype=torch.float32, device=dev)
     # Under the interpreter a program costs its Python, not registers: every column at once.
     chunk_block_h = block_h if interpreting() else min(block_h, _TABLE_CHUNK_BLOCK_H)
-    launch(_table_chunks_kernel, (chunks, triton.cdiv(h, chunk_block_h)),
+    launch(_table_chunks_kernel, (chunks, cdiv(h, chunk_block_h)),
            (dh, sorted_keys, order, cut_runs, dword, dpos, dtt_rows, n, t, h, v, p_rows),
            dict(TT_SORTED=not tt_in_regs, CHUNK=_TABLE_CHUNK, BLOCK_H=chunk_block_h, num_warps=_TABLE_CHUNK_WARPS))
     rows = 64 if interpreting() else _TABLE_ROWS
     rows_block_h = block_h if interpreting() else min(block_h, _TABLE_ROWS_BLOCK_H)
-    launch(_table_rows_kernel, (triton.cdiv(n_rows, rows), triton.cdiv(h, rows_block_h)),
+    launch(_table_rows_kernel, (cdiv(n_rows, rows), cdiv(h, rows_block_h)),
            (cut_runs, bounds, dword, dpos, dtt_rows, h, v, p_rows, n_rows),
            dict(TT_SORTED=not tt_in_regs, CHUNK=_TABLE_CHUNK, ROWS=rows, BLOCK_H=rows_block_h,
                 num_warps=_TABLE_ROWS_WARPS))

@@ -14,6 +14,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
+# Decided once, at import, from TRITON_INTERPRET (its _PTX: inline PTX on a GPU, none under the
+# interpreter): imported here so that a test faking interpreting() False (to record or tune launches)
+# cannot be the first importer and leave the interpreter's kernels asking for PTX.
+import bertfast.kernels._philox  # noqa: E402,F401
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -54,7 +59,7 @@ def stand_in_tuner(monkeypatch):
         return [1.0, 1.0, 1.0]
 
     monkeypatch.setattr(_common, "interpreting", lambda: False)
-    monkeypatch.setattr(_common, "_SCRATCH_CHOICES", {})
+    monkeypatch.setattr(_common, "_LAUNCH_KWARGS", {})
     monkeypatch.delenv(_common.AUTOTUNE_ENV, raising=False)
 
     def use(*tuned):

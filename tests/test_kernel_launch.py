@@ -170,3 +170,31 @@ def test_interpreter_slice_scan_matches_triton_element_scan(axis, monkeypatch):
     for i in range(1, 4):
         want = want * x[0][i] + x[1][i]
     torch.testing.assert_close(sb.narrow(axis, 3, 1).squeeze(axis), want)
+
+
+def test_host_cdiv_and_next_power_of_2_are_tritons():
+    """The launchers' grids and buckets use kernels._common's (plain ints: triton 3.9's are constexpr
+    functions costing ~2 us a host call); they must give Triton's answers."""
+    for n in list(range(-3, 1100)) + [2**16 - 1, 2**16, 2**16 + 1, 10**9]:
+        assert _common.next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 2, 3, 16, 64, 128, 1000):
+            assert _common.cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
+def test_every_recorded_launch_has_a_launch_key(monkeypatch):
+    """launch() remembers each autotuned kernel's kwargs by _launch_key: every launch of the compile
+    report's BERT settings gives a hashable key, and two launches that Triton's autotuner keys apart
+    are apart in it too."""
+    from bertfast.gpucheck.compile_report import record_launches
+
+    monkeypatch.setattr(_common, "interpreting", lambda: False)
+    tuners = {id(_common.jit_function(t)): t for t in _common._TUNERS}
+    keys = {}
+    for launch in record_launches(fast=True):
+        tuner = tuners.get(id(launch.fn))
+        if tuner is None:
+            continue  # a plain kernel: launched as it is
+        key = _common._launch_key(tuner, launch.args, launch.consts, True)
+        hash(key)
+        keys.setdefault(key, set()).add(_common._tuning_key(tuner, launch.args, launch.consts))
+    assert keys and all(len(tuning) == 1 for tuning in keys.values())

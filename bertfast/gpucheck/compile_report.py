@@ -157,6 +157,40 @@ class OfflineDriver:
         raise RuntimeError("compile report: nothing is timed offline")
 
 
+class _RecordingLauncher:
+    """A compiled kernel's launcher that launches nothing: it appends (kernel name, its arguments) to
+    ``calls`` (grid, stream, function, metadata, hooks, then the kernel's own arguments)."""
+
+    def __init__(self, calls: list, src, metadata):
+        self.calls, self.name = calls, getattr(src, "name", "?")
+
+    def __call__(self, *args):
+        self.calls.append((self.name, args))
+
+
+class _BinaryStandIn:
+    """What Triton asks of a driver's utils to load a compiled kernel (no GPU: nothing is loaded)."""
+
+    def load_binary(self, name, kernel, shared, device):
+        return object(), object(), 0, 0, 1024  # module, function, registers, spills, max threads
+
+    def get_device_properties(self, device):
+        return {"max_shared_mem": 232448, "multiprocessor_count": 132, "max_num_regs": 65536, "warpSize": 32}
+
+
+class LaunchRecordingDriver(OfflineDriver):
+    """Triton's launch path to its last step on a machine without a GPU: JITFunction.run binds and
+    specialises the arguments, compiles for ``arch`` (or finds the kernel compiled) and calls the
+    launcher, which records the call in ``calls`` instead of launching. For tests and host-time
+    measurements of the GPU launch path (CPU tensors, TRITON_INTERPRET unset)."""
+
+    def __init__(self, arch: int):
+        super().__init__(arch)
+        self.calls: list = []
+        self.launcher_cls = functools.partial(_RecordingLauncher, self.calls)
+        self.utils = _BinaryStandIn()
+
+
 @dataclasses.dataclass
 class Launch:
     fn: object       # the @triton.jit function
