@@ -59,26 +59,40 @@ def ops_table(rounds: int):
               f"| {a - b:.0f} ({(a - b) / a:.0%}) |", flush=True)
 
 
-def step_table(rounds: int):
-    torch.manual_seed(0)
-    cfg = dict(vocab_size=512, hidden_size=64, num_hidden_layers=24, num_attention_heads=4, intermediate_size=256,
-               max_position_embeddings=64)
-    fast = bertfast.BertForPreTraining(bertfast.BertConfig(**cfg)).train()
-    hf = transformers.BertForPreTraining(transformers.BertConfig(**cfg, attn_implementation="sdpa")).train()
-    hf.load_state_dict(fast.state_dict(), strict=False)
+# A deep, narrow BertForPreTraining: BERT-large's 24 layers (and so its op calls and launches a step)
+# at hidden 64, where host time is most of a CPU step. launch_ab.py times it too.
+DEEP_NARROW = dict(vocab_size=512, hidden_size=64, num_hidden_layers=24, num_attention_heads=4, intermediate_size=256,
+                   max_position_embeddings=64)
+
+
+def deep_narrow_batch():
+    """Inputs for DEEP_NARROW from torch's generator as it stands: batch 4 x 32 with padding, 5
+    labelled positions a sequence."""
     ids = torch.randint(5, 512, (4, 32))
     mask = torch.ones(4, 32, dtype=torch.long)
     mask[1, 20:] = mask[3, 9:] = 0
     labels = torch.full((4, 32), -100)
     labels[:, 3:8] = ids[:, 3:8]
-    batch = dict(input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids), labels=labels,
-                 next_sentence_label=torch.tensor([0, 1, 0, 1]))
+    return dict(input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids), labels=labels,
+                next_sentence_label=torch.tensor([0, 1, 0, 1]))
+
+
+def training_step(model, batch):
+    def run():
+        model.zero_grad(set_to_none=True)
+        model(**batch).loss.backward()
+    return run
+
+
+def step_table(rounds: int):
+    torch.manual_seed(0)
+    fast = bertfast.BertForPreTraining(bertfast.BertConfig(**DEEP_NARROW)).train()
+    hf = transformers.BertForPreTraining(transformers.BertConfig(**DEEP_NARROW, attn_implementation="sdpa")).train()
+    hf.load_state_dict(fast.state_dict(), strict=False)
+    batch = deep_narrow_batch()
 
     def step(model):
-        def run():
-            model.zero_grad(set_to_none=True)
-            model(**batch).loss.backward()
-        return run
+        return training_step(model, batch)
 
     got = _ab({"transformers (sdpa)": step(hf), "bertfast, custom ops": _way(False, step(fast)),
                "bertfast, eager functions": _way(True, step(fast))}, rounds, 3, 1e3)

@@ -81,21 +81,10 @@ def step_table(rec, rounds: int) -> None:
     """A pre-training step (forward + backward) of a deep, narrow BertForPreTraining (24 layers of
     hidden 64, batch 4 x 32 with padding): BERT-large's launches, with little CPU arithmetic."""
     import bertfast
+    from fused_op_ab import DEEP_NARROW, deep_narrow_batch, training_step  # beside this script
     torch.manual_seed(0)
-    cfg = dict(vocab_size=512, hidden_size=64, num_hidden_layers=24, num_attention_heads=4, intermediate_size=256,
-               max_position_embeddings=64)
-    model = bertfast.BertForPreTraining(bertfast.BertConfig(**cfg)).train()
-    ids = torch.randint(5, 512, (4, 32))
-    mask = torch.ones(4, 32, dtype=torch.long)
-    mask[1, 20:] = mask[3, 9:] = 0
-    labels = torch.full((4, 32), -100)
-    labels[:, 3:8] = ids[:, 3:8]
-    batch = dict(input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids), labels=labels,
-                 next_sentence_label=torch.tensor([0, 1, 0, 1]))
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        model(**batch).loss.backward()
+    model = bertfast.BertForPreTraining(bertfast.BertConfig(**DEEP_NARROW)).train()
+    step = training_step(model, deep_narrow_batch())
     runs = {"A": way(True, step), "B": way(False, step)}
     for fn in runs.values():
         for _ in range(2):

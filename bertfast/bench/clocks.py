@@ -209,23 +209,18 @@ def describe(clocks: Dict[str, Any]) -> str:
     if "error" in clocks:
         return f"clocks {clocks['error']}"
 
-    def stat(name: str) -> Optional[Stat]:
-        return Stat.from_dict(clocks[name]) if name in clocks else None
+    def of(limit: str) -> str:
+        return f" of {clocks[limit]:,.0f}" if limit in clocks else ""
     parts = []
-    sm = stat("sm_mhz")
-    if sm is not None:
-        of = f" of {clocks['max_sm_mhz']:,.0f}" if "max_sm_mhz" in clocks else ""
-        parts.append(f"SM {sm.median:,.0f} MHz [{sm.p20:,.0f}, {sm.p80:,.0f}]{of}")
-    mem = stat("mem_mhz")
-    if mem is not None:
-        parts.append(f"memory {mem.median:,.0f} MHz")
-    power = stat("power_w")
-    if power is not None:
-        of = f" of {clocks['power_limit_w']:,.0f}" if "power_limit_w" in clocks else ""
-        parts.append(f"{power.median:,.0f} W{of}")
-    temp = stat("temp_c")
-    if temp is not None:
-        parts.append(f"{temp.p80:.0f} C")
+    if "sm_mhz" in clocks:
+        sm = Stat.from_dict(clocks["sm_mhz"])
+        parts.append(f"SM {sm.median:,.0f} MHz [{sm.p20:,.0f}, {sm.p80:,.0f}]{of('max_sm_mhz')}")
+    if "mem_mhz" in clocks:
+        parts.append(f"memory {clocks['mem_mhz']['median']:,.0f} MHz")
+    if "power_w" in clocks:
+        parts.append(f"{clocks['power_w']['median']:,.0f} W{of('power_limit_w')}")
+    if "temp_c" in clocks:
+        parts.append(f"{clocks['temp_c']['p80']:.0f} C")
     text = ", ".join(parts)
     limits = clocks.get("limits") or {}
     reasons = "; ".join(f"{name} in {share:.0%} of samples" for name, share in limits.items())
