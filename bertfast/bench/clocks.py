@@ -77,11 +77,16 @@ def parse_samples(lines: Sequence[str]) -> List[Dict[str, Any]]:
     return out
 
 
+def _busy(samples: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The samples taken with the GPU working (the idle reason unset)."""
+    return [s for s in samples if not s["reasons"] & IDLE]
+
+
 def summarize_samples(samples: Sequence[Dict[str, Any]], static: Optional[Dict[str, float]] = None
                       ) -> Dict[str, Any]:
     """The busy samples' clocks, power and temperature as Stat dicts, each limit reason's share of them
     (idle and none left out) and the GPU's maxima (``static``)."""
-    busy = [s for s in samples if not s["reasons"] & IDLE]
+    busy = _busy(samples)
     if not busy:
         return {"error": f"no sample with the GPU busy ({len(samples)} idle)" if samples else "no sample read"}
     out: Dict[str, Any] = {"samples": len(busy), "idle_samples": len(samples) - len(busy)}
@@ -196,7 +201,7 @@ class ClockSampler:
         if self.error:
             return {"error": self.error}
         samples = parse_samples(self.lines)
-        if not any(not s["reasons"] & IDLE for s in samples) and self.seconds * 1e3 < SHORT_MS:
+        if not _busy(samples) and self.seconds * 1e3 < SHORT_MS:
             return {}
         return summarize_samples(samples, self.static)
 
