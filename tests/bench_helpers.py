@@ -34,7 +34,7 @@ def _synthetic_run(kind="cuda") -> Run:
     rows = []
     # pretraining steps: base meets everything, large is too slow.
     for model, fast_ms, mfu in (("bert-base", 100.0, 0.55), ("bert-large", 300.0, 0.40)):
-        case = dict(model=model, seqlen=128, batch=128)
+        case = dict(model=model, seqlen=128, batch=128, micro_batches=2, global_batch=256)
         rows += [_row("pretrain_step", "bertfast", fast_ms, "step", "model", {"mfu": mfu}, **case),
                  _row("pretrain_step", HF_EAGER, 300.0, "step", "model", **case),
                  _row("pretrain_step", HF_COMPILED, 160.0, "step", "model", **case)]

@@ -122,19 +122,20 @@ def _clocked() -> dict:
 
 def test_report_and_mfu_target_name_the_clocks():
     run = _synthetic_run()
-    case = dict(model="bert-large", seqlen=128, batch=128)
+    case = dict(model="bert-large", seqlen=128, batch=128, micro_batches=2, global_batch=256)
     graphs = _row("pretrain_step", BERTFAST_GRAPHS, 200.0, "step", "model", {"mfu": 0.45}, **case)
     graphs.clocks = _clocked()
     run.rows.append(graphs)
     run.device.calibration = {"matmul": "a matmul", "matmul_clocks": _clocked()}
     run.targets = evaluate_targets(run)
     detail = next(t["detail"] for t in run.targets if t["id"] == "mfu_large_128")
-    assert detail.startswith(f"MFU 45.0% of the measured peak (GPU not in the datasheet table) (batch 128, "
-                             f"{BERTFAST_GRAPHS}); SM 1,980 MHz")
+    assert detail.startswith(f"MFU 45.0% of the measured peak (GPU not in the datasheet table) (global batch 256 "
+                             f"= 2 x 128, {BERTFAST_GRAPHS}); SM 1,980 MHz")
     assert "power cap in 40% of samples (10 samples)" in detail
     md = markdown(run)
     assert "## Clocks" in md
-    assert f"| pretrain_step | model=bert-large,seqlen=128,batch=128 | {BERTFAST_GRAPHS} | SM 1,980 MHz" in md
+    assert (f"| pretrain_step | model=bert-large,seqlen=128,batch=128,micro_batches=2,global_batch=256 | "
+            f"{BERTFAST_GRAPHS} | SM 1,980 MHz") in md
     assert "(a matmul); while timed: SM 1,980 MHz" in md
 
 

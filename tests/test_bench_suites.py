@@ -18,7 +18,9 @@ from bench_helpers import _check_png, _cpu_ctx
 
 def test_model_suite_times_the_static_shape_pretrain_step_and_skips_graphs_without_a_gpu(monkeypatch):
     """bertfast pretrain's own step on the packed batch: gated (fast vs reference on the packed
-    batch, and the packed loss = the padded loss), timed; the CUDA-graph row says why it is absent."""
+    batch, and the packed loss = the padded loss), timed; the CUDA-graph row says why it is absent.
+    The CPU's case, like a GPU's, accumulates two micro-batches into each step: the step is given
+    both, packed, and the row counts the sequences and tokens of both."""
     from bertfast.bench import model_suite
     from bertfast.bench.results import BERTFAST_GRAPHS, BERTFAST_STATIC
     from bertfast.training import step as step_module
@@ -27,7 +29,7 @@ def test_model_suite_times_the_static_shape_pretrain_step_and_skips_graphs_witho
     real = step_module.TrainStep.__call__
 
     def spy(self, micro_batches, forward):
-        calls.append(sorted(micro_batches[0]))
+        calls.append([(sorted(mb), int(mb["input_ids"].numel())) for mb in micro_batches])
         return real(self, micro_batches, forward)
 
     monkeypatch.setattr(step_module.TrainStep, "__call__", spy)
@@ -37,7 +39,12 @@ def test_model_suite_times_the_static_shape_pretrain_step_and_skips_graphs_witho
     static = by_impl[BERTFAST_STATIC]
     assert static.ok and static.time_ms.median > 0, static.reason
     assert static.parity["ok"] and static.parity["packed_vs_padded_loss_rel_diff"] < 1e-5
-    assert calls and all("cu_seq_lens_q" in keys and "max_predictions_per_seq" in keys for keys in calls)
+    case = static.case
+    assert (case["batch"], case["micro_batches"], case["global_batch"]) == (4, 2, 8)
+    assert static.work["sequences"] == 8 and case["real_tokens"] == static.work["tokens"] > 4 * 32 * 0.5
+    assert calls and all(len(step) == 2 for step in calls)
+    assert all("cu_seq_lens_q" in keys and "max_predictions_per_seq" in keys and size == 4 * 32
+               for step in calls for keys, size in step)
     graphs = by_impl[BERTFAST_GRAPHS]
     assert graphs.status == "skipped" and graphs.reason == "--cuda-graphs needs a CUDA device (got cpu)"
 
@@ -125,12 +132,47 @@ def test_packed_pretrain_rows_step_with_pretrains_optimizer_and_clipping(monkeyp
     batch, _ = model_suite.pretrain_batch(config, sequence_lengths("pretrain", 2, 16, gen), 16, gen, ctx.torch_device)
     torch.manual_seed(0)
     model = bertfast.BertForPreTraining(config).train()
-    step = model_suite.make_packed_train_step(ctx, model, model_suite.packed_pretrain_batch(batch), graphs=False)
+    step = model_suite.make_packed_train_step(ctx, model, [model_suite.packed_pretrain_batch(batch)], graphs=False)
     assert built == [(PretrainConfig(), "fp32")]
     assert step.train_step.max_grad_norm == PretrainConfig().max_grad_norm == 1.0
     before = model.cls.predictions.transform.dense.weight.detach().clone()
     step()
     assert not torch.equal(before, model.cls.predictions.transform.dense.weight)
+
+
+def test_train_step_hands_adamw_the_gradient_of_its_micro_batches_mean_loss(monkeypatch):
+    """The model suite's step over two micro-batches (each loss over 2 back-propagated, autograd adding
+    the gradients) hands AdamW the gradients of the two losses' mean, as one backward of it gives."""
+    import copy
+
+    import bertfast
+    from bertfast.bench import model_suite
+
+    ctx = _cpu_ctx()
+    config = model_suite._config("tiny")
+    config.hidden_dropout_prob = config.attention_probs_dropout_prob = 0.0
+    gen = torch.Generator().manual_seed(0)
+    batches = [model_suite.pretrain_batch(config, sequence_lengths("pretrain", 2, 16, gen), 16, gen,
+                                          ctx.torch_device)[0] for _ in range(2)]
+    torch.manual_seed(0)
+    model = bertfast.BertForPreTraining(config).train()
+    twin = copy.deepcopy(model)
+    (sum(twin(**b).loss for b in batches) / 2).backward()
+    handed = []
+    real = torch.optim.AdamW.step
+
+    def spy(self, *args, **kwargs):
+        handed.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", spy)
+    model_suite.make_train_step(ctx, model, batches)()
+    assert len(handed) == 1
+    for name, p in twin.named_parameters():
+        torch.testing.assert_close(handed[0][name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    # the two losses summed (no division by their number) would differ: the check above can fail
+    assert not torch.allclose(handed[0]["bert.embeddings.word_embeddings.weight"],
+                              twin.bert.embeddings.word_embeddings.weight.grad * 2)
 
 
 def test_torch_compile_skipped_without_a_compiler(monkeypatch):
@@ -296,7 +338,7 @@ def test_gpu_graphed_pretrain_row_steps_on_working_copies():
     gen = torch.Generator().manual_seed(0)
     batch, _ = model_suite.pretrain_batch(config, sequence_lengths("pretrain", 4, 32, gen), 32, gen, ctx.torch_device)
     model = bertfast.BertForPreTraining(config).to(ctx.torch_device).train()
-    step = model_suite.make_packed_train_step(ctx, model, model_suite.packed_pretrain_batch(batch), graphs=True)
+    step = model_suite.make_packed_train_step(ctx, model, [model_suite.packed_pretrain_batch(batch)], graphs=True)
     opt = step.train_step.optimizer
     assert isinstance(opt, optim.AdamW) and opt.working is not None and opt.working.dtype == torch.bfloat16
     step()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bertfast.bench.results import FAILED_PARITY, Row
+from bertfast.bench.results import FAILED_PARITY, HF_EAGER, Row
 from bertfast.bench.targets import MET, NOT_MEASURED, NOT_MET, evaluate_targets
 from bench_helpers import _row, _synthetic_run
 
@@ -48,12 +48,12 @@ def test_step_targets_take_the_fastest_bertfast_pretrain_step():
     targets take the fastest that passed its gate, and say which; a failed option is passed over."""
     from bertfast.bench.results import BERTFAST_GRAPHS, BERTFAST_STATIC
     run = _synthetic_run()
-    case = dict(model="bert-large", seqlen=128, batch=128)
+    case = dict(model="bert-large", seqlen=128, batch=128, micro_batches=2, global_batch=256)
     run.rows += [_row("pretrain_step", BERTFAST_STATIC, 250.0, "step", "model", {"mfu": 0.48}, **case),
                  _row("pretrain_step", BERTFAST_GRAPHS, 200.0, "step", "model", {"mfu": 0.6}, **case)]
     got = {t["id"]: t for t in evaluate_targets(run)}
     assert (got["mfu_large_128"]["status"], got["mfu_large_128"]["value"]) == (MET, pytest.approx(0.6))
-    assert got["mfu_large_128"]["detail"].endswith(f"(batch 128, {BERTFAST_GRAPHS})")
+    assert got["mfu_large_128"]["detail"].endswith(f"(global batch 256 = 2 x 128, {BERTFAST_GRAPHS})")
     assert got["hf_eager_large_128"]["value"] == pytest.approx(1.5)  # 300 ms vs the graphed 200 ms
     assert "ms, bertfast cuda graphs vs" in got["hf_eager_large_128"]["detail"]
     assert "," not in got["mfu_base_128"]["detail"]  # bert-base: the default step is the fastest
@@ -61,6 +61,29 @@ def test_step_targets_take_the_fastest_bertfast_pretrain_step():
                        reason="loss differs")
     got = {t["id"]: t for t in evaluate_targets(run)}
     assert got["mfu_large_128"]["value"] == pytest.approx(0.48)  # the static-shape step, 250 ms
+
+
+def test_step_targets_take_the_targets_global_batch():
+    """The step targets ask for a global batch of 256: a run's rows at it are taken over a faster
+    step of fewer sequences per optimizer step, and a run without them (before 2026-12-06, one
+    optimizer step per batch of 128) is read with its global batch named as under the targets'."""
+    from bertfast.bench.results import BERTFAST_GRAPHS
+    run = _synthetic_run()
+    small = dict(model="bert-large", seqlen=128, batch=128)
+    run.rows.append(_row("pretrain_step", BERTFAST_GRAPHS, 100.0, "step", "model", {"mfu": 0.7}, **small))
+    got = {t["id"]: t for t in evaluate_targets(run)}
+    assert got["mfu_large_128"]["value"] == pytest.approx(0.40)  # the synthetic run's 2 x 128 step
+    assert got["mfu_large_128"]["detail"].endswith("(global batch 256 = 2 x 128)")
+    assert got["hf_eager_large_128"]["value"] == pytest.approx(1.0)  # 300 vs 300 ms, not vs the 100 ms step
+    assert got["hf_eager_large_128"]["detail"].endswith("(global batch 256 = 2 x 128)")
+    run.rows = [r for r in run.rows if r.group != "pretrain_step" or r.case == small]
+    run.rows.append(_row("pretrain_step", HF_EAGER, 150.0, "step", "model", **small))
+    got = {t["id"]: t for t in evaluate_targets(run)}
+    assert (got["mfu_large_128"]["status"], got["mfu_large_128"]["value"]) == (MET, pytest.approx(0.7))
+    assert got["mfu_large_128"]["detail"].endswith(
+        f"(global batch 128, under the targets' 256: the optimizer's step counted once per 128 sequences, "
+        f"{BERTFAST_GRAPHS})")
+    assert got["hf_eager_large_128"]["value"] == pytest.approx(1.5)
 
 
 def test_target_detail_groups_the_cases_not_measured():

@@ -505,6 +505,16 @@ def test_headline_falls_back_to_fixed_configs_where_tuning_does_not_fit(monkeypa
     assert tuned.env == {} and tuned.limit_s <= stages.HEADLINE_CAP_S and tuned.sizing.startswith("tuned")
     budget = int(tuned.argv[tuned.argv.index("--time-budget") + 1])
     assert tuned.limit_s - budget == math.ceil(max(c.seconds for c in sizing.headline_cases()))
+    # only the headline case fits tuned: tuned at the cap, the budget leaving out the cases it does not reach
+    monkeypatch.setattr(sizing, "MICRO_BATCH_S", {"bert-base": 10.0, "bert-large": 10.0})
+    capped = stages.headline_step()
+    assert capped.env == {} and "capped at" in capped.sizing
+    assert capped.limit_s + sizing.install().limit_s == stages.HEADLINE_CAP_S
+    monkeypatch.setattr(sizing, "MICRO_BATCH_S", {"bert-base": 0.0, "bert-large": 0.0})
+    monkeypatch.setattr(sizing, "CASE_S", {"bert-base": 1.0, "bert-large": 1.0})
+    every = stages.headline_step()
+    assert every.env == {} and "capped" not in every.sizing and every.limit_s < capped.limit_s
+    monkeypatch.undo()
     monkeypatch.setattr(sizing, "CPU_SPEED", 0.1)  # a machine whose compiles take 10x longer
     fixed = stages.headline_step()
     assert fixed.env == {"BERTFAST_AUTOTUNE": "0"} and fixed.sizing.startswith("fixed configs")

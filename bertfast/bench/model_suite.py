@@ -2,7 +2,9 @@
 
 Benchmarks (``--models`` names):
   pretrain   BertForPreTraining training step (forward with MLM + NSP labels, backward, AdamW step),
-             BERT-base and BERT-large at seq 128 and 512, NSP-pair lengths (mostly full).
+             BERT-base and BERT-large at seq 128 and 512, NSP-pair lengths (mostly full); on a GPU
+             the targets' global batch of 256 (bench.options.GLOBAL_BATCH), micro-batches accumulated into one
+             optimizer step: 2 x 128 at seq 128, 8 x 32 at seq 512.
   finetune   BertForSequenceClassification training step on a batch with mean length 50% of max
              ("padded") and on the same real tokens as full sequences ("no-padding").
   inference  BertModel forward latency at batch 1, 8, 64 (full-length sequences); on a CPU also
@@ -21,8 +23,9 @@ the batch packed into one row, a fixed number of MLM predictions, checks on the 
 gradient norm; the graph warmed up and captured before timing).
 
 Parity before timing: the bertfast model must pass ``bertfast.parity.check_batch`` on the
-benchmark batch (fp32, dropout off); a transformers model must match the bertfast reference
-on the same weights and batch (loss, logits, gradient norm). A path that fails is not timed.
+benchmark batch (fp32, dropout off; a pre-training case's first micro-batch); a transformers model
+must match the bertfast reference on the same weights and batch (loss, logits, gradient norm). A
+path that fails is not timed.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ from bertfast.bench import families
 from bertfast.bench.common import (Stopped, SuiteContext, compile_skip_reason, describe_lengths, dtype_name,
                                    free_memory, generator_for, mask_from, sequence_lengths, short_error, strict_fp32,
                                    time_plans)
-from bertfast.bench.options import MODEL_BENCHMARKS
+from bertfast.bench.options import GLOBAL_BATCH, MODEL_BENCHMARKS
 from bertfast.bench.results import (BERTFAST, BERTFAST_GRAPHS, BERTFAST_REFERENCE, BERTFAST_STATIC, ERROR,
                                     FAILED_PARITY, HF_COMPILED, HF_EAGER, Row, case_text, skipped)
 from bertfast.bench.timing import TimingPolicy
@@ -50,29 +53,37 @@ LOSS_TOL = GRAD_TOL = LOGITS_TOL = 1e-3  # as bertfast.parity.check_batch
 
 # --------------------------------------------------------------------------- cases
 def _cases(ctx: SuiteContext) -> Dict[str, List[Tuple]]:
-    """benchmark -> [(preset, seqlen, batch)]; inference cases add their length mode (none: full
-    sequences) and, for a family other than BERT, the family (bench.families)."""
+    """benchmark -> [(preset, seqlen, batch)]; pre-training cases add the micro-batches of each step,
+    inference cases their length mode (none: full sequences) and, for a family other than BERT, the
+    family (bench.families)."""
     if not ctx.device.is_cuda and ctx.cpu_model_cases:
         # What CPU users run (MiniLM-sized sentence encoders): batch 1 and 32, full and mean 50% length;
         # training steps at batch 8 (finetune's no-padding rows hold the padded batch's tokens: batch 8).
         # Inference again for each other encoder family, full and at mean length 50%.
-        return {"pretrain": [("minilm", 128, 8)], "finetune": [("minilm", 128, 16)],
+        return {"pretrain": [("minilm", 128, 8, 1)], "finetune": [("minilm", 128, 16)],
                 "inference": [("minilm", 128, 1, "none"), ("minilm", 128, 32, "none"),
                               ("minilm", 128, 32, "finetune")]
                 + [("minilm", 128, 32, mode, family) for family in families.FAMILIES[1:]
                    for mode in ("none", "finetune")]}
     if not ctx.device.is_cuda:
-        return {"pretrain": [("tiny", 32, 4)], "finetune": [("tiny", 32, 4)],
+        # two micro-batches, so that the accumulating step a GPU's cases take runs in the tests too
+        return {"pretrain": [("tiny", 32, 4, 2)], "finetune": [("tiny", 32, 4)],
                 "inference": [("tiny", 32, 1, "none"), ("tiny", 32, 8, "none")]
                 + [("tiny", 32, 4, "finetune", family) for family in families.FAMILIES[1:]]}
     if ctx.quick:
-        return {"pretrain": [("bert-base", 128, 32)], "finetune": [("bert-base", 128, 32)],
+        return {"pretrain": [("bert-base", 128, 32, 1)], "finetune": [("bert-base", 128, 32)],
                 "inference": [("bert-base", 128, b, "none") for b in (1, 8, 64)]}
     return GPU_CASES
 
 
+# A GPU's pre-training case accumulates the targets' GLOBAL_BATCH / batch micro-batches into each
+# optimizer step, so the optimizer's and clipping's passes are counted once per 256 sequences, as a
+# pre-training run pays them.
 GPU_CASES = {  # the headline target first: a budget-limited run measures it before anything else
-    "pretrain": [("bert-large", 128, 128), ("bert-base", 128, 128), ("bert-large", 512, 32), ("bert-base", 512, 32)],
+    # pretrain: (preset, seqlen, micro-batch size, micro-batches a step)
+    "pretrain": [(model, seq, batch, GLOBAL_BATCH // batch)
+                 for model, seq, batch in (("bert-large", 128, 128), ("bert-base", 128, 128), ("bert-large", 512, 32),
+                                           ("bert-base", 512, 32))],
     "finetune": [("bert-base", 128, 32), ("bert-base", 512, 32), ("bert-large", 128, 32)],
     "inference": [(m, 128, b, "none") for m in ("bert-base", "bert-large") for b in (1, 8, 64)],
 }
@@ -286,22 +297,25 @@ def _autocast_dtype(ctx: SuiteContext) -> Optional[torch.dtype]:
     return ctx.dtype if ctx.device.is_cuda and ctx.dtype != torch.float32 else None
 
 
-def make_train_step(ctx: SuiteContext, module: torch.nn.Module, batch: Dict[str, torch.Tensor],
+def make_train_step(ctx: SuiteContext, module: torch.nn.Module, batches: Sequence[Dict[str, torch.Tensor]],
                     forward: Optional[Callable] = None, reference: bool = False) -> Callable[[], None]:
-    """One optimizer step: zero grads, forward (autocast on GPU), backward, AdamW."""
+    """One optimizer step over the micro-batches: zero grads, then for each a forward (autocast on
+    GPU) and the backward of its loss over their number (autograd adds the gradients), then AdamW."""
 
     fused = {"fused": True} if ctx.device.is_cuda else {}
     opt = torch.optim.AdamW(module.parameters(), lr=1e-5, weight_decay=0.01, **fused)
     dtype = _autocast_dtype(ctx)
     fwd = module if forward is None else forward  # a compiled module has no truth value
     dev_type = ctx.torch_device.type
+    count = len(batches)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        with torch.autocast(dev_type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            out = fwd(**batch)
-        loss = out["loss"] if isinstance(out, dict) else out.loss
-        loss.backward()
+        for batch in batches:
+            with torch.autocast(dev_type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                out = fwd(**batch)
+            loss = out["loss"] if isinstance(out, dict) else out.loss
+            (loss / count if count > 1 else loss).backward()
         opt.step()
 
     return _through_reference(step, module) if reference else step
@@ -325,9 +339,9 @@ def packed_step_skip_reason(ctx: SuiteContext, graphs: bool) -> Optional[str]:
     return None
 
 
-def make_packed_train_step(ctx: SuiteContext, module: torch.nn.Module, packed: Dict[str, Any],
+def make_packed_train_step(ctx: SuiteContext, module: torch.nn.Module, packed: Sequence[Dict[str, Any]],
                            graphs: bool) -> Callable[[], None]:
-    """``bertfast pretrain``'s own step on the packed batch: TrainStep (``--static-shapes``) or
+    """``bertfast pretrain``'s own step on the packed micro-batches: TrainStep (``--static-shapes``) or
     GraphedTrainStep (``--cuda-graphs``, run here through its eager warm-up and the capture, so the
     timed calls are replays), with pretrain's default optimizer and clipping (training.config
     PretrainConfig; training.optim.pretrain_optimizer): on a GPU in bf16 the triton AdamW writing the
@@ -351,7 +365,7 @@ def make_packed_train_step(ctx: SuiteContext, module: torch.nn.Module, packed: D
                                device_checks=True)
 
     def step() -> None:
-        train_step([packed], lambda mb: train_step.forward(module, mb))
+        train_step(packed, lambda mb: train_step.forward(module, mb))
 
     step.train_step = train_step  # type: ignore[attr-defined]
     for _ in range(GraphedTrainStep.WARMUP_STEPS + 1 if graphs else 0):
@@ -396,10 +410,13 @@ def _figures(ctx: SuiteContext, t, batch_size: int, tokens: int, model_flops: fl
     return metrics
 
 
-def _bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, kind: str, batch, lengths,
-           model_flops: float, policy: TimingPolicy) -> List[Row]:
-    """All implementations of one benchmark case: build, gate, then time."""
+def _bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, kind: str,
+           batches: Sequence[Dict[str, torch.Tensor]], lengths, model_flops: float, policy: TimingPolicy) -> List[Row]:
+    """All implementations of one benchmark case: build, gate (on the first of its micro-batches), then
+    time a step over all of them (``lengths``: every micro-batch's)."""
     import bertfast
+
+    batch = batches[0]
 
     preset, family = case["model"], case.get("family", "bert")
     config = _config(preset, family)
@@ -435,11 +452,11 @@ def _bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, 
             report = {"ok": False, "error": short_error(exc)}
         if report.get("ok"):
             plans.append((BERTFAST, lambda: (make_infer_step(ctx, model, batch) if kind == "inference"
-                                             else make_train_step(ctx, model, batch)), report))
+                                             else make_train_step(ctx, model, batches)), report))
         else:
             rows.append(row(BERTFAST, parity=report, **_gate_failure(report)))
     if kind == "pretrain":
-        packed_gate: Optional[Tuple[Any, Dict[str, Any]]] = None  # (packed batch, report): one for both rows
+        packed_gate: Optional[Tuple[Any, Dict[str, Any]]] = None  # (packed batches, report): one for both rows
         for impl, graphs in ((BERTFAST_STATIC, False), (BERTFAST_GRAPHS, True)):
             if not ctx.wants(impl):
                 continue
@@ -449,9 +466,9 @@ def _bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, 
                 continue
             if packed_gate is None:
                 try:
-                    packed = packed_pretrain_batch(batch)
+                    packed = [packed_pretrain_batch(b) for b in batches]
                     with strict_fp32():
-                        packed_gate = packed, parity_packed(model, batch, packed, fast_report.get("loss_fast"))
+                        packed_gate = packed, parity_packed(model, batch, packed[0], fast_report.get("loss_fast"))
                 except Exception as exc:  # noqa: BLE001
                     packed_gate = None, {"ok": False, "error": short_error(exc)}
             packed, report = packed_gate
@@ -462,7 +479,7 @@ def _bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, 
     if ctx.wants(BERTFAST_REFERENCE):
         plans.append((BERTFAST_REFERENCE, lambda: (make_infer_step(ctx, model, batch, reference=True)
                                                    if kind == "inference"
-                                                   else make_train_step(ctx, model, batch, reference=True)),
+                                                   else make_train_step(ctx, model, batches, reference=True)),
                       {"gate": "the reference itself"}))
     if hf is None:
         rows += [skipped(SUITE, group, dict(case), direction, impl, hf_reason) for impl in hf_impls]
@@ -491,7 +508,7 @@ def _bench(ctx: SuiteContext, group: str, case: Dict[str, Any], direction: str, 
             if kind == "inference":
                 plans.append((impl, lambda f=forward: make_infer_step(ctx, f, batch), report))
             else:
-                plans.append((impl, lambda f=forward: make_train_step(ctx, hf, batch, forward=f), report))
+                plans.append((impl, lambda f=forward: make_train_step(ctx, hf, batches, forward=f), report))
 
     # 2. timing (common.time_plans: on a CPU in turns).
     def timed(impl: str, t, mem, report, clocks) -> None:
@@ -546,17 +563,24 @@ def run(ctx: SuiteContext) -> List[Row]:
     wanted = ctx.models or BENCHMARKS
 
     if "pretrain" in wanted:
-        for preset, seqlen, batch_size in cases["pretrain"]:
-            ctx.log(f"[model] pretrain {preset} seq {seqlen} batch {batch_size}")
+        for preset, seqlen, batch_size, micro in cases["pretrain"]:
+            ctx.log(f"[model] pretrain {preset} seq {seqlen} global batch {batch_size * micro} = {micro} x "
+                    f"{batch_size}")
             config = _config(preset)
             gen = generator_for("pretrain", preset, seqlen, batch_size)
-            lengths = sequence_lengths("pretrain", batch_size, seqlen, gen)
-            batch, n_pred = pretrain_batch(config, lengths, seqlen, gen, dev)
+            batches, lengths, n_pred = [], [], 0
+            for _ in range(micro):  # drawn in turn from one generator: the first as a case of one micro-batch
+                mb_lengths = sequence_lengths("pretrain", batch_size, seqlen, gen)
+                mb, mb_pred = pretrain_batch(config, mb_lengths, seqlen, gen, dev)
+                batches.append(mb)
+                lengths += mb_lengths
+                n_pred += mb_pred
             flops = bert_flops.training_step_flops(
                 bert_flops.bert_forward_flops(config, lengths, "pretraining", n_pred))
-            case = {"model": preset, "seqlen": seqlen, "batch": batch_size, "lengths": "pretrain",
-                    **describe_lengths(lengths, seqlen), "predictions": n_pred}
-            rows += bench_or_skip("pretrain_step", case, "step", "pretrain", batch, lengths, flops, policy)
+            case = {"model": preset, "seqlen": seqlen, "batch": batch_size, "micro_batches": micro,
+                    "global_batch": batch_size * micro, "lengths": "pretrain", **describe_lengths(lengths, seqlen),
+                    "predictions": n_pred}
+            rows += bench_or_skip("pretrain_step", case, "step", "pretrain", batches, lengths, flops, policy)
 
     if "finetune" in wanted:
         for preset, seqlen, batch_size in cases["finetune"]:
@@ -572,7 +596,7 @@ def run(ctx: SuiteContext) -> List[Row]:
                     bert_flops.bert_forward_flops(config, lengths, "classification", num_labels=config.num_labels))
                 case = {"model": preset, "seqlen": seqlen, "batch": len(lengths), "lengths": label,
                         **describe_lengths(lengths, seqlen)}
-                rows += bench_or_skip("finetune_step", case, "step", "finetune", batch, lengths, flops, policy)
+                rows += bench_or_skip("finetune_step", case, "step", "finetune", [batch], lengths, flops, policy)
 
     if "inference" in wanted:
         for preset, seqlen, batch_size, mode, *family in cases["inference"]:
@@ -586,7 +610,7 @@ def run(ctx: SuiteContext) -> List[Row]:
             flops = bert_flops.bert_forward_flops(config, lengths, "none")
             case = {"model": preset, **({} if family == "bert" else {"family": family}), "seqlen": seqlen,
                     "batch": batch_size, "lengths": mode, **describe_lengths(lengths, seqlen)}
-            rows += bench_or_skip("inference", case, "inference", "inference", batch, lengths, flops, policy)
+            rows += bench_or_skip("inference", case, "inference", "inference", [batch], lengths, flops, policy)
 
     if "embeddings" in wanted:
         from bertfast.bench import embeddings

@@ -7,6 +7,9 @@ import argparse
 SUITES = ("kernels", "model", "overhead", "all")  # all = kernels + model
 DTYPE_NAMES = ("bf16", "fp16", "fp32")  # bertfast.bench.common.DTYPES maps them to torch dtypes
 MODEL_BENCHMARKS = ("pretrain", "finetune", "inference", "embeddings")  # the model suite's (--models)
+# The pre-training targets' global batch (">= 256, with accumulation as needed"): the model suite's GPU
+# cases and the perf model's steps accumulate micro-batches up to it.
+GLOBAL_BATCH = 256
 
 # Implementation families: what `bertfast bench --impls` selects (bertfast.bench.results.impl_family).
 IMPL_FAMILIES = ("bertfast", "static-shapes", "reference", "eager", "compiled", "sdpa", "transformers",

@@ -67,16 +67,16 @@ def _steps(model_name: str, seqlen: int, batch: int, device: torch.device, dtype
     steps = []
     for impl in impls:
         if impl == "bertfast":
-            steps.append((impl, make_train_step(ctx, model, data)))
+            steps.append((impl, make_train_step(ctx, model, [data])))
         elif impl == "graphs":
             why = packed_step_skip_reason(ctx, graphs=True)
             if why:
                 print(f"profile: graphs not profiled: {why}", file=sys.stderr)
                 continue
-            steps.append((impl, make_packed_train_step(ctx, model, packed_pretrain_batch(data), True)))
+            steps.append((impl, make_packed_train_step(ctx, model, [packed_pretrain_batch(data)], True)))
         else:
             hf = transformers_twin(model, "pretrain").train()
-            steps.append((impl, make_train_step(ctx, hf, data)))
+            steps.append((impl, make_train_step(ctx, hf, [data])))
     return steps
 
 

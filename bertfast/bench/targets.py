@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from bertfast import registry
 from bertfast.bench.clocks import describe as describe_clocks
+from bertfast.bench.options import GLOBAL_BATCH
 from bertfast.bench.results import (BERTFAST, BERTFAST_GRAPHS, BERTFAST_STATIC, FAILED_PARITY, FULL_HEAD,
                                     GEMM_FLOOR, HF_COMPILED, HF_EAGER, SDPA_CUDNN, SDPA_FLASH, SDPA_MEM_EFFICIENT,
                                     Row, Run, is_fast_impl)
@@ -114,33 +115,53 @@ def _step_name(row: Row) -> str:
     return "" if row.impl == BERTFAST else f", {row.impl}"
 
 
+def _global_batch(row: Row) -> int:
+    """The sequences of one optimizer step: the case's global batch (micro-batches accumulated; a run
+    before 2026-12-06 stepped once per batch)."""
+    return int(row.case.get("global_batch") or row.case.get("batch") or 0)
+
+
+def _batch_text(row: Row) -> str:
+    micro, size = row.case.get("micro_batches", 1), row.case.get("batch")
+    text = f"global batch {_global_batch(row)}" + (f" = {micro} x {size}" if micro > 1 else "")
+    if _global_batch(row) < GLOBAL_BATCH:
+        text += (f", under the targets' {GLOBAL_BATCH}: the optimizer's step counted once per {_global_batch(row)} "
+                 "sequences")
+    return text
+
+
+def _pretrain_rows(run: Run, model: str, seqlen: int) -> List[Row]:
+    """The case's rows, those at the targets' global batch where the run has them."""
+    rows = run.find("pretrain_step", direction="step", model=model, seqlen=seqlen)
+    return [r for r in rows if _global_batch(r) >= GLOBAL_BATCH] or rows
+
+
 def _model_mfu(model: str, seqlen: int, threshold: float) -> Callable[[Run], Outcome]:
     def evaluate(run: Run) -> Outcome:
-        row, why = _fastest_step(run.find("pretrain_step", direction="step", model=model, seqlen=seqlen))
+        row, why = _fastest_step(_pretrain_rows(run, model, seqlen))
         if why:
             return why
         mfu, peak = row.metric("mfu_datasheet"), "datasheet peak"
         if mfu is None:
             mfu, peak = row.metric("mfu"), "measured peak (GPU not in the datasheet table)"
         clocks = describe_clocks(row.clocks)
-        return _compare(mfu, threshold, True,
-                        f"MFU {mfu:.1%} of the {peak} (batch {row.case.get('batch')}{_step_name(row)})"
+        return _compare(mfu, threshold, True, f"MFU {mfu:.1%} of the {peak} ({_batch_text(row)}{_step_name(row)})"
                         + (f"; {clocks}" if clocks else ""))
     return evaluate
 
 
 def _model_speedup(model: str, baseline: str, threshold: float) -> Callable[[Run], Outcome]:
     def evaluate(run: Run) -> Outcome:
-        rows = run.find("pretrain_step", direction="step", model=model, seqlen=128)
+        rows = _pretrain_rows(run, model, 128)
         fast, why = _fastest_step(rows)
         if why:
             return why
-        base, why = _usable([r for r in rows if r.impl == baseline], baseline)
+        base, why = _usable([r for r in rows if r.impl == baseline and r.case == fast.case], baseline)
         if why:
             return why
         s = _time(base) / _time(fast)
-        return _compare(s, threshold, True,
-                        f"{_time(fast):.1f} ms{_step_name(fast)} vs {_time(base):.1f} ms = {s:.2f}x")
+        return _compare(s, threshold, True, f"{_time(fast):.1f} ms{_step_name(fast)} vs {_time(base):.1f} ms = "
+                                            f"{s:.2f}x ({_batch_text(fast)})")
     return evaluate
 
 

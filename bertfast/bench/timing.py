@@ -105,11 +105,13 @@ class TimingPolicy:
 
     @classmethod
     def steps(cls, quick: bool) -> "TimingPolicy":
-        """For whole training steps (tens to hundreds of ms each): fixed small counts."""
+        """For whole training steps (tens of ms to seconds each): fixed small counts. A step of several
+        micro-batches (the pre-training cases' global batch) can take over a second: 5 samples, where
+        2 s of them are fewer."""
         if quick:
             return cls(warmup_ms=0.0, rep_ms=0.0, min_reps=3, max_reps=3, cpu_warmup=1, cpu_reps=3,
                        flush_l2=False, ahead_of_host=False)
-        return cls(warmup_ms=300.0, rep_ms=2000.0, min_reps=10, max_reps=50, cpu_warmup=2, cpu_reps=5,
+        return cls(warmup_ms=300.0, rep_ms=2000.0, min_reps=5, max_reps=50, cpu_warmup=2, cpu_reps=5,
                    flush_l2=False, ahead_of_host=False)
 
 

@@ -89,19 +89,27 @@ def _bench(name: str, stage_dir: str, limit_s: int, margin_s: int, args: List[st
                                 f" {margin_s} s (stated) lets the costliest case finish")
 
 
-HEADLINE_CAP_S = 360  # stage 3 may take 6 minutes; beyond that its tuning does not fit
+HEADLINE_CAP_S = 360  # stage 3 may take 6 minutes, its restore included; beyond that its tuning does not fit
 
 
 def headline_step(cap_s: int = HEADLINE_CAP_S) -> Step:
-    """The pre-training cases, autotuned where the tuning fits within cap_s; otherwise every kernel
-    runs its first candidate (BERTFAST_AUTOTUNE=0), which stage 2 has compiled into the shared
-    Triton cache, and the results say so."""
+    """The pre-training cases, autotuned where the tuning fits within cap_s (less the stage's restore):
+    all of them, or, where only the first (the headline target's case, which tunes most) fits, the
+    cases its time budget reaches; otherwise every kernel runs its first candidate
+    (BERTFAST_AUTOTUNE=0), which stage 2 has compiled into the shared Triton cache, and the results
+    say so."""
     # static-shapes: the --static-shapes and --cuda-graphs steps (the step targets take the fastest)
     args = ["--suite", "model", "--models", "pretrain", "--impls", "bertfast,static-shapes,transformers",
             "--no-compile"]
-    tuned, margin = sizing.bench(sizing.headline_cases(tuned=True), "tuned")
+    cap_s -= sizing.install().limit_s  # Stage.restore_s: stage 3 reinstalls first
+    cases = sizing.headline_cases(tuned=True)
+    tuned, margin = sizing.bench(cases, "tuned")
     if tuned.limit_s <= cap_s:
         return _bench("pretrain", "stage3-headline", tuned.limit_s, margin, args, sized=tuned.how)
+    if sizing.bench(cases[:1], "tuned")[0].limit_s <= cap_s and cap_s - margin > cases[0].seconds:
+        return _bench("pretrain", "stage3-headline", cap_s, margin, args,
+                      sized=f"{tuned.how} (limit {tuned.limit_s} s: capped at {cap_s} s, the cases its --time-budget "
+                            f"{cap_s - margin} s reaches, the headline first)")
     fixed, margin = sizing.bench(sizing.headline_cases(tuned=False), "fixed configs (tuning would not fit)")
     return _bench("pretrain", "stage3-headline", min(fixed.limit_s, cap_s), margin, args, sized=fixed.how,
                   env={"BERTFAST_AUTOTUNE": "0"})

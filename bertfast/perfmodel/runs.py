@@ -187,12 +187,13 @@ def run_results(run_dir: str) -> Dict[str, object]:
 
 
 def profiled_tokens(profile: Profile) -> Optional[int]:
-    """The real tokens of the profiled step (the model suite's pretrain_step case of the same run), or
-    None when the run does not say."""
+    """The real tokens of the profiled step (the model suite's pretrain_step case of the same run: a
+    micro-batch's, on average, where its step accumulates several; the profile steps on one), or None
+    when the run does not say."""
     for row in run_results(os.path.dirname(profile.path)).get("rows") or []:
         case = row.get("case") or {}
         if (row.get("group") == "pretrain_step" and case.get("model") == profile.setting.model
                 and case.get("seqlen") == profile.setting.seq and case.get("batch") == profile.setting.batch
                 and case.get("real_tokens")):
-            return int(case["real_tokens"])
+            return int(round(case["real_tokens"] / case.get("micro_batches", 1)))
     return None

@@ -42,6 +42,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
+from bertfast.bench.options import GLOBAL_BATCH
 from bertfast.perfmodel import kernels as K
 from bertfast.perfmodel.hardware import Gpu
 
@@ -65,8 +66,8 @@ class StepCase:
 
 
 # The MFU targets (benchmarks/README): phase 1 and 2 of BERT-large, phase 1 of BERT-base, at a global
-# batch of 256 (the targets' least) in micro-batches of the benchmark's batches; dropout 0.1.
-GLOBAL_BATCH = 256
+# batch of 256 (the targets' least) in micro-batches of the benchmark's batches, as the model suite
+# runs them on a GPU; dropout 0.1.
 STEP_CASES = tuple(StepCase(K.Setting(model, seq, batch, 0.1), mfu,
                             f"{name} step (seq {seq}, global batch {GLOBAL_BATCH} = {GLOBAL_BATCH // batch} x {batch})",
                             GLOBAL_BATCH // batch)
