@@ -51,8 +51,9 @@ def report() -> str:
     from bertfast.training.optim import adamw_summary, lamb_summary
     lines.append(adamw_summary())
     lines.append(lamb_summary())
-    from bertfast.model.residual_linear import ffn_summary
+    from bertfast.model.residual_linear import ffn_summary, weight_grad_summary
     lines.append(ffn_summary())
+    lines.append(weight_grad_summary())
     devices = [torch.device("cpu")]
     if torch.cuda.is_available():
         devices.insert(0, torch.device("cuda"))

@@ -94,6 +94,22 @@ def test_info_says_what_each_attention_backend_runs():
         assert "cuda kernels: forward: mma.sync m16n8k16" in text
 
 
+def test_info_says_how_gemm_weight_gradients_are_accumulated(monkeypatch):
+    """`bertfast info` says whether TrainStep's accumulation adds the GEMM weights' gradients in their
+    GEMMs on this GPU (the fp32-input addmm torch has there, or not) or that there is no GPU."""
+    from bertfast.info import report
+    from bertfast.model import residual_linear
+
+    line = next(line for line in report().splitlines() if line.startswith("GEMM weight gradients"))
+    if not torch.cuda.is_available():
+        assert "no GPU here" in line
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for caps, said in (((True, True), "added in place by the weight-gradient GEMMs"),
+                       ((False, True), "added by autograd (this torch's CUDA addmm takes no fp32 input")):
+        monkeypatch.setattr(residual_linear, "fp32_gemm_caps", lambda device, dtype, caps=caps: caps)
+        assert said in residual_linear.weight_grad_summary()
+
+
 def test_measured_preference_reorders_fast_backends_per_gpu(tmp_path, monkeypatch):
     from types import SimpleNamespace
 

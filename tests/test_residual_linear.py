@@ -463,3 +463,162 @@ def test_on_a_gpu_the_bf16_triton_layer_runs_its_ffn_in_the_gemm_epilogues(monke
     want = step()
     for name in want:
         assert (got[name] - want[name]).norm() <= 3e-2 * _grad_scale(want, name) + 1e-6, name
+
+
+# --------------------------------------------------------------------------- gradients added in place
+def _twice(fn, params, in_place, grad_fn=None):
+    """Two backwards of fn() into params' .grad (the second under weight_grads_added_in_place when
+    in_place): the gradients, and the aten calls of the second backward."""
+    for p in params:
+        p.grad = None
+    torch.manual_seed(0)
+    fn().backward()
+    with residual_linear.weight_grads_added_in_place(in_place), AtenLog() as log:
+        fn().backward()
+    return [p.grad.clone() for p in params], log.calls
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_a_second_backward_adds_the_weight_gradients_in_their_gemms(count):
+    """Gradient accumulation: with weight_grads_added_in_place on, each weight's gradient is added by
+    its GEMM into the .grad the first backward left (an in-place addmm per weight, the QKV's three
+    from their columns of dy), where autograd adds it in an add_ of its own; the sums are the same."""
+    x, weights, biases = _inputs(count, True, rows=11)  # x and its gradient of no weight's shape
+    params = [*weights, *biases]
+    dy = torch.randn(11, sum(w.shape[0] for w in weights))
+
+    def loss():
+        y, residual = residual_linear.linear(x, weights, biases)
+        return (y * dy).sum() + residual.sum()
+
+    fused, fused_calls = _twice(loss, params, True)
+    plain, plain_calls = _twice(loss, params, False)
+    for name, f, p in zip([f"w{i}" for i in range(count)] + [f"b{i}" for i in range(count)], fused, plain):
+        torch.testing.assert_close(f, p, rtol=1e-5, atol=1e-6, msg=name)
+    shapes = {tuple(w.shape) for w in weights}
+    added = [(op, shape) for op, shape in plain_calls if op is torch.ops.aten.add_.Tensor and shape in shapes]
+    assert len(added) == count  # autograd's accumulation, one pass a weight
+    assert not [c for c in fused_calls if c[0] is torch.ops.aten.add_.Tensor and c[1] in shapes]
+    assert sum(op is torch.ops.aten.addmm_.default and shape in shapes for op, shape in fused_calls) == count
+
+
+def test_no_gradient_added_in_place_where_autograd_must_hand_it_over():
+    """A hooked weight (its hook must see its gradient), torch.autograd.grad (it hands gradients back
+    and accumulates into no .grad) and a weight with no .grad yet keep autograd's way, with the
+    context on."""
+    x, weights, _ = _inputs(1, False)
+    w = weights[0]
+
+    def loss():
+        return residual_linear.linear(x, weights)[0].square().sum()
+
+    want = torch.autograd.grad(loss(), [w])[0]
+    with residual_linear.weight_grads_added_in_place():
+        w.grad = None
+        loss().backward()  # nothing to add into: autograd's gradient becomes .grad
+        torch.testing.assert_close(w.grad, want)
+        before = w.grad.clone()
+        got = torch.autograd.grad(loss(), [w])[0]
+        assert torch.equal(w.grad, before)
+        torch.testing.assert_close(got, want)
+        seen = []
+        handle = w.register_hook(lambda g: seen.append(g.clone()))
+        loss().backward()
+        handle.remove()
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], want)
+    torch.testing.assert_close(w.grad, 2 * want)
+
+
+def test_the_ffn_adds_its_weight_gradients_in_their_gemms():
+    """The FFN node on the Triton GEMMs (the interpreter here): both weights' gradients added in place
+    into .grad on a second backward, the sums as autograd's."""
+    x, w1, b1, w2 = _ffn_inputs()
+    dy = torch.randn(x.shape[0], w2.shape[0])
+
+    def loss():
+        with dispatch.use_backend("triton"):
+            y, residual = residual_linear.ffn(x, w1, b1, w2, "none", residual_linear.ffn_gemms(x, w1, b1, w2))
+        return (y * dy).sum() + residual.sum()
+
+    fused, fused_calls = _twice(loss, [w1, b1, w2], True)
+    plain, plain_calls = _twice(loss, [w1, b1, w2], False)
+    for name, f, p in zip(("w1", "b1", "w2"), fused, plain):
+        torch.testing.assert_close(f, p, rtol=1e-5, atol=1e-6, msg=name)
+    shapes = {tuple(w1.shape), tuple(w2.shape)}
+
+    def added(calls):
+        return [shape for op, shape in calls if op is torch.ops.aten.add_.Tensor and shape in shapes]
+    assert sorted(added(plain_calls)) == sorted(shapes) and not added(fused_calls)
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["one-process", "switched-off"])
+def test_a_train_steps_later_micro_batches_add_their_gemm_weight_gradients_in_place(monkeypatch, in_place):
+    """TrainStep over two micro-batches in one process: the second backward adds no GEMM weight's
+    gradient in an add_ of autograd's (the GEMMs add them in place); the gradient norm and the
+    parameters after the step are those of the step with the switch off."""
+    import copy
+    from bertfast.training.step import TrainStep
+
+    model, config = _training_model()
+    twin = copy.deepcopy(model)
+    batches = [{"ids": torch.randint(5, 100, (2, 9), generator=torch.Generator().manual_seed(i))} for i in (1, 2)]
+    gemm_shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    results = []
+    for m, adds in ((model, in_place), (twin, False)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        step = TrainStep(m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), torch.device("cpu"), "fp32")
+        assert step.adds_in_gemms
+        step.adds_in_gemms = adds
+        backwards = []
+
+        class Out:
+            def __init__(self, loss):
+                self.loss = loss
+
+        def forward(batch, m=m):
+            return Out(m(batch["ids"]).last_hidden_state.square().mean())
+
+        real = torch.Tensor.backward
+
+        def logged(self, *args, **kwargs):
+            with AtenLog() as log:
+                real(self, *args, **kwargs)
+            backwards.append(log.calls)
+
+        monkeypatch.setattr(torch.Tensor, "backward", logged)
+        results.append(step(batches, forward))
+        monkeypatch.undo()
+        added = [shape for op, shape in backwards[1] if op is torch.ops.aten.add_.Tensor and shape in gemm_shapes]
+        assert (not added) if adds else len(added) == 6 * config.num_hidden_layers  # Q, K, V, out; the FFN's two
+    torch.testing.assert_close(results[0].grad_norm, results[1].grad_norm, rtol=1e-5, atol=0)
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("count", [1, 3])
+def test_on_a_gpu_bf16_weight_gradients_are_added_into_fp32_grads_in_place(count):
+    """Under bf16 autocast the second backward adds each fp32 weight's gradient into its .grad with an
+    fp32-input addmm (the QKV's three from their columns of dy), where this torch has one; the sums as
+    autograd's within bf16 GEMM rounding."""
+    from bertfast.ops._common import fp32_gemm_caps
+    if not fp32_gemm_caps(torch.device("cuda"), torch.bfloat16)[0]:
+        pytest.skip("this torch's CUDA addmm takes no fp32 input with bf16 operands: autograd adds the gradients")
+    torch.manual_seed(0)
+    x = torch.randn(512, 64, device="cuda", dtype=torch.bfloat16)
+    weights = [torch.randn(96, 64, device="cuda", requires_grad=True) for _ in range(count)]
+    dy = torch.randn(512, 96 * count, device="cuda")
+
+    def loss():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = residual_linear.linear(x, weights)[0]
+        return (y.float() * dy).sum()
+
+    fused, calls = _twice(loss, weights, True)
+    plain, _ = _twice(loss, weights, False)
+    assert sum(op is torch.ops.aten.addmm.dtype_out for op, _ in calls) == count
+    assert not [c for c in calls if c[0] is torch.ops.aten.add_.Tensor and c[1] == (96, 64)]
+    for f, p in zip(fused, plain):
+        assert f.dtype == torch.float32
+        torch.testing.assert_close(f, p, rtol=1e-3, atol=1e-2)

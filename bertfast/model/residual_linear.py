@@ -31,12 +31,19 @@ epilogues (gemm_bias_gelu_fwd and gemm_gelu_bwd: Triton's): the up-projection wr
 and output from its accumulator, and the backward's dy @ W2 multiplies by GELU' as it stores, so the
 bias_gelu row kernel's passes over the [N, 4H] activations go.
 
+Gradient accumulation (``weight_grads_added_in_place``, which ``training.TrainStep`` turns on in
+one process): a weight that already holds a gradient (a global batch's second and later
+micro-batches) has the new one added by its weight-gradient GEMM into that ``.grad``, in place
+(beta = 1, fp32-out from bf16 operands where the device has it), not formed apart for autograd's
+accumulation to add in a pass of its own (12 bytes a parameter: both read, the sum written).
+
 Only for what is differentiated: with no gradient to record there is nothing to fold, and
 ``fused_qkv`` writes the QKV columns without concatenating weights.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+import contextlib
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -107,6 +114,79 @@ def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
     return torch.mm(a, b, out_dtype=torch.float32, out=out)
 
 
+# ------------------------------------------------------------------ weight gradients added in place
+_ADD_INTO_GRADS = False  # module-wide, not per thread: CUDA backward passes run on autograd's device threads
+
+
+@contextlib.contextmanager
+def weight_grads_added_in_place(enabled: bool = True) -> Iterator[None]:
+    """While on, a backward that accumulates into the parameters (``loss.backward()``; not
+    ``torch.autograd.grad``, which hands gradients back) adds each GEMM weight's gradient into the
+    ``.grad`` it already holds, in the weight-gradient GEMM (module note). Never for a weight a hook
+    watches (``register_hook``, ``register_post_accumulate_grad_hook``: it would see no gradient).
+    DDP's and FSDP's reducers hook the accumulation where Python cannot see it: the caller turns
+    this on only without them."""
+    global _ADD_INTO_GRADS
+    was, _ADD_INTO_GRADS = _ADD_INTO_GRADS, enabled
+    try:
+        yield
+    finally:
+        _ADD_INTO_GRADS = was
+
+
+def _grad_to_add_into(param: Tensor, dy: Tensor) -> Optional[Tensor]:
+    """The ``.grad`` this backward adds ``param``'s weight gradient into (weight_grads_added_in_place),
+    or None: the gradient goes back to autograd."""
+    if not _ADD_INTO_GRADS or not param.is_leaf or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    grad = param.grad
+    hooked = param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None)
+    if (grad is None or hooked or type(grad) not in PLAIN_TYPES or grad.shape != param.shape
+            or grad.dtype != param.dtype or not grad.is_contiguous()):
+        return None
+    if grad.dtype != dy.dtype and not (grad.dtype == torch.float32 and type(dy) in PLAIN_TYPES
+                                       and fp32_gemm_caps(dy.device, dy.dtype)[0]):
+        return None
+    try:
+        accumulates = torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(param).node)
+    except RuntimeError:  # torch.autograd.grad (it asks this of no leaf): nothing is accumulated
+        return None
+    return grad if accumulates else None
+
+
+def _weight_grads(dy: Tensor, x: Tensor, weights: Sequence[Tensor], needed: Sequence[bool],
+                  out_features: Sequence[int]) -> List[Optional[Tensor]]:
+    """Each weight's gradient, dy^T @ x split by its rows (None where not needed), or, where every
+    needed weight holds a ``.grad`` to add into (weight_grads_added_in_place), each added there by a
+    GEMM of its own (its columns of dy) and None handed back."""
+    into = [_grad_to_add_into(w, dy) if need else None for w, need in zip(weights, needed)]
+    if all(g is not None for g, need in zip(into, needed) if need):
+        for grad, dy_part in zip(into, dy.split(list(out_features), dim=1)):
+            if grad is None:
+                continue
+            if grad.dtype == dy.dtype:
+                grad.addmm_(dy_part.t(), x)
+            else:
+                torch.addmm(grad, dy_part.t(), x, out_dtype=grad.dtype, out=grad)
+        return [None] * len(weights)
+    dw = _weight_grad(dy, x, weights[0].dtype)
+    parts = dw.split(list(out_features)) if len(weights) > 1 else (dw,)
+    return [part if need else None for part, need in zip(parts, needed)]
+
+
+def weight_grad_summary() -> str:
+    """One line for `bertfast info`: how the GEMM weights' gradients are written and accumulated under
+    bf16 autocast on this machine's GPU (the fp32-out GEMM forms torch has there: fp32_gemm_caps)."""
+    head = "GEMM weight gradients under bf16 autocast: "
+    if not torch.cuda.is_available():
+        return head + "no GPU here (fp32 training: written by the GEMM, added in place in TrainStep's accumulation)"
+    can_addmm, can_mm = fp32_gemm_caps(torch.device("cuda"), torch.bfloat16)
+    return (head + ("fp32 from fp32-out GEMMs" if can_mm else "bf16 GEMMs, cast to fp32 by autograd (this torch "
+                    "has no fp32-out mm on CUDA)") + "; TrainStep's accumulation (one process): "
+            + ("added in place by the weight-gradient GEMMs" if can_addmm else
+               "added by autograd (this torch's CUDA addmm takes no fp32 input with bf16 operands)"))
+
+
 def _input_grad(dy: Tensor, weight: Tensor, dres: Optional[Tensor], shape) -> Tensor:
     """dy @ weight (+ dres, the residual's gradient, summed by the GEMM) in ``shape``."""
     flat_res = None if dres is None else dres.reshape(-1, dres.shape[-1])
@@ -135,7 +215,7 @@ class _LinearKeepingInput(torch.autograd.Function):
         ctx.save_for_backward(xc, weight)
         ctx.count, ctx.has_bias, ctx.out_features = count, has_bias, [w.shape[0] for w in params[:count]]
         ctx.bias_grad = bias_grad
-        ctx.weight_dtype = params[0].dtype
+        ctx.weights = params[:count]  # for their .grad, where the GEMM adds into it
         return y, x  # x as-is: autograd makes it a view whose gradient comes to this node
 
     @staticmethod
@@ -152,9 +232,8 @@ class _LinearKeepingInput(torch.autograd.Function):
             grads = list(none)
             weights_needed = needs[4:4 + count]
             if any(weights_needed):
-                dw = _weight_grad(dy, xc.reshape(-1, xc.shape[-1]), ctx.weight_dtype)
-                for i, part in enumerate(dw.split(ctx.out_features) if count > 1 else (dw,)):
-                    grads[i] = part if weights_needed[i] else None
+                grads[:count] = _weight_grads(dy, xc.reshape(-1, xc.shape[-1]), ctx.weights, weights_needed,
+                                              ctx.out_features)
             if ctx.has_bias and ctx.bias_grad and any(needs[4 + count:]):
                 db = dy.sum(0, dtype=torch.float32)
                 for i, part in enumerate(db.split(ctx.out_features) if count > 1 else (db,)):
@@ -197,7 +276,8 @@ class _FfnKeepingInput(torch.autograd.Function):
             y = a.mm(w2c.t())
         ctx.save_for_backward(xc, w1c, w2c, z, a)
         ctx.approximate, ctx.gemms = approximate, gemms
-        ctx.dtypes = (w1.dtype, b1.dtype, w2.dtype)
+        ctx.weights = (w1, w2)  # for their .grad, where the GEMM adds into it
+        ctx.bias_dtype = b1.dtype
         return y.view(*x.shape[:-1], y.shape[-1]), x
 
     @staticmethod
@@ -207,12 +287,12 @@ class _FfnKeepingInput(torch.autograd.Function):
         if dy is None:
             return dres if needs[0] else None, None, None, None, None, None
         dy = dy.reshape(-1, dy.shape[-1])
-        w1_dtype, b1_dtype, w2_dtype = ctx.dtypes
+        w1, w2 = ctx.weights
         with torch.autocast(dy.device.type, enabled=False):
-            dz, db1 = ctx.gemms.gemm_gelu_bwd(dy, w2c, z, ctx.approximate, bias_dtype=b1_dtype)
-            dw2 = _weight_grad(dy, a, w2_dtype) if needs[5] else None
+            dz, db1 = ctx.gemms.gemm_gelu_bwd(dy, w2c, z, ctx.approximate, bias_dtype=ctx.bias_dtype)
+            dw2 = _weight_grads(dy, a, [w2], [True], [w2.shape[0]])[0] if needs[5] else None
             dx = _input_grad(dz, w1c, dres, xc.shape) if needs[0] else None
-            dw1 = _weight_grad(dz, xc.reshape(-1, xc.shape[-1]), w1_dtype) if needs[3] else None
+            dw1 = _weight_grads(dz, xc.reshape(-1, xc.shape[-1]), [w1], [True], [w1.shape[0]])[0] if needs[3] else None
         return dx, None, None, dw1, db1 if needs[4] else None, dw2
 
 

@@ -29,7 +29,8 @@ sequences, the BERT recipe's masked positions) is the sum of:
 A step is the target's: a global batch of 256 sequences (benchmarks/README), ACCUMULATION
 micro-batches of the benchmark's batch, so the lines above but the optimizer's and the clipping's
 come once per micro-batch, and each micro-batch after the first adds its weight gradients to the
-ones before (autograd's accumulation: 12 bytes per parameter). ``budget(..., accumulation=1)`` is the
+ones before (the GEMM weights' in their GEMMs, 4 bytes per parameter; the others' through autograd's
+add, 12: ``accumulation_bytes``). ``budget(..., accumulation=1)`` is the
 single micro-batch step a GPU run profiles.
 
 Predicted device time, sequences per second and MFU (model FLOPs / time / the dense bf16 peak).
@@ -175,6 +176,14 @@ def ffn_gemm_seconds(results, setting: K.Setting, gpu: Gpu) -> Tuple[float, int]
     return total, floors
 
 
+def accumulation_bytes(params: int, copies: int) -> float:
+    """The bytes a micro-batch after the first moves to add its gradients to the ones before: the
+    encoder's GEMM weights (``copies``) in their weight-gradient GEMMs, which read the fp32 gradient
+    they add to (training.TrainStep in one process: bertfast.model.residual_linear), the others
+    through autograd's add (both read, the sum written)."""
+    return 4.0 * copies + 12.0 * (params - copies)
+
+
 def budget(results, case: StepCase, gpu: Gpu, accumulation: Optional[int] = None) -> Dict[str, object]:
     """The step's line items (seconds), its predicted time, sequences per second and MFU on ``gpu``:
     ``accumulation`` micro-batches (default the case's) and one optimizer step."""
@@ -241,9 +250,11 @@ def budget(results, case: StepCase, gpu: Gpu, accumulation: Optional[int] = None
     items = [(n, t if n in PER_STEP else accumulation * t,
               how if n in PER_STEP or accumulation == 1 else f"{how}; x {accumulation} micro-batches")
              for n, t, how in items]
-    items.append(("accumulation", (accumulation - 1) * 12.0 * params / bw,
-                  f"{accumulation - 1} x the gradients added to the ones before by autograd (12 bytes per "
-                  "parameter: both read, the sum written)" if accumulation > 1 else "one micro-batch: nothing added"))
+    items.append(("accumulation", (accumulation - 1) * accumulation_bytes(params, copies) / bw,
+                  f"{accumulation - 1} x the gradients added to the ones before: the encoder's GEMM weights' "
+                  f"({copies / 1e6:.0f}M) by their weight-gradient GEMMs in place (4 bytes a parameter: the fp32 "
+                  f"gradient read by the epilogue), the other {(params - copies) / 1e6:.0f}M's by autograd (12 "
+                  "bytes: both read, the sum written)" if accumulation > 1 else "one micro-batch: nothing added"))
     seconds = sum(t for _, t, _ in items)
     # The ceiling: this step with its memory-bound work done as well as it can be, the GEMMs,
     # attention, loss, optimizer and launches as above.
