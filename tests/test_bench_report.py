@@ -174,8 +174,8 @@ def test_readme_table_takes_each_target_from_the_newest_run_that_measured_it(tmp
     lines = {line.split(" | ")[0][2:]: line
              for line in render_table([(old, "runs/old"), (new, "runs/new")]).splitlines() if line.startswith("| ")}
     assert lines["BERT-base seq-128 training step >= 50% MFU"].endswith(
-        "| met | 0.55 | MFU 55.0% of the measured peak (GPU not in the datasheet table) (batch 128) | Fake GPU 80GB, "
-        "`runs/old` |")
+        "| met | 0.55 | MFU 55.0% of the measured peak (GPU not in the datasheet table) (global batch 256 = 2 x 128) | "
+        "Fake GPU 80GB, `runs/old` |")
     row_ops = next(line for name, line in lines.items() if name.startswith("row ops"))
     assert "(the newer run)" in row_ops and row_ops.endswith("`runs/new` |")
     assert lines["a target no run measured"].endswith("| not measured |  | no matching cases in this run | "
