@@ -122,11 +122,10 @@ def _global_batch(row: Row) -> int:
 
 
 def _batch_text(row: Row) -> str:
-    micro, size = row.case.get("micro_batches", 1), row.case.get("batch")
-    text = f"global batch {_global_batch(row)}" + (f" = {micro} x {size}" if micro > 1 else "")
-    if _global_batch(row) < GLOBAL_BATCH:
-        text += (f", under the targets' {GLOBAL_BATCH}: the optimizer's step counted once per {_global_batch(row)} "
-                 "sequences")
+    micro, size, total = row.case.get("micro_batches", 1), row.case.get("batch"), _global_batch(row)
+    text = f"global batch {total}" + (f" = {micro} x {size}" if micro > 1 else "")
+    if total < GLOBAL_BATCH:
+        text += f", under the targets' {GLOBAL_BATCH}: the optimizer's step counted once per {total} sequences"
     return text
 
 

@@ -154,14 +154,14 @@ def _grad_to_add_into(param: Tensor, dy: Tensor) -> Optional[Tensor]:
     return grad if accumulates else None
 
 
-def _weight_grads(dy: Tensor, x: Tensor, weights: Sequence[Tensor], needed: Sequence[bool],
-                  out_features: Sequence[int]) -> List[Optional[Tensor]]:
+def _weight_grads(dy: Tensor, x: Tensor, weights: Sequence[Tensor], needed: Sequence[bool]) -> List[Optional[Tensor]]:
     """Each weight's gradient, dy^T @ x split by its rows (None where not needed), or, where every
     needed weight holds a ``.grad`` to add into (weight_grads_added_in_place), each added there by a
     GEMM of its own (its columns of dy) and None handed back."""
+    out_features = [w.shape[0] for w in weights]
     into = [_grad_to_add_into(w, dy) if need else None for w, need in zip(weights, needed)]
     if all(g is not None for g, need in zip(into, needed) if need):
-        for grad, dy_part in zip(into, dy.split(list(out_features), dim=1)):
+        for grad, dy_part in zip(into, dy.split(out_features, dim=1)):
             if grad is None:
                 continue
             if grad.dtype == dy.dtype:
@@ -170,7 +170,7 @@ def _weight_grads(dy: Tensor, x: Tensor, weights: Sequence[Tensor], needed: Sequ
                 torch.addmm(grad, dy_part.t(), x, out_dtype=grad.dtype, out=grad)
         return [None] * len(weights)
     dw = _weight_grad(dy, x, weights[0].dtype)
-    parts = dw.split(list(out_features)) if len(weights) > 1 else (dw,)
+    parts = dw.split(out_features) if len(weights) > 1 else (dw,)
     return [part if need else None for part, need in zip(parts, needed)]
 
 
@@ -232,8 +232,7 @@ class _LinearKeepingInput(torch.autograd.Function):
             grads = list(none)
             weights_needed = needs[4:4 + count]
             if any(weights_needed):
-                grads[:count] = _weight_grads(dy, xc.reshape(-1, xc.shape[-1]), ctx.weights, weights_needed,
-                                              ctx.out_features)
+                grads[:count] = _weight_grads(dy, xc.reshape(-1, xc.shape[-1]), ctx.weights, weights_needed)
             if ctx.has_bias and ctx.bias_grad and any(needs[4 + count:]):
                 db = dy.sum(0, dtype=torch.float32)
                 for i, part in enumerate(db.split(ctx.out_features) if count > 1 else (db,)):
@@ -290,9 +289,9 @@ class _FfnKeepingInput(torch.autograd.Function):
         w1, w2 = ctx.weights
         with torch.autocast(dy.device.type, enabled=False):
             dz, db1 = ctx.gemms.gemm_gelu_bwd(dy, w2c, z, ctx.approximate, bias_dtype=ctx.bias_dtype)
-            dw2 = _weight_grads(dy, a, [w2], [True], [w2.shape[0]])[0] if needs[5] else None
+            dw2 = _weight_grads(dy, a, [w2], [True])[0] if needs[5] else None
             dx = _input_grad(dz, w1c, dres, xc.shape) if needs[0] else None
-            dw1 = _weight_grads(dz, xc.reshape(-1, xc.shape[-1]), [w1], [True], [w1.shape[0]])[0] if needs[3] else None
+            dw1 = _weight_grads(dz, xc.reshape(-1, xc.shape[-1]), [w1], [True])[0] if needs[3] else None
         return dx, None, None, dw1, db1 if needs[4] else None, dw2
 
 
