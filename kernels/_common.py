@@ -25,6 +25,7 @@ the data.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -200,6 +201,16 @@ def _choose(kernel, grid, args: Sequence, consts: Dict, scratch: Sequence[str], 
         return _choose_on_scratch(kernel, grid, args, consts, scratch), False
     kernel[grid](*args, **consts, **COMPILE_OPTIONS)  # the autotuner chooses (or reads its disk cache) and launches
     return kernel.best_config, True
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA device."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def cdiv(a: int, b: int) -> int:

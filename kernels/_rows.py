@@ -23,14 +23,13 @@ config the autotuner picks (BLOCK_M, num_warps).
 """
 from __future__ import annotations
 
-import functools
 from typing import Sequence, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, interpreting, launch, next_power_of_2
+from ._common import cdiv, interpreting, launch, next_power_of_2, sm_count
 
 MAX_HIDDEN = 8192  # LayerNorm rows (LayerNorm, embeddings) are one register tile: H <= 8192
 MAX_ROWS_PER_TILE = 16  # the largest BLOCK_M in the backward configs; row groups are multiples of it
@@ -198,18 +197,12 @@ def n_bucket(n: int) -> int:
     return min(next_power_of_2(max(n, 1)), 1 << 16)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def row_groups(n_rows: int, device: torch.device, per_sm: int):
     """(G, rows_per_program) for backward kernels that reduce over rows with per-program partials:
     about per_sm programs per SM on a GPU, three under the interpreter (so tests cross program
     borders). More programs keep more loads in flight (the LayerNorm backward ran two per SM on the
     H200 and read at a third of the bandwidth) but write more [G, H] fp32 partials."""
-    target = 3 if device.type != "cuda" else per_sm * _sm_count(device.index if device.index is not None
-                                                              else torch.cuda.current_device())
+    target = 3 if device.type != "cuda" else per_sm * sm_count(device)
     return row_group_shape(n_rows, target)
 
 

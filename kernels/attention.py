@@ -50,6 +50,16 @@ Math, per sequence b and head h (i: query row, j: key column, both < len_b):
   the preprocessing kernel and the stored output are not read, and the scores, K and V are loaded
   once. The tiles are keys-major ([keys, queries], the orientation of dK's and dV's products, whose
   operands then come from registers; the keep bits are transposed in shared memory, and dS for dQ).
+  One program per (sequence, head) fits on an SM (255 registers), so its loads, arithmetic and
+  stores run in series: the H200's step profile of 2026-11-27 had the kernel at 193 us a layer where
+  its tensor, issue and memory bounds sum to 136. Its PERSISTENT candidate (128-key tiles, the
+  varlen form at head dim 64: PERSISTENT_HEAD_DIM) runs a program per SM that takes the (sequence,
+  head) pairs in turn, each pair's query blocks unrolled so that the loop over pairs is one level
+  deep and Triton pipelines it: the next pair's K, V, Q and dO are copied to shared memory
+  (cp.async) while this pair computes. Its loads are clamped to the sequence's last row instead of
+  masked (P is 0 there all the same: key_ok, lse +inf), since the pipeline carries each masked
+  load's [rows, head dim] mask to the next iteration, which spilled. The autotuner keeps whichever
+  candidate is faster.
 
 Dropout: keep_ij = (u >= p), u in [0, 1) in steps of 2**-16, from Philox4x32-7 (_philox.py: tl.randint4x's
 words, N_ROUNDS) keyed by (seed, b * A + h) -- the seed in the key's low word, the (batch, head) stream in
@@ -149,7 +159,7 @@ from bertfast.contract import (KEEP_ALIGN, check_bias_dtype, check_cu_seqlens, c
                                keep_bits_shape, softmax_scale as _softmax_scale)
 
 from . import _common
-from ._common import autotune, cdiv, interpreting, launch, next_power_of_2
+from ._common import autotune, cdiv, interpreting, launch, next_power_of_2, sm_count
 from ._philox import philox4x32
 from ._rows import column_sums
 
@@ -403,14 +413,15 @@ def _rng_key(SEED, b, h, num_heads, HAS_DROPOUT: tl.constexpr):
 
 @triton.jit
 def _key_block(K, V, b64, h64, seq_start, offs_n, key_in, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-               stride_vh, UPCAST: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The K and V rows offs_n of sequence b, head h (rows outside key_in read 0) that a backward
-    program holds for its whole loop; fp32 when UPCAST."""
+               stride_vh, UPCAST: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               MASK_ROWS: tl.constexpr = True):
+    """The K and V rows offs_n of sequence b, head h (rows outside key_in read 0, or unmasked without
+    MASK_ROWS) that a backward program holds for its whole loop; fp32 when UPCAST."""
     offs_d = tl.arange(0, BLOCK_D)
     k = _load_tile(K + b64 * stride_kb + seq_start * stride_ks + h64 * stride_kh
-                   + offs_n[:, None] * stride_ks + offs_d[None, :], key_in, True, HEAD_DIM, BLOCK_D)
+                   + offs_n[:, None] * stride_ks + offs_d[None, :], key_in, MASK_ROWS, HEAD_DIM, BLOCK_D)
     v = _load_tile(V + b64 * stride_vb + seq_start * stride_vs + h64 * stride_vh
-                   + offs_n[:, None] * stride_vs + offs_d[None, :], key_in, True, HEAD_DIM, BLOCK_D)
+                   + offs_n[:, None] * stride_vs + offs_d[None, :], key_in, MASK_ROWS, HEAD_DIM, BLOCK_D)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -444,12 +455,17 @@ def _store_bias_grad_tile(DB, row, stride_db, which, h, num_heads, tile, HEAD_DI
 
 
 @triton.jit
-def _store_bias_grad(DB, row, stride_db, which, h, num_heads, grad, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def _store_bias_grad(DB, row, stride_db, which, h, num_heads, grad, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                     ok=None):
     """grad [BLOCK_D], the column sums of one program's dQ (which 0), dK (1) or dV (2) rows of head h,
-    into row ``row`` of the QKV bias gradient's fp32 partials (header, "QKV bias gradient")."""
+    into row ``row`` of the QKV bias gradient's fp32 partials (header, "QKV bias gradient"); nothing
+    where ``ok`` ([BLOCK_D], if given) is false."""
     offs_d = tl.arange(0, BLOCK_D)
     col = (which * num_heads + h) * HEAD_DIM
-    tl.store(DB + row.to(tl.int64) * stride_db + col + offs_d, grad, mask=offs_d < HEAD_DIM)
+    mask = offs_d < HEAD_DIM
+    if ok is not None:
+        mask = mask & ok
+    tl.store(DB + row.to(tl.int64) * stride_db + col + offs_d, grad, mask=mask)
 
 
 # =========================================================================== forward
@@ -1092,20 +1108,29 @@ def _bwd_fused_block(dk, dv, k, v, key_ok, q_base, do_base, dq_base, lse_ptr, ke
                      DB, db_row, stride_db, h, num_heads,
                      HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
                      BYTEWISE_KEEP: tl.constexpr, HAS_DB: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One query block against every key of its sequence: its dQ, written (and with HAS_DB its
-    column sums, into row db_row of the bias gradient's partials), and its dK, dV contributions.
-    The block sees whole rows of scores, so delta is their row sum in fp32,
-    delta_i (1 - p) = sum_j kept_ij dP_ij (header: no delta kernel, nothing to refine)."""
+                     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CLAMPED: tl.constexpr,
+                     DB_OUT: tl.constexpr):
+    """One query block against every key of its sequence: (dk, dv, sums) with its dK, dV contributions
+    added; its dQ written, and with HAS_DB its column sums into row db_row of the bias gradient's
+    partials, or with DB_OUT returned as sums (else 0). The block sees whole rows of scores, so delta
+    is their row sum in fp32, delta_i (1 - p) = sum_j kept_ij dP_ij (header: no delta kernel, nothing
+    to refine). CLAMPED: the rows past the end read the sequence's last row, unmasked (_fused_keys)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < seq_len
     # Tile pointers from the (b, h) base and int32 offsets, made here: [BLOCK_M, BLOCK_D] 64-bit
     # pointers held across the loop cost 2 registers an element, three of them more than the
     # score tiles.
-    q = _load_tile(q_base + (offs_m[:, None] * stride_qs + offs_d[None, :]), row_ok, True, HEAD_DIM, BLOCK_D)
-    do = _load_tile(do_base + (offs_m[:, None] * stride_dos + offs_d[None, :]), row_ok, True, HEAD_DIM, BLOCK_D)
-    lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=float("inf"))  # rows past the end: P = 0
+    if CLAMPED:
+        rows = tl.minimum(offs_m, tl.maximum(seq_len - 1, 0))
+        q = _load_tile(q_base + (rows[:, None] * stride_qs + offs_d[None, :]), row_ok, False, HEAD_DIM, BLOCK_D)
+        do = _load_tile(do_base + (rows[:, None] * stride_dos + offs_d[None, :]), row_ok, False, HEAD_DIM, BLOCK_D)
+        lse = tl.where(row_ok, tl.load(lse_ptr + rows), float("inf"))  # rows past the end: P = 0
+    else:
+        q = _load_tile(q_base + (offs_m[:, None] * stride_qs + offs_d[None, :]), row_ok, True, HEAD_DIM, BLOCK_D)
+        do = _load_tile(do_base + (offs_m[:, None] * stride_dos + offs_d[None, :]), row_ok, True, HEAD_DIM,
+                        BLOCK_D)
+        lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=float("inf"))  # rows past the end: P = 0
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -1130,9 +1155,13 @@ def _bwd_fused_block(dk, dv, k, v, key_ok, q_base, do_base, dq_base, lse_ptr, ke
     dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PREC) * dq_scale
     _store_tile(dq_base + (offs_m[:, None] * stride_dqs + offs_d[None, :]), dq.to(dq_base.dtype.element_ty), row_ok,
                 HEAD_DIM, BLOCK_D)
+    sums = 0.0
     if HAS_DB:  # rows past the end have P = 0, so dQ 0
-        _store_bias_grad(DB, db_row, stride_db, 0, h, num_heads, tl.sum(dq, 0), HEAD_DIM, BLOCK_D)
-    return dk, dv
+        if DB_OUT:
+            sums = tl.sum(dq, 0)
+        else:
+            _store_bias_grad(DB, db_row, stride_db, 0, h, num_heads, tl.sum(dq, 0), HEAD_DIM, BLOCK_D)
+    return dk, dv, sums
 
 
 @triton.jit
@@ -1160,56 +1189,141 @@ def _attention_bwd_fused_kernel(
     stride_mb, stride_ms,
     stride_db, db_rows,
     seqlen, num_heads, softmax_scale, qk_scale, dropout_p, inv_keep, seqlen_bucket, keep_len,
+    items,       # batch x heads: the (sequence, head) pairs (PERSISTENT)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BYTEWISE_KEEP: tl.constexpr,
     HAS_DB: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PERSISTENT: tl.constexpr = False, ITEM_STAGES: tl.constexpr = 2,
 ):
     """One program per (head, sequence) of at most BLOCK_N tokens: every key at once, the query
-    blocks in turn; dQ, dK and dV in one pass (header, "Short sequences")."""
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    seq_start, seq_len = _seq_range(CU_SEQLENS, b, seqlen, IS_VARLEN)
-    if seq_len <= 0:
-        return
+    blocks in turn; dQ, dK and dV in one pass (header, "Short sequences"). PERSISTENT: a program per
+    SM takes the items = batch x heads (sequence, head) pairs in turn, every query block of each
+    (static, so the loop over items is one level deep), and Triton's pipeline loads the next item's
+    tiles while it computes this one's."""
+    inv_keep_k = 1.0
+    if HAS_DROPOUT:
+        # 1 / (1 - p) divided here, not taken from inv_keep as the other backward kernels take it:
+        # with the argument ptxas spilled this kernel at (32, 4, 2), head dim 26
+        inv_keep_k = 1.0 / (1.0 - dropout_p)
+    dq_scale = softmax_scale * inv_keep_k
+    if PERSISTENT:
+        for item in tl.range(tl.program_id(0), items, tl.num_programs(0), num_stages=ITEM_STAGES):
+            b = item // num_heads
+            h = item % num_heads
+            seq_start, seq_len = _seq_range(CU_SEQLENS, b, seqlen, IS_VARLEN)
+            seq_start = tl.where(seq_len > 0, seq_start, 0)  # an empty sequence's clamped rows: row 0
+            k, v, key_in, key_ok = _fused_keys(K, V, KEY_MASK, b, h, seq_start, seq_len, stride_kb, stride_ks,
+                                               stride_kh, stride_vb, stride_vs, stride_vh, stride_mb, stride_ms,
+                                               HAS_KEY_MASK, UPCAST, HEAD_DIM, BLOCK_D, BLOCK_N, True)
+            dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+            dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+            # the bias gradient's dQ sums: a row per two query blocks (bias_grad_rows), the first's held in
+            # registers; none for blocks past the sequence's end (its rows stop there)
+            pending = 0.0
+            for j in tl.static_range(BLOCK_N // BLOCK_M):
+                dk, dv, sums = _bwd_fused_query_block(
+                    dk, dv, k, v, key_ok, Q, DO, DQ, LSE, KEEP, DB, b, h, seq_start, seq_len, j * BLOCK_M,
+                    stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs,
+                    stride_dqh, stride_lb, stride_lh, stride_db, db_rows, num_heads, qk_scale, dq_scale, keep_len,
+                    HAS_DROPOUT, UPCAST, DOT_PREC, BYTEWISE_KEEP, HAS_DB, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True,
+                    True)
+                if HAS_DB:
+                    if j % 2 == 1 or j == BLOCK_N // BLOCK_M - 1:
+                        in_sequence = tl.arange(0, BLOCK_D) * 0 + (j // 2) * 2 * BLOCK_M < seq_len
+                        _store_bias_grad(DB, b * db_rows + j // 2, stride_db, 0, h, num_heads, pending + sums,
+                                         HEAD_DIM, BLOCK_D, in_sequence)
+                        pending = 0.0
+                    else:
+                        pending = sums
+            _fused_key_grads(DK, DV, DB, dk, dv, b, h, seq_start, key_in, stride_dkb, stride_dks, stride_dkh,
+                             stride_dvb, stride_dvs, stride_dvh, stride_db, db_rows, num_heads, softmax_scale,
+                             inv_keep_k, HAS_DB, HEAD_DIM, BLOCK_D, BLOCK_N)
+    else:
+        h = tl.program_id(1)
+        b = tl.program_id(2)
+        seq_start, seq_len = _seq_range(CU_SEQLENS, b, seqlen, IS_VARLEN)
+        if seq_len <= 0:
+            return
+        k, v, key_in, key_ok = _fused_keys(K, V, KEY_MASK, b, h, seq_start, seq_len, stride_kb, stride_ks,
+                                           stride_kh, stride_vb, stride_vs, stride_vh, stride_mb, stride_ms,
+                                           HAS_KEY_MASK, UPCAST, HEAD_DIM, BLOCK_D, BLOCK_N, False)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        # One loop, its rows and keys always masked: unmasked copies for full blocks and full-length
+        # sequences save about one instruction per score element (~4%) and triple the compile time.
+        for start_m in range(0, seq_len, BLOCK_M):
+            dk, dv, _ = _bwd_fused_query_block(
+                dk, dv, k, v, key_ok, Q, DO, DQ, LSE, KEEP, DB, b, h, seq_start, seq_len, start_m,
+                stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs,
+                stride_dqh, stride_lb, stride_lh, stride_db, db_rows, num_heads, qk_scale, dq_scale, keep_len,
+                HAS_DROPOUT, UPCAST, DOT_PREC, BYTEWISE_KEEP, HAS_DB, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False,
+                False)
+        _fused_key_grads(DK, DV, DB, dk, dv, b, h, seq_start, key_in, stride_dkb, stride_dks, stride_dkh,
+                         stride_dvb, stride_dvs, stride_dvh, stride_db, db_rows, num_heads, softmax_scale,
+                         inv_keep_k, HAS_DB, HEAD_DIM, BLOCK_D, BLOCK_N)
+
+
+@triton.jit
+def _fused_keys(K, V, KEY_MASK, b, h, seq_start, seq_len, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                stride_vh, stride_mb, stride_ms, HAS_KEY_MASK: tl.constexpr, UPCAST: tl.constexpr,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CLAMPED: tl.constexpr):
+    """(k, v, key_in, key_ok): the one-pass kernel's keys of sequence b, head h. CLAMPED: rows past the
+    end read the sequence's last row instead of 0, so no load is masked (a pipelined loop carries each
+    masked load's mask to the next item, [BLOCK_N, BLOCK_D] predicates: spills); their P is set to 0
+    by key_ok and the rows never stored."""
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
     key_in = offs_n < seq_len
-    k, v = _key_block(K, V, b64, h64, seq_start, offs_n, key_in, stride_kb, stride_ks, stride_kh, stride_vb,
-                      stride_vs, stride_vh, UPCAST, HEAD_DIM, BLOCK_D)
+    keys = tl.minimum(offs_n, tl.maximum(seq_len - 1, 0)) if CLAMPED else offs_n
+    k, v = _key_block(K, V, b64, h64, seq_start, keys, key_in, stride_kb, stride_ks, stride_kh, stride_vb,
+                      stride_vs, stride_vh, UPCAST, HEAD_DIM, BLOCK_D, not CLAMPED)
     key_ok = key_in
     if HAS_KEY_MASK:
-        key_ok = key_ok & (tl.load(KEY_MASK + b64 * stride_mb + offs_n * stride_ms, mask=key_in, other=0) != 0)
+        if CLAMPED:
+            key_ok = key_ok & (tl.load(KEY_MASK + b64 * stride_mb + keys * stride_ms) != 0)
+        else:
+            key_ok = key_ok & (tl.load(KEY_MASK + b64 * stride_mb + keys * stride_ms, mask=key_in, other=0) != 0)
+    return k, v, key_in, key_ok
+
+
+@triton.jit
+def _bwd_fused_query_block(dk, dv, k, v, key_ok, Q, DO, DQ, LSE, KEEP, DB, b, h, seq_start, seq_len, start_m,
+                           stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_dqb,
+                           stride_dqs, stride_dqh, stride_lb, stride_lh, stride_db, db_rows, num_heads, qk_scale,
+                           dq_scale, keep_len, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+                           DOT_PREC: tl.constexpr, BYTEWISE_KEEP: tl.constexpr, HAS_DB: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, CLAMPED: tl.constexpr, DB_OUT: tl.constexpr):
+    """_bwd_fused_block of query block start_m of sequence b, head h: its bases, made here."""
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    # Tile pointers from the (b, h) base and int32 offsets, made in the block: [BLOCK_M, BLOCK_D] 64-bit
+    # pointers held across the loop cost 2 registers an element, three of them more than the score tiles.
     q_base = Q + b64 * stride_qb + seq_start * stride_qs + h64 * stride_qh
     do_base = DO + b64 * stride_dob + seq_start * stride_dos + h64 * stride_doh
     dq_base = DQ + b64 * stride_dqb + seq_start * stride_dqs + h64 * stride_dqh
     lse_ptr = LSE + b64 * stride_lb + h64 * stride_lh + seq_start
     keep_base = _keep_block(KEEP, b64, h64, num_heads, keep_len)
     keep_rows = _keep_rows(0, keep_len, BLOCK_M)
-    # 1 / (1 - p) divided here, not taken from inv_keep as the other backward kernels take it: with
-    # the argument ptxas spilled this kernel at (32, 4, 2), head dim 26
-    inv_keep_k = 1.0
-    if HAS_DROPOUT:
-        inv_keep_k = 1.0 / (1.0 - dropout_p)
-    dq_scale = softmax_scale * inv_keep_k
+    # each query block's dQ column sums in a partials row of its own (a sum held across the loop
+    # spilled at 255 registers)
+    return _bwd_fused_block(dk, dv, k, v, key_ok, q_base, do_base, dq_base, lse_ptr, keep_base, keep_rows,
+                            start_m, seq_len, stride_qs, stride_dos, stride_dqs, qk_scale, dq_scale, keep_len,
+                            DB, b * db_rows + start_m // BLOCK_M, stride_db, h, num_heads, HAS_DROPOUT, UPCAST,
+                            DOT_PREC, BYTEWISE_KEEP, HAS_DB, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CLAMPED, DB_OUT)
 
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    # One loop, its rows and keys always masked: unmasked copies for full blocks and full-length
-    # sequences save about one instruction per score element (~4%) and triple the compile time.
-    for start_m in range(0, seq_len, BLOCK_M):
-        # each query block's dQ column sums in a partials row of its own (a sum held across the loop
-        # spilled at 255 registers)
-        dk, dv = _bwd_fused_block(dk, dv, k, v, key_ok, q_base, do_base, dq_base, lse_ptr, keep_base, keep_rows,
-                                  start_m, seq_len, stride_qs, stride_dos, stride_dqs, qk_scale, dq_scale, keep_len,
-                                  DB, b * db_rows + start_m // BLOCK_M, stride_db, h, num_heads, HAS_DROPOUT, UPCAST,
-                                  DOT_PREC, BYTEWISE_KEEP, HAS_DB, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
-    # A padding key's P is 0 in every row, so its dK and dV rows are 0 already.
+
+@triton.jit
+def _fused_key_grads(DK, DV, DB, dk, dv, b, h, seq_start, key_in, stride_dkb, stride_dks, stride_dkh, stride_dvb,
+                     stride_dvs, stride_dvh, stride_db, db_rows, num_heads, softmax_scale, inv_keep_k,
+                     HAS_DB: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The one-pass kernel's dK, dV of sequence b, head h, scaled and stored, and their bias-gradient sums.
+    A padding key's P is 0 in every row, so its dK and dV rows are 0 already."""
     dk = dk * (softmax_scale * inv_keep_k)
     dv = dv * inv_keep_k
-    _store_key_grads(DK, DV, dk, dv, b64, h64, seq_start, offs_n, key_in, stride_dkb, stride_dks, stride_dkh,
-                     stride_dvb, stride_dvs, stride_dvh, HEAD_DIM, BLOCK_D)
+    _store_key_grads(DK, DV, dk, dv, b.to(tl.int64), h.to(tl.int64), seq_start, tl.arange(0, BLOCK_N), key_in,
+                     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM, BLOCK_D)
     if HAS_DB:
         _store_bias_grad(DB, b * db_rows, stride_db, 1, h, num_heads, tl.sum(dk, 0), HEAD_DIM, BLOCK_D)
         _store_bias_grad(DB, b * db_rows, stride_db, 2, h, num_heads, tl.sum(dv, 0), HEAD_DIM, BLOCK_D)
@@ -1366,23 +1480,37 @@ _OUTSIDE_BLOCKS = {"BLOCK_T": 64, "BLOCK_C": 128}
 
 # The short-sequence backward (_attention_bwd_fused_kernel): one program holds every key of its
 # sequence, BLOCK_N = fused_block_n(seqlen), so its candidates are listed per key tile, (BLOCK_M =
-# queries a step, num_warps, num_stages), and its pruner keeps that tile's. It serves sequences up to
-# FUSED_BWD_MAX_SEQLEN tokens (fp32: its IEEE dots on the CUDA cores spill at every 128-key tile
-# tried, up to 16 warps, and at 64 keys with triton 3.6) at head dims up to FUSED_BWD_MAX_HEAD_DIM
-# (the [keys, head dim] dK and dV accumulators stay in registers); longer sequences take the three
-# kernels above. At 128 keys the
-# tiles are keys-major so that 8 warps hold the [128, 64] accumulators and the [128, 64] score tiles
-# in one layout (query-major, a [64, 128] score tile took the accumulators' 8 x 1 warp layout, each
-# warpgroup holding all of it: spills); 226-255 registers, one program per SM; 3 stages put both
-# query blocks' loads in flight at once (the program runs two). Spilling, so left out: (32, 4, 3)
-# at 128 keys, (64, 4, 3) at 64; in fp32, (16, 4, 2) at 16 and 32 keys.
+# queries a step, num_warps, num_stages[, the PERSISTENT loop's stages: header]), and its pruner
+# keeps that tile's. It serves sequences up to FUSED_BWD_MAX_SEQLEN tokens (fp32: its IEEE dots on
+# the CUDA cores spill at every 128-key tile tried, up to 16 warps, and at 64 keys with triton 3.6)
+# at head dims up to FUSED_BWD_MAX_HEAD_DIM (the [keys, head dim] dK and dV accumulators stay in
+# registers); longer sequences take the three kernels above. At 128 keys the tiles are keys-major so
+# that 8 warps hold the [128, 64] accumulators and the [128, 64] score tiles in one layout
+# (query-major, a [64, 128] score tile took the accumulators' 8 x 1 warp layout, each warpgroup
+# holding all of it: spills); 226-255 registers, one program per SM; 3 stages put both query blocks'
+# loads in flight at once (the program runs two). Spilling, so left out: (32, 4, 3) at 128 keys,
+# (64, 4, 3) at 64; in fp32, (16, 4, 2) at 16 and 32 keys; PERSISTENT with 64-query blocks (92
+# bytes) or 3 stages (4 bytes, and 198 KB of shared memory), so its one is (32, 8, 2, 2): 131 KB.
 FUSED_BWD_MAX_SEQLEN = {False: 128, True: 32}  # by fp32 operands
 FUSED_BWD_MAX_HEAD_DIM = 64
+# The PERSISTENT candidate runs the varlen form (the encoder's) at head dim 64 (BERT's): elsewhere it
+# spilled, at head dim 26 (a column mask the pipeline carries: 272-612 bytes), at 32 with dropout (24)
+# and, with triton 3.6, in the padded form with a key mask and dropout (20).
+PERSISTENT_HEAD_DIM = 64
+# BERTFAST_ATTENTION_PERSISTENT=0 leaves the candidate out of the tuning (read when a key is tuned): a
+# GPU run whose test of it failed times the others.
+PERSISTENT_ENV = "BERTFAST_ATTENTION_PERSISTENT"
 _FUSED_CANDIDATES = {
-    False: {128: [(64, 8, 3), (64, 8, 2)], 64: [(32, 4, 3), (32, 4, 2)], 32: [(32, 4, 2), (16, 4, 2)],
+    False: {128: [(64, 8, 3), (64, 8, 2), (32, 8, 2, 2)], 64: [(32, 4, 3), (32, 4, 2)], 32: [(32, 4, 2), (16, 4, 2)],
             16: [(16, 4, 2)]},
     True: {32: [(16, 8, 2)], 16: [(16, 4, 1)]},
 }
+
+
+def _persistent_programs(device: torch.device) -> int:
+    """Programs of a PERSISTENT one-pass backward: one per SM (its 255 registers and the pipelined
+    tiles' shared memory hold one); under the interpreter 3, so each takes several items."""
+    return 3 if device.type != "cuda" else sm_count(device)
 
 
 def fused_block_n(seqlen: int) -> int:
@@ -1403,12 +1531,17 @@ def _fused_tuned(kernel):
         for block_n, entries in tiles.items():
             assert KEEP_ALIGN % block_n == 0 and all(KEEP_ALIGN % e[0] == 0 for e in entries), (fp32, block_n)
             table[(fp32, block_n)] = [
-                configs.setdefault((e[0], block_n) + e[1:], triton.Config({"BLOCK_M": e[0], "BLOCK_N": block_n},
-                                                                         num_warps=e[1], num_stages=e[2]))
+                configs.setdefault((e[0], block_n) + e[1:], triton.Config(
+                    {"BLOCK_M": e[0], "BLOCK_N": block_n, **({"PERSISTENT": True, "ITEM_STAGES": e[3]} if len(e) > 3
+                                                              else {})},
+                    num_warps=e[1], num_stages=e[2]))
                 for e in entries]
 
     def prune(_configs, named_args, **kwargs):
-        return table[(named_args["Q"].dtype == torch.float32, max(16, named_args["seqlen_bucket"]))]
+        listed = table[(named_args["Q"].dtype == torch.float32, max(16, named_args["seqlen_bucket"]))]
+        persistent = (kwargs["IS_VARLEN"] and kwargs["HEAD_DIM"] == PERSISTENT_HEAD_DIM
+                      and os.environ.get(PERSISTENT_ENV, "1") != "0")
+        return [c for c in listed if persistent or not c.kwargs.get("PERSISTENT")]
     return autotune(list(configs.values()), _AUTOTUNE_KEY, prune)(kernel)
 
 
@@ -1579,10 +1712,13 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, keep, b
     db_arg = db if db is not None else lse
 
     if fused:
+        items = batch * heads
         args = (q, k, v, dout, lse, dq, dk, dv, cu, kmask, keep_arg, db_arg,
-                *qkv_strides, *_bsh(dq, varlen), *_bsh(dk, varlen), *_bsh(dv, varlen), *tail)
+                *qkv_strides, *_bsh(dq, varlen), *_bsh(dk, varlen), *_bsh(dv, varlen), *tail, items)
         interp = dict(_INTERP["fused"], BLOCK_N=fused_block_n(seqlen))
-        launch(_bwd_fused_tuned, (1, heads, batch), args, consts, interp=interp, scratch=scratch)
+        programs = min(items, _persistent_programs(q.device))
+        grid = lambda meta: (programs,) if meta.get("PERSISTENT") else (1, heads, batch)  # noqa: E731
+        launch(_bwd_fused_tuned, grid, args, consts, interp=interp, scratch=scratch)
         return None if db is None else column_sums(db.unsqueeze(0), [bias_dtype])[0]
     delta = torch.empty_like(lse)  # same layout as lse: d = rowsum(dO * O)
     delta_block = _INTERP["fwd"]["BLOCK_M"] if interpreting() else _DELTA_BLOCK_M
@@ -1626,19 +1762,22 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, keep, b
 
 def bias_grad_rows(seqlen: int, head_dim: int, dtype: torch.dtype, one_pass: Optional[bool] = None,
                    interpreted: Optional[bool] = None, atomic_dq: bool = False) -> int:
-    """Rows of the QKV bias gradient's partials per sequence (header): a row per block of the
-    smallest any candidate may take (zeros where the chosen blocks leave none), query blocks for the
-    one-pass kernel, query and key blocks for the three, key blocks for the atomic dQ's dK/dV kernel
-    (atomic_dq). one_pass: which backward runs (None: fused_backward's choice); interpreted: whether
-    the interpreter's blocks run (None: whether launch() would run them now)."""
+    """Rows of the QKV bias gradient's partials per sequence (header): a row per block of the smallest
+    any candidate may take (zeros where the chosen blocks leave none), query blocks for the one-pass
+    kernel (pairs of them for its PERSISTENT candidate), query and key blocks for the three, key blocks
+    for the atomic dQ's dK/dV kernel (atomic_dq). one_pass: which backward runs (None: fused_backward's
+    choice); interpreted: whether the interpreter's blocks run (None: whether launch() would run them
+    now)."""
     if one_pass is None:
         one_pass = fused_backward(seqlen, head_dim, dtype)
     if interpreted is None:
         interpreted = _common.interpreting()  # launch()'s own test, which decides which blocks run
     fp32 = dtype == torch.float32
-    if one_pass:
-        smallest = _INTERP["fused"]["BLOCK_M"] if interpreted else min(
-            e[0] for e in _FUSED_CANDIDATES[fp32][fused_block_n(seqlen)])
+    if one_pass:  # PERSISTENT: a row per two query blocks
+        if interpreted:
+            smallest = _INTERP["fused"]["BLOCK_M"] * (2 if _INTERP["fused"].get("PERSISTENT") else 1)
+        else:
+            smallest = min(e[0] * (2 if len(e) > 3 else 1) for e in _FUSED_CANDIDATES[fp32][fused_block_n(seqlen)])
     elif interpreted:
         smallest = min(_INTERP["dq"]["BLOCK_M"], _INTERP["dkdv"]["BLOCK_N"])
     elif atomic_dq:  # key blocks only: the dQ sections come from _attention_bwd_dq_store_kernel's rows

@@ -387,6 +387,23 @@ def test_the_model_predicts_the_config_a_gpu_run_tuned():
         assert not any(x["tuned"] for x in out[name][1:])
 
 
+def test_a_persistent_one_pass_backward_is_priced_per_sequence_head_pair():
+    """The one-pass backward's PERSISTENT config loops once per (sequence, head) pair, a program per SM
+    (not the interpreter's 3 its grid has when recorded on CPU tensors), with one pair's loads ahead;
+    its first candidate loops once per query block, a program per pair, num_stages - 1 blocks ahead."""
+    from bertfast.perfmodel import kernels as K
+
+    setting = K.Setting("bert-large", 128, 128, 0.1)  # 16 heads: 2048 pairs
+    meta = {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "PERSISTENT": True, "ITEM_STAGES": 2}
+    persistent = K.Launch("attention", "_attention_bwd_fused_kernel", meta, (3,), (), lambda: None, ())
+    work = K.WORK[persistent.kernel](setting, persistent, H100)
+    assert (work.iterations, work.tile_elements, work.programs, work.loads_ahead) == (2048, 128 * 128, H100.sms, 1)
+    first = K.Launch("attention", persistent.kernel, dict(meta, BLOCK_M=64, PERSISTENT=False, num_stages=3),
+                     (1, 16, 128), (), lambda: None, ())
+    work = K.WORK[first.kernel](setting, first, H100)
+    assert (work.iterations, work.tile_elements, work.programs, work.loads_ahead) == (4096, 64 * 128, 2048, 2)
+
+
 def test_step_budget_counts_parameters_flops_and_a_trace(tmp_path):
     import gzip
 
@@ -501,7 +518,8 @@ def test_step_budget_lines_and_its_ceiling_from_given_kernel_predictions():
     assert fused["attention"]["seconds"] == pytest.approx(24 * 160 * us)
     assert "forward, one-pass backward" in fused["attention"]["how"]
     assert fused["launch gaps"]["seconds"] == pytest.approx((24 * (21 + 2 + 2) + 20) * H100.launch_gap_s)
-    # a row per 64-query block (the smallest one-pass candidate's at 128 tokens): as many as above
+    # a row per 64 queries (the smallest one-pass candidate's block at 128 tokens, the persistent one's
+    # pair of 32-query blocks): as many as above
     assert fused["QKV bias grad"]["seconds"] == pytest.approx(items["QKV bias grad"])
     with pytest.raises(KeyError, match="forward and backward"):
         step.budget([r for r in results if r.kernel != "_attention_bwd_fused_kernel"], case, H100)

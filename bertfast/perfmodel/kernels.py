@@ -116,9 +116,15 @@ def _attention(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
     heads = MODELS[setting.model][0] // HEAD_DIM
     scores = setting.batch * heads * setting.seq ** 2
     tile = _tile(launch.meta, "BLOCK_M", "BLOCK_N")
+    stages, programs = int(launch.meta.get("num_stages", 2)), _numel(launch.grid)
+    if launch.meta.get("PERSISTENT"):
+        # the one-pass backward's loop over whole (sequence, head) pairs, a program per SM (the grid
+        # recorded on CPU tensors has the interpreter's 3)
+        tile, stages = _tile(launch.meta, "BLOCK_N", "BLOCK_N"), int(launch.meta["ITEM_STAGES"])
+        programs = min(int(scores // tile), gpu.sms)
     # Triton pipelines the key (query) blocks' loads over num_stages: num_stages - 1 are in flight.
-    return Work(scores / tile, tile, _numel(launch.grid), int(launch.meta["num_warps"]), _bytes(launch),
-                loads_ahead=max(1, int(launch.meta.get("num_stages", 2)) - 1))
+    return Work(scores / tile, tile, programs, int(launch.meta["num_warps"]), _bytes(launch),
+                loads_ahead=max(1, stages - 1))
 
 
 def _attention_atomic_dq(setting: Setting, launch: Launch, gpu: Gpu) -> Work:

@@ -104,15 +104,21 @@ def test_launcher_errors_are_clear(fused_backend):
 
 
 # =========================================================================== Triton
-@pytest.fixture(params=["one-pass", "three-kernel", "atomic-dq"])
+@pytest.fixture(params=["one-pass", "one-pass-persistent", "three-kernel", "atomic-dq"])
 def triton_backward(request, monkeypatch):
     """Triton's attention backward as each path runs it: the one-pass kernel (what sequences up to
-    FUSED_BWD_MAX_SEQLEN take, so every short test), the three kernels (longer ones) or, under
-    BERTFAST_ATTENTION_DQ=atomic, the delta and dK/dV kernels with dQ added atomically, forced."""
+    FUSED_BWD_MAX_SEQLEN take, so every short test), the same with a few programs taking every
+    (sequence, head) in turn (its PERSISTENT candidate; under the interpreter, in place of its usual
+    blocks), the three kernels (longer ones) or, under BERTFAST_ATTENTION_DQ=atomic, the delta and
+    dK/dV kernels with dQ added atomically, forced."""
     from bertfast.kernels import attention as K
 
     monkeypatch.delenv(K.DQ_ENV, raising=False)
-    if request.param != "one-pass":
+    if request.param == "one-pass-persistent":
+        if GPU:
+            pytest.skip("the interpreter's blocks: on a GPU the tuned and forced candidates are tested")
+        monkeypatch.setitem(K._INTERP, "fused", dict(K._INTERP["fused"], PERSISTENT=True, ITEM_STAGES=2))
+    elif request.param != "one-pass":
         monkeypatch.setattr(K, "FUSED_BWD_MAX_SEQLEN", {False: 0, True: 0})
     if request.param == "atomic-dq":
         monkeypatch.setenv(K.DQ_ENV, "atomic")
@@ -124,7 +130,7 @@ def test_triton_autotuned_launch_path_under_interpreter(stand_in_tuner, triton_b
     """Each pruned candidate runs once on the real buffers (pure outputs) and the best is relaunched."""
     from bertfast.kernels import attention as K
 
-    tuned = {"one-pass": (K._fwd_tuned, K._bwd_fused_tuned),
+    tuned = {"one-pass": (K._fwd_tuned, K._bwd_fused_tuned), "one-pass-persistent": (K._fwd_tuned, K._bwd_fused_tuned),
              "three-kernel": (K._fwd_tuned, K._bwd_dkdv_tuned, K._bwd_dq_tuned),
              "atomic-dq": (K._fwd_tuned, K._bwd_dkdv_atomic_dq_tuned)}[triton_backward]
     stand_in_tuner(*tuned)
@@ -257,6 +263,62 @@ def test_triton_backward_grids_cover_every_block(monkeypatch, mode):
     for name, meta, grid in grids:
         if name in axis:
             assert tuple(grid) == (-(-seqlen // meta[axis[name]]), heads, 2), (name, meta)
+
+
+@pytest.mark.parametrize("form, head_dim, switch, offered", [("varlen", 64, None, True), ("varlen", 64, "0", False),
+                                                              ("varlen", 32, None, False), ("padded", 64, None, False)])
+def test_triton_persistent_one_pass_candidate_only_where_it_compiles_without_spills(monkeypatch, form, head_dim,
+                                                                                      switch, offered):
+    """The one-pass backward's PERSISTENT candidate is tuned for the varlen form at head dim 64 only
+    (elsewhere it spilled: kernels/attention.py, PERSISTENT_HEAD_DIM), unless BERTFAST_ATTENTION_PERSISTENT=0,
+    after the first candidate, which the fixed mode runs; its grid is a program per SM (3 off a GPU),
+    the others' a program per pair."""
+    from bertfast.kernels import _common, attention as K
+
+    monkeypatch.setattr(_common, "interpreting", lambda: False)
+    if switch is None:
+        monkeypatch.delenv(K.PERSISTENT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(K.PERSISTENT_ENV, switch)
+    seqlen, heads, batch, got = 128, 2, 2, []
+
+    def record(fn, grid, args, consts, configs, key):
+        if fn.__name__ == "_attention_bwd_fused_kernel":
+            got.extend((bool(c.kwargs.get("PERSISTENT")), grid(dict(consts, **c.all_kwargs()))) for c in configs)
+    with _common.compile_only(record):
+        if form == "varlen":
+            q = torch.empty(batch * seqlen, 3, heads, head_dim, dtype=BF16).unbind(1)
+            cu = torch.tensor([0, seqlen, 2 * seqlen], dtype=torch.int32)
+            K.attention_varlen_bwd(q[0], *q, q[0], torch.empty(heads, batch * seqlen), cu, seqlen, None, 0.0, None,
+                                   NO_KEEP)
+        else:
+            q = torch.empty(batch, seqlen, 3, heads, head_dim, dtype=BF16).unbind(2)
+            K.attention_padded_bwd(q[0], *q, q[0], torch.empty(batch, heads, seqlen), None, None, 0.0, None, NO_KEEP)
+    assert got and not got[0][0]
+    assert [grid for persistent, grid in got if persistent] == ([(3,)] if offered else [])
+    assert all(grid == (1, heads, batch) for persistent, grid in got if not persistent)
+
+
+@pytest.mark.skipif(GPU, reason="sets the interpreter's blocks")
+def test_triton_persistent_one_pass_sums_the_bias_gradient_per_pair_of_query_blocks(monkeypatch):
+    """The PERSISTENT one-pass backward writes the QKV bias gradient's dQ sums a row per two query blocks
+    and none past a sequence's end: with 16-query blocks, sequences of 70 and 66 tokens run 8 blocks
+    (128 keys), 4 pairs, where each sequence has 3 rows, so the pair past each end must not write into
+    the next sequence's rows (or past the last: without the check the interpreter's process aborts).
+    dqkv and the bias gradient as the first candidate's."""
+    from bertfast.kernels import attention as K
+
+    triton = BackendUnderTest("triton", torch.device("cpu"))
+    lengths = torch.tensor([70, 5, 0, 66])
+    q, k, v, dout, cu = varlen_inputs(triton, lengths, FP16, 32, seed=3)
+    seed = seed_of(triton, 4)
+    out, lse, bits = K.attention_varlen_fwd(q, k, v, cu, 70, None, 0.1, seed)
+    plain = K.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 70, None, 0.1, seed, bits, FP32)
+    monkeypatch.setitem(K._INTERP, "fused", dict(K._INTERP["fused"], PERSISTENT=True, ITEM_STAGES=2))
+    assert K.bias_grad_rows(70, 32, FP16) == 3  # pairs of 16 queries
+    persistent = K.attention_varlen_bwd(dout, q, k, v, out, lse, cu, 70, None, 0.1, seed, bits, FP32)
+    torch.testing.assert_close(persistent[0], plain[0], atol=0, rtol=0)
+    torch.testing.assert_close(persistent[1], plain[1], atol=1e-5, rtol=1e-5)
 
 
 PATH_CASES = {  # up to 30 tokens: the one-pass kernel's fp32 limit is 32

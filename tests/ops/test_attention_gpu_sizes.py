@@ -123,3 +123,21 @@ def test_gpu_triton_atomic_dq_bert_size(monkeypatch):
     lengths = _bert_lengths(512)
     q, k, v, dout, cu = varlen_inputs(triton, lengths, BF16, 64, 12)
     check_varlen(triton, q, k, v, dout, cu, 512, p=0.1, seed=seed_of(triton, 79))
+
+
+@pytest.mark.gpu
+def test_gpu_triton_persistent_one_pass_backward(monkeypatch):
+    """The one-pass backward's PERSISTENT candidate (kernels/attention.py: a program per SM takes every
+    (sequence, head) in turn, the next one's tiles loaded while it computes this one's), forced as
+    the autotuner may choose it, at BERT-base's seq-128 training shape with dropout (the varlen form,
+    the one it is offered in), against the reference: its clamped loads and the rows past the ends."""
+    from bertfast.kernels import _common, attention as K
+
+    prune = K._bwd_fused_tuned.early_config_prune
+    monkeypatch.setattr(K._bwd_fused_tuned, "early_config_prune", lambda configs, nargs, **kw: [
+        c for c in prune(configs, nargs, **kw) if c.kwargs.get("PERSISTENT")])
+    monkeypatch.setattr(_common, "_LAUNCH_KWARGS", {})
+    monkeypatch.setenv(_common.AUTOTUNE_ENV, "0")
+    triton = BackendUnderTest("triton", torch.device("cuda"))
+    q, k, v, dout, cu = varlen_inputs(triton, _bert_lengths(128), BF16, 64, 12)
+    check_varlen(triton, q, k, v, dout, cu, 128, p=0.1, seed=seed_of(triton, 80))
