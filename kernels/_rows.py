@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, interpreting, launch, next_power_of_2, sm_count
+from ._common import cdiv, interpreting, launch, next_power_of_2, resident_programs
 
 MAX_HIDDEN = 8192  # LayerNorm rows (LayerNorm, embeddings) are one register tile: H <= 8192
 MAX_ROWS_PER_TILE = 16  # the largest BLOCK_M in the backward configs; row groups are multiples of it
@@ -202,8 +202,7 @@ def row_groups(n_rows: int, device: torch.device, per_sm: int):
     about per_sm programs per SM on a GPU, three under the interpreter (so tests cross program
     borders). More programs keep more loads in flight (the LayerNorm backward ran two per SM on the
     H200 and read at a third of the bandwidth) but write more [G, H] fp32 partials."""
-    target = 3 if device.type != "cuda" else per_sm * sm_count(device)
-    return row_group_shape(n_rows, target)
+    return row_group_shape(n_rows, resident_programs(device, per_sm))
 
 
 def row_group_shape(n_rows: int, programs: int) -> Tuple[int, int]:

@@ -159,7 +159,7 @@ from bertfast.contract import (KEEP_ALIGN, check_bias_dtype, check_cu_seqlens, c
                                keep_bits_shape, softmax_scale as _softmax_scale)
 
 from . import _common
-from ._common import autotune, cdiv, interpreting, launch, next_power_of_2, sm_count
+from ._common import autotune, cdiv, interpreting, launch, next_power_of_2, resident_programs
 from ._philox import philox4x32
 from ._rows import column_sums
 
@@ -1507,12 +1507,6 @@ _FUSED_CANDIDATES = {
 }
 
 
-def _persistent_programs(device: torch.device) -> int:
-    """Programs of a PERSISTENT one-pass backward: one per SM (its 255 registers and the pipelined
-    tiles' shared memory hold one); under the interpreter 3, so each takes several items."""
-    return 3 if device.type != "cuda" else sm_count(device)
-
-
 def fused_block_n(seqlen: int) -> int:
     """The short-sequence backward's key tile: every key of the longest sequence."""
     return max(16, next_power_of_2(seqlen))
@@ -1716,7 +1710,8 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens, key_mask, keep, b
         args = (q, k, v, dout, lse, dq, dk, dv, cu, kmask, keep_arg, db_arg,
                 *qkv_strides, *_bsh(dq, varlen), *_bsh(dk, varlen), *_bsh(dv, varlen), *tail, items)
         interp = dict(_INTERP["fused"], BLOCK_N=fused_block_n(seqlen))
-        programs = min(items, _persistent_programs(q.device))
+        # PERSISTENT: one program an SM (its 255 registers and the pipelined tiles hold one)
+        programs = min(items, resident_programs(q.device, 1))
         grid = lambda meta: (programs,) if meta.get("PERSISTENT") else (1, heads, batch)  # noqa: E731
         launch(_bwd_fused_tuned, grid, args, consts, interp=interp, scratch=scratch)
         return None if db is None else column_sums(db.unsqueeze(0), [bias_dtype])[0]
