@@ -58,7 +58,8 @@ profile() {
 # ncu on one training forward and backward of each op (bertfast/bench/ncu.py), in the stages' cache:
 # alone on the GPU and autotuned (a speed loan), or, with "beside", beside stage 2's tests at each
 # kernel's first candidate (autotuning there would time candidates on a shared GPU) and not bundled
-# (the part bundles once the tests end).
+# (the part bundles once the tests end). Then, while a minute is left, the attention target's kernels
+# at seq 512 (--set attention-512) into $G/ncu/attention-512.
 BESIDE_NOTE="Taken beside the GPU check's tests (a correctness loan's first part): the tests' kernels are \
 small and mostly wait on their compiles, but the times and DRAM rates may include slices of theirs; a speed \
 loan's ncu, alone on the GPU and autotuned, is the clean one."
@@ -75,10 +76,19 @@ ncu_kernels() {
     BERTFAST_AUTOTUNE=$autotune TRITON_CACHE_DIR="$G/cache/triton" timeout $(( $(left) - margin )) "$PY" \
         -m bertfast.bench.ncu --out "$G/ncu" --note "$note" > "$G/ncu/ncu.log" 2>&1
     echo "[gpu-loan] ncu$how: exit $?"
-    if [ "${1:-}" = beside ]; then
-        return  # the part prints ncu.md and bundles once the tests end
+    if [ "$(left)" -ge $(( margin + 60 )) ]; then
+        mkdir -p "$G/ncu/attention-512"
+        BERTFAST_AUTOTUNE=$autotune TRITON_CACHE_DIR="$G/cache/triton" timeout $(( $(left) - margin )) "$PY" \
+            -m bertfast.bench.ncu --set attention-512 --out "$G/ncu/attention-512" --note "$note" \
+            > "$G/ncu/attention-512/ncu.log" 2>&1
+        echo "[gpu-loan] ncu --set attention-512$how: exit $?"
+    else
+        echo "[gpu-loan] not run: ncu --set attention-512 ($(left) s left)"
     fi
-    cat "$G/ncu/ncu.md" 2>/dev/null
+    if [ "${1:-}" = beside ]; then
+        return  # the part prints the ncu.md files and bundles once the tests end
+    fi
+    cat "$G/ncu/ncu.md" "$G/ncu/attention-512/ncu.md" 2>/dev/null
     bundle
 }
 # What runs beside stage 2's tests in a correctness loan's first part: the sanitizers, then ncu while
@@ -126,7 +136,7 @@ case "$PART" in
     beside=$!
     run --stage 2
     wait $beside
-    cat "$G/sanitizers.out" "$G/beside.out" "$G/ncu/ncu.md" 2>/dev/null
+    cat "$G/sanitizers.out" "$G/beside.out" "$G/ncu/ncu.md" "$G/ncu/attention-512/ncu.md" 2>/dev/null
     bundle
     ;;
 2)

@@ -14,9 +14,10 @@ import pytest
 def test_gpu_ncu_target_finds_each_ops_case_at_bert_large_shapes(capsys):
     """The ncu step's target (bertfast/bench/ncu.py target_cases) is among the GPU's kernel-suite cases
     for every op, and runs each one's forward and backward (no ncu attached: the profiler calls are
-    no-ops), so a speed loan's ncu step does not fail on a case the suite no longer lists."""
+    no-ops), so a speed loan's ncu step does not fail on a case the suite no longer lists; so is the
+    attention target's case at seq 512, through both backwards."""
     from bertfast.bench import ncu
-    profiled = list(ncu.target_cases())
+    profiled = ncu.profiled_ops()
     assert ncu.run_target(profiled, "triton", dry_run=False, warmup=1) == 0
     ran = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ncu target: ran")]
     assert [line.split()[3] for line in ran] == profiled
@@ -24,6 +25,11 @@ def test_gpu_ncu_target_finds_each_ops_case_at_bert_large_shapes(capsys):
     assert '"tokens": 16384' in layernorm and '"dropout": 0.1' in layernorm
     ffn = ran[profiled.index("bias_gelu")]  # the FFN, whose GEMMs run GELU in training
     assert '"hidden": 1024' in ffn and '"features": 4096' in ffn
+    assert ncu.run_target(["attention"], "triton", dry_run=False, warmup=1, profile_set="attention-512") == 0
+    ran = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ncu target: ran")]
+    assert len(ran) == 2 and all('"seqlen": 512' in line and '"heads": 16' in line for line in ran)
+    assert ran[0].endswith("(bertfast:triton varlen): a training forward and its backward")
+    assert "(bertfast:triton varlen atomic-dq)" in ran[1]
 
 
 def test_profile_writes_where_a_steps_time_goes(tmp_path):
@@ -126,8 +132,22 @@ def test_ncu_summary_reads_the_raw_page_and_the_target_runs_each_op(tmp_path, mo
     (tmp_path / ncu.CONDITIONS).write_text(json.dumps(ncu.conditions(["attention"], "Beside the tests.")))
     assert ncu.main(["--summarize", str(tmp_path)]) == 0
     header = (tmp_path / "ncu.md").read_text().splitlines()[2]
-    assert header == ("Ops: attention. Configs: each kernel's first candidate (BERTFAST_AUTOTUNE=0), the config "
-                      "the perf model reads. Beside the tests.")
+    case = json.dumps(dict(ncu.target_cases()[ncu.profiled_ops().index("attention")].case))
+    assert header == (f"Runs, in launch order: attention {case} (bertfast:triton varlen). Configs: each kernel's "
+                      "first candidate (BERTFAST_AUTOTUNE=0), the config the perf model reads. Beside the tests.")
+    # the attention target's set: its title, and its runs in launch order
+    kept = ncu.conditions(["attention"], profile_set="attention-512")
+    (tmp_path / ncu.CONDITIONS).write_text(json.dumps(kept))
+    assert ncu.main(["--summarize", str(tmp_path)]) == 0
+    md = (tmp_path / "ncu.md").read_text().splitlines()
+    assert md[0] == "# ncu: the attention target's case at seq 512 (ncu-raw.csv)"
+    assert md[2].startswith("Runs, in launch order: attention {\"batch\": 32, \"heads\": 16, \"head_dim\": 64")
+    assert md[2].count('"seqlen": 512') == 2 and "(bertfast:triton varlen); attention" in md[2]
+    assert "(bertfast:triton varlen atomic-dq). Configs:" in md[2]
+    # a conditions file from before the runs were kept (the committed runs): its ops
+    (tmp_path / ncu.CONDITIONS).write_text(json.dumps({"ops": ["attention"], "configs": "autotuned"}))
+    assert ncu.main(["--summarize", str(tmp_path)]) == 0
+    assert (tmp_path / "ncu.md").read_text().splitlines()[2] == "Ops: attention. Configs: autotuned."
     monkeypatch.setenv("BERTFAST_AUTOTUNE", "1")
     assert ncu.conditions(["attention"])["configs"].startswith("autotuned")
     (tmp_path / "ncu-raw.csv").write_text('"ID","Kernel Name"\n"",""\n')
@@ -135,17 +155,34 @@ def test_ncu_summary_reads_the_raw_page_and_the_target_runs_each_op(tmp_path, mo
 
     assert ncu.main(["--target", "--dry-run", "--backend", "torch"]) == 0
     ran = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ncu target: ran")]
-    assert [line.split()[3] for line in ran] == list(ncu.target_cases())
+    assert [line.split()[3] for line in ran] == ncu.profiled_ops()
     # bias_gelu through its preference case, the FFN (where training runs it), whose fields its case names
     assert ncu.case_builder("bias_gelu") == "ffn" and ncu.case_builder("attention") == "attention"
-    assert '"features": 128' in ran[list(ncu.target_cases()).index("bias_gelu")]
-    assert set(ncu.target_cases()["bias_gelu"]) == {"tokens", "hidden", "features"}
+    assert '"features": 128' in ran[ncu.profiled_ops().index("bias_gelu")]
+    gelu = next(t for t in ncu.target_cases() if t.op == "bias_gelu")
+    assert set(gelu.case) == {"tokens", "hidden", "features"} and gelu.variant == ""
+    # the attention target's set: its case twice with Triton (deterministic, atomic dQ), once elsewhere
+    triton = ncu.target_cases("attention-512")
+    assert [t.variant for t in triton] == ["varlen", "varlen atomic-dq"]
+    assert triton[0].case == {"batch": 32, "seqlen": 512, "heads": 16, "head_dim": 64, "padding": "none",
+                              "dropout": 0.1}
+    assert [t.variant for t in ncu.target_cases("attention-512", "cuda")] == ["varlen"]
+    assert ncu.profiled_ops("attention-512") == ["attention"]
+    assert ncu.main(["--target", "--dry-run", "--backend", "torch", "--set", "attention-512"]) == 0
+    ran = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ncu target: ran")]
+    assert len(ran) == 1 and ran[0].endswith("(bertfast:torch varlen): a training forward and its backward")
+    assert ncu.main(["--target", "--set", "attention-512", "--ops", "bias_gelu"]) == 2
+    assert "--ops expects some of attention (--set attention-512)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="profile set must be one of"):
+        ncu.target_cases("attention-128")
     monkeypatch.setattr(ncu, "find_ncu", lambda: None)
     assert ncu.main(["--out", str(tmp_path / "n")]) == 2
     assert "no ncu" in capsys.readouterr().err
     cmd = ncu.ncu_command("ncu", "R", ["bias_gelu"], "triton")
     assert cmd[cmd.index("--profile-from-start") + 1] == "off" and cmd[cmd.index("--clock-control") + 1] == "none"
-    assert cmd[-6:] == ["bertfast.bench.ncu", "--target", "--ops", "bias_gelu", "--backend", "triton"]
+    assert cmd[-8:] == ["bertfast.bench.ncu", "--target", "--set", "step", "--ops", "bias_gelu", "--backend",
+                        "triton"]
+    assert ncu.ncu_command("ncu", "R", ["attention"], "triton", "attention-512")[-6:-4] == ["--set", "attention-512"]
     assert ncu.main(["--target", "--ops", "attention,softmax"]) == 2
 
 
@@ -172,9 +209,10 @@ def test_ncu_driver_keeps_how_the_kernels_ran_beside_the_report(tmp_path, monkey
     out = tmp_path / "out"
     assert ncu.main(["--out", str(out), "--ops", "bias_gelu", "--note", "Beside the tests."]) == 0
     kept = json.loads((out / ncu.CONDITIONS).read_text())
-    assert kept["ops"] == ["bias_gelu"] and "BERTFAST_AUTOTUNE=0" in kept["configs"]
+    assert kept["ops"] == ["bias_gelu"] and "BERTFAST_AUTOTUNE=0" in kept["configs"] and kept["set"] == "step"
+    assert kept["runs"] == ['bias_gelu {"tokens": 16384, "hidden": 1024, "features": 4096} (bertfast:triton)']
     md = (out / "ncu.md").read_text()
-    assert "Ops: bias_gelu. Configs: each kernel's first candidate" in md and md.count("Beside the tests.") == 1
+    assert "(bertfast:triton). Configs: each kernel's first candidate" in md and md.count("Beside the tests.") == 1
     assert "| _gemm_bias_gelu_kernel | 250.0 |" in md
     # an op the target left out: the kernels it did profile are still summarised, and the status says so
     monkeypatch.setenv("FAKE_TARGET_EXIT", "1")

@@ -297,14 +297,15 @@ def test_land_files_a_second_run_of_the_day_beside_the_first(tmp_path):
     (out / "profile" / "bertfast.txt").write_text("wall per step 1 ms\n")
     (out / "profile" / "bertfast.trace.json.gz").write_bytes(b"gz")
     (out / "sanitizers.out").write_text("ERROR SUMMARY: 0 errors\n")
-    (out / "ncu").mkdir()
+    (out / "ncu" / "attention-512").mkdir(parents=True)
     for name in ("ncu.md", "ncu-raw.csv", "ncu.log", "ncu.ncu-rep"):
         (out / "ncu" / name).write_text("x\n")
+        (out / "ncu" / "attention-512" / name).write_text("x\n")
     second = runner.land(str(out), repo=str(repo))
     assert second == first + "-2"
     assert {"profile-bertfast.txt", "profile-bertfast.trace.json.gz", "sanitizers.out", "ncu.md", "ncu-raw.csv",
-            "ncu.log"} <= set(os.listdir(second))
-    assert "ncu.ncu-rep" not in os.listdir(second)  # its CSV pages hold what it measured
+            "ncu.log", "attention-512-ncu.md", "attention-512-ncu-raw.csv"} <= set(os.listdir(second))
+    assert not {"ncu.ncu-rep", "attention-512-ncu.ncu-rep"} & set(os.listdir(second))  # its CSV pages hold it
     assert json.loads(open(os.path.join(first, "results.json")).read())["date"].startswith("2026-12-01T10")
     assert runner.land(str(out), repo=str(repo)) == second
     assert "2026-12-01-2" in (repo / "README.md").read_text()

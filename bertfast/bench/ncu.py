@@ -1,6 +1,7 @@
 """Nsight Compute (ncu) on the kernels of one training forward and backward of each fused op.
 
     python -m bertfast.bench.ncu --out DIR                 # on a GPU: ncu runs this module's --target
+    python -m bertfast.bench.ncu --out DIR --set attention-512   # the attention target's kernels
     python -m bertfast.bench.ncu --summarize DIR           # DIR/ncu.md again from DIR/ncu-raw.csv
     python -m bertfast.bench.ncu --target --dry-run --backend torch   # the calls alone, on CPU
 
@@ -11,11 +12,15 @@ their bytes at 47-72% of the copy bandwidth where the model has them bandwidth-b
 cannot say why; the hardware counters can: DRAM throughput, issue-slot use, achieved occupancy and
 what the warps stall on.
 
-The target builds the kernel suite's case of each op at BERT-large's seq-128 pre-training shapes
-(``target_cases()``: 16,384 tokens, bf16 activations with fp32 parameters, dropout 0.1; the attention's
-pre-training lengths; through the op's ``preference_case`` where bertfast.registry names one, the
-case whose kernels training runs: bias_gelu's FFN, the GEMMs with GELU in their epilogues beside
-cuBLAS's GEMMs of the same FFN), warms each up (the autotuner chooses its configs
+What it profiles is a set (``--set``, PROFILE_SETS). ``step``: the kernel suite's case of each op at
+BERT-large's seq-128 pre-training shapes (16,384 tokens, bf16 activations with fp32 parameters, dropout
+0.1; the attention's pre-training lengths; through the op's ``preference_case`` where bertfast.registry
+names one, the case whose kernels training runs: bias_gelu's FFN, the GEMMs with GELU in their
+epilogues beside cuBLAS's GEMMs of the same FFN). ``attention-512``: the attention target's case
+(BERT-large's 16 heads at seq 512, equal lengths, head dim 64, dropout 0.1; bertfast.bench.targets),
+whose kernels ran at the sum of their tensor, instruction and memory times on the H200, through the
+deterministic backward (delta, dQ, dK/dV) and, with Triton, the atomic dQ. ``target_cases(set)``
+lists a set's (op, variant, case). The target warms each up (the autotuner chooses its configs
 there, in the stages' Triton cache; under BERTFAST_AUTOTUNE=0 every kernel runs its first
 candidate, the config the perf model reads), then runs one training forward and its backward
 between cudaProfilerStart and Stop, so ncu (``--profile-from-start off``) profiles those kernels
@@ -37,13 +42,44 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-def target_cases() -> Dict[str, Dict[str, object]]:
-    """Each profiled op's kernel-suite case at BERT-large's seq-128 pre-training shapes (bertfast.registry's
-    ``profile_case``), in the registry's order."""
+PROFILE_SETS = ("step", "attention-512")
+
+
+@dataclass(frozen=True)
+class Profiled:
+    """One profiled run: an op's kernel-suite case, through bertfast's implementation of that variant (the
+    model's attention is packed: ``varlen``)."""
+    op: str
+    case: Dict[str, object]
+    variant: str = ""
+
+
+def target_cases(profile_set: str = "step", backend: str = "triton") -> List[Profiled]:
+    """What a set profiles, in launch order. ``step``: each op's case at BERT-large's seq-128 pre-training
+    shapes (bertfast.registry's ``profile_case``), in the registry's order. ``attention-512``: the attention
+    target's case, the deterministic backward, then (Triton's alone) the atomic dQ."""
     from bertfast import registry
-    return {op.name: dict(op.profile_case) for op in registry.ops() if op.profile_case is not None}
+    if profile_set == "step":
+        return [Profiled(op.name, dict(op.profile_case), _variant(op.name))
+                for op in registry.ops() if op.profile_case is not None]
+    if profile_set == "attention-512":  # the target's case at BERT-large's heads, the kernel suite's first
+        from bertfast.bench.targets import ATTENTION_CASE
+        case = {"batch": 32, "heads": 16, **ATTENTION_CASE}
+        variants = ["varlen"] + (["varlen atomic-dq"] if backend == "triton" else [])
+        return [Profiled("attention", dict(case), v) for v in variants]
+    raise ValueError(f"profile set must be one of {PROFILE_SETS}, got {profile_set!r}")
+
+
+def profiled_ops(profile_set: str = "step", backend: str = "triton") -> List[str]:
+    """The ops a set profiles, each once, in its order."""
+    return list(dict.fromkeys(p.op for p in target_cases(profile_set, backend)))
+
+
+def _variant(op: str) -> str:
+    return "varlen" if op == "attention" else ""  # the model's attention: packed
 
 
 def case_builder(op: str) -> str:
@@ -67,10 +103,10 @@ def _pick(cases, want: Optional[Dict[str, object]]):
     return next((oc for oc in cases if all(oc.case.get(k) == v for k, v in want.items())), None)
 
 
-def run_target(ops: Sequence[str], backend: str, dry_run: bool, warmup: int = 2) -> int:
-    """Each op's case, warmed up, then one training forward and backward inside the profiled region.
-    An op that cannot run (no path, an exception) is said and left out, so the others' kernels are still
-    profiled; the exit status is then 1."""
+def run_target(ops: Sequence[str], backend: str, dry_run: bool, warmup: int = 2, profile_set: str = "step") -> int:
+    """Each case of ``profile_set`` whose op is among ``ops``, warmed up, then one training forward and
+    backward inside the profiled region. A case that cannot run (no path, an exception) is said and left
+    out, so the others' kernels are still profiled; the exit status is then 1."""
     import torch
 
     from bertfast.bench import device as devmod
@@ -86,12 +122,14 @@ def run_target(ops: Sequence[str], backend: str, dry_run: bool, warmup: int = 2)
     ctx = SuiteContext(device=devmod.detect("cuda" if on_gpu else "cpu"), quick=False,
                        dtype=torch.bfloat16 if on_gpu else torch.float32, backends=(backend,), compile=False,
                        with_transformers=False, log=lambda s: None)
-    prepared, failed, targets, builders = [], [], target_cases(), case_builders()
-    for op in ops:
-        want = targets[op] if on_gpu else None
-        name = bertfast_impl(backend, "varlen" if op == "attention" else "")  # the model's attention: packed
+    prepared, failed, builders, built = [], [], case_builders(), {}
+    for t in (t for t in target_cases(profile_set, backend) if t.op in ops):
+        want = t.case if on_gpu else None
+        name = bertfast_impl(backend, t.variant)
         try:
-            oc = _pick(builders[case_builder(op)](ctx), want)
+            if t.op not in built:  # each op's cases built once: a set may run one through two variants
+                built[t.op] = builders[case_builder(t.op)](ctx)
+            oc = _pick(built[t.op], want)
             impl = next((i for i in oc.impls if i.name == name), None) if oc is not None else None
             if impl is None or impl.skip:
                 raise LookupError(f"no {name} path for the case {want or 'first listed'}"
@@ -100,14 +138,14 @@ def run_target(ops: Sequence[str], backend: str, dry_run: bool, warmup: int = 2)
             for _ in range(warmup):  # the autotuner chooses here, outside the profiled region
                 p.run_once()
         except Exception as exc:  # noqa: BLE001 - said, and the other ops are still profiled
-            print(f"ncu target: {op}: left out: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-            failed.append(op)
+            print(f"ncu target: {t.op}: left out: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            failed.append(t.op)
             continue
-        prepared.append((op, oc.case, p))
+        prepared.append((t.op, oc.case, name, p))
     if on_gpu:
         torch.cuda.synchronize()
         torch.cuda.profiler.start()
-    for op, case, p in prepared:
+    for op, case, name, p in prepared:
         try:
             with p.context():
                 out = p.forward()
@@ -117,7 +155,7 @@ def run_target(ops: Sequence[str], backend: str, dry_run: bool, warmup: int = 2)
                   flush=True)
             failed.append(op)
             continue
-        print(f"ncu target: ran {op} {json.dumps(case)}: a training forward and its backward", flush=True)
+        print(f"ncu target: ran {op} {json.dumps(case)} ({name}): a training forward and its backward", flush=True)
     if on_gpu:
         torch.cuda.synchronize()
         torch.cuda.profiler.stop()
@@ -138,38 +176,42 @@ def find_ncu() -> Optional[str]:
     return None
 
 
-def ncu_command(ncu: str, report: str, ops: Sequence[str], backend: str) -> List[str]:
+def ncu_command(ncu: str, report: str, ops: Sequence[str], backend: str, profile_set: str = "step") -> List[str]:
     cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--target-processes", "all",
            "--launch-count", str(MAX_KERNELS), "-f", "-o", report]
     for section in SECTIONS:
         cmd += ["--section", section]
-    return cmd + [sys.executable, "-m", "bertfast.bench.ncu", "--target", "--ops", ",".join(ops),
+    return cmd + [sys.executable, "-m", "bertfast.bench.ncu", "--target", "--set", profile_set, "--ops", ",".join(ops),
                   "--backend", backend]
 
 
 CONDITIONS = "ncu-conditions.json"
 
 
-def conditions(ops: Sequence[str], note: str = "") -> Dict[str, object]:
-    """How the profiled kernels ran (ncu.md's header, kept beside the CSV pages as CONDITIONS): their
-    configs (the autotuner's, or each kernel's first candidate under BERTFAST_AUTOTUNE=0) and the
-    caller's note."""
+def conditions(ops: Sequence[str], note: str = "", profile_set: str = "step", backend: str = "triton",
+               ) -> Dict[str, object]:
+    """How the profiled kernels ran (ncu.md's header, kept beside the CSV pages as CONDITIONS): the set's
+    runs in their order, their configs (the autotuner's, or each kernel's first candidate under
+    BERTFAST_AUTOTUNE=0) and the caller's note."""
+    from bertfast.bench.results import bertfast_impl
     from bertfast.kernels._common import AUTOTUNE_ENV, autotune_enabled
     configs = ("autotuned (the target's last line in ncu.log lists the choices)" if autotune_enabled()
                else f"each kernel's first candidate ({AUTOTUNE_ENV}=0), the config the perf model reads")
-    return {"ops": list(ops), "configs": configs, "note": note}
+    runs = [f"{t.op} {json.dumps(t.case)} ({bertfast_impl(backend, t.variant)})"
+            for t in target_cases(profile_set, backend) if t.op in ops]
+    return {"set": profile_set, "ops": list(ops), "runs": runs, "configs": configs, "note": note}
 
 
-def drive(out: str, ops: Sequence[str], backend: str, note: str = "") -> int:
+def drive(out: str, ops: Sequence[str], backend: str, note: str = "", profile_set: str = "step") -> int:
     ncu = find_ncu()
     if ncu is None:
         print("bertfast ncu: no ncu (Nsight Compute) on PATH or under /opt/nvidia/nsight-compute", file=sys.stderr)
         return 2
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, CONDITIONS), "w") as fh:
-        json.dump(conditions(ops, note), fh, indent=1)
+        json.dump(conditions(ops, note, profile_set, backend), fh, indent=1)
     report = os.path.join(out, "ncu")
-    cmd = ncu_command(ncu, report, ops, backend)
+    cmd = ncu_command(ncu, report, ops, backend, profile_set)
     print("$ " + " ".join(cmd), flush=True)
     res = subprocess.run(cmd)
     if not os.path.exists(report + ".ncu-rep"):
@@ -246,10 +288,13 @@ def _f(x: Optional[float], digits: int = 1) -> str:
 
 def markdown(rows: List[Dict[str, object]], source: str, ran: Optional[Dict[str, object]] = None) -> str:
     ran = ran or {}
-    how = " ".join(part for part in (f"Ops: {', '.join(ran['ops'])}." if ran.get("ops") else "",
+    runs = f"Runs, in launch order: {'; '.join(ran['runs'])}." if ran.get("runs") else ""
+    how = " ".join(part for part in (runs or (f"Ops: {', '.join(ran['ops'])}." if ran.get("ops") else ""),
                                      f"Configs: {ran['configs']}." if ran.get("configs") else "",
                                      ran.get("note") or "") if part)
-    lines = [f"# ncu: one training forward and backward of each op ({source})", "", *([how, ""] if how else []),
+    title = ("the attention target's case at seq 512" if ran.get("set") == "attention-512"
+             else "one training forward and backward of each op")
+    lines = [f"# ncu: {title} ({source})", "", *([how, ""] if how else []),
              "Per kernel in launch order. DRAM GB/s: the bytes DRAM read and wrote over the kernel's time. Issue "
              "busy: the share of cycles a scheduler issued. Stalls: cycles per issued instruction a warp spent "
              "stalled, by reason (ncu's smsp__average_warps_issue_stalled_*_per_issue_active), largest three.", "",
@@ -295,8 +340,10 @@ def summarize(out: str) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bertfast.bench.ncu", description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="directory for the report, its CSV pages and ncu.md (the driver)")
-    profiled = list(target_cases())
-    ap.add_argument("--ops", default=",".join(profiled), help=f"comma-separated, of {', '.join(profiled)}")
+    ap.add_argument("--set", default="step", choices=PROFILE_SETS, dest="profile_set",
+                    help="step: each op at BERT-large's seq-128 pre-training shapes (default); attention-512: the "
+                         "attention target's case at seq 512, deterministic and (Triton) atomic dQ")
+    ap.add_argument("--ops", help="comma-separated, of the set's ops (default: all of them)")
     ap.add_argument("--backend", default="triton", choices=("triton", "cuda", "torch"))
     ap.add_argument("--target", action="store_true", help="be what ncu profiles (the driver runs this)")
     ap.add_argument("--dry-run", action="store_true", help="with --target: run the calls without a GPU or profiler")
@@ -305,17 +352,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
     if args.summarize:
         return summarize(args.summarize)
-    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    profiled = profiled_ops(args.profile_set, args.backend)
+    ops = profiled if args.ops is None else [o.strip() for o in args.ops.split(",") if o.strip()]
     unknown = [o for o in ops if o not in profiled]
     if unknown or not ops:
-        print(f"bertfast ncu: --ops expects some of {', '.join(profiled)}, got {args.ops!r}", file=sys.stderr)
+        print(f"bertfast ncu: --ops expects some of {', '.join(profiled)} (--set {args.profile_set}), "
+              f"got {args.ops!r}", file=sys.stderr)
         return 2
     if args.target:
-        return run_target(ops, args.backend, args.dry_run)
+        return run_target(ops, args.backend, args.dry_run, profile_set=args.profile_set)
     if not args.out:
         print("bertfast ncu: --out DIR is required (or --target, --summarize DIR)", file=sys.stderr)
         return 2
-    return drive(args.out, ops, args.backend, args.note)
+    return drive(args.out, ops, args.backend, args.note, args.profile_set)
 
 
 if __name__ == "__main__":

@@ -495,8 +495,8 @@ def land(out: str, repo: str = REPO, date: Optional[str] = None) -> str:
     # own output, where run (not ncu's binary report: its CSV pages hold what it measured).
     evidence += [p for pattern in ("*.txt", "*.log", "*.trace.json.gz")
                  for p in glob.glob(os.path.join(out, "profile", pattern))]
-    evidence += [p for pattern in ("*.md", "*.csv", "*.json", "*.log")
-                 for p in glob.glob(os.path.join(out, "ncu", pattern))]
+    evidence += [p for pattern in ("*.md", "*.csv", "*.json", "*.log") for where in ("ncu", os.path.join("ncu", "*"))
+                 for p in glob.glob(os.path.join(out, where, pattern))]  # a set's own (attention-512-ncu.md)
     evidence += glob.glob(os.path.join(out, "sanitizers.out"))
     for path in evidence + [os.path.join(out, "summary.md"), summary_path]:
         name = os.path.basename(path)
