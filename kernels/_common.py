@@ -13,6 +13,8 @@ process is set up to:
                 (TRITON_CACHE_DIR), so a later process reuses them without re-tuning.
   compile-only  inside ``compile_only(record)`` (bertfast.gpucheck.compile_report): nothing
                 runs; ``record`` receives each launch with its candidate configs.
+  pinned        inside ``pinned_candidate(kernel, i)`` (tests): that kernel runs its candidate i,
+                the others their first, untimed, so tests can check each candidate's results.
 
 In the tuned and fixed modes the config is chosen on a launch key's first launch; later launches
 with that key pass it to the JIT function directly (_LAUNCH_KWARGS).
@@ -226,6 +228,40 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+# --------------------------------------------------------------------------- pinning a candidate
+# The autotuner times a kernel's candidates and keeps the fastest; it never checks their results. Tests
+# do (tests/ops/test_candidates.py): each candidate of each kernel, pinned, against the first.
+_PINNED: Dict[str, int] = {}             # kernel name -> candidate index its launches run, untimed
+_PIN_SEEN: Dict[str, List[str]] = {}     # kernel name -> the longest candidate list a launch of it had
+
+
+@contextlib.contextmanager
+def pinned_candidate(kernel_name: str = "", index: int = 0) -> Iterator[Dict[str, List[str]]]:
+    """Within this block every launch of the autotuned kernel ``kernel_name`` runs candidate ``index`` of
+    its pruned list (its last where it lists fewer), untimed; the other autotuned kernels run their first.
+    No name: every autotuned kernel runs its first. Yields, filled when the block ends, kernel name -> the
+    longest candidate list (config_text) a launch of it had, for the caller to know what there is to pin."""
+    global _PINNED
+    saved = _PINNED
+    _PINNED, seen = {kernel_name: index}, {}
+    _PIN_SEEN.clear()
+    try:
+        yield seen
+    finally:
+        seen.update(_PIN_SEEN)
+        _PINNED = saved
+        _PIN_SEEN.clear()
+
+
+def _launch_pinned(kernel, fn, grid, args: Sequence, consts: Dict) -> None:
+    configs = candidates(kernel, args, consts)
+    name = fn.__name__
+    if len(configs) > len(_PIN_SEEN.get(name, ())):
+        _PIN_SEEN[name] = [config_text(c) for c in configs]
+    config = configs[min(_PINNED.get(name, 0), len(configs) - 1)]
+    fn[grid](*args, **{**consts, **COMPILE_OPTIONS, **config.all_kwargs()})
+
+
 # --------------------------------------------------------------------------- launching
 # (jit function, grid, args, consts, candidate configs, tuning key or None for a plain kernel)
 Recorder = Callable[[object, object, Sequence, Dict, List[triton.Config], Optional[Tuple]], None]
@@ -265,6 +301,9 @@ def launch(kernel, grid, args: Sequence, consts: Dict, *, interp: Optional[Dict]
         return
     if not tuned:
         fn[grid](*args, **consts, **COMPILE_OPTIONS)
+        return
+    if _PINNED:
+        _launch_pinned(kernel, fn, grid, args, consts)
         return
     key = _launch_key(kernel, args, consts, autotune_enabled())
     kwargs = _LAUNCH_KWARGS.get(key)

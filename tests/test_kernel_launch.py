@@ -43,6 +43,42 @@ def test_fixed_mode_runs_the_first_candidate_without_tuning(stand_in_tuner, monk
     assert len(launched) == 2
 
 
+def test_a_pinned_candidate_is_the_config_launched(stand_in_tuner):
+    """pinned_candidate (tests/ops/test_candidates.py checks every candidate with it): the named kernel
+    launches candidate i of its pruned list (its last past the end), untimed, the other kernels their
+    first; it lists each kernel's candidates; after the block launches take the autotuner again."""
+    stand_in_tuner(BG._fwd_tuned, BG._bwd_tuned)
+    launched = []
+    original = type(BG._fwd_tuned.fn).run
+
+    def spy(self, *args, **kwargs):
+        if self.fn.__name__.startswith("_bias_gelu"):
+            launched.append((self.fn.__name__, {k: kwargs[k] for k in ("BLOCK_N", "BLOCK_F", "num_warps")}))
+        return original(self, *args, **kwargs)
+    x, bias, dy = _bias_gelu_inputs()
+    configs = _common.candidates(BG._fwd_tuned, (x, bias, x, 37, 300, 300, 64), {"APPROX_TANH": False})
+    first_bwd = _common.candidates(BG._bwd_tuned, (dy, x, bias, x, x, 37, 300, 300, 300, 16, 64),
+                                   {"APPROX_TANH": False})[0]
+    assert len(configs) > 1
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(BG._fwd_tuned.fn), "run", spy)
+        for tuned in (BG._fwd_tuned, BG._bwd_tuned):
+            mp.setattr(tuned, "run", lambda *a, **k: pytest.fail("the autotuner ran under a pin"))
+        for i in range(len(configs) + 1):
+            launched.clear()
+            with _common.pinned_candidate("_bias_gelu_fwd_kernel", i) as listed:
+                BG.bias_gelu_fwd(x, bias)
+                BG.bias_gelu_bwd(dy, x, bias)
+            pinned = configs[min(i, len(configs) - 1)]
+            assert launched[0] == ("_bias_gelu_fwd_kernel", {**pinned.kwargs, "num_warps": pinned.num_warps})
+            assert launched[1] == ("_bias_gelu_bwd_kernel", {**first_bwd.kwargs, "num_warps": first_bwd.num_warps})
+            assert listed["_bias_gelu_fwd_kernel"] == [_common.config_text(c) for c in configs]
+            assert set(listed) == {"_bias_gelu_fwd_kernel", "_bias_gelu_bwd_kernel"}
+    assert not _common._PINNED and "_bias_gelu_fwd_kernel" not in _common.tuned_configs()
+    BG.bias_gelu_fwd(x, bias)  # no pin: the autotuner chooses
+    assert "_bias_gelu_fwd_kernel" in _common.tuned_configs()
+
+
 def test_every_launch_pins_fp_contraction(stand_in_tuner, monkeypatch):
     """Tuned, fixed and plain launches pass enable_fp_fusion=True: triton 3.10 turns its default off."""
     assert _common.COMPILE_OPTIONS == {"enable_fp_fusion": True}
