@@ -17,15 +17,18 @@ from typing import List, Optional
 
 
 def _autotune_line() -> str:
-    from bertfast.kernels._common import AUTOTUNE_ENV, autotune_enabled
+    from bertfast.kernels._common import AUTOTUNE_ENV, autotune_enabled, excluded_summary
     try:
         enabled = autotune_enabled()
+        excluded = excluded_summary()
     except ValueError as exc:
         return f"Triton autotuning: {exc}"
     if not enabled:
-        return f"Triton autotuning: off ({AUTOTUNE_ENV}=0): every kernel runs its first candidate config"
-    cache = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
-    return f"Triton autotuning: on; results cached in {cache} (TRITON_CACHE_DIR)"
+        line = f"Triton autotuning: off ({AUTOTUNE_ENV}=0): every kernel runs its first candidate config"
+    else:
+        cache = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+        line = f"Triton autotuning: on; results cached in {cache} (TRITON_CACHE_DIR)"
+    return line + (f"\n{excluded}" if excluded else "")
 
 
 def report() -> str:

@@ -97,17 +97,68 @@ def autotune(configs: List[triton.Config], key: List[str], prune: Optional[Calla
 
     The first config of ``configs`` (after ``prune``) is the kernel's default: the one the fixed
     mode runs. No restore_value / reset_to_zero: a kernel that modifies its inputs names them
-    in ``launch(..., scratch=...)`` instead.
+    in ``launch(..., scratch=...)`` instead. Every mode leaves out the candidates EXCLUDE_ENV names.
     """
-    prune_by = {"early_config_prune": prune} if prune is not None else None
-    decorate = triton.autotune(configs, key=key, prune_configs_by=prune_by, do_bench=_short_bench,
-                               cache_results=True)
-
     def register(fn):
-        tuner = decorate(fn)
+        name = fn.__name__
+
+        def pruned(configs, named_args, **kwargs):
+            kept = list(prune(configs, named_args, **kwargs)) if prune is not None else list(configs)
+            return without_excluded(name, kept)
+        tuner = triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": pruned},
+                                do_bench=_short_bench, cache_results=True)(fn)
         _TUNERS.append(tuner)
         return tuner
     return register
+
+
+# --------------------------------------------------------------------------- excluded candidates
+# BERTFAST_EXCLUDE_CANDIDATES="kernel:config; ...", each config as config_text writes it (and as a failing
+# tests/ops/test_candidates.py names it): candidates no mode may run. A GPU check whose stage 2 found a
+# candidate wrong times the others in its later stages (scripts/gpu-loan.sh); `bertfast info` and the
+# bench's results say which were left out.
+EXCLUDE_ENV = "BERTFAST_EXCLUDE_CANDIDATES"
+_EXCLUDED_PARSED: Dict[str, frozenset] = {}
+
+
+def excluded_candidates() -> frozenset:
+    """The (kernel name, config_text) pairs EXCLUDE_ENV names (empty when unset)."""
+    text = os.environ.get(EXCLUDE_ENV, "")
+    parsed = _EXCLUDED_PARSED.get(text)
+    if parsed is None:
+        pairs = []
+        for entry in (e.strip() for e in text.split(";")):
+            if not entry:
+                continue
+            kernel, sep, config = entry.partition(":")
+            if not sep or not kernel.strip() or not config.strip():
+                raise ValueError(f"{EXCLUDE_ENV}: expected 'kernel:config' entries separated by ';' (the config "
+                                 f"as config_text writes it, e.g. '_attention_fwd_kernel:BLOCK_M=64 BLOCK_N=32 "
+                                 f"num_warps=4 num_stages=4'), got {entry!r}")
+            pairs.append((kernel.strip(), " ".join(config.split())))
+        parsed = _EXCLUDED_PARSED[text] = frozenset(pairs)
+    return parsed
+
+
+def excluded_summary() -> str:
+    """A line naming the excluded candidates ('' when none), for `bertfast info` and the bench's results."""
+    excluded = sorted(excluded_candidates())
+    if not excluded:
+        return ""
+    return (f"autotune candidates excluded ({EXCLUDE_ENV}): "
+            + "; ".join(f"{kernel}: {config}" for kernel, config in excluded))
+
+
+def without_excluded(kernel_name: str, configs: List[triton.Config]) -> List[triton.Config]:
+    """``configs`` less those EXCLUDE_ENV names for this kernel; an error when it names all of them."""
+    excluded = excluded_candidates()
+    if not excluded:
+        return configs
+    kept = [c for c in configs if (kernel_name, config_text(c)) not in excluded]
+    if not kept:
+        raise RuntimeError(f"{kernel_name}: {EXCLUDE_ENV} excludes every candidate config this launch has: "
+                           + "; ".join(config_text(c) for c in configs))
+    return kept
 
 
 _TUNERS: List = []  # every kernel autotune() made, for tuned_configs()
@@ -191,7 +242,8 @@ def _launch_key(kernel, args: Sequence, consts: Dict, tuned: bool) -> Tuple:
         positions = _KEY_POSITIONS[id(kernel)] = tuple(
             i for i, name in enumerate(kernel.arg_names) if name in kernel.keys)
     return (id(kernel), tuned, tuple(args[i] for i in positions if i < len(args)),
-            tuple(a.dtype for a in args if isinstance(a, torch.Tensor)), tuple(consts.items()))
+            tuple(a.dtype for a in args if isinstance(a, torch.Tensor)), tuple(consts.items()),
+            os.environ.get(EXCLUDE_ENV, ""))
 
 
 def _choose(kernel, grid, args: Sequence, consts: Dict, scratch: Sequence[str], autotuned: bool

@@ -297,6 +297,8 @@ def test_land_files_a_second_run_of_the_day_beside_the_first(tmp_path):
     (out / "profile" / "bertfast.txt").write_text("wall per step 1 ms\n")
     (out / "profile" / "bertfast.trace.json.gz").write_bytes(b"gz")
     (out / "sanitizers.out").write_text("ERROR SUMMARY: 0 errors\n")
+    (out / "stage2-tests").mkdir(exist_ok=True)
+    (out / stages.FAILED_CANDIDATES).write_text("_k:A=1 num_warps=4 num_stages=2\n")
     (out / "ncu" / "attention-512").mkdir(parents=True)
     for name in ("ncu.md", "ncu-raw.csv", "ncu.log", "ncu.ncu-rep"):
         (out / "ncu" / name).write_text("x\n")
@@ -304,7 +306,8 @@ def test_land_files_a_second_run_of_the_day_beside_the_first(tmp_path):
     second = runner.land(str(out), repo=str(repo))
     assert second == first + "-2"
     assert {"profile-bertfast.txt", "profile-bertfast.trace.json.gz", "sanitizers.out", "ncu.md", "ncu-raw.csv",
-            "ncu.log", "attention-512-ncu.md", "attention-512-ncu-raw.csv"} <= set(os.listdir(second))
+            "ncu.log", "attention-512-ncu.md", "attention-512-ncu-raw.csv", "stage2-tests-failed-candidates.txt"
+            } <= set(os.listdir(second))
     assert not {"ncu.ncu-rep", "attention-512-ncu.ncu-rep"} & set(os.listdir(second))  # its CSV pages hold it
     assert json.loads(open(os.path.join(first, "results.json")).read())["date"].startswith("2026-12-01T10")
     assert runner.land(str(out), repo=str(repo)) == second
@@ -333,6 +336,33 @@ def test_a_rejected_optional_option_is_dropped_and_the_step_retried(tmp_path, mo
                               machine=machine)
     assert record["status"] == "ok" and record["steps"][0]["status"] == "ok"
     assert "checked everything" in (tmp_path / "stage1-build" / "memcheck.log").read_text()
+
+
+def test_the_candidates_stage_2_finds_wrong_are_left_out_of_the_later_stages(tmp_path, monkeypatch):
+    """Stage 2's test of every autotune candidate (tests/ops/test_candidates.py) writes the wrong ones to
+    FAILED_CANDIDATES, afresh each run; every later step runs with them in BERTFAST_EXCLUDE_CANDIDATES
+    (so the autotuner times none of them), says so in its log, and a value the caller set wins."""
+    from bertfast.kernels._common import EXCLUDE_ENV
+    assert stages.FAILED_CANDIDATES in dict(stages.stage(2).steps[0].env)["BERTFAST_CANDIDATE_FAILURES"]
+    show = [sys.executable, "-c", f"import os; print('excluded:', os.environ.get('{EXCLUDE_ENV}', '-'))"]
+    wrong = tmp_path / stages.FAILED_CANDIDATES
+    wrong.parent.mkdir(parents=True)
+    wrong.write_text("_k:A=1 num_warps=4 num_stages=2\n_j:B=2 num_warps=8 num_stages=3\n"
+                     "_k:A=1 num_warps=4 num_stages=2\n")
+    monkeypatch.delenv(EXCLUDE_ENV, raising=False)
+    assert runner.wrong_candidates(str(tmp_path)) == "_j:B=2 num_warps=8 num_stages=3; _k:A=1 num_warps=4 num_stages=2"
+    later = Stage(3, "headline", "test", [Step("pretrain", show, 30, needs=())])
+    logged = []
+    runner.run_stage(later, str(tmp_path), False, logged.append, _ready_machine(tmp_path))
+    ran = (tmp_path / "stage3-headline" / "pretrain.log").read_text()
+    assert "excluded: _j:B=2 num_warps=8 num_stages=3; _k:A=1 num_warps=4 num_stages=2" in ran
+    assert any("leaving out the autotune candidates stage 2's tests found wrong" in line for line in logged)
+    monkeypatch.setenv(EXCLUDE_ENV, "_mine:C=3")
+    runner.run_stage(later, str(tmp_path), False, logged.append, _ready_machine(tmp_path))
+    assert "excluded: _mine:C=3" in (tmp_path / "stage3-headline" / "pretrain.log").read_text()
+    tests = Stage(2, "tests", "test", [Step("pytest", show, 30, needs=())])
+    runner.run_stage(tests, str(tmp_path), False, logged.append, _ready_machine(tmp_path))
+    assert not wrong.exists() and runner.wrong_candidates(str(tmp_path)) == ""  # recorded afresh
 
 
 def _ready_machine(tmp_path):

@@ -79,6 +79,58 @@ def test_a_pinned_candidate_is_the_config_launched(stand_in_tuner):
     assert "_bias_gelu_fwd_kernel" in _common.tuned_configs()
 
 
+def test_excluded_candidates_are_left_out_in_every_mode(stand_in_tuner, monkeypatch):
+    """BERTFAST_EXCLUDE_CANDIDATES ('kernel:config; ...', configs as config_text writes them): the fixed
+    mode then runs the first candidate left, the autotuner times only those left, a pin never reaches an
+    excluded one; excluding them all, or a malformed entry, is a clear error; bertfast info and the
+    bench's results name them."""
+    from bertfast import info
+    from types import SimpleNamespace
+
+    from bertfast.bench.cli import _autotune_mode
+    stand_in_tuner(BG._fwd_tuned)
+    x, bias, _ = _bias_gelu_inputs()
+    args, consts = (x, bias, x, 37, 300, 300, 64), {"APPROX_TANH": False}
+    listed = _common.candidates(BG._fwd_tuned, args, consts)
+    first, second = (_common.config_text(c) for c in listed[:2])
+    monkeypatch.setenv(_common.EXCLUDE_ENV, f" _bias_gelu_fwd_kernel:{first}  ; _other_kernel:BLOCK_M=1 num_warps=4")
+    left = _common.candidates(BG._fwd_tuned, args, consts)
+    assert [_common.config_text(c) for c in left] == [_common.config_text(c) for c in listed[1:]]
+    launched = []
+    original = type(BG._fwd_tuned.fn).run
+
+    def spy(self, *a, **kwargs):
+        launched.append({k: kwargs[k] for k in ("BLOCK_N", "BLOCK_F", "num_warps")})
+        return original(self, *a, **kwargs)
+    monkeypatch.setattr(type(BG._fwd_tuned.fn), "run", spy)
+    monkeypatch.setenv(_common.AUTOTUNE_ENV, "0")
+    BG.bias_gelu_fwd(x, bias)
+    assert launched[-1] == {**listed[1].kwargs, "num_warps": listed[1].num_warps}  # the first left
+    monkeypatch.setenv(_common.AUTOTUNE_ENV, "1")
+    launched.clear()
+    BG.bias_gelu_fwd(x, bias)  # tuned: over the candidates left (here one: launched untimed)
+    assert launched and all(c == {**listed[1].kwargs, "num_warps": listed[1].num_warps} for c in launched)
+    assert _common.tuned_configs()["_bias_gelu_fwd_kernel"][0]["config"] == second
+    with _common.pinned_candidate("_bias_gelu_fwd_kernel", 0) as pinned:
+        BG.bias_gelu_fwd(x, bias)
+    assert first not in pinned["_bias_gelu_fwd_kernel"]
+    line = info._autotune_line()
+    assert f"autotune candidates excluded (BERTFAST_EXCLUDE_CANDIDATES): _bias_gelu_fwd_kernel: {first}; " in line
+    gpu = SimpleNamespace(is_cuda=True, triton_interpret=False)  # the bench's results on a GPU
+    assert _autotune_mode(gpu).endswith(f"candidates; {_common.excluded_summary()}")
+    assert "_other_kernel: BLOCK_M=1 num_warps=4" in _autotune_mode(gpu)
+    everything = "; ".join(f"_bias_gelu_fwd_kernel:{_common.config_text(c)}" for c in listed)
+    monkeypatch.setenv(_common.EXCLUDE_ENV, everything)
+    with pytest.raises(RuntimeError, match="_bias_gelu_fwd_kernel: BERTFAST_EXCLUDE_CANDIDATES excludes every"):
+        _common.candidates(BG._fwd_tuned, args, consts)
+    monkeypatch.setenv(_common.EXCLUDE_ENV, f"BLOCK_N=1 {second}")
+    with pytest.raises(ValueError, match="expected 'kernel:config' entries separated by ';'"):
+        _common.candidates(BG._fwd_tuned, args, consts)
+    assert "BERTFAST_EXCLUDE_CANDIDATES: expected" in info._autotune_line()
+    monkeypatch.delenv(_common.EXCLUDE_ENV)
+    assert _common.excluded_summary() == "" and len(_common.candidates(BG._fwd_tuned, args, consts)) == len(listed)
+
+
 def test_every_launch_pins_fp_contraction(stand_in_tuner, monkeypatch):
     """Tuned, fixed and plain launches pass enable_fp_fusion=True: triton 3.10 turns its default off."""
     assert _common.COMPILE_OPTIONS == {"enable_fp_fusion": True}

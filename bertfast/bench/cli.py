@@ -44,9 +44,11 @@ def _autotune_mode(info: devmod.DeviceInfo) -> str:
     """How the Triton kernels chose their configs in this run (kernels/_common.py: launch)."""
     if not info.is_cuda:
         return "interpreter (fixed small configs)" if info.triton_interpret else "no Triton kernels run on CPU"
+    from bertfast.kernels._common import excluded_summary
+    excluded = f"; {excluded_summary()}" if excluded_summary() else ""
     if os.environ.get("BERTFAST_AUTOTUNE", "1").strip() == "0":
-        return "fixed: each kernel's first candidate config, untuned (BERTFAST_AUTOTUNE=0)"
-    return "tuned: Triton's autotuner over each kernel's candidates"
+        return "fixed: each kernel's first candidate config, untuned (BERTFAST_AUTOTUNE=0)" + excluded
+    return "tuned: Triton's autotuner over each kernel's candidates" + excluded
 
 
 def run_suites(suite: str, ctx: SuiteContext) -> Optional[Stopped]:
@@ -157,9 +159,11 @@ def main(argv: Optional[List[str]] = None) -> int:
               "impls": list(impls) if impls else None, "cases": cases or None,
               "time_budget_s": args.time_budget, "autotune": _autotune_mode(info)}
     run = Run(device=info, config=config)
-    from bertfast.kernels._common import tuned_configs
+    from bertfast.kernels._common import excluded_summary, tuned_configs
     if info.is_cuda and config["autotune"].startswith("fixed"):
         ctx.note(f"Triton autotuning off: {config['autotune']}")
+    elif excluded_summary():
+        ctx.note(f"{excluded_summary()}: no kernel ran them in this run")
     out_dir = args.out or default_out_dir(info, quick)
     if not info.is_cuda:
         ctx.note("CPU run: timings are time.perf_counter on CPU of the torch backend"

@@ -37,8 +37,8 @@ from typing import Dict, List, Optional, Sequence
 
 from bertfast.gpucheck import simulate
 from bertfast.gpucheck.machine import REPO, SKIP_ENV, Machine, error_excerpt
-from bertfast.gpucheck.stages import (EXTENSION, JOBS, OUT, PY, STAGE_LIMIT_MIN, STAGES, TOTAL_LIMIT_MIN, Stage,
-                                      Step, stage as get_stage)
+from bertfast.gpucheck.stages import (EXTENSION, FAILED_CANDIDATES, JOBS, OUT, PY, STAGE_LIMIT_MIN, STAGES,
+                                      TOTAL_LIMIT_MIN, Stage, Step, stage as get_stage)
 
 
 # --------------------------------------------------------------------------- plan
@@ -258,6 +258,33 @@ def _command(step: Step, out: str, dry_run: bool, log) -> List[str]:
     return argv
 
 
+def wrong_candidates(out: str) -> str:
+    """The autotune candidates stage 2's tests found wrong, as BERTFAST_EXCLUDE_CANDIDATES takes them
+    ('' when none)."""
+    try:
+        with open(os.path.join(out, FAILED_CANDIDATES), encoding="utf-8") as fh:
+            return "; ".join(sorted({line.strip() for line in fh if line.strip()}))
+    except OSError:
+        return ""
+
+
+def _exclude_wrong_candidates(step: Step, out: str, env: Dict[str, str], log) -> None:
+    """Stage 2's tests record the candidates they find wrong afresh; every other step leaves those out
+    (unless BERTFAST_EXCLUDE_CANDIDATES is set already), so no stage times or runs one, and says so."""
+    try:
+        from bertfast.kernels._common import EXCLUDE_ENV
+    except ImportError:  # no Triton: no candidates to leave out
+        return
+    if step.name == "pytest":
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out, FAILED_CANDIDATES))
+        return
+    wrong = wrong_candidates(out)
+    if wrong and EXCLUDE_ENV not in env:
+        env[EXCLUDE_ENV] = wrong
+        log(f"--- {step.name}: leaving out the autotune candidates stage 2's tests found wrong: {wrong}")
+
+
 def _run_one(step: Step, out: str, stage_dir: str, dry_run: bool, machine: Machine, log,
              simulated: Optional[str] = None, limit: Optional[int] = None) -> Dict:
     """One step's command with its environment and log; a rejected optional option is dropped once.
@@ -268,6 +295,7 @@ def _run_one(step: Step, out: str, stage_dir: str, dry_run: bool, machine: Machi
         argv, limit = simulate.stand_in(step.name, simulated, out, argv, limit)
     env = _environment(out, dry_run, machine)
     env.update({k: _fill(v, out) for k, v in step.env.items()})
+    _exclude_wrong_candidates(step, out, env, log)
     log(f"--- {step.name} (limit {limit} s){' SIMULATED ' + simulated if simulated else ''}: {' '.join(argv)}")
     log_path = os.path.join(stage_dir, f"{step.name}.log")
     result = run_step(step, argv, env, log_path, limit)
@@ -489,7 +517,7 @@ def land(out: str, repo: str = REPO, date: Optional[str] = None) -> str:
     os.makedirs(dest, exist_ok=True)
     for path in glob.glob(os.path.join(out, "results", "*")):
         shutil.copy2(path, dest)
-    evidence = [p for pattern in ("*.log", "progress.jsonl", "not-reached.txt")
+    evidence = [p for pattern in ("*.log", "progress.jsonl", "not-reached.txt", "failed-candidates.txt")
                 for p in glob.glob(os.path.join(out, "stage*", pattern))]
     # The profile of the step and ncu's of the ops' kernels (scripts/gpu-loan.sh), and the sanitizers'
     # own output, where run (not ncu's binary report: its CSV pages hold what it measured).
