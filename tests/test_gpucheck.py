@@ -45,7 +45,9 @@ def test_plan_fits_a_lent_gpu_machine():
         "mma-rate", "memcheck", "racecheck"]
     assert all(not step.needs for step in STAGES[0].steps[:3])
     tests = STAGES[1].steps[0]
-    assert tests.env == {"BERTFAST_AUTOTUNE": "0", "OMP_NUM_THREADS": "1"} and "gpu or gpu_capable" in tests.argv
+    assert tests.env == {"BERTFAST_AUTOTUNE": "0", "OMP_NUM_THREADS": "1",
+                         "BERTFAST_CANDIDATE_FAILURES": f"{stages.OUT}/{stages.FAILED_CANDIDATES}"}
+    assert "gpu or gpu_capable" in tests.argv
     n = tests.argv.index("-n")
     assert tests.argv[n + 2:n + 4] == ["-p", "bertfast.gpucheck.compile_groups"]  # tests sharing compiles together
     assert "bertfast.gpucheck.pytest_progress" in tests.argv and "bertfast.gpucheck.pytest_progress" in tests.dry_argv
