@@ -117,10 +117,11 @@ headline_and_profile() {
 # The autotune candidates stage 2's tests found wrong (tests/ops/test_candidates.py): the runner leaves
 # them out of its stages itself; exported here for what runs outside it (the profile, ncu).
 exclude_wrong_candidates() {
-    local wrong="$G/stage2-tests/failed-candidates.txt"
-    if [ -s "$wrong" ] && [ -z "${BERTFAST_EXCLUDE_CANDIDATES:-}" ]; then
-        BERTFAST_EXCLUDE_CANDIDATES="$(sort -u "$wrong" | paste -sd ';')"
-        export BERTFAST_EXCLUDE_CANDIDATES
+    local wrong
+    wrong=$("$PY" -c 'import sys; from bertfast.gpucheck.runner import wrong_candidates
+print(wrong_candidates(sys.argv[1]))' "$G")
+    if [ -n "$wrong" ] && [ -z "${BERTFAST_EXCLUDE_CANDIDATES:-}" ]; then
+        export BERTFAST_EXCLUDE_CANDIDATES="$wrong"
         echo "[gpu-loan] leaving out the autotune candidates stage 2 found wrong: $BERTFAST_EXCLUDE_CANDIDATES"
     fi
 }

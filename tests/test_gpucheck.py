@@ -46,7 +46,7 @@ def test_plan_fits_a_lent_gpu_machine():
     assert all(not step.needs for step in STAGES[0].steps[:3])
     tests = STAGES[1].steps[0]
     assert tests.env == {"BERTFAST_AUTOTUNE": "0", "OMP_NUM_THREADS": "1",
-                         "BERTFAST_CANDIDATE_FAILURES": f"{stages.OUT}/{stages.FAILED_CANDIDATES}"}
+                         stages.CANDIDATE_FAILURES_ENV: f"{stages.OUT}/{stages.FAILED_CANDIDATES}"}
     assert "gpu or gpu_capable" in tests.argv
     n = tests.argv.index("-n")
     assert tests.argv[n + 2:n + 4] == ["-p", "bertfast.gpucheck.compile_groups"]  # tests sharing compiles together
@@ -345,7 +345,8 @@ def test_the_candidates_stage_2_finds_wrong_are_left_out_of_the_later_stages(tmp
     FAILED_CANDIDATES, afresh each run; every later step runs with them in BERTFAST_EXCLUDE_CANDIDATES
     (so the autotuner times none of them), says so in its log, and a value the caller set wins."""
     from bertfast.kernels._common import EXCLUDE_ENV
-    assert stages.FAILED_CANDIDATES in dict(stages.stage(2).steps[0].env)["BERTFAST_CANDIDATE_FAILURES"]
+    assert EXCLUDE_ENV == stages.EXCLUDE_CANDIDATES_ENV  # the runner's name for it: it imports no kernels
+    assert stages.FAILED_CANDIDATES in dict(stages.stage(2).steps[0].env)[stages.CANDIDATE_FAILURES_ENV]
     show = [sys.executable, "-c", f"import os; print('excluded:', os.environ.get('{EXCLUDE_ENV}', '-'))"]
     wrong = tmp_path / stages.FAILED_CANDIDATES
     wrong.parent.mkdir(parents=True)

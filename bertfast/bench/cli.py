@@ -45,7 +45,8 @@ def _autotune_mode(info: devmod.DeviceInfo) -> str:
     if not info.is_cuda:
         return "interpreter (fixed small configs)" if info.triton_interpret else "no Triton kernels run on CPU"
     from bertfast.kernels._common import excluded_summary
-    excluded = f"; {excluded_summary()}" if excluded_summary() else ""
+    summary = excluded_summary()
+    excluded = f"; {summary}" if summary else ""
     if os.environ.get("BERTFAST_AUTOTUNE", "1").strip() == "0":
         return "fixed: each kernel's first candidate config, untuned (BERTFAST_AUTOTUNE=0)" + excluded
     return "tuned: Triton's autotuner over each kernel's candidates" + excluded

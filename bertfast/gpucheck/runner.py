@@ -37,8 +37,8 @@ from typing import Dict, List, Optional, Sequence
 
 from bertfast.gpucheck import simulate
 from bertfast.gpucheck.machine import REPO, SKIP_ENV, Machine, error_excerpt
-from bertfast.gpucheck.stages import (EXTENSION, FAILED_CANDIDATES, JOBS, OUT, PY, STAGE_LIMIT_MIN, STAGES,
-                                      TOTAL_LIMIT_MIN, Stage, Step, stage as get_stage)
+from bertfast.gpucheck.stages import (EXCLUDE_CANDIDATES_ENV, EXTENSION, FAILED_CANDIDATES, JOBS, OUT, PY,
+                                      STAGE_LIMIT_MIN, STAGES, TOTAL_LIMIT_MIN, Stage, Step, stage as get_stage)
 
 
 # --------------------------------------------------------------------------- plan
@@ -271,17 +271,13 @@ def wrong_candidates(out: str) -> str:
 def _exclude_wrong_candidates(step: Step, out: str, env: Dict[str, str], log) -> None:
     """Stage 2's tests record the candidates they find wrong afresh; every other step leaves those out
     (unless BERTFAST_EXCLUDE_CANDIDATES is set already), so no stage times or runs one, and says so."""
-    try:
-        from bertfast.kernels._common import EXCLUDE_ENV
-    except ImportError:  # no Triton: no candidates to leave out
-        return
     if step.name == "pytest":
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(out, FAILED_CANDIDATES))
         return
     wrong = wrong_candidates(out)
-    if wrong and EXCLUDE_ENV not in env:
-        env[EXCLUDE_ENV] = wrong
+    if wrong and EXCLUDE_CANDIDATES_ENV not in env:
+        env[EXCLUDE_CANDIDATES_ENV] = wrong
         log(f"--- {step.name}: leaving out the autotune candidates stage 2's tests found wrong: {wrong}")
 
 

@@ -123,9 +123,12 @@ SANITIZER = ["compute-sanitizer", *KERNEL_FILTER, "--error-exitcode", "1"]
 ROW_OPS = ",".join(registry.names(registry.ROW))
 HEAD_CASES = ",".join(case for op in registry.ops(registry.HEAD) for case in op.bench)
 PROGRESS = ["-p", "bertfast.gpucheck.pytest_progress", "--progress-file", f"{OUT}/stage2-tests/progress.jsonl"]
-# The autotune candidates stage 2's tests found wrong (tests/ops/test_candidates.py writes "kernel:config"
-# lines there); the later stages leave them out (runner.py: BERTFAST_EXCLUDE_CANDIDATES)
+# The autotune candidates stage 2's tests found wrong: tests/ops/test_candidates.py writes "kernel:config"
+# lines to the file CANDIDATE_FAILURES_ENV names; the later stages leave them out through
+# EXCLUDE_CANDIDATES_ENV (runner.py; kernels._common.EXCLUDE_ENV, which every launch mode honours)
 FAILED_CANDIDATES = "stage2-tests/failed-candidates.txt"
+CANDIDATE_FAILURES_ENV = "BERTFAST_CANDIDATE_FAILURES"
+EXCLUDE_CANDIDATES_ENV = "BERTFAST_EXCLUDE_CANDIDATES"
 PYTEST = [PY, "-m", "pytest", "-m", "gpu or gpu_capable", "tests", "-p", "no:cacheprovider", *PROGRESS,
           "--junitxml", f"{OUT}/stage2-tests/junit.xml"]
 
@@ -163,7 +166,7 @@ STAGES: List[Stage] = [
               _step("pytest", PYTEST[:3] + ["-n", JOBS, "-p", "bertfast.gpucheck.compile_groups", "-rfE",
                                             "--durations=15"] + PYTEST[3:],
                     sizing.tests(), env={"BERTFAST_AUTOTUNE": "0", "OMP_NUM_THREADS": "1",
-                                         "BERTFAST_CANDIDATE_FAILURES": f"{OUT}/{FAILED_CANDIDATES}"},
+                                         CANDIDATE_FAILURES_ENV: f"{OUT}/{FAILED_CANDIDATES}"},
                     dry_argv=PYTEST + ["-q", "-rfE"],
                     dry_note="no GPU: the same selection on CPU (Triton interpreter; GPU-marked tests skip)"),
           ]),

@@ -19,6 +19,7 @@ import os
 import pytest
 import torch
 
+from bertfast.gpucheck import stages
 from bertfast.kernels import _common
 # Imported before stand_in_tuner fakes interpreting() False: each module binds interpreting at import, and
 # the interpreter's bf16 needs its own (upcast) dots
@@ -50,8 +51,6 @@ def _tensors(result):
         return []
     if isinstance(result, torch.Tensor):
         return [result]
-    if isinstance(result, dict):
-        result = list(result.values())
     return [t for item in result for t in _tensors(item)]
 
 
@@ -59,9 +58,9 @@ def _randn(*shape, dtype=FP32, gen=None):
     return torch.randn(*shape, generator=gen).to(dtype).to(DEV)
 
 
-# Where a GPU check's stage 2 collects the wrong candidates ("kernel:config" lines, scripts/gpu-loan.sh),
-# for its later stages to leave out (BERTFAST_EXCLUDE_CANDIDATES)
-FAILURES_ENV = "BERTFAST_CANDIDATE_FAILURES"
+# Where a GPU check's stage 2 collects the wrong candidates ("kernel:config" lines), for its later stages
+# to leave out (BERTFAST_EXCLUDE_CANDIDATES)
+FAILURES_ENV = stages.CANDIDATE_FAILURES_ENV
 
 
 def _record(name, config):
