@@ -112,3 +112,19 @@ def test_new_attention_and_seq512_targets():
     assert got["attention_tflops"]["status"] == MET and got["attention_tflops"]["value"] == pytest.approx(230.0)
     assert got["attention_vs_cudnn"]["status"] == MET and got["attention_vs_cudnn"]["value"] == pytest.approx(1.25)
     assert got["mfu_large_512"]["status"] == MET
+
+
+def test_speedup_target_not_met_says_what_it_asks():
+    """A speedup target not met names the step time it asks for and that time's MFU (the baseline's
+    MFU times the speedup), so the table shows whether any step could reach it; met, it says neither."""
+    run = _synthetic_run()
+    got = {t["id"]: t for t in evaluate_targets(run)}
+    assert "; 2.5x is 120.0 ms (" in got["hf_eager_large_128"]["detail"]  # the baseline has no MFU here
+    assert " is " not in got["hf_eager_base_128"]["detail"]  # met: 3.0x
+    case = dict(model="bert-large", seqlen=128, batch=128, micro_batches=2, global_batch=256)
+    run.rows = [r for r in run.rows if not (r.impl == HF_EAGER and r.case == case)]
+    run.rows.append(_row("pretrain_step", HF_EAGER, 300.0, "step", "model", {"mfu": 0.3, "mfu_datasheet": 0.24},
+                         **case))
+    detail = {t["id"]: t for t in evaluate_targets(run)}["hf_eager_large_128"]["detail"]
+    assert detail == ("300.0 ms vs 300.0 ms = 1.00x; 2.5x is 120.0 ms, 60.0% MFU of the datasheet peak "
+                      "(global batch 256 = 2 x 128)")

@@ -540,8 +540,17 @@ def test_perf_model_command_reads_every_kernel_and_reports_the_targets(tmp_path)
     last = res.stdout.strip().splitlines()[-1]
     assert last.startswith("predicted: ") and "targets met" in last
     data = json.loads(out.read_text())
-    names = [t["name"] for t in data["targets"]]
+    names = [t["name"] for t in data["targets"] if "speedup" not in t]
     assert any(n.startswith("attention fwd+bwd") for n in names) and len(names) == 11
+    # the row ops' ceilings: the embeddings' backward out of reach of its kernels' bytes, the others not
+    rows = {t["name"].split(" (")[0]: t for t in data["targets"] if t["unit"].endswith("copy bandwidth")}
+    assert rows["embeddings bwd"]["ceiling"] < 90 and "kernels move" in rows["embeddings bwd"]["ceiling_why"]
+    assert all(t["ceiling"] >= 90 for name, t in rows.items() if name != "embeddings bwd")
+    # the speedup targets, as the committed runs' transformers baselines set them (both GPUs filed one)
+    asks = [t for t in data["targets"] if "speedup" in t]
+    assert {(t["speedup"], t["run"].split("/")[2]) for t in asks} >= {
+        ("hf_eager_large_128", "nvidia-h100-80gb-hbm3"), ("hf_eager_base_128", "nvidia-h200")}
+    assert all(0 < t["predicted"] <= t["ceiling"] < 100 and t["needed_ms"] > 0 for t in asks)
     assert all(t["met"] in (True, False) and t["predicted"] > 0 for t in data["targets"])
     phase1 = data["steps"][0]
     assert phase1["case"].startswith("BERT-large phase 1") and 0.2 < phase1["mfu"] < 0.7
@@ -851,8 +860,9 @@ def test_row_op_figures_add_the_embeddings_table_passes_to_their_backward():
     from bertfast.perfmodel.kernels import Setting
     s = Setting("bert-large", 512, 32, 0.1)
 
-    def result(op, kernel, us, moved=1e8):
-        prediction = SimpleNamespace(predicted_s=us * 1e-6, binding="memory")
+    def result(op, kernel, us, moved=1e8):  # memory-bound at 1.1x its useful bytes (partial sums)
+        prediction = SimpleNamespace(predicted_s=us * 1e-6, binding="memory",
+                                     bounds_s={"memory": 1.1 * moved / H100.achievable_hbm_bytes_per_s})
         return report.KernelResult(s, op, kernel, "", "", 64, moved, prediction)
     results = [result("embeddings", "_embeddings_fwd_kernel", 80, 2.4e8),
                result("embeddings", "_embeddings_bwd_kernel", 37),
@@ -866,5 +876,8 @@ def test_row_op_figures_add_the_embeddings_table_passes_to_their_backward():
     # the fp32 table gradients (127 MB) and the gathered rows (69 MB) among them
     assert bwd["bytes"] == contract and 2.3e8 < contract < 2.4e8
     assert bwd["fraction"] == pytest.approx(contract / 128e-6 / H100.achievable_hbm_bytes_per_s)
+    # what its kernels move, and so the most any timing of them gives: the contract over those bytes
+    assert bwd["kernel_bytes"] == pytest.approx(3 * 1.1e8) and bwd["ceiling"] == pytest.approx(contract / 3.3e8)
+    assert rows["bias_gelu", "fwd"]["ceiling"] == pytest.approx(1 / 1.1)
     assert rows["embeddings", "fwd"]["seconds"] == pytest.approx(80e-6)
     assert rows["bias_gelu", "fwd"]["seconds"] == pytest.approx(60e-6) and rows["bias_gelu", "fwd"]["bytes"] == 3e8

@@ -1,0 +1,104 @@
+"""What the speedup targets ask of bertfast's step, set beside the step's prediction.
+
+A speedup target (bench.targets.SPEEDUP_TARGETS: at least 2.5x transformers eager, 1.5x transformers
+under torch.compile) is a step time only a GPU run can set: the baseline's time over the speedup. At
+that time the step runs the same model FLOPs as the baseline, so its MFU is the baseline's MFU times
+the speedup. The step's prediction on the run's GPU (step.budget, at the run's micro-batches a
+step), and the prediction's ceiling, then say whether bertfast's step could reach it: a target whose
+MFU lies above the ceiling is out of reach of every kernel the model prices (the GEMMs at the rate
+cuBLAS ran them). The baselines are measured, the step is predicted: the comparison is a plan, and
+a GPU run of both settles it (docs/perf-model.md).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from bertfast.perfmodel import kernels as K
+from bertfast.perfmodel import step as S
+from bertfast.perfmodel.hardware import Gpu, device_gpu
+
+SEQLEN = 128  # the speedup targets' sequence length
+
+
+@dataclass
+class Ask:
+    """What a speedup target asks of the step, as one filed run's baseline sets it."""
+
+    target_id: str
+    text: str
+    model: str
+    speedup: float
+    device: Dict[str, object]   # the run's device: its name and the copy bandwidth it measured
+    run: str                    # the run's directory, as the README names it
+    baseline_ms: float
+    baseline_mfu: float         # of the datasheet peak
+    micro_batches: int          # a step of the run's case: micro-batches before one optimizer step
+    global_batch: int
+
+    @property
+    def needed_ms(self) -> float:
+        return self.baseline_ms / self.speedup
+
+    @property
+    def needed_mfu(self) -> float:
+        return self.baseline_mfu * self.speedup
+
+
+def speedup_asks(runs: Sequence[Tuple[object, str]]) -> List[Ask]:
+    """Per speedup target and GPU, the newest of ``runs`` (bench.readme.filed_runs: (Run, directory))
+    whose baseline step ran at seq 128 with a datasheet MFU."""
+    from bertfast.bench.targets import SPEEDUP_TARGETS, _global_batch, _pretrain_rows, speedup_text
+    asks: Dict[Tuple[str, str], Ask] = {}
+    for run, where in sorted(runs, key=lambda filed: filed[0].date, reverse=True):
+        if not run.device.is_cuda:
+            continue
+        for tid, model, baseline, speedup in SPEEDUP_TARGETS:
+            if (tid, run.device.name) in asks:
+                continue
+            base = next((r for r in _pretrain_rows(run, model, SEQLEN)
+                         if r.impl == baseline and r.ok and r.metric("mfu_datasheet")), None)
+            if base is None:
+                continue
+            copy = run.device.copy_bandwidth_gbps
+            asks[tid, run.device.name] = Ask(
+                tid, speedup_text(model, baseline, speedup), model, speedup,
+                {"name": run.device.name, "copy_bandwidth_gbps": {"median": copy.median} if copy else None},
+                where, base.time_ms.median, base.metric("mfu_datasheet"), int(base.case.get("micro_batches") or 1),
+                _global_batch(base))
+    return list(asks.values())
+
+
+def step_case(model: str) -> S.StepCase:
+    return next(c for c in S.STEP_CASES if c.setting.model == model and c.setting.seq == SEQLEN)
+
+
+def priced(asks: Sequence[Ask], predict: Callable[[K.Setting, Gpu], list]) -> List[Dict[str, object]]:
+    """Each ask as a target line of the report (name, predicted, target, unit, met, ceiling): the step's
+    predicted MFU on the run's GPU (``predict(setting, gpu)`` gives the kernel results) against the MFU
+    the target asks for."""
+    out = []
+    for ask in asks:
+        gpu = device_gpu(ask.device)
+        case = step_case(ask.model)
+        plan = S.budget(predict(case.setting, gpu), case, gpu, accumulation=ask.micro_batches)
+        out.append({"name": f"{ask.text} on the {ask.device['name']}: {ask.needed_ms:.1f} ms a step, as its "
+                            f"baseline's {ask.baseline_ms:.1f} ms at {100 * ask.baseline_mfu:.1f}% MFU sets it "
+                            f"({os.path.basename(ask.run)}, global batch {ask.global_batch}; the step predicted at "
+                            f"{ask.micro_batches} x {case.setting.batch} on that GPU)",
+                    "predicted": 100 * plan["mfu"], "target": 100 * ask.needed_mfu,
+                    "unit": "% MFU (device time; a CUDA-graph step)", "met": plan["mfu"] >= ask.needed_mfu,
+                    "ceiling": 100 * plan["ceiling"]["mfu"],
+                    "ceiling_why": "the step's ceiling has its row ops at the copy bandwidth and no casts, its "
+                                   "GEMMs at cuBLAS's rate, the attention and the rest as predicted",
+                    "speedup": ask.target_id, "run": ask.run,
+                    "needed_ms": ask.needed_ms, "predicted_ms": plan["seconds"] * 1e3})
+    return out
+
+
+def out_of_reach(target: Dict[str, object]) -> Optional[str]:
+    """Why a target line's target lies beyond its ceiling, or None."""
+    if "ceiling" in target and target["ceiling"] < target["target"]:
+        return target.get("ceiling_why", "out of reach by memory-bound work alone")
+    return None

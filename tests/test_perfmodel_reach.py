@@ -1,0 +1,69 @@
+"""What the speedup targets ask of bertfast's step (bertfast/perfmodel/reach.py): the time and MFU a
+filed run's baseline sets, per target and GPU from the newest run that measured the baseline, set
+beside the step's prediction on that run's GPU at its micro-batches."""
+from __future__ import annotations
+
+import pytest
+
+from bertfast.bench.results import HF_EAGER
+from bertfast.perfmodel import reach as R
+from bertfast.perfmodel import step as S
+from bertfast.perfmodel.hardware import H100, H200
+from bench_helpers import _fake_device, _row, _synthetic_run
+
+
+def _run(name: str, date: str, eager_ms: float, mfu: float, **case):
+    run = _synthetic_run()
+    run.device = _fake_device("cuda")
+    run.device.name = name
+    run.date = date
+    large = dict(model="bert-large", seqlen=128, batch=128, **case)
+    run.rows = [r for r in run.rows if r.group != "pretrain_step"]
+    run.rows.append(_row("pretrain_step", HF_EAGER, eager_ms, "step", "model", {"mfu_datasheet": mfu}, **large))
+    return run
+
+
+def test_each_target_takes_the_newest_run_per_gpu_that_measured_its_baseline():
+    old = _run("NVIDIA H200", "2026-11-26T00:00", 120.0, 0.25)
+    new = _run("NVIDIA H200", "2026-11-27T00:00", 125.0, 0.24, micro_batches=2, global_batch=256)
+    h100 = _run("NVIDIA H100 80GB HBM3", "2026-11-20T00:00", 130.0, 0.23)
+    unmeasured = _run("NVIDIA H200", "2026-11-28T00:00", 1.0, 0.9)
+    unmeasured.rows[-1].metrics = {}  # no datasheet MFU: not a baseline the targets can read
+    cpu = _run("cpu", "2026-11-29T00:00", 1.0, 0.9)
+    cpu.device = _fake_device("cpu")
+    asks = R.speedup_asks([(old, "results/h200/a"), (new, "results/h200/b"), (h100, "results/h100/a"),
+                           (unmeasured, "results/h200/c"), (cpu, "results/cpu/a")])
+    # BERT-large under eager only: no base rows, no compiled baseline
+    assert sorted((a.target_id, a.device["name"], a.run) for a in asks) == [
+        ("hf_eager_large_128", "NVIDIA H100 80GB HBM3", "results/h100/a"),
+        ("hf_eager_large_128", "NVIDIA H200", "results/h200/b")]
+    ask = next(a for a in asks if a.run == "results/h200/b")
+    assert ask.speedup == 2.5 and ask.text == "BERT-large seq-128 step >= 2.5x transformers eager (sdpa)"
+    assert ask.needed_ms == pytest.approx(50.0) and ask.needed_mfu == pytest.approx(0.6)
+    assert (ask.micro_batches, ask.global_batch) == (2, 256)
+    assert next(a for a in asks if a.run == "results/h100/a").micro_batches == 1  # a run before accumulation
+
+
+def test_an_ask_is_priced_by_the_step_on_its_gpu_and_out_of_reach_above_the_ceiling(monkeypatch):
+    calls = []
+
+    def budget(results, case, gpu, accumulation=None):
+        calls.append((results, case.setting.model, gpu.name, accumulation))
+        return {"mfu": 0.54, "seconds": 0.06, "ceiling": {"mfu": 0.55}}
+    monkeypatch.setattr(S, "budget", budget)
+    h200 = R.Ask("hf_eager_large_128", "BERT-large ...", "bert-large", 2.5, {"name": "NVIDIA H200"},
+                 "benchmarks/results/nvidia-h200/x", 124.0, 0.244, 1, 128)
+    base = R.Ask("hf_compiled_base_128", "BERT-base ...", "bert-base", 1.5, {"name": "NVIDIA H100 80GB HBM3"},
+                 "benchmarks/results/h100/y", 60.0, 0.30, 2, 256)
+    lines = R.priced([h200, base], lambda setting, gpu: ("predicted", setting.label(), gpu.name))
+    assert [c[1:] for c in calls] == [("bert-large", H200.name, 1), ("bert-base", H100.name, 2)]
+    assert calls[0][0] == ("predicted", "bert-large seq 128 batch 128 bf16 p=0.1", H200.name)
+    large, small = lines
+    assert large["target"] == pytest.approx(61.0) and large["predicted"] == pytest.approx(54.0)
+    assert not large["met"] and large["needed_ms"] == pytest.approx(49.6)
+    assert "49.6 ms a step" in large["name"] and "1 x 128" in large["name"]
+    assert R.out_of_reach(large).startswith("the step's ceiling has")
+    assert small["met"] and small["target"] == pytest.approx(45.0) and R.out_of_reach(small) is None
+    # a line whose target is within its ceiling but not met: not out of reach
+    assert R.out_of_reach(dict(large, target=54.5)) is None
+    assert R.out_of_reach({"target": 90, "predicted": 51}) is None  # no ceiling known
