@@ -14,10 +14,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
-# Decided once, at import, from TRITON_INTERPRET (its _PTX: inline PTX on a GPU, none under the
-# interpreter): imported here so that a test faking interpreting() False (to record or tune launches)
-# cannot be the first importer and leave the interpreter's kernels asking for PTX.
-import bertfast.kernels._philox  # noqa: E402,F401
+# Every kernel module decides some things once, at import, from TRITON_INTERPRET (_philox's inline
+# PTX, none under the interpreter; the dots' upcast of bf16, which the interpreter gets wrong): all
+# are imported here, so that a test faking interpreting() False (stand_in_tuner, to record or tune
+# launches) is never a module's first importer.
+import importlib  # noqa: E402
+import pkgutil  # noqa: E402
+
+import bertfast.kernels  # noqa: E402
+
+for _module in pkgutil.iter_modules(bertfast.kernels.__path__):
+    importlib.import_module(f"bertfast.kernels.{_module.name}")
 
 
 def pytest_collection_modifyitems(config, items):

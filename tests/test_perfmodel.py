@@ -541,7 +541,12 @@ def test_perf_model_command_reads_every_kernel_and_reports_the_targets(tmp_path)
     assert last.startswith("predicted: ") and "targets met" in last
     data = json.loads(out.read_text())
     names = [t["name"] for t in data["targets"] if "speedup" not in t]
-    assert any(n.startswith("attention fwd+bwd") for n in names) and len(names) == 11
+    assert any(n.startswith("attention fwd+bwd") for n in names) and len(names) == 13
+    # the MLM heads against their GEMM floors, each line of what they add printed
+    heads = [t for t in data["targets"] if "plan" in t]
+    assert [t["name"].split(" (")[1].split(",")[0] for t in heads] == ["BERT-large", "BERT-base"]
+    assert all(t["predicted"] == pytest.approx(t["plan"]["ratio"]) and t["predicted"] > 1 for t in heads)
+    assert "its GEMM floor of" in res.stdout and "bias gradient" in res.stdout
     # the row ops' ceilings: the embeddings' backward out of reach of its kernels' bytes, the others not
     rows = {t["name"].split(" (")[0]: t for t in data["targets"] if t["unit"].endswith("copy bandwidth")}
     assert rows["embeddings bwd"]["ceiling"] < 90 and "kernels move" in rows["embeddings bwd"]["ceiling_why"]

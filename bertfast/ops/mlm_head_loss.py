@@ -313,11 +313,16 @@ def _decoder_loss(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     # The GEMMs' vocabulary, on a GPU padded to whole 16-byte rows (padded_vocab): zero weight rows
     # and bias, and the pad's logits zeroed before the backward's GEMMs read them, so they add nothing.
     vp = padded_vocab(V, x.element_size()) if dev.type in PADDED_DEVICES else V
+    # One chunk: the weight gradient is one GEMM, written in the weight's dtype where that is the
+    # activations' (the GEMM accumulates in fp32 and rounds once, as the fp32 buffer and its cast
+    # did, without their extra 2 + 6 bytes an element); several chunks add theirs up in fp32.
+    one_gemm = 0 < M <= chunk_rows and weight.dtype == x.dtype
     grad_x = grad_w_acc = grad_b_acc = None
     if compute_grad:
         grad_x = torch.empty(M, H, dtype=x.dtype, device=dev)
         # The first chunk writes every element; zeros only for M == 0 (no chunk at all).
-        grad_w_acc = (torch.empty if M else torch.zeros)(vp, H, dtype=torch.float32, device=dev)
+        grad_w_acc = (torch.empty if M else torch.zeros)(vp, H, dtype=x.dtype if one_gemm else torch.float32,
+                                                         device=dev)
         if bias is not None:
             grad_b_acc = torch.zeros(V, dtype=torch.float32, device=dev)
 
@@ -341,7 +346,10 @@ def _decoder_loss(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
             if vp != V:
                 padded[:, V:].zero_()
             torch.mm(padded, w, out=grad_x[r0:r1])           # [rows, H]
-            _accumulate_grad_weight(grad_w_acc, padded.t(), x_c, first=(r0 == 0))
+            if one_gemm:
+                torch.mm(padded.t(), x_c, out=grad_w_acc)
+            else:
+                _accumulate_grad_weight(grad_w_acc, padded.t(), x_c, first=(r0 == 0))
             if grad_b_acc is not None:
                 grad_b_acc += logits.sum(0, dtype=torch.float32)
 

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from bertfast import registry
 from bertfast.perfmodel import cuda as CU
+from bertfast.perfmodel import head as HEAD
 from bertfast.perfmodel import kernels as K
 from bertfast.perfmodel import reach as R
 from bertfast.perfmodel import step as S
@@ -225,6 +226,7 @@ def targets(results: Sequence[KernelResult], gpu: Gpu = H100) -> List[Dict[str, 
                     "ceiling": 100 * row["ceiling"],
                     "ceiling_why": f"its kernels move {row['kernel_bytes'] / 1e6:.0f} MB where the op's contract "
                                    f"is {row['bytes'] / 1e6:.0f} MB"})
+    out += [HEAD.target(hidden, gpu) for hidden in (1024, 768)]  # BERT-large's and BERT-base's heads
     for case in S.STEP_CASES:
         plan = S.budget(results, case, gpu)
         out.append({"name": f"{case.name} MFU", "predicted": 100 * plan["mfu"], "target": 100 * case.target_mfu,
@@ -526,6 +528,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                          for plan in refit_plans]
         comparison = dict(comparison or {}, suite=section)
     goals = targets(results)
+    for line in (t for t in goals if "plan" in t):  # the MLM heads'
+        print("\n" + "\n".join(HEAD.describe(line)))
     if not args.no_measured:  # the speedup targets, as the filed runs' baselines set them
         from bertfast.bench.readme import filed_runs
         predictions = {}
@@ -548,7 +552,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if "measured" in t:
             m = t["measured"]
             reach += f"; measured {m['tflops']:.1f} at {m['heads']} heads on {m['device']}, {m['run']}"
-        print(f"  [{'met' if t['met'] else 'NOT MET'}] {t['name']}: {t['predicted']:.1f} {t['unit']} "
+        digits = 2 if t["predicted"] < 10 else 1  # a ratio (the MLM head's) or a percentage
+        print(f"  [{'met' if t['met'] else 'NOT MET'}] {t['name']}: {t['predicted']:.{digits}f} {t['unit']} "
               f"(target {t['target']:.3g}{reach})")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -540,6 +540,39 @@ def test_driver_accumulates_weight_and_bias_gradients_in_fp32():
     assert (gw == 2051.0).all() and (gb == 2051.0).all()
 
 
+@pytest.mark.parametrize("chunk_rows", [4, 1], ids=["one-chunk", "four-chunks"])
+def test_one_chunks_weight_gradient_is_its_gemms_output(chunk_rows):
+    """Low-precision weights, one chunk: the weight gradient is the one GEMM's output, in the weight's
+    dtype, with no fp32 buffer to write, read and cast (8 bytes an element: 250 MB at BERT-large's
+    vocabulary); over several chunks the sums stay fp32 until the end (the test above)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Outputs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                self.made.append((out.dtype, tuple(out.shape)))
+            return out
+
+    def stub_kernel(logits, labels, grad_scale, compute_grad):
+        logits.fill_(3.0)
+        zeros = torch.zeros(len(labels), device=logits.device)
+        return zeros, zeros, zeros.bool()
+
+    x = torch.ones(4, 2, dtype=torch.bfloat16, device=DEV)
+    w, b = torch.zeros(3, 2, dtype=torch.bfloat16, device=DEV), torch.zeros(3, dtype=torch.bfloat16, device=DEV)
+    labels = torch.zeros(4, dtype=torch.long, device=DEV)
+    with Outputs() as mode:
+        _, _, gx, gw, gb = _decoder_loss(x, w, b, labels, chunk_rows, True, 1.0, stub_kernel)
+    assert gw.dtype == torch.bfloat16 and (gw == 12.0).all() and (gb == 12.0).all()
+    fp32_tables = [shape for dtype, shape in mode.made if dtype == torch.float32 and shape == (3, 2)]
+    assert bool(fp32_tables) == (chunk_rows < 4)
+
+
 @pytest.mark.parametrize("v,elem", [(30522, 2), (30522, 4), (1031, 2), (250_000, 2)])
 def test_default_chunk_rows(v, elem):
     cap = default_chunk_rows(10**9, v, elem)

@@ -1,0 +1,91 @@
+"""The MLM head's target predicted: within 1.25x of its GEMM floor (benchmarks/README.md).
+
+The kernel suite times `ops.mlm_head_loss` (forward and backward, bf16 inputs and parameters, the
+BERT recipe's 15% of 16,384 tokens labelled) beside its GEMM floor: the head's GEMMs alone, cuBLAS
+at the labelled rows over the padded vocabulary (transform dense and decoder, forward, input and
+weight gradients). Both run the same GEMMs, so the model prices them alike (the GEMM rate,
+hardware.Gpu.gemm_flops) and the head's ratio to its floor is what it moves besides them, at the
+achievable bandwidth, and its launches, line by line as the op's code runs them
+(ops/mlm_head_loss.py; the chunked decoder driver ``_decoder_loss``):
+
+- the labelled rows gathered (index_select), and their gradient scattered back into a zero-filled
+  gradient of every token (its backward);
+- the transform's bias+GELU and LayerNorm, forward and backward, over the labelled rows;
+- the decoder weight (and bias) copied, in the activations' dtype, into the padded vocabulary's rows;
+- the loss kernel: each row of logits read, its gradient written in place (the row's second read,
+  for the gradient, is an L2 hit: one row is 61 KB);
+- the pad's gradient zeroed; the bias gradient, a column sum of the logits' gradient;
+- the weight gradient, where it is not one chunk's GEMM in the weight's dtype (as the floor writes
+  it): accumulated in fp32 (its GEMMs write fp32, twice the floor's bf16; a chunk after the first
+  reads it back), then cast to the weight's dtype;
+- the backward's scaling of the three gradients by the loss's incoming gradient (they are computed in
+  the forward, for a loss scale of 1).
+
+Predictions, not measurements: the GPU run's kernel suite measures both (bench.targets).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Tuple
+
+from bertfast.perfmodel.hardware import H100, Gpu
+
+TARGET = 1.25      # at most this many times its GEMM floor
+MASKED = 0.15      # labelled share of the tokens: the kernel suite's case (round(0.15 * tokens) rows)
+TOKENS = 16384     # the kernel suite's BERT-large and BERT-base case: batch 128 x seq 128
+VOCAB = 30522
+LAUNCH_COUNT = 24  # the head's kernels besides its GEMMs, forward and backward (counted below)
+
+
+def lines(hidden: int, tokens: int = TOKENS, vocab: int = VOCAB, act_bytes: int = 2, weight_bytes: int = 2,
+          gpu: Gpu = H100) -> Dict[str, object]:
+    """The head's time besides its GEMMs, line by line (name, seconds, how), and the GEMMs' floor."""
+    from bertfast.ops.mlm_head_loss import default_chunk_rows, padded_vocab
+    m = round(MASKED * tokens)
+    vp = padded_vocab(vocab, act_bytes)
+    chunks = math.ceil(m / default_chunk_rows(m, vocab, act_bytes))
+    one_gemm = chunks == 1 and weight_bytes == act_bytes  # _decoder_loss: no fp32 buffer
+    bw = gpu.achievable_hbm_bytes_per_s
+    mh = m * hidden
+    gemm_flops = 3 * (2.0 * m * hidden * hidden + 2.0 * m * vp * hidden)
+    items: List[Tuple[str, float, str]] = [
+        ("gather, scatter", (4 * mh + 2 * tokens * hidden + 6 * mh) * act_bytes / 2,
+         f"{m} labelled rows of {tokens} gathered; the hidden gradient zero-filled and the rows' added back"),
+        ("transform", 20 * mh * act_bytes / 2, "bias+GELU and LayerNorm over the labelled rows, forward and backward"),
+        ("weight copy", vocab * hidden * weight_bytes + vp * hidden * act_bytes,
+         f"the decoder weight into {vp} padded rows in the activations' dtype"),
+        ("loss", 2 * m * vocab * act_bytes, f"{m} x {vocab} logits read, their gradient written in place"),
+        ("bias gradient", m * vocab * act_bytes + vocab * 4, "a column sum of the logits' gradient"),
+        ("weight gradient", 0 if one_gemm else vp * hidden * (4 - act_bytes) + (chunks - 1) * vp * hidden * 4
+         + (vocab * hidden * (4 + weight_bytes) if weight_bytes != 4 else 0),
+         "one chunk's GEMM writes it in the weight's dtype, as the floor's does" if one_gemm else
+         f"fp32 from its GEMM over {chunks} chunk{'s' if chunks > 1 else ''}, then in the weight's dtype"),
+        ("scaling", 2 * (mh * act_bytes + vocab * hidden * weight_bytes + vocab * weight_bytes),
+         "the three gradients times the loss's incoming gradient, in the backward"),
+    ]
+    out = [{"name": name, "seconds": moved / bw, "bytes": moved, "how": how} for name, moved, how in items]
+    out.append({"name": "launch gaps", "seconds": LAUNCH_COUNT * gpu.launch_gap_s, "bytes": 0,
+                "how": f"~{LAUNCH_COUNT} kernels besides the GEMMs x {gpu.launch_gap_s * 1e6:.1f} us"})
+    floor = gemm_flops / gpu.gemm_flops
+    besides = sum(i["seconds"] for i in out)
+    return {"rows": m, "vocab": vocab, "padded_vocab": vp, "chunks": chunks, "gemm_flops": gemm_flops,
+            "floor_s": floor, "items": out, "seconds": floor + besides, "ratio": (floor + besides) / floor}
+
+
+def target(hidden: int = 1024, gpu: Gpu = H100) -> Dict[str, object]:
+    """The target line (report.targets' form) at BERT-large's hidden size by default."""
+    plan = lines(hidden, gpu=gpu)
+    model = {1024: "BERT-large", 768: "BERT-base"}.get(hidden, f"hidden {hidden}")
+    return {"name": f"MLM head fwd+bwd ({model}, {TOKENS:,} tokens, {plan['rows']:,} labelled, bf16) against its "
+                    f"GEMM floor", "predicted": plan["ratio"], "target": TARGET, "unit": "x (at most)",
+            "met": plan["ratio"] <= TARGET, "plan": plan}
+
+
+def describe(target_line: Dict[str, object]) -> List[str]:
+    """The report's lines for a target line of ``target``: the floor, then what the head adds."""
+    plan = target_line["plan"]
+    out = [f"{target_line['name'].split(' against')[0]}: {plan['seconds'] * 1e6:.0f} us, {plan['ratio']:.2f}x its GEMM "
+           f"floor of {plan['floor_s'] * 1e6:.0f} us ({plan['gemm_flops'] / 1e9:.0f} GFLOP at the GEMM rate, the "
+           f"vocabulary padded to {plan['padded_vocab']}); besides the GEMMs:"]
+    out += [f"  {i['name']:16s} {i['seconds'] * 1e6:6.1f} us  {i['how']}" for i in plan["items"]]
+    return out

@@ -1,0 +1,51 @@
+"""The MLM head's target predicted (bertfast/perfmodel/head.py): its GEMMs priced as its floor's, and
+what it moves besides them line by line as the op's code runs, so its ratio to the floor."""
+from __future__ import annotations
+
+import pytest
+
+from bertfast.perfmodel import head as HEAD
+from bertfast.perfmodel.hardware import H100, H200
+
+
+def test_the_floor_is_the_heads_gemms_and_the_rest_is_priced_by_its_bytes():
+    plan = HEAD.lines(1024)
+    m, h, v, vp = 2458, 1024, 30522, 30528
+    assert (plan["rows"], plan["vocab"], plan["padded_vocab"], plan["chunks"]) == (m, v, vp, 1)
+    assert plan["gemm_flops"] == pytest.approx(3 * (2 * m * h * h + 2 * m * vp * h))
+    assert plan["floor_s"] == pytest.approx(plan["gemm_flops"] / H100.gemm_flops)
+    items = {i["name"]: i for i in plan["items"]}
+    bw = H100.achievable_hbm_bytes_per_s
+    assert items["loss"]["bytes"] == 2 * m * v * 2  # read, and the gradient written in place
+    assert items["bias gradient"]["bytes"] == m * v * 2 + v * 4
+    assert items["weight copy"]["bytes"] == v * h * 2 + vp * h * 2
+    # one chunk, bf16 weights: the weight gradient is its GEMM's output, as the floor's
+    assert items["weight gradient"]["bytes"] == 0 and "one chunk" in items["weight gradient"]["how"]
+    assert all(i["seconds"] == pytest.approx(i["bytes"] / bw) for i in plan["items"] if i["bytes"])
+    assert items["launch gaps"]["seconds"] == pytest.approx(HEAD.LAUNCH_COUNT * H100.launch_gap_s)
+    assert plan["seconds"] == pytest.approx(plan["floor_s"] + sum(i["seconds"] for i in plan["items"]))
+    assert plan["ratio"] == pytest.approx(plan["seconds"] / plan["floor_s"])
+
+
+def test_fp32_weights_and_chunks_add_the_fp32_weight_gradient():
+    """fp32 master weights (training under autocast): the GEMM writes fp32, no cast after; bf16 weights
+    over several chunks: the fp32 sums read back and cast at the end."""
+    h, v, vp = 1024, 30522, 30528
+    fp32 = {i["name"]: i["bytes"] for i in HEAD.lines(h, weight_bytes=4)["items"]}
+    assert fp32["weight gradient"] == vp * h * 2 and fp32["weight copy"] == v * h * 4 + vp * h * 2
+    many = HEAD.lines(h, tokens=16384 * 4)  # 9,830 labelled rows: 3 chunks of logits
+    assert many["chunks"] == 3
+    assert {i["name"]: i["bytes"] for i in many["items"]}["weight gradient"] == (
+        vp * h * 2 + 2 * vp * h * 4 + v * h * 6)
+
+
+def test_the_target_line():
+    line = HEAD.target(1024)
+    assert line["name"].startswith("MLM head fwd+bwd (BERT-large, 16,384 tokens, 2,458 labelled")
+    assert line["target"] == 1.25 and line["met"] == (line["predicted"] <= 1.25)
+    assert line["predicted"] == pytest.approx(line["plan"]["ratio"])
+    # faster memory, a smaller share besides the GEMMs
+    assert HEAD.target(1024, H200)["predicted"] < line["predicted"]
+    text = HEAD.describe(line)
+    assert text[0].startswith("MLM head fwd+bwd (BERT-large") and "its GEMM floor of 655 us" in text[0]
+    assert len(text) == 1 + len(line["plan"]["items"])
