@@ -116,29 +116,29 @@ def _step_name(row: Row) -> str:
     return "" if row.impl == BERTFAST else f", {row.impl}"
 
 
-def _global_batch(row: Row) -> int:
+def global_batch(row: Row) -> int:
     """The sequences of one optimizer step: the case's global batch (micro-batches accumulated; a run
     before 2026-12-06 stepped once per batch)."""
     return int(row.case.get("global_batch") or row.case.get("batch") or 0)
 
 
 def _batch_text(row: Row) -> str:
-    micro, size, total = row.case.get("micro_batches", 1), row.case.get("batch"), _global_batch(row)
+    micro, size, total = row.case.get("micro_batches", 1), row.case.get("batch"), global_batch(row)
     text = f"global batch {total}" + (f" = {micro} x {size}" if micro > 1 else "")
     if total < GLOBAL_BATCH:
         text += f", under the targets' {GLOBAL_BATCH}: the optimizer's step counted once per {total} sequences"
     return text
 
 
-def _pretrain_rows(run: Run, model: str, seqlen: int) -> List[Row]:
+def pretrain_rows(run: Run, model: str, seqlen: int) -> List[Row]:
     """The case's rows, those at the targets' global batch where the run has them."""
     rows = run.find("pretrain_step", direction="step", model=model, seqlen=seqlen)
-    return [r for r in rows if _global_batch(r) >= GLOBAL_BATCH] or rows
+    return [r for r in rows if global_batch(r) >= GLOBAL_BATCH] or rows
 
 
 def _model_mfu(model: str, seqlen: int, threshold: float) -> Callable[[Run], Outcome]:
     def evaluate(run: Run) -> Outcome:
-        row, why = _fastest_step(_pretrain_rows(run, model, seqlen))
+        row, why = _fastest_step(pretrain_rows(run, model, seqlen))
         if why:
             return why
         mfu, peak = row.metric("mfu_datasheet"), "datasheet peak"
@@ -152,7 +152,7 @@ def _model_mfu(model: str, seqlen: int, threshold: float) -> Callable[[Run], Out
 
 def _model_speedup(model: str, baseline: str, threshold: float) -> Callable[[Run], Outcome]:
     def evaluate(run: Run) -> Outcome:
-        rows = _pretrain_rows(run, model, 128)
+        rows = pretrain_rows(run, model, 128)
         fast, why = _fastest_step(rows)
         if why:
             return why

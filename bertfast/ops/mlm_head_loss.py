@@ -208,13 +208,14 @@ def default_chunk_rows(num_rows: int, vocab_size: int, element_size: int,
 
 def _accumulate_grad_weight(acc: torch.Tensor, dlogits_t: torch.Tensor, x_c: torch.Tensor,
                             first: bool) -> None:
-    """acc [V, H] fp32 = (first) or += dlogits_t [V, rows] @ x_c [rows, H].
+    """acc [V, H] = (first) or += dlogits_t [V, rows] @ x_c [rows, H].
 
-    Low-precision inputs: cuBLAS accumulates in fp32 and, where torch allows out_dtype,
-    writes or adds its fp32 result straight into acc; otherwise (CPU) each chunk's product
-    is rounded to the input dtype once before the fp32 add.
+    acc in the inputs' dtype (fp32 inputs; or one chunk's low-precision gradient, its one GEMM):
+    the GEMM writes or adds into it. An fp32 acc for low-precision inputs: cuBLAS accumulates in
+    fp32 and, where torch allows out_dtype, writes or adds its fp32 result straight into acc;
+    otherwise (CPU) each chunk's product is rounded to the input dtype once before the fp32 add.
     """
-    if x_c.dtype == torch.float32:
+    if acc.dtype == x_c.dtype:
         if first:
             torch.mm(dlogits_t, x_c, out=acc)
         else:
@@ -346,10 +347,7 @@ def _decoder_loss(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
             if vp != V:
                 padded[:, V:].zero_()
             torch.mm(padded, w, out=grad_x[r0:r1])           # [rows, H]
-            if one_gemm:
-                torch.mm(padded.t(), x_c, out=grad_w_acc)
-            else:
-                _accumulate_grad_weight(grad_w_acc, padded.t(), x_c, first=(r0 == 0))
+            _accumulate_grad_weight(grad_w_acc, padded.t(), x_c, first=(r0 == 0))
             if grad_b_acc is not None:
                 grad_b_acc += logits.sum(0, dtype=torch.float32)
 

@@ -49,9 +49,9 @@ def lines(hidden: int, tokens: int = TOKENS, vocab: int = VOCAB, act_bytes: int 
     mh = m * hidden
     gemm_flops = 3 * (2.0 * m * hidden * hidden + 2.0 * m * vp * hidden)
     items: List[Tuple[str, float, str]] = [
-        ("gather, scatter", (4 * mh + 2 * tokens * hidden + 6 * mh) * act_bytes / 2,
+        ("gather, scatter", (2 * mh + tokens * hidden + 3 * mh) * act_bytes,
          f"{m} labelled rows of {tokens} gathered; the hidden gradient zero-filled and the rows' added back"),
-        ("transform", 20 * mh * act_bytes / 2, "bias+GELU and LayerNorm over the labelled rows, forward and backward"),
+        ("transform", 10 * mh * act_bytes, "bias+GELU and LayerNorm over the labelled rows, forward and backward"),
         ("weight copy", vocab * hidden * weight_bytes + vp * hidden * act_bytes,
          f"the decoder weight into {vp} padded rows in the activations' dtype"),
         ("loss", 2 * m * vocab * act_bytes, f"{m} x {vocab} logits read, their gradient written in place"),

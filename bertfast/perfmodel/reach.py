@@ -49,7 +49,7 @@ class Ask:
 def speedup_asks(runs: Sequence[Tuple[object, str]]) -> List[Ask]:
     """Per speedup target and GPU, the newest of ``runs`` (bench.readme.filed_runs: (Run, directory))
     whose baseline step ran at seq 128 with a datasheet MFU."""
-    from bertfast.bench.targets import SPEEDUP_TARGETS, _global_batch, _pretrain_rows, speedup_text
+    from bertfast.bench.targets import SPEEDUP_TARGETS, global_batch, pretrain_rows, speedup_text
     asks: Dict[Tuple[str, str], Ask] = {}
     for run, where in sorted(runs, key=lambda filed: filed[0].date, reverse=True):
         if not run.device.is_cuda:
@@ -57,7 +57,7 @@ def speedup_asks(runs: Sequence[Tuple[object, str]]) -> List[Ask]:
         for tid, model, baseline, speedup in SPEEDUP_TARGETS:
             if (tid, run.device.name) in asks:
                 continue
-            base = next((r for r in _pretrain_rows(run, model, SEQLEN)
+            base = next((r for r in pretrain_rows(run, model, SEQLEN)
                          if r.impl == baseline and r.ok and r.metric("mfu_datasheet")), None)
             if base is None:
                 continue
@@ -66,7 +66,7 @@ def speedup_asks(runs: Sequence[Tuple[object, str]]) -> List[Ask]:
                 tid, speedup_text(model, baseline, speedup), model, speedup,
                 {"name": run.device.name, "copy_bandwidth_gbps": {"median": copy.median} if copy else None},
                 where, base.time_ms.median, base.metric("mfu_datasheet"), int(base.case.get("micro_batches") or 1),
-                _global_batch(base))
+                global_batch(base))
     return list(asks.values())
 
 

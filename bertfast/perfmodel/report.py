@@ -552,7 +552,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if "measured" in t:
             m = t["measured"]
             reach += f"; measured {m['tflops']:.1f} at {m['heads']} heads on {m['device']}, {m['run']}"
-        digits = 2 if t["predicted"] < 10 else 1  # a ratio (the MLM head's) or a percentage
+        digits = 2 if t["unit"].startswith("x") else 1  # a ratio (the MLM head's), else a percentage or a rate
         print(f"  [{'met' if t['met'] else 'NOT MET'}] {t['name']}: {t['predicted']:.{digits}f} {t['unit']} "
               f"(target {t['target']:.3g}{reach})")
     if args.json:
