@@ -67,3 +67,6 @@ def test_an_ask_is_priced_by_the_step_on_its_gpu_and_out_of_reach_above_the_ceil
     # a line whose target is within its ceiling but not met: not out of reach
     assert R.out_of_reach(dict(large, target=54.5)) is None
     assert R.out_of_reach({"target": 90, "predicted": 51}) is None  # no ceiling known
+    # a ratio "at most" (the MLM head's): its ceiling is the least it could be, out of reach above the target
+    ratio = {"target": 1.25, "predicted": 1.4, "unit": "x (at most)", "ceiling": 1.32, "ceiling_why": "the loss"}
+    assert R.out_of_reach(ratio) == "the loss" and R.out_of_reach(dict(ratio, ceiling=1.2)) is None

@@ -3,9 +3,12 @@
 mlm_head_loss gathers the rows that carry a label, runs the head transform (dense -> bias+GELU ->
 LayerNorm, through those fused ops) and then the decoder stage, mlm_head_loss_decoder: the
 projection onto the vocabulary (weight tied to the word embeddings) and softmax cross-entropy, in
-row chunks, so logits for all masked rows never exist at once. Gradients of the projection are
-computed chunk by chunk during the forward pass and scaled by the incoming gradient in backward;
-no second logits pass. The chunked driver (``_decoder_loss``) is the same for every backend; a
+row chunks, so logits for all masked rows never exist at once. No second logits pass: the forward
+writes each chunk's logits' gradient over its logits. Where the rows make one chunk (BERT's 15% of a
+batch, up to 4,352 rows at V = 30522 in bf16), the forward keeps it and the backward runs the gradient
+GEMMs with the loss's incoming gradient folded into their small operands (_one_chunk_grads); over
+several chunks the gradients are computed chunk by chunk in the forward, for a loss scale of 1, and the
+backward scales them. The chunked driver (``_decoder_loss``) is the same for every backend; a
 backend provides only the per-chunk kernel:
 
     mlm_head_loss_fwd(logits [rows, V], labels [rows], grad_scale, compute_grad)
@@ -38,8 +41,17 @@ Tensor = torch.Tensor
 
 @fused_op("bertfast::mlm_head_loss_decoder")
 def _mlm_head_loss_decoder(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, chunk_rows: int,
-                          compute_grad: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                          compute_grad: bool, one_chunk: bool, backend: str
+                          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss_sum, n_correct, and what the backward needs). one_chunk (with compute_grad): the logits'
+    gradient [M, Vp] and the GEMMs' weight (empty where that is ``weight`` itself), the gradients left to
+    the backward; otherwise the three gradients, computed chunk by chunk for a loss scale of 1."""
     kernel = dispatch.get(OP, backend).impl.mlm_head_loss_fwd
+    if one_chunk:
+        labels, _, vp = _checked(x, weight, bias, labels, chunk_rows or None)
+        loss_sum, n_correct, dlogits, w = _one_chunk_forward(x, weight, bias, labels, vp, 1.0, kernel)
+        return distinct([loss_sum, n_correct, dlogits, empty(weight) if w is weight else w, empty(weight)],
+                        [x, weight, bias, labels])
     # chunk_rows 0: the default (logits of one chunk within a memory budget).
     loss_sum, n_correct, gx, gw, gb = _decoder_loss(x, weight, bias, labels, chunk_rows or None, compute_grad, 1.0,
                                                     kernel)
@@ -48,32 +60,55 @@ def _mlm_head_loss_decoder(x: Tensor, weight: Tensor, bias: Optional[Tensor], la
 
 
 @_mlm_head_loss_decoder.register_fake
-def _(x, weight, bias, labels, chunk_rows, compute_grad, backend):
+def _(x, weight, bias, labels, chunk_rows, compute_grad, one_chunk, backend):
     scalar = x.new_empty((), dtype=torch.float32)
     count = x.new_empty((), dtype=torch.int64)
     if not compute_grad:
         return scalar, count, empty(x), empty(weight), empty(weight)
+    if one_chunk:
+        vocab, width = weight.shape
+        vp = _gemm_vocab(vocab, x)
+        w = empty(weight) if vp == vocab and weight.dtype == x.dtype else x.new_empty((vp, width))
+        return scalar, count, x.new_empty((x.shape[0], vp)), w, empty(weight)
     gb = torch.empty_like(bias) if bias is not None else empty(weight)
     return scalar, count, torch.empty_like(x), torch.empty_like(weight), gb
 
 
 def _setup(ctx, inputs, output):
-    ctx.has_bias, ctx.computed_grad = inputs[2] is not None, inputs[5]
-    ctx.save_for_backward(*output[2:])
+    x, weight, bias, _, _, ctx.computed_grad, ctx.one_chunk, _ = inputs
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(*((x, weight, bias, output[3], output[2]) if ctx.one_chunk else output[2:]))
     no_zero_grads(ctx)
 
 
-def _backward(ctx, d_loss_sum, _d_correct, _dgx, _dgw, _dgb):
+def _backward(ctx, d_loss_sum, _d_correct, _d2, _d3, _d4):
     if d_loss_sum is None:
-        return (None,) * 7
+        return (None,) * 8
     if not ctx.computed_grad:
         raise RuntimeError("mlm_head_loss_decoder: backward called on a forward run without gradients")
-    gx, gw, gb = ctx.saved_tensors
-    return (gx * d_loss_sum.to(gx.dtype), gw * d_loss_sum.to(gw.dtype),
-            gb * d_loss_sum.to(gb.dtype) if ctx.has_bias else None, None, None, None, None)
+    if ctx.one_chunk:
+        gx, gw, gb = _mlm_head_loss_decoder_backward(*ctx.saved_tensors, d_loss_sum)
+    else:
+        gx, gw, gb = ctx.saved_tensors
+        gx, gw, gb = gx * d_loss_sum.to(gx.dtype), gw * d_loss_sum.to(gw.dtype), gb * d_loss_sum.to(gb.dtype)
+    return gx, gw, gb if ctx.has_bias else None, None, None, None, None, None
 
 
 _mlm_head_loss_decoder.register_autograd(_backward, setup_context=_setup)
+
+
+@fused_op("bertfast::mlm_head_loss_decoder_backward")
+def _mlm_head_loss_decoder_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], w: Tensor, dlogits: Tensor,
+                                   grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One chunk's (grad x, grad weight, grad bias or empty) from the forward's logits' gradient, the loss's
+    incoming gradient ``grad`` in them (_one_chunk_grads); w: the GEMMs' weight, or empty for ``weight``."""
+    gx, gw, gb = _one_chunk_grads(x, weight, bias, w if w.numel() else weight, dlogits, grad)
+    return distinct([gx, gw, empty(weight) if gb is None else gb], [x, weight, bias, w, dlogits, grad])
+
+
+@_mlm_head_loss_decoder_backward.register_fake
+def _(x, weight, bias, w, dlogits, grad):
+    return torch.empty_like(x), torch.empty_like(weight), empty(weight) if bias is None else torch.empty_like(bias)
 
 
 def mlm_head_loss_decoder(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
@@ -94,9 +129,23 @@ def mlm_head_loss_decoder(x: Tensor, weight: Tensor, bias: Optional[Tensor], lab
         raise ValueError(f"{name}: chunk_rows must be >= 1, got {chunk_rows}")
     compute_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     backend = dispatch.select(OP, x=x, weight=weight, bias=bias, labels=labels)
+    one_chunk = compute_grad and _one_chunk(x.shape[0], chunk_rows, weight.shape[0], x.element_size())
     loss_sum, n_correct, _, _, _ = _mlm_head_loss_decoder(x, weight, bias, labels.long(), chunk_rows or 0,
-                                                          compute_grad, backend)
+                                                          compute_grad, one_chunk, backend)
     return loss_sum, n_correct
+
+
+def _one_chunk(rows, chunk_rows: Optional[int], vocab: int, element_size: int) -> bool:
+    """Whether the decoder's rows make one chunk, whose gradients then wait for the backward. A row count
+    Dynamo took from the data (an unbacked size, known only when the graph runs) goes chunked."""
+    one = rows <= (chunk_rows or default_chunk_rows(rows, vocab, element_size))
+    if not torch.compiler.is_compiling():
+        return one
+    try:  # False where it is not known when tracing (not a guard: that fails on an unbacked size)
+        from torch.fx.experimental.symbolic_shapes import guard_or_false
+    except ImportError:  # an older torch: chunked under torch.compile
+        return False
+    return guard_or_false(one)
 
 
 class MLMHeadLoss(NamedTuple):
@@ -282,14 +331,56 @@ def _decoder_loss(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     x: [M, H] activations (fp32/fp16/bf16); weight: [V, H]; bias: [V] or None (parameters,
     any float dtype: the GEMMs run in x's dtype); labels: [M] int64 (-100 = ignored);
     chunk_rows: rows per chunk, or None for default_chunk_rows (logits chunk <= 256 MiB).
-    compute_grad: also return the gradients of grad_scale * loss_sum, computed here, in the
-    forward pass (grad_scale = 1 / number of labelled rows gives the mean loss).
+    compute_grad: also return the gradients of grad_scale * loss_sum (grad_scale = 1 / number
+    of labelled rows gives the mean loss).
 
     Returns (loss_sum fp32 scalar, n_correct int64 scalar, grad_x [M, H] in x's dtype,
     grad_weight [V, H] in weight's dtype, grad_bias [V] in bias's dtype); the three grads
     are None without compute_grad (grad_bias also without bias).
     Raises ValueError for a label outside [0, V) other than -100 (this check syncs).
     """
+    labels, chunk_rows, vp = _checked(x, weight, bias, labels, chunk_rows)
+    (M, H), V = x.shape, weight.shape[0]
+    grad_scale = float(grad_scale)
+    if compute_grad and M <= chunk_rows:  # one chunk (or none): the op's own backward, here at once
+        loss_sum, n_correct, dlogits, w = _one_chunk_forward(x, weight, bias, labels, vp, grad_scale, kernel)
+        return (loss_sum, n_correct, *_one_chunk_grads(x, weight, bias, w, dlogits, None))
+
+    dev = x.device
+    loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
+    n_correct = torch.zeros((), dtype=torch.int64, device=dev)
+    grad_x = grad_w_acc = grad_b_acc = None
+    if compute_grad:  # several chunks: the weight and bias gradients summed over them in fp32
+        grad_x = torch.empty(M, H, dtype=x.dtype, device=dev)
+        grad_w_acc = torch.empty(vp, H, dtype=torch.float32, device=dev)  # the first chunk writes it all
+        if bias is not None:
+            grad_b_acc = torch.zeros(V, dtype=torch.float32, device=dev)
+    w = _padded_rows(weight, vp, x.dtype)                                # [Vp, H]
+    b = None if bias is None else _padded_rows(bias, vp, x.dtype)       # [Vp]
+    logits_buf = torch.empty(min(chunk_rows, M), vp, dtype=x.dtype, device=dev)
+    for r0 in range(0, M, chunk_rows):
+        r1 = min(r0 + chunk_rows, M)
+        x_c = x[r0:r1]                                       # [rows, H]
+        padded = logits_buf[: r1 - r0]                       # [rows, Vp], contiguous
+        loss, correct = _chunk_loss(x_c, w, b, labels[r0:r1], V, padded, grad_scale, compute_grad, kernel)
+        loss_sum += loss.sum()
+        n_correct += correct.sum()
+        if compute_grad:                                     # padded now holds dlogits, its pad 0
+            torch.mm(padded, w, out=grad_x[r0:r1])           # [rows, H]
+            _accumulate_grad_weight(grad_w_acc, padded.t(), x_c, first=(r0 == 0))
+            if grad_b_acc is not None:
+                grad_b_acc += padded[:, :V].sum(0, dtype=torch.float32)
+
+    if not compute_grad:
+        return loss_sum, n_correct, None, None, None
+    grad_weight = grad_w_acc[:V].to(weight.dtype)
+    grad_bias = grad_b_acc.to(bias.dtype) if grad_b_acc is not None else None
+    return loss_sum, n_correct, grad_x, grad_weight, grad_bias
+
+
+def _checked(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
+             chunk_rows: Optional[int]) -> tuple[torch.Tensor, int, int]:
+    """The decoder's inputs checked: (labels as int64, rows per chunk, the GEMMs' vocabulary)."""
     check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2)
     M, H = x.shape
     check_tensor("weight", weight, dtypes=FLOAT_DTYPES, ndim=2, device=x.device)
@@ -305,57 +396,66 @@ def _decoder_loss(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         chunk_rows = default_chunk_rows(M, V, x.element_size())
     if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
         raise ValueError(f"chunk_rows: expected a positive int or None, got {chunk_rows!r}")
-    grad_scale = float(grad_scale)
     _check_label_range(labels, V)
+    return labels, chunk_rows, _gemm_vocab(V, x)
 
-    dev = x.device
-    loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
-    n_correct = torch.zeros((), dtype=torch.int64, device=dev)
-    # The GEMMs' vocabulary, on a GPU padded to whole 16-byte rows (padded_vocab): zero weight rows
-    # and bias, and the pad's logits zeroed before the backward's GEMMs read them, so they add nothing.
-    vp = padded_vocab(V, x.element_size()) if dev.type in PADDED_DEVICES else V
-    # One chunk: the weight gradient is one GEMM, written in the weight's dtype where that is the
-    # activations' (the GEMM accumulates in fp32 and rounds once, as the fp32 buffer and its cast
-    # did, without their extra 2 + 6 bytes an element); several chunks add theirs up in fp32.
-    one_gemm = 0 < M <= chunk_rows and weight.dtype == x.dtype
-    grad_x = grad_w_acc = grad_b_acc = None
-    if compute_grad:
-        grad_x = torch.empty(M, H, dtype=x.dtype, device=dev)
-        # The first chunk writes every element; zeros only for M == 0 (no chunk at all).
-        grad_w_acc = (torch.empty if M else torch.zeros)(vp, H, dtype=x.dtype if one_gemm else torch.float32,
-                                                         device=dev)
-        if bias is not None:
-            grad_b_acc = torch.zeros(V, dtype=torch.float32, device=dev)
 
-    # GEMMs run in the activation dtype (fp32 master weights under autocast are cast once).
-    w = _padded_rows(weight, vp, x.dtype)                                # [Vp, H]
-    b = None if bias is None else _padded_rows(bias, vp, x.dtype)       # [Vp]
-    logits_buf = torch.empty(min(chunk_rows, M), vp, dtype=x.dtype, device=dev)
-    for r0 in range(0, M, chunk_rows):
-        r1 = min(r0 + chunk_rows, M)
-        x_c = x[r0:r1]                                       # [rows, H]
-        padded = logits_buf[: r1 - r0]                       # [rows, Vp], contiguous
-        if b is not None:
-            torch.addmm(b, x_c, w.t(), out=padded)
-        else:
-            torch.mm(x_c, w.t(), out=padded)
-        logits = padded[:, :V]                               # [rows, V], row stride Vp
-        loss, _, correct = kernel(logits, labels[r0:r1], grad_scale, compute_grad)
-        loss_sum += loss.sum()
-        n_correct += correct.sum()
-        if compute_grad:                                     # logits now hold dlogits
-            if vp != V:
-                padded[:, V:].zero_()
-            torch.mm(padded, w, out=grad_x[r0:r1])           # [rows, H]
-            _accumulate_grad_weight(grad_w_acc, padded.t(), x_c, first=(r0 == 0))
-            if grad_b_acc is not None:
-                grad_b_acc += logits.sum(0, dtype=torch.float32)
+def _gemm_vocab(vocab_size: int, x: torch.Tensor) -> int:
+    """The decoder GEMMs' vocabulary for activations x: on a GPU padded to whole 16-byte rows
+    (padded_vocab), with zero weight rows and bias, and the pad's logits zeroed before the
+    gradient GEMMs read them, so they add nothing."""
+    return padded_vocab(vocab_size, x.element_size()) if x.device.type in PADDED_DEVICES else vocab_size
 
-    if not compute_grad:
-        return loss_sum, n_correct, None, None, None
-    grad_weight = grad_w_acc[:V].to(weight.dtype)
-    grad_bias = grad_b_acc.to(bias.dtype) if grad_b_acc is not None else None
-    return loss_sum, n_correct, grad_x, grad_weight, grad_bias
+
+def _chunk_loss(x_c: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], labels_c: torch.Tensor, vocab: int,
+                out: torch.Tensor, grad_scale: float, compute_grad: bool, kernel) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk: its logits x_c @ w.T + b into ``out`` [rows, Vp], then the kernel over their first
+    ``vocab`` columns; (loss [rows], correct [rows]). With compute_grad, ``out`` then holds the
+    logits' gradient (grad_scale times), its pad zeroed."""
+    if b is not None:
+        torch.addmm(b, x_c, w.t(), out=out)
+    else:
+        torch.mm(x_c, w.t(), out=out)
+    loss, _, correct = kernel(out[:, :vocab], labels_c, grad_scale, compute_grad)  # row stride Vp
+    if compute_grad and out.shape[1] != vocab:
+        out[:, vocab:].zero_()
+    return loss, correct
+
+
+def _one_chunk_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
+                       vp: int, grad_scale: float, kernel):
+    """All rows as one chunk: (loss_sum, n_correct, the logits' gradient [M, Vp] (grad_scale times; the
+    pad 0), the GEMMs' weight [Vp, H] in x's dtype: ``weight`` itself where it is that already)."""
+    w = _padded_rows(weight, vp, x.dtype)
+    b = None if bias is None else _padded_rows(bias, vp, x.dtype)
+    dlogits = torch.empty(x.shape[0], vp, dtype=x.dtype, device=x.device)
+    loss, correct = _chunk_loss(x, w, b, labels, weight.shape[0], dlogits, grad_scale, True, kernel)
+    return loss.sum(dtype=torch.float32), correct.sum(dtype=torch.int64), dlogits, w
+
+
+def _one_chunk_grads(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], w: torch.Tensor,
+                     dlogits: torch.Tensor, scale: Optional[torch.Tensor]):
+    """(grad x, grad weight, grad bias or None) of one chunk from its logits' gradient dlogits [M, Vp]
+    (the pad 0) and the GEMMs' weight w [Vp, H]. scale, the loss's incoming gradient (0-dim; None for
+    1), goes where it is small: into x before the weight gradient's GEMM, onto the input gradient after
+    its GEMM, and onto the bias gradient, not over a [V, H] gradient (a pass of 125 MB at BERT-large's
+    vocabulary in bf16, 250 in fp32). The weight gradient is its one GEMM's output, in the weight's dtype where that
+    is x's (cuBLAS rounds its fp32 sum once), else fp32."""
+    M, H = x.shape
+    V = weight.shape[0]
+    grad_x = torch.mm(dlogits, w)
+    if scale is not None:
+        grad_x.mul_(scale)
+        x = x * scale
+    acc = (torch.empty if M else torch.zeros)(w.shape[0], H, device=x.device,
+                                              dtype=x.dtype if weight.dtype == x.dtype else torch.float32)
+    if M:
+        _accumulate_grad_weight(acc, dlogits.t(), x, first=True)
+    grad_bias = None
+    if bias is not None:
+        grad_b = dlogits[:, :V].sum(0, dtype=torch.float32)
+        grad_bias = (grad_b if scale is None else grad_b.mul_(scale)).to(bias.dtype)
+    return grad_x, acc[:V].to(weight.dtype), grad_bias
 
 
 # ------------------------------------------------------------------ the torch backend

@@ -98,7 +98,10 @@ def priced(asks: Sequence[Ask], predict: Callable[[K.Setting, Gpu], list]) -> Li
 
 
 def out_of_reach(target: Dict[str, object]) -> Optional[str]:
-    """Why a target line's target lies beyond its ceiling, or None."""
-    if "ceiling" in target and target["ceiling"] < target["target"]:
+    """Why a target line's target lies beyond its ceiling, or None (a ceiling is the least a target's
+    measure could be where the target is an upper bound: a ratio "at most", the MLM head's)."""
+    at_most = str(target.get("unit", "")).endswith("(at most)")
+    if "ceiling" in target and (target["ceiling"] > target["target"] if at_most else
+                                target["ceiling"] < target["target"]):
         return target.get("ceiling_why", "out of reach by memory-bound work alone")
     return None

@@ -546,13 +546,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     print("\ntargets (predicted):")
     for t in goals:
         reach = ""
+        digits = 2 if t["unit"].startswith("x") else 1  # a ratio (the MLM head's), else a percentage or a rate
         if "ceiling" in t and not t["met"]:
             why = R.out_of_reach(t)
-            reach = f"; ceiling {t['ceiling']:.1f}" + (f", short of the target: {why}" if why else "")
+            reach = f"; ceiling {t['ceiling']:.{digits}f}" + (f", the target out of reach: {why}" if why else "")
         if "measured" in t:
             m = t["measured"]
             reach += f"; measured {m['tflops']:.1f} at {m['heads']} heads on {m['device']}, {m['run']}"
-        digits = 2 if t["unit"].startswith("x") else 1  # a ratio (the MLM head's), else a percentage or a rate
         print(f"  [{'met' if t['met'] else 'NOT MET'}] {t['name']}: {t['predicted']:.{digits}f} {t['unit']} "
               f"(target {t['target']:.3g}{reach})")
     if args.json:

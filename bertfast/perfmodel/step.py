@@ -12,8 +12,10 @@ sequences, the BERT recipe's masked positions) is the sum of:
 - attention: every layer's forward and backward kernels, as the kernel model predicts them;
 - row ops: every layer's two bias+dropout+residual+LayerNorm, forward and backward, and the
   embeddings, as predicted (bias+GELU runs in the GEMMs above);
-- memory-bound work the kernels do not cover, at the achievable bandwidth: the MLM loss over the
-  vocabulary at the masked rows; AdamW (kernels/adamw.py: 28 bytes per parameter, and 2 more for
+- memory-bound work the kernels do not cover, at the achievable bandwidth: the MLM head besides its
+  GEMMs at the masked rows, as perfmodel/head.py prices it for fp32 weights (the loss over the
+  vocabulary, the bias gradient's column sum, the gather and scatter, the transform, the fp32 weight
+  gradient, the loss's incoming gradient); AdamW (kernels/adamw.py: 28 bytes per parameter, and 2 more for
   the bf16 working copy it writes of each encoder GEMM weight, bertfast.model.working_weights); the
   clipping's gradient norm (4 bytes per parameter: the optimizer divides by the clipping factor as
   it reads each gradient, writing nothing back); autocast's casts of the weights without a working
@@ -44,6 +46,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from bertfast.bench.options import GLOBAL_BATCH
+from bertfast.perfmodel import head as HEAD
 from bertfast.perfmodel import kernels as K
 from bertfast.perfmodel.hardware import Gpu
 
@@ -56,6 +59,9 @@ VOCAB, POSITIONS, TYPES = 30522, 512, 2
 # gradients are summed in them, bertfast.model.residual_linear)
 KERNELS_PER_LAYER_BESIDE_ATTENTION = 21
 MASKED_PER_SEQUENCE = {128: 20, 512: 80}  # the BERT recipe's max_predictions_per_seq
+# The MLM head's lines (perfmodel/head.py) the step prices as its own: all but the weight's copy (the
+# autocast cast the weight casts line counts) and the launch gaps (the step's launches count them).
+HEAD_LINES = ("loss", "bias gradient", "gather, scatter", "transform", "weight gradient", "scaling")
 
 
 @dataclass(frozen=True)
@@ -154,8 +160,8 @@ EMBEDDING_KERNELS = ("_embeddings_fwd_kernel", "_embeddings_bwd_kernel", "_table
 REMOVABLE = ("weight casts", "QKV bias grad", "residual grads")
 PER_STEP = ("AdamW", "clipping")  # once per optimizer step; the other lines once per micro-batch
 CEILING = ("every row op and the embeddings moving their bytes at the achievable bandwidth, and no weight "
-           "casts, separate QKV bias gradient or residual-gradient reads; GEMMs, attention, "
-           "loss, optimizer and launch gaps as predicted")
+           "casts, separate QKV bias gradient or residual-gradient reads, and the MLM head at its ceiling's lines "
+           "(perfmodel/head.py); GEMMs, attention, optimizer and launch gaps as predicted")
 
 
 def ffn_gemm_seconds(results, setting: K.Setting, gpu: Gpu) -> Tuple[float, int]:
@@ -211,6 +217,8 @@ def budget(results, case: StepCase, gpu: Gpu, accumulation: Optional[int] = None
     embeddings = sum(_predicted(results, s, k) for k in EMBEDDING_KERNELS)
     ffn_gemms, floors = ffn_gemm_seconds(results, s, gpu)
     fused_flops = layers * 2 * 2.0 * tokens * hidden * ffn  # the two GEMMs with GELU epilogues
+    head = {i["name"]: i["seconds"] for i in HEAD.lines(hidden, tokens, VOCAB, 2, 4, gpu, rows=masked)["items"]}
+    head_s = sum(head[name] for name in HEAD_LINES)
     gemm_flops = flops - attention_flops - fused_flops
     items = [
         ("GEMMs", gemm_flops / gpu.gemm_flops,
@@ -223,7 +231,8 @@ def budget(results, case: StepCase, gpu: Gpu, accumulation: Optional[int] = None
          f"{layers} x {attention * 1e6:.0f} us ({', '.join(ATTENTION_KERNELS.get(k, k) for k in attention_kernels)})"),
         ("row ops", layers * rows + embeddings,
          f"{layers} x {rows * 1e6:.0f} us (2 x residual LayerNorm, fwd+bwd) + embeddings {embeddings * 1e6:.0f} us"),
-        ("MLM loss", 4.0 * masked * VOCAB / bw, f"{masked} rows x {VOCAB} logits, read and gradient written (bf16)"),
+        ("MLM head", head_s, f"{masked} rows x {VOCAB} logits: {', '.join(HEAD_LINES)} (perfmodel/head.py, "
+         "for fp32 weights: its GEMMs are in the GEMMs line, its weight's cast in the weight casts)"),
         ("AdamW", (28.0 * params + 2.0 * copies) / bw,
          f"{params / 1e6:.0f}M parameters x 28 bytes, and the bf16 working copies of {copies / 1e6:.0f}M "
          "(the encoder's GEMM weights) x 2"),
@@ -257,13 +266,14 @@ def budget(results, case: StepCase, gpu: Gpu, accumulation: Optional[int] = None
                   "bytes: both read, the sum written)" if accumulation > 1 else "one micro-batch: nothing added"))
     seconds = sum(t for _, t, _ in items)
     # The ceiling: this step with its memory-bound work done as well as it can be, the GEMMs,
-    # attention, loss, optimizer and launches as above.
+    # attention, optimizer and launches as above.
     row_bytes = sum(_launch(results, s, k, v).hbm_bytes for k, v in ROW_KERNELS)
     embedding_bytes = sum(_launch(results, s, k).hbm_bytes for k in EMBEDDING_KERNELS)
     best = {n: t for n, t, _ in items}
     best["row ops"] = accumulation * (layers * row_bytes + embedding_bytes) / bw
     for name in REMOVABLE:
         best[name] = 0.0
+    best["MLM head"] = accumulation * sum(head[name] for name in HEAD_LINES if name in HEAD.STRUCTURAL)
     ceiling = sum(best.values())
     step_flops = accumulation * flops
     return {"case": case.name, "setting": s.label(), "accumulation": accumulation,

@@ -297,12 +297,16 @@ def test_op_errors_are_clear():
                           1e-12, w, None)
 
 
+@pytest.mark.parametrize("one_chunk", [True, False], ids=["one-chunk", "chunks-of-2"])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_opcheck(with_bias):
+def test_opcheck(with_bias, one_chunk, padded):
+    """Both forms: one chunk (the gradients in the backward, the backward op's schema and fake too) and
+    chunks of 2 rows (computed in the forward)."""
     x, w = torch.randn(5, 6, requires_grad=True), torch.randn(9, 6, requires_grad=True)
     b = torch.randn(9, requires_grad=True) if with_bias else None
     torch.library.opcheck(torch.ops.bertfast.mlm_head_loss_decoder,
-                          (x, w, b, torch.tensor([1, -100, 8, 0, 3]), 2, True, "torch"))
+                          (x, w, b, torch.tensor([1, -100, 8, 0, 3]), 0 if one_chunk else 2, True, one_chunk,
+                           "torch"))
 
 
 # =========================================================================== the whole head, every backend
@@ -571,6 +575,28 @@ def test_one_chunks_weight_gradient_is_its_gemms_output(chunk_rows):
     assert gw.dtype == torch.bfloat16 and (gw == 12.0).all() and (gb == 12.0).all()
     fp32_tables = [shape for dtype, shape in mode.made if dtype == torch.float32 and shape == (3, 2)]
     assert bool(fp32_tables) == (chunk_rows < 4)
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 2], ids=["one-chunk", "chunks-of-2"])
+def test_one_chunk_scales_its_small_operands_not_the_weight_gradient(chunk_rows):
+    """One chunk: the forward keeps the logits' gradient and the backward runs the gradient GEMMs with the
+    loss's incoming gradient in x [M, H] and on the input gradient, so nothing of the weight gradient's size
+    [V, H] is scaled (a pass of 125 MB at BERT-large's vocabulary in bf16). In chunks, the gradients come
+    from the forward, for a scale of 1, and the backward scales each."""
+    x, w, b, labels = problem(BackendUnderTest("torch", torch.device(DEV)), 6, 16, 1031, torch.float32)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    loss_sum, _ = ops.mlm_head_loss_decoder(*leaves, labels, chunk_rows=chunk_rows)
+    with AtenLog() as log:
+        loss_sum.backward(torch.tensor(0.37, device=DEV))
+    muls = (torch.ops.aten.mul.Tensor, torch.ops.aten.mul_.Tensor)
+    scaled = [shape for func, shape in log.calls if func in muls]
+    gemms = [shape for func, shape in log.calls if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out)]
+    if chunk_rows is None:
+        assert (1031, 16) not in scaled and (6, 16) in scaled
+        assert (6, 16) in gemms and (1031, 16) in gemms
+    else:
+        assert (1031, 16) in scaled and not gemms
+    check_decoder(BackendUnderTest("torch", torch.device(DEV)), x, w, b, labels, chunk_rows)
 
 
 @pytest.mark.parametrize("v,elem", [(30522, 2), (30522, 4), (1031, 2), (250_000, 2)])
