@@ -489,7 +489,8 @@ def test_step_budget_lines_and_its_ceiling_from_given_kernel_predictions():
     assert items["GEMMs"] == pytest.approx((flops - attention - 24 * 2 * gemm) / H100.gemm_flops)
     # The MLM head as perfmodel/head.py prices it at the recipe's 20 masked rows a sequence, for fp32 weights,
     # but its weight copy (the weight casts' line) and its launches (the launch gaps')
-    head = {i["name"]: i["seconds"] for i in HEAD.lines(1024, 16384, 30522, 2, 4, H100, rows=128 * 20)["items"]}
+    head_plan = HEAD.lines(1024, 16384, 30522, act_bytes=2, weight_bytes=4, gpu=H100, rows=128 * 20)
+    head = {i["name"]: i["seconds"] for i in head_plan["items"]}
     assert items["MLM head"] == pytest.approx(sum(head.values()) - head["weight copy"] - head["launch gaps"])
     ceiling = plan["ceiling"]
     removed = sum(items[n] for n in step.REMOVABLE)

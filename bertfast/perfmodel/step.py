@@ -217,7 +217,8 @@ def budget(results, case: StepCase, gpu: Gpu, accumulation: Optional[int] = None
     embeddings = sum(_predicted(results, s, k) for k in EMBEDDING_KERNELS)
     ffn_gemms, floors = ffn_gemm_seconds(results, s, gpu)
     fused_flops = layers * 2 * 2.0 * tokens * hidden * ffn  # the two GEMMs with GELU epilogues
-    head = {i["name"]: i["seconds"] for i in HEAD.lines(hidden, tokens, VOCAB, 2, 4, gpu, rows=masked)["items"]}
+    head_plan = HEAD.lines(hidden, tokens, VOCAB, act_bytes=2, weight_bytes=4, gpu=gpu, rows=masked)
+    head = {i["name"]: i["seconds"] for i in head_plan["items"]}
     head_s = sum(head[name] for name in HEAD_LINES)
     gemm_flops = flops - attention_flops - fused_flops
     items = [
