@@ -128,3 +128,21 @@ def test_speedup_target_not_met_says_what_it_asks():
     detail = {t["id"]: t for t in evaluate_targets(run)}["hf_eager_large_128"]["detail"]
     assert detail == ("300.0 ms vs 300.0 ms = 1.00x; 2.5x is 120.0 ms, 60.0% MFU of the datasheet peak "
                       "(global batch 256 = 2 x 128)")
+
+
+def test_each_threshold_is_stated_once_and_read_by_the_perf_model():
+    """The targets' texts, written from bench.targets' thresholds, state the issue's numbers, and the
+    performance model holds its predictions to the same thresholds (none of its own)."""
+    from bertfast.bench import targets as T
+    from bertfast.perfmodel import head as HEAD
+    from bertfast.perfmodel import report as PR
+    from bertfast.perfmodel import step as S
+    text = {tid: stated for tid, stated, _ in T.TARGETS}
+    assert ">= 50% MFU" in text["mfu_large_128"] and ">= 50% MFU" in text["mfu_base_128"]
+    assert "seq-512 training step >= 45% MFU" in text["mfu_large_512"]
+    assert "within 15% of" in text["finetune_padding"] and ">= 90% of" in text["row_ops_bandwidth"]
+    assert ">= 215 TFLOP/s" in text["attention_tflops"] and "within 1.25x" in text["mlm_head_loss_floor"]
+    assert ">= 5x the full-sequence head" in text["mlm_head_loss_vs_full"]
+    assert {(c.setting.model, c.setting.seq): c.target_mfu for c in S.STEP_CASES} == T.MFU
+    assert (HEAD.TARGET, PR.ATTENTION_TFLOPS, PR.ROW_OP_BANDWIDTH) == (T.MLM_HEAD_FLOOR, T.ATTENTION_TFLOPS,
+                                                                       T.ROW_OP_BANDWIDTH)

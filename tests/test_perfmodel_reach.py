@@ -1,6 +1,7 @@
 """What the speedup targets ask of bertfast's step (bertfast/perfmodel/reach.py): the time and MFU a
 filed run's baseline sets, per target and GPU from the newest run that measured the baseline, set
-beside the step's prediction on that run's GPU at its micro-batches."""
+beside the step's prediction on that run's GPU at its micro-batches; and the MLM head's time a
+filed run's full-sequence head sets, beside the head's prediction on that GPU."""
 from __future__ import annotations
 
 import pytest
@@ -70,3 +71,51 @@ def test_an_ask_is_priced_by_the_step_on_its_gpu_and_out_of_reach_above_the_ceil
     # a ratio "at most" (the MLM head's): its ceiling is the least it could be, out of reach above the target
     ratio = {"target": 1.25, "predicted": 1.4, "unit": "x (at most)", "ceiling": 1.32, "ceiling_why": "the loss"}
     assert R.out_of_reach(ratio) == "the loss" and R.out_of_reach(dict(ratio, ceiling=1.2)) is None
+
+
+def _head_run(name: str, date: str, full_ms: float, floor_ms=None, model="bert-large", hidden=1024, full_ok=True):
+    from bertfast.bench.results import FAILED_PARITY, FULL_HEAD, GEMM_FLOOR
+    from bertfast.bench.timing import Memory
+    run = _run(name, date, 125.0, 0.24)
+    case = dict(model=model, tokens=16384, predictions=2458, hidden=hidden, vocab=30522, dtype="bf16")
+    run.rows = [r for r in run.rows if r.group != "mlm_head_loss"]
+    run.rows += [_row("mlm_head_loss", "bertfast:triton", 3.0, memory=Memory(2 * 2**30, 2**28), **case),
+                 _row("mlm_head_loss", "bertfast:cuda", 2.5, memory=Memory(2 * 2**30, 2**27), **case),
+                 _row("mlm_head_loss", FULL_HEAD, full_ms, memory=Memory(8 * 2**30, 2**31), **case)]
+    if floor_ms is not None:
+        run.rows.append(_row("mlm_head_loss", GEMM_FLOOR, floor_ms, **case))
+    if not full_ok:
+        run.rows[-1 if floor_ms is None else -2].status = FAILED_PARITY
+    return run
+
+
+def test_the_head_target_takes_the_newest_full_head_per_model_and_gpu():
+    old = _head_run("NVIDIA H200", "2026-11-26T00:00", 18.0, floor_ms=2.0)
+    new = _head_run("NVIDIA H200", "2026-11-27T00:00", 20.0)
+    base = _head_run("NVIDIA H200", "2026-11-25T00:00", 16.0, model="bert-base", hidden=768)
+    broken = _head_run("NVIDIA H200", "2026-11-28T00:00", 1.0, full_ok=False)  # a full head that failed: no ask
+    cpu = _head_run("cpu", "2026-11-29T00:00", 1.0)
+    cpu.device = _fake_device("cpu")
+    asks = R.head_asks([(old, "r/a"), (new, "r/b"), (base, "r/c"), (broken, "r/d"), (cpu, "r/e")])
+    assert [(a.case["model"], a.run) for a in asks] == [("bert-large", "r/b"), ("bert-base", "r/c")]
+    large = next(a for a in asks if a.case["model"] == "bert-large")
+    assert large.full_ms == 20.0 and large.floor_ms is None and large.needed_ms == pytest.approx(4.0)
+    assert large.memory_ratio == pytest.approx(16.0)  # against the faster fast backend's peak (cuda: 2.5 ms)
+    assert R.head_asks([(old, "r/a")])[0].floor_ms == 2.0
+
+
+def test_a_head_ask_is_priced_by_head_lines_on_its_gpu():
+    from bertfast.perfmodel import head as HEAD
+    from bertfast.perfmodel.hardware import device_gpu
+    ask = R.head_asks([(_head_run("NVIDIA H200", "2026-11-26T00:00", 18.0, floor_ms=2.0), "r/a")])[0]
+    gpu = device_gpu(ask.device)  # the H200's constants at the copy bandwidth the run measured
+    assert gpu.name == H200.name and ask.device["copy_bandwidth_gbps"]
+    plan = HEAD.lines(1024, 16384, 30522, act_bytes=2, weight_bytes=2, gpu=gpu, rows=2458)
+    line, = R.head_priced([ask])
+    assert line["predicted"] == pytest.approx(18.0 / (plan["seconds"] * 1e3)) and line["unit"] == "x"
+    assert line["met"] and line["target"] == 5.0 and line["ceiling"] > line["predicted"]
+    assert "3.60 ms, as the full head's 18.00 ms sets it (a; its peak memory 16.0x the head's)" in line["name"]
+    assert f"{18.0 / (2.0 * plan['ratio']):.1f}x" in line["name"]  # at the run's own floor
+    # a full head barely slower than the head: not met, and beyond the head's ceiling out of reach
+    slow, = R.head_priced([R.HeadAsk(ask.case, ask.device, "r/x", 2.0, None, None)])
+    assert not slow["met"] and slow["ceiling"] < 5.0 and R.out_of_reach(slow).startswith("the head at its ceiling")

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from bertfast.bench.options import GLOBAL_BATCH
+from bertfast.bench.targets import MFU
 from bertfast.perfmodel import head as HEAD
 from bertfast.perfmodel import kernels as K
 from bertfast.perfmodel.hardware import Gpu
@@ -75,12 +76,12 @@ class StepCase:
 # The MFU targets (benchmarks/README): phase 1 and 2 of BERT-large, phase 1 of BERT-base, at a global
 # batch of 256 (the targets' least) in micro-batches of the benchmark's batches, as the model suite
 # runs them on a GPU; dropout 0.1.
-STEP_CASES = tuple(StepCase(K.Setting(model, seq, batch, 0.1), mfu,
+STEP_CASES = tuple(StepCase(K.Setting(model, seq, batch, 0.1), MFU[model, seq],
                             f"{name} step (seq {seq}, global batch {GLOBAL_BATCH} = {GLOBAL_BATCH // batch} x {batch})",
                             GLOBAL_BATCH // batch)
-                   for model, seq, batch, mfu, name in (("bert-large", 128, 128, 0.50, "BERT-large phase 1"),
-                                                        ("bert-large", 512, 32, 0.45, "BERT-large phase 2"),
-                                                        ("bert-base", 128, 128, 0.50, "BERT-base phase 1")))
+                   for model, seq, batch, name in (("bert-large", 128, 128, "BERT-large phase 1"),
+                                                   ("bert-large", 512, 32, "BERT-large phase 2"),
+                                                   ("bert-base", 128, 128, "BERT-base phase 1")))
 
 
 def parameters(hidden: int, ffn: int, layers: int, vocab: int = VOCAB, positions: int = POSITIONS) -> int:
