@@ -417,6 +417,9 @@ def test_step_budget_counts_parameters_flops_and_a_trace(tmp_path):
     model = bertfast.BertForPreTraining(config)
     counted = sum(p.numel() for p in model.parameters())
     assert step.parameters(32, 64, 2, vocab=100, positions=64) == counted
+    tuning = bertfast.BertForSequenceClassification(config)  # two labels: the fine-tuning step's
+    assert step.parameters(32, 64, 2, vocab=100, positions=64, head="classification") == sum(
+        p.numel() for p in tuning.parameters())
     from bertfast.model.working_weights import WorkingWeights
     working = WorkingWeights(model)  # the weights bertfast's AdamW writes working copies of
     assert step.working_copies(32, 64, 2) == working.numel
@@ -548,7 +551,7 @@ def test_perf_model_command_reads_every_kernel_and_reports_the_targets(tmp_path)
     assert last.startswith("predicted: ") and "targets met" in last
     data = json.loads(out.read_text())
     names = [t["name"] for t in data["targets"] if "run" not in t]  # but the asks of the filed runs' baselines
-    assert any(n.startswith("attention fwd+bwd") for n in names) and len(names) == 13
+    assert any(n.startswith("attention fwd+bwd") for n in names) and len(names) == 16
     # the MLM heads against their GEMM floors, each line of what they add printed
     heads = [t for t in data["targets"] if "plan" in t]
     assert [t["name"].split(" (")[1].split(",")[0] for t in heads] == ["BERT-large", "BERT-base"]
@@ -568,6 +571,13 @@ def test_perf_model_command_reads_every_kernel_and_reports_the_targets(tmp_path)
     assert sum(t["run"].split("/")[2] == "nvidia-h200" for t in full) == 2  # a newer H200 run would take over
     assert all(t["met"] and 5 < t["predicted"] < t["ceiling"] and t["needed_ms"] > t["predicted_ms"] for t in full)
     assert all(t["met"] in (True, False) and t["predicted"] > 0 for t in data["targets"])
+    # the fine-tuning cases: the padded batch's attention at its lengths, the rest as the full batch's
+    tuning = [t for t in data["targets"] if "finetune" in t]
+    assert [t["finetune"]["case"] for t in tuning] == [["bert-base", 128, 32], ["bert-base", 512, 32],
+                                                        ["bert-large", 128, 32]]
+    assert all(t["met"] and 0.85 < t["predicted"] < 1.2 and t["predicted"] == pytest.approx(
+        t["finetune"]["full_s"] / t["finetune"]["padded_s"]) for t in tuning)
+    assert "the padded batch of 32" in res.stdout and "QKV bias partials" in res.stdout
     phase1 = data["steps"][0]
     assert phase1["case"].startswith("BERT-large phase 1") and 0.2 < phase1["mfu"] < 0.7
     assert {i["name"] for i in phase1["items"]} >= {"GEMMs", "attention", "row ops", "AdamW", "launch gaps"}

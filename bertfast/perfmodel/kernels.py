@@ -13,7 +13,7 @@ import importlib
 import io
 import math
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from bertfast import registry
@@ -280,6 +280,41 @@ WORK: Dict[str, Callable[[Setting, Launch, Gpu], Work]] = {
     "_table_rows_kernel": _table_rows,
     "_gemm_bias_gelu_kernel": _gemm,
 }
+
+
+def _sequence_tiles(kernel: str, meta: Dict[str, object], length: int) -> Tuple[int, int]:
+    """(programs with work, main-loop iterations) of one attention kernel for one head of one sequence
+    of ``length`` tokens. Each loop runs to the sequence's end, so a tile the sequence fills in part
+    costs a whole one; the persistent one-pass backward walks every query block of its key tile (all
+    of the batch's longest sequence), whatever the sequence's length."""
+    queries = -(-length // int(meta.get("BLOCK_M", 1)))
+    keys = -(-length // int(meta.get("BLOCK_N", 1)))
+    if kernel == "_attention_bwd_fused_kernel":
+        return (1, 1) if meta.get("PERSISTENT") else (1, queries)  # its key tile holds every key
+    if kernel == "_attention_bwd_delta_kernel":
+        return queries, queries
+    if kernel == "_attention_bwd_dkdv_kernel":
+        return keys, keys * queries
+    if kernel in ("_attention_fwd_kernel", "_attention_bwd_dq_kernel"):
+        return queries, queries * keys
+    raise KeyError(f"perf-model: no tiles per sequence for {kernel}")
+
+
+def at_lengths(work: Work, launch: Launch, setting: Setting, lengths: Sequence[int], gpu: Gpu) -> Work:
+    """``work``, the attention ``launch``'s at ``setting`` (full sequences), for a batch of sequences of
+    ``lengths`` padded to setting.seq instead, the same kernel, blocks and tokens' bytes: its
+    iterations and programs those the lengths' tiles give (a program of no tile returns at once)."""
+    full_programs, full_iterations = _sequence_tiles(launch.kernel, launch.meta, setting.seq)
+    tiles = [_sequence_tiles(launch.kernel, launch.meta, n) for n in lengths]
+    per_head = work.iterations / (setting.batch * full_iterations)
+    iterations = per_head * sum(i for _, i in tiles)
+    if launch.meta.get("PERSISTENT"):
+        programs = min(int(per_head * len(lengths)), gpu.sms)  # a program an SM over (sequence, head) items
+    else:
+        programs = int(round(work.programs / (setting.batch * full_programs) * sum(p for p, _ in tiles)))
+    return replace(work, iterations=iterations, programs=programs)
+
+
 def priced_ops() -> Tuple[str, ...]:
     """The ops whose kernels the model predicts one by one: bertfast.registry's attention and row ops
     (the MLM head is priced as its GEMMs, the optimizers per parameter byte: bertfast.perfmodel.step)."""

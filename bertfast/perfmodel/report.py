@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from bertfast import registry
 from bertfast.bench.targets import ATTENTION_TFLOPS, ROW_OP_BANDWIDTH  # the run's thresholds, read of the prediction
 from bertfast.perfmodel import cuda as CU
+from bertfast.perfmodel import finetune as FT
 from bertfast.perfmodel import head as HEAD
 from bertfast.perfmodel import kernels as K
 from bertfast.perfmodel import reach as R
@@ -75,10 +76,13 @@ _COMPILED: Dict[Tuple, K.Compiled] = {}  # one compile per kernel variant and co
 
 def analyse(settings: Sequence[K.Setting], gpu: Gpu = H100, log=print,
             tuned: Optional[Dict[str, Dict[Tuple, str]]] = None,
-            ops: Optional[Sequence[str]] = None, dq_mode: str = "deterministic") -> List[KernelResult]:
+            ops: Optional[Sequence[str]] = None, dq_mode: str = "deterministic",
+            lengths: Optional[Sequence[int]] = None) -> List[KernelResult]:
     """Compile, read and predict every modelled kernel launch (of ``ops``, default every priced op) at
     each setting, for ``gpu``: each kernel's first candidate, or the config ``tuned`` names (a GPU
-    run's choices: Profile.tuned); the attention's backward in ``dq_mode`` (kernels.record)."""
+    run's choices: Profile.tuned); the attention's backward in ``dq_mode`` (kernels.record). With
+    ``lengths``, the attention's kernels work on sequences of those lengths padded to the setting's
+    (kernels.at_lengths), their results still labelled with the setting."""
     compiled = _COMPILED
     results: List[KernelResult] = []
     with K.offline_triton():
@@ -94,6 +98,8 @@ def analyse(settings: Sequence[K.Setting], gpu: Gpu = H100, log=print,
                     compiled[key] = K.compile_launch(launch)
                 done = compiled[key]
                 work = K.WORK[launch.kernel](setting, launch, gpu)
+                if lengths is not None and launch.op == "attention":
+                    work = K.at_lengths(work, launch, setting, lengths, gpu)
                 work.registers, work.shared_bytes = done.registers, done.shared_bytes
                 prediction = predict(done.function, work, gpu)
                 if done.spills:  # local-memory traffic the model does not price
@@ -231,6 +237,10 @@ def targets(results: Sequence[KernelResult], gpu: Gpu = H100) -> List[Dict[str, 
         out.append({"name": f"{case.name} MFU", "predicted": 100 * plan["mfu"], "target": 100 * case.target_mfu,
                     "unit": "% MFU (device time; a CUDA-graph step)", "met": plan["mfu"] >= case.target_mfu,
                     "ceiling": 100 * plan["ceiling"]["mfu"]})
+    for case in FT.cases():  # the padded batch's attention at its lengths: the full batch's launches
+        padded = analyse([FT.full_setting(*case)], gpu, log=lambda m: None, ops=["attention"],
+                         lengths=FT.lengths(*case))
+        out.append(FT.target(FT.plan(results, padded, case, gpu)))
     return out
 
 
@@ -424,7 +434,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                   "(bertfast/bench/profile.py's <impl>.txt)", file=sys.stderr)
             return 2
     settings = list(TARGET_SETTINGS) + [c.setting for c in S.STEP_CASES if c.setting not in TARGET_SETTINGS]
-    results = analyse(settings)
+    results = analyse(settings + [FT.full_setting(*case) for case in FT.cases()])  # and the fine-tuning's
     gpu = H100
     print(f"\nPredicted for an {gpu.name} ({gpu.sms} SMs at {gpu.clock_hz / 1e9:.2f} GHz, "
           f"{gpu.achievable_hbm_bytes_per_s / 1e12:.1f} TB/s achievable, memory latency "
@@ -529,6 +539,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     goals = targets(results)
     for line in (t for t in goals if "plan" in t):  # the MLM heads'
         print("\n" + "\n".join(HEAD.describe(line)))
+    for line in (t for t in goals if "finetune" in t):
+        print("\n" + "\n".join(FT.describe(line["finetune"])))
     if not args.no_measured:  # the speedup targets and the MLM head's, as the filed runs' baselines set them
         from bertfast.bench.readme import filed_runs
         predictions = {}

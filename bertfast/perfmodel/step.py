@@ -35,6 +35,9 @@ ones before (the GEMM weights' in their GEMMs, 4 bytes per parameter; the others
 add, 12: ``accumulation_bytes``). ``budget(..., accumulation=1)`` is the
 single micro-batch step a GPU run profiles.
 
+A case with ``head="classification"`` is BertForSequenceClassification's step instead (perfmodel/finetune.py):
+no MLM head, a two-way classifier in NSP's place.
+
 Predicted device time, sequences per second and MFU (model FLOPs / time / the dense bf16 peak).
 Host time is not in it: a step launched from Python eagerly can take far longer (the GPU runs
 measured it), which `bertfast pretrain --cuda-graphs` removes.
@@ -68,9 +71,10 @@ HEAD_LINES = ("loss", "bias gradient", "gather, scatter", "transform", "weight g
 @dataclass(frozen=True)
 class StepCase:
     setting: K.Setting
-    target_mfu: float
+    target_mfu: Optional[float]  # None: a step no MFU target is about (perfmodel/finetune.py's)
     name: str
     accumulation: int = 1  # micro-batches of setting.batch per optimizer step
+    head: str = "pretraining"  # or "classification": BertForSequenceClassification's step, two labels
 
 
 # The MFU targets (benchmarks/README): phase 1 and 2 of BERT-large, phase 1 of BERT-base, at a global
@@ -84,11 +88,14 @@ STEP_CASES = tuple(StepCase(K.Setting(model, seq, batch, 0.1), MFU[model, seq],
                                                    ("bert-base", 128, 128, "BERT-base phase 1")))
 
 
-def parameters(hidden: int, ffn: int, layers: int, vocab: int = VOCAB, positions: int = POSITIONS) -> int:
-    """BertForPreTraining's parameters (the decoder weight tied to the word embeddings)."""
+def parameters(hidden: int, ffn: int, layers: int, vocab: int = VOCAB, positions: int = POSITIONS,
+               head: str = "pretraining") -> int:
+    """BertForPreTraining's parameters (the decoder weight tied to the word embeddings), or with
+    head="classification" BertForSequenceClassification's (two labels)."""
     per_layer = 4 * hidden * hidden + 4 * hidden + 2 * hidden * ffn + ffn + hidden + 4 * hidden
     embeddings = (vocab + positions + TYPES) * hidden + 2 * hidden
-    heads = hidden * hidden + hidden + hidden * hidden + 3 * hidden + vocab + 2 * hidden + 2
+    pooler, two_way = hidden * hidden + hidden, 2 * hidden + 2  # NSP's, or the classifier's
+    heads = pooler + two_way + (hidden * hidden + 3 * hidden + vocab if head == "pretraining" else 0)
     return layers * per_layer + embeddings + heads
 
 
@@ -98,14 +105,14 @@ def working_copies(hidden: int, ffn: int, layers: int) -> int:
     return layers * (4 * hidden * hidden + 4 * hidden + 2 * hidden * ffn + ffn + hidden)
 
 
-def model_flops(setting: K.Setting) -> Tuple[float, float]:
+def model_flops(setting: K.Setting, head: str = "pretraining") -> Tuple[float, float]:
     """(step FLOPs, of which attention) as bertfast.model.mfu counts them, full-length sequences."""
     from bertfast.model.config import BertConfig
     from bertfast.model.mfu import bert_forward_flops_from_counts, training_step_flops
     config = BertConfig.preset(setting.model)
     masked = setting.batch * MASKED_PER_SEQUENCE.get(setting.seq, math.ceil(0.15 * setting.seq))
     forward = bert_forward_flops_from_counts(config, setting.tokens, setting.batch * setting.seq ** 2, setting.batch,
-                                             "pretraining", masked)
+                                             head, masked)
     attention = config.num_hidden_layers * 4.0 * setting.batch * setting.seq ** 2 * config.hidden_size
     return training_step_flops(forward), training_step_flops(attention)
 
@@ -134,7 +141,7 @@ def attention_launches(results, setting: K.Setting) -> Dict[str, object]:
     return found
 
 
-def _bias_grad_rows(seqlen: int, one_pass: bool) -> int:
+def bias_grad_rows(seqlen: int, one_pass: bool) -> int:
     """Rows of the QKV bias gradient's partials per sequence on a GPU (kernels/attention.py), bf16,
     head dim 64."""
     import torch
@@ -200,27 +207,29 @@ def budget(results, case: StepCase, gpu: Gpu, accumulation: Optional[int] = None
     hidden, _, ffn = MODELS[s.model]
     layers = LAYERS[s.model]
     tokens = s.tokens
-    masked = s.batch * MASKED_PER_SEQUENCE.get(s.seq, math.ceil(0.15 * s.seq))
-    params = parameters(hidden, ffn, layers)
+    pretraining = case.head == "pretraining"
+    masked = s.batch * MASKED_PER_SEQUENCE.get(s.seq, math.ceil(0.15 * s.seq)) if pretraining else 0
+    params = parameters(hidden, ffn, layers, head=case.head)
     copies = working_copies(hidden, ffn, layers)
-    cast_grads = hidden * hidden + hidden + 2 * hidden + 2  # through F.linear under autocast: bf16, then cast
-    flops, attention_flops = model_flops(s)
+    # the pooler's and NSP's (or the classifier's): through F.linear under autocast, bf16, then cast
+    cast_grads = hidden * hidden + hidden + 2 * hidden + 2
+    flops, attention_flops = model_flops(s, case.head)
     bw = gpu.achievable_hbm_bytes_per_s
     attention_kernels = attention_launches(results, s)
     attention = sum(r.prediction.predicted_s for r in attention_kernels.values())
     # The QKV bias gradient's partials (kernels/attention.py): zero-filled, written by the attention's
     # backward kernels, read back by a column sum.
     one_pass = "_attention_bwd_fused_kernel" in attention_kernels
-    partial_bytes = s.batch * _bias_grad_rows(s.seq, one_pass) * 3 * hidden * 4.0
+    partial_bytes = s.batch * bias_grad_rows(s.seq, one_pass) * 3 * hidden * 4.0
     bias_grad = 2 * partial_bytes / bw + gpu.memory_latency_s
     launches = layers * (KERNELS_PER_LAYER_BESIDE_ATTENTION + len(attention_kernels) + 2) + 20
     rows = sum(_predicted(results, s, k, v) for k, v in ROW_KERNELS)
     embeddings = sum(_predicted(results, s, k) for k in EMBEDDING_KERNELS)
     ffn_gemms, floors = ffn_gemm_seconds(results, s, gpu)
     fused_flops = layers * 2 * 2.0 * tokens * hidden * ffn  # the two GEMMs with GELU epilogues
-    head_plan = HEAD.lines(hidden, tokens, VOCAB, act_bytes=2, weight_bytes=4, gpu=gpu, rows=masked)
-    head = {i["name"]: i["seconds"] for i in head_plan["items"]}
-    head_s = sum(head[name] for name in HEAD_LINES)
+    head = ({i["name"]: i["seconds"] for i in HEAD.lines(hidden, tokens, VOCAB, act_bytes=2, weight_bytes=4,
+                                                          gpu=gpu, rows=masked)["items"]} if pretraining else {})
+    head_s = sum(head[name] for name in HEAD_LINES) if pretraining else 0.0
     gemm_flops = flops - attention_flops - fused_flops
     items = [
         ("GEMMs", gemm_flops / gpu.gemm_flops,
@@ -233,8 +242,9 @@ def budget(results, case: StepCase, gpu: Gpu, accumulation: Optional[int] = None
          f"{layers} x {attention * 1e6:.0f} us ({', '.join(ATTENTION_KERNELS.get(k, k) for k in attention_kernels)})"),
         ("row ops", layers * rows + embeddings,
          f"{layers} x {rows * 1e6:.0f} us (2 x residual LayerNorm, fwd+bwd) + embeddings {embeddings * 1e6:.0f} us"),
-        ("MLM head", head_s, f"{masked} rows x {VOCAB} logits: {', '.join(HEAD_LINES)} (perfmodel/head.py, "
-         "for fp32 weights: its GEMMs are in the GEMMs line, its weight's cast in the weight casts)"),
+        *([("MLM head", head_s, f"{masked} rows x {VOCAB} logits: {', '.join(HEAD_LINES)} (perfmodel/head.py, "
+            "for fp32 weights: its GEMMs are in the GEMMs line, its weight's cast in the weight casts)")]
+          if pretraining else []),
         ("AdamW", (28.0 * params + 2.0 * copies) / bw,
          f"{params / 1e6:.0f}M parameters x 28 bytes, and the bf16 working copies of {copies / 1e6:.0f}M "
          "(the encoder's GEMM weights) x 2"),
@@ -244,8 +254,8 @@ def budget(results, case: StepCase, gpu: Gpu, accumulation: Optional[int] = None
         ("weight casts", (6.0 * (params - copies) + 6.0 * cast_grads) / bw,
          f"bf16 casts every forward of the {(params - copies) / 1e6:.0f}M fp32 weights without a working copy "
          "(the embeddings, heads, pooler, LayerNorms: 6 B each); the gradients come fp32 from their GEMMs "
-         f"(bertfast.model.residual_linear) and kernels, but {cast_grads / 1e6:.1f}M (the pooler's, NSP's) "
-         "cast from bf16"),
+         f"(bertfast.model.residual_linear) and kernels, but {cast_grads / 1e6:.1f}M (the pooler's, "
+         f"{'NSP' if pretraining else 'the classifier'}'s) cast from bf16"),
         ("QKV bias grad", layers * bias_grad,
          f"{layers} x the {partial_bytes / 1e6:.1f} MB of fp32 partials the attention's backward writes, "
          f"zero-filled and summed by a column sum (one memory latency), where a column sum of the QKV gradient "
@@ -275,7 +285,8 @@ def budget(results, case: StepCase, gpu: Gpu, accumulation: Optional[int] = None
     best["row ops"] = accumulation * (layers * row_bytes + embedding_bytes) / bw
     for name in REMOVABLE:
         best[name] = 0.0
-    best["MLM head"] = accumulation * sum(head[name] for name in HEAD_LINES if name in HEAD.STRUCTURAL)
+    if pretraining:
+        best["MLM head"] = accumulation * sum(head[name] for name in HEAD_LINES if name in HEAD.STRUCTURAL)
     ceiling = sum(best.values())
     step_flops = accumulation * flops
     return {"case": case.name, "setting": s.label(), "accumulation": accumulation,
