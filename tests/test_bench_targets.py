@@ -131,9 +131,10 @@ def test_speedup_target_not_met_says_what_it_asks():
 
 
 def test_each_threshold_is_stated_once_and_read_by_the_perf_model():
-    """The targets' texts, written from bench.targets' thresholds, state the issue's numbers, and the
+    """The targets' texts, written from bench/thresholds.py, state the issue's numbers, and the
     performance model holds its predictions to the same thresholds (none of its own)."""
     from bertfast.bench import targets as T
+    from bertfast.bench import thresholds
     from bertfast.perfmodel import head as HEAD
     from bertfast.perfmodel import report as PR
     from bertfast.perfmodel import step as S
@@ -143,6 +144,7 @@ def test_each_threshold_is_stated_once_and_read_by_the_perf_model():
     assert "within 15% of" in text["finetune_padding"] and ">= 90% of" in text["row_ops_bandwidth"]
     assert ">= 215 TFLOP/s" in text["attention_tflops"] and "within 1.25x" in text["mlm_head_loss_floor"]
     assert ">= 5x the full-sequence head" in text["mlm_head_loss_vs_full"]
+    assert T.MFU is thresholds.MFU and T.FINETUNE_RATIO == thresholds.FINETUNE_RATIO
     assert {(c.setting.model, c.setting.seq): c.target_mfu for c in S.STEP_CASES} == T.MFU
     assert (HEAD.TARGET, PR.ATTENTION_TFLOPS, PR.ROW_OP_BANDWIDTH) == (T.MLM_HEAD_FLOOR, T.ATTENTION_TFLOPS,
                                                                        T.ROW_OP_BANDWIDTH)

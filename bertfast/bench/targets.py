@@ -20,16 +20,10 @@ from bertfast.bench.options import GLOBAL_BATCH
 from bertfast.bench.results import (BERTFAST, BERTFAST_GRAPHS, BERTFAST_STATIC, FAILED_PARITY, FULL_HEAD,
                                     GEMM_FLOOR, HF_COMPILED, HF_EAGER, SDPA_CUDNN, SDPA_FLASH, SDPA_MEM_EFFICIENT,
                                     Row, Run, is_fast_impl)
+from bertfast.bench.thresholds import (ATTENTION_TFLOPS, FINETUNE_RATIO, MFU, MLM_HEAD_FLOOR, MLM_HEAD_VS_FULL,
+                                       ROW_OP_BANDWIDTH)  # the thresholds: bench/thresholds.py
 
 MET, NOT_MET, NOT_MEASURED = "met", "not met", "not measured"
-# The targets' thresholds (benchmarks/README.md), one number each: this module evaluates a run against
-# them and the performance model (bertfast/perfmodel) its predictions.
-MFU = {("bert-large", 128): 0.50, ("bert-base", 128): 0.50, ("bert-large", 512): 0.45}  # (model, seq): of the peak
-FINETUNE_RATIO = 0.85  # padded real tokens/s within 15% of unpadded
-ROW_OP_BANDWIDTH = 0.90  # of the measured copy bandwidth, each row op forward and backward
-ATTENTION_TFLOPS = 215.0  # FlashAttention-2's published H100 fwd+bwd figure (head dim 64, seq 512)
-MLM_HEAD_VS_FULL = 5.0  # at least, in time and in peak memory, against the full-sequence head
-MLM_HEAD_FLOOR = 1.25  # at most this many times its own GEMMs' time
 ATTENTION_CASE = {"head_dim": 64, "seqlen": 512, "padding": "none", "dropout": 0.1}  # the kernel suite's, any batch
 
 

@@ -83,7 +83,7 @@ def plan(results, padded_attention, case: Tuple[str, int, int], gpu: Gpu) -> Dic
 
 def target(p: Dict[str, object]) -> Dict[str, object]:
     """The plan's target line (report.targets' form)."""
-    from bertfast.bench.targets import FINETUNE_RATIO
+    from bertfast.bench.thresholds import FINETUNE_RATIO
     model, seq, batch = p["case"]
     name = {"bert-large": "BERT-large", "bert-base": "BERT-base"}.get(model, model)
     return {"name": f"fine-tuning {name} seq {seq}: a batch of {batch} at mean length 50% against the same "

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional, Tuple
 
-from bertfast.bench.targets import MLM_HEAD_FLOOR as TARGET  # at most this many times its GEMM floor
+from bertfast.bench.thresholds import MLM_HEAD_FLOOR as TARGET  # at most this many times its GEMM floor
 from bertfast.perfmodel.hardware import H100, Gpu
 
 MASKED = 0.15      # labelled share of the tokens: the kernel suite's case (round(0.15 * tokens) rows)

@@ -118,7 +118,7 @@ class HeadAsk:
 
     @property
     def needed_ms(self) -> float:
-        from bertfast.bench.targets import MLM_HEAD_VS_FULL
+        from bertfast.bench.thresholds import MLM_HEAD_VS_FULL
         return self.full_ms / MLM_HEAD_VS_FULL
 
 
@@ -152,7 +152,7 @@ def head_priced(asks: Sequence[HeadAsk]) -> List[Dict[str, object]]:
     run's GPU (head.lines at the case's tokens and labelled rows, bf16 parameters as the kernel suite
     times it), against MLM_HEAD_VS_FULL; its ceiling over the head at its ceiling's lines."""
     from bertfast.bench.results import FULL_HEAD
-    from bertfast.bench.targets import MLM_HEAD_VS_FULL
+    from bertfast.bench.thresholds import MLM_HEAD_VS_FULL
     out = []
     for ask in asks:
         gpu = device_gpu(ask.device)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from bertfast import registry
-from bertfast.bench.targets import ATTENTION_TFLOPS, ROW_OP_BANDWIDTH  # the run's thresholds, read of the prediction
+from bertfast.bench.thresholds import ATTENTION_TFLOPS, ROW_OP_BANDWIDTH
 from bertfast.perfmodel import cuda as CU
 from bertfast.perfmodel import finetune as FT
 from bertfast.perfmodel import head as HEAD

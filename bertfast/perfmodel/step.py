@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from bertfast.bench.options import GLOBAL_BATCH
-from bertfast.bench.targets import MFU
+from bertfast.bench.thresholds import MFU
 from bertfast.perfmodel import head as HEAD
 from bertfast.perfmodel import kernels as K
 from bertfast.perfmodel.hardware import Gpu
