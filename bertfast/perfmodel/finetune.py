@@ -1,12 +1,13 @@
 """The fine-tuning target predicted: a padded batch (mean length 50% of max) within 15% of the same
-real tokens without padding, in real tokens per second (bench.targets.FINETUNE_RATIO), at the model
-suite's fine-tuning cases and on their batches (bench.model_suite.GPU_CASES, bench.common's lengths:
-pairs l, S - l).
+real tokens without padding, in real tokens per second (bench.thresholds.FINETUNE_RATIO), at the
+model suite's fine-tuning cases and on their batches (bench.model_suite.GPU_CASES, bench.common's
+lengths: pairs l, S - l).
 
 bertfast's encoder takes a padded batch unpadded (bertfast/model/layout.py): the embeddings, the
 GEMMs and the row ops run over the real tokens, alike for the padded batch of B sequences and for
-the B / 2 full ones that hold its tokens. The full batch's step is step.budget's (BertForSequenceClassification:
-one batch, AdamW, clipping); the padded batch's is that step with what differs priced again:
+the B / 2 full ones that hold its tokens. The full batch's step is step.budget's
+(BertForSequenceClassification: one batch, AdamW, clipping); the padded batch's is that step with
+what differs priced again:
 
 - the attention, its kernels predicted at the padded batch's lengths (kernels.at_lengths): a tile
   a short sequence fills in part costs a whole one, and twice the sequences are twice the programs;
