@@ -21,7 +21,7 @@ from bertfast.bench.results import (BERTFAST, BERTFAST_GRAPHS, BERTFAST_STATIC, 
                                     GEMM_FLOOR, HF_COMPILED, HF_EAGER, SDPA_CUDNN, SDPA_FLASH, SDPA_MEM_EFFICIENT,
                                     Row, Run, is_fast_impl)
 from bertfast.bench.thresholds import (ATTENTION_TFLOPS, FINETUNE_RATIO, MFU, MLM_HEAD_FLOOR, MLM_HEAD_VS_FULL,
-                                       ROW_OP_BANDWIDTH)  # the thresholds: bench/thresholds.py
+                                       MODEL_NAMES, ROW_OP_BANDWIDTH)  # the thresholds: bench/thresholds.py
 
 MET, NOT_MET, NOT_MEASURED = "met", "not met", "not measured"
 ATTENTION_CASE = {"head_dim": 64, "seqlen": 512, "padding": "none", "dropout": 0.1}  # the kernel suite's, any batch
@@ -291,16 +291,13 @@ SPEEDUP_TARGETS: Tuple[Tuple[str, str, str, float], ...] = (
 _BASELINE_TEXT = {HF_EAGER: "transformers eager (sdpa)", HF_COMPILED: "transformers under torch.compile"}
 
 
-_NAMES = {"bert-large": "BERT-large", "bert-base": "BERT-base"}
-
-
 def speedup_text(model: str, baseline: str, speedup: float) -> str:
-    return f"{_NAMES[model]} seq-128 step >= {speedup:g}x {_BASELINE_TEXT[baseline]}"
+    return f"{MODEL_NAMES[model]} seq-128 step >= {speedup:g}x {_BASELINE_TEXT[baseline]}"
 
 
 # (id, the target as stated, how to evaluate it on a run)
 TARGETS: List[Tuple[str, str, Callable[[Run], Outcome]]] = [
-    *((f"mfu_{model[5:]}_{seq}", f"{_NAMES[model]} seq-{seq} training step >= {mfu:.0%} MFU",
+    *((f"mfu_{model[5:]}_{seq}", f"{MODEL_NAMES[model]} seq-{seq} training step >= {mfu:.0%} MFU",
        _model_mfu(model, seq, mfu)) for (model, seq), mfu in MFU.items()),
     *((tid, speedup_text(model, baseline, k), _model_speedup(model, baseline, k))
       for tid, model, baseline, k in SPEEDUP_TARGETS),

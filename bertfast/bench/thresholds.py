@@ -9,3 +9,4 @@ ROW_OP_BANDWIDTH = 0.90  # of the measured copy bandwidth, each row op forward a
 ATTENTION_TFLOPS = 215.0  # FlashAttention-2's published H100 fwd+bwd figure (head dim 64, seq 512)
 MLM_HEAD_VS_FULL = 5.0  # at least, in time and in peak memory, against the full-sequence head
 MLM_HEAD_FLOOR = 1.25  # at most this many times its own GEMMs' time
+MODEL_NAMES = {"bert-large": "BERT-large", "bert-base": "BERT-base"}  # the targets' models, as their texts name them

@@ -69,7 +69,7 @@ def plan(results, padded_attention, case: Tuple[str, int, int], gpu: Gpu) -> Dic
                  layers * sum(r.prediction.predicted_s for r in at_lengths.values()))
     one_pass = "_attention_bwd_fused_kernel" in full
     bw = gpu.achievable_hbm_bytes_per_s
-    partials = layers * 2 * (batch - setting.batch) * S.bias_grad_rows(seq, one_pass) * 3 * hidden * 4.0 / bw
+    partials = layers * 2 * S.bias_grad_bytes(batch - setting.batch, seq, hidden, one_pass) / bw
     row = 2.0 * hidden  # bytes of a bf16 row
     # forward: 2T rows zero-filled, T read and written; backward: T more rows zero-filled, T gathered
     pad_bytes = (2 * tokens + 2 * tokens) * row + (tokens + 2 * tokens) * row
@@ -84,9 +84,9 @@ def plan(results, padded_attention, case: Tuple[str, int, int], gpu: Gpu) -> Dic
 
 def target(p: Dict[str, object]) -> Dict[str, object]:
     """The plan's target line (report.targets' form)."""
-    from bertfast.bench.thresholds import FINETUNE_RATIO
+    from bertfast.bench.thresholds import FINETUNE_RATIO, MODEL_NAMES
     model, seq, batch = p["case"]
-    name = {"bert-large": "BERT-large", "bert-base": "BERT-base"}.get(model, model)
+    name = MODEL_NAMES.get(model, model)
     return {"name": f"fine-tuning {name} seq {seq}: a batch of {batch} at mean length 50% against the same "
                     f"{p['tokens']:,} real tokens as {p['full_sequences']} full sequences, real tokens/s",
             "predicted": p["ratio"], "target": FINETUNE_RATIO, "unit": "x (padded over unpadded)",

@@ -69,13 +69,16 @@ def speedup_asks(runs: Sequence[Tuple[object, str]]) -> List[Ask]:
                          if r.impl == baseline and r.ok and r.metric("mfu_datasheet")), None)
             if base is None:
                 continue
-            copy = run.device.copy_bandwidth_gbps
             asks[tid, run.device.name] = Ask(
-                tid, speedup_text(model, baseline, speedup), model, speedup,
-                {"name": run.device.name, "copy_bandwidth_gbps": {"median": copy.median} if copy else None},
-                where, base.time_ms.median, base.metric("mfu_datasheet"), int(base.case.get("micro_batches") or 1),
-                global_batch(base))
+                tid, speedup_text(model, baseline, speedup), model, speedup, _device(run), where, base.time_ms.median,
+                base.metric("mfu_datasheet"), int(base.case.get("micro_batches") or 1), global_batch(base))
     return list(asks.values())
+
+
+def _device(run) -> Dict[str, object]:
+    """A run's device as hardware.device_gpu reads it: its name and the copy bandwidth it measured."""
+    copy = run.device.copy_bandwidth_gbps
+    return {"name": run.device.name, "copy_bandwidth_gbps": {"median": copy.median} if copy else None}
 
 
 def step_case(model: str) -> S.StepCase:
@@ -140,10 +143,7 @@ def head_asks(runs: Sequence[Tuple[object, str]]) -> List[HeadAsk]:
             memory = (full.memory.peak_delta_bytes / fast.memory.peak_delta_bytes
                       if fast is not None and fast.memory is not None and full.memory is not None
                       and fast.memory.peak_delta_bytes > 0 else None)
-            copy = run.device.copy_bandwidth_gbps
-            asks[key] = HeadAsk(dict(full.case), {"name": run.device.name,
-                                                  "copy_bandwidth_gbps": {"median": copy.median} if copy else None},
-                                where, full.time_ms.median, floor, memory)
+            asks[key] = HeadAsk(dict(full.case), _device(run), where, full.time_ms.median, floor, memory)
     return sorted(asks.values(), key=lambda a: (str(a.device["name"]), -int(a.case.get("hidden") or 0)))
 
 
@@ -152,7 +152,7 @@ def head_priced(asks: Sequence[HeadAsk]) -> List[Dict[str, object]]:
     run's GPU (head.lines at the case's tokens and labelled rows, bf16 parameters as the kernel suite
     times it), against MLM_HEAD_VS_FULL; its ceiling over the head at its ceiling's lines."""
     from bertfast.bench.results import FULL_HEAD
-    from bertfast.bench.thresholds import MLM_HEAD_VS_FULL
+    from bertfast.bench.thresholds import MLM_HEAD_VS_FULL, MODEL_NAMES
     out = []
     for ask in asks:
         gpu = device_gpu(ask.device)
@@ -160,7 +160,8 @@ def head_priced(asks: Sequence[HeadAsk]) -> List[Dict[str, object]]:
         plan = HEAD.lines(int(case["hidden"]), int(case["tokens"]), int(case.get("vocab", HEAD.VOCAB)),
                           act_bytes=2, weight_bytes=2, gpu=gpu, rows=int(case["predictions"]))
         predicted_ms = plan["seconds"] * 1e3
-        model = {"bert-large": "BERT-large", "bert-base": "BERT-base"}.get(str(case.get("model")), case.get("model"))
+        speedup = ask.full_ms / predicted_ms
+        model = MODEL_NAMES.get(str(case.get("model")), case.get("model"))
         at_floor = ("" if ask.floor_ms is None else
                     f"; at the run's measured GEMM floor ({ask.floor_ms:.2f} ms, "
                     f"{ask.floor_ms / (plan['floor_s'] * 1e3):.1f}x the model's) times the predicted ratio "
@@ -171,8 +172,7 @@ def head_priced(asks: Sequence[HeadAsk]) -> List[Dict[str, object]]:
                             f"{ask.device['name']}: {ask.needed_ms:.2f} ms, as the full head's {ask.full_ms:.2f} ms "
                             f"sets it ({os.path.basename(ask.run)}{memory}); the head predicted {predicted_ms:.2f} ms "
                             "on that GPU" + at_floor,
-                    "predicted": ask.full_ms / predicted_ms, "target": MLM_HEAD_VS_FULL, "unit": "x",
-                    "met": ask.full_ms / predicted_ms >= MLM_HEAD_VS_FULL,
+                    "predicted": speedup, "target": MLM_HEAD_VS_FULL, "unit": "x", "met": speedup >= MLM_HEAD_VS_FULL,
                     "ceiling": ask.full_ms / (plan["floor_s"] * plan["ceiling"] * 1e3),
                     "ceiling_why": "the head at its ceiling: its GEMMs at the GEMM rate and only the lines no "
                                    "design around library GEMMs avoids (perfmodel/head.py)",

@@ -141,6 +141,12 @@ def attention_launches(results, setting: K.Setting) -> Dict[str, object]:
     return found
 
 
+def bias_grad_bytes(sequences: int, seqlen: int, hidden: int, one_pass: bool) -> float:
+    """Bytes of the QKV bias gradient's fp32 partials the attention's backward writes for ``sequences``
+    sequences (then read back by a column sum)."""
+    return sequences * bias_grad_rows(seqlen, one_pass) * 3 * hidden * 4.0
+
+
 def bias_grad_rows(seqlen: int, one_pass: bool) -> int:
     """Rows of the QKV bias gradient's partials per sequence on a GPU (kernels/attention.py), bf16,
     head dim 64."""
@@ -220,7 +226,7 @@ def budget(results, case: StepCase, gpu: Gpu, accumulation: Optional[int] = None
     # The QKV bias gradient's partials (kernels/attention.py): zero-filled, written by the attention's
     # backward kernels, read back by a column sum.
     one_pass = "_attention_bwd_fused_kernel" in attention_kernels
-    partial_bytes = s.batch * bias_grad_rows(s.seq, one_pass) * 3 * hidden * 4.0
+    partial_bytes = bias_grad_bytes(s.batch, s.seq, hidden, one_pass)
     bias_grad = 2 * partial_bytes / bw + gpu.memory_latency_s
     launches = layers * (KERNELS_PER_LAYER_BESIDE_ATTENTION + len(attention_kernels) + 2) + 20
     rows = sum(_predicted(results, s, k, v) for k, v in ROW_KERNELS)
