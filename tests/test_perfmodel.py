@@ -364,6 +364,13 @@ for name, text in (("second", candidates[1]), ("stale", "BLOCK_H=3 BLOCK_M=7 num
     launches = [x for x in K.record(setting, ("bias_dropout_residual_layernorm",), tuned)]
     out[name] = [{"kernel": x.kernel, "tuned": x.tuned, "meta": {k: str(v) for k, v in x.meta.items()}}
                  for x in launches]
+# every candidate of each call, and with a run's choice that one alone
+ops = ("bias_dropout_residual_layernorm",)
+second = {"_bias_dropout_residual_layernorm_fwd_kernel": {key: candidates[1]}}
+for name, tuned in (("every", None), ("every_tuned", second)):
+    out[name] = [{"kernel": x.kernel, "call": x.call, "candidates": x.candidates, "tuned": x.tuned,
+                  "meta": {k: str(v) for k, v in x.meta.items()}}
+                 for x in K.record(setting, ops, tuned, candidates=ops)]
 print(json.dumps(out))
 """
 
@@ -386,6 +393,17 @@ def test_the_model_predicts_the_config_a_gpu_run_tuned():
         assert {k: ln_fwd[0]["meta"][k] for k in expect} == expect, (name, ln_fwd[0])
         # the other launches (another key: no residual, the backward) keep their first candidates
         assert not any(x["tuned"] for x in out[name][1:])
+    # record(candidates=...): the call's every candidate, in the autotuner's order, one call number shared
+    every = out["every"]
+    first_call = [x for x in every if x["call"] == every[0]["call"]]
+    assert [x["kernel"] for x in first_call] == ["_bias_dropout_residual_layernorm_fwd_kernel"] * len(out["candidates"])
+    assert all(x["candidates"] == len(out["candidates"]) for x in first_call)
+    for launch, text in zip(first_call, out["candidates"]):
+        assert all(launch["meta"][k] == v for k, v in (item.split("=") for item in text.split()) if k.isupper())
+    assert len({x["call"] for x in every}) == len(out["second"])  # as many calls as the plain record's launches
+    # a call the run tuned keeps the run's choice alone
+    tuned_call = [x for x in out["every_tuned"] if x["call"] == 0]
+    assert len(tuned_call) == 1 and tuned_call[0]["tuned"] and tuned_call[0]["candidates"] == 1
 
 
 def test_a_persistent_one_pass_backward_is_priced_per_sequence_head_pair():
@@ -601,6 +619,16 @@ def test_perf_model_command_reads_every_kernel_and_reports_the_targets(tmp_path)
     assert not [k["kernel"] for k in data["kernels"] if any("spills" in n for n in k["prediction"]["notes"])]
     assert all(k["prediction"]["predicted_s"] > 0 for k in data["kernels"])
     assert "Predictions, not measurements" in res.stdout
+    # the attention's kernels at the candidate predicted fastest, their main loops replayed (schedule.py):
+    # a pass takes at least a clock an issue
+    looped = [k for k in data["kernels"] if k["op"] == "attention" and k["prediction"]["tensor_flops"]
+              and k["prediction"]["loop"]]
+    assert looped and any(k["candidates"] > 1 for k in looped)
+    for k in looped:
+        replay = k["prediction"]["schedule"]
+        assert replay["cycles_per_iteration"] >= replay["issued_per_iteration"] - 1
+        assert k["prediction"]["bounds_s"]["schedule"] > 0
+    assert all(k["candidates"] == 1 for k in data["kernels"] if k["op"] != "attention")
     # the CUDA attention's kernels beside Triton's (where nvcc compiles them; else a line says why not)
     from bertfast.perfmodel import cuda as CU
     cuda = {(r["setting"], r["kernel"]): r for r in data["cuda_attention"]}
@@ -634,6 +662,10 @@ def test_perf_model_command_reads_every_kernel_and_reports_the_targets(tmp_path)
     assert measured["profile"].endswith("profile-bertfast.txt") and measured["device"] == "NVIDIA H200"
     assert {r["kernel"] for r in measured["rows"]} >= {"_attention_fwd_kernel", "_bias_gelu_bwd_kernel"}
     assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in measured["rows"])
+    # the kernel suite's autotuned configs beside the candidates the model predicts fastest
+    choices = measured["suite"]["autotuner"]
+    assert choices and all(c["run"] and c["model"] and c["candidates"] > 1 for c in choices)
+    assert "the run's autotuner chose for" in res.stdout
     # fitted to the kernels whose source has not changed since the run: the row kernels' refitted
     # constants fit them at least as well as the assumed ones (a least-squares fit over a grid that
     # holds those), each within a factor of two (the H200 run of 2026-11-27's second loan: bias+GELU

@@ -127,3 +127,24 @@ def test_a_direction_whose_kernels_changed_since_the_run_is_shown_and_not_fitted
     # unchanged, the forward joins the fit and pulls the overlap up
     monkeypatch.setattr(report, "changed_since", lambda *a, **k: False)
     assert report.suite_comparison(run, log=lambda m: None)["overlap_fitted"] > 0.8
+
+
+def test_the_models_fastest_candidate_is_set_beside_the_runs_autotuner_choice():
+    """Each kernel the run tuned, its config beside the one the model predicts fastest among the same
+    candidates: a kernel the run did not tune (the delta kernel), or the model had no choice for, is not
+    compared."""
+    setting = K.Setting("bert-base", 512, 32, 0.1)
+    ran = [_result(setting, "_attention_fwd_kernel", 100), _result(setting, "_attention_bwd_dq_kernel", 100),
+           _result(setting, "_attention_bwd_delta_kernel", 20, tuned=False)]
+    ran[0].config, ran[1].config = "BLOCK_M=64 BLOCK_N=64 w=4", "BLOCK_M=64 BLOCK_N=64 w=4"
+    picked = [_result(setting, "_attention_fwd_kernel", 90), _result(setting, "_attention_bwd_dq_kernel", 80),
+              _result(setting, "_attention_bwd_delta_kernel", 20)]
+    picked[0].config, picked[0].candidates = "BLOCK_M=64 BLOCK_N=64 w=4", 5
+    picked[1].config, picked[1].candidates = "BLOCK_M=128 BLOCK_N=64 w=8", 4
+    rows = SU.autotuner_agreement(ran, picked)
+    assert [(r["kernel"], r["agree"]) for r in rows] == [("_attention_fwd_kernel", True),
+                                                         ("_attention_bwd_dq_kernel", False)]
+    assert rows[1]["run"] == "BLOCK_M=64 BLOCK_N=64 w=4" and rows[1]["model"] == "BLOCK_M=128 BLOCK_N=64 w=8"
+    assert rows[1]["candidates"] == 4
+    picked[1].candidates = 1  # the model tried one config: nothing to compare
+    assert len(SU.autotuner_agreement(ran, picked)) == 1

@@ -40,6 +40,10 @@ class Gpu:
     # bandwidth, at real lengths. Unloaded HBM latency on Hopper is roughly 0.5-0.7 us; queues under
     # load lengthen it (the H200 run's older LayerNorm backward put it at 1.2-2.4 us).
     memory_latency_s: float = 1.9e-6
+    # A global load's round trip as one warp sees it, for schedule.simulate (assumed: Hopper's L2 hits
+    # take about 260 clocks and HBM reads 500-700 unloaded; the attention's K and V tiles are read by
+    # every query block, mostly from L2).
+    global_latency_cycles: int = 600
     issue_per_clock: int = 4             # warp-instructions issued per clock per SM (4 schedulers, 1 each)
     registers_per_sm: int = 65536
     shared_per_sm: int = 228 * 1024

@@ -1,5 +1,6 @@
 """The kernels the performance model reads: each compiled for sm_90 offline at BERT's shapes, its
-first autotune candidate (the config ``BERTFAST_AUTOTUNE=0`` runs), with the work of one launch.
+first autotune candidate (the config ``BERTFAST_AUTOTUNE=0`` runs) or every candidate (record's
+``candidates``), with the work of one launch.
 
 Launches are recorded as the compile report records them (gpucheck.compile_report.bert_launches
 inside ``compile_only``: nothing runs), then compiled by Triton with the offline driver; the cubin
@@ -56,6 +57,8 @@ class Launch:
     compile: Callable[[], object]
     names: Tuple[str, ...]      # the kernel's parameter name of each argument
     tuned: bool = False         # meta holds the config a GPU run's autotuner chose, not the first candidate
+    call: int = 0               # which recorded call it is (record(candidates=...): one launch per candidate)
+    candidates: int = 1         # how many candidates were recorded for that call
 
     def unused_names(self) -> List[str]:
         """The parameters CONDITIONAL_ARGS says this launch's flags leave untouched."""
@@ -322,11 +325,13 @@ def priced_ops() -> Tuple[str, ...]:
 
 
 def record(setting: Setting, ops: Optional[Sequence[str]] = None,
-           tuned: Optional[Dict[str, Dict[Tuple, str]]] = None, dq_mode: str = "deterministic") -> List[Launch]:
+           tuned: Optional[Dict[str, Dict[Tuple, str]]] = None, dq_mode: str = "deterministic",
+           candidates: Sequence[str] = ()) -> List[Launch]:
     """Every kernel launch of ``ops`` (default: priced_ops()) at ``setting`` (varlen attention, head dim 64, its
     backward in ``dq_mode``, BERTFAST_ATTENTION_DQ's): the first candidate, or the config ``tuned`` (kernel ->
     tuning key -> config_text, a GPU run's autotuner's choices) names for the launch's key when it is still
-    among the candidates."""
+    among the candidates; for the ops in ``candidates`` (without such a choice), one launch per
+    candidate, their ``call`` shared."""
     from bertfast.gpucheck.compile_report import bert_launches
     from bertfast.kernels._common import COMPILE_OPTIONS, compile_only, config_text, key_values
 
@@ -336,17 +341,19 @@ def record(setting: Setting, ops: Optional[Sequence[str]] = None,
         op = case.split(" ", 1)[0]
 
         def keep(fn, grid, args, consts, configs, key, op=op):
-            meta = dict(consts)
             ran = (tuned or {}).get(fn.__name__, {}).get(key_values(key)) if key is not None else None
             chosen = next((c for c in configs if c is not None and config_text(c) == ran), None)
-            config = chosen or configs[0]
-            if config is not None:
-                meta.update(config.all_kwargs())
-            shape = grid(meta) if callable(grid) else grid
-            def compile_it(fn=fn, args=tuple(args), meta=meta):
-                return fn.warmup(*args, grid=(1,), **meta, **COMPILE_OPTIONS)
-            launches.append(Launch(op, fn.__name__, meta, tuple(int(g) for g in shape), tuple(args), compile_it,
-                                   tuple(fn.arg_names[:len(args)]), chosen is not None))
+            tried = [chosen] if chosen is not None else configs if op in candidates else configs[:1]
+            call = len({launch.call for launch in launches})
+            for config in tried:
+                meta = dict(consts)
+                if config is not None:
+                    meta.update(config.all_kwargs())
+                shape = grid(meta) if callable(grid) else grid
+                def compile_it(fn=fn, args=tuple(args), meta=meta):
+                    return fn.warmup(*args, grid=(1,), **meta, **COMPILE_OPTIONS)
+                launches.append(Launch(op, fn.__name__, meta, tuple(int(g) for g in shape), tuple(args), compile_it,
+                                       tuple(fn.arg_names[:len(args)]), chosen is not None, call, len(tried)))
         with compile_only(keep):
             call()
     return launches
@@ -362,7 +369,7 @@ class Compiled:
 
 
 def compile_launch(launch: Launch) -> Compiled:
-    """sm_90 SASS, registers and shared memory of one launch's first candidate (offline driver set)."""
+    """sm_90 SASS, registers and shared memory of one launch's config (offline driver set)."""
     from bertfast.gpucheck.compile_report import parse_ptxas
     log = io.StringIO()
     with contextlib.redirect_stdout(log):

@@ -18,28 +18,35 @@ only that resource limited it, and the waves:
   the grid allow). Reads then arrive at SMs x in-flight bytes /
   memory_latency_s at best: a kernel with few programs per SM is bound by latency, not bandwidth
   (the row kernels that ran two programs per SM measured 2-2.5x their bandwidth bound on the H200);
+- schedule: one SM sub-partition replaying the main loop as ptxas scheduled it, a clock at a time
+  (schedule.simulate): its warps' stall counts and scoreboard waits, which the other bounds treat as
+  hidden by other warps, with only the few warps the resident programs give it. Priced for loops with
+  tensor-core work (the attention), where one or two programs an SM leave latencies exposed; a row
+  kernel's exposed latency is the latency bound's;
 - waves: P programs spread over the SMs give some SMs ceil(P / SMs) programs and others
   one fewer, so the launch lasts as long as the busiest SM (the bounds are divided by that
   efficiency, (P / SMs) / ceil(P / SMs)). Programs resident per SM (registers, shared memory,
-  warps) are reported: one program of 4 warps per SM hides latency poorly, which this model does
-  not price.
+  warps) are reported: one program of 4 warps per SM hides latency poorly, which the schedule bound
+  prices.
 
 predicted = the largest of tensor, max(issue, pipe) and max(memory, latency) + overlap x the sum of the
-other two, each part divided by the wave efficiency except the memory part of a launch whose programs
-are all resident at once (HBM bandwidth is shared by the whole GPU: an SM with one program fewer does
-not slow the others' reads). ``overlap`` (hardware.Gpu) says how imperfectly the units overlap, 0
-being perfect: ``memory_overlap`` where memory binds a kernel without tensor-core work (a row
-kernel's arithmetic hides under its loads), ``overlap`` elsewhere (the attention, whatever binds
-it). These are estimates for planning, never measurements.
+other two, or the schedule bound where that is longer, each part divided by the wave efficiency
+except the memory part of a launch whose programs are all resident at once (HBM bandwidth is shared
+by the whole GPU: an SM with one program fewer does not slow the others' reads). ``overlap``
+(hardware.Gpu) says how imperfectly the units overlap, 0 being perfect: ``memory_overlap`` where
+memory binds a kernel without tensor-core work (a row kernel's arithmetic hides under its loads),
+``overlap`` elsewhere (the attention, whatever binds it). These are estimates for planning, never
+measurements.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from bertfast.perfmodel.hardware import H100, Gpu
 from bertfast.perfmodel.sass import Function, Instruction, class_counts
+from bertfast.perfmodel.schedule import Schedule, simulate
 
 
 @dataclass
@@ -77,13 +84,14 @@ class Prediction:
     predicted_s: float
     tensor_flops: float                # tensor-core FLOPs the launch runs (wgmma and mma.sync)
     notes: List[str] = field(default_factory=list)
+    schedule: Optional[Dict[str, object]] = None  # schedule.Schedule.to_dict() of the simulated main loop
 
     def to_dict(self) -> Dict[str, object]:
         return {"kernel": self.kernel, "loop": self.loop, "per_element": self.per_element, "bounds_s": self.bounds_s,
                 "parts_s": self.parts_s,
                 "binding": self.binding, "resident_per_sm": self.resident, "wave_efficiency": self.wave_efficiency,
                 "single_wave": self.single_wave, "predicted_s": self.predicted_s, "tensor_flops": self.tensor_flops,
-                "notes": self.notes}
+                "notes": self.notes, "schedule": self.schedule}
 
 
 def resident_per_sm(work: Work, gpu: Gpu = H100) -> int:
@@ -104,6 +112,10 @@ def _pipe_clocks(instructions: List[Instruction], gpu: Gpu) -> Dict[str, float]:
     for ins in instructions:
         if ins.cls == "shared":
             clocks["shared"] = clocks.get("shared", 0.0) + ins.access_bytes * 32 / gpu.shared_bytes_per_clock
+        elif ins.shared_operand_bytes:
+            # a wgmma reads its shared-memory operands through the same 128 bytes a clock (each of the
+            # warpgroup's 4 warps issues it: a quarter each)
+            clocks["shared"] = clocks.get("shared", 0.0) + ins.shared_operand_bytes / 4 / gpu.shared_bytes_per_clock
         else:
             for pipe in gpu.pipes.get(ins.cls, ()):
                 clocks[pipe] = clocks.get(pipe, 0.0) + 1.0 / gpu.pipe_rate[pipe]
@@ -149,6 +161,22 @@ def latency_bound(loop: List[Instruction], rest: List[Instruction], work: Work, 
     return read_bytes * gpu.memory_latency_s / in_flight
 
 
+def schedule_bound(loop: List[Instruction], rest: List[Instruction], work: Work, resident: int,
+                   gpu: Gpu = H100) -> Tuple[float, Optional[Schedule]]:
+    """(seconds, the simulation): the main loop's iterations at the simulated sub-partition's clocks a
+    pass, the programs an SM holds at once running side by side, and the instructions outside the loop
+    at their issue slots. (0, None) for a loop without tensor-core work or without control bits."""
+    if not any(ins.cls == "tensor" for ins in loop):
+        return 0.0, None
+    concurrent = max(1, min(resident, math.ceil(work.programs / gpu.sms)))
+    simulated = simulate(loop, work.warps, concurrent, gpu)
+    if simulated is None:
+        return 0.0, None
+    loop_s = work.iterations / (gpu.sms * concurrent) * simulated.cycles_per_iteration / gpu.clock_hz
+    rest_s = len(rest) * work.warps * work.programs / (gpu.issue_per_clock * gpu.sms * gpu.clock_hz)
+    return loop_s + rest_s, simulated
+
+
 def predict(function: Function, work: Work, gpu: Gpu = H100) -> Prediction:
     span, loop, rest = loop_and_rest(function)
     counts = class_counts(loop)
@@ -180,6 +208,9 @@ def predict(function: Function, work: Work, gpu: Gpu = H100) -> Prediction:
               "pipe": pipes.get(busiest, 0.0) / sm_clock,
               "memory": work.moved_bytes / gpu.achievable_hbm_bytes_per_s,
               "latency": latency_bound(loop, rest, work, resident, gpu)}
+    simulated = None
+    if span is not None:
+        bounds["schedule"], simulated = schedule_bound(loop, rest, work, resident, gpu)
     compute = max(bounds["issue"], bounds["pipe"])
     parts = {"tensor": bounds["tensor"], "compute": compute, "memory": max(bounds["memory"], bounds["latency"])}
     top = max(parts, key=parts.get)
@@ -189,8 +220,11 @@ def predict(function: Function, work: Work, gpu: Gpu = H100) -> Prediction:
     binding = {"compute": "issue" if bounds["issue"] >= bounds["pipe"] else busiest,
                "memory": "latency" if bounds["latency"] > bounds["memory"] else "memory"}.get(top, top)
     prediction = Prediction(function.name, span is not None, per_element, bounds, parts, binding, resident,
-                            efficiency, single_wave, 0.0, tensor_flops, notes)
+                            efficiency, single_wave, 0.0, tensor_flops, notes,
+                            simulated.to_dict() if simulated is not None else None)
     prediction.predicted_s = retime(prediction, gpu.overlap, gpu.memory_overlap)
+    if scheduled(prediction, gpu.overlap, gpu.memory_overlap):
+        prediction.binding = "schedule"
     return prediction
 
 
@@ -214,7 +248,32 @@ def retime(prediction: Prediction, overlap: float, memory_overlap: float, latenc
     the memory latency scaled by ``latency_factor``."""
     parts, top = _waved_parts(prediction, latency_factor)
     chosen = memory_overlap if streaming(prediction, latency_factor) else overlap
-    return parts[top] + chosen * (sum(parts.values()) - parts[top])
+    return max(parts[top] + chosen * (sum(parts.values()) - parts[top]),
+               prediction.bounds_s.get("schedule", 0.0) / prediction.wave_efficiency)
+
+
+def scheduled(prediction: Prediction, overlap: float, memory_overlap: float) -> bool:
+    """Whether the schedule bound sets the prediction's time under these constants."""
+    schedule_s = prediction.bounds_s.get("schedule", 0.0) / prediction.wave_efficiency
+    return schedule_s > 0 and retime(prediction, overlap, memory_overlap) == schedule_s
+
+
+def fit_constant(loss: Callable[[float], float], top: float = 10.0) -> float:
+    """The constant in [0, top] with the least ``loss``: a grid 0.01 apart, then a golden-section search
+    around its best point (the predictions are piecewise linear in an overlap, the schedule bound a
+    floor under them, so the loss need not be one parabola)."""
+    grid = [i / 100 for i in range(int(top * 100) + 1)]
+    best = min(grid, key=lambda x: (loss(x), x))
+    lo, hi = max(0.0, best - 0.01), min(top, best + 0.01)
+    ratio = (math.sqrt(5) - 1) / 2
+    for _ in range(60):
+        a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+        if loss(a) <= loss(b):
+            hi = b
+        else:
+            lo = a
+    mid = (lo + hi) / 2
+    return mid if round(loss(mid), 12) < round(loss(best), 12) else best
 
 
 def time_with_overlap(prediction: Prediction, overlap: float) -> float:

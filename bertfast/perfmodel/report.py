@@ -24,7 +24,7 @@ from bertfast.perfmodel import reach as R
 from bertfast.perfmodel import step as S
 from bertfast.perfmodel import suite as SU
 from bertfast.perfmodel.hardware import H100, Gpu
-from bertfast.perfmodel.model import Prediction, predict, retime, streaming, time_with_overlap
+from bertfast.perfmodel.model import Prediction, fit_constant, predict, retime, streaming, time_with_overlap
 from bertfast.perfmodel.runs import (REPO, RESULTS, Profile, changed_since, latest_profile, profiled_tokens,
                                      read_profile, run_gpu)
 
@@ -34,6 +34,10 @@ TARGET_SETTINGS = (K.Setting("bert-large", 512, 32, 0.1), K.Setting("bert-large"
 DROPOUT_COST_TARGET = 0.60        # dropout's extra main-loop instructions per element, fwd+bwd
 # Attention FLOPs credited per score element (4·D forward, 10·D backward; what the benchmark divides by).
 CREDITED = {"fwd": 4 * K.HEAD_DIM, "bwd": 10 * K.HEAD_DIM}
+# The ops whose every autotune candidate is predicted, the fastest kept, as a GPU run's autotuner keeps
+# the fastest it times: the attention, whose configs' occupancy decides what their schedules leave
+# exposed (schedule.py). The row kernels, bound by memory, keep their first candidate.
+TUNED_OPS = ("attention",)
 DIRECTION = {"_attention_fwd_kernel": "fwd", "_attention_bwd_delta_kernel": "bwd", "_attention_bwd_dq_kernel": "bwd",
              "_attention_bwd_dkdv_kernel": "bwd", "_attention_bwd_fused_kernel": "bwd"}
 
@@ -49,6 +53,7 @@ class KernelResult:
     hbm_bytes: float  # what the op must move (the prediction also prices its overhead: partial sums)
     prediction: Optional[Prediction]
     tuned: bool = False  # config is the one a GPU run's autotuner chose (else the first candidate)
+    candidates: int = 1  # the candidates predicted, the fastest kept (analyse's fastest); 1: the config as said
 
     def direction(self) -> str:
         if self.kernel in DIRECTION:
@@ -57,7 +62,8 @@ class KernelResult:
 
     def to_dict(self) -> Dict[str, object]:
         return {"setting": self.setting.label(), "op": self.op, "kernel": self.kernel, "variant": self.variant,
-                "config": self.config, "tuned": self.tuned, "registers": self.registers, "hbm_bytes": self.hbm_bytes,
+                "config": self.config, "tuned": self.tuned, "candidates": self.candidates,
+                "registers": self.registers, "hbm_bytes": self.hbm_bytes,
                 "prediction": None if self.prediction is None else self.prediction.to_dict()}
 
 
@@ -77,18 +83,21 @@ _COMPILED: Dict[Tuple, K.Compiled] = {}  # one compile per kernel variant and co
 def analyse(settings: Sequence[K.Setting], gpu: Gpu = H100, log=print,
             tuned: Optional[Dict[str, Dict[Tuple, str]]] = None,
             ops: Optional[Sequence[str]] = None, dq_mode: str = "deterministic",
-            lengths: Optional[Sequence[int]] = None) -> List[KernelResult]:
+            lengths: Optional[Sequence[int]] = None, fastest: Sequence[str] = ()) -> List[KernelResult]:
     """Compile, read and predict every modelled kernel launch (of ``ops``, default every priced op) at
     each setting, for ``gpu``: each kernel's first candidate, or the config ``tuned`` names (a GPU
-    run's choices: Profile.tuned); the attention's backward in ``dq_mode`` (kernels.record). With
-    ``lengths``, the attention's kernels work on sequences of those lengths padded to the setting's
-    (kernels.at_lengths), their results still labelled with the setting."""
+    run's choices: Profile.tuned), or for the ops in ``fastest`` every candidate, the one predicted
+    fastest kept (what a GPU run's autotuner does, were the predictions its timings); the attention's
+    backward in ``dq_mode`` (kernels.record). With ``lengths``, the attention's kernels work on
+    sequences of those lengths padded to the setting's (kernels.at_lengths), their results still
+    labelled with the setting."""
     compiled = _COMPILED
     results: List[KernelResult] = []
     with K.offline_triton():
         for setting in settings:
             start = time.perf_counter()
-            launches = K.record(setting, ops=ops, tuned=tuned, dq_mode=dq_mode)
+            launches = K.record(setting, ops=ops, tuned=tuned, dq_mode=dq_mode, candidates=fastest)
+            kept: Dict[int, Tuple[Tuple[bool, float], KernelResult]] = {}
             for launch in launches:
                 if launch.kernel not in K.WORK:
                     continue
@@ -104,9 +113,13 @@ def analyse(settings: Sequence[K.Setting], gpu: Gpu = H100, log=print,
                 prediction = predict(done.function, work, gpu)
                 if done.spills:  # local-memory traffic the model does not price
                     prediction.notes.append(f"spills {done.spills} bytes of registers")
-                results.append(KernelResult(setting, launch.op, launch.kernel, _variant(launch.meta),
-                                            _config(launch.meta), done.registers, work.hbm_bytes, prediction,
-                                            launch.tuned))
+                result = KernelResult(setting, launch.op, launch.kernel, _variant(launch.meta), _config(launch.meta),
+                                      done.registers, work.hbm_bytes, prediction, launch.tuned, launch.candidates)
+                # a candidate that spills or does not fit is slower than predicted (neither is priced)
+                rank = (bool(done.spills) or "does not fit" in " ".join(prediction.notes), prediction.predicted_s)
+                if launch.call not in kept or rank < kept[launch.call][0]:
+                    kept[launch.call] = (rank, result)
+            results.extend(kept[call][1] for call in sorted(kept))
             log(f"[perf-model] {setting.label()}: {len(launches)} launches read in "
                 f"{time.perf_counter() - start:.1f} s")
     return results
@@ -154,7 +167,8 @@ def atomic_dq_figures(deterministic: Sequence[KernelResult], gpu: Gpu = H100, lo
     """The attention at the targets' settings with the backward's atomic dQ (kernels/attention.py, "Atomic
     dQ"; BERTFAST_ATTENTION_DQ=atomic) beside the default, deterministic one (``deterministic``: analyse's
     results): its kernels' predictions and the fp32 accumulator's zero fill at the achievable bandwidth."""
-    results = analyse(TARGET_SETTINGS, gpu, log=lambda m: None, ops=["attention"], dq_mode="atomic")
+    results = analyse(TARGET_SETTINGS, gpu, log=lambda m: None, ops=["attention"], dq_mode="atomic",
+                      fastest=TUNED_OPS)
     rows = []
     for setting in TARGET_SETTINGS:
         plain = attention_figures(deterministic, setting)
@@ -237,9 +251,10 @@ def targets(results: Sequence[KernelResult], gpu: Gpu = H100) -> List[Dict[str, 
         out.append({"name": f"{case.name} MFU", "predicted": 100 * plan["mfu"], "target": 100 * case.target_mfu,
                     "unit": "% MFU (device time; a CUDA-graph step)", "met": plan["mfu"] >= case.target_mfu,
                     "ceiling": 100 * plan["ceiling"]["mfu"]})
-    for case in FT.cases():  # the padded batch's attention at its lengths: the full batch's launches
+    for case in FT.cases():  # the padded batch's attention at its lengths: the full batch's launches, tuned
+        # on the padded batch, as a fine-tuning run's autotuner tunes on its own first batch
         padded = analyse([FT.full_setting(*case)], gpu, log=lambda m: None, ops=["attention"],
-                         lengths=FT.lengths(*case))
+                         lengths=FT.lengths(*case), fastest=TUNED_OPS)
         out.append(FT.target(FT.plan(results, padded, case, gpu)))
     return out
 
@@ -299,20 +314,17 @@ def compare(results: Sequence[KernelResult], profile: Profile) -> List[Dict[str,
 
 def fit_overlap(rows: Sequence[Dict[str, object]]) -> Optional[float]:
     """The overlap constant of the kernels ``memory_overlap`` does not price, best fitting their measured
-    times, relative errors weighted alike (least squares on time / measured: each predicted time is
-    linear in the constant), and never below 0 (perfect overlap): a kernel that runs faster than its
-    binding bound says that bound's constant is low for it, not that units overlap better than
-    perfectly. Kernels changed since the run are left out: their measured time is of other code; so
-    are kernels timed under one name in several variants (compare). None when no row is left."""
-    num = den = 0.0
-    for row in rows:
-        if row.get("changed_since_run") or row.get("variants", 1) > 1 or streaming(row["prediction"]):
-            continue
-        base = time_with_overlap(row["prediction"], 0.0) / row["measured_s"]
-        slope = time_with_overlap(row["prediction"], 1.0) / row["measured_s"] - base
-        num += slope * (1.0 - base)
-        den += slope * slope
-    return max(0.0, num / den) if den else None
+    times, relative errors weighted alike (least squares on time / measured: model.fit_constant), and
+    never below 0 (perfect overlap): a kernel that runs faster than its binding bound says that bound's
+    constant is low for it, not that units overlap better than perfectly. Kernels changed since the run
+    are left out: their measured time is of other code; so are kernels timed under one name in several
+    variants (compare). None when no row is left whose time the constant moves."""
+    kept = [row for row in rows if not row.get("changed_since_run") and row.get("variants", 1) == 1
+            and not streaming(row["prediction"])]
+    if not any(time_with_overlap(r["prediction"], 1.0) != time_with_overlap(r["prediction"], 0.0) for r in kept):
+        return None
+    return fit_constant(lambda o: sum((time_with_overlap(r["prediction"], o) / r["measured_s"] - 1.0) ** 2
+                                      for r in kept))
 
 
 # The memory-bound fit's grid: overlaps 0 to 1, latency factors 1/4 to 4 (about 1% apart)
@@ -367,7 +379,14 @@ def suite_comparison(suite: SU.SuiteRun, log=print) -> Dict[str, object]:
             + ("  [source changed since this run: not fitted]" if row["changed_since_run"] else ""))
     log("  one overlap fitted to these: " + (f"{fitted:.2f}" if fitted is not None else "-")
         + f" (assumed {suite.gpu.overlap:g})")
-    return {"run": shown, "device": suite.device, "overlap_fitted": fitted,
+    picked = analyse(suite.settings(), suite.gpu, log=lambda m: None, ops=["attention"], fastest=TUNED_OPS)
+    choices = SU.autotuner_agreement(results, picked)
+    if choices:
+        log(f"  the candidate the model predicts fastest is the one the run's autotuner chose for "
+            f"{sum(c['agree'] for c in choices)} of {len(choices)} kernels" + "".join(
+                f"; not at {c['setting']}, {c['kernel'].strip('_')}: the run's {c['run']}, the model's {c['model']}"
+                for c in choices if not c["agree"]))
+    return {"run": shown, "device": suite.device, "overlap_fitted": fitted, "autotuner": choices,
             "rows": [{"setting": row["setting"].label(), "direction": row["direction"],
                       "measured_s": row["measured_s"], "predicted_s": row["predicted_s"], "refit_s": row["refit_s"],
                       "kernels": row["kernels"], "tuned": row["tuned"], "changed_since_run": row["changed_since_run"]}
@@ -389,17 +408,18 @@ def measured_attention_target(suite: SU.SuiteRun) -> Optional[Dict[str, object]]
 # --------------------------------------------------------------------------- output
 def kernel_table(results: Sequence[KernelResult]) -> str:
     header = ("setting", "kernel", "variant", "config", "regs", "instr/elem", "binding", "tensor us", "issue us",
-              "pipe us", "memory us", "latency us", "predicted us")
+              "pipe us", "memory us", "latency us", "schedule us", "predicted us")
     lines = [header]
     for r in results:
         p = r.prediction
         if p is None:
             continue
         b = p.bounds_s
-        lines.append((r.setting.label(), r.kernel.strip("_").replace("_kernel", ""), r.variant, r.config,
+        config = r.config + (f" ({r.candidates} tried)" if r.candidates > 1 else "")
+        lines.append((r.setting.label(), r.kernel.strip("_").replace("_kernel", ""), r.variant, config,
                       str(r.registers or "-"), f"{p.per_element['total']:.1f}", p.binding,
                       *(f"{b[k] * 1e6:.1f}" for k in ("tensor", "issue", "pipe", "memory", "latency")),
-                      f"{p.predicted_s * 1e6:.1f}"))
+                      f"{b['schedule'] * 1e6:.1f}" if b.get("schedule") else "-", f"{p.predicted_s * 1e6:.1f}"))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
 
@@ -434,12 +454,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                   "(bertfast/bench/profile.py's <impl>.txt)", file=sys.stderr)
             return 2
     settings = list(TARGET_SETTINGS) + [c.setting for c in S.STEP_CASES if c.setting not in TARGET_SETTINGS]
-    results = analyse(settings + [FT.full_setting(*case) for case in FT.cases()])  # and the fine-tuning's
+    results = analyse(settings + [FT.full_setting(*case) for case in FT.cases()],  # and the fine-tuning's
+                      fastest=TUNED_OPS)
     gpu = H100
     print(f"\nPredicted for an {gpu.name} ({gpu.sms} SMs at {gpu.clock_hz / 1e9:.2f} GHz, "
           f"{gpu.achievable_hbm_bytes_per_s / 1e12:.1f} TB/s achievable, memory latency "
           f"{gpu.memory_latency_s * 1e6:.2f} us, overlap {gpu.overlap:g}, {gpu.memory_overlap:g} where memory binds); "
-          "first autotune candidate of each kernel. Predictions, not measurements.\n")
+          "the attention's kernels at the autotune candidate predicted fastest, the others at their first. "
+          "Predictions, not measurements.\n")
     print(kernel_table([r for r in results if r.setting in TARGET_SETTINGS]))
     print()
     for setting in settings:  # the targets' seq 512, then the steps' (phase 1: the one-pass backward)
@@ -548,7 +570,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         def predict(setting: K.Setting, on: Gpu) -> List[KernelResult]:
             key = (setting.label(), on.name, on.achievable_hbm_bytes_per_s)
             if key not in predictions:
-                predictions[key] = analyse([setting], on, log=lambda m: None)
+                predictions[key] = analyse([setting], on, log=lambda m: None, fastest=TUNED_OPS)
             return predictions[key]
         filed = filed_runs(REPO)
         goals += R.priced(R.speedup_asks(filed), predict)

@@ -1,7 +1,9 @@
 """Reading sm_90 SASS: instructions, their classes, and a kernel's main loop.
 
 The text is ``cuobjdump -sass`` of a cubin (the disassembler Triton's package carries, or the CUDA
-toolkit's). Each instruction line reads ``/*0140*/  @!P0 OPCODE.MODIFIERS operands ;``. A loop is
+toolkit's). Each instruction line reads ``/*0140*/  @!P0 OPCODE.MODIFIERS operands ;`` and ends with
+its encoding's low 64 bits; the next line holds the high 64, whose top 23 are the control bits ptxas
+scheduled it with (Instruction.control: schedule.py replays them). A loop is
 a backward branch: ``BRA`` to an earlier address; its body is every instruction from the target
 to the branch. The main loop is the shortest loop with the most tensor-core instructions, the first
 of equals (the attention kernels' loop over full key or query blocks); its copies, the loops with as
@@ -18,7 +20,7 @@ import shutil
 import subprocess
 import tempfile
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 # Instruction classes: what an opcode occupies (hardware.Gpu.pipes maps a class to its pipes, and
@@ -51,6 +53,7 @@ _CLASS_OF = {
 OPCODE_CLASS = {op: cls for cls, ops in _CLASS_OF.items() for op in ops}
 
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Za-z0-9_]+)*)\s*([^;]*);")
+_HIGH_WORD = re.compile(r"^\s*/\*\s*0x([0-9a-f]{16})\s*\*/\s*$")
 _FUNCTION = re.compile(r"Function\s*:\s*(\S+)")
 _GMMA_SHAPE = re.compile(r"\.(\d+)x(\d+)x(\d+)")
 _HMMA_SHAPE = re.compile(r"^\.(16)(8)(16|8)\b")  # HMMA.16816: mma.sync m16n8k16 (m16n8k8: .1688)
@@ -63,6 +66,31 @@ class Instruction:
     modifiers: str        # ".64x64x16.F32.BF16"
     operands: str
     predicate: str = ""   # "@!P0", or "" when unconditional
+    # The scheduling control bits ptxas sets in the top 23 bits of the 128-bit encoding (the second
+    # hex word cuobjdump prints): stall cycles before the warp's next issue, the scoreboards this
+    # instruction sets (written result, read sources) and those it waits on. None: not read.
+    control: Optional[int] = None
+
+    @property
+    def stall(self) -> int:
+        return self.control & 0xF if self.control is not None else 1
+
+    @property
+    def write_scoreboard(self) -> Optional[int]:
+        """The scoreboard released when a variable-latency result is written (None: fixed latency)."""
+        sb = (self.control >> 5) & 7 if self.control is not None else 7
+        return None if sb == 7 else sb
+
+    @property
+    def read_scoreboard(self) -> Optional[int]:
+        """The scoreboard released once the sources are read (a store's data register may then change)."""
+        sb = (self.control >> 8) & 7 if self.control is not None else 7
+        return None if sb == 7 else sb
+
+    @property
+    def wait_mask(self) -> int:
+        """The scoreboards (bit i: scoreboard i) that must be clear before this instruction issues."""
+        return (self.control >> 11) & 0x3F if self.control is not None else 0
 
     @property
     def cls(self) -> str:
@@ -86,6 +114,22 @@ class Instruction:
             return 4 * int(x.group(1)) if x else 4
         m = re.search(r"\.(64|128)\b", self.modifiers)
         return int(m.group(1)) // 8 if m else 4
+
+    @property
+    def shared_operand_bytes(self) -> int:
+        """Shared-memory bytes one wgmma (HGMMA mMnNkK, per warpgroup) reads for its operands: B (N x K)
+        always, A (M x K) unless it comes from registers (``HGMMA R24, R100, gdesc[..]``: A in R100;
+        ``HGMMA R24, gdesc[..], ...``: both through the one descriptor pair). 0 for other instructions."""
+        if self.opcode not in ("HGMMA", "QGMMA"):
+            return 0
+        m = _GMMA_SHAPE.search(self.modifiers)
+        if not m:
+            return 0
+        rows, cols, depth = (int(x) for x in m.groups())
+        size = 4 if ".TF32" in self.modifiers else 1 if ("E4M3" in self.modifiers or "E5M2" in self.modifiers) else 2
+        sources = [op.strip() for op in self.operands.split(",")][1:]
+        a_shared = bool(sources) and sources[0].startswith("gdesc")
+        return (rows * depth * a_shared + cols * depth) * size
 
     @property
     def mma_flops(self) -> int:
@@ -156,6 +200,11 @@ def parse(text: str) -> Dict[str, Function]:
         if m and current is not None:
             current.instructions.append(Instruction(int(m.group(1), 16), m.group(3), m.group(4) or "",
                                                     m.group(5).strip(), (m.group(2) or "").strip()))
+            continue
+        m = _HIGH_WORD.match(line)
+        if m and current is not None and current.instructions and current.instructions[-1].control is None:
+            # the line after an instruction's: its encoding's high 64 bits, whose top 23 are the control
+            current.instructions[-1] = replace(current.instructions[-1], control=int(m.group(1), 16) >> 41)
     return functions
 
 

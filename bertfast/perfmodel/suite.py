@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from bertfast.perfmodel import kernels as K
 from bertfast.perfmodel.hardware import Gpu, device_gpu
-from bertfast.perfmodel.model import retime
+from bertfast.perfmodel.model import fit_constant, retime
 
 IMPL = "bertfast:triton varlen"  # the attention the model predicts (kernels.record: varlen)
 MODEL_OF_HEADS = {12: "bert-base", 16: "bert-large"}
@@ -102,18 +102,30 @@ def compare(results: Sequence, suite: SuiteRun) -> List[Dict[str, object]]:
 
 def fit_overlap(rows: Sequence[Dict[str, object]], memory_overlap: float) -> Optional[float]:
     """The one overlap constant that best fits the rows' measured times (least squares on predicted /
-    measured; each row's prediction a sum of kernels, each linear in the constant), never below 0; None
-    without rows. The overlap prices the attention's kernels (they have tensor-core work); a
+    measured: model.fit_constant; each row's prediction a sum of kernels), never below 0; None without
+    rows whose time it moves. The overlap prices the attention's kernels (they have tensor-core work); a
     memory-bound one among them (the backward's delta) keeps ``memory_overlap``."""
-    num = den = 0.0
-    for row in rows:
-        base = at_overlap(row, 0.0, memory_overlap) / row["measured_s"]
-        slope = at_overlap(row, 1.0, memory_overlap) / row["measured_s"] - base
-        num += slope * (1.0 - base)
-        den += slope * slope
-    return max(0.0, num / den) if den else None
+    if not any(at_overlap(row, 1.0, memory_overlap) != at_overlap(row, 0.0, memory_overlap) for row in rows):
+        return None
+    return fit_constant(lambda o: sum((at_overlap(row, o, memory_overlap) / row["measured_s"] - 1.0) ** 2
+                                      for row in rows))
 
 
 def at_overlap(row: Dict[str, object], overlap: float, memory_overlap: float) -> float:
     """A row's predicted seconds with ``overlap`` in place of the assumed constant."""
     return sum(retime(p, overlap, memory_overlap) for p in row["predictions"])
+
+
+def autotuner_agreement(tuned: Sequence, picked: Sequence) -> List[Dict[str, object]]:
+    """Each kernel the run's autotuner chose a config for (``tuned``: analyse's results at the run's
+    choices), beside the candidate the model predicts fastest at the same setting (``picked``: analyse
+    with its ``fastest``): the two configs and whether they are one."""
+    model_pick = {(r.setting.label(), r.kernel, r.variant): r for r in picked if r.candidates > 1}
+    rows = []
+    for r in tuned:
+        mine = model_pick.get((r.setting.label(), r.kernel, r.variant))
+        if r.tuned and mine is not None:
+            rows.append({"setting": r.setting.label(), "kernel": r.kernel, "run": r.config, "model": mine.config,
+                         "candidates": mine.candidates, "agree": r.config == mine.config})
+    return rows
+
