@@ -73,7 +73,7 @@ compile-report:
 	$(PYTHON) -m bertfast.gpucheck.compile_report $(COMPILE_REPORT_ARGS)
 
 # H100 speed predicted from the kernels' sm_90 SASS against the targets, beside the latest committed
-# GPU run (docs/perf-model.md); no GPU needed, about 30 s. PERF_MODEL_ARGS="--json FILE" keeps it all.
+# GPU run (docs/perf-model.md); no GPU needed, about 3 minutes. PERF_MODEL_ARGS="--json FILE" keeps it all.
 PERF_MODEL_ARGS ?=
 perf-model:
 	env -u TRITON_INTERPRET $(PYTHON) -m bertfast.cli perf-model $(PERF_MODEL_ARGS)
