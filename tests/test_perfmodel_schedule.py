@@ -149,9 +149,16 @@ def test_the_schedule_bound_in_a_prediction(attention_loop):
     p = model.predict(function, work, H100)
     assert p.resident == 2 and p.schedule["warps"] == 4
     assert p.bounds_s["schedule"] == pytest.approx(100 * p.schedule["cycles_per_iteration"] / H100.clock_hz)
-    assert p.predicted_s >= p.bounds_s["schedule"] / p.wave_efficiency
-    assert (p.binding == "schedule") == model.scheduled(p, H100.overlap, H100.memory_overlap)
-    # fewer units of everything but the schedule: it binds
+    # two programs an SM, four warps a scheduler: their waits are not all hidden, so the replay takes
+    # longer than the issue slots (the largest other bound) and sets the time
+    assert p.bounds_s["schedule"] > max(p.bounds_s[k] for k in ("tensor", "issue", "pipe", "memory", "latency"))
+    assert p.binding == "schedule" and model.scheduled(p, H100.overlap, H100.memory_overlap)
+    assert p.predicted_s == pytest.approx(p.bounds_s["schedule"] / p.wave_efficiency)
+    # one program an SM (255 registers): two warps a scheduler hide less
+    lone = model.predict(function, model.Work(work.iterations, work.tile_elements, work.programs, 8, 1e6,
+                                              registers=255), H100)
+    assert lone.resident == 1 and lone.bounds_s["schedule"] > 1.5 * p.bounds_s["schedule"]
+    # the same loop without its tensor-core work (a row kernel's): no replay
     plain = [ins for ins in attention_loop if ins.cls != "tensor"]
     rows = model.predict(sass.Function("k", plain), work, H100)
     assert rows.bounds_s["schedule"] == 0 and rows.schedule is None
