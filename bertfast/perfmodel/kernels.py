@@ -344,7 +344,7 @@ def record(setting: Setting, ops: Optional[Sequence[str]] = None,
             ran = (tuned or {}).get(fn.__name__, {}).get(key_values(key)) if key is not None else None
             chosen = next((c for c in configs if c is not None and config_text(c) == ran), None)
             tried = [chosen] if chosen is not None else configs if op in candidates else configs[:1]
-            call = len({launch.call for launch in launches})
+            call = launches[-1].call + 1 if launches else 0
             for config in tried:
                 meta = dict(consts)
                 if config is not None:

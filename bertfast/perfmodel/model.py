@@ -46,7 +46,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from bertfast.perfmodel.hardware import H100, Gpu
 from bertfast.perfmodel.sass import Function, Instruction, class_counts
-from bertfast.perfmodel.schedule import Schedule, simulate
+from bertfast.perfmodel.schedule import Schedule, pipe_clocks, simulate
 
 
 @dataclass
@@ -110,15 +110,8 @@ def _pipe_clocks(instructions: List[Instruction], gpu: Gpu) -> Dict[str, float]:
     """Clocks per warp each pipe is busy for one pass over ``instructions``."""
     clocks: Dict[str, float] = {}
     for ins in instructions:
-        if ins.cls == "shared":
-            clocks["shared"] = clocks.get("shared", 0.0) + ins.access_bytes * 32 / gpu.shared_bytes_per_clock
-        elif ins.shared_operand_bytes:
-            # a wgmma reads its shared-memory operands through the same 128 bytes a clock (each of the
-            # warpgroup's 4 warps issues it: a quarter each)
-            clocks["shared"] = clocks.get("shared", 0.0) + ins.shared_operand_bytes / 4 / gpu.shared_bytes_per_clock
-        else:
-            for pipe in gpu.pipes.get(ins.cls, ()):
-                clocks[pipe] = clocks.get(pipe, 0.0) + 1.0 / gpu.pipe_rate[pipe]
+        for pipe, c in pipe_clocks(ins, gpu).items():
+            clocks[pipe] = clocks.get(pipe, 0.0) + c
     return clocks
 
 

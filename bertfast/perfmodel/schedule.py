@@ -92,16 +92,26 @@ class _Warp:
         return len(self.scoreboards[sb])
 
 
-def _pipe_cycles(ins: Instruction, gpu: Gpu) -> Dict[str, float]:
-    """Clocks each pipe of one sub-partition is busy for one warp's ``ins``."""
+def pipe_clocks(ins: Instruction, gpu: Gpu) -> Dict[str, float]:
+    """SM clocks each pipe but the tensor cores is busy for one warp's ``ins`` (model.predict's pipe
+    bound sums them): shared memory at 128 bytes a clock, a wgmma's shared-memory operands included
+    (each of its warpgroup's 4 warps issues it: a quarter each); the others at hardware.Gpu.pipe_rate."""
     if ins.cls == "shared":
-        return {"shared": ins.access_bytes * 32 / (gpu.shared_bytes_per_clock / 4)}
+        return {"shared": ins.access_bytes * 32 / gpu.shared_bytes_per_clock}
+    if ins.shared_operand_bytes:
+        return {"shared": ins.shared_operand_bytes / 4 / gpu.shared_bytes_per_clock}
+    return {pipe: 1.0 / gpu.pipe_rate[pipe] for pipe in gpu.pipes.get(ins.cls, ())}
+
+
+def _pipe_cycles(ins: Instruction, gpu: Gpu) -> Dict[str, float]:
+    """Clocks each pipe of one sub-partition is busy for one warp's ``ins``: pipe_clocks over a quarter
+    of the SM, and the tensor core's (a warp's quarter of its warpgroup's wgmma, or one mma.sync)."""
+    cycles = {pipe: 4 * c for pipe, c in pipe_clocks(ins, gpu).items()}
     if ins.opcode == "HMMA":
-        return {"tensor": ins.mma_flops / (gpu.mma_sync_flops / gpu.sms / gpu.clock_hz / 4)}
-    if ins.cls == "tensor":  # a warp's quarter of its warpgroup's wgmma on its sub-partition's tensor core
-        return {"tensor": ins.mma_flops / 4 / (gpu.dense_bf16_flops / gpu.sms / gpu.clock_hz / 4),
-                "shared": ins.shared_operand_bytes / 4 / (gpu.shared_bytes_per_clock / 4)}
-    return {pipe: 4.0 / gpu.pipe_rate[pipe] for pipe in gpu.pipes.get(ins.cls, ())}
+        cycles["tensor"] = ins.mma_flops / (gpu.mma_sync_flops / gpu.sms / gpu.clock_hz / 4)
+    elif ins.cls == "tensor":
+        cycles["tensor"] = ins.mma_flops / 4 / (gpu.dense_bf16_flops / gpu.sms / gpu.clock_hz / 4)
+    return cycles
 
 
 def _latency(ins: Instruction, gpu: Gpu) -> int:
