@@ -24,7 +24,8 @@
 //   (running max m, sum l in registers, log2 domain), P -> smem in the input dtype,
 //   O = alpha * O + P V in fp32 accumulators. [S, S] never exists; only [BM, BN] tiles do.
 // Dropout's decisions go from the forward to the backward in the keep bits (KeepBits, the Triton
-//   kernel's layout); only the forward draws them.
+//   kernel's layout); only the forward draws them. The dQ and dK/dV kernels copy each step's block of
+//   them into shared memory with its tiles (KeepTile, attention_bwd.cuh).
 // Backward: a delta kernel (d_i = do_i . O_i), a dQ kernel (one block per query block, loop over
 //   key blocks), then a dK/dV kernel (one block per key block, warps own key rows, loop over query
 //   blocks, recomputing P^T from lse). Two kernels instead of atomics: deterministic, no workspace.
@@ -169,7 +170,7 @@ struct TileCopy {
 #pragma unroll
       for (int i = 0; i < N; ++i) {
         if ((ROWS * VPR) % NT == 0 || r0 + i * RS < ROWS)
-          ptx::cp_async_16(dst + tile_at<ROWS, LD>(r0 + i * RS, c0), from + i * rs_stride,
+          ptx::cp_async<16>(dst + tile_at<ROWS, LD>(r0 + i * RS, c0), from + i * rs_stride,
                            col_ok && r0 + i * RS < nvalid);
       }
     } else {
@@ -178,7 +179,7 @@ struct TileCopy {
         const int idx = threadIdx.x + i * NT;
         const int r = idx / VPR, c = idx % VPR * EPV;
         if ((ROWS * VPR) % NT == 0 || idx < ROWS * VPR)
-          ptx::cp_async_16(dst + tile_at<ROWS, LD>(r, c), src + r * row_stride + c, c < hd && r < nvalid);
+          ptx::cp_async<16>(dst + tile_at<ROWS, LD>(r, c), src + r * row_stride + c, c < hd && r < nvalid);
       }
     }
   }
@@ -425,8 +426,10 @@ __device__ __forceinline__ bool key_valid(const AttentionParams& p, int b, int j
 
 // K and V of one (sequence, head) streamed through two smem stages (layout LD), BN keys at a time (the
 // main loop of the mma.sync forward, and of the mma.sync and wgmma dQ): load(jb) issues key block jb's
-// copies into stage jb % 2 (TileCopy) and stores its key mask (kvalid) unless every key of it is valid:
-// the first nfull blocks, when there is no key mask, which the kernels run without one.
+// copies into stage jb % 2 (TileCopy); mask(jb) stores its key mask (kvalid), which only blocks with an
+// invalid key need: every block when there is a key mask, else those after the first nfull. A masked
+// block stores its own before its first barrier (its stage's mask was last read two blocks before), so
+// the loop over the full blocks carries no mask code at all.
 template <typename T, int BN, int D, int LD, int NT, bool kVec>
 struct KvStages {
   TileCopy<T, BN, D, LD, NT, kVec> kcopy, vcopy;
@@ -438,11 +441,13 @@ struct KvStages {
         k(static_cast<const T*>(p.k) + b * p.sk.batch + sq.start * p.sk.row + h * p.sk.head),
         v(static_cast<const T*>(p.v) + b * p.sv.batch + sq.start * p.sv.row + h * p.sv.head), len(sq.len),
         nblocks((sq.len + BN - 1) / BN), nfull(p.key_mask == nullptr ? sq.len / BN : 0) {}
-  __device__ __forceinline__ void load(const AttentionParams& p, int b, int jb, T* Ks, T* Vs, int* kvalid) const {
+  __device__ __forceinline__ void load(const AttentionParams& p, int jb, T* Ks, T* Vs) const {
     const int n0 = jb * BN, stage = jb & 1;
     kcopy.issue(Ks + stage * tile_elems<BN, D, LD>(), k + n0 * p.sk.row, len - n0);
     vcopy.issue(Vs + stage * tile_elems<BN, D, LD>(), v + n0 * p.sv.row, len - n0);
-    if (jb >= nfull && threadIdx.x < BN) kvalid[stage * BN + threadIdx.x] = key_valid(p, b, n0 + threadIdx.x, len);
+  }
+  __device__ __forceinline__ void mask(const AttentionParams& p, int b, int jb, int* kvalid) const {
+    if (threadIdx.x < BN) kvalid[(jb & 1) * BN + threadIdx.x] = key_valid(p, b, jb * BN + threadIdx.x, len);
   }
 };
 

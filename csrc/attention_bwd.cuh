@@ -1,7 +1,8 @@
 // Attention backward: the delta, dQ and dK/dV kernels and their launcher, which runs them in that
 // order: the dQ kernel refines delta for the dK/dV kernel (the math and the why: attention.cuh); and the
-// one-pass kernel that replaces all three for short sequences on wgmma. Included by the translation unit
-// of each dtype (attention_bwd_<dtype>.cu); the entry point is attention_bwd.cu.
+// one-pass kernel that replaces all three for short sequences on wgmma. Included by the translation units
+// of each dtype (attention_bwd_<dtype>.cu, and for fp16/bf16 attention_bwd_<dtype>_wide.cu: the tile head
+// dims above 64); the entry point is attention_bwd.cu.
 #pragma once
 #include "attention_host.cuh"
 
@@ -264,39 +265,71 @@ __global__ void __launch_bounds__(BM / 16 * WN * 32, 1) attention_bwd_dq_kernel(
   }
 }
 
+// ------------------------------------------------------------------ backward, fp16/bf16: the keep bits
+// The keep bits of one block of scores, QR queries by KC keys: bytes (8R + r, 4C + q) of KeepBits over
+// its 16-query blocks R and 16-key blocks C, a [QR / 2, KC / 4] byte tile. The dQ and dK/dV kernels copy
+// it into shared memory with the rest of the stage (cp.async, one group), so that their step reads it
+// there: read from global memory in the step, a byte's ~600 clocks went uncovered (two warps a
+// scheduler). A tile row is whole copies of 16 bytes (8 or 4 in tiles of 32 or 16 keys), aligned as
+// keep_len is a multiple of 128 and the buffer 16-byte aligned (the launcher checks both).
+template <int QR, int KC, int NT>
+struct KeepTile {
+  static constexpr int kRowBytes = KC / 4;
+  static constexpr int kCopy = kRowBytes % 16 == 0 ? 16 : (kRowBytes % 8 == 0 ? 8 : 4);
+  static constexpr int kPerRow = kRowBytes / kCopy, kCopies = QR / 2 * kPerRow;
+  static constexpr int bytes = QR / 2 * kRowBytes;
+  static_assert(QR % 16 == 0 && KC % 16 == 0 && kCopies <= NT, "whole 16 x 16 blocks of scores, a copy a thread");
+  const uint8_t* src;  // this thread's copy of the block at (q0, k0)
+  int at;              // its bytes' place in the tile
+  bool active;
+  // A thread's piece of the block of queries q0 .. q0 + QR - 1 and keys k0 .. k0 + KC - 1 (multiples of
+  // 16), its addresses set once; a step moves the source by a constant.
+  __device__ __forceinline__ KeepTile(const Params& p, int b, int h, int q0, int k0)
+      : src(KeepBits(p, b, h).byte(q0 >> 4, threadIdx.x / kPerRow, k0 >> 4, threadIdx.x % kPerRow * kCopy)),
+        at(threadIdx.x / kPerRow * kRowBytes + threadIdx.x % kPerRow * kCopy), active(threadIdx.x < kCopies) {}
+  // The block `steps` blocks further along the queries (dK/dV's steps) into dst.
+  __device__ __forceinline__ void issue_queries(const Params& p, uint8_t* dst, int steps) const {
+    if (active) ptx::cp_async<kCopy>(dst + at, src + static_cast<int64_t>(steps) * (QR / 2) * (p.keep_len / 4), true);
+  }
+  // The block `steps` blocks further along the keys (dQ's steps) into dst.
+  __device__ __forceinline__ void issue_keys(uint8_t* dst, int steps) const {
+    if (active) ptx::cp_async<kCopy>(dst + at, src + steps * kRowBytes, true);
+  }
+};
+
 // ------------------------------------------------------------------ backward, fp16/bf16: dK, dV
 // A warp's 16 keys of dK and dV (a lane's keys key0 + g and key0 + g + 8) in the mma C layout of the
 // transposed scores, shared by the mma.sync and wgmma kernels: the per-element step from S^T and dP^T
 // to Pd^T and dS^T (step) and the end that stores dK (scaled by c) and dV (finish). Element i of tile
 // n: key key0 + g + 8 (i / 2), query m0 + 8n + 2t + i % 2; pd = keep p / (1 - dp) and
 // ds = p (keep dp / (1 - dp) - Delta_i), with p = exp2(s c log2 e - lse_i log2 e). Queries past the
-// end of the sequence read lse = +inf, so their p is 0. The keep bits of this transposed tile: queries
-// 16c + 2t + e and 16c + 8 + 2t + e are byte (8 (m0 / 16 + c) + 2t + e, column pair g / 2) of the
-// key's 16-block, bit 4 (n % 2) + 2 (key's half) + g % 2.
-template <typename T, bool kDropout>
+// end of the sequence read lse = +inf, so their p is 0. The keep bits of this transposed tile (the
+// step's KeepTile of BN keys, the block's): queries 16c + 2t + e and 16c + 8 + 2t + e are its byte
+// (8c + 2t + e, 4w + g / 2), bit 4 (n % 2) + 2 (key's half) + g % 2.
+template <typename T, int BN, bool kDropout>
 struct KvRows {
+  static constexpr int kKeepRow = BN / 4;  // bytes a row of the step's keep tile
   float scale2, rdrop;
-  [[maybe_unused]] KeepBits keep_bits;
-  int key0, g, t;
+  int key0, g, t, kcol;
   bool key_ok[2];
-  __device__ __forceinline__ KvRows(const Params& p, int b, int h, const Seq& sq, int n0, int w, int lane)
-      : scale2(p.softmax_scale * kLog2e), rdrop(kDropout ? 1.f / (1.f - p.dropout_p) : 1.f), keep_bits(p, b, h),
-        key0(n0 + 16 * w), g(lane >> 2), t(lane & 3) {
+  __device__ __forceinline__ KvRows(const Params& p, int b, const Seq& sq, int n0, int w, int lane)
+      : scale2(p.softmax_scale * kLog2e), rdrop(kDropout ? 1.f / (1.f - p.dropout_p) : 1.f), key0(n0 + 16 * w),
+        g(lane >> 2), t(lane & 3), kcol(4 * w + (lane >> 3)) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) key_ok[r] = key_valid(p, b, key0 + g + 8 * r, sq.len);
   }
 
-  // Queries m0 .. m0 + 8 NS - 1 (their lse in log2 units and Delta at lse2, dl); s becomes Pd^T, dp
-  // dS^T. kMasked zeroes the probabilities of invalid keys.
+  // Queries m0 .. m0 + 8 NS - 1 (their lse in log2 units and Delta at lse2, dl; their keep tile at keep);
+  // s becomes Pd^T, dp dS^T. kMasked zeroes the probabilities of invalid keys.
   template <int NS, bool kMasked>
-  __device__ __forceinline__ void step(float (&s)[NS][4], float (&dp)[NS][4], int m0, const float* lse2,
-                                       const float* dl) const {
+  __device__ __forceinline__ void step(float (&s)[NS][4], float (&dp)[NS][4], const float* lse2, const float* dl,
+                                       [[maybe_unused]] const uint8_t* keep) const {
 #pragma unroll
     for (int c = 0; c < NS / 2; ++c) {  // queries 16c .. 16c + 15
       [[maybe_unused]] unsigned kbyte[2];
       if constexpr (kDropout) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) kbyte[e] = *keep_bits.byte((m0 >> 4) + c, 2 * t + e, key0 >> 4, g >> 1);
+        for (int e = 0; e < 2; ++e) kbyte[e] = keep[(8 * c + 2 * t + e) * kKeepRow + kcol];
       }
 #pragma unroll
       for (int n = 2 * c; n < 2 * c + 2; ++n) {
@@ -330,53 +363,73 @@ struct KvRows {
 };
 
 // A dK/dV block's shared memory as L lays it out (MmaKvSmem, WgmmaKvSmem): its own K and V tiles, Q's
-// and dO's two stages with their queries' lse (log2 units, +inf past the sequence) and Delta. start()
-// issues the block's copies of K and V (cp.async group 0, or element by element) and query block 0
-// (group 1); load(ib) query block ib into stage ib % 2 (lse and Delta by plain stores, seen after the
-// block's barrier). LD: the tiles' layout; kVec: Q's and dO's rows copied 16 bytes at a time.
-template <typename T, typename L, int D, int LD, int NT, bool kVec>
+// and dO's two stages with their queries' lse (log2 units, +inf past the sequence), Delta and keep bits
+// (KeepTile, with dropout). start() issues the block's copies of K and V (cp.async group 0, or element by
+// element) and query block 0's (group 1); load(ib) query block ib's copies into stage ib % 2 and reads
+// its lse and Delta, a thread's one query, into registers, which put(ib) stores in the stage at the top
+// of block ib, before its first barrier: a block's work after their read (stored right after it, they
+// held every warp ~600 clocks a block; stored at the block's end, ptxas hoisted the log2 scaling back up
+// to the read). LD: the tiles' layout; kVec: Q's and dO's rows copied 16 bytes at a time.
+template <typename T, typename L, int D, int LD, int NT, bool kVec, bool kDropout>
 struct KvTiles {
   static constexpr int BM = L::BM;
+  using Keep = KeepTile<BM, L::BN, NT>;
+  struct Stats {
+    float lse, delta;
+  };
   T* k;
   T* v;
   T* q;
   T* dO;
   float* lse;
   float* delta;
+  uint8_t* keep;
   TileCopy<T, BM, D, LD, NT, kVec> qcopy, docopy;
+  [[maybe_unused]] Keep keepcopy;
   const T* qb;  // the sequence's first Q, dO row of this head; its first lse, Delta
   const T* dob;
   const float* lse_b;
   const float* delta_b;
-  int len, nblocks;
-  __device__ __forceinline__ KvTiles(unsigned char* smem, const Params& p, int b, int h, const Seq& sq)
+  int len, nblocks, n0;
+  __device__ __forceinline__ KvTiles(unsigned char* smem, const Params& p, int b, int h, const Seq& sq, int n0_)
       : k(reinterpret_cast<T*>(smem + L::k)), v(reinterpret_cast<T*>(smem + L::v)),
         q(reinterpret_cast<T*>(smem + L::q)), dO(reinterpret_cast<T*>(smem + L::dO)),
         lse(reinterpret_cast<float*>(smem + L::lse)), delta(reinterpret_cast<float*>(smem + L::delta)),
-        qcopy(p.head_dim, p.sq.row), docopy(p.head_dim, p.sdo.row),
+        keep(smem + L::keep), qcopy(p.head_dim, p.sq.row), docopy(p.head_dim, p.sdo.row),
+        keepcopy(p, b, h, 0, n0_),
         qb(static_cast<const T*>(p.q) + b * p.sq.batch + sq.start * p.sq.row + h * p.sq.head),
         dob(static_cast<const T*>(p.dout) + b * p.sdo.batch + sq.start * p.sdo.row + h * p.sdo.head),
         lse_b(p.lse + b * p.lse_batch + h * p.lse_head + sq.start),
         delta_b(p.delta + b * p.lse_batch + h * p.lse_head + sq.start), len(sq.len),
-        nblocks((sq.len + BM - 1) / BM) {}
-  __device__ __forceinline__ void load(const Params& p, int ib) const {
+        nblocks((sq.len + BM - 1) / BM), n0(n0_) {}
+  __device__ __forceinline__ Stats load(const Params& p, int ib) const {
     const int m0 = ib * BM, stage = ib & 1;
+    // The keep bits first: issued after the tiles, they spilled the mma.sync kernel at D 96 (ptxas, sm_90).
+    if constexpr (kDropout) keepcopy.issue_queries(p, keep + stage * Keep::bytes, ib);
     qcopy.issue(q + stage * tile_elems<BM, D, LD>(), qb + m0 * p.sq.row, len - m0);
     docopy.issue(dO + stage * tile_elems<BM, D, LD>(), dob + m0 * p.sdo.row, len - m0);
+    Stats st{kInf, 0.f};
+    if (threadIdx.x < BM && m0 + threadIdx.x < len) st = Stats{lse_b[m0 + threadIdx.x], delta_b[m0 + threadIdx.x]};
+    return st;
+  }
+  // Block ib's lse and Delta, from load(ib), into its stage (last read by block ib - 2): seen after the
+  // block's first barrier.
+  __device__ __forceinline__ void put(const Stats& st, int ib) const {
     if (threadIdx.x < BM) {
-      const bool ok = m0 + threadIdx.x < len;
-      lse[stage * BM + threadIdx.x] = ok ? lse_b[m0 + threadIdx.x] * kLog2e : kInf;
-      delta[stage * BM + threadIdx.x] = ok ? delta_b[m0 + threadIdx.x] : 0.f;
+      lse[(ib & 1) * BM + threadIdx.x] = st.lse * kLog2e;
+      delta[(ib & 1) * BM + threadIdx.x] = st.delta;
     }
   }
-  __device__ __forceinline__ void start(const Params& p, int b, int h, const Seq& sq, int n0) const {
+  // Block 0's lse and Delta.
+  __device__ __forceinline__ Stats start(const Params& p, int b, int h, const Seq& sq) const {
     const T* kg = static_cast<const T*>(p.k) + b * p.sk.batch + (sq.start + n0) * p.sk.row + h * p.sk.head;
     const T* vg = static_cast<const T*>(p.v) + b * p.sv.batch + (sq.start + n0) * p.sv.row + h * p.sv.head;
     copy_tile<T, L::BN, D, LD, NT>(k, kg, p.sk.row, sq.len - n0, p.head_dim, p.vec & kVecK);
     copy_tile<T, L::BN, D, LD, NT>(v, vg, p.sv.row, sq.len - n0, p.head_dim, p.vec & kVecV);
     ptx::cp_async_commit();
-    load(p, 0);
+    const Stats first = load(p, 0);
     ptx::cp_async_commit();
+    return first;
   }
 };
 
@@ -396,7 +449,8 @@ struct MmaKvSmem {
   static constexpr int dO = align128(q + 2LL * BM * LD * sizeof(T));      // [2][BM, LD]
   static constexpr int lse = align128(dO + 2LL * BM * LD * sizeof(T));    // [2][BM] log2 units, +inf: no row
   static constexpr int delta = align128(lse + 2LL * BM * 4);              // [2][BM]
-  static constexpr int bytes = align128(delta + 2LL * BM * 4);
+  static constexpr int keep = align128(delta + 2LL * BM * 4);             // [2][BM / 2, BN / 4] (KeepTile)
+  static constexpr int bytes = align128(keep + 2LL * (BM / 2) * (BN / 4));
 };
 
 template <typename T, int D, int BM, int NW, bool kDropout, bool kVecQD>
@@ -413,10 +467,11 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dkdv_mma_kernel(cons
   const Seq sq = seq_of(p, b);
   if (n0 >= sq.len) return;
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const KvTiles<T, L, D, LD, NT, kVecQD> tiles(smem, p, b, h, sq);
+  using Tiles = KvTiles<T, L, D, LD, NT, kVecQD, kDropout>;
+  const Tiles tiles(smem, p, b, h, sq, n0);
   // K and V land first (group 0), their fragments read while query block 0 (group 1) is in flight.
-  tiles.start(p, b, h, sq, n0);
-  const KvRows<T, kDropout> rows(p, b, h, sq, n0, w, lane);
+  typename Tiles::Stats stats = tiles.start(p, b, h, sq);  // lse and Delta of the block put next
+  const KvRows<T, BN, kDropout> rows(p, b, sq, n0, w, lane);
   // ldmatrix row addresses: A (K, V) rows lane % 16, column half lane / 16; B (Q, dO) rows lane % 8 +
   // 8 (lane / 16), column half (lane / 8) % 2; B^T (Q, dO transposed) rows lane % 16, column half lane / 16.
   const int aoff = (16 * w + (lane & 15)) * LD + 8 * (lane >> 4);
@@ -443,7 +498,8 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dkdv_mma_kernel(cons
   // One query block: kMasked zeroes the probabilities of invalid keys.
   const auto block = [&](int ib, auto masked) {
     const int stage = ib & 1;
-    if (ib + 1 < tiles.nblocks) tiles.load(p, ib + 1);
+    tiles.put(stats, ib);
+    if (ib + 1 < tiles.nblocks) stats = tiles.load(p, ib + 1);
     ptx::cp_async_commit();
     ptx::cp_async_wait<1>();  // this thread's copies of block ib (and of K, V) have landed
     __syncthreads();          // everyone's have, and the block's lse and Delta are stored
@@ -453,8 +509,8 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dkdv_mma_kernel(cons
     // S^T = K Q^T, dP^T = V dO^T; then s is Pd^T, dp dS^T
     float s[NS][4], dp[NS][4];
     mma_pair_nt<T, KS, NS, LD, kKVRegs>(s, dp, kf, vf, tiles.k + aoff, tiles.v + aoff, qs + boff, dos + boff);
-    rows.template step<NS, decltype(masked)::value>(s, dp, ib * BM, tiles.lse + stage * BM,
-                                                   tiles.delta + stage * BM);
+    rows.template step<NS, decltype(masked)::value>(s, dp, tiles.lse + stage * BM, tiles.delta + stage * BM,
+                                                   tiles.keep + stage * Tiles::Keep::bytes);
 
     // dV += Pd^T dO, dK += dS^T Q
 #pragma unroll
@@ -501,7 +557,8 @@ struct WgmmaKvSmem {
   static constexpr int dO = q + 2 * BM * D * 2;                  // [2][BM, D]
   static constexpr int lse = dO + 2 * BM * D * 2;                // [2][BM]
   static constexpr int delta = lse + 2 * BM * 4;                 // [2][BM]
-  static constexpr int bytes = delta + 2 * BM * 4 + 1024;        // + room to align the tiles
+  static constexpr int keep = delta + 2 * BM * 4;                // [2][BM / 2, BN / 4] (KeepTile)
+  static constexpr int bytes = keep + 2 * (BM / 2) * (BN / 4) + 1024;  // + room to align the tiles
   static_assert(BM * D * 2 % 1024 == 0, "each swizzled tile starts 1024-byte aligned");
 };
 
@@ -518,9 +575,10 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dkdv_wgmma_kernel(const 
   const Seq sq = seq_of(p, b);
   if (n0 >= sq.len) return;
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const KvTiles<T, L, D, kSwizzle128, NT, true> tiles(ptx::align1024(smem_raw), p, b, h, sq);
-  tiles.start(p, b, h, sq, n0);
-  const KvRows<T, kDropout> rows(p, b, h, sq, n0, w, lane);
+  using Tiles = KvTiles<T, L, D, kSwizzle128, NT, true, kDropout>;
+  const Tiles tiles(ptx::align1024(smem_raw), p, b, h, sq, n0);
+  typename Tiles::Stats stats = tiles.start(p, b, h, sq);  // lse and Delta of the block put next
+  const KvRows<T, BN, kDropout> rows(p, b, sq, n0, w, lane);
   // Operand descriptors at k-step 0 (of stage 0 for Q, dO), moved per step and stage by a constant.
   const uint64_t k_d = ptx::wgmma_desc_k(ptx::smem_addr(tiles.k)), v_d = ptx::wgmma_desc_k(ptx::smem_addr(tiles.v));
   const uint64_t q_d = ptx::wgmma_desc_k(ptx::smem_addr(tiles.q)), do_d = ptx::wgmma_desc_k(ptx::smem_addr(tiles.dO));
@@ -536,7 +594,8 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dkdv_wgmma_kernel(const 
 
   const auto block = [&](int ib, auto masked) {
     const int stage = ib & 1;
-    if (ib + 1 < tiles.nblocks) tiles.load(p, ib + 1);
+    tiles.put(stats, ib);
+    if (ib + 1 < tiles.nblocks) stats = tiles.load(p, ib + 1);
     ptx::cp_async_commit();
     ptx::cp_async_wait<1>();
     ptx::fence_proxy_async();  // the landed tiles (and Q's, dO's, or K's, V's first copies) visible to wgmma
@@ -546,8 +605,8 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dkdv_wgmma_kernel(const 
     // S^T = K Q^T, dP^T = V dO^T (m64 x BM, D / 16 k-steps); then s is Pd^T, dp dS^T
     float s[BM / 8][4], dp[BM / 8][4];
     wgmma_pair_nt<T, KS, BN, BM>(s, dp, k_d, v_d, q_d, do_d, at);
-    rows.template step<BM / 8, decltype(masked)::value>(s, dp, ib * BM, tiles.lse + stage * BM,
-                                                       tiles.delta + stage * BM);
+    rows.template step<BM / 8, decltype(masked)::value>(s, dp, tiles.lse + stage * BM, tiles.delta + stage * BM,
+                                                       tiles.keep + stage * Tiles::Keep::bytes);
     // dV += Pd^T dO, dK += dS^T Q (m64 x D, BM / 16 k-steps over the queries; dO, Q read transposed)
     wgmma_pair_rs<T, BM / 8, D>(dv, dk, s, dp, dot_d, qt_d, at);
     __syncthreads();  // every warp is done with this stage: the next block's copies overwrite it
@@ -574,11 +633,10 @@ struct DqRows {
   float l2[2], dl[2];
   float resid[2] = {0.f, 0.f};  // this lane's part of r_i
   float scale2, rdrop;
-  [[maybe_unused]] KeepBits keep_bits;
-  int row0, r16, g, t;  // r16: the warp's 16-row block of the sequence (keep bits)
+  int row0, krow, g, t;  // krow: the lane's row of the step's keep tile (8w + g)
   __device__ __forceinline__ DqRows(const Params& p, int b, int h, const Seq& sq, int m0, int w, int lane)
-      : scale2(p.softmax_scale * kLog2e), rdrop(kDropout ? 1.f / (1.f - p.dropout_p) : 1.f), keep_bits(p, b, h),
-        row0(m0 + 16 * w + (lane >> 2)), r16((m0 >> 4) + w), g(lane >> 2), t(lane & 3) {
+      : scale2(p.softmax_scale * kLog2e), rdrop(kDropout ? 1.f / (1.f - p.dropout_p) : 1.f),
+        row0(m0 + 16 * w + (lane >> 2)), krow(8 * w + (lane >> 2)), g(lane >> 2), t(lane & 3) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int qi = row0 + 8 * r;
@@ -588,14 +646,16 @@ struct DqRows {
     }
   }
 
-  // Keys n0 .. n0 + 8 NS - 1 (element i of tile n: row row0 + 8 (i / 2), key n0 + 8n + 2t + i % 2); s
-  // becomes P, dp dS'. kMasked reads each key's validity from kvalid (indexed from n0).
+  // The step's 8 NS keys (element i of tile n: row row0 + 8 (i / 2), key 8n + 2t + i % 2 of the step); s
+  // becomes P, dp dS'. kMasked reads each key's validity from kvalid; keep: the step's KeepTile, whose
+  // byte (8w + g, 4c + t) holds the lane's 8 decisions for keys 16c .. 16c + 15.
   template <int NS, bool kMasked>
-  __device__ __forceinline__ void step(float (&s)[NS][4], float (&dp)[NS][4], int n0, const int* kvalid) {
+  __device__ __forceinline__ void step(float (&s)[NS][4], float (&dp)[NS][4], const int* kvalid,
+                                       [[maybe_unused]] const uint8_t* keep) {
 #pragma unroll
     for (int c = 0; c < NS / 2; ++c) {  // keys 16c .. 16c + 15: the lane's keep byte
       [[maybe_unused]] unsigned kbyte = 0u;
-      if constexpr (kDropout) kbyte = *keep_bits.byte(r16, g, (n0 >> 4) + c, t);
+      if constexpr (kDropout) kbyte = keep[krow * (2 * NS) + 4 * c + t];
 #pragma unroll
       for (int n = 2 * c; n < 2 * c + 2; ++n) {
 #pragma unroll
@@ -645,27 +705,38 @@ struct DqRows {
 };
 
 // A dQ block's shared memory as L lays it out (MmaDqSmem, WgmmaDqSmem): its own Q and dO tiles, K's and
-// V's two stages, the key mask. start() issues the block's copies of Q and dO (cp.async group 0, or
-// element by element) and key block 0's K and V (group 1), for either kernel's tile layout LD.
-template <typename T, typename L>
+// V's two stages with their key mask and keep bits (KeepTile, with dropout). start() issues the block's
+// copies of Q and dO (cp.async group 0, or element by element) and key block 0's (group 1); load(jb) key
+// block jb's into stage jb % 2, for either kernel's tile layout LD.
+template <typename T, typename L, int NT, bool kDropout>
 struct DqTiles {
+  using Keep = KeepTile<L::BM, L::BN, NT>;
   T* q;
   T* dO;
   T* k;
   T* v;
   int* kvalid;
-  __device__ __forceinline__ explicit DqTiles(unsigned char* smem)
+  uint8_t* keep;
+  [[maybe_unused]] Keep keepcopy;
+  int m0;
+  __device__ __forceinline__ DqTiles(unsigned char* smem, const Params& p, int b, int h, int m0_)
       : q(reinterpret_cast<T*>(smem + L::q)), dO(reinterpret_cast<T*>(smem + L::dO)),
         k(reinterpret_cast<T*>(smem + L::k)), v(reinterpret_cast<T*>(smem + L::v)),
-        kvalid(reinterpret_cast<int*>(smem + L::kvalid)) {}
-  template <int D, int LD, int NT, typename KV>
-  __device__ __forceinline__ void start(const Params& p, int b, int h, const Seq& sq, int m0, const KV& kv) const {
+        kvalid(reinterpret_cast<int*>(smem + L::kvalid)), keep(smem + L::keep), keepcopy(p, b, h, m0_, 0), m0(m0_) {}
+  template <typename KV>
+  __device__ __forceinline__ void load(const Params& p, int jb, const KV& kv) const {
+    // The keep bits first: issued after K and V, they spilled the mma.sync kernel at D 64 and 96 (ptxas).
+    if constexpr (kDropout) keepcopy.issue_keys(keep + (jb & 1) * Keep::bytes, jb);
+    kv.load(p, jb, k, v);
+  }
+  template <int D, int LD, typename KV>
+  __device__ __forceinline__ void start(const Params& p, int b, int h, const Seq& sq, const KV& kv) const {
     const T* qg = static_cast<const T*>(p.q) + b * p.sq.batch + (sq.start + m0) * p.sq.row + h * p.sq.head;
     const T* dog = static_cast<const T*>(p.dout) + b * p.sdo.batch + (sq.start + m0) * p.sdo.row + h * p.sdo.head;
     copy_tile<T, L::BM, D, LD, NT>(q, qg, p.sq.row, sq.len - m0, p.head_dim, p.vec & kVecQ);
     copy_tile<T, L::BM, D, LD, NT>(dO, dog, p.sdo.row, sq.len - m0, p.head_dim, p.vec & kVecDO);
     ptx::cp_async_commit();
-    kv.load(p, b, 0, k, v, kvalid);
+    load(p, 0, kv);
     ptx::cp_async_commit();
   }
 };
@@ -679,17 +750,18 @@ struct DqTiles {
 // refinement (header): r_i = sum_j ds'_ij over the row's 4 lanes, dq_i = c (dQ_i - r_i pk_i), Delta_i = d_i
 // + r_i written for the dK/dV kernel. The keep bits are the forward's tile layout: lane (g, t), 16-key
 // block C holds one byte. Rows past the sequence's end read lse = +inf (p = 0); keys are masked only in
-// blocks that hold an invalid one (their loop of their own), as KvStages loads them.
-template <typename T, int D, int BN, int BM_>
+// blocks that hold an invalid one (their loop of their own), which store their mask (KvStages::mask).
+template <typename T, int D, int BN_, int BM_>
 struct MmaDqSmem {
-  static constexpr int BM = BM_;
+  static constexpr int BM = BM_, BN = BN_;
   static constexpr int LD = D + kPadT<T>;
   static constexpr int q = 0;                                              // [BM, LD]
   static constexpr int dO = align128(q + 1LL * BM * LD * sizeof(T));       // [BM, LD]
   static constexpr int k = align128(dO + 1LL * BM * LD * sizeof(T));       // [2][BN, LD]
   static constexpr int v = align128(k + 2LL * BN * LD * sizeof(T));        // [2][BN, LD]
   static constexpr int kvalid = align128(v + 2LL * BN * LD * sizeof(T));   // [2][BN]
-  static constexpr int bytes = align128(kvalid + 2LL * BN * 4);
+  static constexpr int keep = align128(kvalid + 2LL * BN * 4);             // [2][BM / 2, BN / 4] (KeepTile)
+  static constexpr int bytes = align128(keep + 2LL * (BM / 2) * (BN / 4));
 };
 
 template <typename T, int D, int BN, int NW, bool kDropout, bool kVecKV>
@@ -701,15 +773,16 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dq_mma_kernel(const 
   constexpr bool kQRegs = D <= 32;
   static_assert(BM == L::BM && BN % 16 == 0 && D % 16 == 0 && BN <= NT, "whole 16-key tiles, a thread per key");
   extern __shared__ __align__(128) unsigned char smem[];
-  const DqTiles<T, L> tiles(smem);
 
   const int b = blockIdx.z, h = blockIdx.y, m0 = blockIdx.x / NC * BM, c0 = blockIdx.x % NC * DC;
   const Seq sq = seq_of(p, b);
   if (m0 >= sq.len) return;
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  using Tiles = DqTiles<T, L, NT, kDropout>;
+  const Tiles tiles(smem, p, b, h, m0);
   const KvStages<T, BN, D, LD, NT, kVecKV> kv(p, b, h, sq);
   // Q and dO land first (group 0), their fragments read while block 0's K and V (group 1) are in flight.
-  tiles.template start<D, LD, NT>(p, b, h, sq, m0, kv);
+  tiles.template start<D, LD>(p, b, h, sq, kv);
 
   DqRows<T, kDropout> rows(p, b, h, sq, m0, w, lane);
   // ldmatrix row addresses: A (Q, dO) rows lane % 16, column half lane / 16; B (K, V) rows lane % 8 +
@@ -738,17 +811,19 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dq_mma_kernel(const 
   // One key block: kMasked tests each key (kvalid), else every key is valid.
   const auto block = [&](int jb, auto masked) {
     const int stage = jb & 1;
-    if (jb + 1 < kv.nblocks) kv.load(p, b, jb + 1, tiles.k, tiles.v, tiles.kvalid);
+    if (jb + 1 < kv.nblocks) tiles.load(p, jb + 1, kv);
+    if constexpr (decltype(masked)::value) kv.mask(p, b, jb, tiles.kvalid);
     ptx::cp_async_commit();
     ptx::cp_async_wait<1>();  // this thread's copies of block jb (and of Q, dO) have landed
-    __syncthreads();          // everyone's have
+    __syncthreads();          // everyone's have, and the block's key mask is stored
     const T* ks_ = tiles.k + stage * BN * LD;
     const T* vs_ = tiles.v + stage * BN * LD;
 
     // S = Q K^T, dP = dO V^T; then s is P, dp dS'
     float s[BN / 8][4], dp[BN / 8][4];
     mma_pair_nt<T, KS, BN / 8, LD, kQRegs>(s, dp, qf, of, tiles.q + aoff, tiles.dO + aoff, ks_ + boff, vs_ + boff);
-    rows.template step<BN / 8, decltype(masked)::value>(s, dp, jb * BN, tiles.kvalid + stage * BN);
+    rows.template step<BN / 8, decltype(masked)::value>(s, dp, tiles.kvalid + stage * BN,
+                                                       tiles.keep + stage * Tiles::Keep::bytes);
 
     // dQ += dS' K, pk += P K
 #pragma unroll
@@ -781,15 +856,16 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_bwd_dq_mma_kernel(const 
 // registers and read the same K tile transposed. Q, dO, K and V are stored in wgmma's 128-byte swizzle
 // (kSwizzle128), K and V double-buffered through cp.async as in the mma.sync kernel; K's and V's rows
 // must allow 16-byte copies (the launcher runs the mma.sync kernel otherwise).
-template <typename T, int D, int BN>
+template <typename T, int D, int BN_>
 struct WgmmaDqSmem {
-  static constexpr int BM = 64;
+  static constexpr int BM = 64, BN = BN_;
   static constexpr int q = 0;                                    // [BM, D], swizzled (1024-byte aligned)
   static constexpr int dO = q + BM * D * 2;                      // [BM, D]
   static constexpr int k = dO + BM * D * 2;                      // [2][BN, D]
   static constexpr int v = k + 2 * BN * D * 2;                   // [2][BN, D]
   static constexpr int kvalid = v + 2 * BN * D * 2;              // [2][BN]
-  static constexpr int bytes = kvalid + 2 * BN * 4 + 1024;       // + room to align the tiles
+  static constexpr int keep = kvalid + 2 * BN * 4;               // [2][BM / 2, BN / 4] (KeepTile)
+  static constexpr int bytes = keep + 2 * (BM / 2) * (BN / 4) + 1024;  // + room to align the tiles
   static_assert(BN * D * 2 % 1024 == 0, "each swizzled tile starts 1024-byte aligned");
 };
 
@@ -801,14 +877,15 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dq_wgmma_kernel(const Pa
   static_assert(sizeof(T) == 2 && D % 64 == 0 && (BN == 32 || BN == 64 || BN == 128) && BN <= NT,
                 "16-bit tiles of whole 64-column blocks, BN an N of wgmma, a thread per key");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  const DqTiles<T, L> tiles(ptx::align1024(smem_raw));
 
   const int b = blockIdx.z, h = blockIdx.y, m0 = blockIdx.x * BM;
   const Seq sq = seq_of(p, b);
   if (m0 >= sq.len) return;
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  using Tiles = DqTiles<T, L, NT, kDropout>;
+  const Tiles tiles(ptx::align1024(smem_raw), p, b, h, m0);
   const KvStages<T, BN, D, kSwizzle128, NT, true> kv(p, b, h, sq);
-  tiles.template start<D, kSwizzle128, NT>(p, b, h, sq, m0, kv);
+  tiles.template start<D, kSwizzle128>(p, b, h, sq, kv);
 
   DqRows<T, kDropout> rows(p, b, h, sq, m0, w, lane);
   // Operand descriptors at k-step 0 (of stage 0 for K, V), moved per step and stage by a constant.
@@ -825,7 +902,8 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dq_wgmma_kernel(const Pa
 
   const auto block = [&](int jb, auto masked) {
     const int stage = jb & 1;
-    if (jb + 1 < kv.nblocks) kv.load(p, b, jb + 1, tiles.k, tiles.v, tiles.kvalid);
+    if (jb + 1 < kv.nblocks) tiles.load(p, jb + 1, kv);
+    if constexpr (decltype(masked)::value) kv.mask(p, b, jb, tiles.kvalid);
     ptx::cp_async_commit();
     ptx::cp_async_wait<1>();
     ptx::fence_proxy_async();  // the landed tiles (and Q's, dO's, or K's, V's first copies) visible to wgmma
@@ -835,7 +913,8 @@ __global__ void __launch_bounds__(128, 1) attention_bwd_dq_wgmma_kernel(const Pa
     // S = Q K^T, dP = dO V^T (m64 x BN, D / 16 k-steps); then s is P, dp dS'
     float s[BN / 8][4], dp[BN / 8][4];
     wgmma_pair_nt<T, KS, BM, BN>(s, dp, q_d, do_d, k_d, v_d, at);
-    rows.template step<BN / 8, decltype(masked)::value>(s, dp, jb * BN, tiles.kvalid + stage * BN);
+    rows.template step<BN / 8, decltype(masked)::value>(s, dp, tiles.kvalid + stage * BN,
+                                                       tiles.keep + stage * Tiles::Keep::bytes);
     // dQ += dS' K, pk += P K (m64 x D, BN / 16 k-steps over the keys; K read transposed for both)
     wgmma_pair_rs<T, BN / 8, D>(dq, pk, dp, s, kt_d, kt_d, at);
     __syncthreads();  // every warp is done with this stage: the next block's copies overwrite it
@@ -1126,9 +1205,14 @@ struct Bwd {
   }
 };
 
+// Tile head dims up to kBwdSplitHeadDim, and above it (attention_host.cuh).
 template <typename T>
 int run_bwd(const Params& p, cudaStream_t stream) {
-  return dispatch_head_dim<Bwd, T>(p, stream);
+  return dispatch_head_dim<Bwd, T, 16, kBwdSplitHeadDim>(p, stream);
+}
+template <typename T>
+int run_bwd_wide(const Params& p, cudaStream_t stream) {
+  return dispatch_head_dim<Bwd, T, kBwdSplitHeadDim + 1, 256>(p, stream);
 }
 
 }  // namespace attn

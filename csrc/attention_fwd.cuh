@@ -284,7 +284,7 @@ struct FwdTiles {
     const T* qg = static_cast<const T*>(p.q) + b * p.sq.batch + (sq.start + m0) * p.sq.row + h * p.sq.head;
     copy_tile<T, L::BM, D, LD, NT>(q, qg, p.sq.row, sq.len - m0, p.head_dim, p.vec & kVecQ);
     ptx::cp_async_commit();
-    kv.load(p, b, 0, k, v, kvalid);
+    kv.load(p, 0, k, v);
     ptx::cp_async_commit();
   }
 };
@@ -333,10 +333,11 @@ __global__ void __launch_bounds__(NW * 32, 1) attention_fwd_mma_kernel(const Par
     constexpr bool kMasked = decltype(masked)::value;
     const int n0 = jb * BN;
     const int stage = jb & 1;
-    if (jb + 1 < kv.nblocks) kv.load(p, b, jb + 1, tiles.k, tiles.v, tiles.kvalid);
+    if (jb + 1 < kv.nblocks) kv.load(p, jb + 1, tiles.k, tiles.v);
+    if constexpr (kMasked) kv.mask(p, b, jb, tiles.kvalid);
     ptx::cp_async_commit();
     ptx::cp_async_wait<1>();  // this thread's copies of block jb (and of Q) have landed
-    __syncthreads();          // everyone's have
+    __syncthreads();          // everyone's have, and the block's key mask is stored
     const T* ks_ = tiles.k + stage * BN * LD;
     const T* vs_ = tiles.v + stage * BN * LD;
 
@@ -437,7 +438,8 @@ __global__ void __launch_bounds__(128, 1) attention_fwd_wgmma_kernel(const Param
 
   const auto block = [&](int jb, auto masked) {
     const int stage = jb & 1;
-    if (jb + 1 < kv.nblocks) kv.load(p, b, jb + 1, tiles.k, tiles.v, tiles.kvalid);
+    if (jb + 1 < kv.nblocks) kv.load(p, jb + 1, tiles.k, tiles.v);
+    if constexpr (decltype(masked)::value) kv.mask(p, b, jb, tiles.kvalid);
     ptx::cp_async_commit();
     ptx::cp_async_wait<1>();
     ptx::fence_proxy_async();  // the landed tiles (and Q's first copies) visible to wgmma

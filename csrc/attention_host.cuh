@@ -51,6 +51,10 @@ inline int check(const AttentionParams& p, bool backward, const char* name) {
                 "%s: dropout needs its keep bits, keep_len a multiple of 128 and >= max_seqlen %d; got %s, "
                 "keep_len %lld", name, p.max_seqlen, p.keep == nullptr ? "none" : "a pointer",
                 static_cast<long long>(p.keep_len));
+  // The backward copies the keep bits in 16-byte rows (KeepTile): the forward's buffer is aligned so.
+  if (p.dropout_p > 0.f && !aligned_to(p.keep, 16))
+    return fail(kErrArgument, "%s: the keep bits must be 16-byte aligned, got address %p", name,
+                static_cast<const void*>(p.keep));
   const int elem = p.dtype == kFloat32 ? 4 : 2;
   bool ok = aligned_to(p.q, elem) && aligned_to(p.k, elem) && aligned_to(p.v, elem) && aligned_to(p.out, elem);
   if (backward)
@@ -93,24 +97,42 @@ inline auto by_settings(bool dropout, bool vec, F instance) {
 // 80 and 96 from padding to 128, 256 is the largest served; a head dim pays at most twice its work (17
 // in 32, 129 in 256). Few tiers, since each is compiled for every dtype and arch (and for the CPU
 // emulator).
-template <template <typename, int> class F, typename T>
+// kLo .. kHi: the tiers a translation unit serves (the backward's two halves; its caller routes the
+// head dim), the last of them taking every head dim above it.
+template <template <typename, int> class F, typename T, int kLo = 16, int kHi = 256>
 inline int dispatch_head_dim(const Params& p, cudaStream_t stream) {
-  if (p.head_dim <= 16) return F<T, 16>::run(p, stream);
-  if (p.head_dim <= 32) return F<T, 32>::run(p, stream);
-  if (p.head_dim <= 64) return F<T, 64>::run(p, stream);
-  if (p.head_dim <= 96) return F<T, 96>::run(p, stream);
-  if (p.head_dim <= 128) return F<T, 128>::run(p, stream);
-  return F<T, 256>::run(p, stream);
+  if constexpr (kLo <= 16) {
+    if (kHi == 16 || p.head_dim <= 16) return F<T, 16>::run(p, stream);
+  }
+  if constexpr (kLo <= 32 && kHi >= 32) {
+    if (kHi == 32 || p.head_dim <= 32) return F<T, 32>::run(p, stream);
+  }
+  if constexpr (kLo <= 64 && kHi >= 64) {
+    if (kHi == 64 || p.head_dim <= 64) return F<T, 64>::run(p, stream);
+  }
+  if constexpr (kLo <= 96 && kHi >= 96) {
+    if (kHi == 96 || p.head_dim <= 96) return F<T, 96>::run(p, stream);
+  }
+  if constexpr (kLo <= 128 && kHi >= 128) {
+    if (kHi == 128 || p.head_dim <= 128) return F<T, 128>::run(p, stream);
+  }
+  if constexpr (kHi >= 256) return F<T, 256>::run(p, stream);
+  return kOk;  // not reached: the last tier above takes the rest
 }
 
 // Each direction's launcher for one dtype, defined in attention_fwd.cuh and attention_bwd.cuh and
 // compiled in a translation unit of its own (attention_{fwd,bwd}_{fp32,fp16,bf16}.cu), so the build
-// compiles the six side by side: in one file per direction the backward alone took nvcc a minute
-// (sm_90a). attention_fwd.cu and attention_bwd.cu check the arguments and pick the dtype's.
+// compiles them side by side: in one file per direction the backward alone took nvcc a minute
+// (sm_90a). The fp16/bf16 backward is split again by tile head dim, run_bwd up to kBwdSplitHeadDim and
+// run_bwd_wide above it (attention_bwd_<dtype>_wide.cu): whole, each took 30 s, the build's slowest
+// source. attention_fwd.cu and attention_bwd.cu check the arguments and pick the dtype's (and half).
+constexpr int kBwdSplitHeadDim = 64;
 template <typename T>
 int run_fwd(const Params& p, cudaStream_t stream);
 template <typename T>
 int run_bwd(const Params& p, cudaStream_t stream);
+template <typename T>
+int run_bwd_wide(const Params& p, cudaStream_t stream);
 
 }  // namespace attn
 }  // namespace bertfast

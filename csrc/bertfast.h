@@ -142,10 +142,10 @@ int attention_dropout_mask(bool* keep, int batch, int heads, int seqlen, float d
 // Checks of the hand-issued PTX (ptx.cuh, ptx_check.cu), one warp each, for tests/ops/test_ptx.py:
 // d = a b + c through mma.m16n8k16 (a [16, 16], b [16, 8] row-major in dtype, c, d [16, 8] fp32);
 // ldmatrix variant 0 x4, 1 x4.trans, 2 x2, 3 x2.trans of four 8 x 8 matrices (src [32, 8] 16-bit,
-// out [32 lanes, 4] registers); cp.async of 1 KiB in two groups (out [3, 512]).
+// out [32 lanes, 4] registers); cp.async of 1 KiB in two groups, width bytes a copy (out [3, 512]).
 int ptx_check_mma(const void* a, const void* b, const float* c, float* d, int dtype, cudaStream_t stream);
 int ptx_check_ldmatrix(const uint16_t* src, uint32_t* out, int variant, cudaStream_t stream);
-int ptx_check_cp_async(const uint8_t* src, uint8_t* out, cudaStream_t stream);
+int ptx_check_cp_async(const uint8_t* src, uint8_t* out, int width, cudaStream_t stream);
 // wgmma (wgmma.cuh), one warpgroup: variant 0 d = a b + c and 1 d = a b with A and B from shared memory
 // (a [64, 64], b [64, 128]; c, d [64, 64]), 2 d = a b + c with A from registers (a [64, 16], b [32, 128];
 // c, d [64, 128]), 3 as 0 with A's tile stored transposed (read MN-major); which k-steps of the tiles each

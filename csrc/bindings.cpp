@@ -308,15 +308,15 @@ PYBIND11_MODULE(_C, m) {
       py::arg("src"), py::arg("out"), py::arg("variant"), py::arg("stream"));
   m.def(
       "ptx_check_cp_async",
-      [](uintptr_t src, uintptr_t out, uintptr_t stream) {
+      [](uintptr_t src, uintptr_t out, int width, uintptr_t stream) {
         int s;
         {
           py::gil_scoped_release nogil;
-          s = bertfast::ptx_check_cp_async(ptr<const uint8_t>(src), ptr<uint8_t>(out), stream_of(stream));
+          s = bertfast::ptx_check_cp_async(ptr<const uint8_t>(src), ptr<uint8_t>(out), width, stream_of(stream));
         }
         check(s, "ptx_check_cp_async");
       },
-      py::arg("src"), py::arg("out"), py::arg("stream"));
+      py::arg("src"), py::arg("out"), py::arg("width"), py::arg("stream"));
   m.def(
       "ptx_check_wgmma",
       [](uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t d, int dtype, int variant, uintptr_t stream) {

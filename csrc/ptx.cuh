@@ -86,12 +86,20 @@ __device__ __forceinline__ void mma_m16n8k16_zero(float (&d)[4], const uint32_t 
   }
 }
 
-// 16 bytes global -> shared, asynchronously (.cg: through L2 only); !valid writes 16 zero bytes and
-// reads nothing (src is not dereferenced then: it may point past the tensor). A thread's copies
-// land, in groups, by cp_async_wait.
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
+// N (4, 8 or 16) bytes global -> shared, asynchronously, both addresses N-byte aligned: 16 through L2
+// only (.cg), 4 and 8 through L1 too (.ca: .cg takes only 16); !valid writes N zero bytes and reads
+// nothing (src is not dereferenced then: it may point past the tensor). A thread's copies land, in
+// groups, by cp_async_wait.
+template <int N>
+__device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
+  static_assert(N == 4 || N == 8 || N == 16, "cp.async copies 4, 8 or 16 bytes");
+  if constexpr (N == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(smem_addr(dst)), "l"(src), "n"(N),
+                 "r"(valid ? N : 0));
+  }
 }
 // Closes the thread's open group of copies.
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }

@@ -59,15 +59,17 @@ __global__ void ptx_check_ldmatrix_kernel(const uint16_t* src, uint32_t* out, in
 }
 
 // cp.async: lane l copies src bytes [16 l, 16 l + 16) to shared memory as group 0, and bytes
-// 512 + [16 l, 16 l + 16) as group 1 (odd lanes: zero-filled); out [3, 512]: the lane's group-0 bytes
-// before any wait (unspecified on the hardware), after cp.async.wait_group 1, and its group-1 bytes
-// after wait_group 0.
+// 512 + [16 l, 16 l + 16) as group 1 (odd lanes: zero-filled), each in copies of N bytes (4, 8 or 16);
+// out [3, 512]: the lane's group-0 bytes before any wait (unspecified on the hardware), after
+// cp.async.wait_group 1, and its group-1 bytes after wait_group 0.
+template <int N>
 __global__ void ptx_check_cp_async_kernel(const uint8_t* src, uint8_t* out) {
   extern __shared__ __align__(16) unsigned char buf[];
   const int lane = threadIdx.x;
-  ptx::cp_async_16(buf + 16 * lane, src + 16 * lane, true);
+  for (int c = 0; c < 16; c += N) ptx::cp_async<N>(buf + 16 * lane + c, src + 16 * lane + c, true);
   ptx::cp_async_commit();
-  ptx::cp_async_16(buf + 512 + 16 * lane, src + 512 + 16 * lane, lane % 2 == 0);
+  for (int c = 0; c < 16; c += N)
+    ptx::cp_async<N>(buf + 512 + 16 * lane + c, src + 512 + 16 * lane + c, lane % 2 == 0);
   ptx::cp_async_commit();
   for (int e = 0; e < 16; ++e) out[16 * lane + e] = buf[16 * lane + e];
   ptx::cp_async_wait<1>();
@@ -211,9 +213,17 @@ int ptx_check_ldmatrix(const uint16_t* src, uint32_t* out, int variant, cudaStre
   return kOk;
 }
 
-int ptx_check_cp_async(const uint8_t* src, uint8_t* out, cudaStream_t stream) {
+int ptx_check_cp_async(const uint8_t* src, uint8_t* out, int width, cudaStream_t stream) {
   clear_error();
-  ptx_check_cp_async_kernel<<<1, 32, 1024, stream>>>(src, out);
+  if (width == 4) {
+    ptx_check_cp_async_kernel<4><<<1, 32, 1024, stream>>>(src, out);
+  } else if (width == 8) {
+    ptx_check_cp_async_kernel<8><<<1, 32, 1024, stream>>>(src, out);
+  } else if (width == 16) {
+    ptx_check_cp_async_kernel<16><<<1, 32, 1024, stream>>>(src, out);
+  } else {
+    return fail(kErrArgument, "ptx_check_cp_async: width must be 4, 8 or 16 bytes a copy, got %d", width);
+  }
   BF_CHECK_LAUNCH("ptx_check_cp_async");
   return kOk;
 }

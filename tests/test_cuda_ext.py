@@ -191,6 +191,9 @@ def test_launcher_argument_errors_raise_runtime_error(ext):
         with pytest.raises(RuntimeError, match="dropout needs its keep bits, keep_len a multiple of 128"):
             ext.attention_fwd(0, (0, 96, 48), 0, (0, 96, 48), 0, (0, 96, 48), 0, (0, 96, 48), 0, 0, 8, 0, 0, 0, 1,
                               2, 64, 8, 0.125, 0.1, 8, keep, keep_len, 1, 0)
+    with pytest.raises(RuntimeError, match="the keep bits must be 16-byte aligned, got address 0x8"):
+        ext.attention_fwd(0, (0, 96, 48), 0, (0, 96, 48), 0, (0, 96, 48), 0, (0, 96, 48), 0, 0, 8, 0, 0, 0, 1,
+                          2, 64, 8, 0.125, 0.1, 8, 8, 128, 1, 0)
     with pytest.raises(RuntimeError, match="expected n >= 0 and f > 0"):
         ext.bias_gelu_fwd(0, 0, 0, 0, 4, 0, 1, 1, 0, 0)
     with pytest.raises(RuntimeError, match="unknown dtype code 7"):

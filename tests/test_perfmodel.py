@@ -786,8 +786,8 @@ def test_cuda_attention_kernels_work_and_shared_memory():
     """perfmodel.cuda's launches at BERT-large seq 512 batch 32: 64 x 64 score blocks, 16 heads, 8 blocks
     of 64 rows a (sequence, head); the bytes each tensor once (bf16 q, k, v, out, dO, dq, dk, dv; fp32 lse,
     Delta, which dQ reads and writes; with dropout the keep bits, a bit a score element); WgmmaFwdSmem's,
-    WgmmaDqSmem's and WgmmaKvSmem's bytes by hand (unpadded swizzled rows of 128 bytes, and 1024 bytes to
-    align them)."""
+    WgmmaDqSmem's and WgmmaKvSmem's bytes by hand (unpadded swizzled rows of 128 bytes, the backward's two
+    keep tiles of [32, 16] bytes, and 1024 bytes to align them)."""
     from bertfast.perfmodel import cuda as CU
     from bertfast.perfmodel.kernels import Setting
     setting = Setting("bert-large", 512, 32, 0.1)
@@ -800,8 +800,8 @@ def test_cuda_attention_kernels_work_and_shared_memory():
     assert dq.hbm_bytes == 5 * 16384 * 1024 * 2 + 3 * 16384 * 16 * 4 + bits
     assert dkdv.hbm_bytes == 6 * 16384 * 1024 * 2 + 2 * 16384 * 16 * 4 + bits
     assert fwd.shared_bytes == 64 * 128 + 2 * (2 * 64 * 128) + 2 * 64 * 4 + 1024
-    assert dq.shared_bytes == 2 * 64 * 128 + 2 * (2 * 64 * 128) + 2 * 64 * 4 + 1024
-    assert dkdv.shared_bytes == 2 * 64 * 128 + 2 * (2 * 64 * 128) + 2 * (2 * 64 * 4) + 1024
+    assert dq.shared_bytes == 2 * 64 * 128 + 2 * (2 * 64 * 128) + 2 * 64 * 4 + 2 * 32 * 16 + 1024
+    assert dkdv.shared_bytes == 2 * 64 * 128 + 2 * (2 * 64 * 128) + 2 * (2 * 64 * 4) + 2 * 32 * 16 + 1024
     assert CU.FORWARD.mangled(True) == ("_ZN8bertfast4attn26attention_fwd_wgmma_kernelI13__nv_bfloat16Li64ELi64ELb1"
                                         "EEEvNS0_6ParamsE")
     assert CU.DKDV.mangled(False) == ("_ZN8bertfast4attn31attention_bwd_dkdv_wgmma_kernelI13__nv_bfloat16Li64ELi64ELb0"
@@ -857,6 +857,17 @@ def test_cuda_attention_kernels_are_read_from_their_sass():
     for f in CU.predict_kernels([Setting("bert-large", 512, 32, 0.1)], H100):
         flops = f.kernel.products * 2 * 64 * 32 * 16 * 512 * 512
         assert f.prediction.tensor_flops == pytest.approx(flops) and f.prediction.predicted_s > 0
+    # dQ's and dK/dV's main loops wait on no global load: the keep bits come through the stages (cp.async,
+    # LDGSTS), dK/dV's lse and Delta rows a block ahead (their LDG's scoreboard first waited on in the
+    # next pass), and the key mask is read only in masked blocks (their loop of their own)
+    for kernel in (CU.DQ, CU.DKDV):
+        for dropout in (False, True):
+            _, loop, _ = model.loop_and_rest(compiled.functions[kernel.name, dropout])
+            loads = [i for i, ins in enumerate(loop) if ins.opcode == "LDG"]
+            assert len(loads) == (2 if kernel is CU.DKDV else 0), (kernel.name, dropout)
+            for i in loads:
+                sb = loop[i].write_scoreboard
+                assert sb is not None and not any(ins.wait_mask >> sb & 1 for ins in loop[i + 1:]), kernel.name
     # the one-pass backward: no loop, its body once a block: 32 HGMMAs a warp (S and dP, 4 k-steps each of
     # m64n128k16; dQ 8 of m64n64k16; dV and dK 8 each), a MUFU a score element of its 64 a thread
     for dropout in (False, True):

@@ -45,6 +45,7 @@ class CudaKernel:
     stats: int         # fp32 [heads, tokens] rows it reads or writes (lse; Delta, which dQ also writes)
     products: int      # mma products a score element takes part in (2 head-dim flops each)
     one_pass: bool = False  # the one-pass backward: rows = step = every token, nothing streamed, no loop
+    keep: bool = False  # its stages carry their block's keep bits (KeepTile: [2][rows x step / 8] bytes)
 
     @property
     def warps(self) -> int:
@@ -62,22 +63,24 @@ class CudaKernel:
     def shared_bytes(self, head_dim: int = K.HEAD_DIM) -> int:
         """WgmmaFwdSmem / WgmmaDqSmem / WgmmaKvSmem / WgmmaFusedSmem bytes for 16-bit T: the block's own
         [rows, D] tiles, the two streamed ones double-buffered ([2][step, D]: K and V, or Q and dO), then
-        its [2][step] arrays of 4 bytes; the one-pass backward's own tiles, its two [rows, step] tiles
-        (Pd, dS) and its [rows] array (the key mask). Tiles are whole 1024-byte atoms of the 128-byte
-        swizzle (unpadded rows), with 1024 bytes more to align them at run time."""
+        its [2][step] arrays of 4 bytes and the backward's two keep tiles (a bit a score of a rows x step
+        block); the one-pass backward's own tiles, its two [rows, step] tiles (Pd, dS) and its [rows] array
+        (the key mask). Tiles are whole 1024-byte atoms of the 128-byte swizzle (unpadded rows), with 1024
+        bytes more to align them at run time."""
         row = 2 * head_dim
         tiles = self.own * self.rows * row
         if self.one_pass:
             return tiles + 2 * self.rows * self.step * 2 + self.rows * 4 + 1024
-        return tiles + 2 * (2 * self.step * row) + self.arrays * 2 * self.step * 4 + 1024
+        keep = 2 * self.rows * self.step // 8 if self.keep else 0
+        return tiles + 2 * (2 * self.step * row) + self.arrays * 2 * self.step * 4 + keep + 1024
 
 
 FORWARD = CudaKernel("attention_fwd_wgmma_kernel", "attention_fwd_bf16.cu", "_attention_fwd_kernel", "fwd", 64, 64,
                      own=1, arrays=1, tensors=4, stats=1, products=2)  # Q K^T, P V
 DQ = CudaKernel("attention_bwd_dq_wgmma_kernel", "attention_bwd_bf16.cu", "_attention_bwd_dq_kernel", "bwd", 64, 64,
-                own=2, arrays=1, tensors=5, stats=3, products=4)  # Q K^T, dO V^T, dS' K, P K
+                own=2, arrays=1, tensors=5, stats=3, products=4, keep=True)  # Q K^T, dO V^T, dS' K, P K
 DKDV = CudaKernel("attention_bwd_dkdv_wgmma_kernel", "attention_bwd_bf16.cu", "_attention_bwd_dkdv_kernel", "bwd", 64,
-                  64, own=2, arrays=2, tensors=6, stats=2, products=4)  # K Q^T, V dO^T, Pd^T dO, dS^T Q
+                  64, own=2, arrays=2, tensors=6, stats=2, products=4, keep=True)  # K Q^T, V dO^T, Pd^T dO, dS^T Q
 FUSED = CudaKernel("attention_bwd_fused_wgmma_kernel", "attention_bwd_bf16.cu", "_attention_bwd_fused_kernel", "bwd",
                    FUSED_MAX_SEQ, FUSED_MAX_SEQ, own=4, arrays=0, tensors=7, stats=1, products=5,
                    one_pass=True)  # Q K^T, dO V^T, dS K, Pd^T dO, dS^T Q

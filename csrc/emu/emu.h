@@ -192,6 +192,7 @@ struct Copy {
   void* dst;
   const void* src;
   bool valid;
+  int bytes;
 };
 inline thread_local std::vector<Copy> tl_open;                 // this thread's uncommitted copies
 inline thread_local std::vector<std::vector<Copy>> tl_groups;  // its committed groups, oldest first
@@ -266,10 +267,12 @@ inline float exp2_ftz(float x) {
   return std::fpclassify(y) == FP_SUBNORMAL ? 0.f : y;
 }
 
-inline void cp_async_16(void* dst, const void* src, bool valid) {
-  if (reinterpret_cast<uintptr_t>(dst) % 16) emu::misaligned("cp.async (shared)", dst);
-  if (valid && reinterpret_cast<uintptr_t>(src) % 16) emu::misaligned("cp.async (global)", src);
-  emu::tl_open.push_back({dst, src, valid});
+template <int N>
+inline void cp_async(void* dst, const void* src, bool valid) {
+  static_assert(N == 4 || N == 8 || N == 16, "cp.async copies 4, 8 or 16 bytes");
+  if (reinterpret_cast<uintptr_t>(dst) % N) emu::misaligned("cp.async (shared)", dst);
+  if (valid && reinterpret_cast<uintptr_t>(src) % N) emu::misaligned("cp.async (global)", src);
+  emu::tl_open.push_back({dst, src, valid, N});
 }
 inline void cp_async_commit() {
   emu::tl_groups.push_back(std::move(emu::tl_open));
@@ -280,9 +283,9 @@ inline void cp_async_wait() {
   while (emu::tl_groups.size() > static_cast<size_t>(N)) {
     for (const emu::Copy& c : emu::tl_groups.front()) {
       if (c.valid) {
-        std::memcpy(c.dst, c.src, 16);
+        std::memcpy(c.dst, c.src, c.bytes);
       } else {
-        std::memset(c.dst, 0, 16);
+        std::memset(c.dst, 0, c.bytes);
       }
       emu::tl_landed_unfenced = true;
     }

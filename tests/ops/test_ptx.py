@@ -73,16 +73,17 @@ def test_ldmatrix_gives_each_lane_its_row_pair(ext, variant, count, trans):
             assert int(got[lane, i]) == expected, (lane, i)
 
 
-def test_cp_async_lands_by_its_group(ext):
-    """Group 0 has landed after cp.async.wait_group 1, group 1 (zero-filled where a lane's source is
-    invalid) after wait_group 0. The emulator lands a group only at the wait that requires it, so there
-    a tile read before its wait reads the stale bytes (0xFF: its fill of dynamic shared memory), which is
-    how it catches a pipeline that reads too early; the hardware may have landed them, so a GPU run does
-    not look at that read."""
+@pytest.mark.parametrize("width", [4, 8, 16])
+def test_cp_async_lands_by_its_group(ext, width):
+    """Copies of ``width`` bytes (16: through L2 only; 4 and 8: the .ca form): group 0 has landed after
+    cp.async.wait_group 1, group 1 (zero-filled where a lane's source is invalid) after wait_group 0. The
+    emulator lands a group only at the wait that requires it, so there a tile read before its wait reads
+    the stale bytes (0xFF: its fill of dynamic shared memory), which is how it catches a pipeline that
+    reads too early; the hardware may have landed them, so a GPU run does not look at that read."""
     module, dev = ext
     src = torch.randint(0, 255, (1024,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5)).to(dev)
     out = torch.zeros(3, 512, dtype=torch.uint8, device=dev)
-    module.ptx_check_cp_async(src.data_ptr(), out.data_ptr(), 0)
+    module.ptx_check_cp_async(src.data_ptr(), out.data_ptr(), width, 0)
     _sync(dev)
     out, src = out.cpu(), src.cpu()
     assert torch.equal(out[1], src[:512])
@@ -137,6 +138,8 @@ def test_check_entry_points_reject_bad_codes(ext):
         module.ptx_check_ldmatrix(buf.data_ptr(), buf.data_ptr(), 7, 0)
     with pytest.raises(RuntimeError, match=r"variant must be 0 \(SS\), 1 .* or 3 \(SS, A transposed\), got 4"):
         module.ptx_check_wgmma(buf.data_ptr(), buf.data_ptr(), buf.data_ptr(), buf.data_ptr(), 1, 4, 0)
+    with pytest.raises(RuntimeError, match="width must be 4, 8 or 16 bytes a copy, got 2"):
+        module.ptx_check_cp_async(buf.data_ptr(), buf.data_ptr(), 2, 0)
 
 
 def test_mma_rate_kernel_does_the_work_it_times(ext):
