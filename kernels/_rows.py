@@ -132,13 +132,30 @@ def layernorm_bwd_rows(dy, x, mean, rstd, w, acc_dw, acc_db, H):
     (dx, acc_dw + dy * zhat, acc_db + dy)."""
     # Padded rows and columns have dy = 0, hence g = 0: they add nothing to the sums, and callers
     # mask dx there out of their stores, so zhat needs no masking.
-    zhat = x * rstd[:, None] - (mean * rstd)[:, None]
+    zhat = layernorm_zhat(x, mean, rstd)
     acc_dw += dy * zhat
     acc_db += dy
     g = dy * w[None, :]
-    a = exact_sum(g * zhat, 1) * rstd / H
-    c = exact_sum(g, 1) * rstd / H
-    return g * rstd[:, None] - (zhat * a[:, None] + c[:, None]), acc_dw, acc_db
+    a, c = layernorm_bwd_coefs(g, zhat, rstd, H)
+    return layernorm_dx(g, zhat, rstd, a, c), acc_dw, acc_db
+
+
+@triton.jit
+def layernorm_zhat(x, mean, rstd):
+    """The normalised rows (x - mean) * rstd of an fp32 row tile."""
+    return x * rstd[:, None] - (mean * rstd)[:, None]
+
+
+@triton.jit
+def layernorm_bwd_coefs(g, zhat, rstd, H):
+    """The per-row scalars (a, c) of the LayerNorm backward, g = dy * w: dx = layernorm_dx(g, zhat, rstd, a, c)."""
+    return exact_sum(g * zhat, 1) * rstd / H, exact_sum(g, 1) * rstd / H
+
+
+@triton.jit
+def layernorm_dx(g, zhat, rstd, a, c):
+    """dx = rstd * g - (zhat * a + c): the LayerNorm backward's input gradient from its row scalars."""
+    return g * rstd[:, None] - (zhat * a[:, None] + c[:, None])
 
 
 @triton.jit

@@ -16,31 +16,41 @@ Math, per token t (one row of H elements), fp32 after upcasting every load:
     dpos[q]      position_ids, and dtoken_type over token_type_ids)
   The table gradients are deterministic: no atomics, every sum taken in one fixed order, so a
   step gives the same bits every time (a stopped run resumes exactly, docs/training.md). The
-  backward kernel writes dh [T, H] fp32 and the sort keys (ids, V + position ids); the keys are
-  sorted (torch.sort, stable: a row's tokens stay in token order; on the device, no host read,
-  graph-safe). Two passes then add each table row's dh rows, as csrc/embeddings.cu does, with
-  every program's work bounded whatever the ids (at BERT's phase 1 [MASK] alone holds ~2,000 of
-  the 32,768 sorted entries; the former single pass, four table rows a program, each row's entries
-  16 at a time, took 338 us of the H200's BERT-large step where the backward kernel took 88):
-    _table_chunks_kernel  cuts the sorted entries into chunks of _TABLE_CHUNK, gathers a chunk's
-                          dh rows at once and sums its runs of equal keys (a segmented scan: a
-                          fixed tree); a run inside the chunk is a whole table row, stored; the
-                          runs cut by the chunk's edges leave partial sums.
-    _table_rows_kernel    stores every other row once: zeros for rows no token uses (no
-                          zero-fill pass), the sum of its chunks' partials in chunk order for
-                          the rows that cross chunks.
-  Rows are stored in the table's dtype (no cast pass).
+  wrapper builds the stacked row keys (ids, V + position ids) and sorts them (torch.sort, stable:
+  a row's tokens stay in token order; on the device, no host read, graph-safe): the T word
+  entries first, then the T position entries. The sorted entries are cut into chunks of
+  _TABLE_CHUNK, a program each, so every program's work is bounded whatever the ids (at BERT's
+  phase 1 [MASK] alone holds ~2,000 of the 32,768 sorted entries). A program walks its chunk's
+  entries, computing each entry's dh row from its token (nothing [T, H] is stored) and adding it
+  to its run of equal keys, one entry after another: a run inside the chunk is a whole table
+  row, stored; the runs cut by the chunk's edges leave partial sums. So a table row is its
+  tokens' dh rows added in token order within a chunk, then the chunks in order, as
+  csrc/embeddings.cu adds them (it stores dh and sums it in chunks of its own size). Three
+  launches:
+    _embeddings_bwd_kernel      the walk by word: each token's LayerNorm backward, its row sums
+                                (the scalars a = sum(g * zhat) * rstd / H, c = sum(g) * rstd / H)
+                                stored, [2, T] fp32; the word table's runs.
+    _embeddings_bwd_pos_kernel  the walk by position: each token's dh again from a and c (no row
+                                sums: dh = rstd * g - (zhat * a + c), the same expression, so the
+                                same bits), the position table's runs, and each token once the
+                                ln and token-type partials.
+    _table_rows_kernel          stores every other row once: zeros for rows no token uses (no
+                                zero-fill pass), the sum of its chunks' partials in chunk order for
+                                the rows that cross chunks.
+  Walking twice reads dy and the gathered rows twice (the word table, larger than L2, from DRAM
+  again) where storing dh [T, H] fp32 wrote it once and read it once a table: at BERT-large's
+  16,384 tokens 351 MB moved against 449 (docs/perf-model.md). Rows are stored in the table's
+  dtype (no cast pass).
   Token-type rows are few (2 in BERT), so every token would hit the same rows: per-program fp32
   partials in registers, then a sum over programs, when the table has <= 4 rows; else its rows
-  join the sorted reduction (keys V + P + token-type ids).
+  join the sorted reduction (keys V + P + token-type ids, walked with the positions).
   The LayerNorm sums (statistics, the backward's row sums, the ln partials) are order-free
   (kernels/_rows.py, exact_sum): the forward gives the same bits whether or not it stores
   the keep-mask, whatever the tables' row strides or the tuned config.
 
-Launch: as kernels/bias_dropout_residual_layernorm.py (row tiles autotuned on GPU, fixed under
-the interpreter); the backward runs about four programs per SM, each walking a contiguous block
-of tokens. The table passes have one fixed configuration each (never autotuned: the chunk sets the
-order of the sums).
+Launch: the forward as kernels/bias_dropout_residual_layernorm.py (row tiles autotuned on GPU,
+fixed under the interpreter). The backward's three kernels have one fixed configuration each
+(never autotuned: the chunk and the walks' tiles set the order of the sums).
 
 Limits: H <= 8192; ids 1-D int32/int64 of one length T, in range (the caller validates);
 tables 2-D with unit column stride. The dropout counter is (token row, column), as in every
@@ -58,15 +68,12 @@ from bertfast.contract import (FLOAT_DTYPES, ID_DTYPES, check_dropout, check_eps
                                check_vector, row_stride)
 
 from ._common import autotune, cdiv, interpreting, launch, next_power_of_2
-from ._rows import (BWD_PER_THREAD, FWD_MAX_WARPS, FWD_PER_THREAD, MAX_ROWS_PER_TILE, block_h_for, check_hidden,
-                    column_sums, hidden_reasons, interpreter_rows, layernorm_bwd_rows, layernorm_rows, load_cols,
-                    n_bucket, program_rows, row_config_pruner, row_dropout, row_groups, row_tile_configs,
+from ._rows import (FWD_MAX_WARPS, FWD_PER_THREAD, block_h_for, check_hidden, column_sums,
+                    hidden_reasons, interpreter_rows, layernorm_bwd_coefs, layernorm_dx, layernorm_rows,
+                    layernorm_zhat, load_cols, n_bucket, row_config_pruner, row_dropout, row_tile_configs,
                     store_col_sums)
 
 _MAX_TYPES_IN_REGISTERS = 4
-# The backward's row groups (_rows.row_groups): programs per SM. Its loop does not prefetch (the
-# gathered rows would not fit in registers twice), so only resident programs keep loads in flight.
-BWD_PROGRAMS_PER_SM = 4
 
 
 def unsupported(inputs) -> list:
@@ -127,6 +134,58 @@ def _embeddings_fwd_kernel(
 
 
 @triton.jit
+def _walk_rows(DY, IDS, PIDS, TIDS, WORD, POS, TT, MEAN, RSTD, KEYS, ORDER, seed, e0, last, T, H, cols, col_ok,
+               stride_dy, stride_word, stride_pos, stride_tt, p,
+               HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Sorted entries e0 .. e0 + BLOCK_M (those before ``last``) of a walk: (ok, keys, the next entries'
+    keys (-1 past ``last``: a run ends there), their tokens, the tokens' type ids, and dz, zhat as fp32
+    [BLOCK_M, BLOCK_H] tiles with rstd; 0 in the rows past ``last``)."""
+    e = e0 + tl.arange(0, BLOCK_M)
+    ok = e < last
+    keys = tl.load(KEYS + e, mask=ok, other=-1)
+    nexts = tl.load(KEYS + e + 1, mask=e + 1 < last, other=-1)
+    tok = tl.load(ORDER + e, mask=ok, other=0) % T
+    mask = ok[:, None] & col_ok[None, :]
+    h, _, _, tids = _gather_rows(IDS, PIDS, TIDS, WORD, POS, TT, tok, ok, cols, mask,
+                                 stride_word, stride_pos, stride_tt)
+    mean = tl.load(MEAN + tok, mask=ok, other=0.0)
+    rstd = tl.load(RSTD + tok, mask=ok, other=0.0)
+    dz = tl.load(DY + tok[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_DROPOUT:
+        dz, _ = row_dropout(dz, seed, tok, H, p, BLOCK_M, BLOCK_H)
+    return ok, keys, nexts, tok, tids, dz, layernorm_zhat(h, mean, rstd), rstd
+
+
+@triton.jit
+def _add_to_runs(run, prev, keys, nexts, dh, e0, last, before, after, c, PART, TABLE, base, TABLE2, base2, H,
+                 cols, col_ok, TWO_TABLES: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Adds the tile's dh rows to their runs of equal keys, one entry after another (the same order
+    whatever BLOCK_M), and stores each run that ends in the tile: into PART when it crosses the chunk's
+    edge (its key is ``before``: PART[c, 0]; else ``after``: PART[c, 1]), else into its table row (key -
+    base of TABLE; with TWO_TABLES, key - base2 of TABLE2 from base2 on). (run, prev key) carry on."""
+    slots = tl.arange(0, BLOCK_M)
+    for j in tl.static_range(BLOCK_M):
+        at = slots == j
+        key = tl.sum(tl.where(at, keys, 0), axis=0)
+        run = tl.where(key == prev, run, 0.0) + tl.sum(tl.where(at[:, None], dh, 0.0), axis=0)
+        prev = key
+        if (e0 + j < last) & (tl.sum(tl.where(at, nexts, 0), axis=0) != key):  # the run's last entry here
+            if (key == before) | (key == after):
+                slot = (2 * c + tl.where(key == before, 0, 1)).to(tl.int64)
+                tl.store(PART + slot * H + cols, run, mask=col_ok)
+            else:
+                k = key.to(tl.int64)
+                if TWO_TABLES:
+                    if k >= base2:
+                        tl.store(TABLE2 + (k - base2) * H + cols, run.to(TABLE2.dtype.element_ty), mask=col_ok)
+                    else:
+                        tl.store(TABLE + (k - base) * H + cols, run.to(TABLE.dtype.element_ty), mask=col_ok)
+                else:
+                    tl.store(TABLE + (k - base) * H + cols, run.to(TABLE.dtype.element_ty), mask=col_ok)
+    return run, prev
+
+
+@triton.jit
 def _embeddings_bwd_kernel(
     DY,       # [T, H] upstream gradient, row stride stride_dy
     IDS,      # [T] word ids
@@ -138,54 +197,101 @@ def _embeddings_bwd_kernel(
     W,        # [H] LayerNorm weight
     MEAN,     # [T] fp32 from the forward
     RSTD,     # [T] fp32 from the forward
-    DH,       # [T, H] fp32, contiguous: dh per token (the tables' gradients sum its rows)
-    KEYS,     # [K * T] int32: ids, then V + position ids, then (K = 3, not TT_IN_REGS) V + P + token-type ids
-    DTT,      # TT_IN_REGS: [G, NUM_TYPES, H] fp32 per-program partials (unused otherwise)
-    DW_PART,  # [G, H] fp32 partial sums of dz * zhat
-    DB_PART,  # [G, H] fp32 partial sums of dz
+    KEYS,     # [N] int32 sorted keys: the stacked table row of each entry (T word ids first, then V + position
+    #           ids, and with sorted token types V + P + type ids)
+    ORDER,    # [N] int64: each sorted entry's index into the unsorted keys (its token, + T per table)
+    PART,     # [chunks, 2, H] fp32: the sums of the runs cut by a chunk's edges
+    COEF,     # [2, T] fp32 out: each token's LayerNorm backward scalars (a, c), for the walk by position
+    DWORD,    # [V, H] word table gradient, contiguous, in the table's dtype
     SEED,     # [1] int64 dropout seed (read only when HAS_DROPOUT)
-    N, H, V, P, NUM_TYPES, stride_dy, stride_word, stride_pos, stride_tt, rows_per_program, p,
-    n_bucket,  # autotune key only
-    HAS_DROPOUT: tl.constexpr, TT_IN_REGS: tl.constexpr, TT_BLOCK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+    N, T, H, stride_dy, stride_word, stride_pos, stride_tt, p,
+    HAS_DROPOUT: tl.constexpr, CHUNK: tl.constexpr, STAGES: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
-    pid, row_start, row_end = program_rows(N, rows_per_program)
+    """The walk by word: each program the word entries of one chunk, BLOCK_M at a time. Each entry's
+    token: its LayerNorm backward's row sums (the scalars a and c, stored for the walk by position) and
+    dh, added to its word's run (_add_to_runs)."""
+    c = tl.program_id(0)
+    first = c * CHUNK
+    last = tl.minimum(first + CHUNK, T)
     cols = tl.arange(0, BLOCK_H)
     col_ok = cols < H
     w = load_cols(W, cols, col_ok)
-    if HAS_DROPOUT:
-        seed = tl.load(SEED)
+    seed = tl.load(SEED) if HAS_DROPOUT else 0
+    # The keys just outside the chunk: a run of either crosses the chunk's edge (the next table's keys
+    # never equal a word's).
+    before = tl.load(KEYS + first - 1, mask=c > 0, other=-1)
+    after = tl.load(KEYS + last, mask=last < N, other=-1)
+    run = tl.sum(tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32), axis=0)  # the current run's sum
+    prev = tl.load(KEYS + first) - 1  # no key: the first entry starts a run
+    for e0 in tl.range(first, last, BLOCK_M, num_stages=STAGES):
+        ok, keys, nexts, tok, _, dz, zhat, rstd = _walk_rows(
+            DY, IDS, PIDS, TIDS, WORD, POS, TT, MEAN, RSTD, KEYS, ORDER, seed, e0, last, T, H, cols, col_ok,
+            stride_dy, stride_word, stride_pos, stride_tt, p, HAS_DROPOUT, BLOCK_M, BLOCK_H)
+        g = dz * w[None, :]
+        a, b = layernorm_bwd_coefs(g, zhat, rstd, H)
+        tl.store(COEF + tok, a, mask=ok)
+        tl.store(COEF + T + tok, b, mask=ok)
+        run, prev = _add_to_runs(run, prev, keys, nexts, layernorm_dx(g, zhat, rstd, a, b), e0, last, before, after,
+                                 c, PART, DWORD, 0, DWORD, 0, H, cols, col_ok, False, BLOCK_M)
+
+
+@triton.jit
+def _embeddings_bwd_pos_kernel(
+    DY, IDS, PIDS, TIDS, WORD, POS, TT, W, MEAN, RSTD, KEYS, ORDER, PART,  # as _embeddings_bwd_kernel's
+    COEF,     # [2, T] fp32: the scalars (a, c) the walk by word stored
+    DPOS,     # [P, H] position table gradient, contiguous, in the table's dtype
+    DTT,      # TT_SORTED: [TT, H] token-type table gradient (unused otherwise)
+    DTT_PART,  # not TT_SORTED: [G, NUM_TYPES, H] fp32 partials, G the grid's programs (unused otherwise)
+    DW_PART,  # [G, H] fp32 partial sums of dz * zhat
+    DB_PART,  # [G, H] fp32 partial sums of dz
+    SEED,
+    N, T, H, V, P, NUM_TYPES, stride_dy, stride_word, stride_pos, stride_tt, p,
+    HAS_DROPOUT: tl.constexpr, TT_SORTED: tl.constexpr, TT_BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr, STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """The walk by position (and token type, when TT_SORTED): the entries from T on, each program those
+    of one chunk (the first program's from T). Each entry's dh from its token's a and c (no row sums),
+    added to its row's run (_add_to_runs); each position entry's token (each token once) adds to the
+    partials of the LayerNorm parameters' gradients and, unless TT_SORTED, of the token types'."""
+    pid = tl.program_id(0)
+    c = T // CHUNK + pid
+    first = tl.maximum(c * CHUNK, T)
+    last = tl.minimum(c * CHUNK + CHUNK, N)
+    cols = tl.arange(0, BLOCK_H)
+    col_ok = cols < H
+    w = load_cols(W, cols, col_ok)
+    seed = tl.load(SEED) if HAS_DROPOUT else 0
+    before = tl.load(KEYS + first - 1)  # first >= T >= 1
+    after = tl.load(KEYS + last, mask=last < N, other=-1)
     acc_dw = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
     acc_db = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
     types = tl.arange(0, TT_BLOCK)
     acc_tt = tl.zeros([TT_BLOCK, BLOCK_H], dtype=tl.float32)
-    for m0 in range(row_start, row_end, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < row_end
-        mask = row_ok[:, None] & col_ok[None, :]
-        h, ids, pids, tids = _gather_rows(IDS, PIDS, TIDS, WORD, POS, TT, rows, row_ok, cols, mask,
-                                          stride_word, stride_pos, stride_tt)
-        mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
-        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-        dz = tl.load(DY + rows.to(tl.int64)[:, None] * stride_dy + cols[None, :],
-                     mask=mask, other=0.0).to(tl.float32)
-        if HAS_DROPOUT:
-            dz, _ = row_dropout(dz, seed, rows, H, p, BLOCK_M, BLOCK_H)
-        dh, acc_dw, acc_db = layernorm_bwd_rows(dz, h, mean, rstd, w, acc_dw, acc_db, H)  # masked below
-        tl.store(DH + rows.to(tl.int64)[:, None] * H + cols[None, :], dh, mask=mask)
-        tl.store(KEYS + rows, ids.to(tl.int32), mask=row_ok)
-        tl.store(KEYS + N + rows, (pids + V).to(tl.int32), mask=row_ok)
-        if TT_IN_REGS:
+    run = tl.sum(acc_dw, axis=0)
+    prev = tl.load(KEYS + first) - 1
+    for e0 in tl.range(first, last, BLOCK_M, num_stages=STAGES):
+        ok, keys, nexts, tok, tids, dz, zhat, rstd = _walk_rows(
+            DY, IDS, PIDS, TIDS, WORD, POS, TT, MEAN, RSTD, KEYS, ORDER, seed, e0, last, T, H, cols, col_ok,
+            stride_dy, stride_word, stride_pos, stride_tt, p, HAS_DROPOUT, BLOCK_M, BLOCK_H)
+        a = tl.load(COEF + tok, mask=ok, other=0.0)
+        b = tl.load(COEF + T + tok, mask=ok, other=0.0)
+        dh = layernorm_dx(dz * w[None, :], zhat, rstd, a, b)
+        if TT_SORTED:  # the token-type entries come after the positions': each token once
+            dz = tl.where((keys < V + P)[:, None], dz, 0.0)
+        acc_dw += dz * zhat  # the rows past ``last`` add 0
+        acc_db += dz
+        if not TT_SORTED:
             for t in tl.static_range(TT_BLOCK):
                 s = tl.sum(tl.where((tids == t)[:, None], dh, 0.0), axis=0)   # [BLOCK_H]
                 acc_tt += tl.where((types == t)[:, None], s[None, :], 0.0)
-        else:
-            tl.store(KEYS + 2 * N + rows, (tids + V + P).to(tl.int32), mask=row_ok)
+        run, prev = _add_to_runs(run, prev, keys, nexts, dh, e0, last, before, after, c, PART, DPOS, V, DTT, V + P,
+                                 H, cols, col_ok, TT_SORTED, BLOCK_M)
     store_col_sums(DW_PART, acc_dw, pid, H, cols, col_ok)
     store_col_sums(DB_PART, acc_db, pid, H, cols, col_ok)
-    if TT_IN_REGS:
+    if not TT_SORTED:
         tt_offs = (pid * NUM_TYPES + types)[:, None] * H + cols[None, :]
-        tl.store(DTT + tt_offs, acc_tt, mask=(types < NUM_TYPES)[:, None] & col_ok[None, :])
+        tl.store(DTT_PART + tt_offs, acc_tt, mask=(types < NUM_TYPES)[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -201,51 +307,8 @@ def _store_table_rows(DWORD, DPOS, DTT, keys, g, ok, cols, col_ok, H, V, P, TT_S
 
 
 @triton.jit
-def _run_sum(key_a, sum_a, key_b, sum_b):
-    """Segmented sum over sorted keys: b continues a's run of one table row when their keys match."""
-    return key_b, tl.where(key_a == key_b, sum_a + sum_b, sum_b)
-
-
-@triton.jit
-def _table_chunks_kernel(
-    DH,       # [T, H] fp32 from _embeddings_bwd_kernel
-    KEYS,     # [N] int32 sorted keys (the stacked table row of each entry)
-    ORDER,    # [N] int64: each sorted entry's index into the unsorted keys (its token, + T per table)
-    PART,     # [chunks, 2, H] fp32: the sums of the runs that cross a chunk's edges
-    DWORD, DPOS, DTT,  # the table gradients, contiguous, in their tables' dtypes (DTT: TT_SORTED only)
-    N, T, H, V, P,
-    TT_SORTED: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    """Each program: CHUNK consecutive sorted entries at BLOCK_H columns, their dh rows gathered at
-    once, then summed by run of equal keys (a segmented scan). A run that lies inside the chunk is a
-    whole table row: stored. A run cut by the chunk's first edge (the row began before) goes to
-    PART[chunk, 0]; one cut only by its last edge (the row goes on after) to PART[chunk, 1];
-    _table_rows_kernel adds those. The order of every addition follows from the sorted keys and
-    CHUNK alone."""
-    c = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    col_ok = cols < H
-    first = c * CHUNK
-    e = first + tl.arange(0, CHUNK)
-    ok = e < N
-    keys = tl.load(KEYS + e, mask=ok, other=-1)
-    tok = tl.load(ORDER + e, mask=ok, other=0) % T
-    dh = tl.load(DH + tok[:, None] * H + cols[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0)
-    _, runs = tl.associative_scan((tl.broadcast_to(keys[:, None], [CHUNK, BLOCK_H]), dh), 0, _run_sum)
-    next_keys = tl.load(KEYS + e + 1, mask=e + 1 < N, other=-1)
-    ends = ok & ((next_keys != keys) | (e == first + CHUNK - 1))  # each run's last entry in the chunk
-    began_before = keys == tl.load(KEYS + first - 1, mask=c > 0, other=-1)
-    goes_on = keys == tl.load(KEYS + first + CHUNK, mask=first + CHUNK < N, other=-1)
-    _store_table_rows(DWORD, DPOS, DTT, keys, runs, ends & ~began_before & ~goes_on, cols, col_ok, H, V, P,
-                      TT_SORTED)
-    slot = (2 * c + tl.where(began_before, 0, 1)).to(tl.int64)
-    tl.store(PART + slot[:, None] * H + cols[None, :], runs,
-             mask=(ends & (began_before | goes_on))[:, None] & col_ok[None, :])
-
-
-@triton.jit
 def _table_rows_kernel(
-    PART,     # [chunks, 2, H] fp32 from _table_chunks_kernel
+    PART,     # [chunks, 2, H] fp32 from the walks
     BOUNDS,   # [R + 1] int64: stacked table row r's entries sit at sorted positions BOUNDS[r] .. BOUNDS[r + 1]
     DWORD, DPOS, DTT,
     H, V, P, R,
@@ -255,7 +318,7 @@ def _table_rows_kernel(
     stored as zeros (so no zero-fill pass); a row whose entries cross chunks is the sum of its first
     chunk's PART[c0, 1] and its later chunks' PART[c, 0], in chunk order, all the program's such rows
     at once, four chunks' loads in flight ([MASK] holds ~12% of the tokens: 2,000 entries in 31
-    chunks at BERT's phase 1); the rows inside one chunk were stored by _table_chunks_kernel."""
+    chunks at BERT's phase 1); the rows inside one chunk were stored by the walks."""
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -284,18 +347,32 @@ def _table_rows_kernel(
 
 _fwd_tuned = autotune(row_tile_configs(), ["H", "n_bucket", "HAS_DROPOUT", "STORE_KEEP"],
                       row_config_pruner(FWD_PER_THREAD, FWD_MAX_WARPS))(_embeddings_fwd_kernel)
-# The backward writes every buffer it is given (no accumulation): the autotuner runs it as it is.
-_bwd_tuned = autotune(row_tile_configs(MAX_ROWS_PER_TILE), ["H", "n_bucket", "HAS_DROPOUT", "TT_IN_REGS", "TT_BLOCK"],
-                      row_config_pruner(BWD_PER_THREAD))(_embeddings_bwd_kernel)
-# The table passes: one fixed configuration each, as the chunk sets the order of the sums. The chunk
-# pass's scan costs fewer instructions an element as its tile narrows (41 at [64, 32] in 2 warps, 83 at
-# [64, 128] in 8), so it takes 32 columns, a 128-byte line of each fp32 dh row.
-_TABLE_CHUNK = 64          # sorted entries per chunk (a power of two)
-_TABLE_CHUNK_BLOCK_H = 32
-_TABLE_CHUNK_WARPS = 2
+# The backward's walks and rows pass: one fixed configuration each (never autotuned: the chunk sets the
+# order of the table rows' sums, and the position walk's tile that of the LayerNorm partials').
+_TABLE_CHUNK = 64          # sorted entries per program of a walk (a power of two)
+# Entries a tile of a walk (their loads in flight together); each walk's elements a thread and
+# pipeline stages (its loop's loads issued that many tiles minus one ahead, through shared memory).
+# The walk by word's row sums cost fewer instructions an element over more of them (sm_90, one stage:
+# 55 an element at 32 a thread, 71 at 8); the walk by position keeps three fp32 accumulators, so 16,
+# and two stages (229 registers; 248 at three). The stages keep loads in flight while a tile computes,
+# which the one-row-a-program kernels did not (docs/perf-model.md, "Calibration against a GPU run").
+_WALK_ROWS = 2
+_WORD_WALK = dict(per_thread=32, stages=3)
+_POS_WALK = dict(per_thread=16, stages=2)
 _TABLE_ROWS = 16           # table rows per rows program (64 under the interpreter: fewer programs to run)
 _TABLE_ROWS_BLOCK_H = 256
 _TABLE_ROWS_WARPS = 8
+
+
+def _walk_tile(block_h: int, per_thread: int, stages: int) -> dict:
+    """A walk's BLOCK_M, num_warps and STAGES: _WALK_ROWS entries a tile (one where that would take more
+    than 16 warps), ``per_thread`` elements a thread. Under the interpreter, where a tile costs its
+    Python, ~4K elements a tile (the table rows' sums do not depend on the tile)."""
+    rows = _WALK_ROWS if _WALK_ROWS * block_h <= 16 * 32 * per_thread else 1
+    if interpreting():
+        rows = interpreter_rows(block_h, 16)
+    return dict(BLOCK_M=rows, num_warps=next_power_of_2(max(1, min(16, rows * block_h // (32 * per_thread)))),
+                STAGES=stages)
 
 
 # --------------------------------------------------------------------------- validation
@@ -383,42 +460,47 @@ def embeddings_bwd(dy: torch.Tensor, input_ids: torch.Tensor, position_ids: torc
         return (torch.zeros(word.shape, dtype=word.dtype, device=dev), torch.zeros(pos.shape, dtype=pos.dtype, device=dev),
                 torch.zeros(token_type.shape, dtype=token_type.dtype, device=dev), zero.to(ln_weight.dtype),
                 zero.to(ln_bias.dtype))
-    groups, rpp = row_groups(t, dev, BWD_PROGRAMS_PER_SM)
-    part = torch.empty((2, groups, h), dtype=torch.float32, device=dev)
-    dh = torch.empty((t, h), dtype=torch.float32, device=dev)
-    keys = torch.empty(((2 if tt_in_regs else 3) * t,), dtype=torch.int32, device=dev)
-    dtt = torch.empty((groups, num_types, h), dtype=torch.float32, device=dev) if tt_in_regs else part
-    has_dropout = dropout_p > 0.0
-    block_h = block_h_for(h)
     v, p_rows = word.shape[0], pos.shape[0]
-    args = (dy, input_ids, position_ids, token_type_ids, word, pos, token_type, ln_weight, mean, rstd,
-            dh, keys, dtt, part[0], part[1], seed if has_dropout else mean,
-            t, h, v, p_rows, num_types, row_stride(dy), row_stride(word), row_stride(pos),
-            row_stride(token_type), rpp, dropout_p, n_bucket(t))
-    flags = dict(HAS_DROPOUT=has_dropout, TT_IN_REGS=tt_in_regs,
-                 TT_BLOCK=next_power_of_2(num_types) if tt_in_regs else 1, BLOCK_H=block_h)
-    launch(_bwd_tuned, (groups,), args, flags, interp={"BLOCK_M": interpreter_rows(block_h, 4)})
-
-    # Each table row's tokens, in token order: a stable sort of the keys, and where each row's run starts.
-    sorted_keys, order = torch.sort(keys, stable=True)
+    # Each table row's tokens, in token order: the stacked row keys sorted stably, and where each row's
+    # entries start. The T word entries sort first (their keys are below V).
+    keys = torch.empty((2 if tt_in_regs else 3, t), dtype=torch.int32, device=dev)
+    keys[0].copy_(input_ids)
+    torch.add(position_ids, v, out=keys[1])
+    if not tt_in_regs:
+        torch.add(token_type_ids, v + p_rows, out=keys[2])
+    sorted_keys, order = torch.sort(keys.view(-1), stable=True)
     n_rows = v + p_rows + (0 if tt_in_regs else num_types)
     bounds = torch.searchsorted(sorted_keys, torch.arange(n_rows + 1, dtype=torch.int32, device=dev))
+
+    n = keys.numel()
+    chunk = _TABLE_CHUNK
+    chunks = cdiv(n, chunk)
+    groups = chunks - t // chunk  # the walk by position's programs
+    part = torch.empty((2, groups, h), dtype=torch.float32, device=dev)
+    dtt = torch.empty((groups, num_types, h), dtype=torch.float32, device=dev) if tt_in_regs else part
+    cut_runs = torch.empty((chunks, 2, h), dtype=torch.float32, device=dev)
+    coef = torch.empty((2, t), dtype=torch.float32, device=dev)
     dword = torch.empty(word.shape, dtype=word.dtype, device=dev)
     dpos = torch.empty(pos.shape, dtype=pos.dtype, device=dev)
-    dtt_rows = dword if tt_in_regs else torch.empty(token_type.shape, dtype=token_type.dtype, device=dev)
-    n = keys.numel()
-    chunks = cdiv(n, _TABLE_CHUNK)
-    cut_runs = torch.empty((chunks, 2, h), dtype=torch.float32, device=dev)
-    # Under the interpreter a program costs its Python, not registers: every column at once.
-    chunk_block_h = block_h if interpreting() else min(block_h, _TABLE_CHUNK_BLOCK_H)
-    launch(_table_chunks_kernel, (chunks, cdiv(h, chunk_block_h)),
-           (dh, sorted_keys, order, cut_runs, dword, dpos, dtt_rows, n, t, h, v, p_rows),
-           dict(TT_SORTED=not tt_in_regs, CHUNK=_TABLE_CHUNK, BLOCK_H=chunk_block_h, num_warps=_TABLE_CHUNK_WARPS))
-    rows = 64 if interpreting() else _TABLE_ROWS
+    dtt_rows = dpos if tt_in_regs else torch.empty(token_type.shape, dtype=token_type.dtype, device=dev)
+    has_dropout = dropout_p > 0.0
+    block_h = block_h_for(h)
+    gathered = (dy, input_ids, position_ids, token_type_ids, word, pos, token_type, ln_weight, mean, rstd,
+                sorted_keys, order, cut_runs, coef)
+    strides = (row_stride(dy), row_stride(word), row_stride(pos), row_stride(token_type), dropout_p)
+    seed_arg = seed if has_dropout else mean
+    flags = dict(HAS_DROPOUT=has_dropout, CHUNK=chunk, BLOCK_H=block_h)
+    launch(_embeddings_bwd_kernel, (cdiv(t, chunk),), (*gathered, dword, seed_arg, n, t, h, *strides),
+           dict(flags, **_walk_tile(block_h, **_WORD_WALK)))
+    launch(_embeddings_bwd_pos_kernel, (groups,),
+           (*gathered, dpos, dtt_rows, dtt, part[0], part[1], seed_arg, n, t, h, v, p_rows, num_types, *strides),
+           dict(flags, TT_SORTED=not tt_in_regs, TT_BLOCK=next_power_of_2(num_types) if tt_in_regs else 1,
+                **_walk_tile(block_h, **_POS_WALK)))
+    table_rows = 64 if interpreting() else _TABLE_ROWS
     rows_block_h = block_h if interpreting() else min(block_h, _TABLE_ROWS_BLOCK_H)
-    launch(_table_rows_kernel, (cdiv(n_rows, rows), cdiv(h, rows_block_h)),
+    launch(_table_rows_kernel, (cdiv(n_rows, table_rows), cdiv(h, rows_block_h)),
            (cut_runs, bounds, dword, dpos, dtt_rows, h, v, p_rows, n_rows),
-           dict(TT_SORTED=not tt_in_regs, CHUNK=_TABLE_CHUNK, ROWS=rows, BLOCK_H=rows_block_h,
+           dict(TT_SORTED=not tt_in_regs, CHUNK=chunk, ROWS=table_rows, BLOCK_H=rows_block_h,
                 num_warps=_TABLE_ROWS_WARPS))
     if tt_in_regs:
         dtt_rows = column_sums(dtt.view(1, groups, num_types * h), [token_type.dtype])[0].view(num_types, h)

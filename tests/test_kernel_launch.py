@@ -203,7 +203,7 @@ def test_candidates_per_tuning_key_are_bounded_at_bert_shapes(monkeypatch):
             "_attention_bwd_fused_kernel", "_bias_gelu_fwd_kernel",
             "_bias_gelu_bwd_kernel", "_bias_dropout_residual_layernorm_fwd_kernel",
             "_bias_dropout_residual_layernorm_bwd_kernel", "_embeddings_fwd_kernel", "_embeddings_bwd_kernel",
-            "_mlm_head_loss_fwd_kernel", "_gemm_bias_gelu_kernel"} <= kernels
+            "_embeddings_bwd_pos_kernel", "_mlm_head_loss_fwd_kernel", "_gemm_bias_gelu_kernel"} <= kernels
     for launch in launches:
         assert 1 <= len(launch.configs) <= _common.MAX_CANDIDATES, (launch.fn.__name__, launch.case,
                                                                       [str(c) for c in launch.configs])

@@ -487,7 +487,7 @@ def test_step_budget_lines_and_its_ceiling_from_given_kernel_predictions():
     kernels = {"_attention_fwd_kernel": 60, "_attention_bwd_delta_kernel": 20, "_attention_bwd_dq_kernel": 80,
                "_attention_bwd_dkdv_kernel": 100,
                "_bias_dropout_residual_layernorm_fwd_kernel": 66, "_bias_dropout_residual_layernorm_bwd_kernel": 58,
-               "_embeddings_fwd_kernel": 88, "_embeddings_bwd_kernel": 47, "_table_chunks_kernel": 48,
+               "_embeddings_fwd_kernel": 88, "_embeddings_bwd_kernel": 47, "_embeddings_bwd_pos_kernel": 48,
                "_table_rows_kernel": 43}
     results = _budget_results(case, kernels)
     plan = step.budget(results, case, H100, accumulation=1)
@@ -495,7 +495,7 @@ def test_step_budget_lines_and_its_ceiling_from_given_kernel_predictions():
     assert plan["seconds"] == pytest.approx(sum(items.values()))
     assert items["attention"] == pytest.approx(24 * 260 * us)
     rows = 2 * 66 + 2 * 58
-    assert items["row ops"] == pytest.approx((24 * rows + 88 + 47 + 48 + 43) * us)  # the table passes too
+    assert items["row ops"] == pytest.approx((24 * rows + 88 + 47 + 48 + 43) * us)  # the walk by position, rows pass
     assert items["residual grads"] > 0 and items["weight casts"] > 0 and items["accumulation"] == 0
     params, copies, bw = step.parameters(1024, 4096, 24), step.working_copies(1024, 4096, 24), \
         H100.achievable_hbm_bytes_per_s
@@ -767,7 +767,7 @@ def test_the_steps_are_priced_again_with_refitted_constants():
 
     kernels = {"_attention_fwd_kernel": 60,
                "_bias_dropout_residual_layernorm_fwd_kernel": 66, "_bias_dropout_residual_layernorm_bwd_kernel": 58,
-               "_embeddings_fwd_kernel": 88, "_embeddings_bwd_kernel": 47, "_table_chunks_kernel": 48,
+               "_embeddings_fwd_kernel": 88, "_embeddings_bwd_kernel": 47, "_embeddings_bwd_pos_kernel": 48,
                "_table_rows_kernel": 43}
     results = []
     for case in step.STEP_CASES:  # seq 128: the one-pass backward; 512: three kernels
@@ -896,7 +896,7 @@ from bertfast.perfmodel.hardware import H100
 setting = K.Setting("bert-large", 512, 32, 0.1)
 launches = {launch.kernel: launch for launch in K.record(setting, ["embeddings"])}
 print(json.dumps({k: K.WORK[k](setting, launches[k], H100).hbm_bytes
-                  for k in ("_embeddings_fwd_kernel", "_embeddings_bwd_kernel")}))
+                  for k in ("_embeddings_fwd_kernel", "_embeddings_bwd_kernel", "_embeddings_bwd_pos_kernel")}))
 """
 
 
@@ -904,7 +904,8 @@ def test_embeddings_kernels_read_each_gathered_table_row_once():
     """The embeddings' forward and backward kernels read the table rows their tokens gather, each distinct
     row once (bench.flops.gathered_rows): at BERT-large's 16,384 tokens, fp32 tables, 16,384 word rows
     (the vocabulary holds 30,522), the position table's 512 and the token-type table's 2: 69 MB, not three
-    rows a token (201 MB, where the position and token-type tables hold 2 MB)."""
+    rows a token (201 MB, where the position and token-type tables hold 2 MB). The backward walks the tokens
+    twice (by word, then by position), so each walk gathers them again."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # recorded, not interpreted
     res = subprocess.run([sys.executable, "-c", _EMBEDDINGS_BYTES], capture_output=True, text=True, timeout=300,
                          env=env)
@@ -914,15 +915,18 @@ def test_embeddings_kernels_read_each_gathered_table_row_once():
     gathered = (16384 + 512 + 2) * h * 4
     # + y (bf16), ids, mean and rstd
     assert got["_embeddings_fwd_kernel"] == gathered + tokens * (2 * h + 3 * 8 + 2 * 4)
-    # + dy (bf16) read, dh (fp32) written, ids, mean and rstd, the sort keys (two int32 a token), the
+    # each walk, an entry a token: + dy (bf16), ids, the sorted key (int32) and its token index (int64), mean,
+    # rstd and the two LayerNorm scalars (written by the walk by word, read by the walk by position); the
     # LayerNorm weight, the seed
-    assert got["_embeddings_bwd_kernel"] == gathered + tokens * (2 * h + 4 * h + 3 * 8 + 2 * 4 + 2 * 4) + 4 * h + 8
+    walk = gathered + tokens * (2 * h + 3 * 8 + 4 + 8 + 4 * 4) + 4 * h + 8
+    assert got["_embeddings_bwd_kernel"] == got["_embeddings_bwd_pos_kernel"] == walk
 
 
-def test_row_op_figures_add_the_embeddings_table_passes_to_their_backward():
+def test_row_op_figures_add_the_embeddings_later_passes_to_their_backward():
     """An op's figure is its bytes over the time of its direction's kernels: the embeddings' backward is
-    three launches (the kernel, then the table passes that sum dh into the tables), priced over the
-    benchmark's byte contract; the FFN GEMM that runs bias+GELU in its epilogue is not added to bias_gelu's."""
+    three launches (the walk by word, then the walk by position and the rows pass that finish the tables),
+    priced over the benchmark's byte contract; the FFN GEMM that runs bias+GELU in its epilogue is not added
+    to bias_gelu's."""
     from types import SimpleNamespace
     from bertfast.bench.flops import embeddings_bytes
     from bertfast.perfmodel import report
@@ -935,7 +939,7 @@ def test_row_op_figures_add_the_embeddings_table_passes_to_their_backward():
         return report.KernelResult(s, op, kernel, "", "", 64, moved, prediction)
     results = [result("embeddings", "_embeddings_fwd_kernel", 80, 2.4e8),
                result("embeddings", "_embeddings_bwd_kernel", 37),
-               result("embeddings", "_table_chunks_kernel", 48), result("embeddings", "_table_rows_kernel", 43),
+               result("embeddings", "_embeddings_bwd_pos_kernel", 48), result("embeddings", "_table_rows_kernel", 43),
                result("bias_gelu", "_bias_gelu_fwd_kernel", 60, 3e8),
                result("bias_gelu", "_gemm_bias_gelu_kernel", 900)]
     rows = {(r["op"], r["direction"]): r for r in report.row_op_figures(results, s, H100)}

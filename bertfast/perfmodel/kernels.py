@@ -94,8 +94,8 @@ CONDITIONAL_ARGS: Dict[str, Dict[str, str]] = {
     "_bias_dropout_residual_layernorm_bwd_kernel": {"DRES": "HAS_RES", "DBIAS_PART": "HAS_BIAS",
                                                     "SEED": "HAS_DROPOUT"},
     "_embeddings_fwd_kernel": {"KEEP": "STORE_KEEP", "SEED": "HAS_DROPOUT"},
-    "_embeddings_bwd_kernel": {"DTT": "TT_IN_REGS", "SEED": "HAS_DROPOUT"},
-    "_table_chunks_kernel": {"DTT": "TT_SORTED"},
+    "_embeddings_bwd_kernel": {"SEED": "HAS_DROPOUT"},
+    "_embeddings_bwd_pos_kernel": {"DTT": "TT_SORTED", "DTT_PART": "!TT_SORTED", "SEED": "HAS_DROPOUT"},
     "_table_rows_kernel": {"DTT": "TT_SORTED"},
     "_gemm_bias_gelu_kernel": {"BIAS": "!BACKWARD", "Z": "HAS_Z", "DBIAS_PART": "BACKWARD"},
 }
@@ -197,28 +197,32 @@ def _embeddings_fwd(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
     return Work(programs, _tile(launch.meta, "BLOCK_M", "BLOCK_H"), programs, int(launch.meta["num_warps"]), moved)
 
 
-def _embeddings_bwd(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
-    """The token-sized tensors (dy read, dh written, ids, statistics, keys), the vectors, and the table
-    rows the tokens gather again to recompute h (_gathered_bytes; until 2026-11-28 uncounted, then
-    three rows a token, 201 of BERT-large's ~300 MB with fp32 tables, until 2026-12-06)."""
+def _embeddings_walk(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
+    """A walk over sorted entries (the backward's by word, and its by position), a chunk a program: each
+    entry reads its key, its token index, the token's ids, statistics and dy row, and the rows its token
+    gathers (_gathered_bytes: the word rows the walk by position gathers again come from DRAM, the word
+    table being larger than L2), to compute dh; the walk by word writes each token's two LayerNorm scalars,
+    the walk by position reads them. The table rows a walk completes are priced with _table_rows (which
+    writes the rest); the partial sums (the runs cut by the chunks' edges, and the walk by position's
+    LayerNorm and token-type partials) written and read back, as overhead."""
+    arg = dict(zip(launch.names, launch.args))
+    dy, keys = arg["DY"], arg["KEYS"]
+    tokens, hidden = dy.shape
+    chunk = int(launch.meta["CHUNK"])
+    if launch.kernel == "_embeddings_bwd_kernel":
+        entries, chunks, partials = tokens, math.ceil(tokens / chunk), 0
+    else:
+        entries, chunks = keys.numel() - tokens, math.ceil(keys.numel() / chunk) - tokens // chunk
+        partials = sum(arg[name].numel() for name in ("DW_PART", "DB_PART", "DTT_PART")
+                       if name not in launch.unused_names())
+    per_entry = (hidden * dy.element_size() + 3 * arg["IDS"].element_size() + keys.element_size()
+                 + arg["ORDER"].element_size() + 4 * 4)  # mean, rstd, a, c
+    moved = (entries * per_entry + entries // tokens * _gathered_bytes(setting, launch)
+             + hidden * arg["W"].element_size() + 8)
     tile = _tile(launch.meta, "BLOCK_M", "BLOCK_H")
-    elements = launch.args[0].numel()
-    moved = (_bytes(launch, lambda a: a.dim() < 2 or a.shape[0] == setting.tokens)
-             + _gathered_bytes(setting, launch))
-    programs = _row_groups("embeddings")(setting, launch, gpu)
-    return Work(elements / tile, tile, programs, int(launch.meta["num_warps"]), moved,
-                overhead_bytes=programs * _partial_bytes_per_program(launch, 2))
-
-
-def _table_chunks(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
-    """One chunk of sorted entries a program: each entry's fp32 dh row gathered, its key and token
-    index read; the table rows it completes are priced with _table_rows (which writes the rest); the
-    partial sums of the runs cut by the chunks' edges (at most two rows a chunk), written and read
-    back, as overhead."""
-    entries, hidden = launch.args[1].numel(), launch.args[0].shape[1]
-    programs = _numel(launch.grid)
-    return Work(programs, _tile(launch.meta, "CHUNK", "BLOCK_H"), programs, int(launch.meta["num_warps"]),
-                entries * (hidden * 4 + 4 + 8), overhead_bytes=2 * launch.args[3].numel() * 4)
+    return Work(entries * int(launch.meta["BLOCK_H"]) / tile, tile, _numel(launch.grid), int(launch.meta["num_warps"]),
+                moved, overhead_bytes=2 * (chunks * 2 * hidden + partials) * 4,
+                loads_ahead=max(1, int(launch.meta["STAGES"]) - 1))
 
 
 def _table_rows(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
@@ -278,8 +282,8 @@ WORK: Dict[str, Callable[[Setting, Launch, Gpu], Work]] = {
     "_bias_dropout_residual_layernorm_fwd_kernel": _no_loop("BLOCK_M", "BLOCK_H"),
     "_bias_dropout_residual_layernorm_bwd_kernel": _ln_bwd,
     "_embeddings_fwd_kernel": _embeddings_fwd,
-    "_embeddings_bwd_kernel": _embeddings_bwd,
-    "_table_chunks_kernel": _table_chunks,
+    "_embeddings_bwd_kernel": _embeddings_walk,
+    "_embeddings_bwd_pos_kernel": _embeddings_walk,
     "_table_rows_kernel": _table_rows,
     "_gemm_bias_gelu_kernel": _gemm,
 }

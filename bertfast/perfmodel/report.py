@@ -191,8 +191,9 @@ def atomic_dq_figures(deterministic: Sequence[KernelResult], gpu: Gpu = H100, lo
     return rows
 
 
-# Kernels that finish a row op's direction after its own kernel: the embeddings' table passes.
-LATER_PASSES = ("_table_chunks_kernel", "_table_rows_kernel")
+# Kernels that finish a row op's direction after its own kernel: the embeddings' walk by position and
+# rows pass.
+LATER_PASSES = ("_embeddings_bwd_pos_kernel", "_table_rows_kernel")
 
 
 def row_op_figures(results: Sequence[KernelResult], setting: K.Setting, gpu: Gpu = H100) -> List[Dict[str, object]]:
@@ -215,7 +216,7 @@ def row_op_figures(results: Sequence[KernelResult], setting: K.Setting, gpu: Gpu
             seconds = sum(r.prediction.predicted_s for r in kernels)
             moved = first.hbm_bytes if op != "embeddings" else embeddings_bytes(
                 setting.tokens, MODELS[setting.model][0], S.VOCAB, S.POSITIONS, S.TYPES, 8, 4, 2, direction)
-            # What the kernels move (their partial sums, the embeddings' dh rows and sort keys
+            # What the kernels move (their partial sums, the embeddings' second walk and sort keys
             # included): at the achievable bandwidth, the op's fraction can be no higher than ``ceiling``.
             kernel_bytes = sum(r.prediction.bounds_s["memory"] for r in kernels) * gpu.achievable_hbm_bytes_per_s
             out.append({"op": op, "direction": direction, "kernel": " + ".join(r.kernel for r in kernels),

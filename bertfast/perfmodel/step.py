@@ -168,7 +168,7 @@ ROW_KERNELS = tuple((k, "HAS_BIAS=1") for k in ("_bias_dropout_residual_layernor
                                                 "_bias_dropout_residual_layernorm_bwd_kernel"))
 # The FFN's GEMMs with the bias and GELU in their epilogues: the up-projection forward, dy @ W2 backward.
 FFN_GEMMS = (("_gemm_bias_gelu_kernel", "BACKWARD=0"), ("_gemm_bias_gelu_kernel", "BACKWARD=1"))
-EMBEDDING_KERNELS = ("_embeddings_fwd_kernel", "_embeddings_bwd_kernel", "_table_chunks_kernel",
+EMBEDDING_KERNELS = ("_embeddings_fwd_kernel", "_embeddings_bwd_kernel", "_embeddings_bwd_pos_kernel",
                      "_table_rows_kernel")
 # Line items that are not the model's work: fused away, they cost nothing.
 REMOVABLE = ("weight casts", "QKV bias grad", "residual grads")

@@ -326,16 +326,15 @@ def test_gpu_dropout_fraction(backend):
 # =========================================================================== Triton
 @pytest.mark.skipif(GPU, reason="on a GPU every Triton test above takes this path")
 def test_triton_autotuned_launch_path_under_interpreter(stand_in_tuner):
-    """The forward and backward are tuned through the autotuner (stood in here) and their results
-    cached per key; the backward writes every output (nothing accumulates), so its trials may run on
-    the real buffers."""
+    """The forward is tuned through the autotuner (stood in here) and its results cached per key; the
+    backward runs one fixed configuration (its tile and chunk set the order of its sums)."""
     from bertfast.kernels import embeddings as EM
 
-    stand_in_tuner(EM._fwd_tuned, EM._bwd_tuned)
+    stand_in_tuner(EM._fwd_tuned)
     triton = BackendUnderTest("triton", torch.device("cpu"))
     check(triton, inputs(triton, 37, 100, 7, 9, 2), 0.1)
     check(triton, inputs(triton, 37, 100, 7, 9, 6), 0.0)
-    assert len(EM._fwd_tuned.cache) == 2 and len(EM._bwd_tuned.cache) == 2
+    assert len(EM._fwd_tuned.cache) == 2
 
 
 @pytest.mark.parametrize("backend", ["triton"], indirect=True)

@@ -1,13 +1,15 @@
 """embeddings on the fused backends: the table gradients do not depend on the block schedule.
 
 A resumed pre-training run must continue bit for bit (docs/training.md), so neither csrc/embeddings.cu
-nor kernels/embeddings.py adds a table gradient with atomics: the backward kernel stores dh (the fp32
-gradient of the summed embedding row, [T, H]); the wrapper stably sorts the row keys (word ids, then
-V + position ids, then, when the token-type partials do not fit, V + P + type ids); the first table
-pass adds each chunk of sorted entries (a row inside a chunk is written there, the rows at a chunk's
-edges leave partial sums), the second writes every other row once: the sum of its chunks' partials in
-order, or zeros. CUDA adds a chunk's entries in order, Triton by a segmented scan (a fixed tree).
-Token types kept aside (shared memory, registers): per-block partials, summed in block order.
+nor kernels/embeddings.py adds a table gradient with atomics. The wrapper stably sorts the row keys (word
+ids, then V + position ids, then, when the token-type partials do not fit, V + P + type ids) and the
+sorted entries are cut into chunks: a row inside a chunk is written there, the rows at a chunk's edges
+leave partial sums, and a last pass writes every other row once: the sum of its chunks' partials in
+order, or zeros. CUDA's backward kernel stores dh (the fp32 gradient of the summed embedding row, [T, H])
+and its first table pass adds a chunk's dh rows; Triton's backward walks the sorted entries itself,
+computing each entry's dh row as it goes. Both add a chunk's entries in token order, then the chunks in
+order (test_table_rows_sum_in_a_fixed_order checks it to the bit on each). Token types kept aside (shared
+memory, registers): per-block partials, summed in block order.
 
 On the CPU emulator (tests/ops/conftest.py) BERTFAST_EMU_BLOCK_ORDER runs the blocks of every launch
 reversed or shuffled; on a GPU the same test compares repeated runs. The chunk (CUDA's ``sort_chunk``,
@@ -116,24 +118,25 @@ def chunked_sum(rows, keys, dh, chunk):
     return out
 
 
-@pytest.mark.parametrize("backend", ["cuda"], indirect=True)
+@pytest.mark.parametrize("backend", ["cuda", "triton"], indirect=True)
 def test_table_rows_sum_in_a_fixed_order(backend, small_chunks):
     # dh exactly: with all word rows equal, h (so dh) does not depend on the word ids, and with one token
     # per word row (ids = arange) dword is dh itself. Then repeated and hot ids must give these rows summed
     # in the fixed order, to the bit: no atomics, no other order.
+    chunk = 3 if backend.name == "cuda" else 4  # small_chunks
     t, h, vocab = 14, 48, 16
     inp = make(backend.device, t, h, vocab, 5, 2, hot=None, seed=3)
     inp["tables"]["word"] = inp["tables"]["word"][:1].expand(vocab, h).contiguous()
     seed = torch.tensor([9], dtype=torch.int64, device=backend.device)
     inp["ids"][0] = torch.arange(t, device=backend.device)
-    dh = grads("cuda", inp, 0.1, seed)["word"][:t].cpu()
+    dh = grads(backend.name, inp, 0.1, seed)["word"][:t].cpu()
     ids = torch.tensor([5, 5, 1, 5, 0, 5, 5, 9, 1, 5, 5, 12, 5, 5])  # hot 5 spans chunks; 9, 12 inside one
     inp["ids"][0] = ids.to(backend.device)
-    got = grads("cuda", inp, 0.1, seed)
-    assert torch.equal(got["word"].cpu(), chunked_sum(vocab, ids, dh, 3))
+    got = grads(backend.name, inp, 0.1, seed)
+    assert torch.equal(got["word"].cpu(), chunked_sum(vocab, ids, dh, chunk))
     pids = inp["ids"][1].cpu().long()
-    # Position keys follow the T word keys in the sorted order: the chunk edges fall at (T + j) // 3.
-    want = chunked_sum(5 + vocab, torch.cat([ids, pids + vocab]), torch.cat([dh, dh]), 3)[vocab:]
+    # Position keys follow the T word keys in the sorted order: the chunk edges fall at (T + j) // chunk.
+    want = chunked_sum(5 + vocab, torch.cat([ids, pids + vocab]), torch.cat([dh, dh]), chunk)[vocab:]
     assert torch.equal(got["pos"].cpu(), want)
 
 
