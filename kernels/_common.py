@@ -51,34 +51,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _slice_scan(self, inputs):
-    """The interpreter's tl.associative_scan for a combine function of its own (ScanOps.generic_scan),
-    in the same order, element i the combine of the result at i - 1 and input i, but called once per
-    step along the axis on whole slices, where Triton's calls it once per element (64 x H Python calls
-    for each chunk of the embeddings' segmented sum, which made their backward several times slower)."""
-    import numpy as np
-    data = [np.moveaxis(arg.handle.data, self.axis, 0) for arg in inputs]
-    outs = [np.empty_like(d) for d in data]
-    for d, o in zip(data, outs):
-        o[:1] = d[:1]
-    for i in range(1, data[0].shape[0]):
-        acc = [self.to_tensor(o[i - 1:i], arg.dtype) for o, arg in zip(outs, inputs)]
-        cur = [self.to_tensor(d[i:i + 1], arg.dtype) for d, arg in zip(data, inputs)]
-        ret = self.combine_fn.fn(*acc, *cur)
-        for o, r in zip(outs, ret if isinstance(ret, tuple) else (ret,)):
-            o[i:i + 1] = r.handle.data if isinstance(r, triton.language.core.tensor) else r
-    return [self.to_tensor(np.moveaxis(o, 0, self.axis), arg.dtype) for o, arg in zip(outs, inputs)]
-
-
-def _use_slice_scan() -> None:
-    """Install _slice_scan in the interpreter (once; nothing when this Triton has no ScanOps.generic_scan:
-    its own scan then runs, slower)."""
-    from triton.runtime import interpreter
-    ops = getattr(interpreter, "ScanOps", None)
-    if ops is not None and hasattr(ops, "generic_scan") and ops.generic_scan is not _slice_scan:
-        ops.generic_scan = _slice_scan
-
-
 def autotune_enabled() -> bool:
     """False under BERTFAST_AUTOTUNE=0: every autotuned kernel runs its first candidate config."""
     value = os.environ.get(AUTOTUNE_ENV, "1").strip()
@@ -344,7 +316,6 @@ def launch(kernel, grid, args: Sequence, consts: Dict, *, interp: Optional[Dict]
     tuned = _is_tuned(kernel)
     fn = jit_function(kernel)
     if interpreting():
-        _use_slice_scan()
         fn[grid](*args, **consts, **(interp or {}))
         return
     if _RECORDER is not None:

@@ -3,7 +3,6 @@ and the bound on autotune candidates at BERT shapes."""
 import pytest
 import torch
 import triton
-import triton.language as tl
 
 from bertfast.kernels import _common
 from bertfast.kernels import bias_gelu as BG
@@ -220,44 +219,6 @@ def test_row_tile_pruner_prefers_tiles_of_few_warps_where_they_give_the_allowed_
     assert shapes(row_config_pruner(BWD_PER_THREAD), 1024) == [(1, 4), (2, 8), (4, 16)]
     assert shapes(row_config_pruner(BWD_PER_THREAD, max_warps=8), 1024) == [(1, 4), (2, 8)]
     assert shapes(row_config_pruner(BWD_PER_THREAD, max_warps=8), 8192) == [(1, 16)]
-
-
-@triton.jit
-def _affine(a1, b1, a2, b2):
-    # x -> a x + b composed: not commutative, so a wrong order shows
-    return a1 * a2, b1 * a2 + b2
-
-
-@triton.jit
-def _scan_kernel(A, B, OA, OB, M: tl.constexpr, N: tl.constexpr, AXIS: tl.constexpr):
-    offs = tl.arange(0, M)[:, None] * N + tl.arange(0, N)[None, :]
-    a, b = tl.associative_scan((tl.load(A + offs), tl.load(B + offs)), AXIS, _affine)
-    tl.store(OA + offs, a)
-    tl.store(OB + offs, b)
-
-
-@pytest.mark.parametrize("axis", [0, 1])
-def test_interpreter_slice_scan_matches_triton_element_scan(axis, monkeypatch):
-    """launch() gives the interpreter a scan that calls a custom combine once per step on whole slices
-    (_common._slice_scan): the same results, to the bit, as Triton's scan of one element at a time."""
-    from triton.runtime import interpreter
-
-    g = torch.Generator().manual_seed(0)
-    a, b = 1 + 0.1 * torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
-    runs = []
-    for scan in (interpreter.ScanOps.generic_scan, _common._slice_scan):
-        monkeypatch.setattr(interpreter.ScanOps, "generic_scan", scan)
-        oa, ob = torch.empty_like(a), torch.empty_like(b)
-        _scan_kernel[(1,)](a, b, oa, ob, M=8, N=16, AXIS=axis)
-        runs.append((oa, ob))
-    (ea, eb), (sa, sb) = runs
-    assert torch.equal(sa, ea) and torch.equal(sb, eb)
-    # and the scan it is: element 3 is the composition of elements 0..3 along the axis
-    x = a.narrow(axis, 0, 4).unbind(axis), b.narrow(axis, 0, 4).unbind(axis)
-    want = x[1][0]
-    for i in range(1, 4):
-        want = want * x[0][i] + x[1][i]
-    torch.testing.assert_close(sb.narrow(axis, 3, 1).squeeze(axis), want)
 
 
 def test_host_cdiv_and_next_power_of_2_are_tritons():
