@@ -175,11 +175,8 @@ def _add_to_runs(run, prev, keys, nexts, dh, e0, last, before, after, c, PART, T
                 tl.store(PART + slot * H + cols, run, mask=col_ok)
             else:
                 k = key.to(tl.int64)
-                if TWO_TABLES:
-                    if k >= base2:
-                        tl.store(TABLE2 + (k - base2) * H + cols, run.to(TABLE2.dtype.element_ty), mask=col_ok)
-                    else:
-                        tl.store(TABLE + (k - base) * H + cols, run.to(TABLE.dtype.element_ty), mask=col_ok)
+                if k >= base2 if TWO_TABLES else False:  # a constexpr False without TABLE2: no branch
+                    tl.store(TABLE2 + (k - base2) * H + cols, run.to(TABLE2.dtype.element_ty), mask=col_ok)
                 else:
                     tl.store(TABLE + (k - base) * H + cols, run.to(TABLE.dtype.element_ty), mask=col_ok)
     return run, prev
