@@ -148,3 +148,22 @@ def test_the_models_fastest_candidate_is_set_beside_the_runs_autotuner_choice():
     assert rows[1]["candidates"] == 4
     picked[1].candidates = 1  # the model tried one config: nothing to compare
     assert len(SU.autotuner_agreement(ran, picked)) == 1
+
+
+def test_a_gemm_the_settings_repeat_is_compared_once():
+    """The FFN's GEMM launches alike at a shape with and without dropout: one row, not one a setting;
+    the attention's kernels differ by variant there and keep a row each."""
+    settings = [K.Setting("bert-large", 512, 32, p) for p in (0.1, 0.0)]
+    ran, picked = [], []
+    for setting, dropout in zip(settings, ("HAS_DROPOUT=1", "HAS_DROPOUT=0")):
+        for kernel, variant in (("_gemm_bias_gelu_kernel", "BACKWARD=1"), ("_attention_fwd_kernel", dropout)):
+            mine, run = _result(setting, kernel, 100), _result(setting, kernel, 100)
+            mine.variant = run.variant = variant
+            mine.config, mine.candidates = "BLOCK_M=64 BLOCK_N=128 w=4", 6
+            run.config = "BLOCK_M=128 BLOCK_N=128 w=8"
+            ran.append(run)
+            picked.append(mine)
+    rows = SU.autotuner_agreement(ran, picked)
+    assert sorted(r["kernel"] for r in rows) == ["_attention_fwd_kernel", "_attention_fwd_kernel",
+                                                 "_gemm_bias_gelu_kernel"]
+    assert not any(r["agree"] for r in rows)

@@ -334,8 +334,8 @@ def record(setting: Setting, ops: Optional[Sequence[str]] = None,
     """Every kernel launch of ``ops`` (default: priced_ops()) at ``setting`` (varlen attention, head dim 64, its
     backward in ``dq_mode``, BERTFAST_ATTENTION_DQ's): the first candidate, or the config ``tuned`` (kernel ->
     tuning key -> config_text, a GPU run's autotuner's choices) names for the launch's key when it is still
-    among the candidates; for the ops in ``candidates`` (without such a choice), one launch per
-    candidate, their ``call`` shared."""
+    among the candidates; for the ops and kernels named in ``candidates`` (without such a choice), one launch
+    per candidate, their ``call`` shared."""
     from bertfast.gpucheck.compile_report import bert_launches
     from bertfast.kernels._common import COMPILE_OPTIONS, compile_only, config_text, key_values
 
@@ -347,7 +347,8 @@ def record(setting: Setting, ops: Optional[Sequence[str]] = None,
         def keep(fn, grid, args, consts, configs, key, op=op):
             ran = (tuned or {}).get(fn.__name__, {}).get(key_values(key)) if key is not None else None
             chosen = next((c for c in configs if c is not None and config_text(c) == ran), None)
-            tried = [chosen] if chosen is not None else configs if op in candidates else configs[:1]
+            every = op in candidates or fn.__name__ in candidates
+            tried = [chosen] if chosen is not None else configs if every else configs[:1]
             call = launches[-1].call + 1 if launches else 0
             for config in tried:
                 meta = dict(consts)

@@ -34,10 +34,11 @@ TARGET_SETTINGS = (K.Setting("bert-large", 512, 32, 0.1), K.Setting("bert-large"
 DROPOUT_COST_TARGET = 0.60        # dropout's extra main-loop instructions per element, fwd+bwd
 # Attention FLOPs credited per score element (4·D forward, 10·D backward; what the benchmark divides by).
 CREDITED = {"fwd": 4 * K.HEAD_DIM, "bwd": 10 * K.HEAD_DIM}
-# The ops whose every autotune candidate is predicted, the fastest kept, as a GPU run's autotuner keeps
-# the fastest it times: the attention, whose configs' occupancy decides what their schedules leave
-# exposed (schedule.py). The row kernels, bound by memory, keep their first candidate.
-TUNED_OPS = ("attention",)
+# The ops and kernels whose every autotune candidate is predicted, the fastest kept, as a GPU run's
+# autotuner keeps the fastest it times: the tensor-core kernels (the attention's, the FFN's GEMMs with GELU
+# epilogues), whose configs' occupancy decides what their schedules leave exposed (schedule.py). The row
+# kernels, bound by memory, keep their first candidate.
+TUNED_OPS = ("attention", "_gemm_bias_gelu_kernel")
 DIRECTION = {"_attention_fwd_kernel": "fwd", "_attention_bwd_delta_kernel": "bwd", "_attention_bwd_dq_kernel": "bwd",
              "_attention_bwd_dkdv_kernel": "bwd", "_attention_bwd_fused_kernel": "bwd"}
 
@@ -380,8 +381,12 @@ def suite_comparison(suite: SU.SuiteRun, log=print) -> Dict[str, object]:
             + ("  [source changed since this run: not fitted]" if row["changed_since_run"] else ""))
     log("  one overlap fitted to these: " + (f"{fitted:.2f}" if fitted is not None else "-")
         + f" (assumed {suite.gpu.overlap:g})")
-    picked = analyse(suite.settings(), suite.gpu, log=lambda m: None, ops=["attention"], fastest=TUNED_OPS)
-    choices = SU.autotuner_agreement(results, picked)
+    # the run's choices beside the model's picks: the attention's, and the FFN GEMMs' where the run tuned them
+    picked = analyse(suite.settings(), suite.gpu, log=lambda m: None, ops=["attention", "bias_gelu"],
+                     fastest=TUNED_OPS)
+    gemms = [r for r in analyse(suite.settings(), suite.gpu, log=lambda m: None, tuned=suite.tuned, ops=["bias_gelu"])
+             if r.kernel in TUNED_OPS]
+    choices = SU.autotuner_agreement(results + gemms, picked)
     if choices:
         log(f"  the candidate the model predicts fastest is the one the run's autotuner chose for "
             f"{sum(c['agree'] for c in choices)} of {len(choices)} kernels" + "".join(
@@ -461,7 +466,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"\nPredicted for an {gpu.name} ({gpu.sms} SMs at {gpu.clock_hz / 1e9:.2f} GHz, "
           f"{gpu.achievable_hbm_bytes_per_s / 1e12:.1f} TB/s achievable, memory latency "
           f"{gpu.memory_latency_s * 1e6:.2f} us, overlap {gpu.overlap:g}, {gpu.memory_overlap:g} where memory binds); "
-          "the attention's kernels at the autotune candidate predicted fastest, the others at their first. "
+          "the attention's kernels and the FFN's GEMMs at the autotune candidate predicted fastest, the others at "
+          "their first. "
           "Predictions, not measurements.\n")
     print(kernel_table([r for r in results if r.setting in TARGET_SETTINGS]))
     print()

@@ -119,12 +119,15 @@ def at_overlap(row: Dict[str, object], overlap: float, memory_overlap: float) ->
 def autotuner_agreement(tuned: Sequence, picked: Sequence) -> List[Dict[str, object]]:
     """Each kernel the run's autotuner chose a config for (``tuned``: analyse's results at the run's
     choices), beside the candidate the model predicts fastest at the same setting (``picked``: analyse
-    with its ``fastest``): the two configs and whether they are one."""
+    with its ``fastest``): the two configs and whether they are one. A launch the settings repeat (a GEMM at
+    the same shape with and without dropout) counts once."""
     model_pick = {(r.setting.label(), r.kernel, r.variant): r for r in picked if r.candidates > 1}
-    rows = []
+    rows, seen = [], set()
     for r in tuned:
         mine = model_pick.get((r.setting.label(), r.kernel, r.variant))
-        if r.tuned and mine is not None:
+        launch = (r.setting.model, r.setting.seq, r.setting.batch, r.kernel, r.variant)
+        if r.tuned and mine is not None and launch not in seen:
+            seen.add(launch)
             rows.append({"setting": r.setting.label(), "kernel": r.kernel, "run": r.config, "model": mine.config,
                          "candidates": mine.candidates, "agree": r.config == mine.config})
     return rows
