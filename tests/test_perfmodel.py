@@ -631,7 +631,8 @@ def test_perf_model_command_reads_every_kernel_and_reports_the_targets(tmp_path)
     # and the FFN's GEMMs with GELU epilogues (tensor-core loops too); every other kernel at its first
     assert {k["kernel"] for k in data["kernels"] if k["candidates"] > 1} >= {"_gemm_bias_gelu_kernel"}
     from bertfast.perfmodel.report import TUNED_OPS
-    assert all(k["candidates"] == 1 for k in data["kernels"] if k["op"] not in TUNED_OPS and k["kernel"] not in TUNED_OPS)
+    assert all(k["candidates"] == 1 for k in data["kernels"]
+               if k["op"] not in TUNED_OPS and k["kernel"] not in TUNED_OPS)
     # the CUDA attention's kernels beside Triton's (where nvcc compiles them; else a line says why not)
     from bertfast.perfmodel import cuda as CU
     cuda = {(r["setting"], r["kernel"]): r for r in data["cuda_attention"]}
