@@ -239,20 +239,30 @@ def _gemm_configs():
     """(BLOCK_M, BLOCK_N, BLOCK_K, stages, warps) for the GEMM with the GELU epilogue: Hopper tiles
     (wgmma, 3-5 stages of cp.async), each spill-free on sm_90 by the compile report (tiles of 128
     fp32 accumulators a thread spilled, and 16 warps over 256 x 128 backward). The first is the
-    default: 96 KB of stages and 110 registers let two programs share an SM forward, so one's
-    epilogue (GELU over its tile, the stores) runs beside the other's main loop; backward, at 161
-    registers, one."""
+    forward's default: 96 KB of stages and 110 registers let two programs share an SM, so one's
+    epilogue (GELU over its tile, the stores) runs beside the other's main loop. Backward it takes 161
+    registers, one program an SM, so _prune_gemm puts _GEMM_BWD_DEFAULT first there."""
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_stages=s, num_warps=w)
             for m, n, k, s, w in ((128, 128, 64, 3, 8), (128, 128, 64, 4, 8), (64, 256, 64, 3, 8),
-                                  (128, 128, 32, 5, 8), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4))]
+                                  (128, 128, 32, 5, 8), _GEMM_BWD_DEFAULT, (128, 64, 64, 4, 4))]
+
+
+# The backward's default (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps): one warpgroup, 139-154 registers and
+# 96 KB of stages, two programs an SM, as the forward's default holds; predicted 222 us against the
+# list's first 250 at BERT-large's 16,384 tokens (H100; docs/perf-model.md, "The step budget").
+_GEMM_BWD_DEFAULT = (64, 128, 64, 4, 4)
 
 
 def _prune_gemm(configs, named_args, **kwargs):
-    """No tile wider than N or deeper than K needs (rounded up to powers of two)."""
+    """No tile wider than N or deeper than K needs (rounded up to powers of two); backward,
+    _GEMM_BWD_DEFAULT first (the fixed mode's config), the others in their order."""
     n_cap = max(64, next_power_of_2(named_args["N"]))
     k_cap = max(16, next_power_of_2(named_args["K"]))
-    kept = [c for c in configs if c.kwargs["BLOCK_N"] <= n_cap and c.kwargs["BLOCK_K"] <= k_cap]
-    return kept or configs[:1]
+    kept = [c for c in configs if c.kwargs["BLOCK_N"] <= n_cap and c.kwargs["BLOCK_K"] <= k_cap] or configs[:1]
+    if kwargs.get("BACKWARD"):
+        kept.sort(key=lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages,
+                                 c.num_warps) != _GEMM_BWD_DEFAULT)
+    return kept
 
 
 _fwd_tuned = autotune(_tile_configs(), ["F", "n_bucket", "APPROX_TANH"], _prune_tiles)(_bias_gelu_fwd_kernel)

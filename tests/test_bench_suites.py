@@ -365,3 +365,29 @@ def test_mlm_head_gemm_floor_of_each_case_uses_that_cases_sizes(monkeypatch):
         assert rows.shape == (case.case["predictions"], case.case["hidden"])
         assert decoder.shape == (padded, case.case["hidden"])
         assert floor.forward().shape == (case.case["predictions"], padded)
+
+
+def test_the_mlm_head_case_runs_the_static_gather_with_its_checks_on_the_device(monkeypatch):
+    """BERT's masking labels round(15%) of each full sequence: the case labels that many positions in
+    every sequence, and bertfast's head takes them through its static gather (max_predictions_per_seq)
+    inside ``checks_on_device``, as a pre-training step does: nothing in the call reads the device back,
+    so the kernel timing, queued ahead of the host, measures the device. Its loss is the eager head's."""
+    from bertfast import contract, ops
+    from bertfast.bench import kernel_cases
+    monkeypatch.setattr(kernel_cases, "_row_shapes", lambda ctx, full, quick, cpu: [("a", 3, 20, 16, 50)])
+    case = kernel_cases.mlm_head_loss_cases(_cpu_ctx())[0]
+    k = kernel_cases.mlm_predictions_per_seq(20)
+    assert k == 3 and case.case["predictions"] == 3 * k
+    seen = []
+    real = ops.mlm_head_loss
+
+    def spy(hidden, labels, *args, **kwargs):
+        seen.append(((labels != -100).sum(1).tolist(), kwargs.get("max_predictions_per_seq"),
+                     contract._CHECKS_ON_DEVICE.get()))
+        return real(hidden, labels, *args, **kwargs)
+    monkeypatch.setattr(ops, "mlm_head_loss", spy)
+    fast = next(i for i in case.impls if i.name.startswith("bertfast:")).build(torch.float32)
+    got = fast.run_once()
+    assert seen == [([k] * 3, k, True)]
+    want = case.reference(torch.float32).run_once()
+    torch.testing.assert_close(got["loss"], want["loss"], rtol=1e-5, atol=1e-6)

@@ -221,6 +221,26 @@ def test_row_tile_pruner_prefers_tiles_of_few_warps_where_they_give_the_allowed_
     assert shapes(row_config_pruner(BWD_PER_THREAD, max_warps=8), 8192) == [(1, 16)]
 
 
+def test_the_ffn_gemms_default_holds_two_programs_an_sm_in_each_direction():
+    """The fixed mode's config (the pruned list's first) of the GEMM with the GELU epilogue: forward the
+    list's first (128 x 128, 8 warps, 110 registers), backward _GEMM_BWD_DEFAULT (64 x 128, 4 warps: the
+    first takes 161 registers there, one program an SM); the other candidates keep their order."""
+    configs = BG._gemm_configs()
+
+    def tiles(backward):
+        kept = BG._prune_gemm(configs, {"N": 4096, "K": 1024}, BACKWARD=backward)
+        return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages, c.num_warps)
+                for c in kept]
+    forward, backward = tiles(False), tiles(True)
+    assert forward[0] == (128, 128, 64, 3, 8) and backward[0] == BG._GEMM_BWD_DEFAULT
+    assert backward[1:] == [t for t in forward if t != BG._GEMM_BWD_DEFAULT] and sorted(backward) == sorted(forward)
+    # what launch() and the compile report read: the autotuned kernel's own pruned list
+    shape = {"N": 4096, "K": 1024}
+    tuned = _common.candidates(BG._gemm_tuned, [shape.get(name) for name in BG._gemm_tuned.arg_names],
+                               {"BACKWARD": True})
+    assert (tuned[0].kwargs["BLOCK_M"], tuned[0].num_warps) == (64, 4)
+
+
 def test_host_cdiv_and_next_power_of_2_are_tritons():
     """The launchers' grids and buckets use kernels._common's (plain ints: triton 3.9's are constexpr
     functions costing ~2 us a host call); they must give Triton's answers."""

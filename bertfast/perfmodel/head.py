@@ -1,12 +1,13 @@
 """The MLM head's target predicted: within 1.25x of its GEMM floor (benchmarks/README.md).
 
-The kernel suite times `ops.mlm_head_loss` (forward and backward, bf16 inputs and parameters, the
-BERT recipe's 15% of 16,384 tokens labelled) beside its GEMM floor: the head's GEMMs alone, cuBLAS
-at the labelled rows over the padded vocabulary (transform dense and decoder, forward, input and
-weight gradients). Both run the same GEMMs, so the model prices them alike (the GEMM rate,
-hardware.Gpu.gemm_flops) and the head's ratio to its floor is what it moves besides them, at the
-achievable bandwidth, and its launches, line by line as the op's code runs them
-(ops/mlm_head_loss.py; the chunked decoder driver ``_decoder_loss``):
+The kernel suite times `ops.mlm_head_loss` (forward and backward, bf16 inputs and parameters, 19 of each
+sequence's 128 tokens labelled, as BERT's masking labels 15% of a full one: 2,432 of 16,384; its static
+gather, max_predictions_per_seq, with its checks on the device, as a pre-training step runs it) beside
+its GEMM floor: the head's GEMMs alone, cuBLAS at the labelled rows over the padded vocabulary
+(transform dense and decoder, forward, input and weight gradients). Both run the same GEMMs, so the
+model prices them alike (the GEMM rate, hardware.Gpu.gemm_flops) and the head's ratio to its floor is
+what it moves besides them, at the achievable bandwidth, and its launches, line by line as the op's
+code runs them (ops/mlm_head_loss.py; the chunked decoder driver ``_decoder_loss``):
 
 - the labelled rows gathered (index_select), and their gradient scattered back into a zero-filled
   gradient of every token (its backward);
@@ -37,10 +38,14 @@ from typing import Dict, List, Optional, Tuple
 from bertfast.bench.thresholds import MLM_HEAD_FLOOR as TARGET  # at most this many times its GEMM floor
 from bertfast.perfmodel.hardware import H100, Gpu
 
-MASKED = 0.15      # labelled share of the tokens: the kernel suite's case (round(0.15 * tokens) rows)
-TOKENS = 16384     # the kernel suite's BERT-large and BERT-base case: batch 128 x seq 128
+SEQ = 128          # the kernel suite's BERT-large and BERT-base case: batch 128 x seq 128
+TOKENS = 16384
+PER_SEQUENCE = 19  # its labelled positions in each sequence (bench.kernel_cases.mlm_predictions_per_seq)
 VOCAB = 30522
-LAUNCH_COUNT = 24  # the head's kernels besides its GEMMs, forward and backward (counted below)
+# The head's kernels besides its GEMMs, forward and backward: ~24, and ~12 for the static gather's
+# positions (a stable sort of each sequence's labelled flags, the offsets, its count checked on the
+# device) and the labels' range checked there
+LAUNCH_COUNT = 36
 # The lines no design around library GEMMs avoids (the module's docstring): the ceiling's.
 STRUCTURAL = ("gather, scatter", "transform", "loss", "bias gradient", "launch gaps")
 
@@ -48,9 +53,9 @@ STRUCTURAL = ("gather, scatter", "transform", "loss", "bias gradient", "launch g
 def lines(hidden: int, tokens: int = TOKENS, vocab: int = VOCAB, act_bytes: int = 2, weight_bytes: int = 2,
           gpu: Gpu = H100, rows: Optional[int] = None) -> Dict[str, object]:
     """The head's time besides its GEMMs, line by line (name, seconds, how), and the GEMMs' floor;
-    ``rows`` labelled of ``tokens`` (default the kernel suite's 15%)."""
+    ``rows`` labelled of ``tokens`` (default the kernel suite's PER_SEQUENCE in each sequence of SEQ)."""
     from bertfast.ops.mlm_head_loss import default_chunk_rows, padded_vocab
-    m = round(MASKED * tokens) if rows is None else rows
+    m = tokens // SEQ * PER_SEQUENCE if rows is None else rows
     vp = padded_vocab(vocab, act_bytes)
     chunks = math.ceil(m / default_chunk_rows(m, vocab, act_bytes))
     one_gemm = chunks == 1 and weight_bytes == act_bytes  # _decoder_loss: no fp32 buffer

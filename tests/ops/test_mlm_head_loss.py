@@ -359,6 +359,28 @@ def test_head_without_labels_gives_zero_loss_and_zero_gradients(backend, max_pre
     assert torch.count_nonzero(gh) == 0 and torch.count_nonzero(gd) == 0
 
 
+@pytest.mark.skipif(not GPU, reason="a host waiting on the device needs a device")
+def test_gpu_static_head_with_its_checks_on_the_device_never_waits_on_the_device():
+    """The static gather inside ``checks_on_device``, as a pre-training step and the kernel suite run the
+    head (bench.kernel_cases): a host read in the call would put host time into the suite's device timing."""
+    from bertfast.contract import checks_on_device
+    hidden, labels, params, decoder, bias = head_problem("cuda")
+    leaves = [t.requires_grad_() for t in (hidden, decoder, bias)]
+
+    def call():
+        with checks_on_device():
+            got = ops.mlm_head_loss(hidden, labels, *params, 1e-12, decoder, bias, max_predictions_per_seq=3)
+            return torch.autograd.grad(got.loss, leaves)
+    call()  # autotuning and lazy state may read the device
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grads = call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(bool(torch.isfinite(g).all()) for g in grads)
+
+
 def test_masked_positions_put_labelled_positions_first():
     labels = torch.full((2, 6), IGNORE)
     labels[0, :3] = 1
