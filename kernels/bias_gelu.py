@@ -253,6 +253,12 @@ def _gemm_configs():
 _GEMM_BWD_DEFAULT = (64, 128, 64, 4, 4)
 
 
+def _gemm_shape(config) -> tuple:
+    """A GEMM config as _gemm_configs lists it: (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps)."""
+    k = config.kwargs
+    return k["BLOCK_M"], k["BLOCK_N"], k["BLOCK_K"], config.num_stages, config.num_warps
+
+
 def _prune_gemm(configs, named_args, **kwargs):
     """No tile wider than N or deeper than K needs (rounded up to powers of two); backward,
     _GEMM_BWD_DEFAULT first (the fixed mode's config), the others in their order."""
@@ -260,8 +266,7 @@ def _prune_gemm(configs, named_args, **kwargs):
     k_cap = max(16, next_power_of_2(named_args["K"]))
     kept = [c for c in configs if c.kwargs["BLOCK_N"] <= n_cap and c.kwargs["BLOCK_K"] <= k_cap] or configs[:1]
     if kwargs.get("BACKWARD"):
-        kept.sort(key=lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages,
-                                 c.num_warps) != _GEMM_BWD_DEFAULT)
+        kept.sort(key=lambda c: _gemm_shape(c) != _GEMM_BWD_DEFAULT)
     return kept
 
 

@@ -228,9 +228,7 @@ def test_the_ffn_gemms_default_holds_two_programs_an_sm_in_each_direction():
     configs = BG._gemm_configs()
 
     def tiles(backward):
-        kept = BG._prune_gemm(configs, {"N": 4096, "K": 1024}, BACKWARD=backward)
-        return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages, c.num_warps)
-                for c in kept]
+        return [BG._gemm_shape(c) for c in BG._prune_gemm(configs, {"N": 4096, "K": 1024}, BACKWARD=backward)]
     forward, backward = tiles(False), tiles(True)
     assert forward[0] == (128, 128, 64, 3, 8) and backward[0] == BG._GEMM_BWD_DEFAULT
     assert backward[1:] == [t for t in forward if t != BG._GEMM_BWD_DEFAULT] and sorted(backward) == sorted(forward)
@@ -238,7 +236,7 @@ def test_the_ffn_gemms_default_holds_two_programs_an_sm_in_each_direction():
     shape = {"N": 4096, "K": 1024}
     tuned = _common.candidates(BG._gemm_tuned, [shape.get(name) for name in BG._gemm_tuned.arg_names],
                                {"BACKWARD": True})
-    assert (tuned[0].kwargs["BLOCK_M"], tuned[0].num_warps) == (64, 4)
+    assert BG._gemm_shape(tuned[0]) == BG._GEMM_BWD_DEFAULT == (64, 128, 64, 4, 4)
 
 
 def test_host_cdiv_and_next_power_of_2_are_tritons():
