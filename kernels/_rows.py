@@ -176,7 +176,7 @@ def row_config_pruner(per_thread: Tuple[int, ...], max_warps: int = 16):
     small H) and no more rows than the problem has, giving each thread ``per_thread`` elements, in
     that order of preference (fewer rows first). Elements per thread set the register footprint:
     the compile report (sm_90, triton 3.6 and 3.9) finds spills at 16 per thread in the backward
-    kernels (three fp32 accumulators and a prefetched tile), none at 4 or 8, and none in the
+    kernels (three fp32 accumulators and a tile), none at 4 or 8, and none in the
     forwards' tiles at 16 of up to FWD_MAX_WARPS warps. When no tile gives an allowed count (the
     backward's 8 at H = 8192 needs 32 warps), the tiles with the fewest elements per thread remain. Of the tiles giving an allowed count, those of more than ``max_warps`` warps
     are left out while others remain (16 warps cap a thread at 128 registers)."""

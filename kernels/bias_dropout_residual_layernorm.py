@@ -37,7 +37,8 @@ Dropout RNG: the row-op scheme of kernels/_rows.py (row_dropout_keep), a pure fu
 Launch: on GPU the row-tile shape (rows per program, num_warps) is autotuned per H, size class
 of N, dtypes and flags; under the interpreter a fixed tile of ~4K elements is used. The forward
 runs one program per BLOCK_M rows; the backward runs about four programs per SM, each walking a
-contiguous block of rows one tile at a time with the next two tiles' loads in flight.
+contiguous block of rows one tile at a time with the next four tiles' loads in flight (Triton's
+pipeline of BWD_STAGES stages, through shared memory).
 
 Limits: H <= 8192 (one row per register tile); any number of rows; x / residual / dy /
 pre_norm may be row-strided (stride(1) == 1, stride(0) >= H), anything else is a ValueError.
@@ -141,7 +142,7 @@ def _bias_dropout_residual_layernorm_bwd_kernel(
     SEED,        # [1] int64 dropout seed (read only when HAS_DROPOUT)
     N, H, stride_dy, stride_pre, rows_per_program, p,
     n_bucket,    # autotune key only
-    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_DROPOUT: tl.constexpr, STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     pid, row_start, row_end = program_rows(N, rows_per_program)
@@ -154,27 +155,18 @@ def _bias_dropout_residual_layernorm_bwd_kernel(
     acc_dw = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
     acc_db = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
     acc_dbias = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
-    # Software pipelining by hand, BWD_TILES_AHEAD (2) tiles deep: while tile i is computed, the
-    # loads of tiles i + 1 and i + 2 are in flight (Triton does not pipeline plain loads). With one
-    # tile ahead the H100 read at 76% of the copy bandwidth, bound by the loads' latency.
-    first = row_start + tl.arange(0, BLOCK_M)
-    dy_1, z_1, mean_1, rstd_1 = _load_bwd_tile(DY, PRE, MEAN, RSTD, first, row_end, cols, col_ok, stride_dy,
-                                               stride_pre)
-    dy_2, z_2, mean_2, rstd_2 = _load_bwd_tile(DY, PRE, MEAN, RSTD, first + BLOCK_M, row_end, cols, col_ok,
-                                               stride_dy, stride_pre)
-    for m0 in range(row_start, row_end, BLOCK_M):
+    # The loads are pipelined by Triton through shared memory (cp.async), STAGES - 1 tiles ahead of
+    # the tile being computed. Prefetching into registers by hand cannot run ahead further than one
+    # tile: a loaded register must be read before the loop's next pass loads into it again
+    # (docs/perf-model.md, "The LayerNorm backward's prefetch").
+    for m0 in tl.range(row_start, row_end, BLOCK_M, num_stages=STAGES):
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < row_end
         mask = row_ok[:, None] & col_ok[None, :]
         rows64 = rows.to(tl.int64)[:, None]
-        dy = dy_1.to(tl.float32)
-        z = z_1.to(tl.float32)
-        mean = mean_1
-        rstd = rstd_1
-        dy_1, z_1, mean_1, rstd_1 = dy_2, z_2, mean_2, rstd_2
-        dy_2, z_2, mean_2, rstd_2 = _load_bwd_tile(
-            DY, PRE, MEAN, RSTD, rows + 2 * BLOCK_M, row_end, cols, col_ok, stride_dy, stride_pre)
-        dz, acc_dw, acc_db = layernorm_bwd_rows(dy, z, mean, rstd, w, acc_dw, acc_db, H)
+        dy, z, mean, rstd = _load_bwd_tile(DY, PRE, MEAN, RSTD, rows, row_end, cols, col_ok, stride_dy, stride_pre)
+        dz, acc_dw, acc_db = layernorm_bwd_rows(dy.to(tl.float32), z.to(tl.float32), mean, rstd, w, acc_dw, acc_db,
+                                                H)
         out_offs = rows64 * H + cols[None, :]
         if HAS_RES:
             tl.store(DRES + out_offs, dz.to(DRES.dtype.element_ty), mask=mask)
@@ -190,23 +182,33 @@ def _bias_dropout_residual_layernorm_bwd_kernel(
 
 
 # --------------------------------------------------------------------------- launch configs
-# The backward's row groups (_rows.row_groups): programs per SM. Each keeps BWD_TILES_AHEAD tiles of
-# loads in flight, so the loads in flight per SM grow with the programs (at 120-128 registers a
-# thread an SM holds four programs of 4 warps). Four, two tiles ahead each, keep the perf model's
-# latency bound (1.9 us, fitted to the H100) under the bandwidth bound at BERT-large's 16K rows, for
-# 3 x [G, H] fp32 partials of 6.3 MB (docs/perf-model.md); four one tile ahead read at 76% of the
-# copy bandwidth on the H100, two per SM at half the bandwidth on the H200.
+# The backward's row groups (_rows.row_groups): programs per SM, each with BWD_STAGES - 1 tiles of loads
+# in flight (Triton's pipeline, through shared memory: a 4 KB row of dy and pre_norm a stage in bf16 at
+# BERT-large). Four programs four tiles ahead keep 64 KB in flight an SM, so the perf model's latency
+# bound stays under the H200's bandwidth up to a loaded latency of 3.5 us (docs/perf-model.md), for
+# 3 x [G, H] fp32 partials of 6.3 MB. Four one tile ahead read at 76% of the copy bandwidth on the H100,
+# and took the same time on the H200 (58 us) when two tiles held in registers were in fact one.
 BWD_PROGRAMS_PER_SM = 4
-BWD_TILES_AHEAD = 2  # the kernel's prefetch depth (what the perf model reads)
+BWD_STAGES = 5  # the backward loop's pipeline stages (what the perf model reads), fewer for wide rows:
+BWD_STAGE_BYTES = 48 * 1024  # at most this much shared memory a program for them (four an SM fit 228 KB)
+BWD_MAX_WARPS = 8  # the backward's tiles (at most 8 warps, BWD_PER_THREAD elements a thread, a row above)
 # Keys: H, the size class of N and every constexpr flag (dtypes are added by the autotuner).
 _fwd_tuned = autotune(row_tile_configs(), ["H", "n_bucket", "HAS_BIAS", "HAS_RES", "HAS_DROPOUT",
                                                   "STORE_PRE", "STORE_KEEP"],
                             row_config_pruner(FWD_PER_THREAD, FWD_MAX_WARPS)
                             )(_bias_dropout_residual_layernorm_fwd_kernel)
-# At most 8 warps: two prefetched fp32 tiles spill at 16 (128 registers a thread; triton 3.6, sm_90).
+# At most 8 warps: the fp32 accumulators and a tile spill at 16 (128 registers a thread; sm_90).
 _bwd_tuned = autotune(row_tile_configs(MAX_ROWS_PER_TILE), ["H", "n_bucket", "HAS_BIAS", "HAS_RES", "HAS_DROPOUT"],
-                            row_config_pruner(BWD_PER_THREAD, max_warps=8)
+                            row_config_pruner(BWD_PER_THREAD, max_warps=BWD_MAX_WARPS)
                             )(_bias_dropout_residual_layernorm_bwd_kernel)
+
+
+def bwd_stages(block_h: int, element_bytes: int) -> int:
+    """The backward loop's pipeline stages for rows of ``block_h`` columns whose dy and pre_norm take
+    ``element_bytes`` an element together: BWD_STAGES, fewer (at least 2) where the STAGES - 1 buffers
+    of the largest tile a candidate may take would hold more than BWD_STAGE_BYTES."""
+    tile = max(max(BWD_PER_THREAD) * 32 * BWD_MAX_WARPS, block_h) * element_bytes
+    return max(2, min(BWD_STAGES, 1 + BWD_STAGE_BYTES // tile))
 
 
 # --------------------------------------------------------------------------- launchers
@@ -291,7 +293,8 @@ def bias_dropout_residual_layernorm_bwd(dy: torch.Tensor, pre_norm: torch.Tensor
     args = (dy, pre_norm, mean, rstd, weight, dx, dres if has_residual else dx,
             part[0], part[1], part[2] if has_bias else part[1], seed if has_dropout else mean,
             n, h, row_stride(dy), row_stride(pre_norm), rpp, dropout_p, n_bucket(n))
-    flags = dict(HAS_BIAS=has_bias, HAS_RES=has_residual, HAS_DROPOUT=has_dropout, BLOCK_H=block_h)
+    flags = dict(HAS_BIAS=has_bias, HAS_RES=has_residual, HAS_DROPOUT=has_dropout, BLOCK_H=block_h,
+                 STAGES=bwd_stages(block_h, dy.element_size() + pre_norm.element_size()))
     launch(_bwd_tuned, (groups,), args, flags, interp={"BLOCK_M": interpreter_rows(block_h, 4)})
     dweight, dln_bias, *dbias = column_sums(part, [weight.dtype] * part.shape[0])
     return dx, dbias[0] if has_bias else None, dres, dweight, dln_bias

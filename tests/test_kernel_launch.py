@@ -209,8 +209,9 @@ def test_candidates_per_tuning_key_are_bounded_at_bert_shapes(monkeypatch):
 
 
 def test_row_tile_pruner_prefers_tiles_of_few_warps_where_they_give_the_allowed_count():
-    """The LayerNorm backward's pruner (max_warps=8): at H = 1024 its 16-warp tile leaves (two prefetched
-    fp32 tiles spill there with triton 3.6); at H = 8192 only 16 warps give 16 per thread, so it stays."""
+    """The LayerNorm backward's pruner (max_warps=8): at H = 1024 its 16-warp tile leaves (fp32 tiles
+    spilled there with triton 3.6, at 128 registers a thread); at H = 8192 only 16 warps give 16 per
+    thread, so it stays."""
     from bertfast.kernels._rows import BWD_PER_THREAD, MAX_ROWS_PER_TILE, row_config_pruner, row_tile_configs
     configs = row_tile_configs(MAX_ROWS_PER_TILE)
 
@@ -219,6 +220,32 @@ def test_row_tile_pruner_prefers_tiles_of_few_warps_where_they_give_the_allowed_
     assert shapes(row_config_pruner(BWD_PER_THREAD), 1024) == [(1, 4), (2, 8), (4, 16)]
     assert shapes(row_config_pruner(BWD_PER_THREAD, max_warps=8), 1024) == [(1, 4), (2, 8)]
     assert shapes(row_config_pruner(BWD_PER_THREAD, max_warps=8), 8192) == [(1, 16)]
+
+
+def test_the_layernorm_backward_pipelines_its_loads_within_its_shared_memory(monkeypatch):
+    """Its loop's loads run through Triton's pipeline (STAGES - 1 tiles of dy and pre_norm in shared
+    memory): BWD_STAGES at BERT's rows, fewer for wide fp32 rows, never more than BWD_STAGE_BYTES a
+    program for the largest tile a pruned candidate takes, and never fewer than 2 (no pipeline)."""
+    from bertfast.kernels import bias_dropout_residual_layernorm as LN
+    from bertfast.kernels._rows import BWD_PER_THREAD, MAX_ROWS_PER_TILE, row_config_pruner, row_tile_configs
+    configs = row_tile_configs(MAX_ROWS_PER_TILE)
+    for block_h in (16, 128, 1024, 2048, 4096, 8192):
+        tiles = [c.kwargs["BLOCK_M"] * block_h for c in row_config_pruner(BWD_PER_THREAD, LN.BWD_MAX_WARPS)(
+            configs, {"n_bucket": 1 << 14}, BLOCK_H=block_h)]
+        for element_bytes in (4, 6, 8):  # bf16 dy and pre_norm, bf16 and fp32, fp32
+            stages = LN.bwd_stages(block_h, element_bytes)
+            assert 2 <= stages <= LN.BWD_STAGES
+            assert (stages - 1) * max(tiles) * element_bytes <= LN.BWD_STAGE_BYTES or stages == 2, (block_h, stages)
+    assert LN.bwd_stages(1024, 4) == LN.BWD_STAGES == 5  # BERT-large in bf16: four 4 KB rows ahead
+    assert LN.bwd_stages(8192, 8) == 2
+    # the launcher passes it
+    monkeypatch.setattr(_common, "interpreting", lambda: False)
+    seen = []
+    dy = torch.randn(64, 1024, dtype=torch.bfloat16)
+    with _common.compile_only(lambda fn, grid, args, consts, configs, key: seen.append((fn.__name__, consts))):
+        LN.bias_dropout_residual_layernorm_bwd(dy, dy, torch.zeros(64), torch.ones(64), torch.ones(1024), 0.0, None,
+                                               True, True)
+    assert [consts["STAGES"] for name, consts in seen if name == "_bias_dropout_residual_layernorm_bwd_kernel"] == [5]
 
 
 def test_the_ffn_gemms_default_holds_two_programs_an_sm_in_each_direction():

@@ -1,5 +1,6 @@
 """The performance model: SASS reading pinned against a hand count, the bounds and the prediction
 computed by hand, and `bertfast perf-model` end to end (compiling offline for sm_90, no GPU)."""
+import dataclasses
 import json
 import math
 import os
@@ -165,9 +166,15 @@ def test_latency_bound_is_littles_law_over_the_loads_in_flight(gelu_bwd):
     p = model.predict(gelu_bwd, model.Work(iterations, tile, 66, warps, moved, registers=73), H100)
     assert p.bounds_s["latency"] > p.bounds_s["memory"] and p.binding == "latency"
     assert p.parts_s["memory"] == p.bounds_s["latency"]
-    # a pipeline two iterations deep halves it
+    # its loads land in registers (LDG), which the next pass of the loop loads into again: they are in
+    # flight for one pass, however far ahead the source means them to run
     deep = model.Work(iterations, tile, 264, warps, moved, registers=73, loads_ahead=2)
-    assert model.latency_bound(loop, rest, deep, 3, H100) == pytest.approx(
+    assert model.latency_bound(loop, rest, deep, 3, H100) == model.latency_bound(loop, rest, few, 3, H100)
+    # as copies into shared memory (LDGSTS, Triton's pipeline), two iterations deep halve it
+    copies = [dataclasses.replace(ins, opcode="LDGSTS") if ins.opcode == "LDG" else ins for ins in loop]
+    assert model.global_bytes(copies, 8) == model.global_bytes(loop, 8)
+    assert model.latency_bound(copies, rest, few, 3, H100) == model.latency_bound(loop, rest, few, 3, H100)
+    assert model.latency_bound(copies, rest, deep, 3, H100) == pytest.approx(
         model.latency_bound(loop, rest, few, 3, H100) / 2)
 
 
@@ -404,6 +411,27 @@ def test_the_model_predicts_the_config_a_gpu_run_tuned():
     # a call the run tuned keeps the run's choice alone
     tuned_call = [x for x in out["every_tuned"] if x["call"] == 0]
     assert len(tuned_call) == 1 and tuned_call[0]["tuned"] and tuned_call[0]["candidates"] == 1
+
+
+def test_the_layernorm_backward_is_priced_at_its_pipelines_depth():
+    """Its loop's loads run STAGES - 1 tiles ahead (Triton's pipeline: the launch's STAGES, not a module
+    constant), at about four row groups an SM with their fp32 partials (three sets with the bias gradient)."""
+    import torch
+    from bertfast.kernels import bias_dropout_residual_layernorm as LN
+    from bertfast.perfmodel import kernels as K
+
+    setting = K.Setting("bert-large", 128, 128, 0.1)
+    dy = torch.empty(16384, 1024, dtype=torch.bfloat16, device="meta")
+    meta = {"BLOCK_M": 1, "BLOCK_H": 1024, "num_warps": 4, "HAS_BIAS": True, "STAGES": LN.BWD_STAGES}
+    launch = K.Launch("bias_dropout_residual_layernorm", "_bias_dropout_residual_layernorm_bwd_kernel", meta, (3,),
+                      (dy,), lambda: None, ("DY",))
+    work = K.WORK[launch.kernel](setting, launch, H100)
+    assert work.loads_ahead == LN.BWD_STAGES - 1 == 4
+    # about four an SM (528), of 32 rows each (a multiple of MAX_ROWS_PER_TILE): 512
+    assert LN.BWD_PROGRAMS_PER_SM == 4 and work.programs == 512 and work.iterations == 16384
+    assert work.overhead_bytes == work.programs * 2 * 3 * 1024 * 4
+    launch.meta["STAGES"] = 2
+    assert K.WORK[launch.kernel](setting, launch, H100).loads_ahead == 1
 
 
 def test_a_persistent_one_pass_backward_is_priced_per_sequence_head_pair():

@@ -246,12 +246,12 @@ def _partial_bytes_per_program(launch: Launch, sets: int) -> int:
 
 def _ln_bwd(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
     """A row-group loop whose partials are priced at the GPU's G (the recorded ones are the CPU's),
-    its loads BWD_TILES_AHEAD tiles ahead."""
+    its loads STAGES - 1 tiles ahead (Triton's pipeline)."""
     work = _row_loop("BLOCK_M", "BLOCK_H", programs=_row_groups("bias_dropout_residual_layernorm"))(
         setting, launch, gpu)
     has_bias = launch.meta.get("HAS_BIAS") in (True, 1)
     work.overhead_bytes = work.programs * _partial_bytes_per_program(launch, 3 if has_bias else 2)
-    work.loads_ahead = importlib.import_module("bertfast.kernels.bias_dropout_residual_layernorm").BWD_TILES_AHEAD
+    work.loads_ahead = max(1, int(launch.meta["STAGES"]) - 1)
     return work
 
 

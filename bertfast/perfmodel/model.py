@@ -13,9 +13,10 @@ only that resource limited it, and the waves:
   memory at 128 bytes per clock);
 - memory: the launch's HBM bytes at the achievable bandwidth;
 - latency: Little's law. An SM keeps only the loads its resident programs have issued in flight:
-  the bytes one main-loop iteration (or a loopless program) loads, times the iterations a software
-  pipeline runs ahead (Work.loads_ahead), times the programs running on it at once (registers and
-  the grid allow). Reads then arrive at SMs x in-flight bytes /
+  the bytes one main-loop iteration (or a loopless program) loads, its copies into shared memory
+  (LDGSTS) times the iterations a software pipeline runs ahead (Work.loads_ahead; a load into
+  registers is in flight for one iteration at most), times the programs running on it at once
+  (registers and the grid allow). Reads then arrive at SMs x in-flight bytes /
   memory_latency_s at best: a kernel with few programs per SM is bound by latency, not bandwidth
   (the row kernels that ran two programs per SM measured 2-2.5x their bandwidth bound on the H200);
 - schedule: one SM sub-partition replaying the main loop as ptxas scheduled it, a clock at a time
@@ -150,7 +151,11 @@ def latency_bound(loop: List[Instruction], rest: List[Instruction], work: Work, 
     stores = loop_stores * work.iterations + rest_stores * work.programs
     read_bytes = work.moved_bytes * loads / (loads + stores)
     concurrent = min(max(resident, 1), work.programs / gpu.sms)
-    in_flight = gpu.sms * concurrent * loop_loads * work.loads_ahead
+    # Only copies into shared memory (LDGSTS, a software pipeline's) run loads_ahead iterations ahead: a
+    # load into registers (LDG) is read before the loop's next pass loads into the same registers, so it
+    # is in flight for one pass at most, however far ahead the source prefetches.
+    copied = sum(ins.access_bytes for ins in loop if ins.opcode == "LDGSTS") * 32 * work.warps
+    in_flight = gpu.sms * concurrent * (loop_loads + copied * (work.loads_ahead - 1))
     return read_bytes * gpu.memory_latency_s / in_flight
 
 
