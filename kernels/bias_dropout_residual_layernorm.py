@@ -115,19 +115,6 @@ def _bias_dropout_residual_layernorm_fwd_kernel(
 
 
 @triton.jit
-def _load_bwd_tile(DY, PRE, MEAN, RSTD, rows, row_end, cols, col_ok, stride_dy, stride_pre):
-    """(dy, pre_norm) tiles in their stored dtype and (mean, rstd) for `rows`; zeros past row_end."""
-    row_ok = rows < row_end
-    mask = row_ok[:, None] & col_ok[None, :]
-    rows64 = rows.to(tl.int64)[:, None]
-    dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0)
-    z = tl.load(PRE + rows64 * stride_pre + cols[None, :], mask=mask, other=0.0)
-    mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
-    rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-    return dy, z, mean, rstd
-
-
-@triton.jit
 def _bias_dropout_residual_layernorm_bwd_kernel(
     DY,          # [N, H] upstream gradient, row stride stride_dy
     PRE,         # [N, H] pre_norm saved by the forward, row stride stride_pre
@@ -164,9 +151,11 @@ def _bias_dropout_residual_layernorm_bwd_kernel(
         row_ok = rows < row_end
         mask = row_ok[:, None] & col_ok[None, :]
         rows64 = rows.to(tl.int64)[:, None]
-        dy, z, mean, rstd = _load_bwd_tile(DY, PRE, MEAN, RSTD, rows, row_end, cols, col_ok, stride_dy, stride_pre)
-        dz, acc_dw, acc_db = layernorm_bwd_rows(dy.to(tl.float32), z.to(tl.float32), mean, rstd, w, acc_dw, acc_db,
-                                                H)
+        dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(PRE + rows64 * stride_pre + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        dz, acc_dw, acc_db = layernorm_bwd_rows(dy, z, mean, rstd, w, acc_dw, acc_db, H)
         out_offs = rows64 * H + cols[None, :]
         if HAS_RES:
             tl.store(DRES + out_offs, dz.to(DRES.dtype.element_ty), mask=mask)

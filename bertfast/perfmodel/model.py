@@ -154,7 +154,7 @@ def latency_bound(loop: List[Instruction], rest: List[Instruction], work: Work, 
     # Only copies into shared memory (LDGSTS, a software pipeline's) run loads_ahead iterations ahead: a
     # load into registers (LDG) is read before the loop's next pass loads into the same registers, so it
     # is in flight for one pass at most, however far ahead the source prefetches.
-    copied = sum(ins.access_bytes for ins in loop if ins.opcode == "LDGSTS") * 32 * work.warps
+    copied, _ = global_bytes([ins for ins in loop if ins.opcode == "LDGSTS"], work.warps)
     in_flight = gpu.sms * concurrent * (loop_loads + copied * (work.loads_ahead - 1))
     return read_bytes * gpu.memory_latency_s / in_flight
 
