@@ -107,15 +107,31 @@ def load_cols(PTR, cols, col_ok):
 
 
 @triton.jit
-def layernorm_rows(z, mask, W, B, cols, col_ok, H, eps):
-    """(y, mean, rstd): LayerNorm of each row of the fp32 tile z (padded entries 0), statistics in
-    fp32 from order-free sums (exact_sum)."""
+def load_row_vector(PTR, cols, col_ok):
+    """An [H] vector (weight, bias) as fp32 [1, BLOCK_H], 0 in padded columns: loaded in a row tile's
+    own layout, where load_cols' [BLOCK_H] takes a layout conversion through shared memory (barriers)
+    whenever its element size differs from the tile's (fp32 parameters beside bf16 rows)."""
+    return tl.load(PTR + cols[None, :], mask=col_ok[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def layernorm_normalize(z, mask, H, eps):
+    """(zhat, mean, rstd): the normalised rows of the fp32 tile z (padded entries 0, and 0 in zhat),
+    statistics in fp32 from order-free sums (exact_sum)."""
     mean = exact_sum(z, 1) / H                                     # [BLOCK_M]
     zc = tl.where(mask, z - mean[:, None], 0.0)                    # padded columns out of the variance
     rstd = tl.rsqrt(exact_sum(zc * zc, 1) / H + eps)               # [BLOCK_M]
+    return zc * rstd[:, None], mean, rstd
+
+
+@triton.jit
+def layernorm_rows(z, mask, W, B, cols, col_ok, H, eps):
+    """(y, mean, rstd): LayerNorm of each row of the fp32 tile z (layernorm_normalize), its weight
+    and bias loaded after the statistics (a program of one tile holds fewer registers so)."""
+    zhat, mean, rstd = layernorm_normalize(z, mask, H, eps)
     w = load_cols(W, cols, col_ok)
     b = load_cols(B, cols, col_ok)
-    return zc * rstd[:, None] * w[None, :] + b[None, :], mean, rstd
+    return zhat * w[None, :] + b[None, :], mean, rstd
 
 
 @triton.jit

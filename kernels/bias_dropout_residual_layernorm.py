@@ -35,10 +35,14 @@ Dropout RNG: the row-op scheme of kernels/_rows.py (row_dropout_keep), a pure fu
 (seed, row, col, H), so the backward regenerates the forward's mask exactly.
 
 Launch: on GPU the row-tile shape (rows per program, num_warps) is autotuned per H, size class
-of N, dtypes and flags; under the interpreter a fixed tile of ~4K elements is used. The forward
-runs one program per BLOCK_M rows; the backward runs about four programs per SM, each walking a
-contiguous block of rows one tile at a time with the next four tiles' loads in flight (Triton's
-pipeline of BWD_STAGES stages, through shared memory).
+of N, dtypes and flags; under the interpreter a fixed tile of ~4K elements is used. The backward
+runs about four programs per SM, each walking a contiguous block of rows (a row group) one tile at
+a time with the next four tiles' loads in flight (Triton's pipeline of BWD_STAGES stages, through
+shared memory). The forward's candidates run either way: first as row groups (ROW_GROUPS programs
+an SM, eight of two warps at BERT's rows, FWD_STAGES - 1 tiles ahead, the parameters loaded once a
+program), then one program per BLOCK_M rows, whose loads are in flight only until it computes (the
+H200 measured it at 62-89% of the copy bandwidth: docs/perf-model.md, "A program's life"). The
+autotuner keeps the faster; both give the same bits.
 
 Limits: H <= 8192 (one row per register tile); any number of rows; x / residual / dy /
 pre_norm may be row-strided (stride(1) == 1, stride(0) >= H), anything else is a ValueError.
@@ -55,11 +59,11 @@ import triton.language as tl
 
 from bertfast.contract import check_dropout, check_eps, check_rows, check_tensor, check_vector, row_stride
 
-from ._common import autotune, cdiv, launch
+from ._common import autotune, cdiv, launch, resident_programs
 from ._rows import (BWD_PER_THREAD, FWD_MAX_WARPS, FWD_PER_THREAD, MAX_ROWS_PER_TILE, block_h_for, check_hidden,
-                    column_sums, hidden_reasons, interpreter_rows, layernorm_bwd_rows, layernorm_rows, load_cols,
-                    n_bucket, program_rows, row_config_pruner, row_dropout, row_groups, row_tile_configs,
-                    store_col_sums)
+                    column_sums, hidden_reasons, interpreter_rows, layernorm_bwd_rows, layernorm_normalize,
+                    layernorm_rows, load_cols, load_row_vector, n_bucket, program_rows, row_config_pruner,
+                    row_dropout, row_groups, row_tile_configs, store_col_sums)
 
 
 def unsupported(inputs) -> list:
@@ -68,6 +72,44 @@ def unsupported(inputs) -> list:
 
 
 # --------------------------------------------------------------------------- kernels
+@triton.jit
+def _fwd_rows(X, BIAS, RES, W, B, Y, PRE, MEAN, RSTD, KEEP, rows, row_ok, cols, col_ok, bias, w, b, seed,
+              H, stride_x, stride_res, eps, p,
+              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              STORE_PRE: tl.constexpr, STORE_KEEP: tl.constexpr, LOADED: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The forward of one row tile. LOADED: the parameters (bias, w, b: [1, BLOCK_H] fp32) and the
+    seed are given, loaded once by a row group's program; else they are loaded here from BIAS, W, B
+    and SEED (seed: its pointer), the weight and bias after the statistics (fewer live registers)."""
+    mask = row_ok[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    out_offs = rows64 * H + cols[None, :]
+    # Both rows loaded before anything waits: a load issued after a barrier (a layout conversion's)
+    # would start its memory round trip only once the loads before it had arrived.
+    z = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        res = tl.load(RES + rows64 * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        z += bias if LOADED else load_cols(BIAS, cols, col_ok)[None, :]
+    if HAS_DROPOUT:
+        z, keep = row_dropout(z, seed if LOADED else tl.load(seed), rows, H, p, BLOCK_M, BLOCK_H)
+        if STORE_KEEP:
+            tl.store(KEEP + out_offs, keep, mask=mask)
+    if HAS_RES:
+        z += res
+    z = z.to(PRE.dtype.element_ty).to(tl.float32)  # the statistics describe pre_norm as stored
+    if STORE_PRE:
+        tl.store(PRE + out_offs, z.to(PRE.dtype.element_ty), mask=mask)
+    if LOADED:
+        zhat, mean, rstd = layernorm_normalize(z, mask, H, eps)
+        y = zhat * w + b
+    else:
+        y, mean, rstd = layernorm_rows(z, mask, W, B, cols, col_ok, H, eps)
+    tl.store(Y + out_offs, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(MEAN + rows, mean, mask=row_ok)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+
+
 @triton.jit
 def _bias_dropout_residual_layernorm_fwd_kernel(
     X,       # [N, H] activations, row stride stride_x, column stride 1
@@ -85,33 +127,33 @@ def _bias_dropout_residual_layernorm_fwd_kernel(
     n_bucket,  # autotune key only: next power of two of N, capped
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     STORE_PRE: tl.constexpr, STORE_KEEP: tl.constexpr,
+    ROW_GROUPS: tl.constexpr,  # programs an SM, each walking a contiguous block of rows (0: one tile each)
+    STAGES: tl.constexpr,      # a row group's pipeline stages
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_H)
-    row_ok = rows < N
     col_ok = cols < H
-    mask = row_ok[:, None] & col_ok[None, :]
-    rows64 = rows.to(tl.int64)[:, None]
-    out_offs = rows64 * H + cols[None, :]
-
-    z = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        z += load_cols(BIAS, cols, col_ok)[None, :]
-    if HAS_DROPOUT:
-        z, keep = row_dropout(z, tl.load(SEED), rows, H, p, BLOCK_M, BLOCK_H)
-        if STORE_KEEP:
-            tl.store(KEEP + out_offs, keep, mask=mask)
-    if HAS_RES:
-        z += tl.load(RES + rows64 * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    # Round to the stored dtype first: the statistics describe pre_norm as the backward reads it.
-    z = z.to(PRE.dtype.element_ty).to(tl.float32)
-    if STORE_PRE:
-        tl.store(PRE + out_offs, z.to(PRE.dtype.element_ty), mask=mask)
-    y, mean, rstd = layernorm_rows(z, mask, W, B, cols, col_ok, H, eps)
-    tl.store(Y + out_offs, y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(MEAN + rows, mean, mask=row_ok)
-    tl.store(RSTD + rows, rstd, mask=row_ok)
+    if ROW_GROUPS:
+        # The next STAGES - 1 tiles' loads are in flight (Triton's pipeline, through shared memory)
+        # while a tile computes, and the parameters are loaded once a program, in the tile's layout.
+        # The grid is what the GPU holds at once; its programs split the rows in blocks of whole tiles.
+        _, row_start, row_end = program_rows(N, tl.cdiv(tl.cdiv(N, tl.num_programs(0)), BLOCK_M) * BLOCK_M)
+        w = load_row_vector(W, cols, col_ok)
+        b = load_row_vector(B, cols, col_ok)
+        bias = load_row_vector(BIAS, cols, col_ok) if HAS_BIAS else w
+        seed = tl.load(SEED) if HAS_DROPOUT else 0
+        for m0 in tl.range(row_start, row_end, BLOCK_M, num_stages=STAGES):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            _fwd_rows(X, BIAS, RES, W, B, Y, PRE, MEAN, RSTD, KEEP, rows, rows < row_end, cols, col_ok,
+                      bias, w, b, seed, H, stride_x, stride_res, eps, p, HAS_BIAS, HAS_RES, HAS_DROPOUT,
+                      STORE_PRE, STORE_KEEP, True, BLOCK_M, BLOCK_H)
+    else:
+        # One tile a program: its loads are in flight only until it computes (docs/perf-model.md,
+        # "A program's life").
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        _fwd_rows(X, BIAS, RES, W, B, Y, PRE, MEAN, RSTD, KEEP, rows, rows < N, cols, col_ok,
+                  0.0, 0.0, 0.0, SEED, H, stride_x, stride_res, eps, p, HAS_BIAS, HAS_RES, HAS_DROPOUT,
+                  STORE_PRE, STORE_KEEP, False, BLOCK_M, BLOCK_H)
 
 
 @triton.jit
@@ -181,11 +223,70 @@ BWD_PROGRAMS_PER_SM = 4
 BWD_STAGES = 5  # the backward loop's pipeline stages (what the perf model reads), fewer for wide rows:
 BWD_STAGE_BYTES = 48 * 1024  # at most this much shared memory a program for them (four an SM fit 228 KB)
 BWD_MAX_WARPS = 8  # the backward's tiles (at most 8 warps, BWD_PER_THREAD elements a thread, a row above)
+# The forward's row groups: FWD_GROUP_WARPS warps an SM (eight programs of two warps: a BERT row), each
+# FWD_STAGES - 1 tiles ahead: at BERT-large in bf16, 96 KB of loads in flight an SM, which keeps the perf
+# model's latency bound under the H200's bandwidth up to a loaded latency of about 5 us. Their parameters
+# stay in registers (three fp32 vectors: 48 a thread at 16 elements), under the 128 that eight programs allow.
+FWD_GROUP_WARPS = 16
+FWD_STAGES = 4
+FWD_STAGE_BYTES = 24 * 1024  # at most this much shared memory a program for them
+# Candidates a tuning key: the first row-group tiles and the first one-tile tiles of the pruned list.
+FWD_GROUP_CANDIDATES = 2
+FWD_TILE_CANDIDATES = 4
+
+
+def _fwd_configs():
+    """The forward's candidates: the row tiles of up to MAX_ROWS_PER_TILE rows as row groups, then every
+    row tile as one tile a program."""
+    tiles = row_tile_configs()
+    return ([triton.Config({**c.kwargs, "ROW_GROUPS": max(1, FWD_GROUP_WARPS // c.num_warps)},
+                           num_warps=c.num_warps) for c in tiles if c.kwargs["BLOCK_M"] <= MAX_ROWS_PER_TILE]
+            + [triton.Config({**c.kwargs, "ROW_GROUPS": 0}, num_warps=c.num_warps) for c in tiles])
+
+
+# Under the interpreter: row groups (three programs, so tests cross their borders) through a pipeline of
+# two stages; a test sets ROW_GROUPS to 0 to run one tile a program.
+FWD_INTERP = {"ROW_GROUPS": 1, "STAGES": 2}
+
+
+def fwd_stages(tile_bytes: int) -> int:
+    """A forward row group's pipeline stages for tiles whose x and residual take ``tile_bytes``:
+    FWD_STAGES, fewer (at least 2) where the STAGES - 1 buffers would hold more than FWD_STAGE_BYTES."""
+    return max(2, min(FWD_STAGES, 1 + FWD_STAGE_BYTES // tile_bytes))
+
+
+def _fwd_pruner():
+    """The row tiles' pruner (row_config_pruner) over each way of running, the first FWD_GROUP_CANDIDATES
+    row-group tiles, then the first FWD_TILE_CANDIDATES one-tile tiles, each given its STAGES: fwd_stages
+    of its tile for row groups, 1 (no loop) for one tile a program."""
+    tiles = row_config_pruner(FWD_PER_THREAD, FWD_MAX_WARPS)
+
+    def prune(configs, named_args, **kwargs):
+        loaded = named_args["X"].element_size() * (2 if kwargs["HAS_RES"] else 1)  # a tile element's loads
+
+        def staged(c):
+            tile = c.kwargs["BLOCK_M"] * kwargs["BLOCK_H"] * loaded
+            stages = fwd_stages(tile) if c.kwargs["ROW_GROUPS"] else 1
+            return triton.Config({**c.kwargs, "STAGES": stages}, num_warps=c.num_warps, num_stages=c.num_stages)
+        groups = tiles([c for c in configs if c.kwargs["ROW_GROUPS"]], named_args, **kwargs)
+        single = tiles([c for c in configs if not c.kwargs["ROW_GROUPS"]], named_args, **kwargs)
+        return [staged(c) for c in groups[:FWD_GROUP_CANDIDATES] + single[:FWD_TILE_CANDIDATES]]
+    return prune
+
+
+def fwd_grid(n: int, device: torch.device):
+    """The forward's grid for a config's meta: ROW_GROUPS programs an SM (no more than its tiles), or
+    one program a tile."""
+    def grid(meta):
+        tiles = cdiv(n, meta["BLOCK_M"])
+        return (min(tiles, resident_programs(device, meta["ROW_GROUPS"])) if meta["ROW_GROUPS"] else tiles,)
+    return grid
+
+
 # Keys: H, the size class of N and every constexpr flag (dtypes are added by the autotuner).
-_fwd_tuned = autotune(row_tile_configs(), ["H", "n_bucket", "HAS_BIAS", "HAS_RES", "HAS_DROPOUT",
-                                                  "STORE_PRE", "STORE_KEEP"],
-                            row_config_pruner(FWD_PER_THREAD, FWD_MAX_WARPS)
-                            )(_bias_dropout_residual_layernorm_fwd_kernel)
+_fwd_tuned = autotune(_fwd_configs(), ["H", "n_bucket", "HAS_BIAS", "HAS_RES", "HAS_DROPOUT",
+                                       "STORE_PRE", "STORE_KEEP"], _fwd_pruner()
+                      )(_bias_dropout_residual_layernorm_fwd_kernel)
 # At most 8 warps: the fp32 accumulators and a tile spill at 16 (128 registers a thread; sm_90).
 _bwd_tuned = autotune(row_tile_configs(MAX_ROWS_PER_TILE), ["H", "n_bucket", "HAS_BIAS", "HAS_RES", "HAS_DROPOUT"],
                             row_config_pruner(BWD_PER_THREAD, max_warps=BWD_MAX_WARPS)
@@ -243,8 +344,8 @@ def bias_dropout_residual_layernorm_fwd(x: torch.Tensor, bias: Optional[torch.Te
                 eps, dropout_p, n_bucket(n))
         flags = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_DROPOUT=has_dropout,
                      STORE_PRE=store_pre, STORE_KEEP=store_keep, BLOCK_H=block_h)
-        launch(_fwd_tuned, lambda meta: (cdiv(n, meta["BLOCK_M"]),), args, flags,
-               interp={"BLOCK_M": interpreter_rows(block_h, 16)})
+        launch(_fwd_tuned, fwd_grid(n, dev), args, flags,
+               interp={"BLOCK_M": interpreter_rows(block_h, MAX_ROWS_PER_TILE), **FWD_INTERP})
     out = (y, pre, mean, rstd)
     return out + (keep,) if return_dropout_mask else out
 

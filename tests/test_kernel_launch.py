@@ -248,6 +248,41 @@ def test_the_layernorm_backward_pipelines_its_loads_within_its_shared_memory(mon
     assert [consts["STAGES"] for name, consts in seen if name == "_bias_dropout_residual_layernorm_bwd_kernel"] == [5]
 
 
+def test_the_layernorm_forward_offers_row_groups_first_pipelined_within_their_shared_memory(monkeypatch):
+    """Its candidates: the first FWD_GROUP_CANDIDATES row tiles as row groups (ROW_GROUPS programs an SM of
+    FWD_GROUP_WARPS warps in all, their loads through Triton's pipeline: STAGES - 1 tiles of x and the
+    residual within FWD_STAGE_BYTES a program, at least 2 stages), then the first FWD_TILE_CANDIDATES as
+    one tile a program (STAGES 1: no loop); the grid holds ROW_GROUPS programs an SM, or one a tile."""
+    from bertfast.kernels import bias_dropout_residual_layernorm as LN
+    from bertfast.kernels._rows import MAX_ROWS_PER_TILE, block_h_for
+    tuned = LN._fwd_tuned
+    for h, dtype, has_res in ((1024, torch.bfloat16, True), (768, torch.bfloat16, True), (1024, torch.float32, True),
+                              (8192, torch.float32, True), (1024, torch.bfloat16, False), (128, torch.float32, True)):
+        x = torch.empty(16384, h, dtype=dtype, device="meta")
+        configs = tuned.early_config_prune(tuned.configs, {"X": x, "n_bucket": 1 << 14}, HAS_RES=has_res,
+                                           BLOCK_H=block_h_for(h))
+        groups = [c for c in configs if c.kwargs["ROW_GROUPS"]]
+        single = configs[len(groups):]
+        assert configs[:len(groups)] == groups and 1 <= len(groups) <= LN.FWD_GROUP_CANDIDATES, h
+        assert 1 <= len(single) <= LN.FWD_TILE_CANDIDATES and not any(c.kwargs["ROW_GROUPS"] for c in single)
+        assert all(c.kwargs["STAGES"] == 1 for c in single)
+        for c in groups:
+            assert c.kwargs["BLOCK_M"] <= MAX_ROWS_PER_TILE
+            assert c.kwargs["ROW_GROUPS"] == max(1, LN.FWD_GROUP_WARPS // c.num_warps)
+            tile = c.kwargs["BLOCK_M"] * block_h_for(h) * dtype.itemsize * (2 if has_res else 1)
+            assert 2 <= c.kwargs["STAGES"] <= LN.FWD_STAGES
+            assert (c.kwargs["STAGES"] - 1) * tile <= LN.FWD_STAGE_BYTES or c.kwargs["STAGES"] == 2, (h, dtype)
+    # BERT-large in bf16: eight programs of a row and two warps an SM, three 4 KB rows ahead
+    x = torch.empty(16384, 1024, dtype=torch.bfloat16, device="meta")
+    first = tuned.early_config_prune(tuned.configs, {"X": x, "n_bucket": 1 << 14}, HAS_RES=True, BLOCK_H=1024)[0]
+    assert (first.kwargs["BLOCK_M"], first.num_warps) == (1, 2)
+    assert (first.kwargs["ROW_GROUPS"], first.kwargs["STAGES"]) == (8, 4)
+    monkeypatch.setattr(LN, "resident_programs", lambda device, per_sm: per_sm * 132)
+    grid = LN.fwd_grid(16384, torch.device("cuda"))
+    assert grid({"BLOCK_M": 1, "ROW_GROUPS": 8}) == (1056,) and grid({"BLOCK_M": 2, "ROW_GROUPS": 0}) == (8192,)
+    assert LN.fwd_grid(100, torch.device("cuda"))({"BLOCK_M": 1, "ROW_GROUPS": 8}) == (100,)  # at most a tile each
+
+
 def test_the_ffn_gemms_default_holds_two_programs_an_sm_in_each_direction():
     """The fixed mode's config (the pruned list's first) of the GEMM with the GELU epilogue: forward the
     list's first (128 x 128, 8 warps, 110 registers), backward _GEMM_BWD_DEFAULT (64 x 128, 4 warps: the

@@ -413,6 +413,33 @@ def test_the_model_predicts_the_config_a_gpu_run_tuned():
     assert len(tuned_call) == 1 and tuned_call[0]["tuned"] and tuned_call[0]["candidates"] == 1
 
 
+def test_the_layernorm_forward_is_priced_as_row_groups_or_one_tile_a_program():
+    """ROW_GROUPS: a loop over the row tiles by ROW_GROUPS programs an SM of the GPU (blocks of whole tiles:
+    16 rows each at BERT-large's 16,384 on an H100, so 1,024 programs of the 1,056 hold rows), its loads
+    STAGES - 1 tiles ahead; 0: one tile a program, its grid as recorded, no loop."""
+    import torch
+    from bertfast.perfmodel import kernels as K
+
+    setting = K.Setting("bert-large", 128, 128, 0.1)
+    x = torch.empty(16384, 1024, dtype=torch.bfloat16, device="meta")
+    kernel = "_bias_dropout_residual_layernorm_fwd_kernel"
+    meta = {"BLOCK_M": 1, "BLOCK_H": 1024, "num_warps": 2, "ROW_GROUPS": 8, "STAGES": 4}
+    grouped = K.WORK[kernel](setting, K.Launch("bias_dropout_residual_layernorm", kernel, meta, (3,), (x,),
+                                               lambda: None, ("X",)), H100)
+    assert (grouped.programs, grouped.iterations, grouped.tile_elements, grouped.loads_ahead) == (1024, 16384, 1024, 3)
+    meta = dict(meta, BLOCK_M=2, num_warps=4, ROW_GROUPS=0, STAGES=1)
+    single = K.WORK[kernel](setting, K.Launch("bias_dropout_residual_layernorm", kernel, meta, (8192,), (x,),
+                                              lambda: None, ("X",)), H100)
+    assert (single.programs, single.iterations, single.tile_elements, single.loads_ahead) == (8192, 8192, 2048, 1)
+    assert single.hbm_bytes == grouped.hbm_bytes == x.numel() * 2
+    # BERT-base's 768 columns in tiles of 1,024: a tile a row all the same
+    base = torch.empty(16384, 768, dtype=torch.bfloat16, device="meta")
+    meta = dict(meta, BLOCK_M=1, num_warps=2, ROW_GROUPS=8, STAGES=4)
+    work = K.WORK[kernel](setting, K.Launch("bias_dropout_residual_layernorm", kernel, meta, (3,), (base,),
+                                            lambda: None, ("X",)), H100)
+    assert (work.iterations, work.tile_elements) == (16384, 1024)
+
+
 def test_the_layernorm_backward_is_priced_at_its_pipelines_depth():
     """Its loop's loads run STAGES - 1 tiles ahead (Triton's pipeline: the launch's STAGES, not a module
     constant), at about four row groups an SM with their fp32 partials (three sets with the bias gradient)."""

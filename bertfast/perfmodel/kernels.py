@@ -148,12 +148,15 @@ def _no_loop(*tile_names: str) -> Callable[[Setting, Launch, Gpu], Work]:
     return work
 
 
-def _row_loop(*tile_names: str, programs: Callable[[Setting, Launch, Gpu], int]):
-    """A kernel whose programs walk row tiles: elements = the first argument's, programs as on a GPU."""
+def _row_loop(rows_tile: str, cols_tile: str, programs: Callable[[Setting, Launch, Gpu], int]):
+    """A kernel whose programs walk the [rows_tile, cols_tile] tiles of its first argument, [rows, cols]
+    (a tile wider than the row counted whole: BERT-base's 768 columns take a tile of 1,024), programs
+    as on a GPU."""
     def work(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
-        tile = _tile(launch.meta, *tile_names)
-        elements = launch.args[0].numel()
-        return Work(elements / tile, tile, programs(setting, launch, gpu), int(launch.meta.get("num_warps", 4)),
+        rows, cols = launch.args[0].shape
+        tile_rows, tile_cols = int(launch.meta[rows_tile]), int(launch.meta[cols_tile])
+        return Work(math.ceil(rows / tile_rows) * math.ceil(cols / tile_cols), tile_rows * tile_cols,
+                    programs(setting, launch, gpu), int(launch.meta.get("num_warps", 4)),
                     _bytes(launch, lambda a: a.dim() == 0 or a.shape[0] != 0))
     return work
 
@@ -244,6 +247,19 @@ def _partial_bytes_per_program(launch: Launch, sets: int) -> int:
     return 2 * sets * launch.args[0].shape[1] * 4
 
 
+def _ln_fwd(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
+    """One tile a program, or (ROW_GROUPS) a loop over row tiles by ROW_GROUPS programs an SM of the GPU
+    (the recorded grid is the CPU's three), its loads STAGES - 1 tiles ahead (Triton's pipeline)."""
+    per_sm = int(launch.meta.get("ROW_GROUPS") or 0)
+    if not per_sm:
+        return _no_loop("BLOCK_M", "BLOCK_H")(setting, launch, gpu)
+    tiles = math.ceil(launch.args[0].shape[0] / int(launch.meta["BLOCK_M"]))
+    per_program = math.ceil(tiles / (per_sm * gpu.sms))  # the kernel's blocks of whole tiles; the rest idle
+    work = _row_loop("BLOCK_M", "BLOCK_H", programs=lambda *_: math.ceil(tiles / per_program))(setting, launch, gpu)
+    work.loads_ahead = max(1, int(launch.meta["STAGES"]) - 1)
+    return work
+
+
 def _ln_bwd(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
     """A row-group loop whose partials are priced at the GPU's G (the recorded ones are the CPU's),
     its loads STAGES - 1 tiles ahead (Triton's pipeline)."""
@@ -279,7 +295,7 @@ WORK: Dict[str, Callable[[Setting, Launch, Gpu], Work]] = {
     "_attention_bwd_fused_kernel": _attention,
     "_bias_gelu_fwd_kernel": _no_loop("BLOCK_N", "BLOCK_F"),
     "_bias_gelu_bwd_kernel": _gelu_bwd,
-    "_bias_dropout_residual_layernorm_fwd_kernel": _no_loop("BLOCK_M", "BLOCK_H"),
+    "_bias_dropout_residual_layernorm_fwd_kernel": _ln_fwd,
     "_bias_dropout_residual_layernorm_bwd_kernel": _ln_bwd,
     "_embeddings_fwd_kernel": _embeddings_fwd,
     "_embeddings_bwd_kernel": _embeddings_walk,

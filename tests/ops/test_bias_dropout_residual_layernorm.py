@@ -490,7 +490,9 @@ def test_triton_autotuned_launch_path_under_interpreter(stand_in_tuner):
 @pytest.mark.skipif(GPU, reason="sets the interpreter's tile; on a GPU the autotuner picks it")
 def test_triton_results_do_not_depend_on_the_tile_or_row_groups(monkeypatch):
     """The mask is keyed by (seed, row, column), never the tile; the backward's row groups
-    (several programs, a partial last one) add their partial sums correctly."""
+    (several programs, a partial last one) add their partial sums correctly; the forward gives the
+    same bits as row groups (three programs under the interpreter, the last partial) and as one tile
+    a program."""
     from bertfast.kernels import _rows
     from bertfast.kernels import bias_dropout_residual_layernorm as LN
 
@@ -500,12 +502,22 @@ def test_triton_results_do_not_depend_on_the_tile_or_row_groups(monkeypatch):
     assert _rows.row_group_shape(16384, 8 * 132) == (1024, 16)  # BERT-large's 16K rows on an H100
     inp = inputs(triton, n, h, torch.float32)
     seed = seed_of(triton, 8)
-    (y, pre, _, _, keep), grads = check(triton, inp, p, seed)
+    (y, pre, mean, rstd, keep), grads = check(triton, inp, p, seed)
+    assert LN.FWD_INTERP["ROW_GROUPS"]  # the runs above: row groups of 16 rows (16, 16 and 5)
     monkeypatch.setattr(LN, "interpreter_rows", lambda block_h, cap: 1)  # one row per tile
     (y1, pre1, _, _, keep1), grads1 = run(triton, inp, p, seed)
     assert torch.equal(keep1, keep) and torch.equal(pre1, pre) and torch.equal(y1, y)
     for name in NAMES:
         torch.testing.assert_close(grads1[name], grads[name], atol=1e-5, rtol=1e-5)
+    # the forward as one tile a program (a program per row, then per 16 rows, the last partial)
+    x, bias, res, w, lb = (inp[k] for k in ("x", "bias", "residual", "weight", "ln_bias"))
+    monkeypatch.setitem(LN.FWD_INTERP, "ROW_GROUPS", 0)
+    for rows in (1, 16):
+        monkeypatch.setattr(LN, "interpreter_rows", lambda block_h, cap, rows=rows: rows)
+        outs = LN.bias_dropout_residual_layernorm_fwd(x, bias, res, w, lb, EPS, p, seed, return_dropout_mask=True)
+        y2, pre2, mean2, rstd2, keep2 = outs
+        assert torch.equal(keep2, keep) and torch.equal(pre2, pre) and torch.equal(y2, y), rows
+        assert torch.equal(mean2, mean) and torch.equal(rstd2, rstd), rows
 
 
 if triton is not None:
