@@ -249,10 +249,16 @@ def _fwd_configs():
 FWD_INTERP = {"ROW_GROUPS": 1, "STAGES": 2}
 
 
+def _stages_within(tile_bytes: int, stages: int, budget: int) -> int:
+    """A row loop's pipeline stages for tiles whose pipelined loads take ``tile_bytes``: ``stages``, fewer
+    (at least 2) where the STAGES - 1 buffers would hold more than ``budget`` bytes."""
+    return max(2, min(stages, 1 + budget // tile_bytes))
+
+
 def fwd_stages(tile_bytes: int) -> int:
-    """A forward row group's pipeline stages for tiles whose x and residual take ``tile_bytes``:
-    FWD_STAGES, fewer (at least 2) where the STAGES - 1 buffers would hold more than FWD_STAGE_BYTES."""
-    return max(2, min(FWD_STAGES, 1 + FWD_STAGE_BYTES // tile_bytes))
+    """A forward row group's stages for tiles whose x and residual take ``tile_bytes`` (FWD_STAGES,
+    within FWD_STAGE_BYTES)."""
+    return _stages_within(tile_bytes, FWD_STAGES, FWD_STAGE_BYTES)
 
 
 def _fwd_pruner():
@@ -298,7 +304,7 @@ def bwd_stages(block_h: int, element_bytes: int) -> int:
     ``element_bytes`` an element together: BWD_STAGES, fewer (at least 2) where the STAGES - 1 buffers
     of the largest tile a candidate may take would hold more than BWD_STAGE_BYTES."""
     tile = max(max(BWD_PER_THREAD) * 32 * BWD_MAX_WARPS, block_h) * element_bytes
-    return max(2, min(BWD_STAGES, 1 + BWD_STAGE_BYTES // tile))
+    return _stages_within(tile, BWD_STAGES, BWD_STAGE_BYTES)
 
 
 # --------------------------------------------------------------------------- launchers
