@@ -4,6 +4,9 @@ PYTHON ?= python3
 # e.g. `make test TORCH_SPEC="torch>=2.4"`.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# `make test` runs the tests on every core, at most 8 (pytest-xdist workers; tests/conftest.py shares the
+# cores' threads out among them); PYTEST_JOBS=0 runs them in one process.
+PYTEST_JOBS ?= auto
 
 .PHONY: install install-demo demo test gpu-plan gpu-check gpu-check-dry gpu-loan gpu-land gpu-sizing compile-report perf-model bench info
 
@@ -28,7 +31,7 @@ demo: install-demo
 	$(PYTHON) -m bertfast.cli pretrain --demo
 
 test: install
-	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q -n $(PYTEST_JOBS) --maxprocesses 8 $(PYTEST_ARGS)
 
 # The GPU check, staged to fit GPU machines lent for 15 minutes (commands of <= 10 minutes).
 # `make gpu-plan` prints the stages with their estimated minutes; `make gpu-check` runs them all,

@@ -9,6 +9,12 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Under pytest-xdist (`make test` runs a worker a core) the cores are shared out among the workers, for
+# torch's threads here and in the processes tests start: each would otherwise start a thread a core.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _WORKERS and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # Tests never reach the Hugging Face Hub: a hub id fails at once instead of waiting on a network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -140,6 +140,21 @@ def test_the_compiled_loop_replayed(attention_loop):
     assert sum(two.idle.values()) + two.issued_per_iteration == pytest.approx(two.cycles_per_iteration, rel=0.05)
 
 
+def test_the_replay_skips_idle_clocks_to_the_same_schedule(attention_loop, monkeypatch):
+    """Where no warp can issue the replay jumps to the next clock a wait ends: the schedule, its idle
+    clocks by reason included, is the one a clock-at-a-time replay gives (the attention's loop at 1-3
+    programs, and a barrier's and a load's waits)."""
+    barrier = _loop(("FFMA", {}), ("BAR", {"modifiers": ".SYNC.DEFER_BLOCKING", "operands": "0x0"}), ("FFMA", {}))
+    load = _loop(("LDG", {"modifiers": ".E", "write": 0}), ("FFMA", {"wait": (0,)}), ("MUFU", {"write": 1}),
+                 ("FADD", {"wait": (1,)}))
+    cases = [(attention_loop, 4, n) for n in (1, 2, 3)] + [(barrier, 8, 1), (load, 4, 2)]
+    skipped = [schedule._replay(loop, warps, n, H100, schedule.ITERATIONS) for loop, warps, n in cases]
+    monkeypatch.setattr(schedule, "_next_release", lambda warps, busy, now: now + 1)
+    stepped = [schedule._replay(loop, warps, n, H100, schedule.ITERATIONS) for loop, warps, n in cases]
+    assert all(s is not None for s in skipped) and skipped == stepped
+    assert skipped[-1].idle["scoreboard"] > H100.global_latency_cycles / 2  # the load's wait was skipped over
+
+
 def test_the_schedule_bound_in_a_prediction(attention_loop):
     """A loop with tensor-core work is priced by its schedule too, and where that is the longer the
     prediction says so; a loop without (a row kernel's) is not: its latency is the latency bound's."""

@@ -12,7 +12,8 @@ The control bits ptxas writes into every instruction (sass.Instruction.control) 
 the warp: how many clocks to wait before the warp's next instruction (a fixed-latency result's
 distance), and which scoreboards a variable-latency instruction (a load, MUFU, a shuffle) releases
 when done and which an instruction waits on. ``simulate`` replays one sub-partition's warps through
-``ITERATIONS`` passes of the loop, a clock at a time, with those rules and:
+``ITERATIONS`` passes of the loop, a clock at a time (from a clock where no warp can issue, on to the
+next that ends a wait), with those rules and:
 
 - one issue a clock, to the ready warp that has issued least (programs begin a fraction of a pass
   apart, as programs that started at different times run);
@@ -38,6 +39,7 @@ prologue and epilogue (priced by their issue slots).
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
@@ -166,9 +168,11 @@ def _replay(loop: Sequence[Instruction], warps_per_program: int, programs: int, 
                 chosen = i
                 break
             reason = reason or why
-        if chosen is None:
-            idle[reason or "done"] = idle.get(reason or "done", 0) + 1
-            now += 1
+        if chosen is None:  # nothing can issue until the next clock a wait ends: on to it
+            later = _next_release(warps, busy, now)
+            step = (later if later is not None else limit + 1) - now
+            idle[reason or "done"] = idle.get(reason or "done", 0) + step
+            now += step
             continue
         w = warps[chosen]
         ins = loop[w.pc]
@@ -227,6 +231,17 @@ def _replay(loop: Sequence[Instruction], warps_per_program: int, programs: int, 
     cycles = max([(t1 - t0) / passes] + [c * len(warps) for c in units.values()])
     return Schedule(cycles, len(warps), (issued1 - issued0) / passes,
                     dict(sorted(waits.items(), key=lambda kv: -kv[1])))
+
+
+def _next_release(warps: Sequence[_Warp], busy: Dict[str, float], now: int) -> Optional[int]:
+    """The first clock after ``now`` at which a wait _blocked checks can end (a barrier ends only when a
+    warp issues): until then every warp is held for the same reason. None: no wait ever ends."""
+    times = [math.ceil(t) for t in busy.values() if t > now]
+    for w in warps:
+        times += [t for t in (w.released, w.ready, *w.wgmma_groups) if t > now]
+        for board in w.scoreboards:
+            times += [t for t in board if t > now]
+    return min(times, default=None)
 
 
 def _blocked(w: _Warp, ins: Instruction, now: int, busy: Dict[str, float],

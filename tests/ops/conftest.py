@@ -37,15 +37,27 @@ def _load_path(name, path):
 
 @pytest.fixture(scope="session")
 def cuda_emulator(tmp_path_factory):
-    """The CPU-emulated build of csrc/ (a module with bertfast._C's functions), or a skip."""
+    """The CPU-emulated build of csrc/ (a module with bertfast._C's functions), or a skip. Built once
+    a session: under pytest-xdist the first worker to need it builds it (g++ on every core, ~100 s of
+    CPU) into the session's shared directory while the others wait on a lock, then all load it."""
+    import fcntl
+
     cuda_build = _load_path("bertfast_cuda_build", os.path.join(ROOT, "cuda_build.py"))
     if cuda_build.find_nvcc() is None:
         pytest.skip("the CUDA emulation compiles against the CUDA headers; nvcc not found")
     pytest.importorskip("pybind11", reason="the emulated module is built with pybind11 (pip install pybind11)")
     build_emu = _load_path("bertfast_build_emu", os.path.join(ROOT, "csrc", "emu", "build_emu.py"))
-    out = str(tmp_path_factory.mktemp("cuda_emu"))
-    build_emu.build(out)
-    return build_emu.load(out)
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' base directories sit in one per session
+    out = root / "cuda_emu"
+    with open(root / "cuda_emu.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        built = out / "built"
+        if not built.exists():  # a failed build leaves no mark: the next worker tries (and fails) again
+            out.mkdir(exist_ok=True)
+            built.write_text(build_emu.build(str(out)))
+    return build_emu.load(str(out))
 
 
 @contextlib.contextmanager
