@@ -238,10 +238,10 @@ def row_groups(n_rows: int, device: torch.device, per_sm: int):
     return row_group_shape(n_rows, resident_programs(device, per_sm))
 
 
-def row_group_shape(n_rows: int, programs: int) -> Tuple[int, int]:
-    """(G, rows_per_program) for about ``programs`` programs: rows_per_program is a multiple of the
-    largest BLOCK_M, so only a program's last tile is partial."""
-    rpp = cdiv(cdiv(n_rows, programs), MAX_ROWS_PER_TILE) * MAX_ROWS_PER_TILE
+def row_group_shape(n_rows: int, programs: int, tile_rows: int = MAX_ROWS_PER_TILE) -> Tuple[int, int]:
+    """(G, rows_per_program) for about ``programs`` programs: rows_per_program is a multiple of
+    ``tile_rows`` (by default the largest BLOCK_M), so only a program's last tile is partial."""
+    rpp = cdiv(cdiv(n_rows, programs), tile_rows) * tile_rows
     return cdiv(n_rows, rpp), rpp
 
 

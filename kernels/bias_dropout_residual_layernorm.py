@@ -136,7 +136,8 @@ def _bias_dropout_residual_layernorm_fwd_kernel(
     if ROW_GROUPS:
         # The next STAGES - 1 tiles' loads are in flight (Triton's pipeline, through shared memory)
         # while a tile computes, and the parameters are loaded once a program, in the tile's layout.
-        # The grid is what the GPU holds at once; its programs split the rows in blocks of whole tiles.
+        # The grid is what the GPU holds at once; its programs split the rows in blocks of whole tiles
+        # (_rows.row_group_shape at BLOCK_M).
         _, row_start, row_end = program_rows(N, tl.cdiv(tl.cdiv(N, tl.num_programs(0)), BLOCK_M) * BLOCK_M)
         w = load_row_vector(W, cols, col_ok)
         b = load_row_vector(B, cols, col_ok)

@@ -249,13 +249,15 @@ def _partial_bytes_per_program(launch: Launch, sets: int) -> int:
 
 def _ln_fwd(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
     """One tile a program, or (ROW_GROUPS) a loop over row tiles by ROW_GROUPS programs an SM of the GPU
-    (the recorded grid is the CPU's three), its loads STAGES - 1 tiles ahead (Triton's pipeline)."""
+    (the recorded grid is the CPU's three) in blocks of whole tiles, those holding rows counted
+    (row_group_shape at BLOCK_M, as the kernel splits them), its loads STAGES - 1 tiles ahead (Triton's
+    pipeline)."""
+    from bertfast.kernels._rows import row_group_shape
     per_sm = int(launch.meta.get("ROW_GROUPS") or 0)
     if not per_sm:
         return _no_loop("BLOCK_M", "BLOCK_H")(setting, launch, gpu)
-    tiles = math.ceil(launch.args[0].shape[0] / int(launch.meta["BLOCK_M"]))
-    per_program = math.ceil(tiles / (per_sm * gpu.sms))  # the kernel's blocks of whole tiles; the rest idle
-    work = _row_loop("BLOCK_M", "BLOCK_H", programs=lambda *_: math.ceil(tiles / per_program))(setting, launch, gpu)
+    programs = row_group_shape(launch.args[0].shape[0], per_sm * gpu.sms, int(launch.meta["BLOCK_M"]))[0]
+    work = _row_loop("BLOCK_M", "BLOCK_H", programs=lambda *_: programs)(setting, launch, gpu)
     work.loads_ahead = max(1, int(launch.meta["STAGES"]) - 1)
     return work
 
