@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from typing import Iterator, List, Optional, Tuple
+import os
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -65,6 +66,17 @@ def check_logits(logits: torch.Tensor) -> Tuple[int, int]:
         raise ValueError(f"logits: expected stride 1 along the vocabulary and row stride >= {v}, "
                          f"got strides {logits.stride()}")
     return m, v
+
+
+def padded_vocab(vocab_size: int, element_size: int) -> int:
+    """The MLM decoder's rows of logits on a GPU: ``vocab_size`` rounded up to whole 16-byte rows
+    (BERT's 30522 -> 30528 in bf16), for bertfast.ops.mlm_head_loss and its fused kernels. cuBLAS's
+    Hopper kernels load through TMA, which needs 16-byte aligned leading dimensions; at 30522 it ran
+    sm80-era kernels with 4-byte loads instead, at about a third of the rate (the H200 trace of
+    2026-11-27: the head's three GEMMs 1.8 ms of a BERT-large step, about 150 GFLOP each at ~250
+    TFLOP/s)."""
+    per_row = max(1, 16 // element_size)
+    return -(-vocab_size // per_row) * per_row
 
 
 def check_vector(name: str, t: torch.Tensor, h: int, device=None) -> None:
@@ -235,6 +247,31 @@ def check_key_padding_mask(mask: Optional[torch.Tensor], batch: int, seqlen: int
 # for the device: a step that must never wait (a CUDA graph, a sync-free training loop) asks for
 # them on the device instead, where a failed check is a device-side assert.
 _CHECKS_ON_DEVICE = contextvars.ContextVar("bertfast_checks_on_device", default=False)
+
+
+def env_choice(name: str, choices: Sequence[str]) -> str:
+    """The environment setting ``name``, one of ``choices`` (unset or empty: the first, the default)."""
+    value = (os.environ.get(name) or choices[0]).strip()
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+@contextlib.contextmanager
+def env_setting(name: str, value: str, choices: Sequence[str]) -> Iterator[None]:
+    """The environment setting ``name`` set to ``value`` (one of ``choices``) inside the block, as it was
+    after (the compile report's and the bench's launches of a kernel variant a setting picks)."""
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(choices)}, got {value!r}")
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = saved
 
 
 @contextlib.contextmanager

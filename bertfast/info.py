@@ -57,6 +57,8 @@ def report() -> str:
     from bertfast.model.residual_linear import ffn_summary, weight_grad_summary
     lines.append(ffn_summary())
     lines.append(weight_grad_summary())
+    from bertfast.ops.mlm_head_loss import head_summary
+    lines.append(head_summary())
     devices = [torch.device("cpu")]
     if torch.cuda.is_available():
         devices.insert(0, torch.device("cuda"))

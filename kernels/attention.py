@@ -146,7 +146,6 @@ gradients; sequences of length 0 contribute nothing. fp32 dots use IEEE precisio
 """
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Optional, Tuple
 
@@ -155,8 +154,8 @@ import triton
 import triton.language as tl
 
 from bertfast.contract import (KEEP_ALIGN, check_bias_dtype, check_cu_seqlens, check_dropout, check_head_dim,
-                               check_keep_bits, check_key_padding_mask, check_qkv, check_tensor, head_dim_reasons,
-                               keep_bits_shape, softmax_scale as _softmax_scale)
+                               check_keep_bits, check_key_padding_mask, check_qkv, check_tensor, env_choice,
+                               env_setting, head_dim_reasons, keep_bits_shape, softmax_scale as _softmax_scale)
 
 from . import _common
 from ._common import autotune, cdiv, interpreting, launch, next_power_of_2, resident_programs
@@ -1574,27 +1573,14 @@ def dq_mode() -> str:
     """How the backward of sequences longer than the one-pass kernel takes forms dQ (header, "Atomic
     dQ"): BERTFAST_ATTENTION_DQ, "deterministic" (default: the dQ kernel) or "atomic" (added in the
     dK/dV kernel), which torch.use_deterministic_algorithms(True) overrides."""
-    value = (os.environ.get(DQ_ENV) or "deterministic").strip()
-    if value not in DQ_MODES:
-        raise ValueError(f"{DQ_ENV}: expected one of {', '.join(DQ_MODES)}, got {value!r}")
+    value = env_choice(DQ_ENV, DQ_MODES)
     return "deterministic" if torch.are_deterministic_algorithms_enabled() else value
 
 
-@contextlib.contextmanager
 def using_dq(mode: str):
     """BERTFAST_ATTENTION_DQ set to ``mode`` inside the block (the compile report's and the bench's
     launches of both backwards), as it was after."""
-    if mode not in DQ_MODES:
-        raise ValueError(f"dQ mode: expected one of {', '.join(DQ_MODES)}, got {mode!r}")
-    saved = os.environ.get(DQ_ENV)
-    os.environ[DQ_ENV] = mode
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ[DQ_ENV]
-        else:
-            os.environ[DQ_ENV] = saved
+    return env_setting(DQ_ENV, mode, DQ_MODES)
 
 
 def dq_summary() -> str:

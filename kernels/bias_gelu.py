@@ -30,14 +30,11 @@ gemm_bias_gelu_fwd and gemm_gelu_bwd, this one):
 Each removes a pass of the row kernels over the [tokens, FFN] activations: forward they read the
 GEMM's output and wrote y (4 bytes an element in bf16), here the GEMM writes y beside z (2);
 backward they read the GEMM's dy @ W2 and z and wrote dz (6), here the GEMM reads z (2). The FFN's
-other two GEMMs of each pass stay cuBLAS's. The GEMM: tiles of BLOCK_M x BLOCK_N over K in BLOCK_K
-steps, Triton's software pipeline (num_stages) and wgmma on Hopper; row blocks grouped by GROUP_M so
-a group's operands stay in L2. Loads past the edge read wrapped rows and columns (no masks in the
-main loop), only the stores are masked; K need not be a multiple of BLOCK_K (EVEN_K: no K mask when
-it is). x and dy with unit column stride (rows may be strided), the weights a Linear's [N, K] (any
-row stride), one dtype for x, the weights and the bias (autocast's casts and the optimizer's
-working copies are made before); any M, N, K. bf16 dots under the interpreter run on fp32 upcasts
-(its bf16 dot is wrong), as the attention's do.
+other two GEMMs of each pass stay cuBLAS's. The GEMM's tile and main loop are kernels/_gemm.py's
+(grouped row blocks, wrapped loads, masked stores, wgmma through Triton's pipeline). x and dy with
+unit column stride (rows may be strided), the weights a Linear's [N, K] (any row stride), one dtype
+for x, the weights and the bias (autocast's casts and the optimizer's working copies are made
+before); any M, N, K.
 
 Limits (the row kernels): any F, any number of rows; x and dy 2-D with unit column stride (rows may be strided,
 stride(0) >= F), anything else is a ValueError. Outputs are contiguous, in x's dtype; dbias
@@ -54,6 +51,7 @@ import triton.language as tl
 from bertfast.contract import check_approximate, check_bias_gelu, check_gemm_bias_gelu, check_rows, row_stride
 
 from ._common import autotune, cdiv, interpreting, launch, next_power_of_2
+from ._gemm import grouped_tile, tile_product
 from ._rows import MAX_ROWS_PER_TILE, column_sums, n_bucket, row_group_shape
 
 
@@ -168,37 +166,9 @@ def _gemm_bias_gelu_kernel(
     PART_M: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # Row blocks in groups of GROUP_M walk the column blocks together, so a group's A rows and B
-    # columns stay in L2 while they are reused.
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * grid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    # Loads of rows and columns past the edge read row / column 0 instead (wrapped), so the main
-    # loop needs no row or column masks; only the stores are masked.
-    a_ptrs = A + (rows % M).to(tl.int64)[:, None] * stride_am + ks[None, :]
-    b_ptrs = B + ks[:, None].to(tl.int64) * stride_bk + (cols % N).to(tl.int64)[None, :] * stride_bn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=ks[None, :] < K - k0, other=0.0)
-            b = tl.load(b_ptrs, mask=ks[:, None] < K - k0, other=0.0)
-        if UPCAST:  # the interpreter's bf16 dot is wrong: fp32 operands (exact products of bf16)
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_bk
+    rows, cols, pid_m, _ = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = tile_product(A, B, rows, cols, M, N, K, stride_am, stride_bk, stride_bn, EVEN_K, UPCAST, DOT_PREC,
+                       BLOCK_M, BLOCK_N, BLOCK_K)
     row_ok = rows < M
     col_ok = cols < N
     mask = row_ok[:, None] & col_ok[None, :]

@@ -217,6 +217,29 @@ def test_attention_atomic_dq_is_timed_beside_the_dq_kernel(monkeypatch):
     assert "atomic" in modes and "deterministic" in modes and K.DQ_ENV not in os.environ
 
 
+def test_mlm_head_fused_is_timed_beside_the_library_decoder(monkeypatch):
+    """The MLM head's case also times the triton backend with the loss in the decoder's forward GEMM
+    (`bertfast:triton fused`, BERTFAST_MLM_HEAD=fused around its forward and backward, its checks on the
+    device as the other rows'), gated like every implementation."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("TRITON_INTERPRET=1 is set by conftest on machines without CUDA")
+    from bertfast.bench import kernel_cases, kernels_suite
+    from bertfast.kernels import mlm_head_loss as K
+    from bertfast.ops.mlm_head_loss import MODE_ENV
+
+    monkeypatch.delenv(MODE_ENV, raising=False)
+    monkeypatch.setattr(kernel_cases, "_row_shapes", lambda ctx, full, quick, cpu: [("a", 2, 20, 16, 50)])
+    ctx = _cpu_ctx(backends=("triton",), policy=TimingPolicy(cpu_warmup=0, cpu_reps=1))
+    case = kernel_cases.mlm_head_loss_cases(ctx)[0]
+    ran = []
+    real = K.mlm_logits_gemm_fwd
+    monkeypatch.setattr(K, "mlm_logits_gemm_fwd", lambda *a: ran.append(1) or real(*a))
+    rows = [r for r in kernels_suite.run_case(ctx, case) if r.impl.startswith("bertfast:triton")]
+    assert sorted({r.impl for r in rows}) == ["bertfast:triton", "bertfast:triton fused"]
+    assert all(r.ok for r in rows), [(r.impl, r.direction, r.reason) for r in rows]
+    assert ran and MODE_ENV not in os.environ
+
+
 def test_quick_cpu_run_end_to_end(tmp_path, capsys):
     out = tmp_path / "run"
     code = cli.main(["--quick", "--out", str(out), "--no-compile", "--backends", "torch", "--reps", "1"])

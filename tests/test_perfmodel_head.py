@@ -78,3 +78,42 @@ def test_the_model_prices_the_kernel_suites_case():
     from bertfast.bench.kernel_cases import mlm_predictions_per_seq
     assert HEAD.PER_SEQUENCE == mlm_predictions_per_seq(HEAD.SEQ)
     assert HEAD.lines(1024)["rows"] == HEAD.TOKENS // HEAD.SEQ * HEAD.PER_SEQUENCE == 2432
+
+
+FUSED = {"forward_s": 240e-6, "stats_s": 8e-6, "config": "BLOCK_M=64 BLOCK_N=128", "binding": "schedule"}
+
+
+def test_the_fused_decoder_is_priced_by_its_kernels_and_its_gradient_pass():
+    """BERTFAST_MLM_HEAD=fused: the same floor; its forward GEMM beyond the floor's share, its statistics
+    kernel as predicted; its gradient pass by its bytes (u read, the gradient written, the bias gradient's
+    partials of 64-row blocks written and read); no weight copy, loss kernel or column sum; 4 launches fewer."""
+    plan, library = HEAD.fused_lines(1024, FUSED), HEAD.lines(1024)
+    m, h, v, vp = 2432, 1024, 30522, 30528
+    assert (plan["floor_s"], plan["gemm_flops"], plan["rows"]) == (library["floor_s"], library["gemm_flops"], m)
+    items = {i["name"]: i for i in plan["items"]}
+    assert list(items) == ["gather, scatter", "transform", "forward GEMM", "statistics", "gradient", "scaling",
+                           "launch gaps"]
+    assert items["forward GEMM"]["seconds"] == pytest.approx(240e-6 - 2 * m * vp * h / H100.gemm_flops)
+    assert items["statistics"]["seconds"] == 8e-6
+    assert items["gradient"]["bytes"] == 2 * m * vp * 2 + 2 * 38 * v * 4
+    assert items["gradient"]["seconds"] == pytest.approx(items["gradient"]["bytes"] / H100.achievable_hbm_bytes_per_s)
+    assert items["launch gaps"]["seconds"] == pytest.approx((HEAD.LAUNCH_COUNT - 4) * H100.launch_gap_s)
+    assert plan["ratio"] == pytest.approx(plan["seconds"] / plan["floor_s"])
+    kept = sum(i["seconds"] for i in plan["items"] if i["name"] in HEAD.FUSED_STRUCTURAL)
+    assert plan["ceiling"] == pytest.approx((plan["floor_s"] + kept) / plan["floor_s"])
+    assert "forward GEMM" not in HEAD.FUSED_STRUCTURAL  # a GEMM as fast as the library's leaves nothing
+
+
+def test_the_target_takes_the_faster_design():
+    """With the fused decoder's kernels the target line is the faster design's (the kernel suite's target
+    takes the fastest of bertfast's rows), its ceiling that design's, and the report describes both."""
+    line = HEAD.target(1024, H100, FUSED)
+    assert line["design"] == "fused" and line["predicted"] == line["fused_plan"]["ratio"] < line["plan"]["ratio"]
+    assert line["ceiling"] == line["fused_plan"]["ceiling"]
+    assert R.out_of_reach(line).startswith("with the loss in the forward GEMM's epilogue the gradient pass")
+    text = HEAD.describe(line)
+    assert len(text) == 4 + len(line["plan"]["items"]) + len(line["fused_plan"]["items"])
+    fused_header = "MLM head fwd+bwd (BERT-large, 16,384 tokens, 2,432 labelled, bf16), BERTFAST_MLM_HEAD=fused"
+    assert any(t.startswith(fused_header) for t in text)
+    slow = HEAD.target(1024, H100, dict(FUSED, forward_s=400e-6))  # a fused GEMM far slower than the library's
+    assert slow["design"] == "library" and slow["predicted"] == slow["plan"]["ratio"]

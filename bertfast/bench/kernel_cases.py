@@ -499,6 +499,15 @@ def mlm_predictions_per_seq(seqlen: int) -> int:
     return max(1, round(0.15 * seqlen))
 
 
+@contextlib.contextmanager
+def _fused_head():
+    """``bertfast:triton fused``: the decoder's forward GEMM with the loss in its epilogue
+    (BERTFAST_MLM_HEAD=fused, ops/mlm_head_loss.py), its checks on the device as the other rows'."""
+    from bertfast.ops.mlm_head_loss import using_head_mode
+    with checks_on_device(), using_head_mode("fused"):
+        yield
+
+
 def mlm_head_loss_cases(ctx: SuiteContext) -> List[OpCase]:
     dev, out = ctx.torch_device, []
     names = ["hidden", "dense_w", "dense_b", "ln_w", "ln_b", "decoder_w", "decoder_b"]
@@ -561,8 +570,9 @@ def mlm_head_loss_cases(ctx: SuiteContext) -> List[OpCase]:
             return Prepared([rows, dw, decw], lambda: (rows @ dw.t()) @ decw.t(), dlogits,
                             lambda o, grads: {}, gated=False)
 
-        impls = _backend_impls(ctx, ["bias_gelu", "bias_dropout_residual_layernorm", "mlm_head_loss"],
-                               lambda make=make: make(ops_fn), context=checks_on_device)
+        head_ops = ["bias_gelu", "bias_dropout_residual_layernorm", "mlm_head_loss"]
+        impls = _backend_impls(ctx, head_ops, lambda make=make: make(ops_fn), context=checks_on_device)
+        impls += _backend_impls(ctx, head_ops, lambda make=make: make(ops_fn), "fused", ["triton"], _fused_head)
         impls.append(Impl(TORCH_EAGER, make(eager)))
         impls.append(_compile_impl(ctx, eager, make))
         impls.append(Impl(FULL_HEAD, make(full_head)))

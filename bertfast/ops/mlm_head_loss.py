@@ -15,6 +15,12 @@ backend provides only the per-chunk kernel:
         -> (loss [rows] fp32, lse [rows] fp32, correct [rows] bool), and with compute_grad the
            logits are overwritten by grad_scale * (softmax - onehot(label)) (0 on ignored rows).
 
+BERTFAST_MLM_HEAD=fused (head_mode): one chunk's forward on a backend that has the fused kernels (Triton's)
+is instead its own GEMM with the loss's statistics in the epilogue (mlm_logits_gemm_fwd), then a pass that
+writes the logits' gradient and the bias gradient's column sums (mlm_softmax_grad); the backward's GEMMs
+are the same (_fused_forward). Its loss and argmax come from the GEMM's fp32 logits, not from logits
+rounded to the activations' dtype, so n_correct may differ where two logits round to one value.
+
 Contract (every backend): labels -100 are ignored; any other label outside [0, V) is a ValueError
 (one device sync, in the driver); the kernel alone treats such labels as ignored. The sum of the
 loss over labelled rows is fp32; gradients come back in each input's dtype, the weight and bias
@@ -30,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from bertfast import dispatch
-from bertfast.contract import FLOAT_DTYPES, ID_DTYPES, IGNORE_INDEX, check_tensor, value_checks
+from bertfast.contract import (FLOAT_DTYPES, ID_DTYPES, IGNORE_INDEX, check_tensor, env_choice, env_setting, padded_vocab,
+                               value_checks)
 from bertfast.ops._common import distinct, empty, fp32_gemm_caps, fused_op, no_zero_grads
 from bertfast.ops.bias_dropout_residual_layernorm import bias_dropout_residual_layernorm
 from bertfast.ops.bias_gelu import bias_gelu
@@ -41,17 +48,25 @@ Tensor = torch.Tensor
 
 @fused_op("bertfast::mlm_head_loss_decoder")
 def _mlm_head_loss_decoder(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, chunk_rows: int,
-                          compute_grad: bool, one_chunk: bool, backend: str
+                          compute_grad: bool, one_chunk: bool, fused: bool, backend: str
                           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss_sum, n_correct, and what the backward needs). one_chunk (with compute_grad): the logits'
-    gradient [M, Vp] and the GEMMs' weight (empty where that is ``weight`` itself), the gradients left to
-    the backward; otherwise the three gradients, computed chunk by chunk for a loss scale of 1."""
-    kernel = dispatch.get(OP, backend).impl.mlm_head_loss_fwd
+    gradient [M, Vp] for a loss scale of 1, the GEMMs' weight (empty where that is ``weight`` itself) and,
+    ``fused`` (the loss in the GEMM's epilogue), the bias gradient's fp32 column sums (else empty), the
+    gradients' GEMMs left to the backward; otherwise the three gradients, computed chunk by chunk for a
+    loss scale of 1."""
+    impl = dispatch.get(OP, backend).impl
     if one_chunk:
         labels, _, vp = _checked(x, weight, bias, labels, chunk_rows or None)
-        loss_sum, n_correct, dlogits, w = _one_chunk_forward(x, weight, bias, labels, vp, 1.0, kernel)
-        return distinct([loss_sum, n_correct, dlogits, empty(weight) if w is weight else w, empty(weight)],
-                        [x, weight, bias, labels])
+        if fused:
+            loss_sum, n_correct, dlogits, w, grad_b = _fused_forward(x, weight, bias, labels, impl)
+        else:
+            loss_sum, n_correct, dlogits, w = _one_chunk_forward(x, weight, bias, labels, vp, 1.0,
+                                                                 impl.mlm_head_loss_fwd)
+            grad_b = None
+        return distinct([loss_sum, n_correct, dlogits, empty(weight) if w is weight else w,
+                         empty(weight) if grad_b is None else grad_b], [x, weight, bias, labels])
+    kernel = impl.mlm_head_loss_fwd
     # chunk_rows 0: the default (logits of one chunk within a memory budget).
     loss_sum, n_correct, gx, gw, gb = _decoder_loss(x, weight, bias, labels, chunk_rows or None, compute_grad, 1.0,
                                                     kernel)
@@ -60,30 +75,32 @@ def _mlm_head_loss_decoder(x: Tensor, weight: Tensor, bias: Optional[Tensor], la
 
 
 @_mlm_head_loss_decoder.register_fake
-def _(x, weight, bias, labels, chunk_rows, compute_grad, one_chunk, backend):
+def _(x, weight, bias, labels, chunk_rows, compute_grad, one_chunk, fused, backend):
     scalar = x.new_empty((), dtype=torch.float32)
     count = x.new_empty((), dtype=torch.int64)
     if not compute_grad:
         return scalar, count, empty(x), empty(weight), empty(weight)
     if one_chunk:
         vocab, width = weight.shape
-        vp = _gemm_vocab(vocab, x)
-        w = empty(weight) if vp == vocab and weight.dtype == x.dtype else x.new_empty((vp, width))
-        return scalar, count, x.new_empty((x.shape[0], vp)), w, empty(weight)
+        vp = padded_vocab(vocab, x.element_size()) if fused else _gemm_vocab(vocab, x)
+        rows = vocab if fused else vp
+        w = empty(weight) if rows == vocab and weight.dtype == x.dtype else x.new_empty((rows, width))
+        grad_b = x.new_empty((vocab,), dtype=torch.float32) if fused and bias is not None else empty(weight)
+        return scalar, count, x.new_empty((x.shape[0], vp)), w, grad_b
     gb = torch.empty_like(bias) if bias is not None else empty(weight)
     return scalar, count, torch.empty_like(x), torch.empty_like(weight), gb
 
 
 def _setup(ctx, inputs, output):
-    x, weight, bias, _, _, ctx.computed_grad, ctx.one_chunk, _ = inputs
+    x, weight, bias, _, _, ctx.computed_grad, ctx.one_chunk, _, _ = inputs
     ctx.has_bias = bias is not None
-    ctx.save_for_backward(*((x, weight, bias, output[3], output[2]) if ctx.one_chunk else output[2:]))
+    ctx.save_for_backward(*((x, weight, bias, output[3], output[2], output[4]) if ctx.one_chunk else output[2:]))
     no_zero_grads(ctx)
 
 
 def _backward(ctx, d_loss_sum, _d_correct, _d2, _d3, _d4):
     if d_loss_sum is None:
-        return (None,) * 8
+        return (None,) * 9
     if not ctx.computed_grad:
         raise RuntimeError("mlm_head_loss_decoder: backward called on a forward run without gradients")
     if ctx.one_chunk:
@@ -91,7 +108,7 @@ def _backward(ctx, d_loss_sum, _d_correct, _d2, _d3, _d4):
     else:
         gx, gw, gb = ctx.saved_tensors
         gx, gw, gb = gx * d_loss_sum.to(gx.dtype), gw * d_loss_sum.to(gw.dtype), gb * d_loss_sum.to(gb.dtype)
-    return gx, gw, gb if ctx.has_bias else None, None, None, None, None, None
+    return gx, gw, gb if ctx.has_bias else None, None, None, None, None, None, None
 
 
 _mlm_head_loss_decoder.register_autograd(_backward, setup_context=_setup)
@@ -99,15 +116,17 @@ _mlm_head_loss_decoder.register_autograd(_backward, setup_context=_setup)
 
 @fused_op("bertfast::mlm_head_loss_decoder_backward")
 def _mlm_head_loss_decoder_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], w: Tensor, dlogits: Tensor,
-                                   grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                                   grad_b: Tensor, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """One chunk's (grad x, grad weight, grad bias or empty) from the forward's logits' gradient, the loss's
-    incoming gradient ``grad`` in them (_one_chunk_grads); w: the GEMMs' weight, or empty for ``weight``."""
-    gx, gw, gb = _one_chunk_grads(x, weight, bias, w if w.numel() else weight, dlogits, grad)
-    return distinct([gx, gw, empty(weight) if gb is None else gb], [x, weight, bias, w, dlogits, grad])
+    incoming gradient ``grad`` in them (_one_chunk_grads); w: the GEMMs' weight, or empty for ``weight``;
+    grad_b: the forward's bias gradient (fp32, for a loss scale of 1), or empty."""
+    gx, gw, gb = _one_chunk_grads(x, weight, bias, w if w.numel() else weight, dlogits, grad,
+                                  grad_b if grad_b.numel() else None)
+    return distinct([gx, gw, empty(weight) if gb is None else gb], [x, weight, bias, w, dlogits, grad_b, grad])
 
 
 @_mlm_head_loss_decoder_backward.register_fake
-def _(x, weight, bias, w, dlogits, grad):
+def _(x, weight, bias, w, dlogits, grad_b, grad):
     return torch.empty_like(x), torch.empty_like(weight), empty(weight) if bias is None else torch.empty_like(bias)
 
 
@@ -130,8 +149,9 @@ def mlm_head_loss_decoder(x: Tensor, weight: Tensor, bias: Optional[Tensor], lab
     compute_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     backend = dispatch.select(OP, x=x, weight=weight, bias=bias, labels=labels)
     one_chunk = compute_grad and _one_chunk(x.shape[0], chunk_rows, weight.shape[0], x.element_size())
+    fused = fused_decoder(backend, x) and one_chunk  # the mode checked on every call
     loss_sum, n_correct, _, _, _ = _mlm_head_loss_decoder(x, weight, bias, labels.long(), chunk_rows or 0,
-                                                          compute_grad, one_chunk, backend)
+                                                          compute_grad, one_chunk, fused, backend)
     return loss_sum, n_correct
 
 
@@ -288,16 +308,6 @@ def _accumulate_grad_weight(acc: torch.Tensor, dlogits_t: torch.Tensor, x_c: tor
 PADDED_DEVICES = {"cuda"}
 
 
-def padded_vocab(vocab_size: int, element_size: int) -> int:
-    """The decoder GEMMs' vocabulary on a GPU: ``vocab_size`` rounded up to whole 16-byte rows of
-    logits (BERT's 30522 -> 30528 in bf16). cuBLAS's Hopper kernels load through TMA, which needs
-    16-byte aligned leading dimensions; at 30522 it ran sm80-era kernels with 4-byte loads instead,
-    at about a third of the rate (the H200 trace of 2026-11-27: the head's three GEMMs 1.8 ms of a
-    BERT-large step, about 150 GFLOP each at ~250 TFLOP/s)."""
-    per_row = max(1, 16 // element_size)
-    return -(-vocab_size // per_row) * per_row
-
-
 def _padded_rows(t: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
     """t ([V] or [V, H]) cast to ``dtype`` into the first V rows of a [rows(, H)] buffer, the rest 0
     (t cast alone, no copy when it has that dtype, where rows is V)."""
@@ -434,15 +444,18 @@ def _one_chunk_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
 
 
 def _one_chunk_grads(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], w: torch.Tensor,
-                     dlogits: torch.Tensor, scale: Optional[torch.Tensor]):
-    """(grad x, grad weight, grad bias or None) of one chunk from its logits' gradient dlogits [M, Vp]
-    (the pad 0) and the GEMMs' weight w [Vp, H]. scale, the loss's incoming gradient (0-dim; None for
-    1), goes where it is small: into x before the weight gradient's GEMM, onto the input gradient after
-    its GEMM, and onto the bias gradient, not over a [V, H] gradient (a pass of 125 MB at BERT-large's
-    vocabulary in bf16, 250 in fp32). The weight gradient is its one GEMM's output, in the weight's dtype where that
-    is x's (cuBLAS rounds its fp32 sum once), else fp32."""
+                     dlogits: torch.Tensor, scale: Optional[torch.Tensor], grad_b: Optional[torch.Tensor] = None):
+    """(grad x, grad weight, grad bias or None) of one chunk from its logits' gradient dlogits [M, >= Vp]
+    (0 past V) and the GEMMs' weight w [Vp, H] (Vp: V, or the padded vocabulary). scale, the loss's
+    incoming gradient (0-dim; None for 1), goes where it is small: into x before the weight gradient's
+    GEMM, onto the input gradient after its GEMM, and onto the bias gradient, not over a [V, H] gradient
+    (a pass of 125 MB at BERT-large's vocabulary in bf16, 250 in fp32). The weight gradient is its one
+    GEMM's output, in the weight's dtype where that is x's (cuBLAS rounds its fp32 sum once), else fp32.
+    grad_b: the bias gradient's fp32 sums where the forward computed them (the fused decoder), else
+    None (a column sum of dlogits here)."""
     M, H = x.shape
     V = weight.shape[0]
+    dlogits = dlogits[:, :w.shape[0]]  # the fused decoder's rows are wider than its GEMMs' vocabulary
     grad_x = torch.mm(dlogits, w)
     if scale is not None:
         grad_x.mul_(scale)
@@ -453,9 +466,56 @@ def _one_chunk_grads(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
         _accumulate_grad_weight(acc, dlogits.t(), x, first=True)
     grad_bias = None
     if bias is not None:
-        grad_b = dlogits[:, :V].sum(0, dtype=torch.float32)
-        grad_bias = (grad_b if scale is None else grad_b.mul_(scale)).to(bias.dtype)
+        if grad_b is None:
+            grad_b = dlogits[:, :V].sum(0, dtype=torch.float32)
+        grad_bias = (grad_b if scale is None else grad_b * scale).to(bias.dtype)
     return grad_x, acc[:V].to(weight.dtype), grad_bias
+
+
+# ------------------------------------------------------------------ the loss in the GEMM's epilogue
+MODE_ENV = "BERTFAST_MLM_HEAD"
+MODES = ("library", "fused")
+
+
+def head_mode() -> str:
+    """BERTFAST_MLM_HEAD: "library" (default: the decoder's GEMMs cuBLAS's, the loss kernel between them)
+    or "fused" (one chunk's forward GEMM bertfast's own, the loss in its epilogue, where the backend has it:
+    kernels/mlm_head_loss.py, "the loss in the GEMM's epilogue")."""
+    return env_choice(MODE_ENV, MODES)
+
+
+def using_head_mode(mode: str):
+    """BERTFAST_MLM_HEAD set to ``mode`` inside the block (the bench's fused case), as it was after."""
+    return env_setting(MODE_ENV, mode, MODES)
+
+
+def head_summary() -> str:
+    """`bertfast info`'s line: how one chunk's decoder runs."""
+    try:
+        mode = head_mode()
+    except ValueError as exc:
+        return f"MLM head decoder: {exc}"
+    how = {"library": "the library's GEMMs (cuBLAS on a GPU), the loss kernel between them",
+           "fused": "the triton backend's forward GEMM with the loss in its epilogue, where the rows make one "
+                    "chunk (other backends, and several chunks: the library's)"}[mode]
+    return f"MLM head decoder: {mode}: {how} ({MODE_ENV}: {' or '.join(MODES)})"
+
+
+def fused_decoder(backend: str, x: Tensor) -> bool:
+    """Whether one chunk's decoder runs fused here: BERTFAST_MLM_HEAD=fused, a backend with the fused
+    kernels (Triton's) and a hidden size of at least 1."""
+    return (head_mode() == "fused" and x.shape[1] > 0
+            and hasattr(dispatch.get(OP, backend).impl, "mlm_logits_gemm_fwd"))
+
+
+def _fused_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, impl):
+    """All rows as one chunk, the loss in the forward GEMM's epilogue: (loss_sum, n_correct, the logits'
+    gradient [M, padded_vocab(V)] for a loss scale of 1 (0 past V), the GEMMs' weight [V, H] in x's
+    dtype (``weight`` itself where it is that already), the bias gradient's fp32 sums or None)."""
+    w = weight.to(x.dtype)
+    loss, _, correct, softmax = impl.mlm_logits_gemm_fwd(x, w, None if bias is None else bias.to(x.dtype), labels)
+    dlogits, grad_b = impl.mlm_softmax_grad(softmax, labels, 1.0, bias_grad=bias is not None)
+    return loss.sum(dtype=torch.float32), correct.sum(dtype=torch.int64), dlogits, w, grad_b
 
 
 # ------------------------------------------------------------------ the torch backend

@@ -98,6 +98,16 @@ CONDITIONAL_ARGS: Dict[str, Dict[str, str]] = {
     "_embeddings_bwd_pos_kernel": {"DTT": "TT_SORTED", "DTT_PART": "!TT_SORTED", "SEED": "HAS_DROPOUT"},
     "_table_rows_kernel": {"DTT": "TT_SORTED"},
     "_gemm_bias_gelu_kernel": {"BIAS": "!BACKWARD", "Z": "HAS_Z", "DBIAS_PART": "BACKWARD"},
+    "_mlm_logits_gemm_kernel": {"BIAS": "HAS_BIAS"},
+    "_softmax_grad_kernel": {"DB_PART": "HAS_DB"},
+}
+
+
+# The helper files a kernel's code calls into beside its own file and the row ops' kernels/_rows.py
+# (report.compare: a change there is a change of the kernel's source since a GPU run)
+SHARED_SOURCES: Dict[str, Tuple[str, ...]] = {
+    "_gemm_bias_gelu_kernel": ("kernels/_gemm.py",),
+    "_mlm_logits_gemm_kernel": ("kernels/_gemm.py",),
 }
 
 
@@ -304,6 +314,9 @@ WORK: Dict[str, Callable[[Setting, Launch, Gpu], Work]] = {
     "_embeddings_bwd_pos_kernel": _embeddings_walk,
     "_table_rows_kernel": _table_rows,
     "_gemm_bias_gelu_kernel": _gemm,
+    "_mlm_logits_gemm_kernel": _gemm,
+    "_logits_stats_kernel": _no_loop("BLOCK_R"),
+    "_softmax_grad_kernel": _no_loop("BLOCK_M", "TILE_N"),
 }
 
 
@@ -355,31 +368,43 @@ def record(setting: Setting, ops: Optional[Sequence[str]] = None,
     among the candidates; for the ops and kernels named in ``candidates`` (without such a choice), one launch
     per candidate, their ``call`` shared."""
     from bertfast.gpucheck.compile_report import bert_launches
-    from bertfast.kernels._common import COMPILE_OPTIONS, compile_only, config_text, key_values
 
     launches: List[Launch] = []
     for case, call in bert_launches([setting.as_report_setting()], (HEAD_DIM,), ops or priced_ops(),
                                     padded_attention=False, dq_modes=(dq_mode,)):
-        op = case.split(" ", 1)[0]
-
-        def keep(fn, grid, args, consts, configs, key, op=op):
-            ran = (tuned or {}).get(fn.__name__, {}).get(key_values(key)) if key is not None else None
-            chosen = next((c for c in configs if c is not None and config_text(c) == ran), None)
-            every = op in candidates or fn.__name__ in candidates
-            tried = [chosen] if chosen is not None else configs if every else configs[:1]
-            call = launches[-1].call + 1 if launches else 0
-            for config in tried:
-                meta = dict(consts)
-                if config is not None:
-                    meta.update(config.all_kwargs())
-                shape = grid(meta) if callable(grid) else grid
-                def compile_it(fn=fn, args=tuple(args), meta=meta):
-                    return fn.warmup(*args, grid=(1,), **meta, **COMPILE_OPTIONS)
-                launches.append(Launch(op, fn.__name__, meta, tuple(int(g) for g in shape), tuple(args), compile_it,
-                                       tuple(fn.arg_names[:len(args)]), chosen is not None, call, len(tried)))
-        with compile_only(keep):
-            call()
+        _record_into(launches, case.split(" ", 1)[0], call, tuned, candidates)
     return launches
+
+
+def record_call(op: str, call: Callable[[], None]) -> List[Launch]:
+    """Every launch ``call`` makes (``op``'s launchers at shapes of the caller's own), one per candidate."""
+    launches: List[Launch] = []
+    _record_into(launches, op, call, None, (op,))
+    return launches
+
+
+def _record_into(launches: List[Launch], op: str, call: Callable[[], None],
+                 tuned: Optional[Dict[str, Dict[Tuple, str]]], candidates: Sequence[str]) -> None:
+    """``call``'s launches appended to ``launches`` as record describes them."""
+    from bertfast.kernels._common import COMPILE_OPTIONS, compile_only, config_text, key_values
+
+    def keep(fn, grid, args, consts, configs, key):
+        ran = (tuned or {}).get(fn.__name__, {}).get(key_values(key)) if key is not None else None
+        chosen = next((c for c in configs if c is not None and config_text(c) == ran), None)
+        every = op in candidates or fn.__name__ in candidates
+        tried = [chosen] if chosen is not None else configs if every else configs[:1]
+        call_index = launches[-1].call + 1 if launches else 0
+        for config in tried:
+            meta = dict(consts)
+            if config is not None:
+                meta.update(config.all_kwargs())
+            shape = grid(meta) if callable(grid) else grid
+            def compile_it(fn=fn, args=tuple(args), meta=meta):
+                return fn.warmup(*args, grid=(1,), **meta, **COMPILE_OPTIONS)
+            launches.append(Launch(op, fn.__name__, meta, tuple(int(g) for g in shape), tuple(args), compile_it,
+                                   tuple(fn.arg_names[:len(args)]), chosen is not None, call_index, len(tried)))
+    with compile_only(keep):
+        call()
 
 
 @dataclass

@@ -92,38 +92,67 @@ def analyse(settings: Sequence[K.Setting], gpu: Gpu = H100, log=print,
     backward in ``dq_mode`` (kernels.record). With ``lengths``, the attention's kernels work on
     sequences of those lengths padded to the setting's (kernels.at_lengths), their results still
     labelled with the setting."""
-    compiled = _COMPILED
     results: List[KernelResult] = []
     with K.offline_triton():
         for setting in settings:
             start = time.perf_counter()
             launches = K.record(setting, ops=ops, tuned=tuned, dq_mode=dq_mode, candidates=fastest)
-            kept: Dict[int, Tuple[Tuple[bool, float], KernelResult]] = {}
-            for launch in launches:
-                if launch.kernel not in K.WORK:
-                    continue
-                key = (launch.kernel, tuple(sorted((k, str(v)) for k, v in launch.meta.items())),
-                       tuple(str(getattr(a, "dtype", "")) for a in launch.args))
-                if key not in compiled:
-                    compiled[key] = K.compile_launch(launch)
-                done = compiled[key]
-                work = K.WORK[launch.kernel](setting, launch, gpu)
-                if lengths is not None and launch.op == "attention":
-                    work = K.at_lengths(work, launch, setting, lengths, gpu)
-                work.registers, work.shared_bytes = done.registers, done.shared_bytes
-                prediction = predict(done.function, work, gpu)
-                if done.spills:  # local-memory traffic the model does not price
-                    prediction.notes.append(f"spills {done.spills} bytes of registers")
-                result = KernelResult(setting, launch.op, launch.kernel, _variant(launch.meta), _config(launch.meta),
-                                      done.registers, work.hbm_bytes, prediction, launch.tuned, launch.candidates)
-                # a candidate that spills or does not fit is slower than predicted (neither is priced)
-                rank = (bool(done.spills) or "does not fit" in " ".join(prediction.notes), prediction.predicted_s)
-                if launch.call not in kept or rank < kept[launch.call][0]:
-                    kept[launch.call] = (rank, result)
-            results.extend(kept[call][1] for call in sorted(kept))
+            results.extend(_fastest(launches, setting, gpu, lengths))
             log(f"[perf-model] {setting.label()}: {len(launches)} launches read in "
                 f"{time.perf_counter() - start:.1f} s")
     return results
+
+
+def _fastest(launches: Sequence[K.Launch], setting: K.Setting, gpu: Gpu,
+             lengths: Optional[Sequence[int]] = None) -> List[KernelResult]:
+    """Each recorded call's prediction (the modelled kernels'), its candidate predicted fastest; compiled
+    once per process (offline Triton set: analyse)."""
+    kept: Dict[int, Tuple[Tuple[bool, float], KernelResult]] = {}
+    for launch in launches:
+        if launch.kernel not in K.WORK:
+            continue
+        key = (launch.kernel, tuple(sorted((k, str(v)) for k, v in launch.meta.items())),
+               tuple(str(getattr(a, "dtype", "")) for a in launch.args))
+        if key not in _COMPILED:
+            _COMPILED[key] = K.compile_launch(launch)
+        done = _COMPILED[key]
+        work = K.WORK[launch.kernel](setting, launch, gpu)
+        if lengths is not None and launch.op == "attention":
+            work = K.at_lengths(work, launch, setting, lengths, gpu)
+        work.registers, work.shared_bytes = done.registers, done.shared_bytes
+        prediction = predict(done.function, work, gpu)
+        if done.spills:  # local-memory traffic the model does not price
+            prediction.notes.append(f"spills {done.spills} bytes of registers")
+        result = KernelResult(setting, launch.op, launch.kernel, _variant(launch.meta), _config(launch.meta),
+                              done.registers, work.hbm_bytes, prediction, launch.tuned, launch.candidates)
+        # a candidate that spills or does not fit is slower than predicted (neither is priced)
+        rank = (bool(done.spills) or "does not fit" in " ".join(prediction.notes), prediction.predicted_s)
+        if launch.call not in kept or rank < kept[launch.call][0]:
+            kept[launch.call] = (rank, result)
+    return [kept[call][1] for call in sorted(kept)]
+
+
+def fused_head_kernels(gpu: Gpu = H100, hiddens: Sequence[int] = (1024, 768)) -> Dict[int, Dict[str, object]]:
+    """The fused MLM decoder's own kernels (BERTFAST_MLM_HEAD=fused, kernels/mlm_head_loss.py) at the kernel
+    suite's case, per hidden size: its forward GEMM at the candidate predicted fastest, and the statistics'
+    kernel (its gradient pass is priced by its bytes: perfmodel/head.py, fused_lines)."""
+    import torch
+
+    from bertfast.kernels import mlm_head_loss as M
+    out: Dict[int, Dict[str, object]] = {}
+    with K.offline_triton():
+        for hidden in hiddens:
+            model = {1024: "bert-large", 768: "bert-base"}.get(hidden, "bert-large")
+            setting = K.Setting(model, HEAD.SEQ, HEAD.TOKENS // HEAD.SEQ, 0.1)
+            rows = HEAD.lines(hidden)["rows"]
+            x = torch.empty(rows, hidden, dtype=torch.bfloat16)
+            w, labels = torch.empty(HEAD.VOCAB, hidden, dtype=torch.bfloat16), torch.zeros(rows, dtype=torch.int64)
+            launches = K.record_call("mlm_head_loss", lambda: M.mlm_logits_gemm_fwd(x, w, w[:, 0], labels))
+            found = {r.kernel: r for r in _fastest(launches, setting, gpu)}
+            gemm, stats = found["_mlm_logits_gemm_kernel"], found["_logits_stats_kernel"]
+            out[hidden] = {"forward_s": gemm.prediction.predicted_s, "stats_s": stats.prediction.predicted_s,
+                           "config": gemm.config, "binding": gemm.prediction.binding}
+    return out
 
 
 # --------------------------------------------------------------------------- aggregates
@@ -247,7 +276,8 @@ def targets(results: Sequence[KernelResult], gpu: Gpu = H100) -> List[Dict[str, 
                     "ceiling": 100 * row["ceiling"],
                     "ceiling_why": f"its kernels move {row['kernel_bytes'] / 1e6:.0f} MB where the op's contract "
                                    f"is {row['bytes'] / 1e6:.0f} MB"})
-    out += [HEAD.target(hidden, gpu) for hidden in (1024, 768)]  # BERT-large's and BERT-base's heads
+    fused = fused_head_kernels(gpu)
+    out += [HEAD.target(hidden, gpu, fused[hidden]) for hidden in (1024, 768)]  # BERT-large's and BERT-base's heads
     for case in S.STEP_CASES:
         plan = S.budget(results, case, gpu)
         out.append({"name": f"{case.name} MFU", "predicted": 100 * plan["mfu"], "target": 100 * case.target_mfu,
@@ -276,8 +306,8 @@ def refitted_steps(results: List[KernelResult], refit: Tuple[float, float, float
 def compare(results: Sequence[KernelResult], profile: Profile) -> List[Dict[str, object]]:
     """Each modelled kernel the profile timed: measured and predicted seconds per call (the first
     launch recorded of that kernel at the profile's case: the training variant), and whether its
-    source (kernels/<op>.py, and kernels/_rows.py for a row op) changed since the run: then the run
-    measured other code.
+    source (kernels/<op>.py, kernels/_rows.py for a row op, the files kernels.SHARED_SOURCES names for
+    it) changed since the run: then the run measured other code.
 
     A call is a layer's: a kernel with a few calls more than a whole number per layer (the MLM head's
     bias+GELU and LayerNorm over its masked rows, a sixth of a layer's LayerNorm rows at most) has its
@@ -309,8 +339,8 @@ def compare(results: Sequence[KernelResult], profile: Profile) -> List[Dict[str,
                      "predicted_s": sum(p.predicted_s for p in predictions) / len(predictions),
                      "prediction": r.prediction, "predictions": predictions, "variants": len(predictions),
                      "changed_since_run": changed_since(
-                         profile.path, [f"kernels/{r.op}.py"] + (["kernels/_rows.py"] if row_op else []),
-                         kernel=r.kernel)})
+                         profile.path, [f"kernels/{r.op}.py"] + (["kernels/_rows.py"] if row_op else [])
+                         + list(K.SHARED_SOURCES.get(r.kernel, ())), kernel=r.kernel)})
     return rows
 
 

@@ -10,6 +10,7 @@ BertForMaskedLM head (fp16: the low-precision rule, docs/testing.md). Without a 
 interpreter (block 1024: V = 1000 takes the one-block path, V = 1031 the looped one) and CUDA on the CPU emulator
 (tests/ops/conftest.py), so shapes stay small; bf16 only on a GPU.
 """
+import os
 import sys
 
 import pytest
@@ -305,7 +306,7 @@ def test_opcheck(with_bias, one_chunk, padded):
     x, w = torch.randn(5, 6, requires_grad=True), torch.randn(9, 6, requires_grad=True)
     b = torch.randn(9, requires_grad=True) if with_bias else None
     torch.library.opcheck(torch.ops.bertfast.mlm_head_loss_decoder,
-                          (x, w, b, torch.tensor([1, -100, 8, 0, 3]), 0 if one_chunk else 2, True, one_chunk,
+                          (x, w, b, torch.tensor([1, -100, 8, 0, 3]), 0 if one_chunk else 2, True, one_chunk, False,
                            "torch"))
 
 
@@ -688,6 +689,29 @@ def test_gpu_decoder_bert_base(backend, chunk_rows):
     assert abs(int(n_correct) - int(R.mlm_head_loss_decoder(x, w, b, labels)[1])) <= 4
 
 
+@pytest.mark.gpu
+def test_gpu_fused_decoder_bert_large(fused_mode, monkeypatch):
+    """BERTFAST_MLM_HEAD=fused at the kernel suite's BERT-large case (2,432 rows, V = 30522: a ragged last tile,
+    the padded rows), bf16, fp32 parameters: the reference's loss and gradients by the 2x rule."""
+    from bertfast.kernels import mlm_head_loss as K
+
+    triton = BackendUnderTest("triton", torch.device(DEV))
+    x, w, b, labels = problem(triton, 2432, 1024, 30522, torch.bfloat16, labelled="all", param_dtype=torch.float32)
+    ran = []
+    real = K.mlm_logits_gemm_fwd
+    monkeypatch.setattr(K, "mlm_logits_gemm_fwd", lambda *a: ran.append(1) or real(*a))
+    scale = 1.0 / x.shape[0]
+    loss_sum, n_correct, grads = run_decoder(triton, x, w, b, labels, grad_out=scale)
+    assert ran == [1]
+    fn = lambda x_, w_, b_: R.mlm_head_loss_decoder(x_, w_, b_, labels)[0]  # noqa: E731
+    (l32, g32), (llo, glo) = references(fn, [x, w, b], torch.bfloat16, torch.tensor(scale, device=x.device))
+    check_close("loss_sum", loss_sum, l32, llo, torch.bfloat16, lowp_atol=1e-4)
+    for name, got, want32, wantlo in zip(("grad_x", "grad_weight", "grad_bias"), grads, g32, glo):
+        check_close(name, got, want32, wantlo, torch.bfloat16)
+    # argmax from the fp32 logits, the reference's from bf16 ones: a handful of near-ties may flip
+    assert abs(int(n_correct) - int(R.mlm_head_loss_decoder(x, w.to(x.dtype), b.to(x.dtype), labels)[1])) <= 8
+
+
 # =========================================================================== Triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("v,block_v", [(1031, 256), (1000, 128)])
@@ -713,6 +737,150 @@ def test_triton_autotuned_in_place_kernel_is_tuned_on_a_scratch_copy(stand_in_tu
     check_kernel(triton, wide[:, :1031], labels, grad_scale=0.5)
     assert (wide[:, 1031:] == 7.0).all()
     assert len(K._fwd_tuned.cache) == 1
+
+
+# =========================================================================== Triton: the loss in the GEMM's epilogue
+def fused_problem(m, h, v, dtype, bias=True, seed=0):
+    """problem()'s x, weight, bias and labels in the activations' dtype on DEV, with argmax labels and ties."""
+    triton = BackendUnderTest("triton", torch.device(DEV))
+    x, w, b, labels = problem(triton, m, h, v, dtype, bias=bias, seed=seed)
+    return x, w.to(dtype), None if b is None else b.to(dtype), labels
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,h,v,bias", [(37, 40, 101, True), (5, 16, 70, False), (40, 32, 64, True)],
+                         ids=["ragged", "no-bias", "whole-tiles"])
+def test_fused_forward_and_softmax_gradient(m, h, v, bias, dtype):
+    """mlm_logits_gemm_fwd: the loss, lse and argmax of the fp32 logits; its u and c give the softmax (p = u * c,
+    summing to 1 over each row); mlm_softmax_grad writes grad_scale * (p - onehot) over u (0 past V and on
+    ignored rows) and its column sums. Under the interpreter the tiles are 32 x 32 (several in each direction,
+    ragged ones), H is not a multiple of BLOCK_K in the first case."""
+    from bertfast.kernels import mlm_head_loss as K
+
+    x, w, b, labels = fused_problem(m, h, v, dtype, bias)
+    z = F.linear(x.float(), w.float(), None if b is None else b.float())
+    loss, lse, correct, softmax = K.mlm_logits_gemm_fwd(x, w, b, labels)
+    valid = labels != IGNORE
+    safe = labels.clamp_min(0)[:, None]
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    torch.testing.assert_close(lse, torch.logsumexp(z, 1), atol=tol, rtol=tol)
+    torch.testing.assert_close(loss, torch.where(valid, lse - z.gather(1, safe)[:, 0], 0.0), atol=tol, rtol=tol)
+    assert torch.equal(correct, valid & (z.argmax(1) == labels)) and int(correct.sum()) > 0
+    u, c, vocab = softmax
+    assert vocab == v and u.shape == (m, padded_vocab(v, x.element_size())) and not u[:, v:].any()
+    p = u[:, :v].float() * c.repeat_interleave(32, 0)[:v].t()
+    torch.testing.assert_close(p.sum(1), torch.ones(m, device=DEV), atol=1e-5, rtol=0)
+    torch.testing.assert_close(p, torch.softmax(z, 1), atol=1e-6 if dtype == torch.float32 else 2e-3, rtol=1e-2)
+
+    g, grad_b = K.mlm_softmax_grad(softmax, labels, 0.37)
+    assert g.data_ptr() == u.data_ptr() and not g[:, v:].any() and not g[~valid].any()
+    want = torch.where(valid[:, None], (p - F.one_hot(safe[:, 0], v).float()) * 0.37, 0.0)
+    torch.testing.assert_close(g[:, :v].float(), want.to(dtype).float(),
+                               atol=1e-6 if dtype == torch.float32 else 2e-3, rtol=1e-2)
+    torch.testing.assert_close(grad_b, g[:, :v].float().sum(0), atol=1e-6, rtol=1e-5)
+
+
+def test_fused_kernels_errors_are_clear():
+    from bertfast.kernels import mlm_head_loss as K
+
+    x, w, b, labels = fused_problem(4, 8, 50, torch.float32)
+    with pytest.raises(ValueError, match="weight: expected dtype"):
+        K.mlm_logits_gemm_fwd(x, w.double(), b, labels)
+    with pytest.raises(ValueError, match=r"weight: expected shape \(V > 0, 8\)"):
+        K.mlm_logits_gemm_fwd(x, w[:, :7], b, labels)
+    with pytest.raises(ValueError, match="x: expected a hidden size H >= 1"):
+        K.mlm_logits_gemm_fwd(x[:, :0], w[:, :0], b, labels)
+    with pytest.raises(ValueError, match="weight: expected unit column stride"):
+        K.mlm_logits_gemm_fwd(x, torch.randn(8, 50, device=DEV).t(), b, labels)
+    with pytest.raises(ValueError, match="labels: expected dtype"):
+        K.mlm_logits_gemm_fwd(x, w, b, labels.int())
+    _, _, _, softmax = K.mlm_logits_gemm_fwd(x, w, b, labels)
+    with pytest.raises(ValueError, match=r"u: expected shape \(4, 52\)"):
+        K.mlm_softmax_grad(softmax._replace(u=softmax.u[:, :50]), labels, 1.0)
+    with pytest.raises(ValueError, match=r"c: expected shape \(2, 4\)"):
+        K.mlm_softmax_grad(softmax._replace(c=softmax.c[:1]), labels, 1.0)
+    loss, _, correct, empty_softmax = K.mlm_logits_gemm_fwd(x[:0], w, b, labels[:0])
+    assert loss.shape == correct.shape == (0,)
+    assert not K.mlm_softmax_grad(empty_softmax, labels[:0], 1.0)[1].any()
+
+
+@pytest.fixture
+def fused_mode(monkeypatch):
+    H = sys.modules["bertfast.ops.mlm_head_loss"]  # the package exports a function of that name
+    monkeypatch.setenv(H.MODE_ENV, "fused")
+    return H
+
+
+@pytest.mark.parametrize("dtype,bias,param_dtype",
+                         [pytest.param(torch.float32, True, None, id="fp32-bias"),
+                          pytest.param(torch.float32, False, None, id="fp32-no-bias")]
+                         + [pytest.param(p.values[0], bias, params, id=f"{p.id}-{name}") for p in LOWP
+                            for bias, params, name in ((True, None, "bias"), (False, None, "no-bias"),
+                                                       (True, torch.float32, "fp32-params"))])
+def test_fused_decoder_matches_reference(fused_mode, monkeypatch, dtype, bias, param_dtype):
+    """BERTFAST_MLM_HEAD=fused: one chunk's decoder through the fused forward (the spy sees it), the gradients
+    from its logits' gradient, the bias gradient its column sums, the loss's incoming gradient applied in the
+    backward; against the reference at the contract's tolerances (fp32 parameters: autocast's, cast to the
+    activations' dtype for the GEMMs)."""
+    from bertfast.kernels import mlm_head_loss as K
+
+    triton = BackendUnderTest("triton", torch.device(DEV))
+    x, w, b, labels = problem(triton, 37, 40, 101, dtype, bias=bias, param_dtype=param_dtype)
+    ran = []
+    real = K.mlm_logits_gemm_fwd
+    monkeypatch.setattr(K, "mlm_logits_gemm_fwd", lambda *a: ran.append(a[1].dtype) or real(*a))
+    _, n_correct, (gx, gw, gb) = check_decoder(triton, x, w, b, labels, grad_out=0.37 if dtype == torch.float32
+                                               else 1.0)
+    assert ran == [dtype] and int(n_correct) > 0
+    assert gx.dtype == dtype and gw.dtype == (param_dtype or dtype) and (gb is None or gb.dtype == gw.dtype)
+    assert not gx[labels == IGNORE].any()
+
+
+@pytest.mark.parametrize("labelled", ["none", "one"])
+def test_fused_decoder_label_patterns(fused_mode, labelled):
+    """No labelled row: loss 0 and exactly zero gradients (grad_scale times nothing); one: the reference's."""
+    triton = BackendUnderTest("triton", torch.device(DEV))
+    x, w, b, labels = problem(triton, 5, 16, 70, torch.float32, labelled=labelled)
+    loss_sum, n_correct, grads = check_decoder(triton, x, w, b, labels)
+    if labelled == "none":
+        assert float(loss_sum) == 0.0 and int(n_correct) == 0 and all(not g.any() for g in grads)
+
+
+def test_fused_mode_runs_only_where_it_can(fused_mode, monkeypatch):
+    """The fused forward where the rows make one chunk on the triton backend; several chunks and other
+    backends keep the library's GEMMs; a mode that is not one of the two is a clear error."""
+    from bertfast.kernels import mlm_head_loss as K
+
+    ran = []
+    real = K.mlm_logits_gemm_fwd
+    monkeypatch.setattr(K, "mlm_logits_gemm_fwd", lambda *a: ran.append(1) or real(*a))
+    triton = BackendUnderTest("triton", torch.device(DEV))
+    x, w, b, labels = problem(triton, 6, 16, 70, torch.float32)
+    check_decoder(triton, x, w, b, labels, chunk_rows=4)  # two chunks
+    check_decoder(BackendUnderTest("torch", torch.device(DEV)), x, w, b, labels)
+    assert ran == []
+    check_decoder(triton, x, w, b, labels)
+    assert ran == [1]
+    assert "MLM head decoder: fused" in fused_mode.head_summary()
+    monkeypatch.setenv(fused_mode.MODE_ENV, "fast")
+    with pytest.raises(ValueError, match="BERTFAST_MLM_HEAD: expected one of library, fused, got 'fast'"):
+        run_decoder(triton, x, w, b, labels)
+    assert "BERTFAST_MLM_HEAD: expected one of" in fused_mode.head_summary()
+    with fused_mode.using_head_mode("library"):
+        assert fused_mode.head_mode() == "library"
+    assert os.environ[fused_mode.MODE_ENV] == "fast"
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_opcheck_fused(with_bias):
+    """The fused form's schema, fake (the logits' gradient in whole 16-byte rows, the bias gradient's fp32
+    sums) and autograd, on the triton backend."""
+    x, w = torch.randn(5, 6, requires_grad=True), torch.randn(9, 6, requires_grad=True)
+    b = torch.randn(9, requires_grad=True) if with_bias else None
+    with BackendUnderTest("triton", torch.device(DEV)).forced():
+        torch.library.opcheck(torch.ops.bertfast.mlm_head_loss_decoder,
+                              (x.to(DEV), w.to(DEV), None if b is None else b.to(DEV),
+                               torch.tensor([1, -100, 8, 0, 3], device=DEV), 0, True, True, True, "triton"))
 
 
 # =========================================================================== CUDA wrapper validation (no GPU)
