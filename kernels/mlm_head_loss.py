@@ -352,6 +352,7 @@ def mlm_logits_gemm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     _check_width("weight", weight)
     if bias is not None:
         check_tensor("bias", bias, dtypes=(x.dtype,), shape=(v,), device=x.device)
+        bias = bias.contiguous()
     check_tensor("labels", labels, dtypes=(torch.int64,), shape=(m,), device=x.device)
     dev = x.device
     tiles = cdiv(v, _tile_n())

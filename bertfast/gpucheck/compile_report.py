@@ -71,6 +71,10 @@ SHORT_SEQUENCE_KERNELS = ("_attention_bwd_fused_kernel",)
 # Both backwards of sequences the one-pass kernel does not take: dQ by its own kernel and added atomically
 # (kernels/attention.py, "Atomic dQ"; BERTFAST_ATTENTION_DQ).
 DQ_MODES = ("deterministic", "atomic")
+# The MLM decoder's forms: the library's GEMMs around the loss kernel, and the loss in a GEMM's epilogue
+# (BERTFAST_MLM_HEAD=fused, kernels/mlm_head_loss.py); the report compiles both, a pre-training step runs
+# the first (gpucheck.sizing's estimate of its compiles).
+HEAD_MODES = ("library", "fused")
 
 
 @dataclasses.dataclass
@@ -240,6 +244,7 @@ class LaunchSetting:
     fp16_head_dims: Optional[Sequence[int]] = None
     short_sequences: bool = False
     dq_modes: Sequence[str] = ("deterministic",)  # the attention backward's dQ modes (BERTFAST_ATTENTION_DQ)
+    head_modes: Sequence[str] = ("library",)  # the MLM decoder's forms (BERTFAST_MLM_HEAD)
 
     def __post_init__(self):
         import torch
@@ -262,19 +267,19 @@ class LaunchSetting:
 
 def bert_launches(settings: Sequence[Setting], head_dims: Sequence[int] = (64,), ops: Optional[Sequence[str]] = None,
                   padded_attention: bool = True, fp16_head_dims: Optional[Sequence[int]] = None,
-                  short_sequences: bool = False, dq_modes: Sequence[str] = ("deterministic",)
-                  ) -> Iterator[Tuple[str, Callable[[], None]]]:
+                  short_sequences: bool = False, dq_modes: Sequence[str] = ("deterministic",),
+                  head_modes: Sequence[str] = ("library",)) -> Iterator[Tuple[str, Callable[[], None]]]:
     """(case label, function that calls the launchers of ``ops`` (default: every op with launches) at
     that setting) for every setting; attention at each of ``head_dims`` (fp16 attention only at those
     also in ``fp16_head_dims``, when given), varlen and (``padded_attention``) padded; with
     ``short_sequences``, at seq 128 the backward also at SHORT_SEQUENCES, at the head dims of
     SHORT_SEQUENCE_HEAD_DIMS given; the backward in each of ``dq_modes`` (BERTFAST_ATTENTION_DQ: where
-    the one-pass kernel takes it, the same launch)."""
+    the one-pass kernel takes it, the same launch); the MLM decoder in each of ``head_modes``."""
     from bertfast import registry
     wanted = _ops_with_launches() if ops is None else tuple(ops)
     for model, seq, batch, act_name, params, p in settings:
         setting = LaunchSetting(model, seq, batch, act_name, params, p, head_dims, padded_attention,
-                                fp16_head_dims, short_sequences, tuple(dq_modes))
+                                fp16_head_dims, short_sequences, tuple(dq_modes), tuple(head_modes))
         for op in registry.ops():
             if op.launches and op.name in wanted:
                 yield f"{op.name} [{setting.label}]", functools.partial(registry.resolve(op.launches), setting)
@@ -356,7 +361,7 @@ def mlm_head_loss_launches(s: LaunchSetting) -> None:
     labels = torch.zeros(MASKED_ROWS, dtype=torch.int64)
     for grad in (True, False):
         M.mlm_head_loss_fwd(s.empty(MASKED_ROWS, VOCAB), labels, 1.0, grad)
-    if s.act_name == "fp32":  # the loss inside the GEMMs (BERTFAST_MLM_HEAD=fused): bf16 and fp16 only
+    if "fused" not in s.head_modes or s.act_name == "fp32":  # the fused form: bf16 and fp16 only
         return
     x, w = s.empty(MASKED_ROWS, s.hidden), s.empty(VOCAB, s.hidden)
     _, _, _, softmax = M.mlm_logits_gemm_fwd(x, w, s.empty(VOCAB), labels)
@@ -410,12 +415,13 @@ def record_launches(fast: bool, attention_only: bool = False) -> List[Launch]:
         return record_settings(ATTENTION_MATRIX, dims, ("attention",), short_sequences=True, dq_modes=DQ_MODES)
     return record_settings(_matrix(fast), (64,) if fast else ATTENTION_HEAD_DIMS,
                            fp16_head_dims=FULL_MATRIX_FP16_ATTENTION_HEAD_DIMS, short_sequences=not fast,
-                           dq_modes=DQ_MODES)
+                           dq_modes=DQ_MODES, head_modes=HEAD_MODES)
 
 
 def record_settings(settings: Sequence[Setting], head_dims: Sequence[int] = (64,), ops: Optional[Sequence[str]] = None,
                     padded_attention: bool = True, fp16_head_dims: Optional[Sequence[int]] = None,
-                    short_sequences: bool = False, dq_modes: Sequence[str] = ("deterministic",)) -> List[Launch]:
+                    short_sequences: bool = False, dq_modes: Sequence[str] = ("deterministic",),
+                    head_modes: Sequence[str] = ("library",)) -> List[Launch]:
     """Every distinct launch (kernel, flags, dtypes) at these settings, with its candidates and the
     autotuner keys it was launched with (see bert_launches); ``short_sequences``: the attention's
     one-pass backward also at every shorter key tile (SHORT_SEQUENCES), a launch per tile."""
@@ -423,7 +429,7 @@ def record_settings(settings: Sequence[Setting], head_dims: Sequence[int] = (64,
 
     by_variant: Dict[tuple, Launch] = {}
     for case, call in bert_launches(settings, head_dims, ops, padded_attention, fp16_head_dims, short_sequences,
-                                    dq_modes):
+                                    dq_modes, head_modes):
         def record(fn, grid, args, consts, configs, key, case=case):
             variant = (fn.__name__, tuple(sorted(consts.items())), _dtypes(args))
             if fn.__name__ in SHORT_SEQUENCE_KERNELS:  # its candidates are its key tile's

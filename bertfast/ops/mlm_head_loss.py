@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from bertfast import dispatch
-from bertfast.contract import (FLOAT_DTYPES, ID_DTYPES, IGNORE_INDEX, check_tensor, env_choice, env_setting, padded_vocab,
-                               value_checks)
+from bertfast.contract import (FLOAT_DTYPES, ID_DTYPES, IGNORE_INDEX, check_tensor, env_choice, env_setting,
+                               padded_vocab, value_checks)
 from bertfast.ops._common import distinct, empty, fp32_gemm_caps, fused_op, no_zero_grads
 from bertfast.ops.bias_dropout_residual_layernorm import bias_dropout_residual_layernorm
 from bertfast.ops.bias_gelu import bias_gelu
@@ -149,7 +149,7 @@ def mlm_head_loss_decoder(x: Tensor, weight: Tensor, bias: Optional[Tensor], lab
     compute_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     backend = dispatch.select(OP, x=x, weight=weight, bias=bias, labels=labels)
     one_chunk = compute_grad and _one_chunk(x.shape[0], chunk_rows, weight.shape[0], x.element_size())
-    fused = fused_decoder(backend, x) and one_chunk  # the mode checked on every call
+    fused = fused_decoder(backend, x, weight) and one_chunk  # the mode checked on every call
     loss_sum, n_correct, _, _, _ = _mlm_head_loss_decoder(x, weight, bias, labels.long(), chunk_rows or 0,
                                                           compute_grad, one_chunk, fused, backend)
     return loss_sum, n_correct
@@ -497,14 +497,15 @@ def head_summary() -> str:
         return f"MLM head decoder: {exc}"
     how = {"library": "the library's GEMMs (cuBLAS on a GPU), the loss kernel between them",
            "fused": "the triton backend's forward GEMM with the loss in its epilogue, where the rows make one "
-                    "chunk (other backends, and several chunks: the library's)"}[mode]
+                    "chunk (other backends, several chunks and a column-major weight: the library's)"}[mode]
     return f"MLM head decoder: {mode}: {how} ({MODE_ENV}: {' or '.join(MODES)})"
 
 
-def fused_decoder(backend: str, x: Tensor) -> bool:
+def fused_decoder(backend: str, x: Tensor, weight: Tensor) -> bool:
     """Whether one chunk's decoder runs fused here: BERTFAST_MLM_HEAD=fused, a backend with the fused
-    kernels (Triton's) and a hidden size of at least 1."""
-    return (head_mode() == "fused" and x.shape[1] > 0
+    kernels (Triton's), a hidden size of at least 1 and a weight of rows (a Linear's, or tied
+    embeddings': the GEMM reads it, or its cast, as it is)."""
+    return (head_mode() == "fused" and x.shape[1] > 0 and (weight.shape[1] < 2 or weight.stride(1) == 1)
             and hasattr(dispatch.get(OP, backend).impl, "mlm_logits_gemm_fwd"))
 
 
@@ -512,6 +513,7 @@ def _fused_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Te
     """All rows as one chunk, the loss in the forward GEMM's epilogue: (loss_sum, n_correct, the logits'
     gradient [M, padded_vocab(V)] for a loss scale of 1 (0 past V), the GEMMs' weight [V, H] in x's
     dtype (``weight`` itself where it is that already), the bias gradient's fp32 sums or None)."""
+    x = x if x.stride(1) == 1 else x.contiguous()  # the GEMM's rows of unit stride
     w = weight.to(x.dtype)
     loss, _, correct, softmax = impl.mlm_logits_gemm_fwd(x, w, None if bias is None else bias.to(x.dtype), labels)
     dlogits, grad_b = impl.mlm_softmax_grad(softmax, labels, 1.0, bias_grad=bias is not None)

@@ -146,8 +146,10 @@ def fused_head_kernels(gpu: Gpu = H100, hiddens: Sequence[int] = (1024, 768)) ->
             setting = K.Setting(model, HEAD.SEQ, HEAD.TOKENS // HEAD.SEQ, 0.1)
             rows = HEAD.lines(hidden)["rows"]
             x = torch.empty(rows, hidden, dtype=torch.bfloat16)
-            w, labels = torch.empty(HEAD.VOCAB, hidden, dtype=torch.bfloat16), torch.zeros(rows, dtype=torch.int64)
-            launches = K.record_call("mlm_head_loss", lambda: M.mlm_logits_gemm_fwd(x, w, w[:, 0], labels))
+            w = torch.empty(HEAD.VOCAB, hidden, dtype=torch.bfloat16)
+            bias = torch.empty(HEAD.VOCAB, dtype=torch.bfloat16)
+            labels = torch.zeros(rows, dtype=torch.int64)
+            launches = K.record_call("mlm_head_loss", lambda: M.mlm_logits_gemm_fwd(x, w, bias, labels))
             found = {r.kernel: r for r in _fastest(launches, setting, gpu)}
             gemm, stats = found["_mlm_logits_gemm_kernel"], found["_logits_stats_kernel"]
             out[hidden] = {"forward_s": gemm.prediction.predicted_s, "stats_s": stats.prediction.predicted_s,

@@ -847,8 +847,9 @@ def test_fused_decoder_label_patterns(fused_mode, labelled):
 
 
 def test_fused_mode_runs_only_where_it_can(fused_mode, monkeypatch):
-    """The fused forward where the rows make one chunk on the triton backend; several chunks and other
-    backends keep the library's GEMMs; a mode that is not one of the two is a clear error."""
+    """The fused forward where the rows make one chunk on the triton backend; several chunks, other
+    backends and a weight of columns keep the library's GEMMs; a mode that is not one of the two is a clear
+    error."""
     from bertfast.kernels import mlm_head_loss as K
 
     ran = []
@@ -860,7 +861,9 @@ def test_fused_mode_runs_only_where_it_can(fused_mode, monkeypatch):
     check_decoder(BackendUnderTest("torch", torch.device(DEV)), x, w, b, labels)
     assert ran == []
     check_decoder(triton, x, w, b, labels)
-    assert ran == [1]
+    check_decoder(triton, x.t().contiguous().t(), w, b, labels)  # column-major x: the GEMM takes a copy
+    check_decoder(triton, x, w.t().contiguous().t(), b, labels)  # a column-major weight: the library's GEMMs
+    assert ran == [1, 1]
     assert "MLM head decoder: fused" in fused_mode.head_summary()
     monkeypatch.setenv(fused_mode.MODE_ENV, "fast")
     with pytest.raises(ValueError, match="BERTFAST_MLM_HEAD: expected one of library, fused, got 'fast'"):
