@@ -12,8 +12,22 @@ wrong), as the attention's do.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from ._common import interpreting
+
+# Under the interpreter: small tiles (tl.dot needs 16 or more each way), several programs per test.
+INTERP_TILE = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2}
+
+
+def gemm_flags(dtype: torch.dtype, k: int) -> dict:
+    """tile_product's EVEN_K (every GPU candidate's BLOCK_K divides 64), UPCAST and DOT_PREC for operands
+    of ``dtype`` over a reduction of ``k``."""
+    upcast = interpreting() and dtype == torch.bfloat16
+    return dict(EVEN_K=k % (INTERP_TILE["BLOCK_K"] if interpreting() else 64) == 0, UPCAST=upcast,
+                DOT_PREC="ieee" if dtype == torch.float32 or upcast else "tf32")
 
 
 @triton.jit

@@ -51,7 +51,7 @@ import triton.language as tl
 from bertfast.contract import check_approximate, check_bias_gelu, check_gemm_bias_gelu, check_rows, row_stride
 
 from ._common import autotune, cdiv, interpreting, launch, next_power_of_2
-from ._gemm import grouped_tile, tile_product
+from ._gemm import INTERP_TILE, gemm_flags, grouped_tile, tile_product
 from ._rows import MAX_ROWS_PER_TILE, column_sums, n_bucket, row_group_shape
 
 
@@ -294,10 +294,6 @@ def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, approxi
 
 
 # --------------------------------------------------------------------------- the FFN's GEMMs
-# Under the interpreter: small tiles (tl.dot needs 16 or more each way), several programs per test.
-_GEMM_INTERP = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2}
-
-
 def _part_m() -> int:
     """PART_M: rows of dz per row of the backward's bias-gradient partials; every BLOCK_M is a
     multiple (the interpreter's twice it, so tests see a program fill two rows)."""
@@ -306,12 +302,9 @@ def _part_m() -> int:
 
 def _gemm(a, b, stride_bk, stride_bn, bias, z, out, part, m, n, k, backward, has_z, approximate):
     args = (a, b, bias, z, out, part, m, n, k, row_stride(a), stride_bk, stride_bn, n_bucket(m))
-    upcast = interpreting() and a.dtype == torch.bfloat16
-    even_k = k % (_GEMM_INTERP["BLOCK_K"] if interpreting() else 64) == 0  # every candidate's BLOCK_K divides 64
     launch(_gemm_tuned, lambda c: (cdiv(m, c["BLOCK_M"]) * cdiv(n, c["BLOCK_N"]),), args,
-           dict(BACKWARD=backward, HAS_Z=has_z, APPROX_TANH=approximate == "tanh", EVEN_K=even_k, PART_M=_part_m(),
-                UPCAST=upcast, DOT_PREC="ieee" if a.dtype == torch.float32 or upcast else "tf32"),
-           interp=_GEMM_INTERP)
+           dict(BACKWARD=backward, HAS_Z=has_z, APPROX_TANH=approximate == "tanh", PART_M=_part_m(),
+                **gemm_flags(a.dtype, k)), interp=INTERP_TILE)
 
 
 def gemm_bias_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, approximate: str = "none",

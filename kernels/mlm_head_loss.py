@@ -35,10 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from bertfast.contract import FLOAT_DTYPES, ID_DTYPES, check_logits, check_tensor, padded_vocab
+from bertfast.contract import FLOAT_DTYPES, ID_DTYPES, check_logits, check_rows, check_tensor, padded_vocab
 
 from ._common import autotune, cdiv, interpreting, launch
-from ._gemm import grouped_tile, tile_product
+from ._gemm import INTERP_TILE, gemm_flags, grouped_tile, tile_product
 from ._rows import column_sums, n_bucket
 
 # Under the interpreter autotune cannot run: one fixed block size. 1024 makes V <= 1024
@@ -300,11 +300,10 @@ def _softmax_grad_kernel(
 # whatever the candidate); under the interpreter small tiles, several programs per test.
 TILE_N = 128
 GRAD_BLOCK_M = 64  # mlm_softmax_grad's rows per program: a row of the bias gradient's partials each
-_INTERP_GEMM = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2}
 
 
 def _tile_n() -> int:
-    return _INTERP_GEMM["BLOCK_N"] if interpreting() else TILE_N
+    return INTERP_TILE["BLOCK_N"] if interpreting() else TILE_N
 
 
 def _logits_configs():
@@ -314,18 +313,6 @@ def _logits_configs():
 
 
 _logits_tuned = autotune(_logits_configs(), ["V", "H", "m_bucket", "HAS_BIAS"])(_mlm_logits_gemm_kernel)
-
-
-def _gemm_flags(t: torch.Tensor) -> dict:
-    upcast = interpreting() and t.dtype == torch.bfloat16
-    return dict(UPCAST=upcast, DOT_PREC="ieee" if t.dtype == torch.float32 or upcast else "tf32")
-
-
-def _check_width(name: str, t: torch.Tensor) -> None:
-    if t.shape[1] == 0:
-        raise ValueError(f"{name}: expected a hidden size H >= 1, got shape {tuple(t.shape)}")
-    if t.shape[1] > 1 and t.stride(1) != 1:
-        raise ValueError(f"{name}: expected unit column stride, got strides {t.stride()}")
 
 
 class DecoderSoftmax(NamedTuple):
@@ -341,15 +328,15 @@ def mlm_logits_gemm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     bias [V] (or None) in x's dtype, labels [M] int64 (-100 ignored; anything else outside [0, V) counts
     as ignored, as in mlm_head_loss_fwd). Returns (loss [M] fp32, lse [M] fp32, correct [M] bool, the
     softmax as the backward takes it)."""
-    check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2)
-    m, h = x.shape
+    m, h = check_rows("x", x)
     check_tensor("weight", weight, dtypes=(x.dtype,), ndim=2, device=x.device)
     v = weight.shape[0]
     if weight.shape[1] != h or v == 0:
         raise ValueError(f"weight: expected shape (V > 0, {h}) matching x [M, H] = {tuple(x.shape)}, "
                          f"got {tuple(weight.shape)}")
-    _check_width("x", x)
-    _check_width("weight", weight)
+    check_rows("weight", weight)
+    if h == 0:
+        raise ValueError(f"x: expected a hidden size H >= 1, got shape {tuple(x.shape)}")
     if bias is not None:
         check_tensor("bias", bias, dtypes=(x.dtype,), shape=(v,), device=x.device)
         bias = bias.contiguous()
@@ -369,9 +356,8 @@ def mlm_logits_gemm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     z_label = torch.empty((m,), dtype=torch.float32, device=dev)  # read at labelled rows only
     args = (x, weight, x if bias is None else bias, labels, u, t_max, t_sum, t_arg, z_label, m, v, h, x.stride(0),
             weight.stride(0), u.stride(0), n_bucket(m))
-    even_k = h % (_INTERP_GEMM["BLOCK_K"] if interpreting() else 64) == 0  # every candidate's BLOCK_K divides 64
     launch(_logits_tuned, lambda meta: (cdiv(m, meta["BLOCK_M"]) * tiles,), args,
-           dict(HAS_BIAS=bias is not None, EVEN_K=even_k, **_gemm_flags(x)), interp=_INTERP_GEMM)
+           dict(HAS_BIAS=bias is not None, **gemm_flags(x.dtype, h)), interp=INTERP_TILE)
     block_r, block_t = (4, 4) if interpreting() else (32, 64)
     launch(_logits_stats_kernel, (cdiv(m, block_r),),
            (t_max, t_sum, t_arg, z_label, labels, loss, lse, correct, c, m, v, tiles),
