@@ -118,9 +118,10 @@ def resolve(ref: str) -> Callable:
 
 
 _KC = "bertfast.bench.kernel_cases"
+_OC = "bertfast.bench.optimizer_cases"
 _OH = "bertfast.bench.overhead_suite"
 _SAN = "bertfast.gpucheck.sanitize"
-_CR = "bertfast.gpucheck.compile_report"
+_OL = "bertfast.gpucheck.op_launches"
 _ROW_PROFILE = {"tokens": 16384, "hidden": 1024, "params": "fp32"}
 
 # In the order a pre-training step runs them (parity names the first divergent op in this order).
@@ -132,7 +133,7 @@ _OPS: List[Op] = [
        bench={"embeddings": f"{_KC}:embeddings_cases"},
        overhead={"embeddings": f"{_OH}:embeddings_case"},
        sanitize={"embeddings": f"{_SAN}:embeddings"},
-       launches=f"{_CR}:embeddings_launches",
+       launches=f"{_OL}:embeddings_launches",
        profile_case=_ROW_PROFILE),
     Op("attention", ATTENTION,
        forms=(Form("attention_varlen", {"q": act(8, 3, 12, 64), "cu_seqlens": of("int32", 3)}),
@@ -143,7 +144,7 @@ _OPS: List[Op] = [
        bench={"attention": f"{_KC}:attention_cases"},
        overhead={"attention_varlen": f"{_OH}:attention_varlen_case", "attention": f"{_OH}:attention_padded_case"},
        sanitize={"attention_varlen": f"{_SAN}:attention_varlen", "attention_padded": f"{_SAN}:attention_padded"},
-       launches=f"{_CR}:attention_launches",
+       launches=f"{_OL}:attention_launches",
        profile_case={"batch": 128, "seqlen": 128, "heads": 16, "head_dim": 64, "padding": "pretrain",
                      "dropout": 0.1}),
     Op("bias_dropout_residual_layernorm", ROW,
@@ -153,7 +154,7 @@ _OPS: List[Op] = [
        bench={"bias_dropout_residual_layernorm": f"{_KC}:bias_dropout_residual_layernorm_cases"},
        overhead={"bias_dropout_residual_layernorm": f"{_OH}:bias_dropout_residual_layernorm_case"},
        sanitize={"bias_dropout_residual_layernorm": f"{_SAN}:bias_dropout_residual_layernorm"},
-       launches=f"{_CR}:bias_dropout_residual_layernorm_launches",
+       launches=f"{_OL}:bias_dropout_residual_layernorm_launches",
        profile_case={**_ROW_PROFILE, "dropout": 0.1}),
     # In training bias_gelu runs inside the FFN's GEMMs where the backend has them (Triton), so
     # the FFN case orders its backends, and ncu profiles it.
@@ -164,7 +165,7 @@ _OPS: List[Op] = [
        preference_case="ffn",
        overhead={"bias_gelu": f"{_OH}:bias_gelu_case"},
        sanitize={"bias_gelu": f"{_SAN}:bias_gelu"},
-       launches=f"{_CR}:bias_gelu_launches",
+       launches=f"{_OL}:bias_gelu_launches",
        profile_case={"tokens": 16384, "hidden": 1024, "features": 4096}),
     Op("mlm_head_loss", HEAD,
        forms=(Form("mlm_head_loss", {"x": act(8, 768), "weight": act(100, 768), "bias": act(100),
@@ -174,9 +175,9 @@ _OPS: List[Op] = [
               "mlm_head_loss": f"{_KC}:mlm_head_loss_cases"},
        overhead={"mlm_head_loss": f"{_OH}:mlm_head_loss_case"},
        sanitize={"mlm_head_loss": f"{_SAN}:mlm_head_loss"},
-       launches=f"{_CR}:mlm_head_loss_launches"),
-    Op("adamw", OPTIMIZER, bench={"adamw": f"{_KC}:adamw_cases"}, launches=f"{_CR}:adamw_launches"),
-    Op("lamb", OPTIMIZER, bench={"lamb": f"{_KC}:lamb_cases"}, launches=f"{_CR}:lamb_launches"),
+       launches=f"{_OL}:mlm_head_loss_launches"),
+    Op("adamw", OPTIMIZER, bench={"adamw": f"{_OC}:adamw_cases"}, launches=f"{_OL}:adamw_launches"),
+    Op("lamb", OPTIMIZER, bench={"lamb": f"{_OC}:lamb_cases"}, launches=f"{_OL}:lamb_launches"),
 ]
 
 
