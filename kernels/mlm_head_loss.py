@@ -19,8 +19,9 @@ block (meant to hit L2) and writes the gradient. Block size and warps are autotu
 
 The chunked driver around it (logits = x @ weight.T + bias chunk by chunk, the gradients of x,
 weight and bias) is backend-independent and lives in bertfast/ops/mlm_head_loss.py. Its fused form
-(BERTFAST_MLM_HEAD=fused: the forward GEMM with the loss in its epilogue, then the gradient pass) is
-the second part of this file, "the loss in the GEMM's epilogue".
+(BERTFAST_MLM_HEAD=fused: the forward GEMM with the loss in its epilogue, the backward GEMMs forming the
+logits' gradient as they load the softmax) is the second part of this file, "the loss in the GEMM's
+epilogue".
 
 Limits: logits rows must have stride 1 along V (any row stride); any V >= 1. Statistics are
 computed in fp32 whatever the logits dtype. Labels outside [0, V) are treated like ignored
@@ -35,11 +36,11 @@ import torch
 import triton
 import triton.language as tl
 
-from bertfast.contract import FLOAT_DTYPES, ID_DTYPES, check_logits, check_rows, check_tensor, padded_vocab
+from bertfast.contract import ID_DTYPES, check_logits, check_rows, check_tensor
 
 from ._common import autotune, cdiv, interpreting, launch
 from ._gemm import INTERP_TILE, gemm_flags, grouped_tile, tile_product
-from ._rows import column_sums, n_bucket
+from ._rows import n_bucket
 
 # Under the interpreter autotune cannot run: one fixed block size. 1024 makes V <= 1024
 # take the single-block path and larger V the looped one.
@@ -165,31 +166,39 @@ def mlm_head_loss_fwd(logits: torch.Tensor, labels: torch.Tensor, grad_scale: fl
 
 
 # --------------------------------------------------------------------------- the loss in the GEMM's epilogue
-# BERTFAST_MLM_HEAD=fused (bertfast/ops/mlm_head_loss.py): one chunk's decoder forward as one GEMM of
-# bertfast's own, without the loss kernel's pass over the logits or the bias gradient's column sum.
+# BERTFAST_MLM_HEAD=fused (bertfast/ops/mlm_head_loss.py): one chunk's decoder as three GEMMs of bertfast's
+# own, without the loss kernel's pass over the logits, the bias gradient's column sum or any [M, V] gradient.
 # The softmax is split by tiles of TILE_N columns: p = u * c, where u = exp(z - m_t) in [0, 1] for the
-# row's max m_t over its tile t, and c = exp(m_t - lse) one factor per row and tile.
+# row's max m_t over its tile t, and c = exp(m_t - lse) one factor per row and tile (0 on ignored rows).
 #
-#   mlm_logits_gemm_fwd  z = x @ W^T + b; the epilogue writes u in the activations' dtype (the logits
-#                        themselves never), and per row and tile m_t, the sum of the u it stored, the
-#                        first argmax and z at the label where the tile holds it; _logits_stats_kernel
-#                        combines them into each row's loss, lse and correct, and the factors c.
-#   mlm_softmax_grad     g = grad_scale * (u * c - onehot(label)) written over u (the GEMMs of the input
-#                        and weight gradients are cuBLAS's), with g's column sums over each block of rows
-#                        (the bias gradient's partials): the loss kernel's write and the column sum's read
-#                        in one pass.
+#   mlm_logits_gemm_fwd    z = x @ W^T + b; the epilogue writes u in the activations' dtype (the logits
+#                          themselves never), and per row and tile m_t, the sum of the u it stored, the
+#                          first argmax and z at the label where the tile holds it; _logits_stats_kernel
+#                          combines them into each row's loss, lse and correct, and the factors c.
+#   mlm_softmax_gemms_bwd  for g = grad * (u * c - onehot(label)), never formed in memory:
+#                          dx = g @ W: u's rows scaled by c in registers on their way to the tensor cores
+#                          (one c per row in each BLOCK_K step), the one-hot's part minus W's row at each
+#                          label in the epilogue; the vocabulary split over programs where [M, H] makes
+#                          too few tiles for the SMs, the fp32 partials summed by _dx_partials_sum_kernel.
+#                          dW^T = x^T @ g: a program's BLOCK_N vocabulary columns lie in one tile, so c
+#                          is a column scale of the A operand x^T, and u goes to the tensor cores as
+#                          stored; a column of ones beside x makes row H of the product the bias
+#                          gradient; the one-hot's part, minus x's rows at their labels, is a short dot
+#                          over the rows sorted by label. grad (the loss's incoming gradient) is applied
+#                          in both epilogues.
 # Where the loss kernel's gradient is exp(z - lse) of logits rounded to the activations' dtype (a
-# relative error of |z| * 2^-8 in bf16), p here is u rounded (2^-8) times an fp32 factor, and the loss
-# and argmax come from the fp32 logits. c is computed from the sums of the u stored, so the p the
-# gradient forms sum to 1 over the row. The GEMM's tile and main loop are kernels/_gemm.py's, as the FFN
-# GEMM's (kernels/bias_gelu.py).
+# relative error of |z| * 2^-8 in bf16), g here is u rounded (2^-8) times an fp32 factor rounded once
+# more for the tensor cores, and the loss and argmax come from the fp32 logits. c is computed from the
+# sums of the u stored, so the p the gradient forms sum to 1 over the row. No atomics: deterministic. The
+# GEMMs' tile is kernels/_gemm.py's, as the FFN GEMM's (kernels/bias_gelu.py); the forward's main loop too.
 @triton.jit
 def _mlm_logits_gemm_kernel(
     X,          # [M, H] activations, row stride stride_xm, column stride 1
     W,          # [V, H] decoder weight in X's dtype, row stride stride_wv, column stride 1
     BIAS,       # [V] in X's dtype (HAS_BIAS)
     LABELS,     # [M] int64, -100 ignored
-    U,          # [M, stride_um] out: exp(z - the row's max over its tile) in X's dtype, 0 past V
+    U,          # [M, stride_um] out: exp(z - the row's max over its tile) in X's dtype, 0 past V (stride_um:
+                #   whole tiles)
     TILE_MAX,   # [cdiv(V, BLOCK_N), M] fp32 out: each tile's row max of z
     TILE_SUM,   # [cdiv(V, BLOCK_N), M] fp32 out: the sum of the tile's stored u
     TILE_ARG,   # [cdiv(V, BLOCK_N), M] int32 out: the column of the max (first of ties)
@@ -199,7 +208,7 @@ def _mlm_logits_gemm_kernel(
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    rows, cols, _, pid_n = grouped_tile(M, V, BLOCK_M, BLOCK_N, GROUP_M)
+    rows, cols, _, pid_n = grouped_tile(M, stride_um, BLOCK_M, BLOCK_N, GROUP_M)  # u's whole width: its 0s past V
     acc = tile_product(X, W, rows, cols, M, V, H, stride_xm, 1, stride_wv, EVEN_K, UPCAST, DOT_PREC, BLOCK_M,
                        BLOCK_N, BLOCK_K)
     row_ok = rows < M
@@ -214,9 +223,10 @@ def _mlm_logits_gemm_kernel(
     u_ok = row_ok[:, None] & (cols < stride_um)[None, :]
     tl.store(U + rows.to(tl.int64)[:, None] * stride_um + cols[None, :], u, mask=u_ok)
     stat = pid_n * M + rows
-    tl.store(TILE_MAX + stat, t_max, mask=row_ok)
-    tl.store(TILE_SUM + stat, tl.sum(u.to(tl.float32), 1), mask=row_ok)
-    tl.store(TILE_ARG + stat, pid_n * BLOCK_N + t_arg, mask=row_ok)
+    stat_ok = row_ok & (rows * 0 + pid_n * BLOCK_N < V)  # a tile past V (the interpreter's small tiles): its 0s only
+    tl.store(TILE_MAX + stat, t_max, mask=stat_ok)
+    tl.store(TILE_SUM + stat, tl.sum(u.to(tl.float32), 1), mask=stat_ok)
+    tl.store(TILE_ARG + stat, pid_n * BLOCK_N + t_arg, mask=stat_ok)
     label = tl.load(LABELS + rows % M)
     here = row_ok & (label >= pid_n * BLOCK_N) & (label < pid_n * BLOCK_N + BLOCK_N) & (label < V)
     z_label = tl.sum(tl.where(cols[None, :] == label[:, None], z, 0.0), 1)
@@ -229,7 +239,7 @@ def _logits_stats_kernel(
     LOSS,        # [M] fp32 out: lse - z[label], 0 on ignored rows
     LSE,         # [M] fp32 out
     CORRECT,     # [M] uint8 out: labelled and the first argmax is the label
-    TILE_SCALE,  # [TILES, M] fp32 out: c = exp(m_t - lse), so that p = u * c
+    TILE_SCALE,  # [TILES, M] fp32 out: c = exp(m_t - lse), so that p = u * c; 0 on ignored rows
     M, V, TILES,
     BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
@@ -253,53 +263,34 @@ def _logits_stats_kernel(
         s = s * tl.exp(m - m_safe) + tl.sum(t_sum * tl.exp(t_max - m_safe[None, :]), 0)
         m = m_new
     lse = tl.where(m == float("-inf"), 0.0, m) + tl.log(tl.where(row_ok, s, 1.0))  # no log(0) past the rows
+    label = tl.load(LABELS + rows, mask=row_ok, other=-100)
+    labelled = (label >= 0) & (label < V)
     for t0 in range(0, TILES, BLOCK_T):
         ts = t0 + tl.arange(0, BLOCK_T)
         ok = (ts < TILES)[:, None] & row_ok[None, :]
         offs = ts[:, None] * M + rows[None, :]
         t_max = tl.load(TILE_MAX + offs, mask=ok, other=0.0)
-        tl.store(TILE_SCALE + offs, tl.exp(t_max - lse[None, :]), mask=ok)
-    label = tl.load(LABELS + rows, mask=row_ok, other=-100)
-    labelled = (label >= 0) & (label < V)
+        tl.store(TILE_SCALE + offs, tl.where(labelled[None, :], tl.exp(t_max - lse[None, :]), 0.0), mask=ok)
     z_label = tl.load(Z_LABEL + rows, mask=row_ok & labelled, other=0.0)
     tl.store(LOSS + rows, tl.where(labelled, lse - z_label, 0.0), mask=row_ok)
     tl.store(LSE + rows, lse, mask=row_ok)
     tl.store(CORRECT + rows, (labelled & (arg == label)).to(tl.uint8), mask=row_ok)
 
 
-@triton.jit
-def _softmax_grad_kernel(
-    U,           # [M, stride_um] the forward's u, 0 past V; overwritten by g
-    TILE_SCALE,  # [cdiv(V, TILE_N), M] fp32: the forward's c
-    LABELS,      # [M] int64, -100 ignored
-    DB_PART,     # [cdiv(M, BLOCK_M), V] fp32 out (HAS_DB): g's column sums over each program's rows
-    M, V, stride_um, grad_scale,
-    HAS_DB: tl.constexpr, TILE_N: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    # One program: BLOCK_M rows of one tile t of TILE_N columns, whose c is one value per row.
-    pid_m = tl.program_id(0)
-    pid_t = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_t * TILE_N + tl.arange(0, TILE_N)
-    row_ok = rows < M
-    label = tl.load(LABELS + rows, mask=row_ok, other=-100)
-    labelled = row_ok & (label >= 0) & (label < V)
-    c = tl.load(TILE_SCALE + pid_t * M + rows, mask=labelled, other=0.0)
-    ptrs = U + rows.to(tl.int64)[:, None] * stride_um + cols[None, :]
-    u_ok = row_ok[:, None] & (cols < stride_um)[None, :]  # the padded width: wide loads and stores
-    u = tl.load(ptrs, mask=u_ok, other=0.0).to(tl.float32)
-    g = (u * c[:, None] - tl.where(cols[None, :] == label[:, None], 1.0, 0.0)) * grad_scale
-    # where, not a product with a mask: exact 0 on ignored rows whatever grad_scale (inf with no labelled row)
-    g = tl.where(labelled[:, None], g, 0.0).to(U.dtype.element_ty)
-    tl.store(ptrs, g, mask=u_ok)
-    if HAS_DB:
-        tl.store(DB_PART + pid_m * V + cols, tl.sum(g.to(tl.float32), 0), mask=cols < V)
-
-
 # GPU candidates, the first the default, all at BLOCK_N = TILE_N (the statistics are per TILE_N columns
 # whatever the candidate); under the interpreter small tiles, several programs per test.
 TILE_N = 128
-GRAD_BLOCK_M = 64  # mlm_softmax_grad's rows per program: a row of the bias gradient's partials each
+
+
+def softmax_width(v: int) -> int:
+    """u's row length for a vocabulary of ``v``: whole tiles of TILE_N (the weight gradient's GEMM reads u's
+    columns in whole tiles, unmasked and unwrapped: its loads stay 16 bytes wide)."""
+    return cdiv(v, TILE_N) * TILE_N
+
+
+def softmax_shapes(m: int, v: int) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    """The shapes of DecoderSoftmax's u and c for m rows over a vocabulary of v (the op's fake)."""
+    return (m, softmax_width(v)), (cdiv(v, _tile_n()), m)
 
 
 def _tile_n() -> int:
@@ -317,7 +308,7 @@ _logits_tuned = autotune(_logits_configs(), ["V", "H", "m_bucket", "HAS_BIAS"])(
 
 class DecoderSoftmax(NamedTuple):
     """The softmax mlm_logits_gemm_fwd keeps for the gradient: p = u * c, by tiles of TILE_N columns."""
-    u: torch.Tensor  # [M, padded_vocab(V)] in the activations' dtype, 0 past V
+    u: torch.Tensor  # [M, softmax_width(V)] in the activations' dtype, 0 past V
     c: torch.Tensor  # [cdiv(V, TILE_N), M] fp32
     vocab: int       # V
 
@@ -343,7 +334,7 @@ def mlm_logits_gemm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     check_tensor("labels", labels, dtypes=(torch.int64,), shape=(m,), device=x.device)
     dev = x.device
     tiles = cdiv(v, _tile_n())
-    u = torch.empty((m, padded_vocab(v, x.element_size())), dtype=x.dtype, device=dev)
+    u = torch.empty((m, softmax_width(v)), dtype=x.dtype, device=dev)
     c = torch.empty((tiles, m), dtype=torch.float32, device=dev)
     loss = torch.empty((m,), dtype=torch.float32, device=dev)
     lse = torch.empty((m,), dtype=torch.float32, device=dev)
@@ -356,7 +347,7 @@ def mlm_logits_gemm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     z_label = torch.empty((m,), dtype=torch.float32, device=dev)  # read at labelled rows only
     args = (x, weight, x if bias is None else bias, labels, u, t_max, t_sum, t_arg, z_label, m, v, h, x.stride(0),
             weight.stride(0), u.stride(0), n_bucket(m))
-    launch(_logits_tuned, lambda meta: (cdiv(m, meta["BLOCK_M"]) * tiles,), args,
+    launch(_logits_tuned, lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(u.shape[1], meta["BLOCK_N"]),), args,
            dict(HAS_BIAS=bias is not None, **gemm_flags(x.dtype, h)), interp=INTERP_TILE)
     block_r, block_t = (4, 4) if interpreting() else (32, 64)
     launch(_logits_stats_kernel, (cdiv(m, block_r),),
@@ -365,27 +356,231 @@ def mlm_logits_gemm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     return loss, lse, correct.view(torch.bool), DecoderSoftmax(u, c, v)
 
 
-def mlm_softmax_grad(softmax: DecoderSoftmax, labels: torch.Tensor, grad_scale: float, bias_grad: bool = True
-                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The logits' gradient from mlm_logits_gemm_fwd's softmax, written over its u: g = grad_scale * (u * c -
-    onehot(label)), 0 on ignored rows (labels [M] int64 as the forward had them). Returns (g, u itself:
-    [M, padded_vocab(V)] in u's dtype, 0 past V; with bias_grad, g's column sums [V] in fp32, else
-    None)."""
+# --------------------------------------------------------------------------- the gradient inside the backward GEMMs
+@triton.jit
+def _scaled_dot(a, b, c, acc, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc + (a's rows scaled by c) @ b, the scaled operand rounded to b's dtype as the tensor cores take it."""
+    a = (a.to(tl.float32) * c[:, None]).to(b.dtype)
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _softmax_dx_gemm_kernel(
+    U,       # [M, stride_um] the forward's u, 0 past V
+    C,       # [cdiv(V, TILE_N), M] fp32: the forward's c, 0 on ignored rows
+    LABELS,  # [M] int64, -100 ignored
+    W,       # [V, H] in U's dtype, row stride stride_wv, column stride 1
+    GRAD,    # [] fp32: the loss's incoming gradient
+    DX,      # [splits, M, H] fp32 partials, or with one split [M, H] in x's dtype
+    M, V, H, stride_um, stride_wv, tiles_per_split,
+    m_bucket,  # autotune key only
+    TILE_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # A program: one tile of dx over its split's tiles_per_split tiles of the vocabulary (program_id(1))
+    rows, cols, _, _ = grouped_tile(M, H, BLOCK_M, BLOCK_N, GROUP_M)
+    split = tl.program_id(1)
+    k_lo = split * tiles_per_split * TILE_N
+    k_hi = tl.minimum(V, k_lo + tiles_per_split * TILE_N)
+    ks = tl.arange(0, BLOCK_K)
+    r = (rows % M).to(tl.int64)
+    a_ptrs = U + r[:, None] * stride_um + (k_lo + ks)[None, :]
+    b_ptrs = W + (k_lo + ks)[:, None].to(tl.int64) * stride_wv + (cols % H)[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_even = k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
+    for k0 in range(k_lo, k_even, BLOCK_K):  # unmasked: u's rows are whole tiles long, 0 past V
+        c = tl.load(C + (k0 // TILE_N) * M + r)
+        acc = _scaled_dot(tl.load(a_ptrs), tl.load(b_ptrs), c, acc, UPCAST, DOT_PREC)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_wv
+    if k_even < k_hi:  # the last split's ragged block: W's rows past V masked (u is 0 there); its pointers
+        c = tl.load(C + (k_even // TILE_N) * M + r)  # anew, not the loop's (which the pipeline runs ahead)
+        a = tl.load(U + r[:, None] * stride_um + (k_even + ks)[None, :])
+        b = tl.load(W + (k_even + ks)[:, None].to(tl.int64) * stride_wv + (cols % H)[None, :],
+                    mask=ks[:, None] < k_hi - k_even, other=0.0)
+        acc = _scaled_dot(a, b, c, acc, UPCAST, DOT_PREC)
+    label = tl.load(LABELS + r)
+    labelled = (rows < M) & (label >= 0) & (label < V)
+    if split == 0:  # the one-hot's part: minus the label's row of W
+        acc -= tl.load(W + tl.where(labelled, label, 0)[:, None] * stride_wv + (cols % H)[None, :],
+                       mask=labelled[:, None], other=0.0).to(tl.float32)
+    acc *= tl.load(GRAD)
+    out = DX + (split * M + rows).to(tl.int64)[:, None] * H + cols[None, :]
+    tl.store(out, acc.to(DX.dtype.element_ty), mask=(rows < M)[:, None] & (cols < H)[None, :])
+
+
+@triton.jit
+def _softmax_dw_gemm_kernel(
+    U,       # [M, stride_um] the forward's u, 0 past V (stride_um a multiple of TILE_N)
+    C,       # [cdiv(V, TILE_N), M] fp32: the forward's c, 0 on ignored rows
+    X,       # [M, stride_xm] x in U's dtype, its columns past H 0 (HAS_DB: column H all 1); stride_xm a multiple
+             # of 128 (the row tiles of dW^T need no wrap)
+    SORTED,         # [M] int64: the rows' indices in label order (stable; ignored rows, -100, first)
+    SORTED_LABELS,  # [M] int64: their labels
+    OFFSETS,        # [cdiv(V, TILE_N) + 1] int32: where each tile's labels begin in that order
+    GRAD,    # [] fp32: the loss's incoming gradient
+    DW,      # [V, H] out, contiguous, in DW's dtype
+    DB,      # [V] fp32 out (HAS_DB)
+    M, V, H, stride_um, stride_xm,
+    m_bucket,  # autotune key only
+    HAS_DB: tl.constexpr, TILE_N: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    # The transposed product, dW^T [H, V] = (x^T scaled by c) @ u: a program's BLOCK_N vocabulary columns lie in
+    # one tile t of TILE_N (BLOCK_N divides TILE_N), so its c is one value per row m of u, a column scale of the
+    # A operand x^T; u goes to the tensor cores as it was stored.
+    hrows, vcols, _, pid_n = grouped_tile(H + HAS_DB, V, BLOCK_M, BLOCK_N, GROUP_M)
+    t = pid_n * BLOCK_N // TILE_N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = X + ks[None, :].to(tl.int64) * stride_xm + hrows[:, None]
+    b_ptrs = U + ks[:, None].to(tl.int64) * stride_um + vcols[None, :]
+    c_ptrs = C + t * M + ks
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, M, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+            c = tl.load(c_ptrs)
+        else:
+            k_ok = ks < M - k0
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            c = tl.load(c_ptrs, mask=k_ok, other=0.0)
+        a = (a.to(tl.float32) * c[None, :]).to(b.dtype)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K * stride_xm
+        b_ptrs += BLOCK_K * stride_um
+        c_ptrs += BLOCK_K
+    # The one-hot's part, minus x's rows at their labels: the rows whose labels fall in this program's tile t,
+    # BLOCK_L at a time in label order (a fixed order: deterministic), as a dot with a one-hot of -1s
+    ls = tl.arange(0, BLOCK_L)
+    hi = tl.load(OFFSETS + t + 1)
+    for l0 in range(tl.load(OFFSETS + t), hi, BLOCK_L):
+        l_ok = ls < hi - l0
+        r = tl.load(SORTED + l0 + ls, mask=l_ok, other=0)
+        lab = tl.load(SORTED_LABELS + l0 + ls, mask=l_ok, other=-1)
+        xs = tl.load(X + r.to(tl.int64)[None, :] * stride_xm + hrows[:, None])
+        onehot = tl.where(lab[:, None] == vcols[None, :], -1.0, 0.0).to(xs.dtype)
+        if UPCAST:
+            xs = xs.to(tl.float32)
+            onehot = onehot.to(tl.float32)
+        acc = tl.dot(xs, onehot, acc, input_precision=DOT_PREC)
+    acc *= tl.load(GRAD)
+    v_ok = vcols < V
+    out = DW + vcols.to(tl.int64)[None, :] * H + hrows[:, None]
+    tl.store(out, acc.to(DW.dtype.element_ty), mask=v_ok[None, :] & (hrows < H)[:, None])
+    if HAS_DB:  # x's column of ones: its row of dW^T is the bias gradient
+        tl.store(DB + vcols[None, :] + 0 * hrows[:, None], acc, mask=v_ok[None, :] & (hrows == H)[:, None])
+
+
+@triton.jit
+def _dx_partials_sum_kernel(
+    PART,  # [SPLIT, N] fp32: the input gradient's partials
+    DX,    # [N] out, in DX's dtype
+    N,
+    SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    acc = tl.load(PART + offs, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT):  # a fixed order: deterministic
+        acc += tl.load(PART + s * N + offs, mask=ok, other=0.0)
+    tl.store(DX + offs, acc.to(DX.dtype.element_ty), mask=ok)
+
+
+# GPU candidates (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps), the first the default; BLOCK_K divides
+# TILE_N (the input gradient's c changes at tile boundaries), the weight gradient's BLOCK_N too (one tile a program)
+_DX_CANDIDATES = ((64, 128, 64, 4, 4), (64, 128, 64, 3, 4), (128, 128, 64, 3, 8))
+_DW_CANDIDATES = ((64, 128, 64, 3, 4), (64, 128, 64, 4, 4), (128, 128, 64, 3, 8))
+# The input gradient's output is small ([M, H]: at BERT-large's 2,432 rows 304 tiles of 64 x 128, not 2 full
+# waves of 132 SMs holding 2 each): its vocabulary is split over up to DX_SPLIT_MAX programs a tile, each writing
+# fp32 partials, so that there are DX_WAVES waves of them at least.
+DX_SPLIT_MAX = 4
+DX_WAVES = 6
+PARTIALS_BLOCK = 1024  # _dx_partials_sum_kernel's elements per program: 8 a thread, two 16-byte stores
+
+
+def _gemm_configs(candidates):
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_stages=s, num_warps=w)
+            for m, n, k, s, w in candidates]
+
+
+_dx_tuned = autotune(_gemm_configs(_DX_CANDIDATES), ["V", "H", "m_bucket", "tiles_per_split"])(
+    _softmax_dx_gemm_kernel)
+_dw_tuned = autotune(_gemm_configs(_DW_CANDIDATES), ["V", "H", "m_bucket", "HAS_DB"])(_softmax_dw_gemm_kernel)
+
+
+def dx_split(m: int, h: int, sms: int) -> int:
+    """The input gradient's vocabulary split for m rows and hidden size h on ``sms`` SMs: the least split
+    giving DX_WAVES SMs' worth of programs at the default tile, at most DX_SPLIT_MAX (1: no partials)."""
+    block_m, block_n = _DX_CANDIDATES[0][:2]
+    programs = cdiv(m, block_m) * cdiv(h, block_n)
+    return next((s for s in range(1, DX_SPLIT_MAX) if s * programs >= DX_WAVES * sms), DX_SPLIT_MAX)
+
+
+def _sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2 if interpreting() else 132  # the interpreter: splits at a test's few tiles; else an H100's
+
+
+def mlm_softmax_gemms_bwd(softmax: DecoderSoftmax, labels: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                          grad: torch.Tensor, dw_dtype: torch.dtype, bias_grad: bool, split: Optional[int] = None
+                          ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The decoder's gradients from mlm_logits_gemm_fwd's softmax, the logits' gradient g = grad * (u * c -
+    onehot(label)) formed inside the GEMMs as they load u and never written: x [M, H] and weight [V, H] as
+    the forward had them, labels [M] int64 (-100 ignored), grad the loss's incoming gradient (a 0-dim fp32
+    tensor: no sync). Returns (grad x [M, H] in x's dtype, grad weight [V, H] in ``dw_dtype``, grad bias [V]
+    fp32 or None). split: the input gradient's vocabulary split (None: dx_split's for this GPU)."""
     u, c, v = softmax
-    m = u.shape[0]
-    check_tensor("u", u, dtypes=FLOAT_DTYPES, shape=(m, padded_vocab(v, u.element_size())))
-    if not u.is_contiguous():
-        raise ValueError(f"u: expected mlm_logits_gemm_fwd's contiguous rows, got strides {u.stride()}")
+    m, h = x.shape
+    check_tensor("u", u, dtypes=(x.dtype,), shape=softmax_shapes(m, v)[0], device=x.device)
+    check_tensor("c", c, dtypes=(torch.float32,), shape=softmax_shapes(m, v)[1], device=x.device)
+    check_tensor("weight", weight, dtypes=(x.dtype,), shape=(v, h), device=x.device)
+    check_rows("weight", weight)
+    check_tensor("labels", labels, dtypes=(torch.int64,), shape=(m,), device=x.device)
+    check_tensor("grad", grad, dtypes=(torch.float32,), shape=(), device=x.device)
+    dev = x.device
+    dw = torch.empty((v, h), dtype=dw_dtype, device=dev)
+    db = torch.empty((v,), dtype=torch.float32, device=dev) if bias_grad else None
+    if m == 0 or h == 0:
+        return x.new_zeros((m, h)), dw.zero_(), None if db is None else db.zero_()
     tile_n = _tile_n()
-    check_tensor("c", c, dtypes=(torch.float32,), shape=(cdiv(v, tile_n), m), device=u.device)
-    check_tensor("labels", labels, dtypes=(torch.int64,), shape=(m,), device=u.device)
-    block_m = 16 if interpreting() else GRAD_BLOCK_M  # the interpreter: several row blocks per test
-    blocks = cdiv(m, block_m)
-    db_part = torch.empty((blocks, v), dtype=torch.float32, device=u.device) if bias_grad else c
-    if m:
-        launch(_softmax_grad_kernel, (blocks, cdiv(v, tile_n)),
-               (u, c, labels, db_part, m, v, u.stride(0), float(grad_scale)),
-               dict(HAS_DB=bias_grad, TILE_N=tile_n, BLOCK_M=block_m, num_warps=8))
-    if not bias_grad:
-        return u, None
-    return u, column_sums(db_part.view(1, blocks, v), [torch.float32])[0]
+    tiles = cdiv(v, tile_n)
+    split = dx_split(m, h, _sms(dev)) if split is None else split
+    per_split = cdiv(tiles, split)
+    split = cdiv(tiles, per_split)  # no split without tiles
+    flags = gemm_flags(x.dtype, m)
+    dx = torch.empty((split, m, h) if split > 1 else (m, h), dtype=torch.float32 if split > 1 else x.dtype,
+                     device=dev)
+    launch(_dx_tuned, lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(h, meta["BLOCK_N"]), split),
+           (u, c, labels, weight, grad, dx, m, v, h, u.stride(0), weight.stride(0), per_split, n_bucket(m)),
+           dict(TILE_N=tile_n, UPCAST=flags["UPCAST"], DOT_PREC=flags["DOT_PREC"]), interp=INTERP_TILE)
+    # The one-hot's rows for the weight gradient: the rows in label order and where each tile's labels begin
+    # in it (ignored rows, -100, sort before the first tile)
+    sorted_labels, order = torch.sort(labels, stable=True)
+    bounds = torch.arange(0, (tiles + 1) * tile_n, tile_n, device=dev, dtype=torch.int64)
+    offsets = torch.searchsorted(sorted_labels, bounds, out_int32=True)
+    # x^T as the A operand: rows of whole 128s (no wrap), the bias gradient's column of ones after x's
+    xa = torch.zeros((m, cdiv(h + 1, 128) * 128), dtype=x.dtype, device=dev)
+    xa[:, :h] = x
+    if bias_grad:
+        xa[:, h] = 1
+    launch(_dw_tuned, lambda meta: (cdiv(h + bias_grad, meta["BLOCK_M"]) * cdiv(v, meta["BLOCK_N"]),),
+           (u, c, xa, order, sorted_labels, offsets, grad, dw, dw if db is None else db, m, v, h,
+            u.stride(0), xa.stride(0), n_bucket(m)),
+           dict(HAS_DB=bias_grad, TILE_N=tile_n, BLOCK_L=16, **flags), interp=INTERP_TILE)
+    if split > 1:  # the partials summed in fp32 and rounded once
+        out = torch.empty((m, h), dtype=x.dtype, device=dev)
+        block = 64 if interpreting() else PARTIALS_BLOCK
+        launch(_dx_partials_sum_kernel, (cdiv(m * h, block),), (dx, out, m * h),
+               dict(SPLIT=split, BLOCK=block, num_warps=4))
+        dx = out
+    return dx, dw, db

@@ -500,7 +500,7 @@ def mlm_predictions_per_seq(seqlen: int) -> int:
 
 @contextlib.contextmanager
 def _fused_head():
-    """``bertfast:triton fused``: the decoder's forward GEMM with the loss in its epilogue
+    """``bertfast:triton fused``: the decoder's GEMMs with the loss inside them
     (BERTFAST_MLM_HEAD=fused, ops/mlm_head_loss.py), its checks on the device as the other rows'."""
     from bertfast.ops.mlm_head_loss import using_head_mode
     with checks_on_device(), using_head_mode("fused"):

@@ -129,7 +129,7 @@ def mlm_head_loss_launches(s: LaunchSetting) -> None:
         return
     x, w = s.empty(MASKED_ROWS, s.hidden), s.empty(VOCAB, s.hidden)
     _, _, _, softmax = M.mlm_logits_gemm_fwd(x, w, s.empty(VOCAB), labels)
-    M.mlm_softmax_grad(softmax, labels, 1.0)
+    M.mlm_softmax_gemms_bwd(softmax, labels, x, w, torch.empty((), dtype=torch.float32), s.par, True)
 
 
 def lamb_launches(s: LaunchSetting) -> None:

@@ -16,10 +16,11 @@ backend provides only the per-chunk kernel:
            logits are overwritten by grad_scale * (softmax - onehot(label)) (0 on ignored rows).
 
 BERTFAST_MLM_HEAD=fused (head_mode): one chunk's forward on a backend that has the fused kernels (Triton's)
-is instead its own GEMM with the loss's statistics in the epilogue (mlm_logits_gemm_fwd), then a pass that
-writes the logits' gradient and the bias gradient's column sums (mlm_softmax_grad); the backward's GEMMs
-are the same (_fused_forward). Its loss and argmax come from the GEMM's fp32 logits, not from logits
-rounded to the activations' dtype, so n_correct may differ where two logits round to one value.
+is instead its own GEMM with the loss's statistics in the epilogue (mlm_logits_gemm_fwd), and its backward
+two GEMMs of its own that form the logits' gradient as they load the forward's softmax, never writing it
+(mlm_softmax_gemms_bwd: _fused_forward, _mlm_head_loss_decoder_fused_backward). Its loss and argmax come
+from the GEMM's fp32 logits, not from logits rounded to the activations' dtype, so n_correct may differ
+where two logits round to one value.
 
 Contract (every backend): labels -100 are ignored; any other label outside [0, V) is a ValueError
 (one device sync, in the driver); the kernel alone treats such labels as ignored. The sum of the
@@ -51,21 +52,19 @@ def _mlm_head_loss_decoder(x: Tensor, weight: Tensor, bias: Optional[Tensor], la
                           compute_grad: bool, one_chunk: bool, fused: bool, backend: str
                           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss_sum, n_correct, and what the backward needs). one_chunk (with compute_grad): the logits'
-    gradient [M, Vp] for a loss scale of 1, the GEMMs' weight (empty where that is ``weight`` itself) and,
-    ``fused`` (the loss in the GEMM's epilogue), the bias gradient's fp32 column sums (else empty), the
-    gradients' GEMMs left to the backward; otherwise the three gradients, computed chunk by chunk for a
-    loss scale of 1."""
+    gradient [M, Vp] for a loss scale of 1 and the GEMMs' weight (empty where that is ``weight`` itself), the
+    gradients' GEMMs left to the backward; ``fused`` (the loss in the GEMM's epilogue): the softmax's u, the
+    GEMMs' weight and the softmax's c (kernels/mlm_head_loss.py, DecoderSoftmax); otherwise the three
+    gradients, computed chunk by chunk for a loss scale of 1."""
     impl = dispatch.get(OP, backend).impl
     if one_chunk:
         labels, _, vp = _checked(x, weight, bias, labels, chunk_rows or None)
         if fused:
-            loss_sum, n_correct, dlogits, w, grad_b = _fused_forward(x, weight, bias, labels, impl)
-        else:
-            loss_sum, n_correct, dlogits, w = _one_chunk_forward(x, weight, bias, labels, vp, 1.0,
-                                                                 impl.mlm_head_loss_fwd)
-            grad_b = None
-        return distinct([loss_sum, n_correct, dlogits, empty(weight) if w is weight else w,
-                         empty(weight) if grad_b is None else grad_b], [x, weight, bias, labels])
+            loss_sum, n_correct, u, w, c = _fused_forward(x, weight, bias, labels, impl)
+            return distinct([loss_sum, n_correct, u, empty(weight) if w is weight else w, c], [x, weight, bias, labels])
+        loss_sum, n_correct, dlogits, w = _one_chunk_forward(x, weight, bias, labels, vp, 1.0, impl.mlm_head_loss_fwd)
+        return distinct([loss_sum, n_correct, dlogits, empty(weight) if w is weight else w, empty(weight)],
+                        [x, weight, bias, labels])
     kernel = impl.mlm_head_loss_fwd
     # chunk_rows 0: the default (logits of one chunk within a memory budget).
     loss_sum, n_correct, gx, gw, gb = _decoder_loss(x, weight, bias, labels, chunk_rows or None, compute_grad, 1.0,
@@ -82,19 +81,24 @@ def _(x, weight, bias, labels, chunk_rows, compute_grad, one_chunk, fused, backe
         return scalar, count, empty(x), empty(weight), empty(weight)
     if one_chunk:
         vocab, width = weight.shape
-        vp = padded_vocab(vocab, x.element_size()) if fused else _gemm_vocab(vocab, x)
-        rows = vocab if fused else vp
-        w = empty(weight) if rows == vocab and weight.dtype == x.dtype else x.new_empty((rows, width))
-        grad_b = x.new_empty((vocab,), dtype=torch.float32) if fused and bias is not None else empty(weight)
-        return scalar, count, x.new_empty((x.shape[0], vp)), w, grad_b
+        if fused:
+            u_shape, c_shape = dispatch.get(OP, backend).impl.softmax_shapes(x.shape[0], vocab)
+            w = empty(weight) if weight.dtype == x.dtype else x.new_empty((vocab, width))
+            return scalar, count, x.new_empty(u_shape), w, x.new_empty(c_shape, dtype=torch.float32)
+        vp = _gemm_vocab(vocab, x)
+        w = empty(weight) if vp == vocab and weight.dtype == x.dtype else x.new_empty((vp, width))
+        return scalar, count, x.new_empty((x.shape[0], vp)), w, empty(weight)
     gb = torch.empty_like(bias) if bias is not None else empty(weight)
     return scalar, count, torch.empty_like(x), torch.empty_like(weight), gb
 
 
 def _setup(ctx, inputs, output):
-    x, weight, bias, _, _, ctx.computed_grad, ctx.one_chunk, _, _ = inputs
+    x, weight, bias, labels, _, ctx.computed_grad, ctx.one_chunk, ctx.fused, ctx.backend = inputs
     ctx.has_bias = bias is not None
-    ctx.save_for_backward(*((x, weight, bias, output[3], output[2], output[4]) if ctx.one_chunk else output[2:]))
+    if ctx.fused:  # the GEMMs' weight, the softmax's u and c, the labels
+        ctx.save_for_backward(x, weight, bias, output[3], output[2], output[4], labels)
+    else:
+        ctx.save_for_backward(*((x, weight, bias, output[3], output[2]) if ctx.one_chunk else output[2:]))
     no_zero_grads(ctx)
 
 
@@ -103,7 +107,9 @@ def _backward(ctx, d_loss_sum, _d_correct, _d2, _d3, _d4):
         return (None,) * 9
     if not ctx.computed_grad:
         raise RuntimeError("mlm_head_loss_decoder: backward called on a forward run without gradients")
-    if ctx.one_chunk:
+    if ctx.fused:
+        gx, gw, gb = _mlm_head_loss_decoder_fused_backward(*ctx.saved_tensors, d_loss_sum, ctx.backend)
+    elif ctx.one_chunk:
         gx, gw, gb = _mlm_head_loss_decoder_backward(*ctx.saved_tensors, d_loss_sum)
     else:
         gx, gw, gb = ctx.saved_tensors
@@ -116,17 +122,35 @@ _mlm_head_loss_decoder.register_autograd(_backward, setup_context=_setup)
 
 @fused_op("bertfast::mlm_head_loss_decoder_backward")
 def _mlm_head_loss_decoder_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], w: Tensor, dlogits: Tensor,
-                                   grad_b: Tensor, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                                   grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """One chunk's (grad x, grad weight, grad bias or empty) from the forward's logits' gradient, the loss's
-    incoming gradient ``grad`` in them (_one_chunk_grads); w: the GEMMs' weight, or empty for ``weight``;
-    grad_b: the forward's bias gradient (fp32, for a loss scale of 1), or empty."""
-    gx, gw, gb = _one_chunk_grads(x, weight, bias, w if w.numel() else weight, dlogits, grad,
-                                  grad_b if grad_b.numel() else None)
-    return distinct([gx, gw, empty(weight) if gb is None else gb], [x, weight, bias, w, dlogits, grad_b, grad])
+    incoming gradient ``grad`` in them (_one_chunk_grads); w: the GEMMs' weight, or empty for ``weight``."""
+    gx, gw, gb = _one_chunk_grads(x, weight, bias, w if w.numel() else weight, dlogits, grad)
+    return distinct([gx, gw, empty(weight) if gb is None else gb], [x, weight, bias, w, dlogits, grad])
 
 
 @_mlm_head_loss_decoder_backward.register_fake
-def _(x, weight, bias, w, dlogits, grad_b, grad):
+def _(x, weight, bias, w, dlogits, grad):
+    return torch.empty_like(x), torch.empty_like(weight), empty(weight) if bias is None else torch.empty_like(bias)
+
+
+@fused_op("bertfast::mlm_head_loss_decoder_fused_backward")
+def _mlm_head_loss_decoder_fused_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], w: Tensor, u: Tensor,
+                                         c: Tensor, labels: Tensor, grad: Tensor, backend: str
+                                         ) -> tuple[Tensor, Tensor, Tensor]:
+    """The fused decoder's (grad x, grad weight, grad bias or empty): the logits' gradient formed inside the
+    backward's GEMMs from the forward's softmax (u, c) and never written; w: the GEMMs' weight, or empty for
+    ``weight``."""
+    impl = dispatch.get(OP, backend).impl
+    softmax = impl.DecoderSoftmax(u, c, weight.shape[0])
+    gx, gw, gb = impl.mlm_softmax_gemms_bwd(softmax, labels, x if x.stride(1) == 1 else x.contiguous(),
+                                            w if w.numel() else weight, grad.float(), weight.dtype, bias is not None)
+    gb = empty(weight) if gb is None else gb.to(bias.dtype)
+    return distinct([gx, gw, gb], [x, weight, bias, w, u, c, labels, grad])
+
+
+@_mlm_head_loss_decoder_fused_backward.register_fake
+def _(x, weight, bias, w, u, c, labels, grad, backend):
     return torch.empty_like(x), torch.empty_like(weight), empty(weight) if bias is None else torch.empty_like(bias)
 
 
@@ -444,18 +468,15 @@ def _one_chunk_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
 
 
 def _one_chunk_grads(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], w: torch.Tensor,
-                     dlogits: torch.Tensor, scale: Optional[torch.Tensor], grad_b: Optional[torch.Tensor] = None):
+                     dlogits: torch.Tensor, scale: Optional[torch.Tensor]):
     """(grad x, grad weight, grad bias or None) of one chunk from its logits' gradient dlogits [M, >= Vp]
     (0 past V) and the GEMMs' weight w [Vp, H] (Vp: V, or the padded vocabulary). scale, the loss's
     incoming gradient (0-dim; None for 1), goes where it is small: into x before the weight gradient's
     GEMM, onto the input gradient after its GEMM, and onto the bias gradient, not over a [V, H] gradient
     (a pass of 125 MB at BERT-large's vocabulary in bf16, 250 in fp32). The weight gradient is its one
-    GEMM's output, in the weight's dtype where that is x's (cuBLAS rounds its fp32 sum once), else fp32.
-    grad_b: the bias gradient's fp32 sums where the forward computed them (the fused decoder), else
-    None (a column sum of dlogits here)."""
+    GEMM's output, in the weight's dtype where that is x's (cuBLAS rounds its fp32 sum once), else fp32."""
     M, H = x.shape
     V = weight.shape[0]
-    dlogits = dlogits[:, :w.shape[0]]  # the fused decoder's rows are wider than its GEMMs' vocabulary
     grad_x = torch.mm(dlogits, w)
     if scale is not None:
         grad_x.mul_(scale)
@@ -466,8 +487,7 @@ def _one_chunk_grads(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
         _accumulate_grad_weight(acc, dlogits.t(), x, first=True)
     grad_bias = None
     if bias is not None:
-        if grad_b is None:
-            grad_b = dlogits[:, :V].sum(0, dtype=torch.float32)
+        grad_b = dlogits[:, :V].sum(0, dtype=torch.float32)
         grad_bias = (grad_b if scale is None else grad_b * scale).to(bias.dtype)
     return grad_x, acc[:V].to(weight.dtype), grad_bias
 
@@ -479,7 +499,7 @@ MODES = ("library", "fused")
 
 def head_mode() -> str:
     """BERTFAST_MLM_HEAD: "library" (default: the decoder's GEMMs cuBLAS's, the loss kernel between them)
-    or "fused" (one chunk's forward GEMM bertfast's own, the loss in its epilogue, where the backend has it:
+    or "fused" (one chunk's GEMMs bertfast's own, the loss inside them, where the backend has them:
     kernels/mlm_head_loss.py, "the loss in the GEMM's epilogue")."""
     return env_choice(MODE_ENV, MODES)
 
@@ -496,8 +516,9 @@ def head_summary() -> str:
     except ValueError as exc:
         return f"MLM head decoder: {exc}"
     how = {"library": "the library's GEMMs (cuBLAS on a GPU), the loss kernel between them",
-           "fused": "the triton backend's forward GEMM with the loss in its epilogue, where the rows make one "
-                    "chunk (other backends, several chunks and a column-major weight: the library's)"}[mode]
+           "fused": "the triton backend's GEMMs with the loss inside them (its statistics in the forward's "
+                    "epilogue, its gradient formed by the backward's), where the rows make one chunk (other "
+                    "backends, several chunks and a column-major weight: the library's)"}[mode]
     return f"MLM head decoder: {mode}: {how} ({MODE_ENV}: {' or '.join(MODES)})"
 
 
@@ -510,14 +531,12 @@ def fused_decoder(backend: str, x: Tensor, weight: Tensor) -> bool:
 
 
 def _fused_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, impl):
-    """All rows as one chunk, the loss in the forward GEMM's epilogue: (loss_sum, n_correct, the logits'
-    gradient [M, padded_vocab(V)] for a loss scale of 1 (0 past V), the GEMMs' weight [V, H] in x's
-    dtype (``weight`` itself where it is that already), the bias gradient's fp32 sums or None)."""
+    """All rows as one chunk, the loss in the forward GEMM's epilogue: (loss_sum, n_correct, the softmax's u,
+    the GEMMs' weight [V, H] in x's dtype (``weight`` itself where it is that already), the softmax's c)."""
     x = x if x.stride(1) == 1 else x.contiguous()  # the GEMM's rows of unit stride
     w = weight.to(x.dtype)
     loss, _, correct, softmax = impl.mlm_logits_gemm_fwd(x, w, None if bias is None else bias.to(x.dtype), labels)
-    dlogits, grad_b = impl.mlm_softmax_grad(softmax, labels, 1.0, bias_grad=bias is not None)
-    return loss.sum(dtype=torch.float32), correct.sum(dtype=torch.int64), dlogits, w, grad_b
+    return loss.sum(dtype=torch.float32), correct.sum(dtype=torch.int64), softmax.u, w, softmax.c
 
 
 # ------------------------------------------------------------------ the torch backend

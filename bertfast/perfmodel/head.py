@@ -29,11 +29,11 @@ rows, where the loss kernel's is over the vocabulary), the gather and scatter, t
 launches. Below it, the loss would have to run inside the GEMMs.
 
 ``fused_lines`` prices BERTFAST_MLM_HEAD=fused (kernels/mlm_head_loss.py): the loss's statistics in the
-forward GEMM's epilogue (that GEMM and the statistics kernel predicted from their SASS by
-perfmodel/report.py, fused_head_kernels), then one pass writing the logits' gradient and the bias
-gradient's partials; no weight copy. Its ceiling keeps that pass: below it, the backward GEMMs would
-form the gradient as they load it. ``target`` takes the faster design, as the kernel suite's target
-takes the fastest of bertfast's rows.
+forward GEMM's epilogue, the logits' gradient formed inside the backward's two GEMMs and never written,
+the bias gradient a row of the weight gradient's (its kernels predicted from their SASS by
+perfmodel/report.py, fused_head_kernels); no weight copy, no loss pass, no column sum. Its ceiling has
+its GEMMs at the floor's rate. ``target`` takes the faster design, as the kernel suite's target takes
+the fastest of bertfast's rows.
 
 Predictions, not measurements: the GPU run's kernel suite measures both (bench.targets).
 """
@@ -55,12 +55,13 @@ VOCAB = 30522
 LAUNCH_COUNT = 36
 # The lines no design around library GEMMs avoids (the module's docstring): the ceiling's.
 STRUCTURAL = ("gather, scatter", "transform", "loss", "bias gradient", "launch gaps")
-# BERTFAST_MLM_HEAD=fused: its kernels besides the GEMMs, ~4 fewer (the statistics, the gradient pass and
-# its column sum where the weight's and bias's copies into the padded vocabulary, the loss kernel, the pad's
-# zeroing and the bias gradient's column sum ran); the lines it cannot avoid (a forward GEMM as fast as the
-# library's leaves none beyond the floor).
-FUSED_LAUNCH_COUNT = LAUNCH_COUNT - 4
-FUSED_STRUCTURAL = ("gather, scatter", "transform", "statistics", "gradient", "launch gaps")
+# BERTFAST_MLM_HEAD=fused: its kernels besides the GEMMs, about as many: ~9 gone (the weight's and bias's copies
+# into the padded vocabulary, the loss kernel, the pad's zeroing, the bias gradient's column sum, the loss's
+# incoming gradient applied three times) and ~10 added (the statistics, the rows' sort by label, its tiles'
+# bounds and their search, x's copy beside its column of ones, the input gradient's partials summed and cast);
+# the lines it cannot avoid, with its GEMMs at the floor's rate (their partials then unneeded).
+FUSED_LAUNCH_COUNT = LAUNCH_COUNT + 1
+FUSED_STRUCTURAL = ("gather, scatter", "transform", "statistics", "between", "launch gaps")
 
 
 def lines(hidden: int, tokens: int = TOKENS, vocab: int = VOCAB, act_bytes: int = 2, weight_bytes: int = 2,
@@ -106,28 +107,36 @@ def lines(hidden: int, tokens: int = TOKENS, vocab: int = VOCAB, act_bytes: int 
 def fused_lines(hidden: int, kernels: Dict[str, object], tokens: int = TOKENS, vocab: int = VOCAB,
                 act_bytes: int = 2, gpu: Gpu = H100, rows: Optional[int] = None) -> Dict[str, object]:
     """BERTFAST_MLM_HEAD=fused (kernels/mlm_head_loss.py): the head's time besides the same GEMM floor, one
-    chunk, bf16 parameters. Its forward GEMM and statistics kernel as ``kernels`` predicts them from their SASS
-    (perfmodel/report.py, fused_head_kernels: forward_s, stats_s), the forward GEMM beyond the floor's; the
-    gradient pass by its bytes; no weight copy (the GEMMs read the weight as it is); the rest as ``lines``."""
-    from bertfast.kernels.mlm_head_loss import GRAD_BLOCK_M
+    chunk, bf16 parameters. Its kernels as ``kernels`` predicts them from their SASS (perfmodel/report.py,
+    fused_head_kernels: forward_s, stats_s, dx_s, dw_s, partials_s), each GEMM beyond the floor's; the steps
+    between the backward's GEMMs by their bytes; no weight copy, no pass over the logits' gradient (never
+    written) and no scaling (the loss's incoming gradient in the GEMMs' epilogues); the rest as ``lines``."""
     library = lines(hidden, tokens, vocab, act_bytes, act_bytes, gpu, rows)
     m, vp = library["rows"], library["padded_vocab"]
     bw = gpu.achievable_hbm_bytes_per_s
-    kept = {i["name"]: i for i in library["items"] if i["name"] in ("gather, scatter", "transform", "scaling")}
-    forward_floor = 2.0 * m * vp * hidden / gpu.gemm_flops
-    blocks = -(-m // GRAD_BLOCK_M)
-    moved = 2 * m * vp * act_bytes + 2 * blocks * vocab * 4
+    kept = {i["name"]: i for i in library["items"] if i["name"] in ("gather, scatter", "transform")}
+    one_floor = 2.0 * m * vp * hidden / gpu.gemm_flops  # each of the decoder's three GEMMs at the floor
+    split = int(kernels["dx_split"])
+    width = -(-(hidden + 1) // 128) * 128
+    between = m * (hidden + 2 * width) * act_bytes + m * 8 * 4 + vocab * (4 + act_bytes)
+
+    def gemm(name: str, key: str, what: str) -> Dict[str, object]:
+        return {"name": name, "seconds": kernels[f"{key}_s"] - one_floor, "bytes": 0,
+                "how": f"{what}, {kernels[f'{key}_s'] * 1e6:.0f} us predicted ({kernels[f'{key}_config']}) where the "
+                       f"floor's takes {one_floor * 1e6:.0f}"}
     items = [kept["gather, scatter"], kept["transform"],
-             {"name": "forward GEMM", "seconds": kernels["forward_s"] - forward_floor, "bytes": 0,
-              "how": f"the logits' GEMM with the loss's statistics in its epilogue, "
-                     f"{kernels['forward_s'] * 1e6:.0f} us predicted ({kernels['config']}) where the floor's takes "
-                     f"{forward_floor * 1e6:.0f}"},
+             gemm("forward GEMM", "forward", "the logits' GEMM with the loss's statistics in its epilogue"),
              {"name": "statistics", "seconds": kernels["stats_s"], "bytes": 0,
               "how": f"{m} rows' tile statistics combined into the loss, lse and the tiles' factors (predicted)"},
-             {"name": "gradient", "seconds": moved / bw, "bytes": moved,
-              "how": f"u read, the logits' gradient written over it; the bias gradient's partials of {blocks} row "
-                     "blocks written and summed"},
-             kept["scaling"],
+             gemm("input GEMM", "dx", f"the input gradient's GEMM forming g from u as it loads it, its vocabulary "
+                                      f"split {split} ways"),
+             {"name": "dx partials", "seconds": kernels.get("partials_s") or 0.0, "bytes": 0,
+              "how": f"the input gradient's {split} fp32 partials summed and rounded once (predicted)" if split > 1
+              else "none: one program a tile"},
+             gemm("weight GEMM", "dw", "the weight and bias gradients' GEMM (x^T scaled by c, a column of ones) "
+                                       "with the one-hot's rows added in label order"),
+             {"name": "between", "seconds": between / bw, "bytes": between,
+              "how": "x copied beside its column of ones, the rows sorted by label, the bias gradient cast"},
              {"name": "launch gaps", "seconds": FUSED_LAUNCH_COUNT * gpu.launch_gap_s, "bytes": 0,
               "how": f"~{FUSED_LAUNCH_COUNT} kernels besides the GEMMs x {gpu.launch_gap_s * 1e6:.1f} us"}]
     floor = library["floor_s"]
@@ -152,9 +161,10 @@ def target(hidden: int = 1024, gpu: Gpu = H100, fused: Optional[Dict[str, object
                f"us) and the bias gradient reads it again ({items['bias gradient'] * 1e6:.0f} us): below "
                f"{plan['ceiling']:.2f}x the loss must run inside the GEMMs")
     else:
-        why = (f"with the loss in the forward GEMM's epilogue the gradient pass still reads u and writes the "
-               f"logits' gradient ({items['gradient'] * 1e6:.0f} us): below {best['ceiling']:.2f}x the backward "
-               "GEMMs must form it from u and the tiles' factors as they load it")
+        why = (f"with the gradient inside bertfast's own GEMMs, what remains besides them is the gather and "
+               f"scatter, the transform, the statistics, x's copy and the rows' sort "
+               f"({(best['ceiling'] - 1) * best['floor_s'] * 1e6:.0f} us in all): below {best['ceiling']:.2f}x the "
+               "transform and the gather would have to run inside the GEMMs too")
     line = {"name": f"MLM head fwd+bwd ({model}, {TOKENS:,} tokens, {plan['rows']:,} labelled, bf16) against its "
                     f"GEMM floor", "predicted": best["ratio"], "target": TARGET, "unit": "x (at most)",
             "met": best["ratio"] <= TARGET, "ceiling": best["ceiling"], "ceiling_why": why, "plan": plan,

@@ -99,7 +99,7 @@ CONDITIONAL_ARGS: Dict[str, Dict[str, str]] = {
     "_table_rows_kernel": {"DTT": "TT_SORTED"},
     "_gemm_bias_gelu_kernel": {"BIAS": "!BACKWARD", "Z": "HAS_Z", "DBIAS_PART": "BACKWARD"},
     "_mlm_logits_gemm_kernel": {"BIAS": "HAS_BIAS"},
-    "_softmax_grad_kernel": {"DB_PART": "HAS_DB"},
+    "_softmax_dw_gemm_kernel": {"DB": "HAS_DB"},
 }
 
 
@@ -108,6 +108,8 @@ CONDITIONAL_ARGS: Dict[str, Dict[str, str]] = {
 SHARED_SOURCES: Dict[str, Tuple[str, ...]] = {
     "_gemm_bias_gelu_kernel": ("kernels/_gemm.py",),
     "_mlm_logits_gemm_kernel": ("kernels/_gemm.py",),
+    "_softmax_dx_gemm_kernel": ("kernels/_gemm.py",),
+    "_softmax_dw_gemm_kernel": ("kernels/_gemm.py",),
 }
 
 
@@ -295,6 +297,23 @@ def _gemm(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
                 _bytes(launch), loads_ahead=max(1, int(meta.get("num_stages", 2)) - 1))
 
 
+def _softmax_gemm(k_of: Callable[[Launch], int]) -> Callable[[Setting, Launch, Gpu], Work]:
+    """The fused MLM decoder's backward GEMMs (kernels/mlm_head_loss.py): as _gemm, over a reduction of
+    ``k_of(launch)`` per program (the input gradient's: its share of the vocabulary; the weight gradient's: the
+    rows)."""
+    def work(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
+        meta = launch.meta
+        programs = _numel(launch.grid)
+        steps = math.ceil(k_of(launch) / int(meta["BLOCK_K"]))
+        return Work(programs * steps, _tile(meta, "BLOCK_M", "BLOCK_N", "BLOCK_K"), programs,
+                    int(meta["num_warps"]), _bytes(launch), loads_ahead=max(1, int(meta.get("num_stages", 2)) - 1))
+    return work
+
+
+def _arg(launch: Launch, name: str) -> int:
+    return int(launch.args[launch.names.index(name)])
+
+
 # kernel -> how a launch's work is counted; the kernels not listed are not modelled yet (the MLM loss,
 # LAMB): the step budget prices their work by its bytes, or not at all
 WORK: Dict[str, Callable[[Setting, Launch, Gpu], Work]] = {
@@ -316,7 +335,9 @@ WORK: Dict[str, Callable[[Setting, Launch, Gpu], Work]] = {
     "_gemm_bias_gelu_kernel": _gemm,
     "_mlm_logits_gemm_kernel": _gemm,
     "_logits_stats_kernel": _no_loop("BLOCK_R"),
-    "_softmax_grad_kernel": _no_loop("BLOCK_M", "TILE_N"),
+    "_softmax_dx_gemm_kernel": _softmax_gemm(lambda l: _arg(l, "tiles_per_split") * int(l.meta["TILE_N"])),
+    "_softmax_dw_gemm_kernel": _softmax_gemm(lambda l: _arg(l, "M")),
+    "_dx_partials_sum_kernel": _no_loop("BLOCK"),
 }
 
 

@@ -134,8 +134,10 @@ def _fastest(launches: Sequence[K.Launch], setting: K.Setting, gpu: Gpu,
 
 def fused_head_kernels(gpu: Gpu = H100, hiddens: Sequence[int] = (1024, 768)) -> Dict[int, Dict[str, object]]:
     """The fused MLM decoder's own kernels (BERTFAST_MLM_HEAD=fused, kernels/mlm_head_loss.py) at the kernel
-    suite's case, per hidden size: its forward GEMM at the candidate predicted fastest, and the statistics'
-    kernel (its gradient pass is priced by its bytes: perfmodel/head.py, fused_lines)."""
+    suite's case, per hidden size, each at its candidate predicted fastest: the forward GEMM, the statistics'
+    kernel, the backward's two GEMMs (the input gradient's at the vocabulary split the launcher picks for the
+    GPU's SMs) and the sum of the input gradient's partials (the small steps between them are priced by their
+    bytes: perfmodel/head.py, fused_lines)."""
     import torch
 
     from bertfast.kernels import mlm_head_loss as M
@@ -149,11 +151,19 @@ def fused_head_kernels(gpu: Gpu = H100, hiddens: Sequence[int] = (1024, 768)) ->
             w = torch.empty(HEAD.VOCAB, hidden, dtype=torch.bfloat16)
             bias = torch.empty(HEAD.VOCAB, dtype=torch.bfloat16)
             labels = torch.zeros(rows, dtype=torch.int64)
-            launches = K.record_call("mlm_head_loss", lambda: M.mlm_logits_gemm_fwd(x, w, bias, labels))
-            found = {r.kernel: r for r in _fastest(launches, setting, gpu)}
-            gemm, stats = found["_mlm_logits_gemm_kernel"], found["_logits_stats_kernel"]
-            out[hidden] = {"forward_s": gemm.prediction.predicted_s, "stats_s": stats.prediction.predicted_s,
-                           "config": gemm.config, "binding": gemm.prediction.binding}
+            split = M.dx_split(rows, hidden, gpu.sms)
+
+            def head():
+                softmax = M.mlm_logits_gemm_fwd(x, w, bias, labels)[3]
+                M.mlm_softmax_gemms_bwd(softmax, labels, x, w, torch.empty(()), w.dtype, True, split)
+            found = {r.kernel: r for r in _fastest(K.record_call("mlm_head_loss", head), setting, gpu)}
+            kernels = {"forward": "_mlm_logits_gemm_kernel", "stats": "_logits_stats_kernel",
+                       "dx": "_softmax_dx_gemm_kernel", "dw": "_softmax_dw_gemm_kernel"}
+            if split > 1:
+                kernels["partials"] = "_dx_partials_sum_kernel"
+            out[hidden] = {f"{key}_s": found[name].prediction.predicted_s for key, name in kernels.items()}
+            out[hidden].update({f"{key}_config": found[name].config for key, name in kernels.items()},
+                               dx_split=split, binding=found["_mlm_logits_gemm_kernel"].prediction.binding)
     return out
 
 

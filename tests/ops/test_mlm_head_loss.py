@@ -748,16 +748,20 @@ def fused_problem(m, h, v, dtype, bias=True, seed=0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,h,v,bias", [(37, 40, 101, True), (5, 16, 70, False), (40, 32, 64, True)],
-                         ids=["ragged", "no-bias", "whole-tiles"])
-def test_fused_forward_and_softmax_gradient(m, h, v, bias, dtype):
+@pytest.mark.parametrize("m,h,v,bias,split", [(37, 40, 101, True, 1), (5, 16, 70, False, None), (40, 32, 64, True, 3),
+                                              (37, 40, 101, True, 2)],
+                         ids=["ragged", "no-bias", "whole-tiles", "split"])
+def test_fused_forward_and_backward_gemms(m, h, v, bias, split, dtype):
     """mlm_logits_gemm_fwd: the loss, lse and argmax of the fp32 logits; its u and c give the softmax (p = u * c,
-    summing to 1 over each row); mlm_softmax_grad writes grad_scale * (p - onehot) over u (0 past V and on
-    ignored rows) and its column sums. Under the interpreter the tiles are 32 x 32 (several in each direction,
-    ragged ones), H is not a multiple of BLOCK_K in the first case."""
+    summing to 1 over each labelled row; c 0 on ignored rows). mlm_softmax_gemms_bwd: the gradients of x, the
+    weight and the bias for g = grad * (p - onehot) (0 on ignored rows), g never written, two rows sharing a
+    label, the input gradient's vocabulary split or not. Under the interpreter the tiles are 32 x 32 (several in
+    each direction, ragged ones), H is not a multiple of BLOCK_K in the first case."""
     from bertfast.kernels import mlm_head_loss as K
 
     x, w, b, labels = fused_problem(m, h, v, dtype, bias)
+    if m > 5:
+        labels[1] = labels[2] if labels[2] != IGNORE else 7  # two rows, one label: the one-hot's rows add up
     z = F.linear(x.float(), w.float(), None if b is None else b.float())
     loss, lse, correct, softmax = K.mlm_logits_gemm_fwd(x, w, b, labels)
     valid = labels != IGNORE
@@ -767,17 +771,33 @@ def test_fused_forward_and_softmax_gradient(m, h, v, bias, dtype):
     torch.testing.assert_close(loss, torch.where(valid, lse - z.gather(1, safe)[:, 0], 0.0), atol=tol, rtol=tol)
     assert torch.equal(correct, valid & (z.argmax(1) == labels)) and int(correct.sum()) > 0
     u, c, vocab = softmax
-    assert vocab == v and u.shape == (m, padded_vocab(v, x.element_size())) and not u[:, v:].any()
+    assert vocab == v and u.shape == (m, K.softmax_width(v)) and u.shape[1] % 128 == 0 and not u[:, v:].any()
+    assert not c[:, ~valid].any()
     p = u[:, :v].float() * c.repeat_interleave(32, 0)[:v].t()
-    torch.testing.assert_close(p.sum(1), torch.ones(m, device=DEV), atol=1e-5, rtol=0)
-    torch.testing.assert_close(p, torch.softmax(z, 1), atol=1e-6 if dtype == torch.float32 else 2e-3, rtol=1e-2)
+    torch.testing.assert_close(p.sum(1), valid.float(), atol=1e-5, rtol=0)
+    want_p = torch.where(valid[:, None], torch.softmax(z, 1), 0.0)
+    torch.testing.assert_close(p, want_p, atol=1e-6 if dtype == torch.float32 else 2e-3, rtol=1e-2)
 
-    g, grad_b = K.mlm_softmax_grad(softmax, labels, 0.37)
-    assert g.data_ptr() == u.data_ptr() and not g[:, v:].any() and not g[~valid].any()
-    want = torch.where(valid[:, None], (p - F.one_hot(safe[:, 0], v).float()) * 0.37, 0.0)
-    torch.testing.assert_close(g[:, :v].float(), want.to(dtype).float(),
-                               atol=1e-6 if dtype == torch.float32 else 2e-3, rtol=1e-2)
-    torch.testing.assert_close(grad_b, g[:, :v].float().sum(0), atol=1e-6, rtol=1e-5)
+    g = torch.where(valid[:, None], (want_p - F.one_hot(safe[:, 0], v).float()) * 0.37, 0.0)
+    gx, gw, gb = K.mlm_softmax_gemms_bwd(softmax, labels, x, w, torch.tensor(0.37, device=DEV), torch.float32,
+                                         bias, split)
+    assert gx.dtype == dtype and gw.dtype == torch.float32 and (gb is None) == (not bias)
+    lowp = dtype != torch.float32
+    torch.testing.assert_close(gx.float(), g @ w.float(), atol=2e-2 if lowp else 1e-5, rtol=2e-2 if lowp else 1e-5)
+    torch.testing.assert_close(gw, g.t() @ x.float(), atol=1e-2 if lowp else 1e-5, rtol=2e-2 if lowp else 1e-5)
+    if bias:
+        torch.testing.assert_close(gb, g.sum(0), atol=5e-3 if lowp else 1e-6, rtol=1e-2 if lowp else 1e-5)
+    assert not gx[~valid].any()
+
+
+def test_the_input_gradients_split_fills_the_gpu():
+    """The input gradient's vocabulary split: the least giving six waves of programs at 64 x 128 tiles, at most
+    four: BERT-large's 2,432 rows (304 tiles) split 3 ways on 132 SMs, BERT-base's (228) 4, many rows not."""
+    from bertfast.kernels import mlm_head_loss as K
+
+    assert [K.dx_split(2432, h, 132) for h in (1024, 768)] == [3, 4]
+    assert K.dx_split(16384, 1024, 132) == 1 and K.dx_split(64, 64, 132) == K.DX_SPLIT_MAX
+    assert K.dx_split(2432, 1024, 78) == 2  # fewer SMs, fewer partials
 
 
 def test_fused_kernels_errors_are_clear():
@@ -795,13 +815,17 @@ def test_fused_kernels_errors_are_clear():
     with pytest.raises(ValueError, match="labels: expected dtype"):
         K.mlm_logits_gemm_fwd(x, w, b, labels.int())
     _, _, _, softmax = K.mlm_logits_gemm_fwd(x, w, b, labels)
-    with pytest.raises(ValueError, match=r"u: expected shape \(4, 52\)"):
-        K.mlm_softmax_grad(softmax._replace(u=softmax.u[:, :50]), labels, 1.0)
+    one = torch.tensor(1.0, device=DEV)
+    with pytest.raises(ValueError, match=r"u: expected shape \(4, 128\)"):
+        K.mlm_softmax_gemms_bwd(softmax._replace(u=softmax.u[:, :50]), labels, x, w, one, w.dtype, True)
     with pytest.raises(ValueError, match=r"c: expected shape \(2, 4\)"):
-        K.mlm_softmax_grad(softmax._replace(c=softmax.c[:1]), labels, 1.0)
+        K.mlm_softmax_gemms_bwd(softmax._replace(c=softmax.c[:1]), labels, x, w, one, w.dtype, True)
+    with pytest.raises(ValueError, match="grad: expected dtype"):
+        K.mlm_softmax_gemms_bwd(softmax, labels, x, w, one.double(), w.dtype, True)
     loss, _, correct, empty_softmax = K.mlm_logits_gemm_fwd(x[:0], w, b, labels[:0])
     assert loss.shape == correct.shape == (0,)
-    assert not K.mlm_softmax_grad(empty_softmax, labels[:0], 1.0)[1].any()
+    gx, gw, gb = K.mlm_softmax_gemms_bwd(empty_softmax, labels[:0], x[:0], w, one, w.dtype, True)
+    assert gx.shape == (0, 8) and not gw.any() and not gb.any()
 
 
 @pytest.fixture
@@ -826,12 +850,14 @@ def test_fused_decoder_matches_reference(fused_mode, monkeypatch, dtype, bias, p
 
     triton = BackendUnderTest("triton", torch.device(DEV))
     x, w, b, labels = problem(triton, 37, 40, 101, dtype, bias=bias, param_dtype=param_dtype)
-    ran = []
-    real = K.mlm_logits_gemm_fwd
+    ran, backward = [], []
+    real, real_bwd = K.mlm_logits_gemm_fwd, K.mlm_softmax_gemms_bwd
     monkeypatch.setattr(K, "mlm_logits_gemm_fwd", lambda *a: ran.append(a[1].dtype) or real(*a))
+    monkeypatch.setattr(K, "mlm_softmax_gemms_bwd", lambda *a: backward.append(a[5]) or real_bwd(*a))
     _, n_correct, (gx, gw, gb) = check_decoder(triton, x, w, b, labels, grad_out=0.37 if dtype == torch.float32
                                                else 1.0)
     assert ran == [dtype] and int(n_correct) > 0
+    assert backward == [param_dtype or dtype]  # the weight gradient written in the weight's dtype
     assert gx.dtype == dtype and gw.dtype == (param_dtype or dtype) and (gb is None or gb.dtype == gw.dtype)
     assert not gx[labels == IGNORE].any()
 
@@ -876,14 +902,19 @@ def test_fused_mode_runs_only_where_it_can(fused_mode, monkeypatch):
 
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_opcheck_fused(with_bias):
-    """The fused form's schema, fake (the logits' gradient in whole 16-byte rows, the bias gradient's fp32
-    sums) and autograd, on the triton backend."""
+    """The fused form's schema, fake (the softmax's u in whole tiles of 128 columns and its c per tile) and
+    autograd on the triton backend, and its backward op's."""
     x, w = torch.randn(5, 6, requires_grad=True), torch.randn(9, 6, requires_grad=True)
     b = torch.randn(9, requires_grad=True) if with_bias else None
+    labels = torch.tensor([1, -100, 8, 0, 3], device=DEV)
+    args = (x.to(DEV), w.to(DEV), None if b is None else b.to(DEV), labels, 0, True, True, True, "triton")
     with BackendUnderTest("triton", torch.device(DEV)).forced():
-        torch.library.opcheck(torch.ops.bertfast.mlm_head_loss_decoder,
-                              (x.to(DEV), w.to(DEV), None if b is None else b.to(DEV),
-                               torch.tensor([1, -100, 8, 0, 3], device=DEV), 0, True, True, True, "triton"))
+        torch.library.opcheck(torch.ops.bertfast.mlm_head_loss_decoder, args)
+        with torch.no_grad():
+            _, _, u, w_gemm, c = torch.ops.bertfast.mlm_head_loss_decoder(*args)
+        torch.library.opcheck(torch.ops.bertfast.mlm_head_loss_decoder_fused_backward,
+                              (*(None if t is None else t.detach() for t in args[:3]), w_gemm, u, c, labels,
+                               torch.tensor(0.5, device=DEV), "triton"))
 
 
 # =========================================================================== CUDA wrapper validation (no GPU)
