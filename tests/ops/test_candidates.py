@@ -205,6 +205,25 @@ def ffn_gemms(dtype):
     return forward, backward
 
 
+def fused_decoder(dtype):
+    """The MLM decoder's own GEMMs (BERTFAST_MLM_HEAD=fused, kernels/mlm_head_loss.py), as the op calls them."""
+    gen = torch.Generator().manual_seed(18)
+    m, hidden, vocab = 40, 64, 300  # rows not a multiple of BLOCK_M or BLOCK_K; a ragged last tile
+    x, w = _randn(m, hidden, dtype=dtype, gen=gen) * 0.5, _randn(vocab, hidden, dtype=dtype, gen=gen) * 0.1
+    bias = _randn(vocab, dtype=dtype, gen=gen)
+    labels = torch.randint(0, vocab, (m,), generator=gen)
+    labels[::5] = -100
+    labels, grad = labels.to(DEV), torch.tensor(0.5, device=DEV)
+
+    def forward():
+        loss, lse, correct, softmax = M.mlm_logits_gemm_fwd(x, w, bias, labels)
+        return (loss, lse, correct, softmax.u, softmax.c), softmax
+
+    def backward(softmax):  # the input gradient's vocabulary split in two: its partials summed
+        return M.mlm_softmax_gemms_bwd(softmax, labels, x, w, grad, dtype, True, 2)
+    return forward, backward
+
+
 def embeddings(dtype):
     gen = torch.Generator().manual_seed(16)
     hidden, vocab, positions = HIDDEN, 50, 32
@@ -300,6 +319,14 @@ def test_every_ffn_gemm_candidate_matches_the_first(on_gpu_path):
     listed, bad = every_candidate_matches_the_first(ffn_gemms(BF16), BF16)
     assert not bad, "\n".join(bad)
     assert set(listed) == {"_gemm_bias_gelu_kernel"} and len(listed["_gemm_bias_gelu_kernel"]) > 1
+
+
+@GPU_CHECK
+def test_every_decoder_gemm_candidate_matches_the_first(on_gpu_path):
+    listed, bad = every_candidate_matches_the_first(fused_decoder(BF16), BF16)
+    assert not bad, "\n".join(bad)
+    gemms = {"_mlm_logits_gemm_kernel", "_softmax_dx_gemm_kernel", "_softmax_dw_gemm_kernel"}
+    assert set(listed) == gemms and all(len(listed[name]) > 1 for name in gemms)
 
 
 def test_a_wrong_candidate_is_named(on_gpu_path, monkeypatch, tmp_path):
