@@ -3,7 +3,10 @@
 Without a GPU, Triton kernels run under the interpreter: TRITON_INTERPRET must be set
 before triton is first imported, so it is set here, at collection time.
 """
+import atexit
 import os
+import shutil
+import tempfile
 
 import torch
 
@@ -17,6 +20,13 @@ if _WORKERS and "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # Tests never reach the Hugging Face Hub: a hub id fails at once instead of waiting on a network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# torch.compile's caches in a directory of the session's own (the xdist workers inherit it): inductor's default,
+# /tmp/torchinductor_<user>, is shared by every checkout on the machine, and its AOT autograd cache keys a custom
+# op's forward graph, not the autograd formula registered for it, so another checkout's compiled backward of an
+# unchanged forward was served (a backward op called with the arguments of its former schema).
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bertfast-tests-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 import pytest  # noqa: E402
 
