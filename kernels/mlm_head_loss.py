@@ -335,9 +335,10 @@ def mlm_logits_gemm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
         bias = bias.contiguous()
     check_tensor("labels", labels, dtypes=(torch.int64,), shape=(m,), device=x.device)
     dev = x.device
-    tiles = cdiv(v, _tile_n())
-    u = torch.empty((m, softmax_width(v)), dtype=x.dtype, device=dev)
-    c = torch.empty((tiles, m), dtype=torch.float32, device=dev)
+    u_shape, c_shape = softmax_shapes(m, v)
+    tiles = c_shape[0]
+    u = torch.empty(u_shape, dtype=x.dtype, device=dev)
+    c = torch.empty(c_shape, dtype=torch.float32, device=dev)
     loss = torch.empty((m,), dtype=torch.float32, device=dev)
     lse = torch.empty((m,), dtype=torch.float32, device=dev)
     correct = torch.empty((m,), dtype=torch.uint8, device=dev)

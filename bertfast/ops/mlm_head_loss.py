@@ -143,8 +143,8 @@ def _mlm_head_loss_decoder_fused_backward(x: Tensor, weight: Tensor, bias: Optio
     ``weight``."""
     impl = dispatch.get(OP, backend).impl
     softmax = impl.DecoderSoftmax(u, c, weight.shape[0])
-    gx, gw, gb = impl.mlm_softmax_gemms_bwd(softmax, labels, x if x.stride(1) == 1 else x.contiguous(),
-                                            w if w.numel() else weight, grad.float(), weight.dtype, bias is not None)
+    gx, gw, gb = impl.mlm_softmax_gemms_bwd(softmax, labels, x, w if w.numel() else weight, grad.float(),
+                                            weight.dtype, bias is not None)
     gb = empty(weight) if gb is None else gb.to(bias.dtype)
     return distinct([gx, gw, gb], [x, weight, bias, w, u, c, labels, grad])
 

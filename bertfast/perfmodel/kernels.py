@@ -285,22 +285,10 @@ def _ln_bwd(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
     return work
 
 
-def _gemm(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
-    """A GEMM: an iteration is one BLOCK_K step of a BLOCK_M x BLOCK_N tile (its elements the tile's
-    multiply-adds); its operands and outputs each counted once (L2 serves the re-reads of a group's
-    rows and columns); its loads num_stages - 1 steps ahead."""
-    m, k = launch.args[0].shape
-    meta = launch.meta
-    programs = _numel(launch.grid)
-    steps = math.ceil(k / int(meta["BLOCK_K"]))
-    return Work(programs * steps, _tile(meta, "BLOCK_M", "BLOCK_N", "BLOCK_K"), programs, int(meta["num_warps"]),
-                _bytes(launch), loads_ahead=max(1, int(meta.get("num_stages", 2)) - 1))
-
-
-def _softmax_gemm(k_of: Callable[[Launch], int]) -> Callable[[Setting, Launch, Gpu], Work]:
-    """The fused MLM decoder's backward GEMMs (kernels/mlm_head_loss.py): as _gemm, over a reduction of
-    ``k_of(launch)`` per program (the input gradient's: its share of the vocabulary; the weight gradient's: the
-    rows)."""
+def _gemm_over(k_of: Callable[[Launch], int]) -> Callable[[Setting, Launch, Gpu], Work]:
+    """A GEMM reducing over ``k_of(launch)`` per program: an iteration is one BLOCK_K step of a BLOCK_M x
+    BLOCK_N tile (its elements the tile's multiply-adds); its operands and outputs each counted once (L2
+    serves the re-reads of a group's rows and columns); its loads num_stages - 1 steps ahead."""
     def work(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
         meta = launch.meta
         programs = _numel(launch.grid)
@@ -312,6 +300,10 @@ def _softmax_gemm(k_of: Callable[[Launch], int]) -> Callable[[Setting, Launch, G
 
 def _arg(launch: Launch, name: str) -> int:
     return int(launch.args[launch.names.index(name)])
+
+
+# A GEMM of A [M, K] (the first argument) and B
+_gemm = _gemm_over(lambda launch: launch.args[0].shape[1])
 
 
 # kernel -> how a launch's work is counted; the kernels not listed are not modelled yet (the MLM loss,
@@ -335,8 +327,10 @@ WORK: Dict[str, Callable[[Setting, Launch, Gpu], Work]] = {
     "_gemm_bias_gelu_kernel": _gemm,
     "_mlm_logits_gemm_kernel": _gemm,
     "_logits_stats_kernel": _no_loop("BLOCK_R"),
-    "_softmax_dx_gemm_kernel": _softmax_gemm(lambda l: _arg(l, "tiles_per_split") * int(l.meta["TILE_N"])),
-    "_softmax_dw_gemm_kernel": _softmax_gemm(lambda l: _arg(l, "M")),
+    # the fused MLM decoder's backward GEMMs: the input gradient's over its split of the vocabulary, the weight
+    # gradient's over the rows
+    "_softmax_dx_gemm_kernel": _gemm_over(lambda l: _arg(l, "tiles_per_split") * int(l.meta["TILE_N"])),
+    "_softmax_dw_gemm_kernel": _gemm_over(lambda l: _arg(l, "M")),
     "_dx_partials_sum_kernel": _no_loop("BLOCK"),
 }
 
