@@ -39,13 +39,14 @@ import triton.language as tl
 from bertfast.contract import ID_DTYPES, check_logits, check_rows, check_tensor
 
 from . import _common
-from ._common import autotune, cdiv, interpreting, launch
+from ._common import autotune, cdiv, interpreting, launch, next_power_of_2
 from ._gemm import INTERP_TILE, gemm_flags, grouped_tile, tile_product
 from ._rows import n_bucket
 
 # Under the interpreter autotune cannot run: one fixed block size. 1024 makes V <= 1024
 # take the single-block path and larger V the looped one.
 _INTERPRET_BLOCK_V = 1024
+_LOG2E = tl.constexpr(1.4426950408889634)
 
 
 def unsupported(inputs) -> list:
@@ -173,14 +174,16 @@ def mlm_head_loss_fwd(logits: torch.Tensor, labels: torch.Tensor, grad_scale: fl
 # row's max m_t over its tile t, and c = exp(m_t - lse) one factor per row and tile (0 on ignored rows).
 #
 #   mlm_logits_gemm_fwd    z = x @ W^T + b; the epilogue writes u in the activations' dtype (the logits
-#                          themselves never), and per row and tile m_t, the sum of the u it stored, the
-#                          first argmax and z at the label where the tile holds it; _logits_stats_kernel
-#                          combines them into each row's loss, lse and correct, and the factors c.
+#                          themselves never), and per row and tile m_t, the sum of the u it stored and the
+#                          first argmax; _logits_stats_kernel combines them into each row's lse and
+#                          correct and the factors c, and takes z at the label as x's row times W's (fp32
+#                          products of the same operands) for the loss.
 #   mlm_softmax_gemms_bwd  for g = grad * (u * c - onehot(label)), never formed in memory:
 #                          dx = g @ W: u's rows scaled by c in registers on their way to the tensor cores
 #                          (one c per row in each BLOCK_K step), the one-hot's part minus W's row at each
 #                          label in the epilogue; the vocabulary split over programs where [M, H] makes
-#                          too few tiles for the SMs, the fp32 partials summed by _dx_partials_sum_kernel.
+#                          too few tiles for the SMs, each writing an fp32 partial, the last of a tile's
+#                          splits to finish adding them in split order.
 #                          dW^T = x^T @ g: a program's BLOCK_N vocabulary columns lie in one tile, so c
 #                          is a column scale of the A operand x^T, and u goes to the tensor cores as
 #                          stored; a column of ones beside x makes row H of the product the bias
@@ -189,21 +192,20 @@ def mlm_head_loss_fwd(logits: torch.Tensor, labels: torch.Tensor, grad_scale: fl
 #                          in both epilogues.
 # Where the loss kernel's gradient is exp(z - lse) of logits rounded to the activations' dtype (a
 # relative error of |z| * 2^-8 in bf16), g here is u rounded (2^-8) times an fp32 factor rounded once
-# more for the tensor cores, and the loss and argmax come from the fp32 logits. c is computed from the
-# sums of the u stored, so the p the gradient forms sum to 1 over the row. No atomics: deterministic. The
-# GEMMs' tile is kernels/_gemm.py's, as the FFN GEMM's (kernels/bias_gelu.py); the forward's main loop too.
+# more for the tensor cores, and the loss and argmax come from fp32 logits (the label's recomputed in fp32,
+# above). c is computed from the sums of the u stored, so the p the gradient forms sum to 1 over the row. No
+# atomics but the input gradient's counts of splits done: deterministic. The GEMMs' tile is kernels/_gemm.py's,
+# as the FFN GEMM's (kernels/bias_gelu.py); the forward's main loop too.
 @triton.jit
 def _mlm_logits_gemm_kernel(
     X,          # [M, H] activations, row stride stride_xm, column stride 1
     W,          # [V, H] decoder weight in X's dtype, row stride stride_wv, column stride 1
     BIAS,       # [V] in X's dtype (HAS_BIAS)
-    LABELS,     # [M] int64, -100 ignored
     U,          # [M, stride_um] out: exp(z - the row's max over its tile) in X's dtype, 0 past V (stride_um:
                 #   whole tiles)
     TILE_MAX,   # [cdiv(V, BLOCK_N), M] fp32 out: each tile's row max of z
     TILE_SUM,   # [cdiv(V, BLOCK_N), M] fp32 out: the sum of the tile's stored u
     TILE_ARG,   # [cdiv(V, BLOCK_N), M] int32 out: the column of the max (first of ties)
-    Z_LABEL,    # [M] fp32 out: z at the label, from the tile that holds it
     M, V, H, stride_xm, stride_wv, stride_um,
     m_bucket,  # autotune key only
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -214,38 +216,53 @@ def _mlm_logits_gemm_kernel(
                        BLOCK_N, BLOCK_K)
     row_ok = rows < M
     col_ok = cols < V
+    # -inf past V by the bias's add: one add an element both masks the columns and adds the bias
+    col_add = tl.where(col_ok, 0.0, float("-inf"))
     if HAS_BIAS:
-        acc += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    z = tl.where(col_ok[None, :], acc, float("-inf"))
+        col_add += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)
+    z = acc + col_add[None, :]
     t_max, t_arg = tl.max(z, 1, return_indices=True, return_indices_tie_break_left=True)
     stat = pid_n * M + rows
     stat_ok = row_ok & (rows * 0 + pid_n * BLOCK_N < V)  # a tile past V (the interpreter's small tiles): its 0s only
     tl.store(TILE_MAX + stat, t_max, mask=stat_ok)
     tl.store(TILE_ARG + stat, pid_n * BLOCK_N + t_arg, mask=stat_ok)
-    label = tl.load(LABELS + rows % M)
-    here = row_ok & (label >= pid_n * BLOCK_N) & (label < pid_n * BLOCK_N + BLOCK_N) & (label < V)
-    z_label = tl.sum(tl.where(cols[None, :] == label[:, None], z, 0.0), 1)
-    tl.store(Z_LABEL + rows, z_label, mask=here)
     # u last, z's last use: the statistics above taken first keep the epilogue at 168 registers, three programs
     # an SM at 64 x 128 (with u first, z and u live together: 254, two)
     m_safe = tl.where(t_max == float("-inf"), 0.0, t_max)  # a tile of -inf logits: no inf - inf
-    u = tl.exp(z - m_safe[:, None]).to(U.dtype.element_ty)
+    # exp2 (MUFU.EX2 alone, denormals flushed; tl.exp adds a range check and two multiplies an element) of one
+    # FMA an element
+    u = tl.exp2(z * _LOG2E - (m_safe * _LOG2E)[:, None]).to(U.dtype.element_ty)
     tl.store(U + rows.to(tl.int64)[:, None] * stride_um + cols[None, :], u, mask=row_ok[:, None])  # whole tiles
     tl.store(TILE_SUM + stat, tl.sum(u.to(tl.float32), 1), mask=stat_ok)
 
 
 @triton.jit
 def _logits_stats_kernel(
-    TILE_MAX, TILE_SUM, TILE_ARG, Z_LABEL, LABELS,  # as _mlm_logits_gemm_kernel wrote them
+    TILE_MAX, TILE_SUM, TILE_ARG,  # as _mlm_logits_gemm_kernel wrote them
+    X, W, BIAS, LABELS,  # as _mlm_logits_gemm_kernel read them
     LOSS,        # [M] fp32 out: lse - z[label], 0 on ignored rows
     LSE,         # [M] fp32 out
     CORRECT,     # [M] uint8 out: labelled and the first argmax is the label
     TILE_SCALE,  # [TILES, M] fp32 out: c = exp(m_t - lse), so that p = u * c; 0 on ignored rows
-    M, V, TILES,
-    BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+    M, V, H, TILES, stride_xm, stride_wv,
+    HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < M
+    label = tl.load(LABELS + rows, mask=row_ok, other=-100)
+    labelled = (label >= 0) & (label < V)
+    # z at the label, x's row times the label's row of W (fp32 products of the same operands; the GEMM's
+    # epilogue would pay a compare, a select and an add for each of its logits to pick it out)
+    lab = tl.where(labelled, label, 0).to(tl.int64)
+    z_label = tl.zeros([BLOCK_R], tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        hs = h0 + tl.arange(0, BLOCK_H)
+        ok = labelled[:, None] & (hs < H)[None, :]
+        xs = tl.load(X + rows.to(tl.int64)[:, None] * stride_xm + hs[None, :], mask=ok, other=0.0)
+        ws = tl.load(W + lab[:, None] * stride_wv + hs[None, :], mask=ok, other=0.0)
+        z_label += tl.sum(xs.to(tl.float32) * ws.to(tl.float32), 1)
+    if HAS_BIAS:
+        z_label += tl.load(BIAS + lab, mask=labelled, other=0.0).to(tl.float32)
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_R], tl.float32)
     arg = tl.zeros([BLOCK_R], tl.int32)
@@ -264,16 +281,15 @@ def _logits_stats_kernel(
         s = s * tl.exp(m - m_safe) + tl.sum(t_sum * tl.exp(t_max - m_safe[None, :]), 0)
         m = m_new
     lse = tl.where(m == float("-inf"), 0.0, m) + tl.log(tl.where(row_ok, s, 1.0))  # no log(0) past the rows
-    label = tl.load(LABELS + rows, mask=row_ok, other=-100)
-    labelled = (label >= 0) & (label < V)
     for t0 in range(0, TILES, BLOCK_T):
         ts = t0 + tl.arange(0, BLOCK_T)
         ok = (ts < TILES)[:, None] & row_ok[None, :]
         offs = ts[:, None] * M + rows[None, :]
         t_max = tl.load(TILE_MAX + offs, mask=ok, other=0.0)
         tl.store(TILE_SCALE + offs, tl.where(labelled[None, :], tl.exp(t_max - lse[None, :]), 0.0), mask=ok)
-    z_label = tl.load(Z_LABEL + rows, mask=row_ok & labelled, other=0.0)
-    tl.store(LOSS + rows, tl.where(labelled, lse - z_label, 0.0), mask=row_ok)
+    # lse >= the row's max >= z at the label; recomputed, z may exceed the GEMM's max by a rounding (NaN kept)
+    loss = tl.maximum(lse - z_label, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    tl.store(LOSS + rows, tl.where(labelled, loss, 0.0), mask=row_ok)
     tl.store(LSE + rows, lse, mask=row_ok)
     tl.store(CORRECT + rows, (labelled & (arg == label)).to(tl.uint8), mask=row_ok)
 
@@ -347,15 +363,15 @@ def mlm_logits_gemm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     t_max = torch.empty((tiles, m), dtype=torch.float32, device=dev)
     t_sum = torch.empty_like(t_max)
     t_arg = torch.empty((tiles, m), dtype=torch.int32, device=dev)
-    z_label = torch.empty((m,), dtype=torch.float32, device=dev)  # read at labelled rows only
-    args = (x, weight, x if bias is None else bias, labels, u, t_max, t_sum, t_arg, z_label, m, v, h, x.stride(0),
-            weight.stride(0), u.stride(0), n_bucket(m))
+    args = (x, weight, x if bias is None else bias, u, t_max, t_sum, t_arg, m, v, h, x.stride(0), weight.stride(0),
+            u.stride(0), n_bucket(m))
     launch(_logits_tuned, lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(u.shape[1], meta["BLOCK_N"]),), args,
            dict(HAS_BIAS=bias is not None, **gemm_flags(x.dtype, h)), interp=INTERP_TILE)
-    block_r, block_t = (4, 4) if interpreting() else (32, 64)
+    block_r, block_t, block_h = (4, 4, 16) if interpreting() else (8, 64, min(next_power_of_2(h), 1024))
     launch(_logits_stats_kernel, (cdiv(m, block_r),),
-           (t_max, t_sum, t_arg, z_label, labels, loss, lse, correct, c, m, v, tiles),
-           dict(BLOCK_R=block_r, BLOCK_T=block_t, num_warps=4))
+           (t_max, t_sum, t_arg, x, weight, x if bias is None else bias, labels, loss, lse, correct, c, m, v, h,
+            tiles, x.stride(0), weight.stride(0)),
+           dict(HAS_BIAS=bias is not None, BLOCK_R=block_r, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4))
     return loss, lse, correct.view(torch.bool), DecoderSoftmax(u, c, v)
 
 
@@ -377,11 +393,14 @@ def _softmax_dx_gemm_kernel(
     LABELS,  # [M] int64, -100 ignored
     W,       # [V, H] in U's dtype, row stride stride_wv, column stride 1
     GRAD,    # [] fp32: the loss's incoming gradient
-    DX,      # [splits, M, H] fp32 partials, or with one split [M, H] in x's dtype
+    PART,    # [SPLIT, M, H] fp32: each split's partial (SPLIT > 1)
+    COUNTS,  # [>= programs along axis 0] int32, zeros: how many of a tile's splits are done, 0 again at the end
+             # (SPLIT > 1)
+    DX,      # [M, H] out, in x's dtype
     M, V, H, stride_um, stride_wv, tiles_per_split,
     m_bucket,  # autotune key only
-    TILE_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT: tl.constexpr, TILE_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # A program: one tile of dx over its split's tiles_per_split tiles of the vocabulary (program_id(1))
     rows, cols, _, _ = grouped_tile(M, H, BLOCK_M, BLOCK_N, GROUP_M)
@@ -411,16 +430,34 @@ def _softmax_dx_gemm_kernel(
         acc -= tl.load(W + tl.where(labelled, label, 0)[:, None] * stride_wv + (cols % H)[None, :],
                        mask=labelled[:, None], other=0.0).to(tl.float32)
     acc *= tl.load(GRAD)
-    out = DX + (split * M + rows).to(tl.int64)[:, None] * H + cols[None, :]
-    tl.store(out, acc.to(DX.dtype.element_ty), mask=(rows < M)[:, None] & (cols < H)[None, :])
+    out_ok = (rows < M)[:, None] & (cols < H)[None, :]
+    offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
+    if SPLIT > 1:
+        # Each split writes its partial; the last of the tile's splits to finish (its count: the only atomic)
+        # adds them in split order and rounds once: the same sum whatever order they finish in. The barrier
+        # puts every thread's stores before the count's release; the partials are read past L1 (written by
+        # other SMs), one at a time (its own too: held in registers beside the others, it spilled). The count
+        # is left 0 for the next launch (the autotuner's runs reuse it).
+        tl.store(PART + split.to(tl.int64) * M * H + offs, acc, mask=out_ok)
+        tl.debug_barrier()
+        if tl.atomic_add(COUNTS + tl.program_id(0), 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            tl.store(COUNTS + tl.program_id(0), 0)
+            total = tl.load(PART + offs, mask=out_ok, other=0.0, cache_modifier=".cg")
+            for s in range(1, SPLIT):
+                total += tl.load(PART + (M * s).to(tl.int64) * H + offs, mask=out_ok, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(DX + offs, total.to(DX.dtype.element_ty), mask=out_ok)
+    else:
+        tl.store(DX + offs, acc.to(DX.dtype.element_ty), mask=out_ok)
 
 
 @triton.jit
 def _softmax_dw_gemm_kernel(
     U,       # [M, stride_um] the forward's u, 0 past V (stride_um a multiple of TILE_N)
     C,       # [cdiv(V, TILE_N), M] fp32: the forward's c, 0 on ignored rows
-    X,       # [M, stride_xm] x in U's dtype, its columns past H 0 (HAS_DB: column H all 1); stride_xm a multiple
-             # of 128 (the row tiles of dW^T need no wrap)
+    X,       # [M, stride_xm] x in U's dtype, its columns past H 0, or with HAS_DB 1 (row H of the product is
+             # the bias gradient, the rows past it are not stored); stride_xm a multiple of 128 (dW^T's row
+             # tiles need no wrap)
     SORTED,         # [M] int64: the rows' indices in label order (stable; ignored rows, -100, first)
     SORTED_LABELS,  # [M] int64: their labels
     OFFSETS,        # [cdiv(V, TILE_N) + 1] int32: where each tile's labels begin in that order
@@ -483,21 +520,6 @@ def _softmax_dw_gemm_kernel(
         tl.store(DB + vcols[None, :] + 0 * hrows[:, None], acc, mask=v_ok[None, :] & (hrows == H)[:, None])
 
 
-@triton.jit
-def _dx_partials_sum_kernel(
-    PART,  # [SPLIT, N] fp32: the input gradient's partials
-    DX,    # [N] out, in DX's dtype
-    N,
-    SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < N
-    acc = tl.load(PART + offs, mask=ok, other=0.0)
-    for s in tl.static_range(1, SPLIT):  # a fixed order: deterministic
-        acc += tl.load(PART + s * N + offs, mask=ok, other=0.0)
-    tl.store(DX + offs, acc.to(DX.dtype.element_ty), mask=ok)
-
-
 # GPU candidates (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps), the first the default; BLOCK_K divides
 # TILE_N (the input gradient's c changes at tile boundaries), the weight gradient's BLOCK_N too (one tile a program)
 _DX_CANDIDATES = ((64, 128, 64, 4, 4), (64, 128, 64, 3, 4), (128, 128, 64, 3, 8))
@@ -507,7 +529,6 @@ _DW_CANDIDATES = ((64, 128, 64, 3, 4), (64, 128, 64, 4, 4), (128, 128, 64, 3, 8)
 # fp32 partials, so that there are DX_WAVES waves of them at least.
 DX_SPLIT_MAX = 4
 DX_WAVES = 6
-PARTIALS_BLOCK = 1024  # _dx_partials_sum_kernel's elements per program: 8 a thread, two 16-byte stores
 
 
 def _gemm_configs(candidates):
@@ -526,6 +547,14 @@ def dx_split(m: int, h: int, sms: int) -> int:
     block_m, block_n = _DX_CANDIDATES[0][:2]
     programs = cdiv(m, block_m) * cdiv(h, block_n)
     return next((s for s in range(1, DX_SPLIT_MAX) if s * programs >= DX_WAVES * sms), DX_SPLIT_MAX)
+
+
+def _dx_counts(m: int, h: int, device: torch.device) -> torch.Tensor:
+    """The input gradient's counts of splits done, zeros: one per program along its grid's first axis, whichever
+    candidate runs (at the smallest tile; the interpreter's tile under it)."""
+    tile_m, tile_n = ((INTERP_TILE["BLOCK_M"], INTERP_TILE["BLOCK_N"]) if _common.interpreting() else
+                      (min(t[0] for t in _DX_CANDIDATES), min(t[1] for t in _DX_CANDIDATES)))
+    return torch.zeros((cdiv(m, tile_m) * cdiv(h, tile_n),), dtype=torch.int32, device=device)
 
 
 def _sms(device: torch.device) -> int:
@@ -561,29 +590,25 @@ def mlm_softmax_gemms_bwd(softmax: DecoderSoftmax, labels: torch.Tensor, x: torc
     per_split = cdiv(tiles, split)
     split = cdiv(tiles, per_split)  # no split without tiles
     flags = gemm_flags(x.dtype, m)
-    dx = torch.empty((split, m, h) if split > 1 else (m, h), dtype=torch.float32 if split > 1 else x.dtype,
-                     device=dev)
+    dx = torch.empty((m, h), dtype=x.dtype, device=dev)
+    part, counts = dx, labels  # stand-ins, unread with one split
+    if split > 1:
+        part, counts = torch.empty((split, m, h), dtype=torch.float32, device=dev), _dx_counts(m, h, dev)
     launch(_dx_tuned, lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(h, meta["BLOCK_N"]), split),
-           (u, c, labels, weight, grad, dx, m, v, h, u.stride(0), weight.stride(0), per_split, n_bucket(m)),
-           dict(TILE_N=tile_n, UPCAST=flags["UPCAST"], DOT_PREC=flags["DOT_PREC"]), interp=INTERP_TILE)
+           (u, c, labels, weight, grad, part, counts, dx, m, v, h, u.stride(0), weight.stride(0), per_split,
+            n_bucket(m)),
+           dict(SPLIT=split, TILE_N=tile_n, UPCAST=flags["UPCAST"], DOT_PREC=flags["DOT_PREC"]),
+           interp=INTERP_TILE)
     # The one-hot's rows for the weight gradient: the rows in label order and where each tile's labels begin
     # in it (ignored rows, -100, sort before the first tile)
     sorted_labels, order = torch.sort(labels, stable=True)
     bounds = torch.arange(0, (tiles + 1) * tile_n, tile_n, device=dev, dtype=torch.int64)
     offsets = torch.searchsorted(sorted_labels, bounds, out_int32=True)
-    # x^T as the A operand: rows of whole 128s (no wrap), the bias gradient's column of ones after x's
-    xa = torch.zeros((m, cdiv(h + 1, 128) * 128), dtype=x.dtype, device=dev)
-    xa[:, :h] = x
-    if bias_grad:
-        xa[:, h] = 1
+    # x^T as the A operand: rows of whole 128s (no wrap), padded in one pass with ones for the bias gradient
+    # (column H's; the product's rows past H are not stored) or zeros
+    xa = torch.nn.functional.pad(x, (0, cdiv(h + 1, 128) * 128 - h), value=1.0 if bias_grad else 0.0)
     launch(_dw_tuned, lambda meta: (cdiv(h + bias_grad, meta["BLOCK_M"]) * cdiv(v, meta["BLOCK_N"]),),
            (u, c, xa, order, sorted_labels, offsets, grad, dw, dw if db is None else db, m, v, h,
             u.stride(0), xa.stride(0), n_bucket(m)),
            dict(HAS_DB=bias_grad, TILE_N=tile_n, BLOCK_L=16, **flags), interp=INTERP_TILE)
-    if split > 1:  # the partials summed in fp32 and rounded once
-        out = torch.empty((m, h), dtype=x.dtype, device=dev)
-        block = 64 if interpreting() else PARTIALS_BLOCK
-        launch(_dx_partials_sum_kernel, (cdiv(m * h, block),), (dx, out, m * h),
-               dict(SPLIT=split, BLOCK=block, num_warps=4))
-        dx = out
     return dx, dw, db

@@ -80,34 +80,35 @@ def test_the_model_prices_the_kernel_suites_case():
     assert HEAD.lines(1024)["rows"] == HEAD.TOKENS // HEAD.SEQ * HEAD.PER_SEQUENCE == 2432
 
 
-FUSED = {"forward_s": 240e-6, "stats_s": 8e-6, "dx_s": 215e-6, "dw_s": 230e-6, "partials_s": 12e-6, "dx_split": 3,
-         **{f"{k}_config": "BLOCK_M=64 BLOCK_N=128" for k in ("forward", "stats", "dx", "dw", "partials")},
+FUSED = {"forward_s": 240e-6, "stats_s": 8e-6, "dx_s": 215e-6, "dw_s": 230e-6, "dx_split": 3,
+         **{f"{k}_config": "BLOCK_M=64 BLOCK_N=128" for k in ("forward", "stats", "dx", "dw")},
          "binding": "schedule"}
 
 
 def test_the_fused_decoder_is_priced_by_its_kernels():
-    """BERTFAST_MLM_HEAD=fused: the same floor; each of its three GEMMs beyond the floor's share, its statistics
-    kernel and the input gradient's partials' sum as predicted; x's copy beside its ones, the sort and the bias
-    gradient's cast by their bytes; no weight copy, loss kernel, column sum, logits' gradient or scaling."""
+    """BERTFAST_MLM_HEAD=fused: the same floor; each of its three GEMMs beyond the floor's share (the input
+    gradient's partials summed in its own epilogue) and its statistics kernel as predicted; x padded beside its
+    ones, the sort and the bias gradient's cast by their bytes; no weight copy, loss kernel, column sum, logits'
+    gradient or scaling."""
     plan, library = HEAD.fused_lines(1024, FUSED), HEAD.lines(1024)
     m, h, v, vp = 2432, 1024, 30522, 30528
     assert (plan["floor_s"], plan["gemm_flops"], plan["rows"]) == (library["floor_s"], library["gemm_flops"], m)
     items = {i["name"]: i for i in plan["items"]}
-    assert list(items) == ["gather, scatter", "transform", "forward GEMM", "statistics", "input GEMM", "dx partials",
-                           "weight GEMM", "between", "launch gaps"]
+    assert list(items) == ["gather, scatter", "transform", "forward GEMM", "statistics", "input GEMM", "weight GEMM",
+                           "between", "launch gaps"]
     one_floor = 2 * m * vp * h / H100.gemm_flops
     assert plan["floor_s"] == pytest.approx(3 * one_floor + 3 * 2 * m * h * h / H100.gemm_flops)
     for name, key in (("forward GEMM", "forward_s"), ("input GEMM", "dx_s"), ("weight GEMM", "dw_s")):
         assert items[name]["seconds"] == pytest.approx(FUSED[key] - one_floor)
-    assert items["statistics"]["seconds"] == 8e-6 and items["dx partials"]["seconds"] == 12e-6
-    assert items["between"]["bytes"] == m * (h + 2 * 1152) * 2 + m * 32 + v * 6
+    assert items["statistics"]["seconds"] == 8e-6 and "split 3 ways" in items["input GEMM"]["how"]
+    assert items["between"]["bytes"] == m * (h + 1152) * 2 + m * 32 + v * 6
     assert items["launch gaps"]["seconds"] == pytest.approx(HEAD.FUSED_LAUNCH_COUNT * H100.launch_gap_s)
     assert plan["ratio"] == pytest.approx(plan["seconds"] / plan["floor_s"])
     kept = sum(i["seconds"] for i in plan["items"] if i["name"] in HEAD.FUSED_STRUCTURAL)
     assert plan["ceiling"] == pytest.approx((plan["floor_s"] + kept) / plan["floor_s"])
-    assert not any("GEMM" in name or "partials" in name for name in HEAD.FUSED_STRUCTURAL)  # at the floor's rate
-    no_split = HEAD.fused_lines(1024, dict(FUSED, dx_split=1, partials_s=None))
-    assert {i["name"]: i["seconds"] for i in no_split["items"]}["dx partials"] == 0.0
+    assert not any("GEMM" in name for name in HEAD.FUSED_STRUCTURAL)  # at the floor's rate
+    no_split = HEAD.fused_lines(1024, dict(FUSED, dx_split=1))
+    assert "split" not in {i["name"]: i["how"] for i in no_split["items"]}["input GEMM"]
 
 
 def test_the_target_takes_the_faster_design():

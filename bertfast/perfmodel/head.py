@@ -57,10 +57,10 @@ LAUNCH_COUNT = 36
 STRUCTURAL = ("gather, scatter", "transform", "loss", "bias gradient", "launch gaps")
 # BERTFAST_MLM_HEAD=fused: its kernels besides the GEMMs, about as many: ~9 gone (the weight's and bias's copies
 # into the padded vocabulary, the loss kernel, the pad's zeroing, the bias gradient's column sum, the loss's
-# incoming gradient applied three times) and ~10 added (the statistics, the rows' sort by label, its tiles'
-# bounds and their search, x's copy beside its column of ones, the input gradient's partials summed and cast);
-# the lines it cannot avoid, with its GEMMs at the floor's rate (their partials then unneeded).
-FUSED_LAUNCH_COUNT = LAUNCH_COUNT + 1
+# incoming gradient applied three times) and ~8 added (the statistics, the rows' sort by label, its tiles'
+# bounds and their search, x padded beside its column of ones, the input gradient's counts zeroed, the bias
+# gradient's cast); the lines it cannot avoid, with its GEMMs at the floor's rate.
+FUSED_LAUNCH_COUNT = LAUNCH_COUNT - 1
 FUSED_STRUCTURAL = ("gather, scatter", "transform", "statistics", "between", "launch gaps")
 
 
@@ -108,7 +108,7 @@ def fused_lines(hidden: int, kernels: Dict[str, object], tokens: int = TOKENS, v
                 act_bytes: int = 2, gpu: Gpu = H100, rows: Optional[int] = None) -> Dict[str, object]:
     """BERTFAST_MLM_HEAD=fused (kernels/mlm_head_loss.py): the head's time besides the same GEMM floor, one
     chunk, bf16 parameters. Its kernels as ``kernels`` predicts them from their SASS (perfmodel/report.py,
-    fused_head_kernels: forward_s, stats_s, dx_s, dw_s, partials_s), each GEMM beyond the floor's; the steps
+    fused_head_kernels: forward_s, stats_s, dx_s, dw_s), each GEMM beyond the floor's; the steps
     between the backward's GEMMs by their bytes; no weight copy, no pass over the logits' gradient (never
     written) and no scaling (the loss's incoming gradient in the GEMMs' epilogues); the rest as ``lines``."""
     library = lines(hidden, tokens, vocab, act_bytes, act_bytes, gpu, rows)
@@ -118,7 +118,7 @@ def fused_lines(hidden: int, kernels: Dict[str, object], tokens: int = TOKENS, v
     one_floor = 2.0 * m * vp * hidden / gpu.gemm_flops  # each of the decoder's three GEMMs at the floor
     split = int(kernels["dx_split"])
     width = -(-(hidden + 1) // 128) * 128
-    between = m * (hidden + 2 * width) * act_bytes + m * 8 * 4 + vocab * (4 + act_bytes)
+    between = m * (hidden + width) * act_bytes + m * 8 * 4 + vocab * (4 + act_bytes)
 
     def gemm(name: str, key: str, what: str) -> Dict[str, object]:
         return {"name": name, "seconds": kernels[f"{key}_s"] - one_floor, "bytes": 0,
@@ -127,16 +127,15 @@ def fused_lines(hidden: int, kernels: Dict[str, object], tokens: int = TOKENS, v
     items = [kept["gather, scatter"], kept["transform"],
              gemm("forward GEMM", "forward", "the logits' GEMM with the loss's statistics in its epilogue"),
              {"name": "statistics", "seconds": kernels["stats_s"], "bytes": 0,
-              "how": f"{m} rows' tile statistics combined into the loss, lse and the tiles' factors (predicted)"},
-             gemm("input GEMM", "dx", f"the input gradient's GEMM forming g from u as it loads it, its vocabulary "
-                                      f"split {split} ways"),
-             {"name": "dx partials", "seconds": kernels.get("partials_s") or 0.0, "bytes": 0,
-              "how": f"the input gradient's {split} fp32 partials summed and rounded once (predicted)" if split > 1
-              else "none: one program a tile"},
+              "how": f"{m} rows' tile statistics combined into the loss, lse and the tiles' factors, z at the "
+                     "label from x's row and W's (predicted)"},
+             gemm("input GEMM", "dx", "the input gradient's GEMM forming g from u as it loads it" + (
+                 f", its vocabulary split {split} ways (fp32 partials, added by each tile's last split)" if split > 1
+                 else "")),
              gemm("weight GEMM", "dw", "the weight and bias gradients' GEMM (x^T scaled by c, a column of ones) "
                                        "with the one-hot's rows added in label order"),
              {"name": "between", "seconds": between / bw, "bytes": between,
-              "how": "x copied beside its column of ones, the rows sorted by label, the bias gradient cast"},
+              "how": "x padded beside its column of ones, the rows sorted by label, the bias gradient cast"},
              {"name": "launch gaps", "seconds": FUSED_LAUNCH_COUNT * gpu.launch_gap_s, "bytes": 0,
               "how": f"~{FUSED_LAUNCH_COUNT} kernels besides the GEMMs x {gpu.launch_gap_s * 1e6:.1f} us"}]
     floor = library["floor_s"]

@@ -71,7 +71,10 @@ class Launch:
 
 
 def _flag(meta: Dict[str, object], flag: str) -> bool:
-    """A constexpr flag's value in a launch's meta; "!NAME": NAME unset."""
+    """A constexpr flag's value in a launch's meta; "!NAME": NAME unset; "NAME>N": the constexpr NAME above N."""
+    if ">" in flag:
+        name, least = flag.split(">")
+        return int(meta.get(name, 0)) > int(least)
     return not meta.get(flag[1:]) if flag.startswith("!") else bool(meta.get(flag))
 
 
@@ -98,8 +101,10 @@ CONDITIONAL_ARGS: Dict[str, Dict[str, str]] = {
     "_embeddings_bwd_pos_kernel": {"DTT": "TT_SORTED", "DTT_PART": "!TT_SORTED", "SEED": "HAS_DROPOUT"},
     "_table_rows_kernel": {"DTT": "TT_SORTED"},
     "_gemm_bias_gelu_kernel": {"BIAS": "!BACKWARD", "Z": "HAS_Z", "DBIAS_PART": "BACKWARD"},
+    "_logits_stats_kernel": {"BIAS": "HAS_BIAS"},
     "_mlm_logits_gemm_kernel": {"BIAS": "HAS_BIAS"},
     "_softmax_dw_gemm_kernel": {"DB": "HAS_DB"},
+    "_softmax_dx_gemm_kernel": {"PART": "SPLIT>1", "COUNTS": "SPLIT>1"},
 }
 
 
@@ -201,6 +206,18 @@ def _gathered_bytes(setting: Setting, launch: Launch) -> int:
     from bertfast.bench.flops import gathered_rows
     tables = [launch.args[launch.names.index(name)] for name in ("WORD", "POS", "TT")]
     return sum(gathered_rows(setting.tokens, t.shape[0]) * t.shape[1] * t.element_size() for t in tables)
+
+
+def _logits_stats(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
+    """_no_loop's, its bytes with W's rows at the labels (one a row at most, each distinct row once:
+    gathered_rows) where the launch's arguments would count the whole decoder weight."""
+    from bertfast.bench.flops import gathered_rows
+    weight = launch.args[launch.names.index("W")]
+    work = _no_loop("BLOCK_R")(setting, launch, gpu)
+    rows = launch.args[launch.names.index("LABELS")].shape[0]
+    work.hbm_bytes = (_bytes(launch, lambda a: a is not weight)
+                        + gathered_rows(rows, weight.shape[0]) * weight.shape[1] * weight.element_size())
+    return work
 
 
 def _embeddings_fwd(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
@@ -306,6 +323,15 @@ def _arg(launch: Launch, name: str) -> int:
 _gemm = _gemm_over(lambda launch: launch.args[0].shape[1])
 
 
+def _softmax_dx(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
+    """The fused MLM decoder's input gradient: a GEMM over its split of the vocabulary; split, its partials
+    written (PART, counted once as an argument) and read back by each tile's last split."""
+    work = _gemm_over(lambda l: _arg(l, "tiles_per_split") * int(l.meta["TILE_N"]))(setting, launch, gpu)
+    if int(launch.meta["SPLIT"]) > 1:
+        work.overhead_bytes = launch.args[launch.names.index("PART")].numel() * 4
+    return work
+
+
 # kernel -> how a launch's work is counted; the kernels not listed are not modelled yet (the MLM loss,
 # LAMB): the step budget prices their work by its bytes, or not at all
 WORK: Dict[str, Callable[[Setting, Launch, Gpu], Work]] = {
@@ -326,12 +352,11 @@ WORK: Dict[str, Callable[[Setting, Launch, Gpu], Work]] = {
     "_table_rows_kernel": _table_rows,
     "_gemm_bias_gelu_kernel": _gemm,
     "_mlm_logits_gemm_kernel": _gemm,
-    "_logits_stats_kernel": _no_loop("BLOCK_R"),
+    "_logits_stats_kernel": _logits_stats,
     # the fused MLM decoder's backward GEMMs: the input gradient's over its split of the vocabulary, the weight
     # gradient's over the rows
-    "_softmax_dx_gemm_kernel": _gemm_over(lambda l: _arg(l, "tiles_per_split") * int(l.meta["TILE_N"])),
+    "_softmax_dx_gemm_kernel": _softmax_dx,
     "_softmax_dw_gemm_kernel": _gemm_over(lambda l: _arg(l, "M")),
-    "_dx_partials_sum_kernel": _no_loop("BLOCK"),
 }
 
 

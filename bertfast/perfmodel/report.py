@@ -135,9 +135,9 @@ def _fastest(launches: Sequence[K.Launch], setting: K.Setting, gpu: Gpu,
 def fused_head_kernels(gpu: Gpu = H100, hiddens: Sequence[int] = (1024, 768)) -> Dict[int, Dict[str, object]]:
     """The fused MLM decoder's own kernels (BERTFAST_MLM_HEAD=fused, kernels/mlm_head_loss.py) at the kernel
     suite's case, per hidden size, each at its candidate predicted fastest: the forward GEMM, the statistics'
-    kernel, the backward's two GEMMs (the input gradient's at the vocabulary split the launcher picks for the
-    GPU's SMs) and the sum of the input gradient's partials (the small steps between them are priced by their
-    bytes: perfmodel/head.py, fused_lines)."""
+    kernel and the backward's two GEMMs (the input gradient's at the vocabulary split the launcher picks for the
+    GPU's SMs, its partials' sum in its epilogue; the small steps between them are priced by their bytes:
+    perfmodel/head.py, fused_lines)."""
     import torch
 
     from bertfast.kernels import mlm_head_loss as M
@@ -159,8 +159,6 @@ def fused_head_kernels(gpu: Gpu = H100, hiddens: Sequence[int] = (1024, 768)) ->
             found = {r.kernel: r for r in _fastest(K.record_call("mlm_head_loss", head), setting, gpu)}
             kernels = {"forward": "_mlm_logits_gemm_kernel", "stats": "_logits_stats_kernel",
                        "dx": "_softmax_dx_gemm_kernel", "dw": "_softmax_dw_gemm_kernel"}
-            if split > 1:
-                kernels["partials"] = "_dx_partials_sum_kernel"
             out[hidden] = {f"{key}_s": found[name].prediction.predicted_s for key, name in kernels.items()}
             out[hidden].update({f"{key}_config": found[name].config for key, name in kernels.items()},
                                dx_split=split, binding=found["_mlm_logits_gemm_kernel"].prediction.binding)

@@ -790,6 +790,36 @@ def test_fused_forward_and_backward_gemms(m, h, v, bias, split, dtype):
     assert not gx[~valid].any()
 
 
+def test_the_split_input_gradient_is_summed_in_order_and_leaves_its_counts_zero(monkeypatch):
+    """Split, the input gradient's last split of each tile adds the fp32 partials in split order (one rounding):
+    bit for bit the partials' sum in that order, each partial its split's share (a run with the other splits'
+    vocabulary zeroed); its counts of splits done are 0 again after the launch (the autotuner's runs reuse them)."""
+    from bertfast.kernels import mlm_head_loss as K
+
+    m, h, v, split = 37, 40, 190, 3  # under the interpreter 6 tiles of 32 columns, 2 a split (the last ragged)
+    x, w, b, labels = fused_problem(m, h, v, torch.float32)
+    grad = torch.tensor(0.37, device=DEV)
+    counts = []
+    real = K._dx_counts
+    monkeypatch.setattr(K, "_dx_counts", lambda *a: counts.append(real(*a)) or counts[-1])
+    softmax = K.mlm_logits_gemm_fwd(x, w, b, labels)[3]
+    gx = K.mlm_softmax_gemms_bwd(softmax, labels, x, w, grad, torch.float32, True, split)[0]
+    assert len(counts) == 1 and counts[0].numel() > 0 and not counts[0].any()
+    per_split = K.cdiv(K.cdiv(v, K._tile_n()), split) * K._tile_n()
+    shares = []
+    for s in range(split):  # split s's share: u zero outside its vocabulary, the one-hot's part on split 0's only
+        u = softmax.u.clone()
+        u[:, :s * per_split] = 0
+        u[:, (s + 1) * per_split:] = 0
+        shares.append(K.mlm_softmax_gemms_bwd(K.DecoderSoftmax(u, softmax.c, v), labels if s == 0 else
+                                              torch.full_like(labels, -100), x, w, grad, torch.float32, True, 1)[0])
+    assert all(share.any() for share in shares)
+    want = shares[0].clone()
+    for share in shares[1:]:
+        want += share
+    assert torch.equal(gx, want) and not torch.equal(gx, shares[2] + shares[1] + shares[0])  # the order shows
+
+
 def test_the_input_gradients_split_fills_the_gpu():
     """The input gradient's vocabulary split: the least giving six waves of programs at 64 x 128 tiles, at most
     four: BERT-large's 2,432 rows (304 tiles) split 3 ways on 132 SMs, BERT-base's (228) 4, many rows not."""
