@@ -244,13 +244,17 @@ def _logits_stats_kernel(
     LSE,         # [M] fp32 out
     CORRECT,     # [M] uint8 out: labelled and the first argmax is the label
     TILE_SCALE,  # [TILES, M] fp32 out: c = exp(m_t - lse), so that p = u * c; 0 on ignored rows
+    LABEL_OK,    # [M] uint8 out (CHECK_LABELS): the label is -100 or in [0, V)
     M, V, H, TILES, stride_xm, stride_wv,
-    HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CHECK_LABELS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < M
     label = tl.load(LABELS + rows, mask=row_ok, other=-100)
     labelled = (label >= 0) & (label < V)
+    if CHECK_LABELS:
+        tl.store(LABEL_OK + rows, (labelled | (label == -100)).to(tl.uint8), mask=row_ok)
     # z at the label, x's row times the label's row of W (fp32 products of the same operands; the GEMM's
     # epilogue would pay a compare, a select and an add for each of its logits to pick it out)
     lab = tl.where(labelled, label, 0).to(tl.int64)
@@ -331,12 +335,14 @@ class DecoderSoftmax(NamedTuple):
     vocab: int       # V
 
 
-def mlm_logits_gemm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor
+def mlm_logits_gemm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
+                        labels_ok: Optional[torch.Tensor] = None
                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecoderSoftmax]:
     """The decoder's forward with the loss in its GEMM's epilogue: x [M, H] (H >= 1), weight [V, H] and
     bias [V] (or None) in x's dtype, labels [M] int64 (-100 ignored; anything else outside [0, V) counts
     as ignored, as in mlm_head_loss_fwd). Returns (loss [M] fp32, lse [M] fp32, correct [M] bool, the
-    softmax as the backward takes it)."""
+    softmax as the backward takes it). labels_ok: a [M] bool tensor to fill with whether each label is -100
+    or in [0, V) (the range check on the device, in the statistics kernel's pass over the labels)."""
     m, h = check_rows("x", x)
     check_tensor("weight", weight, dtypes=(x.dtype,), ndim=2, device=x.device)
     v = weight.shape[0]
@@ -350,6 +356,8 @@ def mlm_logits_gemm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
         check_tensor("bias", bias, dtypes=(x.dtype,), shape=(v,), device=x.device)
         bias = bias.contiguous()
     check_tensor("labels", labels, dtypes=(torch.int64,), shape=(m,), device=x.device)
+    if labels_ok is not None:
+        check_tensor("labels_ok", labels_ok, dtypes=(torch.bool,), shape=(m,), device=x.device)
     dev = x.device
     u_shape, c_shape = softmax_shapes(m, v)
     tiles = c_shape[0]
@@ -369,9 +377,11 @@ def mlm_logits_gemm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
            dict(HAS_BIAS=bias is not None, **gemm_flags(x.dtype, h)), interp=INTERP_TILE)
     block_r, block_t, block_h = (4, 4, 16) if interpreting() else (8, 64, min(next_power_of_2(h), 1024))
     launch(_logits_stats_kernel, (cdiv(m, block_r),),
-           (t_max, t_sum, t_arg, x, weight, x if bias is None else bias, labels, loss, lse, correct, c, m, v, h,
-            tiles, x.stride(0), weight.stride(0)),
-           dict(HAS_BIAS=bias is not None, BLOCK_R=block_r, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4))
+           (t_max, t_sum, t_arg, x, weight, x if bias is None else bias, labels, loss, lse, correct, c,
+            correct if labels_ok is None else labels_ok.view(torch.uint8), m, v, h, tiles, x.stride(0),
+            weight.stride(0)),
+           dict(HAS_BIAS=bias is not None, CHECK_LABELS=labels_ok is not None, BLOCK_R=block_r, BLOCK_T=block_t,
+                BLOCK_H=block_h, num_warps=4))
     return loss, lse, correct.view(torch.bool), DecoderSoftmax(u, c, v)
 
 

@@ -19,8 +19,9 @@ BERTFAST_MLM_HEAD=fused (head_mode): one chunk's forward on a backend that has t
 is instead its own GEMM with the loss's statistics in the epilogue (mlm_logits_gemm_fwd), and its backward
 two GEMMs of its own that form the logits' gradient as they load the forward's softmax, never writing it
 (mlm_softmax_gemms_bwd: _fused_forward, _mlm_head_loss_decoder_fused_backward). Its loss and argmax come
-from the GEMM's fp32 logits, not from logits rounded to the activations' dtype, so n_correct may differ
-where two logits round to one value.
+from fp32 logits (the label's as x's row times the weight's, in fp32), not from logits rounded to the
+activations' dtype, so n_correct may differ where two logits round to one value. Checked on the device,
+its labels' range is its statistics kernel's (a flag a row, one assert).
 
 Contract (every backend): labels -100 are ignored; any other label outside [0, V) is a ValueError
 (one device sync, in the driver); the kernel alone treats such labels as ignored. The sum of the
@@ -58,7 +59,7 @@ def _mlm_head_loss_decoder(x: Tensor, weight: Tensor, bias: Optional[Tensor], la
     gradients, computed chunk by chunk for a loss scale of 1."""
     impl = dispatch.get(OP, backend).impl
     if one_chunk:
-        labels, _, vp = _checked(x, weight, bias, labels, chunk_rows or None)
+        labels, _, vp = _checked(x, weight, bias, labels, chunk_rows or None, labels_on_device=not fused)
         if fused:
             loss_sum, n_correct, u, w, c = _fused_forward(x, weight, bias, labels, impl)
             return distinct([loss_sum, n_correct, u, empty(weight) if w is weight else w, c], [x, weight, bias, labels])
@@ -217,12 +218,12 @@ def masked_positions(labels: Tensor, max_predictions_per_seq: Optional[int] = No
         return (labels.reshape(-1) != IGNORE_INDEX).nonzero().flatten()
     k = check_max_predictions_per_seq(max_predictions_per_seq)
     batch, seqlen = labels.shape
-    limit = min(k, seqlen)
-    unlabelled = (labels == IGNORE_INDEX).to(torch.int8)
+    unlabelled = (labels == IGNORE_INDEX).view(torch.int8)  # a view: sorted as 0s and 1s
+    flags, order = torch.sort(unlabelled, dim=1, stable=True)  # labelled first, in order
     if k < seqlen and labels.numel():  # otherwise no sequence can hold more than the limit
-        _check_predictions_per_seq(seqlen - unlabelled.sum(1, dtype=torch.int32), k)
-    order = torch.sort(unlabelled, dim=1, stable=True).indices[:, :limit]  # labelled first, in order
-    return (order + torch.arange(batch, device=labels.device)[:, None] * seqlen).flatten()
+        _check_predictions_per_seq(flags[:, k], unlabelled, k)
+    starts = torch.arange(0, batch * seqlen, seqlen, device=labels.device)
+    return (order[:, :min(k, seqlen)] + starts[:, None]).flatten()
 
 
 def check_max_predictions_per_seq(k: Optional[int]) -> Optional[int]:
@@ -231,20 +232,21 @@ def check_max_predictions_per_seq(k: Optional[int]) -> Optional[int]:
     return k
 
 
-def _check_predictions_per_seq(counts: Tensor, limit: int) -> None:
-    """counts [B]: labelled positions per sequence, each at most ``limit``."""
+def _check_predictions_per_seq(next_flag: Tensor, unlabelled: Tensor, limit: int) -> None:
+    """Each sequence's labelled positions at most ``limit``: next_flag [B], each sequence's flag after its first
+    ``limit`` in sorted order (1: unlabelled, so no more labelled ones); unlabelled [B, S] the flags."""
     def message(which: str) -> str:
         return (f"mlm_head_loss: {which} labelled positions (labels != {IGNORE_INDEX}), more than "
                 f"max_predictions_per_seq={limit}; the extra ones would be dropped: raise the limit or mask fewer "
                 f"tokens")
-    if counts.device.type == "cpu" and value_checks(counts) == "host":
-        over = (counts > limit).nonzero().flatten()
+    if next_flag.device.type == "cpu" and value_checks(next_flag) == "host":
+        over = (next_flag == 0).nonzero().flatten()
         if over.numel():  # on the host already: name the sequence
             i = int(over[0])
-            raise ValueError(message(f"sequence {i} has {int(counts[i])}"))
+            raise ValueError(message(f"sequence {i} has {int((unlabelled[i] == 0).sum())}"))
         return
-    # No host sync on an accelerator (this path serves CUDA graphs): checked on the device.
-    torch._assert_async(counts.max() <= limit, message("a sequence has too many"))
+    # No host sync on an accelerator (this path serves CUDA graphs): checked on the device, in two kernels.
+    torch._assert_async(next_flag.all(), message("a sequence has too many"))
 
 
 def mlm_head_loss(hidden: Tensor, labels: Tensor, dense_weight: Tensor, dense_bias: Tensor, ln_weight: Tensor,
@@ -343,19 +345,23 @@ def _padded_rows(t: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor
     return out
 
 
-def _check_label_range(labels: torch.Tensor, vocab_size: int) -> None:
+def _label_range(vocab_size: int) -> str:
+    return f"labels: expected values in [0, {vocab_size}) or {IGNORE_INDEX} (ignored)"
+
+
+def _check_label_range(labels: torch.Tensor, vocab_size: int, on_device: bool = True) -> None:
     """ValueError when a label is neither -100 nor in [0, V). One device sync (.any()), or none (an
-    assert on the device: see ``contract.value_checks``)."""
-    bad = (labels >= vocab_size) | ((labels < 0) & (labels != IGNORE_INDEX))
+    assert on the device: see ``contract.value_checks``; on_device False: the caller's kernels check them
+    there, as the fused decoder's statistics do)."""
     mode = value_checks(labels)
-    if mode == "device":
-        torch._assert_async(~bad.any(), f"labels: expected values in [0, {vocab_size}) or {IGNORE_INDEX} (ignored)")
-    if mode != "host":
+    if mode == "off" or (mode == "device" and not on_device):
         return
-    if bool(bad.any()):
+    bad = (labels >= vocab_size) | ((labels < 0) & (labels != IGNORE_INDEX))
+    if mode == "device":
+        torch._assert_async(~bad.any(), _label_range(vocab_size))
+    elif bool(bad.any()):
         value = int(labels[bad][0])
-        raise ValueError(f"labels: expected values in [0, {vocab_size}) or {IGNORE_INDEX} (ignored), "
-                         f"got {value} (at row {int(bad.nonzero()[0, 0])})")
+        raise ValueError(f"{_label_range(vocab_size)}, got {value} (at row {int(bad.nonzero()[0, 0])})")
 
 
 def _decoder_loss(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
@@ -413,8 +419,9 @@ def _decoder_loss(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 
 
 def _checked(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
-             chunk_rows: Optional[int]) -> tuple[torch.Tensor, int, int]:
-    """The decoder's inputs checked: (labels as int64, rows per chunk, the GEMMs' vocabulary)."""
+             chunk_rows: Optional[int], labels_on_device: bool = True) -> tuple[torch.Tensor, int, int]:
+    """The decoder's inputs checked: (labels as int64, rows per chunk, the GEMMs' vocabulary); the labels'
+    range on the device here unless ``labels_on_device`` is False (the fused decoder's kernels check it)."""
     check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2)
     M, H = x.shape
     check_tensor("weight", weight, dtypes=FLOAT_DTYPES, ndim=2, device=x.device)
@@ -430,7 +437,7 @@ def _checked(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         chunk_rows = default_chunk_rows(M, V, x.element_size())
     if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
         raise ValueError(f"chunk_rows: expected a positive int or None, got {chunk_rows!r}")
-    _check_label_range(labels, V)
+    _check_label_range(labels, V, labels_on_device)
     return labels, chunk_rows, _gemm_vocab(V, x)
 
 
@@ -535,7 +542,11 @@ def _fused_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Te
     the GEMMs' weight [V, H] in x's dtype (``weight`` itself where it is that already), the softmax's c)."""
     x = x if x.stride(1) == 1 else x.contiguous()  # the GEMM's rows of unit stride
     w = weight.to(x.dtype)
-    loss, _, correct, softmax = impl.mlm_logits_gemm_fwd(x, w, None if bias is None else bias.to(x.dtype), labels)
+    # checked on the device, the labels' range is the statistics kernel's: two launches where torch's ops take 8
+    ok = torch.empty(labels.shape, dtype=torch.bool, device=labels.device) if value_checks(labels) == "device" else None
+    loss, _, correct, softmax = impl.mlm_logits_gemm_fwd(x, w, None if bias is None else bias.to(x.dtype), labels, ok)
+    if ok is not None:
+        torch._assert_async(ok.all(), _label_range(weight.shape[0]))
     return loss.sum(dtype=torch.float32), correct.sum(dtype=torch.int64), softmax.u, w, softmax.c
 
 

@@ -101,7 +101,7 @@ CONDITIONAL_ARGS: Dict[str, Dict[str, str]] = {
     "_embeddings_bwd_pos_kernel": {"DTT": "TT_SORTED", "DTT_PART": "!TT_SORTED", "SEED": "HAS_DROPOUT"},
     "_table_rows_kernel": {"DTT": "TT_SORTED"},
     "_gemm_bias_gelu_kernel": {"BIAS": "!BACKWARD", "Z": "HAS_Z", "DBIAS_PART": "BACKWARD"},
-    "_logits_stats_kernel": {"BIAS": "HAS_BIAS"},
+    "_logits_stats_kernel": {"BIAS": "HAS_BIAS", "LABEL_OK": "CHECK_LABELS"},
     "_mlm_logits_gemm_kernel": {"BIAS": "HAS_BIAS"},
     "_softmax_dw_gemm_kernel": {"DB": "HAS_DB"},
     "_softmax_dx_gemm_kernel": {"PART": "SPLIT>1", "COUNTS": "SPLIT>1"},

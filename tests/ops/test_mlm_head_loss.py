@@ -892,6 +892,32 @@ def test_fused_decoder_matches_reference(fused_mode, monkeypatch, dtype, bias, p
     assert not gx[labels == IGNORE].any()
 
 
+def test_fused_decoder_checks_the_labels_range_on_the_device(fused_mode, monkeypatch):
+    """Checked on the device (a CUDA graph, torch.compile), the fused decoder's labels' range is its statistics
+    kernel's (a flag a row, then one assert: two launches where torch's operations took eight): a label past the
+    vocabulary or below 0 but -100 fails with the contract's message."""
+    from bertfast.dispatch import use_backend
+    from bertfast.kernels import mlm_head_loss as K
+
+    x, w, b, labels = problem(BackendUnderTest("triton", torch.device(DEV)), 6, 16, 70, torch.float32)
+    ok = torch.empty(6, dtype=torch.bool, device=DEV)
+    K.mlm_logits_gemm_fwd(x, w, b, torch.tensor([-100, 0, 69, 70, -1, -101], device=DEV), ok)
+    assert ok.tolist() == [True, True, True, False, False, False]
+    if DEV != "cpu":
+        return  # on a GPU the assert is the device's, and it ends the process's CUDA context
+    monkeypatch.setattr(fused_mode, "value_checks", lambda t: "device")
+    spied = []
+    real = K.mlm_logits_gemm_fwd
+    monkeypatch.setattr(K, "mlm_logits_gemm_fwd", lambda *a: spied.append(a[4] is not None) or real(*a))
+    x.requires_grad_()
+    for label in (70, -1):
+        wrong = labels.clone()
+        wrong[2] = label
+        with use_backend("triton"), pytest.raises(RuntimeError, match=r"labels: expected values in \[0, 70\)"):
+            ops.mlm_head_loss_decoder(x, w, b, wrong)
+    assert spied == [True, True]  # the fused forward ran, with the flags
+
+
 @pytest.mark.parametrize("labelled", ["none", "one"])
 def test_fused_decoder_label_patterns(fused_mode, labelled):
     """No labelled row: loss 0 and exactly zero gradients (grad_scale times nothing); one: the reference's."""
