@@ -216,7 +216,7 @@ def _logits_stats(setting: Setting, launch: Launch, gpu: Gpu) -> Work:
     work = _no_loop("BLOCK_R")(setting, launch, gpu)
     rows = launch.args[launch.names.index("LABELS")].shape[0]
     work.hbm_bytes = (_bytes(launch, lambda a: a is not weight)
-                        + gathered_rows(rows, weight.shape[0]) * weight.shape[1] * weight.element_size())
+                      + gathered_rows(rows, weight.shape[0]) * weight.shape[1] * weight.element_size())
     return work
 
 
