@@ -226,8 +226,8 @@ def _mlm_logits_gemm_kernel(
     stat_ok = row_ok & (rows * 0 + pid_n * BLOCK_N < V)  # a tile past V (the interpreter's small tiles): its 0s only
     tl.store(TILE_MAX + stat, t_max, mask=stat_ok)
     tl.store(TILE_ARG + stat, pid_n * BLOCK_N + t_arg, mask=stat_ok)
-    # u last, z's last use: the statistics above taken first keep the epilogue at 168 registers, three programs
-    # an SM at 64 x 128 (with u first, z and u live together: 254, two)
+    # u last, z's last use: with the statistics above taken first z and u are never live together (with u
+    # first: 251 registers, two programs an SM at 64 x 128)
     m_safe = tl.where(t_max == float("-inf"), 0.0, t_max)  # a tile of -inf logits: no inf - inf
     # exp2 (MUFU.EX2 alone, denormals flushed; tl.exp adds a range check and two multiplies an element) of one
     # FMA an element

@@ -143,33 +143,23 @@ def _head_launches(mode: str, monkeypatch) -> int:
     import importlib
 
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from bertfast.dispatch import use_backend
     from bertfast.kernels import _common
+    from bertfast.testing import AtenLog
     ops = importlib.import_module("bertfast.ops.mlm_head_loss")
     monkeypatch.setattr(ops, "value_checks", lambda t: "device")
     monkeypatch.setattr(ops, "PADDED_DEVICES", {"cuda", "cpu"})
-    counted = []
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.__name__.split(".")[0]
-            if name not in _NO_KERNEL and name not in _GEMMS and not inside:
-                counted.extend([name] * (HEAD.SORT_KERNELS if name == "sort" else 1))
-            return func(*args, **(kwargs or {}))
-    inside = []
+    log, triton, inside = AtenLog(), [], set()
     launch = _common.launch
 
-    def traced(kernel, *args, **kwargs):  # a Triton launch, its own torch operations (the interpreter's) not
-        name = _common.jit_function(kernel).__name__
-        if name not in _GEMMS:
-            counted.append(name)
-        inside.append(1)
+    def traced(kernel, *args, **kwargs):  # a Triton launch; the torch operations it makes (the interpreter's) not
+        start = len(log.calls)
         try:
             return launch(kernel, *args, **kwargs)
         finally:
-            inside.pop()
+            inside.update(range(start, len(log.calls)))
+            triton.append(_common.jit_function(kernel).__name__)
     for module in ("mlm_head_loss", "bias_gelu", "bias_dropout_residual_layernorm", "_rows"):
         kernels = importlib.import_module(f"bertfast.kernels.{module}")
         if hasattr(kernels, "launch"):
@@ -182,10 +172,12 @@ def _head_launches(mode: str, monkeypatch) -> int:
     shapes = ((hidden, hidden), (hidden,), (hidden,), (hidden,), (vocab, hidden), (vocab,))
     params = [(torch.randn(*s, generator=gen) * 0.1).bfloat16().requires_grad_() for s in shapes]
     seed = torch.ones(())  # the loss's gradient, made outside the count (as the step's scaler makes it)
-    with ops.using_head_mode(mode), use_backend("triton"), Count():
+    with ops.using_head_mode(mode), use_backend("triton"), log:
         out = ops.mlm_head_loss(x, labels, *params[:4], 1e-12, *params[4:], max_predictions_per_seq=5)
         out.loss.backward(seed)
-    return len(counted)
+    names = [func.__name__.split(".")[0] for i, func in enumerate(log.ops) if i not in inside] + triton
+    return sum(HEAD.SORT_KERNELS if name == "sort" else 1 for name in names
+               if name not in _NO_KERNEL and name not in _GEMMS)
 
 
 @pytest.mark.parametrize("mode", ["library", "fused"])
